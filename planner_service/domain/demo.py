@@ -1,0 +1,21 @@
+"""The embedded demo scenario: the cluster and agent catalog StateBudget is built for.
+
+Four nodes, 16 PCIe GPUs (4x L40, 4x A100 40GB, 8x RTX 3090: about 530 GiB of
+HBM) and seven models whose weights and routed experts need about 860 GiB, so
+memory pressure is the normal case. Every node keeps every checkpoint on NVMe.
+"""
+
+from __future__ import annotations
+
+import json
+from importlib import resources
+
+from planner_service.domain.scenario import Scenario, parse_scenario
+
+
+def demo_scenario_json() -> dict:
+    return json.loads(resources.files("planner_service.data").joinpath("demo_scenario.json").read_text())
+
+
+def demo_scenario() -> Scenario:
+    return parse_scenario(demo_scenario_json())

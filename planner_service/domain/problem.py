@@ -1,0 +1,270 @@
+"""A scenario resolved into the plain, typed records the planners work on.
+
+Presets and configs are expanded into bytes here, once, so planners never
+look at presets. Everything is immutable; `Problem.residency` is the
+confirmed placement.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+from planner_service.domain.architecture import PRECISION_BYTES, Architecture
+from planner_service.domain.hardware import (
+    DEFAULT_HOST_DRAM_BYTES,
+    DEFAULT_NVME_BYTES,
+    DEFAULT_NVME_READ_BYTES_PER_S,
+    DEFAULT_NVME_WRITE_BYTES_PER_S,
+    gpu_preset,
+)
+from planner_service.domain.model_presets import model_preset
+from planner_service.domain.scenario import Capability, CostConstants, ModelIn, Scenario, ScenarioError, Slo
+from planner_service.domain.state import Location, Placement, StateObject, location_from_json, object_from_json
+
+
+@dataclass(frozen=True, slots=True)
+class Gpu:
+    id: str
+    node: str
+    type: str
+    capacity_bytes: int  # HBM the planner may fill: total minus reserved workspace
+    hbm_bytes_per_s: float
+    bf16_flops: float
+    h2d_bytes_per_s: float
+    d2h_bytes_per_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class Node:
+    id: str
+    host_bytes: int
+    nvme_bytes: int
+    nvme_read_bytes_per_s: float
+    nvme_write_bytes_per_s: float
+    capabilities: frozenset[Capability]
+    gpus: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    id: str
+    precisions: tuple[str, ...]  # preferred first
+    weights_bytes: Mapping[str, int]  # per precision; a MoE's non-expert part
+    kv_bytes_per_token: int
+    experts_bytes: int  # all routed experts, 0 for a dense model
+    expert_bytes: int  # one routed expert of one layer: the unit of partial residency
+    active_params: int
+    active_expert_bytes_per_token: int
+    min_gpus: Mapping[str, int]
+
+    @property
+    def is_moe(self) -> bool:
+        return self.experts_bytes > 0
+
+    @property
+    def preferred(self) -> str:
+        return self.precisions[0]
+
+
+@dataclass(frozen=True, slots=True)
+class Session:
+    id: str
+    user: str
+    slo: Slo
+    model: str
+    active: bool
+    context_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class Problem:
+    nodes: Mapping[str, Node]
+    gpus: Mapping[str, Gpu]
+    models: Mapping[str, ModelSpec]
+    sessions: Mapping[str, Session]
+    residency: Mapping[tuple[StateObject, Location], int]
+    constants: CostConstants
+    # session -> next model -> probability of the session's next request going there
+    next_model: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
+
+    def size_of(self, obj: StateObject) -> int:
+        """Full size of an object: what residency fractions are measured against."""
+        model = self.models[obj.model]
+        if obj.kind == "weights":
+            return model.weights_bytes[obj.precision]
+        if obj.kind == "experts":
+            return model.experts_bytes
+        return self.sessions[obj.session].context_tokens * model.kv_bytes_per_token
+
+    def capacity_of(self, loc: Location) -> int:
+        if loc.tier == "gpu":
+            return self.gpus[loc.id].capacity_bytes
+        node = self.nodes[loc.id]
+        return node.host_bytes if loc.tier == "host" else node.nvme_bytes
+
+    def node_of(self, loc: Location) -> str:
+        return self.gpus[loc.id].node if loc.tier == "gpu" else loc.id
+
+
+def resolve_model(spec: ModelIn, where: str) -> ModelSpec:
+    """Sizes from the preset or config, then explicit fields on top."""
+    arch: Architecture | None = None
+    precisions: tuple[str, ...] | None = None
+    if spec.preset is not None:
+        try:
+            preset = model_preset(spec.preset)
+        except KeyError as error:
+            raise ScenarioError(f"{where}.preset: {error.args[0]}") from None
+        arch = preset.architecture
+        precisions = tuple(preset.default_precisions)
+    if spec.config is not None:
+        try:
+            arch = Architecture.from_hf_config(spec.config)
+        except ValueError as error:
+            raise ScenarioError(f"{where}.config: {error}") from None
+    if spec.precisions is not None:
+        precisions = tuple(str(p) for p in spec.precisions)
+    if precisions is None:
+        precisions = tuple(str(p) for p in (spec.weights_bytes or {"bf16": 0}))
+    preferred = precisions[0]
+
+    weights: dict[str, int] = {}
+    kv_per_token = experts = expert = active_params = active_expert_per_token = 0
+    if arch is not None:
+        weights = {p: arch.dense_weight_bytes(p) for p in precisions}
+        kv_per_token = arch.kv_bytes_per_token()
+        active_params = arch.active_params
+        if arch.is_moe:
+            experts = arch.experts_bytes(preferred)
+            expert = arch.expert_bytes(preferred)
+            # top-k routed experts in every MoE layer are read per token
+            active_expert_per_token = arch.n_moe_layers * arch.experts_per_token * expert
+    if spec.weights_bytes is not None:
+        weights.update({str(p): b for p, b in spec.weights_bytes.items()})
+    missing = [p for p in precisions if p not in weights]
+    if missing:
+        raise ScenarioError(f"{where}.weights_bytes: no size for precision {', '.join(missing)}")
+    if spec.kv_bytes_per_token is not None:
+        kv_per_token = spec.kv_bytes_per_token
+    elif arch is None:
+        raise ScenarioError(f"{where}.kv_bytes_per_token: required without a preset or config")
+    if spec.experts_bytes is not None:
+        experts = spec.experts_bytes
+    if spec.expert_bytes is not None:
+        expert = spec.expert_bytes
+    if experts and not expert:
+        raise ScenarioError(f"{where}.expert_bytes: required when experts_bytes is given")
+    if experts and expert > experts:
+        raise ScenarioError(f"{where}.expert_bytes: larger than experts_bytes")
+    if spec.active_params is not None:
+        active_params = spec.active_params
+    elif not active_params:
+        active_params = int(weights[preferred] / PRECISION_BYTES[preferred])
+    if spec.active_expert_bytes_per_token is not None:
+        active_expert_per_token = spec.active_expert_bytes_per_token
+    elif experts and not active_expert_per_token:
+        active_expert_per_token = expert
+    return ModelSpec(
+        id=spec.id,
+        precisions=precisions,
+        weights_bytes=MappingProxyType(weights),
+        kv_bytes_per_token=kv_per_token,
+        experts_bytes=experts,
+        expert_bytes=expert,
+        active_params=active_params,
+        active_expert_bytes_per_token=active_expert_per_token,
+        min_gpus=MappingProxyType(dict(spec.min_gpus)),
+    )
+
+
+def _resolve_gpus(scenario: Scenario) -> dict[str, Gpu]:
+    gpus: dict[str, Gpu] = {}
+    for i, node in enumerate(scenario.cluster.nodes):
+        for j, g in enumerate(node.gpus):
+            where = f"cluster.nodes[{i}].gpus[{j}]"
+            base = None
+            if g.type is not None:
+                try:
+                    base = gpu_preset(g.type)
+                except KeyError as error:
+                    raise ScenarioError(f"{where}.type: {error.args[0]}") from None
+
+            def pick(explicit: float | None, preset_value: float | None) -> float:
+                return explicit if explicit is not None else preset_value  # type: ignore[return-value]
+
+            hbm = int(pick(g.hbm_bytes, base and base.hbm_bytes))
+            if g.reserved_bytes > hbm:
+                raise ScenarioError(f"{where}.reserved_bytes: larger than the GPU's {hbm} HBM bytes")
+            h2d = pick(g.h2d_bytes_per_s, base and base.h2d_bytes_per_s)
+            gpus[g.id] = Gpu(
+                id=g.id,
+                node=node.id,
+                type=g.type or "custom",
+                capacity_bytes=hbm - g.reserved_bytes,
+                hbm_bytes_per_s=pick(g.hbm_bytes_per_s, base and base.hbm_bytes_per_s),
+                bf16_flops=pick(g.bf16_flops, base and base.bf16_flops),
+                h2d_bytes_per_s=h2d,
+                d2h_bytes_per_s=pick(g.d2h_bytes_per_s, base.d2h_bytes_per_s if base else h2d),
+            )
+    return gpus
+
+
+def compile_problem(scenario: Scenario, next_model: Mapping[str, Mapping[str, float]]) -> Problem:
+    """Resolve a validated scenario; `next_model` comes from the switch predictor."""
+    gpus = _resolve_gpus(scenario)
+    nodes = {
+        n.id: Node(
+            id=n.id,
+            host_bytes=n.host_dram_bytes if n.host_dram_bytes is not None else DEFAULT_HOST_DRAM_BYTES,
+            nvme_bytes=n.nvme_bytes if n.nvme_bytes is not None else DEFAULT_NVME_BYTES,
+            nvme_read_bytes_per_s=n.nvme_read_bytes_per_s or DEFAULT_NVME_READ_BYTES_PER_S,
+            nvme_write_bytes_per_s=n.nvme_write_bytes_per_s or DEFAULT_NVME_WRITE_BYTES_PER_S,
+            capabilities=frozenset(n.capabilities),
+            gpus=tuple(g.id for g in n.gpus),
+        )
+        for n in scenario.cluster.nodes
+    }
+    models = {m.id: resolve_model(m, f"models[{i}]") for i, m in enumerate(scenario.models)}
+    sessions = {
+        s.id: Session(s.id, s.user, s.slo, s.model, s.active, s.context_tokens) for s in scenario.sessions
+    }
+    residency: Placement = {}
+    for i, r in enumerate(scenario.residency):
+        obj = object_from_json(r.object.model_dump())
+        if obj.kind == "weights" and obj.precision not in models[obj.model].weights_bytes:
+            raise ScenarioError(
+                f"residency[{i}].object.precision: model {obj.model!r} is not served at {obj.precision}"
+            )
+        if obj.kind == "experts" and not models[obj.model].is_moe:
+            raise ScenarioError(f"residency[{i}].object: model {obj.model!r} has no routed experts")
+        if r.bytes:
+            residency[(obj, location_from_json(r.location.model_dump()))] = r.bytes
+    problem = Problem(
+        nodes=MappingProxyType(nodes),
+        gpus=MappingProxyType(gpus),
+        models=MappingProxyType(models),
+        sessions=MappingProxyType(sessions),
+        residency=MappingProxyType(residency),
+        constants=scenario.constants,
+        next_model=MappingProxyType(dict(next_model)),
+    )
+    _check_residency_sizes(problem)
+    return problem
+
+
+def _check_residency_sizes(problem: Problem) -> None:
+    used: dict[Location, int] = {}
+    for (obj, loc), nbytes in problem.residency.items():
+        if nbytes > problem.size_of(obj):
+            raise ScenarioError(
+                f"residency: {obj.label()} at {loc.label()} holds {nbytes} bytes, more than its full size "
+                f"{problem.size_of(obj)}"
+            )
+        used[loc] = used.get(loc, 0) + nbytes
+    for loc, nbytes in sorted(used.items()):
+        if nbytes > problem.capacity_of(loc):
+            raise ScenarioError(
+                f"residency: {loc.label()} holds {nbytes} bytes, more than its capacity {problem.capacity_of(loc)}"
+            )

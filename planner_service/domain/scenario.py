@@ -1,0 +1,304 @@
+"""The scenario file: the input of one planning problem, validated by pydantic.
+
+Everything a planner needs is here: the cluster, the model catalog, the
+sessions, the confirmed residency, predictor priors and the cost constants.
+Sizes may come from a preset, from an HF `config.json`, or be given
+explicitly; explicit values win. `schemas/scenario.schema.json` is generated
+from these classes.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from planner_service.domain.architecture import Precision
+
+
+class Slo(StrEnum):
+    BLOCKING = "blocking"
+    INTERACTIVE = "interactive"
+    BACKGROUND = "background"
+
+
+class Capability(StrEnum):
+    """Moves a node's engines can carry out (DESIGN.md §5)."""
+
+    WEIGHTS_OFFLOAD = "weights_offload"  # whole-model weights GPU <-> host (vLLM sleep level 1)
+    PARTIAL_EXPERTS = "partial_experts"  # some routed experts on GPU, the rest off GPU
+    KV_OFFLOAD = "kv_offload"  # KV GPU <-> host / NVMe (LMCache, HiCache)
+
+
+ALL_CAPABILITIES = tuple(Capability)
+
+NonNegInt = Annotated[int, Field(ge=0)]
+PosFloat = Annotated[float, Field(gt=0)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class GpuSpecIn(_Strict):
+    id: str = Field(min_length=1, description="Unique in the whole cluster.")
+    type: str | None = Field(None, description="A GPU preset name, e.g. 'l40' or 'a100-40gb-pcie'.")
+    hbm_bytes: NonNegInt | None = None
+    reserved_bytes: NonNegInt = Field(0, description="Workspace the planner must leave free.")
+    hbm_bytes_per_s: PosFloat | None = None
+    bf16_flops: PosFloat | None = None
+    h2d_bytes_per_s: PosFloat | None = None
+    d2h_bytes_per_s: PosFloat | None = None
+
+    @model_validator(mode="after")
+    def _type_or_explicit(self) -> GpuSpecIn:
+        if self.type is None:
+            missing = [
+                name
+                for name in ("hbm_bytes", "hbm_bytes_per_s", "bf16_flops", "h2d_bytes_per_s")
+                if getattr(self, name) is None
+            ]
+            if missing:
+                raise ValueError(f"without a 'type' preset, give {', '.join(missing)}")
+        return self
+
+
+class NodeIn(_Strict):
+    id: str = Field(min_length=1)
+    host_dram_bytes: NonNegInt | None = None
+    nvme_bytes: NonNegInt | None = None
+    nvme_read_bytes_per_s: PosFloat | None = None
+    nvme_write_bytes_per_s: PosFloat | None = None
+    capabilities: list[Capability] = Field(default_factory=lambda: list(ALL_CAPABILITIES))
+    gpus: list[GpuSpecIn] = Field(default_factory=list)
+
+
+class ClusterIn(_Strict):
+    nodes: list[NodeIn] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _unique_ids(self) -> ClusterIn:
+        _require_unique([n.id for n in self.nodes], "node id")
+        _require_unique([g.id for n in self.nodes for g in n.gpus], "gpu id")
+        return self
+
+
+class ModelIn(_Strict):
+    id: str = Field(min_length=1)
+    preset: str | None = Field(None, description="A model preset name, e.g. 'qwen2.5-7b-instruct'.")
+    config: dict[str, Any] | None = Field(None, description="Fields of the model's HF config.json.")
+    precisions: list[Precision] | None = Field(
+        None, min_length=1, description="Allowed serving precisions, preferred first."
+    )
+    weights_bytes: dict[Precision, NonNegInt] | None = Field(
+        None, description="Per precision; for a MoE, the non-expert part only."
+    )
+    kv_bytes_per_token: NonNegInt | None = None
+    experts_bytes: NonNegInt | None = Field(None, description="All routed experts of all layers.")
+    expert_bytes: NonNegInt | None = Field(None, description="One routed expert of one layer.")
+    active_params: NonNegInt | None = Field(None, description="Parameters read per token.")
+    active_expert_bytes_per_token: NonNegInt | None = Field(
+        None, description="Routed-expert bytes one token reads (top-k experts of every MoE layer)."
+    )
+    min_gpus: dict[str, Annotated[int, Field(ge=1)]] = Field(
+        default_factory=dict, description="Minimum tensor-parallel degree per GPU type."
+    )
+
+    @field_validator("precisions")
+    @classmethod
+    def _distinct(cls, value: list[Precision] | None) -> list[Precision] | None:
+        if value is not None:
+            _require_unique([str(p) for p in value], "precision")
+        return value
+
+
+class SessionIn(_Strict):
+    id: str = Field(min_length=1)
+    user: str = "default"
+    slo: Slo = Slo.INTERACTIVE
+    model: str
+    active: bool = False
+    context_tokens: NonNegInt = 0
+
+
+class ObjectIn(_Strict):
+    kind: Literal["weights", "experts", "kv"]
+    model: str
+    precision: Precision | None = None
+    session: str | None = None
+
+    @model_validator(mode="after")
+    def _fields_for_kind(self) -> ObjectIn:
+        if self.kind == "weights" and self.precision is None:
+            raise ValueError("a weights object needs 'precision'")
+        if self.kind == "kv" and self.session is None:
+            raise ValueError("a kv object needs 'session'")
+        return self
+
+
+class LocationIn(_Strict):
+    tier: Literal["gpu", "host", "nvme"]
+    gpu: str | None = None
+    node: str | None = None
+
+    @model_validator(mode="after")
+    def _fields_for_tier(self) -> LocationIn:
+        if self.tier == "gpu" and self.gpu is None:
+            raise ValueError("a gpu location needs 'gpu'")
+        if self.tier != "gpu" and self.node is None:
+            raise ValueError(f"a {self.tier} location needs 'node'")
+        return self
+
+
+class ResidencyIn(_Strict):
+    object: ObjectIn
+    location: LocationIn
+    bytes: NonNegInt
+
+
+class PredictorIn(_Strict):
+    """Priors for the switch predictor; observations refine them online."""
+
+    handoff: dict[str, dict[str, Annotated[float, Field(ge=0)]]] = Field(
+        default_factory=dict,
+        description="Model -> next model -> relative frequency of a session's next request.",
+    )
+    stay_probability: float = Field(
+        0.6, ge=0, le=1, description="Without priors or observations: chance the next request stays on the same model."
+    )
+    turn_gap_seconds: PosFloat = Field(30.0, description="Mean gap between a session's turns (tool calls).")
+
+
+class SloClassConstants(_Strict):
+    blocking: PosFloat
+    interactive: PosFloat
+    background: PosFloat
+
+    def of(self, slo: Slo) -> float:
+        return float(getattr(self, slo.value))
+
+
+class CostConstants(_Strict):
+    """One set of constants for every solver and for the evaluator.
+
+    The objective is in seconds of SLO-weighted switch latency; prices convert
+    bytes into that unit.
+    """
+
+    gpu_price_seconds_per_gib: Annotated[float, Field(ge=0)] = Field(
+        0.02, description="Objective cost of holding one GiB of HBM over the horizon (the warm memory tax)."
+    )
+    slo_weights: SloClassConstants = SloClassConstants(blocking=4.0, interactive=2.0, background=1.0)
+    slo_targets_seconds: SloClassConstants = SloClassConstants(blocking=2.0, interactive=5.0, background=30.0)
+    violation_penalty_seconds: Annotated[float, Field(ge=0)] = Field(
+        10.0, description="Added per predicted request whose switch latency exceeds its SLO target."
+    )
+    unserved_penalty_seconds: Annotated[float, Field(ge=0)] = Field(
+        600.0, description="Charged per active request the plan cannot serve (it waits)."
+    )
+    horizon_seconds: PosFloat = Field(300.0, description="How far ahead the predicted requests reach.")
+    engine_load_overhead_seconds: Annotated[float, Field(ge=0)] = Field(
+        0.3, description="Per weight load, on top of the copy (vLLM sleep-mode wake, perf_anchors.md §1)."
+    )
+    prefill_efficiency: float = Field(
+        0.5, gt=0, le=1, description="Fraction of dense bf16 FLOP/s that prefill achieves."
+    )
+    expert_popularity_skew: float = Field(
+        0.5,
+        gt=0,
+        le=1,
+        description="Hit rate of the hottest fraction f of routed experts is f**skew (1 = uniform routing).",
+    )
+    output_tokens_per_request: NonNegInt = Field(256, description="Decode length assumed per predicted request.")
+    degraded_precision_seconds: Annotated[float, Field(ge=0)] = Field(
+        1.0, description="Cost per request served at a precision other than the model's preferred one."
+    )
+    move_weight: Annotated[float, Field(ge=0)] = Field(
+        0.05, description="Fraction of the seconds spent promoting state that the objective charges."
+    )
+
+
+class Scenario(_Strict):
+    cluster: ClusterIn
+    models: list[ModelIn] = Field(min_length=1)
+    sessions: list[SessionIn] = Field(default_factory=list)
+    residency: list[ResidencyIn] = Field(default_factory=list)
+    predictor: PredictorIn = PredictorIn()
+    constants: CostConstants = CostConstants()
+
+    @model_validator(mode="after")
+    def _references(self) -> Scenario:
+        model_ids = [m.id for m in self.models]
+        _require_unique(model_ids, "model id")
+        _require_unique([s.id for s in self.sessions], "session id")
+        known_models = set(model_ids)
+        sessions = {s.id: s for s in self.sessions}
+        nodes = {n.id for n in self.cluster.nodes}
+        gpus = {g.id for n in self.cluster.nodes for g in n.gpus}
+        for i, s in enumerate(self.sessions):
+            if s.model not in known_models:
+                raise ValueError(f"sessions[{i}].model: unknown model {s.model!r}; known: {sorted(known_models)}")
+        seen: set[tuple[Any, ...]] = set()
+        for i, r in enumerate(self.residency):
+            where = f"residency[{i}]"
+            if r.object.model not in known_models:
+                raise ValueError(f"{where}.object.model: unknown model {r.object.model!r}")
+            if r.object.kind == "kv" and r.object.session not in sessions:
+                raise ValueError(f"{where}.object.session: unknown session {r.object.session!r}")
+            loc = r.location
+            if loc.tier == "gpu" and loc.gpu not in gpus:
+                raise ValueError(f"{where}.location.gpu: unknown gpu {loc.gpu!r}")
+            if loc.tier != "gpu" and loc.node not in nodes:
+                raise ValueError(f"{where}.location.node: unknown node {loc.node!r}")
+            key = (r.object.kind, r.object.model, r.object.precision, r.object.session, loc.tier, loc.gpu, loc.node)
+            if key in seen:
+                raise ValueError(f"{where}: a location holds at most one copy of an object; this one repeats")
+            seen.add(key)
+        for src, row in self.predictor.handoff.items():
+            for model in (src, *row):
+                if model not in known_models:
+                    raise ValueError(f"predictor.handoff: unknown model {model!r}")
+        return self
+
+
+def _require_unique(values: list[str], what: str) -> None:
+    seen: set[str] = set()
+    for v in values:
+        if v in seen:
+            raise ValueError(f"duplicate {what} {v!r}")
+        seen.add(v)
+
+
+class ScenarioError(ValueError):
+    """A scenario file that cannot be read or does not validate; the message names the field."""
+
+
+def format_validation_error(error: ValidationError) -> str:
+    lines = []
+    for item in error.errors():
+        path = ".".join(str(p) for p in item["loc"]) or "(top level)"
+        lines.append(f"{path}: {item['msg']}")
+    return "\n".join(lines)
+
+
+def parse_scenario(data: Any) -> Scenario:
+    try:
+        return Scenario.model_validate(data)
+    except ValidationError as error:
+        raise ScenarioError(format_validation_error(error)) from None
+
+
+def load_scenario(path: Path) -> Scenario:
+    """Read a JSON or YAML scenario file (YAML is a superset of JSON)."""
+    try:
+        text = path.read_text()
+    except OSError as error:
+        raise ScenarioError(f"{path}: {error.strerror}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as error:
+        raise ScenarioError(f"{path}: not valid JSON or YAML: {error}") from None
+    return parse_scenario(data)

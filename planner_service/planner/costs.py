@@ -1,0 +1,138 @@
+"""The cost model: how long moving state takes and what holding it costs.
+
+Every function returns seconds (or seconds per token) and takes bytes and
+bytes/s; the formulas, with units, are in each docstring. Planners, the
+evaluator and the simulator all use these, so their numbers agree.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from planner_service.domain.problem import Gpu, ModelSpec, Node, Problem
+from planner_service.domain.scenario import CostConstants
+from planner_service.domain.state import Tier
+from planner_service.domain.units import GIB
+
+
+def copy_seconds(shard_bytes: Sequence[int], gpus: Sequence[Gpu], source: Tier, node: Node) -> float:
+    """Time to copy tensor-parallel shards from `source` into their GPUs (no engine overhead).
+
+    Shards move in parallel, each over its own GPU's PCIe link:
+        t_pcie = max_i shard_i / h2d_i                      [B / (B/s)]
+    From NVMe the node's drive is read once for all shards and feeds PCIe:
+        t_nvme = sum_i shard_i / nvme_read                  [B / (B/s)]
+    The path's bottleneck decides: t = max(t_pcie, t_nvme) (reads are pipelined
+    through pinned host buffers, so the two stages overlap).
+    From the host only the PCIe stage applies.
+    """
+    if not shard_bytes:
+        return 0.0
+    t_pcie = max(b / g.h2d_bytes_per_s for b, g in zip(shard_bytes, gpus, strict=True))
+    if source is Tier.NVME:
+        return max(t_pcie, sum(shard_bytes) / node.nvme_read_bytes_per_s)
+    return t_pcie
+
+
+def write_down_seconds(nbytes: int, gpu: Gpu | None, target: Tier, node: Node) -> float:
+    """Time to demote `nbytes` to `target`: d2h over the GPU's link, then the NVMe write if bound there.
+
+        t = max(nbytes / d2h, nbytes / nvme_write)    (GPU -> NVMe)
+        t = nbytes / d2h                              (GPU -> host)
+        t = nbytes / nvme_write                       (host -> NVMe)
+    """
+    t = nbytes / gpu.d2h_bytes_per_s if gpu is not None else 0.0
+    if target is Tier.NVME:
+        t = max(t, nbytes / node.nvme_write_bytes_per_s)
+    return t
+
+
+def weights_load_seconds(
+    nbytes: int, gpus: Sequence[Gpu], source: Tier, node: Node, constants: CostConstants
+) -> float:
+    """Promote a model's weights (split evenly over its tensor-parallel group) plus the engine's load overhead."""
+    if nbytes <= 0:
+        return 0.0
+    shard = math.ceil(nbytes / len(gpus))
+    return copy_seconds([shard] * len(gpus), gpus, source, node) + constants.engine_load_overhead_seconds
+
+
+def prefill_seconds_per_token(model: ModelSpec, gpus: Sequence[Gpu], constants: CostConstants) -> float:
+    """Compute-bound prefill: 2 FLOPs per active parameter per token, on the group's dense bf16 FLOP/s.
+
+        t/token = 2 * active_params / (sum_i bf16_flops_i * prefill_efficiency)   [FLOP / (FLOP/s)]
+    (The attention term that grows with context is left out: at agent context
+    lengths the weight GEMMs dominate.)
+    """
+    flops = sum(g.bf16_flops for g in gpus) * constants.prefill_efficiency
+    return 2 * model.active_params / flops
+
+
+def kv_ready_seconds(
+    missing_tokens: int,
+    restorable_bytes: int,
+    model: ModelSpec,
+    gpus: Sequence[Gpu],
+    source: Tier,
+    node: Node,
+    constants: CostConstants,
+) -> float:
+    """Make a session's KV ready on GPU: restore what a lower tier holds, or re-prefill; the cheaper.
+
+    restore  = copy(restorable) + prefill(missing - restorable tokens)
+    prefill  = prefill(missing tokens)
+    t        = min(restore, prefill)       (LMCache's load-or-prefill crossover)
+    """
+    if missing_tokens <= 0:
+        return 0.0
+    per_token = prefill_seconds_per_token(model, gpus, constants)
+    prefill_all = missing_tokens * per_token
+    if restorable_bytes <= 0 or model.kv_bytes_per_token == 0:
+        return prefill_all
+    restored_tokens = min(missing_tokens, restorable_bytes // model.kv_bytes_per_token)
+    shard = math.ceil(restored_tokens * model.kv_bytes_per_token / len(gpus))
+    restore = copy_seconds([shard] * len(gpus), gpus, source, node)
+    return min(prefill_all, restore + (missing_tokens - restored_tokens) * per_token)
+
+
+def expert_hit_rate(gpu_fraction: float, constants: CostConstants) -> float:
+    """Share of routed-expert reads served from GPU when the hottest `gpu_fraction` of experts sits there.
+
+        hit(f) = f ** skew,  skew in (0, 1]   (skew = 1: uniform routing, hit = f)
+    Concave: the first experts kept on GPU are the popular ones.
+    """
+    if gpu_fraction <= 0:
+        return 0.0
+    return min(1.0, gpu_fraction) ** constants.expert_popularity_skew
+
+
+def decode_slowdown_seconds(model: ModelSpec, gpu_fraction: float, gpus: Sequence[Gpu], constants: CostConstants) -> float:
+    """Extra decode time of one request when routed experts miss the GPU.
+
+    A miss fetches the expert over PCIe (as MoE offload engines do):
+        t = tokens * (1 - hit(f)) * active_expert_bytes_per_token / sum_i h2d_i    [B / (B/s)]
+    """
+    if not model.is_moe:
+        return 0.0
+    h2d = sum(g.h2d_bytes_per_s for g in gpus)
+    miss = 1.0 - expert_hit_rate(gpu_fraction, constants)
+    return constants.output_tokens_per_request * miss * model.active_expert_bytes_per_token / h2d
+
+
+def gpu_hold_cost(nbytes: int, constants: CostConstants) -> float:
+    """The warm memory tax: price [s/GiB] * bytes held on GPU / GiB."""
+    return constants.gpu_price_seconds_per_gib * nbytes / GIB
+
+
+def cold_group(problem: Problem, model: ModelSpec, precision: str, node: Node) -> tuple[Gpu, ...] | None:
+    """The GPUs of `node` a cold load of the model would use: the fewest, largest cards that hold it."""
+    gpus = sorted((problem.gpus[g] for g in node.gpus), key=lambda g: (-g.capacity_bytes, g.id))
+    nbytes = model.weights_bytes[precision]
+    for k in range(1, len(gpus) + 1):
+        group = gpus[:k]
+        if k < max(model.min_gpus.get(g.type, 1) for g in group):
+            continue
+        if all(math.ceil(nbytes / k) <= g.capacity_bytes for g in group):
+            return tuple(group)
+    return None

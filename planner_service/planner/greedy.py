@@ -1,0 +1,518 @@
+"""The greedy planner: the online default.
+
+It rebuilds what the GPUs should hold, then settles the lower tiers:
+
+1. **Serve active requests.** Models with a request in flight go first (most
+   urgent SLO, then largest), each onto one node's GPUs: where it already is
+   when it still fits, else the best-fitting group (fewest, tightest cards that
+   hold the shards: large models land on large cards, small ones on small
+   cards), at its preferred precision when possible, degraded (e.g. int4)
+   otherwise. Their sessions' KV follows onto the same GPUs, water-filled
+   across users so that no user's sessions starve another user's.
+2. **Spend the rest by value per byte.** Candidates are the weights of
+   other models, KV of sessions on served models, and chunks of a MoE's hot
+   experts; each is valued by the objective it saves (`objective.py`) minus
+   the price of the bytes, and placed from the densest down while it pays.
+3. **Demote by tiers.** What leaves the GPUs goes to host DRAM if it is worth
+   the room there, else to NVMe or is dropped when a lower copy exists (KV
+   may be dropped; the last complete copy of weights or experts on a node
+   never is). Host DRAM is filled with likely next models from NVMe.
+
+The result is a target placement; `operations.py` turns it into moves.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from collections import defaultdict
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+from planner_service.domain.problem import Gpu, ModelSpec, Problem, Session
+from planner_service.domain.scenario import Capability, Slo
+from planner_service.domain.state import Kind, Location, Placement, StateObject, Tier
+from planner_service.planner import costs
+from planner_service.planner.objective import cold_load, kv_ready
+from planner_service.planner.residency import ResidencyIndex
+
+SLO_RANK = {Slo.BLOCKING: 0, Slo.INTERACTIVE: 1, Slo.BACKGROUND: 2}
+EXPERT_CHUNKS = 16  # granularity of partial expert residency the greedy considers
+
+
+@dataclass(frozen=True, slots=True)
+class Group:
+    node: str
+    precision: str
+    gpus: tuple[Gpu, ...]
+
+
+@dataclass
+class TargetPlan:
+    """What the greedy decided: the target placement plus what it could not do and why."""
+
+    placement: Placement
+    groups: dict[str, Group]
+    unserved: dict[str, str]  # session -> the constraint that kept its model off GPU
+    reasons: dict[StateObject, str] = field(default_factory=dict)
+
+
+def split_evenly(nbytes: int, parts: int) -> list[int]:
+    """Shard sizes for tensor parallelism: equal, the remainder on the first shards."""
+    base, extra = divmod(nbytes, parts)
+    return [base + (1 if i < extra else 0) for i in range(parts)]
+
+
+class _GpuBook:
+    """Free HBM per GPU while the target is being built."""
+
+    def __init__(self, problem: Problem) -> None:
+        self.free = {g.id: g.capacity_bytes for g in problem.gpus.values()}
+
+    def fits(self, gpus: Iterable[Gpu], shards: Iterable[int]) -> bool:
+        return all(self.free[g.id] >= b for g, b in zip(gpus, shards, strict=True))
+
+    def take(self, gpus: Iterable[Gpu], shards: Iterable[int]) -> None:
+        for g, b in zip(gpus, shards, strict=True):
+            self.free[g.id] -= b
+
+
+class GreedyPlanner:
+    def __init__(self, problem: Problem) -> None:
+        self.p = problem
+        self.c = problem.constants
+        self.now = ResidencyIndex.build(problem, problem.residency)
+        self.book = _GpuBook(problem)
+        self.target: Placement = {}
+        self.groups: dict[str, Group] = {}
+        self.unserved: dict[str, str] = {}
+        self.reasons: dict[StateObject, str] = {}
+        self.demand = self._demand()
+
+    # -- inputs ------------------------------------------------------------
+
+    def _demand(self) -> dict[str, list[tuple[Session, float]]]:
+        """model -> [(session, SLO weight * probability of its next request there)]."""
+        demand: dict[str, list[tuple[Session, float]]] = defaultdict(list)
+        for sid in sorted(self.p.next_model):
+            session = self.p.sessions.get(sid)
+            if session is None:
+                continue
+            w = self.c.slo_weights.of(session.slo)
+            for model, q in sorted(self.p.next_model[sid].items()):
+                if q > 0 and model in self.p.models:
+                    demand[model].append((session, w * q))
+        return demand
+
+    def _active_sessions(self) -> dict[str, list[Session]]:
+        active: dict[str, list[Session]] = defaultdict(list)
+        for s in sorted(self.p.sessions.values(), key=lambda s: s.id):
+            if s.active:
+                active[s.model].append(s)
+        return active
+
+    def _source(self, obj: StateObject, node: str) -> Tier | None:
+        tier = self.now.complete_source(obj, node)
+        caps = self.p.nodes[node].capabilities
+        if tier is Tier.HOST and obj.kind is not Kind.KV and Capability.WEIGHTS_OFFLOAD not in caps:
+            return Tier.NVME if self.now.complete(obj, node, Tier.NVME) else None
+        return tier
+
+    # -- step 1: where each model's weights go -----------------------------
+
+    def _group_options(self, model: ModelSpec, extra_bytes: int) -> Iterable[tuple[tuple, Group]]:
+        """Feasible (cost key, group) options for the model's weights plus `extra_bytes` of KV.
+
+        The key orders by precision preference, then by load time (0 where the
+        weights already sit), then by how tightly the group fits.
+        """
+        for rank, precision in enumerate(model.precisions):
+            obj = StateObject.weights(model.id, precision)
+            nbytes = model.weights_bytes[precision]
+            current = self.now.serving.get(model.id)
+            for node_id in sorted(self.p.nodes):
+                node = self.p.nodes[node_id]
+                source = self._source(obj, node_id)
+                if current and current.node == node_id and current.precision == precision:
+                    stay = current.gpus
+                    shards = [a + b for a, b in zip(split_evenly(nbytes, len(stay)), split_evenly(extra_bytes, len(stay)))]
+                    if self.book.fits(stay, shards):
+                        yield (rank, 0.0, 0, node_id), Group(node_id, precision, stay)
+                        continue
+                if source is None:
+                    continue
+                group = self._best_fit(node.gpus, model, nbytes + extra_bytes)
+                if group is None:
+                    continue
+                seconds = costs.weights_load_seconds(nbytes, group, source, node, self.c)
+                slack = sum(self.book.free[g.id] for g in group) - nbytes - extra_bytes
+                yield (rank, seconds, slack, node_id), Group(node_id, precision, group)
+
+    def _best_fit(self, gpu_ids: Iterable[str], model: ModelSpec, nbytes: int) -> tuple[Gpu, ...] | None:
+        """The fewest GPUs of one node that hold `nbytes` split evenly, tightest fit first."""
+        gpus = sorted((self.p.gpus[g] for g in gpu_ids), key=lambda g: (self.book.free[g.id], g.id))
+        for k in range(1, len(gpus) + 1):
+            share = math.ceil(nbytes / k)
+            fitting = [g for g in gpus if self.book.free[g.id] >= share]
+            if len(fitting) < k:
+                continue
+            group = tuple(sorted(fitting[:k], key=lambda g: g.id))
+            if k >= max(model.min_gpus.get(g.type, 1) for g in group):
+                return group
+        return None
+
+    def _place_weights(self, model: ModelSpec, group: Group, reason: str) -> None:
+        obj = StateObject.weights(model.id, group.precision)
+        shards = split_evenly(model.weights_bytes[group.precision], len(group.gpus))
+        self.book.take(group.gpus, shards)
+        for g, b in zip(group.gpus, shards, strict=True):
+            if b:
+                self.target[(obj, Location.gpu(g.id))] = b
+        self.groups[model.id] = group
+        self.reasons[obj] = reason
+
+    def _place_spread(self, obj: StateObject, group: Group, nbytes: int) -> None:
+        shards = split_evenly(nbytes, len(group.gpus))
+        self.book.take(group.gpus, shards)
+        for g, b in zip(group.gpus, shards, strict=True):
+            if b:
+                key = (obj, Location.gpu(g.id))
+                self.target[key] = self.target.get(key, 0) + b
+
+    def _kv_bytes(self, session: Session, model: ModelSpec) -> int:
+        return session.context_tokens * model.kv_bytes_per_token
+
+    def serve_active(self) -> None:
+        active = self._active_sessions()
+
+        def urgency(model_id: str) -> tuple:
+            model = self.p.models[model_id]
+            return (min(SLO_RANK[s.slo] for s in active[model_id]), -model.weights_bytes[model.preferred], model_id)
+
+        for model_id in sorted(active, key=urgency):
+            model = self.p.models[model_id]
+            sessions = active[model_id]
+            need = sum(self._kv_bytes(s, model) for s in sessions)
+            options = sorted(self._group_options(model, need), key=lambda kv: kv[0])
+            served: list[Session] = sessions
+            if not options:
+                # Not all sessions fit: take the group that holds the weights and the most KV.
+                options = sorted(self._group_options(model, 0), key=lambda kv: kv[0])
+                if not options:
+                    for s in sessions:
+                        self.unserved[s.id] = self._why_unplaceable(model)
+                    continue
+            _, group = options[0]
+            self._place_weights(model, group, f"serves {len(sessions)} active session(s)")
+            served = self._water_fill(model, group, sessions)
+            for s in sessions:
+                if s not in served:
+                    self.unserved[s.id] = (
+                        f"kv capacity: the KV of session {s.id} does not fit on node {group.node}'s GPUs "
+                        f"beside {model.id}'s weights and other users' fair share"
+                    )
+
+    def _water_fill(self, model: ModelSpec, group: Group, sessions: list[Session]) -> list[Session]:
+        """Place active sessions' KV max-min fair across users: the user holding the least goes next."""
+        by_user: dict[str, list[Session]] = defaultdict(list)
+        for s in sorted(sessions, key=lambda s: (SLO_RANK[s.slo], s.context_tokens, s.id)):
+            by_user[s.user].append(s)
+        held = dict.fromkeys(by_user, 0)
+        served: list[Session] = []
+        while by_user:
+            user = min(by_user, key=lambda u: (held[u], u))
+            s = by_user[user].pop(0)
+            if not by_user[user]:
+                del by_user[user]
+            nbytes = self._kv_bytes(s, model)
+            if self.book.fits(group.gpus, split_evenly(nbytes, len(group.gpus))):
+                self._place_spread(StateObject.kv(model.id, s.id), group, nbytes)
+                held[user] = held.get(user, 0) + nbytes
+                served.append(s)
+        return served
+
+    def _why_unplaceable(self, model: ModelSpec) -> str:
+        smallest = min(model.weights_bytes[p] for p in model.precisions)
+        largest_group = max(
+            (sum(self.p.gpus[g].capacity_bytes for g in n.gpus) for n in self.p.nodes.values()), default=0
+        )
+        if smallest > largest_group:
+            return (
+                f"gpu capacity: {model.id} needs {smallest} bytes of weights even at its smallest precision, "
+                f"more than any node's GPUs hold ({largest_group} bytes)"
+            )
+        if not any(
+            self.now.complete_source(StateObject.weights(model.id, p), n)
+            or (self.now.serving.get(model.id) and self.now.serving[model.id].node == n)
+            for p in model.precisions
+            for n in self.p.nodes
+        ):
+            return f"no source: no node holds a complete copy of {model.id}'s weights to load from"
+        return f"gpu capacity: the active models together do not fit; {model.id} waits for room"
+
+    # -- step 2: the rest, by value per byte --------------------------------
+
+    def spend(self) -> None:
+        heap: list[tuple[float, int, str, tuple]] = []
+        seq = itertools.count()
+
+        def push(value: float, nbytes: int, kind: str, payload: tuple) -> None:
+            if value > 0 and nbytes > 0:
+                heapq.heappush(heap, (-value / nbytes, next(seq), kind, payload))
+
+        for model_id in sorted(self.p.models):
+            if model_id not in self.groups:
+                for value, nbytes, payload in self._weights_candidates(self.p.models[model_id]):
+                    push(value, nbytes, "weights", payload)
+            else:
+                self._push_followers(model_id, push)
+
+        while heap:
+            _, _, kind, payload = heapq.heappop(heap)
+            if kind == "weights":
+                model_id, group = payload
+                if model_id in self.groups:
+                    continue
+                model = self.p.models[model_id]
+                shards = split_evenly(model.weights_bytes[group.precision], len(group.gpus))
+                if not self.book.fits(group.gpus, shards):
+                    # the group filled up; look for another one at the same value
+                    for value, nbytes, again in self._weights_candidates(model):
+                        push(value, nbytes, "weights", again)
+                    continue
+                self._place_weights(model, group, "kept warm for predicted requests")
+                self._push_followers(model_id, push)
+            elif kind == "kv":
+                obj, group, nbytes = payload
+                if self.groups.get(obj.model) == group and self.book.fits(group.gpus, split_evenly(nbytes, len(group.gpus))):
+                    self._place_spread(obj, group, nbytes)
+            else:
+                obj, group, nbytes = payload
+                if self.groups.get(obj.model) == group:
+                    self._place_expert_chunk(obj, group.node, nbytes)
+
+    def _weights_candidates(self, model: ModelSpec) -> list[tuple[float, int, tuple]]:
+        demand = self.demand.get(model.id)
+        if not demand:
+            return []
+        cold = cold_load(self.p, self.now, model)
+        out = []
+        options = sorted(self._group_options(model, 0), key=lambda kv: kv[0])
+        if not options:
+            return []
+        key, group = options[0]
+        rank, seconds = key[0], key[1]
+        nbytes = model.weights_bytes[group.precision]
+        total_w = sum(w for _, w in demand)
+        saved = cold.seconds if math.isfinite(cold.seconds) else self.c.unserved_penalty_seconds
+        value = total_w * saved
+        # a request that would miss its target cold but not warm saves the violation penalty too
+        for session, w in demand:
+            target = self.c.slo_targets_seconds.of(session.slo)
+            if saved > target:
+                value += w * self.c.violation_penalty_seconds
+        value -= total_w * self.c.degraded_precision_seconds * (rank > 0)
+        value -= costs.gpu_hold_cost(nbytes, self.c) + self.c.move_weight * seconds
+        out.append((value, nbytes, (model.id, group)))
+        return out
+
+    def _push_followers(self, model_id: str, push) -> None:
+        """KV of sessions likely to use the model, and its hot experts, once its weights are placed."""
+        model = self.p.models[model_id]
+        group = self.groups[model_id]
+        node = self.p.nodes[group.node]
+        kv_ok_below = Capability.KV_OFFLOAD in node.capabilities
+        holders = self.now.kv_sessions.get(model_id, set())
+        for session, w in self.demand.get(model_id, []):
+            if session.id not in holders or (session.active and session.model == model_id):
+                continue  # nothing computed to keep, or already placed with the active request
+            obj = StateObject.kv(model_id, session.id)
+            nbytes = self._kv_bytes(session, model)
+            if nbytes == 0 or not self._kv_exists(obj, group):
+                continue
+            restorable = self.now.on(obj, group.node, Tier.HOST) if kv_ok_below else 0
+            without = costs.kv_ready_seconds(
+                session.context_tokens, restorable, model, group.gpus, Tier.HOST, node, self.c
+            )
+            value = w * without - costs.gpu_hold_cost(nbytes, self.c)
+            push(value, nbytes, "kv", (obj, group, nbytes))
+        if model.is_moe:
+            self._push_expert_chunks(model, group, push)
+
+    def _kv_exists(self, obj: StateObject, group: Group) -> bool:
+        """KV worth keeping is KV already computed at the precision the model is served at."""
+        if not any(self.now.on(obj, group.node, t) for t in Tier):
+            return False
+        current = self.now.serving.get(obj.model)
+        return current is None or current.precision == group.precision
+
+    def _push_expert_chunks(self, model: ModelSpec, group: Group, push) -> None:
+        obj = StateObject.experts(model.id)
+        demand = sum(w for _, w in self.demand.get(model.id, []))
+        demand += sum(self.c.slo_weights.of(s.slo) for s in self.p.sessions.values() if s.active and s.model == model.id)
+        if demand <= 0:
+            return
+        partial = Capability.PARTIAL_EXPERTS in self.p.nodes[group.node].capabilities
+        chunks = EXPERT_CHUNKS if partial else 1
+        unit = model.expert_bytes if partial else model.experts_bytes
+        chunk_bytes = max(unit, (model.experts_bytes // chunks) // unit * unit)
+        placed = 0
+        while placed < model.experts_bytes:
+            nbytes = min(chunk_bytes, model.experts_bytes - placed)
+            f0, f1 = placed / model.experts_bytes, (placed + nbytes) / model.experts_bytes
+            saved = demand * (
+                costs.decode_slowdown_seconds(model, f0, group.gpus, self.c)
+                - costs.decode_slowdown_seconds(model, f1, group.gpus, self.c)
+            )
+            push(saved - costs.gpu_hold_cost(nbytes, self.c), nbytes, "experts", (obj, group, nbytes))
+            placed += nbytes
+        # chunks are valued in order (concave hit rate), so the heap takes them hottest first
+
+    def _place_expert_chunk(self, obj: StateObject, node: str, nbytes: int) -> None:
+        """Routed experts may sit on any GPU of the serving node (expert parallel): the roomiest takes the chunk."""
+        gpu = max(self.p.nodes[node].gpus, key=lambda g: (self.book.free[g], g))
+        if self.book.free[gpu] >= nbytes:
+            self.book.free[gpu] -= nbytes
+            key = (obj, Location.gpu(gpu))
+            self.target[key] = self.target.get(key, 0) + nbytes
+
+    # -- step 3: lower tiers ---------------------------------------------
+
+    def settle_lower_tiers(self) -> None:
+        host_used: dict[str, int] = defaultdict(int)
+        nvme_used: dict[str, int] = defaultdict(int)
+        invalid = self._invalidated_kv_models()
+        # Keep what is below GPU now, except KV made stale by a precision change.
+        for (obj, loc), nbytes in sorted(self.p.residency.items()):
+            if loc.tier is Tier.GPU:
+                continue
+            if obj.kind is Kind.KV and obj.model in invalid:
+                continue
+            self.target[(obj, loc)] = nbytes
+            (host_used if loc.tier is Tier.HOST else nvme_used)[loc.id] += nbytes
+        # What leaves the GPUs: keep the last complete copy; park useful KV in host DRAM.
+        leaving: dict[tuple[StateObject, str], int] = defaultdict(int)
+        for (obj, loc), nbytes in sorted(self.p.residency.items()):
+            if loc.tier is not Tier.GPU:
+                continue
+            lost = nbytes - self.target.get((obj, loc), 0)
+            if lost > 0:
+                leaving[(obj, self.p.gpus[loc.id].node)] += lost
+        for (obj, node_id), nbytes in sorted(leaving.items(), key=lambda kv: (kv[0][0].kind != Kind.WEIGHTS, kv[0])):
+            node = self.p.nodes[node_id]
+            host, nvme = Location.host(node_id), Location.nvme(node_id)
+            if obj.kind is Kind.KV:
+                if obj.model in invalid or Capability.KV_OFFLOAD not in node.capabilities:
+                    continue
+                if self.target.get((obj, Location.gpu(self.groups[obj.model].gpus[0].id)) if obj.model in self.groups else None):
+                    continue  # it stays on GPU elsewhere in the group
+                have = self.target.get((obj, host), 0)
+                if have >= self.p.size_of(obj) or self._kv_host_value(obj, node_id) <= 0:
+                    continue
+                room = node.host_bytes - host_used[node_id]
+                add = min(nbytes, self.p.size_of(obj) - have, room)
+                if add > 0:
+                    self.target[(obj, host)] = have + add
+                    host_used[node_id] += add
+                continue
+            if self._complete_below(obj, node_id):
+                continue
+            if obj.model in self.groups and self.groups[obj.model].node == node_id and self._complete_on_gpu(obj, node_id):
+                continue
+            # the GPU copy is the node's last complete one: move it down
+            to = host if (Capability.WEIGHTS_OFFLOAD in node.capabilities and node.host_bytes - host_used[node_id] >= nbytes) else nvme
+            used = host_used if to.tier is Tier.HOST else nvme_used
+            if self.p.capacity_of(to) - used[node_id] < nbytes:
+                raise PlanningError(
+                    f"nvme capacity: node {node_id} has no room below GPU for the last copy of {obj.label()}"
+                )
+            self.target[(obj, to)] = self.target.get((obj, to), 0) + nbytes
+            used[node_id] += nbytes
+        self._prefetch_to_host(host_used)
+
+    def _complete_below(self, obj: StateObject, node: str) -> bool:
+        size = self.p.size_of(obj)
+        return any(self.target.get((obj, t(node)), 0) >= size for t in (Location.host, Location.nvme))
+
+    def _complete_on_gpu(self, obj: StateObject, node: str) -> bool:
+        total = sum(b for (o, loc), b in self.target.items() if o == obj and loc.tier is Tier.GPU and self.p.gpus[loc.id].node == node)
+        return total >= self.p.size_of(obj)
+
+    def _invalidated_kv_models(self) -> set[str]:
+        """Models whose serving precision changes: their sessions' KV no longer matches the weights."""
+        out = set()
+        for model_id, group in self.groups.items():
+            current = self.now.serving.get(model_id)
+            if current is not None and current.precision != group.precision:
+                out.add(model_id)
+        return out
+
+    def _kv_host_value(self, obj: StateObject, node: str) -> float:
+        model = self.p.models[obj.model]
+        w = sum(wq for s, wq in self.demand.get(obj.model, []) if s.id == obj.session)
+        group = self.groups.get(obj.model)
+        gpus = group.gpus if group else costs.cold_group(self.p, model, model.preferred, self.p.nodes[node])
+        if not gpus:
+            return 0.0
+        tokens = self.p.sessions[obj.session].context_tokens
+        prefill = tokens * costs.prefill_seconds_per_token(model, gpus, self.c)
+        restore = costs.kv_ready_seconds(tokens, self.p.size_of(obj), model, gpus, Tier.HOST, self.p.nodes[node], self.c)
+        return w * (prefill - restore)
+
+    def _prefetch_to_host(self, host_used: dict[str, int]) -> None:
+        """Stage likely next models in host DRAM on the node a cold load would use."""
+        index = ResidencyIndex.build(self.p, self.target)
+        candidates = []
+        for model_id, demand in sorted(self.demand.items()):
+            if model_id in self.groups:
+                continue
+            model = self.p.models[model_id]
+            obj = StateObject.weights(model_id, model.preferred)
+            cold = cold_load(self.p, index, model)
+            if cold.node is None or cold.precision != model.preferred:
+                continue
+            node = self.p.nodes[cold.node]
+            if Capability.WEIGHTS_OFFLOAD not in node.capabilities or index.complete(obj, cold.node, Tier.HOST):
+                continue
+            nbytes = model.weights_bytes[model.preferred]
+            from_host = costs.weights_load_seconds(nbytes, cold.gpus, Tier.HOST, node, self.c)
+            saved = sum(w for _, w in demand) * (cold.seconds - from_host)
+            stage = nbytes / node.nvme_read_bytes_per_s * self.c.move_weight
+            if saved - stage > 0:
+                candidates.append((-(saved - stage) / nbytes, model_id, obj, cold.node, nbytes))
+        for _, _, obj, node_id, nbytes in sorted(candidates):
+            have = self.target.get((obj, Location.host(node_id)), 0)
+            if self.p.nodes[node_id].host_bytes - host_used[node_id] >= nbytes - have:
+                self.target[(obj, Location.host(node_id))] = nbytes
+                host_used[node_id] += nbytes - have
+                self.reasons[obj] = "staged in host DRAM for a predicted request"
+
+    # -- all together -----------------------------------------------------
+
+    def plan(self) -> TargetPlan:
+        self.serve_active()
+        self.spend()
+        self.settle_lower_tiers()
+        placement = {k: v for k, v in self.target.items() if v > 0}
+        return TargetPlan(placement, dict(self.groups), dict(self.unserved), dict(self.reasons))
+
+
+class PlanningError(RuntimeError):
+    """The plan would break a hard constraint; the message names it."""
+
+
+def plan_greedy(problem: Problem) -> TargetPlan:
+    return GreedyPlanner(problem).plan()
+
+
+def demand_by_model(problem: Problem) -> Mapping[str, float]:
+    """Total SLO-weighted probability of the next request, per model (for explanations)."""
+    out: dict[str, float] = defaultdict(float)
+    for sid, row in problem.next_model.items():
+        session = problem.sessions.get(sid)
+        if session is None:
+            continue
+        for model, q in row.items():
+            out[model] += problem.constants.slo_weights.of(session.slo) * q
+    return dict(out)

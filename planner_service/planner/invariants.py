@@ -1,0 +1,217 @@
+"""The invariant checker every plan passes through, whichever solver made it.
+
+`check_plan` returns the broken invariants as sentences (empty when the plan
+is sound):
+  * capacities hold in the target and at every moment of every order of the
+    operations that respects `depends_on`;
+  * active requests that the plan serves have their model's weights complete
+    on GPUs of one node and their session's whole KV on those GPUs;
+  * no node loses its last complete copy of a model's weights (at a precision
+    it had one) or routed experts, at any step;
+  * the operations replay from the confirmed placement to the target, stay
+    inside one node, come in a topological order, and free a copy only after
+    the operations reading it;
+  * nodes are only asked for moves their engines can carry out.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Collection, Mapping, Sequence
+
+from planner_service.domain.problem import Problem
+from planner_service.domain.scenario import Capability
+from planner_service.domain.state import Kind, Location, StateObject, Tier
+from planner_service.planner.operations import Action, Operation, apply_operations
+from planner_service.planner.residency import ResidencyIndex
+
+
+def check_plan(
+    problem: Problem,
+    target: Mapping[tuple[StateObject, Location], int],
+    ops: Sequence[Operation],
+    unserved: Collection[str] = (),
+) -> list[str]:
+    errors: list[str] = []
+    errors += _target_capacity(problem, target)
+    errors += _active_served(problem, target, unserved)
+    errors += _last_copies_kept(problem, target)
+    errors += _replay(problem, target, ops)
+    errors += _order_and_locality(problem, ops)
+    errors += _every_order_safe(problem, ops)
+    errors += _capabilities(problem, ops, target)
+    return errors
+
+
+def _target_capacity(problem: Problem, target: Mapping[tuple[StateObject, Location], int]) -> list[str]:
+    errors = []
+    used: dict[Location, int] = defaultdict(int)
+    for (obj, loc), nbytes in target.items():
+        used[loc] += nbytes
+        if nbytes > problem.size_of(obj):
+            errors.append(f"{obj.label()} at {loc.label()} holds {nbytes} bytes, more than its size")
+    for loc, nbytes in sorted(used.items()):
+        if nbytes > problem.capacity_of(loc):
+            errors.append(f"capacity: {loc.label()} holds {nbytes} bytes > {problem.capacity_of(loc)}")
+    return errors
+
+
+def _active_served(problem: Problem, target: Mapping[tuple[StateObject, Location], int], unserved: Collection[str]) -> list[str]:
+    errors = []
+    index = ResidencyIndex.build(problem, target)
+    for s in problem.sessions.values():
+        if not s.active or s.id in unserved:
+            continue
+        serving = index.serving.get(s.model)
+        if serving is None:
+            errors.append(f"active session {s.id}: {s.model}'s weights are not complete on one node's GPUs")
+            continue
+        kv = StateObject.kv(s.model, s.id)
+        on_gpus = sum(target.get((kv, Location.gpu(g.id)), 0) for g in serving.gpus)
+        if on_gpus < problem.size_of(kv):
+            errors.append(f"active session {s.id}: its KV is not whole on the GPUs serving {s.model}")
+    return errors
+
+
+def _complete_tiers(problem: Problem, placement: Mapping[tuple[StateObject, Location], int]) -> dict[tuple[StateObject, str], set[Tier]]:
+    index = ResidencyIndex.build(problem, placement)
+    out: dict[tuple[StateObject, str], set[Tier]] = defaultdict(set)
+    for (obj, node, tier), nbytes in index.by_tier.items():
+        if obj.kind is not Kind.KV and nbytes >= problem.size_of(obj) > 0:
+            out[(obj, node)].add(tier)
+    return out
+
+
+def _last_copies_kept(problem: Problem, target: Mapping[tuple[StateObject, Location], int]) -> list[str]:
+    before = _complete_tiers(problem, problem.residency)
+    after = _complete_tiers(problem, target)
+    return [
+        f"last copy: node {node} loses every complete copy of {obj.label()}"
+        for (obj, node) in sorted(before)
+        if not after.get((obj, node))
+    ]
+
+
+def _replay(problem: Problem, target: Mapping[tuple[StateObject, Location], int], ops: Sequence[Operation]) -> list[str]:
+    replayed = {k: v for k, v in apply_operations(problem.residency, ops).items() if v > 0}
+    wanted = {k: v for k, v in target.items() if v > 0}
+    if replayed == wanted:
+        return []
+    diff = sorted(set(replayed.items()) ^ set(wanted.items()))[:3]
+    return [f"replay: operations do not reproduce the target placement (first differences: {diff})"]
+
+
+def _order_and_locality(problem: Problem, ops: Sequence[Operation]) -> list[str]:
+    errors = []
+    seen: set[str] = set()
+    for op in ops:
+        missing = [d for d in op.depends_on if d not in seen]
+        if missing:
+            errors.append(f"order: {op.id} comes before its dependencies {missing}")
+        seen.add(op.id)
+        if op.source is not None and op.dest is not None and problem.node_of(op.source) != problem.node_of(op.dest):
+            errors.append(f"locality: {op.id} moves between nodes")
+        if op.source is None and (op.object.kind is not Kind.KV or op.dest is None or op.dest.tier is not Tier.GPU):
+            errors.append(f"source: {op.id} creates {op.object.label()} from nothing")
+        if op.bytes <= 0:
+            errors.append(f"bytes: {op.id} moves no bytes")
+    return errors
+
+
+def _ancestors(ops: Sequence[Operation]) -> dict[str, set[str]]:
+    out: dict[str, set[str]] = {}
+    for op in ops:  # topological order: dependencies are already done
+        acc: set[str] = set()
+        for d in op.depends_on:
+            acc.add(d)
+            acc |= out.get(d, set())
+        out[op.id] = acc
+    return out
+
+
+def _every_order_safe(problem: Problem, ops: Sequence[Operation]) -> list[str]:
+    """Worst cases over all orders that respect `depends_on`.
+
+    Capacity: once any add to L has run, every free of L that is an ancestor
+    of all adds to L has run too, so occupancy never exceeds
+    C(L) + sum(adds to L) - sum(frees of L that precede every add to L).
+    """
+    errors = []
+    anc = _ancestors(ops)
+    adds: dict[Location, list[Operation]] = defaultdict(list)
+    frees: dict[Location, list[Operation]] = defaultdict(list)
+    for op in ops:
+        if op.dest is not None:
+            adds[op.dest].append(op)
+        if op.source is not None and not op.keep_source:
+            frees[op.source].append(op)
+    used: dict[Location, int] = defaultdict(int)
+    for (_, loc), nbytes in problem.residency.items():
+        used[loc] += nbytes
+    for loc, add_ops in sorted(adds.items()):
+        common = set.intersection(*(anc[a.id] for a in add_ops))
+        freed_first = sum(f.bytes for f in frees.get(loc, []) if f.id in common)
+        worst = used[loc] + sum(a.bytes for a in add_ops) - freed_first
+        if worst > problem.capacity_of(loc):
+            errors.append(f"capacity in some order: {loc.label()} can reach {worst} bytes > {problem.capacity_of(loc)}")
+
+    readers: dict[tuple[StateObject, Location], list[Operation]] = defaultdict(list)
+    reducers: dict[tuple[StateObject, Location], list[Operation]] = defaultdict(list)
+    adders: dict[tuple[StateObject, Location], list[Operation]] = defaultdict(list)
+    for op in ops:
+        if op.source is not None:
+            (readers if op.keep_source else reducers)[(op.object, op.source)].append(op)
+        if op.dest is not None:
+            adders[(op.object, op.dest)].append(op)
+    for op in ops:
+        if op.source is None or op.keep_source:
+            continue
+        early = [r.id for r in readers[(op.object, op.source)] if r.id not in anc[op.id]]
+        if early:
+            errors.append(f"source freed early: {op.id} may free {op.object.label()} at {op.source.label()} before {early} read it")
+        if op.action is Action.DROP and op.object.kind is not Kind.KV:
+            if not _other_copy_guaranteed(problem, op, anc, reducers, adders):
+                errors.append(f"last copy in some order: {op.id} may drop the node's last complete copy of {op.object.label()}")
+    return errors
+
+
+def _other_copy_guaranteed(problem, op: Operation, anc, reducers, adders) -> bool:
+    size = problem.size_of(op.object)
+    node = problem.node_of(op.source)
+    after_drop = problem.residency.get((op.object, op.source), 0) - op.bytes
+    if op.source.tier is not Tier.GPU and after_drop >= size:
+        return True
+    if op.source.tier is Tier.GPU:
+        gpu_total = sum(
+            b for (o, l), b in problem.residency.items() if o == op.object and l.tier is Tier.GPU and problem.node_of(l) == node
+        )
+        if gpu_total < size:
+            return True  # the GPU tier held no complete copy to lose
+    for tier in (Tier.HOST, Tier.NVME):
+        loc = Location(tier, node)
+        if loc == op.source or reducers.get((op.object, loc)):
+            continue
+        have = problem.residency.get((op.object, loc), 0)
+        added = [a for a in adders.get((op.object, loc), [])]
+        if have >= size or (have + sum(a.bytes for a in added) >= size and all(a.id in anc[op.id] for a in added)):
+            return True
+    return False
+
+
+def _capabilities(problem: Problem, ops: Sequence[Operation], target: Mapping[tuple[StateObject, Location], int]) -> list[str]:
+    errors = []
+    for op in ops:
+        caps = problem.nodes[op.node].capabilities
+        below = op.dest is not None and op.dest.tier is not Tier.GPU
+        if op.object.kind is Kind.WEIGHTS and Capability.WEIGHTS_OFFLOAD not in caps:
+            if (below and op.dest.tier is Tier.HOST) or (op.source is not None and op.source.tier is Tier.HOST and op.dest and op.dest.tier is Tier.GPU):
+                errors.append(f"capability: {op.id} moves weights through host DRAM on node {op.node}, which cannot")
+        if op.object.kind is Kind.KV and Capability.KV_OFFLOAD not in caps:
+            if below or (op.source is not None and op.source.tier is not Tier.GPU):
+                errors.append(f"capability: {op.id} offloads KV on node {op.node}, which cannot")
+    index = ResidencyIndex.build(problem, target)
+    for (obj, node, tier), nbytes in index.by_tier.items():
+        if obj.kind is Kind.EXPERTS and tier is Tier.GPU and Capability.PARTIAL_EXPERTS not in problem.nodes[node].capabilities:
+            if 0 < nbytes < problem.size_of(obj) and nbytes != ResidencyIndex.build(problem, problem.residency).on(obj, node, Tier.GPU):
+                errors.append(f"capability: node {node} cannot hold part of {obj.label()} on GPU")
+    return errors

@@ -1,0 +1,273 @@
+"""The evaluator: one objective for any plan, so every solver's numbers compare.
+
+For a target placement T reached from the confirmed placement C:
+
+    objective = sum over active requests  w_s * (L_now(s) + V * [L_now(s) > target_s])
+              + sum over sessions s, models m  w_s * q(s,m) * (L_T(s,m) + V * [L_T(s,m) > target_s])
+              + sum over requests (active and predicted)  w_s * q * (decode slowdown + degraded precision)
+              + price * GiB held on GPU in T
+              + move_weight * seconds spent promoting C -> T
+              + U * active requests T cannot serve
+
+  w_s       SLO weight of the session's class; target_s its switch-latency target
+  q(s,m)    predicted probability that s's next request goes to m
+  L_T(s,m)  switch latency in T: weights ready (0 if served, else the cheapest
+            cold load from a complete copy) + KV ready (restore or re-prefill)
+  L_now(s)  latency of the request being served now: the time to bring its
+            model's weights and its KV from C to where T puts them
+  V, U      violation and unserved penalties
+
+Everything is in seconds. `evaluate` also reports the predicted metrics
+(P95 switch latency over the predicted requests, GPU bytes, ...).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from planner_service.domain.problem import Gpu, ModelSpec, Problem
+from planner_service.domain.state import Kind, Location, StateObject, Tier
+from planner_service.planner import costs
+from planner_service.planner.residency import ResidencyIndex, Serving
+
+
+@dataclass(frozen=True, slots=True)
+class Objective:
+    total: float
+    switch_latency: float
+    violations: float
+    decode_slowdown: float
+    degraded_precision: float
+    gpu_memory: float
+    moves: float
+    unserved: float
+    # the part every feasible plan pays no matter what it decides is not separable here;
+    # `total` is what solvers minimize and compare.
+
+    def as_dict(self) -> dict[str, float]:
+        return asdict(self)
+
+
+@dataclass(frozen=True, slots=True)
+class Predicted:
+    switch_latency_p50_seconds: float
+    switch_latency_p95_seconds: float
+    switch_latency_mean_seconds: float
+    slo_violation_rate: float
+    gpu_bytes: int
+    unserved_sessions: tuple[str, ...]
+
+    def as_dict(self) -> dict[str, object]:
+        out = asdict(self)
+        out["unserved_sessions"] = list(self.unserved_sessions)
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class ColdLoad:
+    """Where a model not on GPU would be loaded from, and how long that takes."""
+
+    seconds: float  # weights copy + engine overhead (+ degraded-precision cost)
+    node: str | None
+    gpus: tuple[Gpu, ...]
+    precision: str | None
+
+
+def cold_load(problem: Problem, index: ResidencyIndex, model: ModelSpec) -> ColdLoad:
+    """The cheapest way to bring a model onto GPUs from a complete copy below GPU, in `index`."""
+    best = ColdLoad(float("inf"), None, (), None)
+    for rank, precision in enumerate(model.precisions):
+        obj = StateObject.weights(model.id, precision)
+        for node_id in sorted(problem.nodes):
+            node = problem.nodes[node_id]
+            source = index.complete_source(obj, node_id)
+            if source is None:
+                continue
+            group = costs.cold_group(problem, model, precision, node)
+            if group is None:
+                continue
+            seconds = costs.weights_load_seconds(model.weights_bytes[precision], group, source, node, problem.constants)
+            if rank:
+                seconds += problem.constants.degraded_precision_seconds
+            if seconds < best.seconds:
+                best = ColdLoad(seconds, node_id, group, precision)
+    return best
+
+
+def kv_ready(
+    problem: Problem, index: ResidencyIndex, model: ModelSpec, session: str, node: str, gpus: tuple[Gpu, ...], gpu_kv: int
+) -> float:
+    """Seconds to make `session`'s KV for `model` ready on `gpus`, given `gpu_kv` bytes already there."""
+    kv_per_token = model.kv_bytes_per_token
+    if kv_per_token == 0:
+        return 0.0
+    needed_tokens = problem.sessions[session].context_tokens
+    missing = needed_tokens - gpu_kv // kv_per_token
+    if missing <= 0:
+        return 0.0
+    obj = StateObject.kv(model.id, session)
+    host = index.on(obj, node, Tier.HOST)
+    nvme = index.on(obj, node, Tier.NVME)
+    source, restorable = (Tier.HOST, host) if host >= nvme else (Tier.NVME, nvme)
+    return costs.kv_ready_seconds(missing, restorable, model, gpus, source, problem.nodes[node], problem.constants)
+
+
+def _gpu_kv(index: ResidencyIndex, model: str, session: str, serving: Serving) -> int:
+    return index.on(StateObject.kv(model, session), serving.node, Tier.GPU)
+
+
+def evaluate(problem: Problem, target: Mapping[tuple[StateObject, Location], int]) -> tuple[Objective, Predicted]:
+    c = problem.constants
+    now = ResidencyIndex.build(problem, problem.residency)
+    then = ResidencyIndex.build(problem, target)
+
+    latency_terms: list[np.ndarray] = []
+    weight_terms: list[np.ndarray] = []
+    target_terms: list[np.ndarray] = []
+    switch = violations = decode = degraded = unserved_cost = 0.0
+    unserved: list[str] = []
+    sessions = list(problem.sessions.values())
+    slo_weight = np.array([c.slo_weights.of(s.slo) for s in sessions])
+    slo_target = np.array([c.slo_targets_seconds.of(s.slo) for s in sessions])
+    context = np.array([s.context_tokens for s in sessions], dtype=float)
+    position = {s.id: i for i, s in enumerate(sessions)}
+
+    # Requests being served now: the time to bring their state from C to T.
+    for s in sessions:
+        if not s.active:
+            continue
+        model = problem.models[s.model]
+        w = c.slo_weights.of(s.slo)
+        serving = then.serving.get(s.model)
+        if serving is None:
+            unserved.append(s.id)
+            unserved_cost += c.unserved_penalty_seconds * w
+            continue
+        latency = _arrival_latency(problem, now, then, model, s.id, serving)
+        switch += w * latency
+        violations += w * c.violation_penalty_seconds * (latency > c.slo_targets_seconds.of(s.slo))
+        decode += w * _decode(problem, then, model, serving)
+        degraded += w * c.degraded_precision_seconds * (serving.precision != model.preferred)
+        latency_terms.append(np.array([latency]))
+        weight_terms.append(np.array([1.0]))
+        target_terms.append(np.array([c.slo_targets_seconds.of(s.slo)]))
+
+    # Predicted next requests, one model at a time, vectorized over sessions.
+    for model in problem.models.values():
+        q = np.array([problem.next_model.get(s.id, {}).get(model.id, 0.0) for s in sessions])
+        if not q.any():
+            continue
+        serving = then.serving.get(model.id)
+        if serving is not None:
+            node, gpus, weights_ready = serving.node, serving.gpus, 0.0
+            slowdown = _decode(problem, then, model, serving)
+            degrade = c.degraded_precision_seconds * (serving.precision != model.preferred)
+        else:
+            cold = cold_load(problem, then, model)
+            if cold.node is None:  # no copy anywhere: nothing can serve it
+                weights_ready, node, gpus = c.unserved_penalty_seconds, None, ()
+            else:
+                weights_ready, node, gpus = cold.seconds, cold.node, cold.gpus
+            slowdown = costs.decode_slowdown_seconds(model, 0.0, gpus, c) if gpus else 0.0
+            degrade = 0.0  # already inside cold.seconds
+        kv = np.zeros(len(sessions))
+        if node is not None:
+            # no KV anywhere: re-prefill the whole history; sessions holding some KV are priced one by one
+            kv = context * costs.prefill_seconds_per_token(model, gpus, c)
+            for sid in then.kv_sessions.get(model.id, ()):
+                i = position[sid]
+                gpu_kv = _gpu_kv(then, model.id, sid, serving) if serving else 0
+                kv[i] = kv_ready(problem, then, model, sid, node, gpus, gpu_kv)
+        latency = weights_ready + kv
+        wq = slo_weight * q
+        switch += float(wq @ latency)
+        violations += float(wq @ (latency > slo_target)) * c.violation_penalty_seconds
+        decode += float(wq.sum()) * slowdown
+        degraded += float(wq.sum()) * degrade
+        latency_terms.append(latency)
+        weight_terms.append(q)
+        target_terms.append(slo_target)
+
+    gpu_bytes = sum(b for (_, loc), b in target.items() if loc.tier is Tier.GPU)
+    memory = costs.gpu_hold_cost(gpu_bytes, c)
+    moves = c.move_weight * promote_seconds(problem, now, target)
+    total = switch + violations + decode + degraded + memory + moves + unserved_cost
+    objective = Objective(total, switch, violations, decode, degraded, memory, moves, unserved_cost)
+    return objective, _predicted(latency_terms, weight_terms, target_terms, gpu_bytes, unserved)
+
+
+def _decode(problem: Problem, index: ResidencyIndex, model: ModelSpec, serving: Serving) -> float:
+    if not model.is_moe:
+        return 0.0
+    fraction = index.on(StateObject.experts(model.id), serving.node, Tier.GPU) / model.experts_bytes
+    return costs.decode_slowdown_seconds(model, fraction, serving.gpus, problem.constants)
+
+
+def _arrival_latency(
+    problem: Problem, now: ResidencyIndex, then: ResidencyIndex, model: ModelSpec, session: str, serving: Serving
+) -> float:
+    """Latency of a request waiting now: copy its model's missing shards, then ready its KV."""
+    obj = StateObject.weights(model.id, serving.precision)
+    node = problem.nodes[serving.node]
+    shards = [max(0, then.placement.get((obj, Location.gpu(g.id)), 0) - now.placement.get((obj, Location.gpu(g.id)), 0)) for g in serving.gpus]
+    weights = 0.0
+    if any(shards):
+        source = now.complete_source(obj, serving.node) or Tier.NVME
+        weights = costs.copy_seconds(shards, serving.gpus, source, node) + problem.constants.engine_load_overhead_seconds
+    current = now.serving.get(model.id)
+    kv_now = 0
+    if current is not None and current.node == serving.node and current.precision == serving.precision:
+        kv_now = _gpu_kv(now, model.id, session, current)
+    return weights + kv_ready(problem, now, model, session, serving.node, serving.gpus, kv_now)
+
+
+def promote_seconds(
+    problem: Problem, now: ResidencyIndex, target: Mapping[tuple[StateObject, Location], int]
+) -> float:
+    """Seconds of transfer the plan spends bringing state up to GPUs (each GPU's link on its own)."""
+    total = 0.0
+    for (obj, loc), nbytes in target.items():
+        if loc.tier is not Tier.GPU:
+            continue
+        gain = nbytes - now.placement.get((obj, loc), 0)
+        if gain <= 0 or obj.kind is Kind.KV:
+            continue
+        gpu = problem.gpus[loc.id]
+        source = now.complete_source(obj, gpu.node) or Tier.NVME
+        total += costs.copy_seconds([gain], [gpu], source, problem.nodes[gpu.node])
+    return total
+
+
+def _predicted(
+    latency_terms: list[np.ndarray],
+    weight_terms: list[np.ndarray],
+    target_terms: list[np.ndarray],
+    gpu_bytes: int,
+    unserved: list[str],
+) -> Predicted:
+    """Probability-weighted statistics of the switch latencies of active and predicted requests."""
+    if not latency_terms:
+        return Predicted(0.0, 0.0, 0.0, 0.0, int(gpu_bytes), tuple(unserved))
+    latency, weight, target = (np.concatenate(t) for t in (latency_terms, weight_terms, target_terms))
+    keep = weight > 0
+    latency, weight, target = latency[keep], weight[keep], target[keep]
+    if latency.size == 0:
+        return Predicted(0.0, 0.0, 0.0, 0.0, int(gpu_bytes), tuple(unserved))
+    order = np.argsort(latency, kind="stable")
+    latency, weight, target = latency[order], weight[order], target[order]
+    cdf = np.cumsum(weight) / weight.sum()
+
+    def quantile(p: float) -> float:
+        return float(latency[min(int(np.searchsorted(cdf, p)), latency.size - 1)])
+
+    return Predicted(
+        switch_latency_p50_seconds=quantile(0.5),
+        switch_latency_p95_seconds=quantile(0.95),
+        switch_latency_mean_seconds=float(latency @ weight / weight.sum()),
+        slo_violation_rate=float(weight @ (latency > target) / weight.sum()),
+        gpu_bytes=int(gpu_bytes),
+        unserved_sessions=tuple(unserved),
+    )

@@ -1,0 +1,365 @@
+"""Turn the confirmed placement into a target placement, one safe operation at a time.
+
+Per object and node, bytes that leave a fast tier while a slower tier gains
+are a `demote` (the copy moves down); bytes a tier gains otherwise are a
+`promote` from the node's fastest complete copy below it (`keep_source`: the
+source stays) or, for KV only, are created by prefill (`from` is null); bytes
+left over are a `drop`. Moves never leave a node.
+
+`depends_on` makes every order that respects it safe, because node agents
+run operations in parallel as soon as their dependencies are done:
+  * a copy's source is freed only after every operation reading it;
+  * a location gains bytes only after every operation freeing bytes there
+    (unless that free itself waits on the gain: then the target leaves room);
+  * a complete copy is dropped only after the other complete copy it relies on exists.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+from planner_service.domain.problem import Problem
+from planner_service.domain.scenario import Capability, Slo
+from planner_service.domain.state import TIER_RANK, Kind, Location, Placement, StateObject, Tier
+from planner_service.planner import costs
+from planner_service.planner.residency import ResidencyIndex
+
+
+class Action(StrEnum):
+    PROMOTE = "promote"
+    DEMOTE = "demote"
+    DROP = "drop"
+
+
+class Priority(StrEnum):
+    BLOCKING = "blocking"
+    INTERACTIVE = "interactive"
+    BACKGROUND = "background"
+    PREFETCH = "prefetch"
+
+
+PRIORITY_RANK = {Priority.BLOCKING: 0, Priority.INTERACTIVE: 1, Priority.BACKGROUND: 2, Priority.PREFETCH: 3}
+
+
+@dataclass(slots=True)
+class Operation:
+    id: str
+    action: Action
+    object: StateObject
+    source: Location | None
+    dest: Location | None
+    bytes: int
+    keep_source: bool
+    priority: Priority = Priority.BACKGROUND
+    depends_on: list[str] = field(default_factory=list)
+    estimated_seconds: float = 0.0
+    reason: str = ""
+    node: str = ""  # every move stays inside one node
+
+    def frees(self) -> Location | None:
+        """The location this operation takes bytes from, if any."""
+        return None if self.keep_source else self.source
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "action": self.action.value,
+            "object": self.object.to_json(),
+            "from": self.source.to_json() if self.source else None,
+            "to": self.dest.to_json() if self.dest else None,
+            "bytes": int(self.bytes),
+            "keep_source": self.keep_source,
+            "priority": self.priority.value,
+            "depends_on": list(self.depends_on),
+            "estimated_seconds": round(self.estimated_seconds, 6),
+            "reason": self.reason,
+            "node": self.node,
+        }
+
+
+def apply_operation(placement: Placement, op: Operation) -> None:
+    """Apply one operation to a placement in place (what a node agent's `done` confirms)."""
+    if op.dest is not None:
+        key = (op.object, op.dest)
+        placement[key] = placement.get(key, 0) + op.bytes
+    if op.source is not None and not op.keep_source:
+        key = (op.object, op.source)
+        left = placement.get(key, 0) - op.bytes
+        if left > 0:
+            placement[key] = left
+        else:
+            placement.pop(key, None)
+
+
+def apply_operations(placement: Mapping[tuple[StateObject, Location], int], ops: Sequence[Operation]) -> Placement:
+    out = dict(placement)
+    for op in ops:
+        apply_operation(out, op)
+    return out
+
+
+class _Builder:
+    def __init__(self, problem: Problem, target: Mapping[tuple[StateObject, Location], int], reasons: Mapping[StateObject, str]):
+        self.p = problem
+        self.target = target
+        self.reasons = reasons
+        self.now = ResidencyIndex.build(problem, problem.residency)
+        self.ops: list[Operation] = []
+        self.active_slo = self._active_slo()
+
+    def _active_slo(self) -> dict[StateObject, Slo]:
+        """Objects a request in flight needs on GPU, with the most urgent SLO among those requests."""
+        order = list(Slo)
+        out: dict[StateObject, Slo] = {}
+        for s in self.p.sessions.values():
+            if not s.active:
+                continue
+            model = self.p.models[s.model]
+            for obj in [StateObject.kv(s.model, s.id), *(StateObject.weights(s.model, p) for p in model.precisions)]:
+                if obj not in out or order.index(s.slo) < order.index(out[obj]):
+                    out[obj] = s.slo
+        return out
+
+    def _new(self, action: Action, obj: StateObject, source: Location | None, dest: Location | None, nbytes: int, keep: bool) -> Operation:
+        op = Operation(str(len(self.ops)), action, obj, source, dest, int(nbytes), keep)
+        op.node = self.p.node_of(dest or source)
+        op.estimated_seconds = self._seconds(op)
+        op.priority = self._priority(op)
+        op.reason = self._reason(op)
+        self.ops.append(op)
+        return op
+
+    # -- diff -------------------------------------------------------------
+
+    def diff(self) -> None:
+        keys: dict[tuple[StateObject, str], set[Location]] = defaultdict(set)
+        for placement in (self.p.residency, self.target):
+            for obj, loc in placement:
+                keys[(obj, self.p.node_of(loc))].add(loc)
+        for (obj, node), locs in sorted(keys.items()):
+            gains: dict[Location, int] = {}
+            losses: dict[Location, int] = {}
+            for loc in sorted(locs):
+                delta = self.target.get((obj, loc), 0) - self.p.residency.get((obj, loc), 0)
+                if delta > 0:
+                    gains[loc] = delta
+                elif delta < 0:
+                    losses[loc] = -delta
+            self._moves_down(obj, gains, losses)
+            self._copies_up(obj, node, gains)
+            for loc, nbytes in sorted(losses.items()):
+                if nbytes > 0:
+                    self._new(Action.DROP, obj, loc, None, nbytes, False)
+
+    def _moves_down(self, obj: StateObject, gains: dict[Location, int], losses: dict[Location, int]) -> None:
+        for dest in sorted(gains, key=lambda l: (-TIER_RANK[l.tier], l)):
+            for src in sorted(losses, key=lambda l: (TIER_RANK[l.tier], l)):
+                if TIER_RANK[src.tier] >= TIER_RANK[dest.tier] or gains[dest] == 0 or losses[src] == 0:
+                    continue
+                nbytes = min(gains[dest], losses[src])
+                self._new(Action.DEMOTE, obj, src, dest, nbytes, False)
+                gains[dest] -= nbytes
+                losses[src] -= nbytes
+
+    def _copies_up(self, obj: StateObject, node: str, gains: dict[Location, int]) -> None:
+        for dest, nbytes in sorted(gains.items(), key=lambda kv: (TIER_RANK[kv[0].tier], kv[0])):
+            if nbytes <= 0:
+                continue
+            source = self._complete_source_for(obj, node, dest)
+            if source is not None:
+                action = Action.PROMOTE if TIER_RANK[source.tier] > TIER_RANK[dest.tier] else Action.DEMOTE
+                self._new(action, obj, source, dest, nbytes, True)
+                continue
+            if obj.kind is not Kind.KV:
+                raise ValueError(f"no complete copy of {obj.label()} on node {node} to fill {dest.label()} from")
+            # KV: restore what a lower tier holds, prefill the rest on the GPU
+            for tier in (Tier.HOST, Tier.NVME):
+                below = Location(tier, node)
+                have = self.p.residency.get((obj, below), 0)
+                if nbytes and have and TIER_RANK[tier] > TIER_RANK[dest.tier] and self._kv_offload(node):
+                    part = min(have, nbytes)
+                    self._new(Action.PROMOTE, obj, below, dest, part, True)
+                    nbytes -= part
+            if nbytes and dest.tier is Tier.GPU:
+                self._new(Action.PROMOTE, obj, None, dest, nbytes, True)
+            elif nbytes:
+                raise ValueError(f"no source for {nbytes} bytes of {obj.label()} at {dest.label()}")
+
+    def _kv_offload(self, node: str) -> bool:
+        return Capability.KV_OFFLOAD in self.p.nodes[node].capabilities
+
+    def _complete_source_for(self, obj: StateObject, node: str, dest: Location) -> Location | None:
+        caps = self.p.nodes[node].capabilities
+        for tier in (Tier.HOST, Tier.NVME, Tier.GPU):
+            if tier is dest.tier:
+                continue
+            if tier is Tier.HOST and obj.kind is Kind.WEIGHTS and Capability.WEIGHTS_OFFLOAD not in caps:
+                continue
+            if tier is Tier.GPU:
+                continue  # GPU shards are never read as a source for another tier's full copy here
+            if self.now.complete(obj, node, tier):
+                return Location(tier, node)
+        return None
+
+    # -- dependencies -------------------------------------------------------
+
+    def link(self) -> None:
+        deps: dict[str, set[str]] = {op.id: set() for op in self.ops}
+        readers: dict[tuple[StateObject, Location], list[Operation]] = defaultdict(list)
+        adders: dict[tuple[StateObject, Location], list[Operation]] = defaultdict(list)
+        frees_at: dict[Location, list[Operation]] = defaultdict(list)
+        adds_at: dict[Location, list[Operation]] = defaultdict(list)
+        for op in self.ops:
+            if op.source is not None and op.keep_source:
+                readers[(op.object, op.source)].append(op)
+            if op.frees() is not None:
+                frees_at[op.source].append(op)
+            if op.dest is not None:
+                adders[(op.object, op.dest)].append(op)
+                adds_at[op.dest].append(op)
+        # a source is freed only after its readers are done
+        for op in self.ops:
+            if op.frees() is not None:
+                deps[op.id].update(r.id for r in readers[(op.object, op.source)] if r is not op)
+        # a complete copy is dropped only once another complete copy on the node exists
+        for op in self.ops:
+            if op.action is Action.DROP and op.object.kind is not Kind.KV:
+                for other in self._complete_copies_in_target(op.object, self.p.node_of(op.source)):
+                    if other != op.source:
+                        deps[op.id].update(a.id for a in adders[(op.object, other)])
+        # a location gains bytes only after the frees there
+        by_id = {op.id: op for op in self.ops}
+        for loc, adds in adds_at.items():
+            for add in adds:
+                for free in frees_at.get(loc, []):
+                    if free is add or self._reaches(deps, free.id, add.id):
+                        continue
+                    deps[add.id].add(free.id)
+        for op in self.ops:
+            op.depends_on = sorted(deps[op.id], key=int)
+        self._inherit_priority(by_id)
+
+    @staticmethod
+    def _reaches(deps: Mapping[str, set[str]], start: str, goal: str) -> bool:
+        seen, stack = {start}, [start]
+        while stack:
+            for nxt in deps[stack.pop()]:
+                if nxt == goal:
+                    return True
+                if nxt not in seen:
+                    seen.add(nxt)
+                    stack.append(nxt)
+        return False
+
+    def _complete_copies_in_target(self, obj: StateObject, node: str) -> list[Location]:
+        size = self.p.size_of(obj)
+        return [
+            Location(t, node) for t in (Tier.HOST, Tier.NVME) if self.target.get((obj, Location(t, node)), 0) >= size
+        ]
+
+    def _inherit_priority(self, by_id: Mapping[str, Operation]) -> None:
+        """What an urgent operation waits on is as urgent as it is."""
+        for op in sorted(self.ops, key=lambda o: PRIORITY_RANK[o.priority]):
+            stack = list(op.depends_on)
+            while stack:
+                dep = by_id[stack.pop()]
+                if PRIORITY_RANK[dep.priority] > PRIORITY_RANK[op.priority]:
+                    dep.priority = op.priority
+                    stack.extend(dep.depends_on)
+
+    def ordered(self) -> list[Operation]:
+        """Kahn's topological order, most urgent first among the ready; ids renumbered in that order."""
+        import heapq
+
+        by_id = {op.id: op for op in self.ops}
+        pending = {op.id: len(op.depends_on) for op in self.ops}
+        children: dict[str, list[str]] = defaultdict(list)
+        for op in self.ops:
+            for d in op.depends_on:
+                children[d].append(op.id)
+        ready = [(PRIORITY_RANK[op.priority], int(op.id)) for op in self.ops if not op.depends_on]
+        heapq.heapify(ready)
+        order: list[Operation] = []
+        while ready:
+            _, oid = heapq.heappop(ready)
+            order.append(by_id[str(oid)])
+            for child in children[str(oid)]:
+                pending[child] -= 1
+                if pending[child] == 0:
+                    heapq.heappush(ready, (PRIORITY_RANK[by_id[child].priority], int(child)))
+        if len(order) != len(self.ops):
+            raise ValueError("operation dependencies form a cycle")
+        renumber = {op.id: f"op-{i + 1}" for i, op in enumerate(order)}
+        for op in order:
+            op.id = renumber[op.id]
+            op.depends_on = sorted((renumber[d] for d in op.depends_on), key=lambda x: int(x[3:]))
+        return order
+
+    # -- annotations --------------------------------------------------------
+
+    def _priority(self, op: Operation) -> Priority:
+        if op.dest is not None and op.dest.tier is Tier.GPU:
+            slo = self.active_slo.get(op.object)
+            if slo is None and op.object.kind is Kind.EXPERTS:
+                slo = min(
+                    (self.active_slo[k] for k in self.active_slo if k.model == op.object.model and k.kind is Kind.WEIGHTS),
+                    key=list(Slo).index,
+                    default=None,
+                )
+            return Priority(slo.value) if slo is not None else Priority.PREFETCH
+        if op.action is Action.PROMOTE:
+            return Priority.PREFETCH
+        return Priority.BACKGROUND
+
+    def _seconds(self, op: Operation) -> float:
+        node = self.p.nodes[self.p.node_of(op.dest or op.source)]
+        if op.action is Action.DROP:
+            return 0.0
+        if op.action is Action.PROMOTE:
+            if op.dest.tier is Tier.GPU:
+                gpu = self.p.gpus[op.dest.id]
+                if op.source is None:  # KV made by prefill
+                    model = self.p.models[op.object.model]
+                    tokens = op.bytes / max(1, model.kv_bytes_per_token)
+                    return tokens * costs.prefill_seconds_per_token(model, [gpu], self.p.constants)
+                return costs.copy_seconds([op.bytes], [gpu], op.source.tier, node)
+            return op.bytes / node.nvme_read_bytes_per_s
+        gpu = self.p.gpus[op.source.id] if op.source.tier is Tier.GPU else None
+        return costs.write_down_seconds(op.bytes, gpu, op.dest.tier, node)
+
+    def _reason(self, op: Operation) -> str:
+        gib = op.bytes / 2**30
+        why = self.reasons.get(op.object)
+        if op.action is Action.PROMOTE:
+            base = f"bring {gib:.2f} GiB of {op.object.label()} to {op.dest.label()}"
+            if op.source is None:
+                base = f"prefill {gib:.2f} GiB of {op.object.label()} on {op.dest.label()}"
+            if op.object in self.active_slo:
+                return f"{base}: a {self.active_slo[op.object].value} request is waiting for it"
+            return f"{base}: {why}" if why else f"{base}: predicted to be needed"
+        if op.action is Action.DEMOTE:
+            return f"free {gib:.2f} GiB on {op.source.label()}; keep {op.object.label()} on {op.dest.label()} for a cheaper way back"
+        return f"free {gib:.2f} GiB on {op.source.label()}; {op.object.label()} is worth less than the room it takes"
+
+
+def build_operations(
+    problem: Problem, target: Mapping[tuple[StateObject, Location], int], reasons: Mapping[StateObject, str] | None = None
+) -> list[Operation]:
+    """The operations that turn `problem.residency` into `target`, in a topological order of `depends_on`."""
+    builder = _Builder(problem, target, reasons or {})
+    builder.diff()
+    builder.link()
+    return builder.ordered()
+
+
+def transfer_bytes(ops: Sequence[Operation]) -> int:
+    return sum(op.bytes for op in ops if op.action is not Action.DROP)
+
+
+def total_seconds(ops: Sequence[Operation]) -> float:
+    return math.fsum(op.estimated_seconds for op in ops)

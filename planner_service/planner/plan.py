@@ -1,0 +1,72 @@
+"""A plan: the target placement, the operations to reach it, and what it is predicted to buy.
+
+Every solver returns a `Plan`, produced by `make_plan` from a target
+placement, so operations, objective and predicted metrics are computed the
+same way for all of them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+from planner_service.domain.problem import Problem
+from planner_service.domain.state import Location, StateObject, placement_to_json
+from planner_service.planner.objective import Objective, Predicted, evaluate
+from planner_service.planner.operations import Operation, build_operations
+
+
+class PlanStatus(StrEnum):
+    OK = "ok"  # every active request is served
+    PARTIAL = "partial"  # some active requests wait for room (named in `unserved`)
+    OPTIMAL = "optimal"  # proved optimal by an exact solver
+    FEASIBLE = "feasible"  # an exact solver's incumbent, optimality not proved
+    TIMEOUT = "timeout"  # the exact solver ran out of time; the best plan known is returned
+    INFEASIBLE = "infeasible"
+
+
+@dataclass
+class Plan:
+    solver: str
+    status: PlanStatus
+    objective: Objective
+    predicted: Predicted
+    placement: dict[tuple[StateObject, Location], int]
+    operations: list[Operation]
+    unserved: dict[str, str]
+    solve_seconds: float = 0.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "solver": self.solver,
+            "status": self.status.value,
+            "objective": round(self.objective.total, 6),
+            "objective_terms": {k: round(v, 6) for k, v in self.objective.as_dict().items()},
+            "solve_seconds": round(self.solve_seconds, 6),
+            "placement": placement_to_json(self.placement),
+            "operations": [op.to_json() for op in self.operations],
+            "predicted": self.predicted.as_dict(),
+            "unserved": [{"session": s, "constraint": why} for s, why in sorted(self.unserved.items())],
+        }
+        out.update(self.extra)
+        return out
+
+
+def make_plan(
+    problem: Problem,
+    solver: str,
+    target: Mapping[tuple[StateObject, Location], int],
+    unserved: Mapping[str, str],
+    reasons: Mapping[StateObject, str] | None = None,
+    status: PlanStatus | None = None,
+    solve_seconds: float = 0.0,
+) -> Plan:
+    placement = {k: int(v) for k, v in target.items() if v > 0}
+    operations = build_operations(problem, placement, reasons)
+    objective, predicted = evaluate(problem, placement)
+    if status is None:
+        status = PlanStatus.PARTIAL if unserved else PlanStatus.OK
+    return Plan(solver, status, objective, predicted, placement, operations, dict(unserved), solve_seconds)

@@ -1,0 +1,69 @@
+"""Solvers behind one protocol, registered by name.
+
+A solver takes a compiled `Problem` and returns a `Plan`. The MILP oracle
+registers itself lazily so that OR-Tools is imported only when asked for.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from enum import StrEnum
+from typing import Protocol
+
+from planner_service.domain.problem import Problem
+from planner_service.planner.greedy import plan_greedy
+from planner_service.planner.plan import Plan, make_plan
+
+
+class SolverName(StrEnum):
+    GREEDY = "greedy"
+    MILP = "milp"
+
+
+class Solver(Protocol):
+    def __call__(self, problem: Problem, **options: object) -> Plan: ...
+
+
+def _greedy(problem: Problem, **_: object) -> Plan:
+    started = time.perf_counter()
+    target = plan_greedy(problem)
+    plan = make_plan(problem, SolverName.GREEDY, target.placement, target.unserved, target.reasons)
+    plan.solve_seconds = time.perf_counter() - started
+    return plan
+
+
+def _milp(problem: Problem, **options: object) -> Plan:
+    from planner_service.solver.milp import solve_milp  # OR-Tools loads only when the oracle is used
+
+    return solve_milp(problem, **options)
+
+
+class SolverRegistry:
+    def __init__(self) -> None:
+        self._solvers: dict[str, Callable[..., Plan]] = {}
+
+    def register(self, name: str, solver: Callable[..., Plan]) -> None:
+        if name in self._solvers:
+            raise ValueError(f"solver {name!r} is registered already")
+        self._solvers[name] = solver
+
+    def get(self, name: str) -> Callable[..., Plan]:
+        try:
+            return self._solvers[name]
+        except KeyError:
+            raise ValueError(f"unknown solver {name!r}; choose one of: {', '.join(sorted(self._solvers))}") from None
+
+    def names(self) -> list[str]:
+        return sorted(self._solvers)
+
+
+def default_registry() -> SolverRegistry:
+    registry = SolverRegistry()
+    registry.register(SolverName.GREEDY, _greedy)
+    registry.register(SolverName.MILP, _milp)
+    return registry
+
+
+def solve(problem: Problem, solver: str = SolverName.GREEDY, **options: object) -> Plan:
+    return default_registry().get(solver)(problem, **options)

@@ -11,11 +11,15 @@ from pathlib import Path
 from typing import Any
 
 from planner_service.domain.scenario import Scenario
+from planner_service.sim.trace import trace_json_schema
 
 
 def schema_builders() -> dict[str, Callable[[], dict[str, Any]]]:
     """File name -> function building that schema. Other formats add themselves here."""
-    return {"scenario.schema.json": lambda: Scenario.model_json_schema()}
+    return {
+        "scenario.schema.json": lambda: Scenario.model_json_schema(),
+        "trace.schema.json": trace_json_schema,
+    }
 
 
 def render(schema: dict[str, Any]) -> str:

@@ -1,0 +1,57 @@
+# syntax=docker/dockerfile:1
+#
+# StateBudget planner image.
+#   docker build -t statebudget .
+#   docker run -p 8000:8000 -v statebudget-data:/data statebudget
+# The image runs `statebudget serve` as an unprivileged user; state lives in the /data volume.
+
+ARG PYTHON_IMAGE=python:3.11-slim
+
+# --- builder: build the wheel and install it with its dependencies into a virtual environment ---
+FROM ${PYTHON_IMAGE} AS builder
+
+ENV PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PYTHONDONTWRITEBYTECODE=1
+
+WORKDIR /src
+RUN python -m venv /opt/venv
+# What the build context carries is decided by .dockerignore (sources, pyproject.toml, README.md).
+COPY . .
+RUN python -m pip wheel --no-deps --wheel-dir /wheels . \
+ && /opt/venv/bin/pip install /wheels/*.whl \
+ && /opt/venv/bin/statebudget --help > /dev/null
+
+# --- runtime: the virtual environment on a clean slim image, no compilers, no sources ---
+FROM ${PYTHON_IMAGE} AS runtime
+
+LABEL org.opencontainers.image.title="statebudget" \
+      org.opencontainers.image.description="Control plane that plans where LLM weights, KV cache and MoE experts live in a small GPU cluster"
+
+ENV PATH=/opt/venv/bin:$PATH \
+    PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    MPLBACKEND=Agg
+
+# A fixed numeric uid/gid so that Kubernetes `runAsNonRoot` can verify it and volume ownership is predictable.
+RUN groupadd --system --gid 10001 statebudget \
+ && useradd --system --uid 10001 --gid statebudget --home-dir /home/statebudget --create-home \
+            --shell /usr/sbin/nologin statebudget \
+ && mkdir -p /data \
+ && chown statebudget:statebudget /data
+
+COPY --from=builder /opt/venv /opt/venv
+
+# Declared after the chown: a fresh named volume copies this ownership.
+VOLUME ["/data"]
+WORKDIR /home/statebudget
+USER 10001:10001
+
+EXPOSE 8000
+
+# The slim image has no curl: ask /livez with the standard library (a non-2xx answer raises, exit 1).
+HEALTHCHECK --interval=15s --timeout=5s --start-period=30s --retries=3 \
+    CMD ["python", "-c", "import sys, urllib.request; sys.exit(0 if urllib.request.urlopen('http://127.0.0.1:8000/livez', timeout=4).status == 200 else 1)"]
+
+ENTRYPOINT ["statebudget"]
+CMD ["serve", "--host", "0.0.0.0", "--port", "8000", "--db", "/data/statebudget.db"]

@@ -100,22 +100,16 @@ def print_plan(result: Plan, problem) -> None:
     for gid, gpu in sorted(problem.gpus.items()):
         table.add_row(gid, gpu.node, gpu.type, f"{used[gid] / gib:.1f} / {gpu.capacity_bytes / gib:.1f}", ", ".join(holdings[gid]))
     out.print(table)
-    ops = Table(title=f"{len(result.operations)} operations")
-    for col in ("id", "action", "object", "from", "to", "GiB", "priority", "after", "why"):
-        ops.add_column(col)
+    out.print(f"\n[bold]{len(result.operations)} operations[/] (run in parallel once their dependencies are done)")
     for op in result.operations:
-        ops.add_row(
-            op.id,
-            op.action.value,
-            op.object.label(),
-            op.source.label() if op.source else "-",
-            op.dest.label() if op.dest else "-",
-            f"{op.bytes / gib:.2f}",
-            op.priority.value,
-            ",".join(op.depends_on),
-            op.reason,
+        route = f"{op.source.label() if op.source else 'prefill'} -> {op.dest.label() if op.dest else 'dropped'}"
+        after = f" after {','.join(op.depends_on)}" if op.depends_on else ""
+        out.print(
+            f"{op.id:>6} {op.action.value:<7} {op.object.label()} {route} {op.bytes / gib:.2f} GiB "
+            f"[{op.priority.value}]{after}\n         {op.reason}",
+            highlight=False,
+            markup=False,
         )
-    out.print(ops)
 
 
 @bench_app.command("plan")
@@ -154,6 +148,57 @@ def bench_plan(
         out.print(result)
 
 
+@app.command()
+def gap(
+    scenarios: Annotated[int, typer.Option(help="Random scenarios to plan (or files to take from --scenario-dir).")] = 50,
+    seed: Annotated[int, typer.Option(help="Scenario i is random_scenario(default_rng(seed + i)); also the MILP seed.")] = 0,
+    gpus: Annotated[int, typer.Option(help="GPUs of each random scenario.")] = 16,
+    models: Annotated[int, typer.Option(help="Models of each random scenario.")] = 7,
+    sessions: Annotated[int, typer.Option(help="Sessions of each random scenario.")] = 100,
+    time_limit: Annotated[float, typer.Option("--time-limit", help="MILP time limit per scenario, seconds.")] = 20.0,
+    workers: Annotated[int, typer.Option(help="MILP worker threads.")] = 2,
+    scenario_dir: Annotated[Path | None, typer.Option("--scenario-dir", help="Plan these scenario files instead.")] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """The greedy's optimality gap: plan each scenario with greedy and MILP, print ratios on the avoidable objective."""
+    from planner_service.solver.gap import gap_study, random_scenarios, scenario_files
+
+    if scenario_dir is not None:
+        cases = scenario_files(scenario_dir, scenarios)
+    else:
+        cases = random_scenarios(scenarios, seed, gpus, models, sessions)
+
+    def progress(row) -> None:
+        err.print(
+            f"{row.scenario}: greedy {row.greedy_objective:.2f}  milp {row.milp_objective:.2f} ({row.milp_status})  "
+            f"unavoidable {row.unavoidable:.2f}  ratio {row.ratio:.4f}",
+            highlight=False,
+            soft_wrap=True,
+        )
+
+    try:
+        summary = gap_study(cases, time_limit_seconds=time_limit, seed=seed, workers=workers, progress=progress)
+    except (ScenarioError, ValueError) as error:
+        raise fail(str(error)) from None
+    if as_json:
+        emit_json(summary)
+        return
+    table = Table(title="greedy vs MILP")
+    for col in ("scenario", "greedy", "milp", "status", "unavoidable", "ratio"):
+        table.add_column(col)
+    for row in summary["per_scenario"]:
+        table.add_row(
+            row["scenario"],
+            f"{row['greedy_objective']:.2f}",
+            f"{row['milp_objective']:.2f}",
+            row["milp_status"],
+            f"{row['unavoidable']:.2f}",
+            f"{row['ratio']:.4f}",
+        )
+    out.print(table)
+    out.print({k: v for k, v in summary.items() if k != "per_scenario"})
+
+
 @app.command("export-schemas")
 def export_schemas(
     out_dir: Annotated[Path, typer.Option("--out", help="Folder for the JSON Schema files.")] = Path("schemas"),
@@ -165,5 +210,136 @@ def export_schemas(
         err.print(f"wrote {path}")
 
 
+trace_app = typer.Typer(no_args_is_help=True, help="Agent traces: synthesize one, or import a public trace.")
+app.add_typer(trace_app, name="trace")
+OutOpt = Annotated[Path, typer.Option("--out", help="Trace file to write (JSON Lines, sorted by time).")]
+
+
+def report_trace(path: Path, summary, as_json: bool) -> None:
+    result = {"out": str(path), **summary.to_json()}
+    if as_json:
+        emit_json(result)
+    else:
+        models = ", ".join(f"{m} {n}" for m, n in result["models"].items())
+        out.print(
+            f"wrote {path}: {result['requests']} requests, {result['sessions']} sessions, "
+            f"{result['duration_seconds'] / 3600:.2f} h; requests per model: {models}",
+            highlight=False,
+        )
+
+
+@trace_app.command("synth")
+def trace_synth(
+    out_path: OutOpt,
+    sessions: Annotated[int, typer.Option(help="Sessions alive at a time.")] = 10,
+    hours: Annotated[float, typer.Option(help="Length of the trace in hours.")] = 8.0,
+    users: Annotated[int, typer.Option(help="Engineers who own the sessions.")] = 10,
+    seed: Annotated[int, typer.Option(help="Random seed; the same seed gives the same trace.")] = 0,
+    scenario: ScenarioOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Write a synthetic agent trace: hand-offs drift by hour, heavy-tailed tool gaps, growing contexts."""
+    from planner_service.sim.synth import SynthParams, synth_trace
+    from planner_service.sim.trace import write_trace_stream
+
+    parsed = read_scenario(scenario)
+    try:
+        params = SynthParams(sessions=sessions, hours=hours, users=users)
+    except ValueError as error:
+        raise fail(str(error)) from None
+    records = synth_trace(parsed, params, np.random.default_rng(seed))
+    report_trace(out_path, write_trace_stream(out_path, records), as_json)
+
+
+@trace_app.command("import")
+def trace_import(
+    fmt: Annotated[str, typer.Option("--format", help="Source format: alibaba, azure or mooncake.")],
+    input_path: Annotated[Path, typer.Option("--input", help="The source file or its folder.")],
+    out_path: OutOpt,
+    scenario: ScenarioOpt = None,
+    limit: Annotated[int | None, typer.Option(help="Read at most this many source requests.")] = None,
+    models: Annotated[
+        str | None, typer.Option(help="Comma-separated scenario models to map onto (the format's docs say how).")
+    ] = None,
+    idle_timeout: Annotated[
+        float | None, typer.Option("--idle-timeout", help="Seconds without a request that end a session.")
+    ] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Convert a public trace (Azure 2023, Mooncake, Alibaba GenAI 2026) into a StateBudget trace."""
+    from planner_service.sim.importers import ImportOptions, default_registry
+    from planner_service.sim.trace import write_trace_stream
+
+    parsed = read_scenario(scenario)
+    if not input_path.exists():
+        raise fail(f"{input_path}: no such file or folder")
+    chosen = tuple(m.strip() for m in models.split(",") if m.strip()) if models else ()
+    try:
+        importer = default_registry().get(fmt)
+        options = ImportOptions(limit=limit, models=chosen, idle_timeout_seconds=idle_timeout)
+        summary = write_trace_stream(out_path, importer.records(input_path, parsed, options))
+    except ValueError as error:  # TraceError included
+        raise fail(str(error)) from None
+    report_trace(out_path, summary, as_json)
+
+
+def _serve_epilog() -> str:
+    from planner_service.settings import env_help
+
+    return env_help()
+
+
+@app.command(epilog=_serve_epilog())
+def serve(
+    scenario: Annotated[
+        Path | None, typer.Option("--scenario", help="Seed an empty database from this scenario file (JSON or YAML).")
+    ] = None,
+    demo: Annotated[
+        bool, typer.Option("--demo", help="Seed an empty database with the demo scenario (the default seed).")
+    ] = False,
+    host: Annotated[str | None, typer.Option(help="Address to listen on (STATEBUDGET_HOST).")] = None,
+    port: Annotated[int | None, typer.Option(help="TCP port (STATEBUDGET_PORT).")] = None,
+    db: Annotated[
+        Path | None,
+        typer.Option("--db", help="SQLite database (STATEBUDGET_DB_PATH); an existing one wins over --scenario/--demo."),
+    ] = None,
+) -> None:
+    """Run the planner service: HTTP API, planning loop, Prometheus metrics at /metrics."""
+    import logging
+
+    import uvicorn
+    from pydantic import ValidationError
+
+    from planner_service.api.app import create_app
+    from planner_service.settings import Settings
+
+    if scenario is not None and demo:
+        raise fail("give --scenario or --demo, not both")
+    overrides: dict[str, Any] = {"host": host, "port": port, "db_path": db, "scenario_path": scenario}
+    overrides = {k: v for k, v in overrides.items() if v is not None}
+    if demo:
+        overrides["demo"] = True
+    try:
+        settings = Settings(**overrides)
+    except ValidationError as error:
+        raise fail(f"invalid settings\n{error}") from None
+    if settings.scenario_path is not None:
+        read_scenario(settings.scenario_path)  # a bad seed fails here, with its field, before listening
+    logging.basicConfig(
+        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
+    )
+    uvicorn.run(
+        create_app(settings),
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level,
+        timeout_graceful_shutdown=5,  # lease long-polls must not hold a shutdown for their whole wait
+    )
+
+
 def main() -> None:  # pragma: no cover - console script entry
+    app()
+
+
+if __name__ == "__main__":
     app()

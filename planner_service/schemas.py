@@ -14,11 +14,19 @@ from planner_service.domain.scenario import Scenario
 from planner_service.sim.trace import trace_json_schema
 
 
+def _openapi() -> dict[str, Any]:
+    from planner_service.api.app import create_app  # the web layer loads only for this file
+    from planner_service.settings import Settings
+
+    return create_app(Settings()).openapi()
+
+
 def schema_builders() -> dict[str, Callable[[], dict[str, Any]]]:
-    """File name -> function building that schema. Other formats add themselves here."""
+    """File name -> function building that schema."""
     return {
         "scenario.schema.json": lambda: Scenario.model_json_schema(),
         "trace.schema.json": trace_json_schema,
+        "openapi.json": _openapi,
     }
 
 

@@ -23,6 +23,7 @@ The result is a target placement; `operations.py` turns it into moves.
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import itertools
 import math
@@ -34,11 +35,12 @@ from planner_service.domain.problem import Gpu, ModelSpec, Problem, Session
 from planner_service.domain.scenario import Capability, Slo
 from planner_service.domain.state import Kind, Location, Placement, StateObject, Tier
 from planner_service.planner import costs
-from planner_service.planner.objective import cold_load, kv_ready
-from planner_service.planner.residency import ResidencyIndex
+from planner_service.planner.objective import Demand, cold_load
+from planner_service.planner.residency import ResidencyIndex, copy_placement
 
 SLO_RANK = {Slo.BLOCKING: 0, Slo.INTERACTIVE: 1, Slo.BACKGROUND: 2}
 EXPERT_CHUNKS = 16  # granularity of partial expert residency the greedy considers
+ALL_TIERS = tuple(Tier)
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,17 +67,62 @@ def split_evenly(nbytes: int, parts: int) -> list[int]:
 
 
 class _GpuBook:
-    """Free HBM per GPU while the target is being built."""
+    """Free HBM per GPU while the target is being built, and which nodes look alike to a placement.
+
+    Two nodes *look alike* when their NVMe reads equally fast and their GPUs,
+    taken in id order, match in free bytes, type and host link: then a model
+    gets the same group shape, load time and slack on either, so a search
+    needs to try only the first of them (by id) per source tier. Change
+    `free` through `take`, which keeps the grouping current.
+    """
 
     def __init__(self, problem: Problem) -> None:
+        self.p = problem
         self.free = {g.id: g.capacity_bytes for g in problem.gpus.values()}
+        self._dirty: set[str] = set()  # nodes whose look changed since the grouping was last brought up to date
+        self._gpu_ids = {n.id: sorted(n.gpus) for n in problem.nodes.values()}
+        self._hardware = {  # the part of a node's look that never changes
+            n.id: (n.nvme_read_bytes_per_s, tuple((problem.gpus[g].type, problem.gpus[g].h2d_bytes_per_s) for g in self._gpu_ids[n.id]))
+            for n in problem.nodes.values()
+        }
+        self._look: dict[str, tuple] = {}
+        self._alike: dict[tuple, list[str]] = defaultdict(list)  # look -> its nodes, sorted by id
+        for node_id in sorted(problem.nodes):
+            self._look[node_id] = look = self._looks(node_id)
+            self._alike[look].append(node_id)
 
     def fits(self, gpus: Iterable[Gpu], shards: Iterable[int]) -> bool:
         return all(self.free[g.id] >= b for g, b in zip(gpus, shards, strict=True))
 
     def take(self, gpus: Iterable[Gpu], shards: Iterable[int]) -> None:
         for g, b in zip(gpus, shards, strict=True):
-            self.free[g.id] -= b
+            if b:
+                self.free[g.id] -= b
+                self._dirty.add(g.node)
+
+    def room(self, node_id: str) -> int:
+        """Free bytes on all of the node's GPUs together."""
+        return sum(self.free[g] for g in self._gpu_ids[node_id])
+
+    def alike(self) -> Iterable[list[str]]:
+        """Nodes grouped by look, each group sorted by id."""
+        for node_id in self._dirty:
+            self._regroup(node_id)
+        self._dirty.clear()
+        return self._alike.values()
+
+    def _looks(self, node_id: str) -> tuple:
+        return (self._hardware[node_id], tuple(self.free[g] for g in self._gpu_ids[node_id]))
+
+    def _regroup(self, node_id: str) -> None:
+        old, new = self._look[node_id], self._looks(node_id)
+        if old == new:
+            return
+        self._alike[old].remove(node_id)
+        if not self._alike[old]:
+            del self._alike[old]
+        bisect.insort(self._alike[new], node_id)
+        self._look[node_id] = new
 
 
 class GreedyPlanner:
@@ -88,22 +135,17 @@ class GreedyPlanner:
         self.groups: dict[str, Group] = {}
         self.unserved: dict[str, str] = {}
         self.reasons: dict[StateObject, str] = {}
-        self.demand = self._demand()
+        demand = Demand.of(problem)
+        self.position = demand.position  # session id -> column of `weighted`
+        self.row = demand.row  # model id -> row of `weighted`
+        self.weighted = demand.q * demand.slo_weight  # [models x sessions] SLO weight * probability of the next request
+        self.demand_total = self.weighted.sum(axis=1)  # [models]
+        self.slo_target = demand.slo_target
+        self.active = self._active_sessions()
+        self._host_copies = self._host_copies_by_object()
+        self._cold_groups: dict[tuple[str, str, str], tuple[Gpu, ...] | None] = {}
 
     # -- inputs ------------------------------------------------------------
-
-    def _demand(self) -> dict[str, list[tuple[Session, float]]]:
-        """model -> [(session, SLO weight * probability of its next request there)]."""
-        demand: dict[str, list[tuple[Session, float]]] = defaultdict(list)
-        for sid in sorted(self.p.next_model):
-            session = self.p.sessions.get(sid)
-            if session is None:
-                continue
-            w = self.c.slo_weights.of(session.slo)
-            for model, q in sorted(self.p.next_model[sid].items()):
-                if q > 0 and model in self.p.models:
-                    demand[model].append((session, w * q))
-        return demand
 
     def _active_sessions(self) -> dict[str, list[Session]]:
         active: dict[str, list[Session]] = defaultdict(list)
@@ -112,6 +154,21 @@ class GreedyPlanner:
                 active[s.model].append(s)
         return active
 
+    def _host_copies_by_object(self) -> dict[StateObject, list[str]]:
+        """Nodes whose host DRAM holds a complete copy, per object."""
+        out: dict[StateObject, list[str]] = defaultdict(list)
+        for (obj, loc), nbytes in self.now.on_host.items():
+            if nbytes >= self.p.size_of(obj) > 0:
+                out[obj].append(loc.id)
+        return out
+
+    def _demand(self, model_id: str) -> float:
+        """Total SLO-weighted probability of a next request on the model."""
+        return float(self.demand_total[self.row[model_id]])
+
+    def _weight(self, session_id: str, model_id: str) -> float:
+        return float(self.weighted[self.row[model_id], self.position[session_id]])
+
     def _source(self, obj: StateObject, node: str) -> Tier | None:
         tier = self.now.complete_source(obj, node)
         caps = self.p.nodes[node].capabilities
@@ -119,35 +176,65 @@ class GreedyPlanner:
             return Tier.NVME if self.now.complete(obj, node, Tier.NVME) else None
         return tier
 
+    def _cold_group(self, model: ModelSpec, precision: str, node: str) -> tuple[Gpu, ...] | None:
+        key = (model.id, precision, node)
+        if key not in self._cold_groups:
+            self._cold_groups[key] = costs.cold_group(self.p, model, precision, self.p.nodes[node])
+        return self._cold_groups[key]
+
     # -- step 1: where each model's weights go -----------------------------
 
-    def _group_options(self, model: ModelSpec, extra_bytes: int) -> Iterable[tuple[tuple, Group]]:
-        """Feasible (cost key, group) options for the model's weights plus `extra_bytes` of KV.
+    def _best_group(self, model: ModelSpec, extra_bytes: int) -> tuple[tuple, Group] | None:
+        """The best (cost key, group) for the model's weights plus `extra_bytes` of KV, if any fits.
 
         The key orders by precision preference, then by load time (0 where the
-        weights already sit), then by how tightly the group fits.
+        weights already sit), then by how tightly the group fits, then by node.
         """
+        current = self.now.serving.get(model.id)
         for rank, precision in enumerate(model.precisions):
             obj = StateObject.weights(model.id, precision)
             nbytes = model.weights_bytes[precision]
-            current = self.now.serving.get(model.id)
-            for node_id in sorted(self.p.nodes):
+            options: list[tuple[tuple, Group]] = []
+            stay_node = None
+            if current and current.precision == precision:
+                stay = current.gpus
+                shards = [a + b for a, b in zip(split_evenly(nbytes, len(stay)), split_evenly(extra_bytes, len(stay)))]
+                if self.book.fits(stay, shards):
+                    stay_node = current.node
+                    options.append(((rank, 0.0, 0, stay_node), Group(stay_node, precision, stay)))
+            for node_id, source in self._load_candidates(obj, nbytes + extra_bytes, skip=stay_node):
                 node = self.p.nodes[node_id]
-                source = self._source(obj, node_id)
-                if current and current.node == node_id and current.precision == precision:
-                    stay = current.gpus
-                    shards = [a + b for a, b in zip(split_evenly(nbytes, len(stay)), split_evenly(extra_bytes, len(stay)))]
-                    if self.book.fits(stay, shards):
-                        yield (rank, 0.0, 0, node_id), Group(node_id, precision, stay)
-                        continue
-                if source is None:
-                    continue
                 group = self._best_fit(node.gpus, model, nbytes + extra_bytes)
                 if group is None:
                     continue
                 seconds = costs.weights_load_seconds(nbytes, group, source, node, self.c)
                 slack = sum(self.book.free[g.id] for g in group) - nbytes - extra_bytes
-                yield (rank, seconds, slack, node_id), Group(node_id, precision, group)
+                options.append(((rank, seconds, slack, node_id), Group(node_id, precision, group)))
+            if options:
+                return min(options, key=lambda option: option[0])  # a less preferred precision never wins
+        return None
+
+    def _load_candidates(self, obj: StateObject, need: int, skip: str | None) -> list[tuple[str, Tier]]:
+        """(node, source tier) pairs worth trying for a load of `obj` that takes `need` bytes of HBM.
+
+        Nodes with less room than `need` cannot hold it. Nodes that look alike
+        give equal options, and the lower node id wins the tie, so per look only
+        the first node loading from NVMe is tried; nodes holding a copy in host
+        DRAM (few) are all tried.
+        """
+        out = []
+        for node_id in self._host_copies.get(obj, ()):
+            source = self._source(obj, node_id)
+            if node_id != skip and source is not None and self.book.room(node_id) >= need:
+                out.append((node_id, source))
+        for nodes in self.book.alike():
+            if self.book.room(nodes[0]) < need:
+                continue
+            for node_id in nodes:
+                if node_id != skip and self._source(obj, node_id) is Tier.NVME:
+                    out.append((node_id, Tier.NVME))
+                    break
+        return out
 
     def _best_fit(self, gpu_ids: Iterable[str], model: ModelSpec, nbytes: int) -> tuple[Gpu, ...] | None:
         """The fewest GPUs of one node that hold `nbytes` split evenly, tightest fit first."""
@@ -158,7 +245,7 @@ class GreedyPlanner:
             if len(fitting) < k:
                 continue
             group = tuple(sorted(fitting[:k], key=lambda g: g.id))
-            if k >= max(model.min_gpus.get(g.type, 1) for g in group):
+            if not model.min_gpus or k >= max(model.min_gpus.get(g.type, 1) for g in group):
                 return group
         return None
 
@@ -184,7 +271,7 @@ class GreedyPlanner:
         return session.context_tokens * model.kv_bytes_per_token
 
     def serve_active(self) -> None:
-        active = self._active_sessions()
+        active = self.active
 
         def urgency(model_id: str) -> tuple:
             model = self.p.models[model_id]
@@ -194,16 +281,13 @@ class GreedyPlanner:
             model = self.p.models[model_id]
             sessions = active[model_id]
             need = sum(self._kv_bytes(s, model) for s in sessions)
-            options = sorted(self._group_options(model, need), key=lambda kv: kv[0])
-            served: list[Session] = sessions
-            if not options:
-                # Not all sessions fit: take the group that holds the weights and the most KV.
-                options = sorted(self._group_options(model, 0), key=lambda kv: kv[0])
-                if not options:
-                    for s in sessions:
-                        self.unserved[s.id] = self._why_unplaceable(model)
-                    continue
-            _, group = options[0]
+            # Not all sessions fit: take the group that holds the weights and the most KV.
+            best = self._best_group(model, need) or self._best_group(model, 0)
+            if best is None:
+                for s in sessions:
+                    self.unserved[s.id] = self._why_unplaceable(model)
+                continue
+            _, group = best
             self._place_weights(model, group, f"serves {len(sessions)} active session(s)")
             served = self._water_fill(model, group, sessions)
             for s in sessions:
@@ -263,8 +347,7 @@ class GreedyPlanner:
 
         for model_id in sorted(self.p.models):
             if model_id not in self.groups:
-                for value, nbytes, payload in self._weights_candidates(self.p.models[model_id]):
-                    push(value, nbytes, "weights", payload)
+                self._push_weights(self.p.models[model_id], push)
             else:
                 self._push_followers(model_id, push)
 
@@ -278,44 +361,38 @@ class GreedyPlanner:
                 shards = split_evenly(model.weights_bytes[group.precision], len(group.gpus))
                 if not self.book.fits(group.gpus, shards):
                     # the group filled up; look for another one at the same value
-                    for value, nbytes, again in self._weights_candidates(model):
-                        push(value, nbytes, "weights", again)
+                    self._push_weights(model, push)
                     continue
                 self._place_weights(model, group, "kept warm for predicted requests")
                 self._push_followers(model_id, push)
-            elif kind == "kv":
+            elif kind == "kv":  # a model's group is set once, before its followers are pushed
                 obj, group, nbytes = payload
-                if self.groups.get(obj.model) == group and self.book.fits(group.gpus, split_evenly(nbytes, len(group.gpus))):
+                if self.groups.get(obj.model) is group and self.book.fits(group.gpus, split_evenly(nbytes, len(group.gpus))):
                     self._place_spread(obj, group, nbytes)
             else:
                 obj, group, nbytes = payload
-                if self.groups.get(obj.model) == group:
+                if self.groups.get(obj.model) is group:
                     self._place_expert_chunk(obj, group.node, nbytes)
 
-    def _weights_candidates(self, model: ModelSpec) -> list[tuple[float, int, tuple]]:
-        demand = self.demand.get(model.id)
-        if not demand:
-            return []
+    def _push_weights(self, model: ModelSpec, push) -> None:
+        """The model's weights on their best group, valued by the cold loads they save."""
+        total_w = self._demand(model.id)
+        if total_w <= 0:
+            return
+        best = self._best_group(model, 0)
+        if best is None:
+            return
+        (rank, seconds, _, _), group = best
         cold = cold_load(self.p, self.now, model)
-        out = []
-        options = sorted(self._group_options(model, 0), key=lambda kv: kv[0])
-        if not options:
-            return []
-        key, group = options[0]
-        rank, seconds = key[0], key[1]
         nbytes = model.weights_bytes[group.precision]
-        total_w = sum(w for _, w in demand)
         saved = cold.seconds if math.isfinite(cold.seconds) else self.c.unserved_penalty_seconds
         value = total_w * saved
         # a request that would miss its target cold but not warm saves the violation penalty too
-        for session, w in demand:
-            target = self.c.slo_targets_seconds.of(session.slo)
-            if saved > target:
-                value += w * self.c.violation_penalty_seconds
+        missed = self.weighted[self.row[model.id]][saved > self.slo_target].sum()
+        value += float(missed) * self.c.violation_penalty_seconds
         value -= total_w * self.c.degraded_precision_seconds * (rank > 0)
         value -= costs.gpu_hold_cost(nbytes, self.c) + self.c.move_weight * seconds
-        out.append((value, nbytes, (model.id, group)))
-        return out
+        push(value, nbytes, "weights", (model.id, group))
 
     def _push_followers(self, model_id: str, push) -> None:
         """KV of sessions likely to use the model, and its hot experts, once its weights are placed."""
@@ -323,10 +400,11 @@ class GreedyPlanner:
         group = self.groups[model_id]
         node = self.p.nodes[group.node]
         kv_ok_below = Capability.KV_OFFLOAD in node.capabilities
-        holders = self.now.kv_sessions.get(model_id, set())
-        for session, w in self.demand.get(model_id, []):
-            if session.id not in holders or (session.active and session.model == model_id):
-                continue  # nothing computed to keep, or already placed with the active request
+        for sid in sorted(self.now.kv_sessions.get(model_id, ())):
+            session = self.p.sessions[sid]
+            w = self._weight(sid, model_id)
+            if w <= 0 or (session.active and session.model == model_id):
+                continue  # not predicted here, or already placed with the active request
             obj = StateObject.kv(model_id, session.id)
             nbytes = self._kv_bytes(session, model)
             if nbytes == 0 or not self._kv_exists(obj, group):
@@ -341,16 +419,17 @@ class GreedyPlanner:
             self._push_expert_chunks(model, group, push)
 
     def _kv_exists(self, obj: StateObject, group: Group) -> bool:
-        """KV worth keeping is KV already computed at the precision the model is served at."""
-        if not any(self.now.on(obj, group.node, t) for t in Tier):
+        """KV worth keeping is KV already computed at the precision the model is served at, on a tier
+        the node can restore it from (only its GPUs without KV offload)."""
+        reachable = ALL_TIERS if Capability.KV_OFFLOAD in self.p.nodes[group.node].capabilities else (Tier.GPU,)
+        if not any(self.now.on(obj, group.node, t) for t in reachable):
             return False
         current = self.now.serving.get(obj.model)
         return current is None or current.precision == group.precision
 
     def _push_expert_chunks(self, model: ModelSpec, group: Group, push) -> None:
         obj = StateObject.experts(model.id)
-        demand = sum(w for _, w in self.demand.get(model.id, []))
-        demand += sum(self.c.slo_weights.of(s.slo) for s in self.p.sessions.values() if s.active and s.model == model.id)
+        demand = self._demand(model.id) + sum(self.c.slo_weights.of(s.slo) for s in self.active.get(model.id, ()))
         if demand <= 0:
             return
         partial = Capability.PARTIAL_EXPERTS in self.p.nodes[group.node].capabilities
@@ -358,44 +437,44 @@ class GreedyPlanner:
         unit = model.expert_bytes if partial else model.experts_bytes
         chunk_bytes = max(unit, (model.experts_bytes // chunks) // unit * unit)
         placed = 0
+        slowdown = costs.decode_slowdown_seconds(model, 0.0, group.gpus, self.c)
         while placed < model.experts_bytes:
             nbytes = min(chunk_bytes, model.experts_bytes - placed)
-            f0, f1 = placed / model.experts_bytes, (placed + nbytes) / model.experts_bytes
-            saved = demand * (
-                costs.decode_slowdown_seconds(model, f0, group.gpus, self.c)
-                - costs.decode_slowdown_seconds(model, f1, group.gpus, self.c)
-            )
+            after = costs.decode_slowdown_seconds(model, (placed + nbytes) / model.experts_bytes, group.gpus, self.c)
+            saved = demand * (slowdown - after)
             push(saved - costs.gpu_hold_cost(nbytes, self.c), nbytes, "experts", (obj, group, nbytes))
-            placed += nbytes
+            placed, slowdown = placed + nbytes, after
         # chunks are valued in order (concave hit rate), so the heap takes them hottest first
 
     def _place_expert_chunk(self, obj: StateObject, node: str, nbytes: int) -> None:
         """Routed experts may sit on any GPU of the serving node (expert parallel): the roomiest takes the chunk."""
         gpu = max(self.p.nodes[node].gpus, key=lambda g: (self.book.free[g], g))
         if self.book.free[gpu] >= nbytes:
-            self.book.free[gpu] -= nbytes
+            self.book.take([self.p.gpus[gpu]], [nbytes])
             key = (obj, Location.gpu(gpu))
             self.target[key] = self.target.get(key, 0) + nbytes
 
     # -- step 3: lower tiers ---------------------------------------------
 
     def settle_lower_tiers(self) -> None:
-        host_used: dict[str, int] = defaultdict(int)
-        nvme_used: dict[str, int] = defaultdict(int)
         invalid = self._invalidated_kv_models()
+        on_gpus = self._gpu_totals()
         # Keep what is below GPU now, except KV made stale by a precision change.
-        for (obj, loc), nbytes in sorted(self.p.residency.items()):
-            if loc.tier is Tier.GPU:
-                continue
-            if obj.kind is Kind.KV and obj.model in invalid:
-                continue
-            self.target[(obj, loc)] = nbytes
-            (host_used if loc.tier is Tier.HOST else nvme_used)[loc.id] += nbytes
+        kept = copy_placement(self.p.residency)
+        for key in self.now.on_gpus:
+            del kept[key]
+        for key in self.now.kv_entries:
+            if key[0].model in invalid:
+                kept.pop(key, None)
+        self.target.update(kept)
+        host_used: dict[str, int] = defaultdict(int)
+        for (obj, loc), nbytes in self.now.on_host.items():
+            if (obj, loc) in kept:
+                host_used[loc.id] += nbytes
+        nvme_used: dict[str, int] | None = None  # a pass over every checkpoint on NVMe: made only when needed
         # What leaves the GPUs: keep the last complete copy; park useful KV in host DRAM.
         leaving: dict[tuple[StateObject, str], int] = defaultdict(int)
-        for (obj, loc), nbytes in sorted(self.p.residency.items()):
-            if loc.tier is not Tier.GPU:
-                continue
+        for (obj, loc), nbytes in self.now.on_gpus.items():
             lost = nbytes - self.target.get((obj, loc), 0)
             if lost > 0:
                 leaving[(obj, self.p.gpus[loc.id].node)] += lost
@@ -418,10 +497,12 @@ class GreedyPlanner:
                 continue
             if self._complete_below(obj, node_id):
                 continue
-            if obj.model in self.groups and self.groups[obj.model].node == node_id and self._complete_on_gpu(obj, node_id):
+            if obj.model in self.groups and self.groups[obj.model].node == node_id and on_gpus[(obj, node_id)] >= self.p.size_of(obj):
                 continue
             # the GPU copy is the node's last complete one: move it down
             to = host if (Capability.WEIGHTS_OFFLOAD in node.capabilities and node.host_bytes - host_used[node_id] >= nbytes) else nvme
+            if to.tier is Tier.NVME and nvme_used is None:
+                nvme_used = _bytes_per_node(kept, Tier.NVME)
             used = host_used if to.tier is Tier.HOST else nvme_used
             if self.p.capacity_of(to) - used[node_id] < nbytes:
                 raise PlanningError(
@@ -435,9 +516,13 @@ class GreedyPlanner:
         size = self.p.size_of(obj)
         return any(self.target.get((obj, t(node)), 0) >= size for t in (Location.host, Location.nvme))
 
-    def _complete_on_gpu(self, obj: StateObject, node: str) -> bool:
-        total = sum(b for (o, loc), b in self.target.items() if o == obj and loc.tier is Tier.GPU and self.p.gpus[loc.id].node == node)
-        return total >= self.p.size_of(obj)
+    def _gpu_totals(self) -> dict[tuple[StateObject, str], int]:
+        """(object, node) -> bytes the target puts on the node's GPUs."""
+        totals: dict[tuple[StateObject, str], int] = defaultdict(int)
+        for (obj, loc), nbytes in self.target.items():
+            if loc.tier is Tier.GPU:
+                totals[(obj, self.p.gpus[loc.id].node)] += nbytes
+        return totals
 
     def _invalidated_kv_models(self) -> set[str]:
         """Models whose serving precision changes: their sessions' KV no longer matches the weights."""
@@ -450,9 +535,9 @@ class GreedyPlanner:
 
     def _kv_host_value(self, obj: StateObject, node: str) -> float:
         model = self.p.models[obj.model]
-        w = sum(wq for s, wq in self.demand.get(obj.model, []) if s.id == obj.session)
+        w = self._weight(obj.session, obj.model)
         group = self.groups.get(obj.model)
-        gpus = group.gpus if group else costs.cold_group(self.p, model, model.preferred, self.p.nodes[node])
+        gpus = group.gpus if group else self._cold_group(model, model.preferred, node)
         if not gpus:
             return 0.0
         tokens = self.p.sessions[obj.session].context_tokens
@@ -462,11 +547,12 @@ class GreedyPlanner:
 
     def _prefetch_to_host(self, host_used: dict[str, int]) -> None:
         """Stage likely next models in host DRAM on the node a cold load would use."""
+        waiting = [m for m in sorted(self.p.models) if m not in self.groups and self._demand(m) > 0]
+        if not waiting:
+            return
         index = ResidencyIndex.build(self.p, self.target)
         candidates = []
-        for model_id, demand in sorted(self.demand.items()):
-            if model_id in self.groups:
-                continue
+        for model_id in waiting:
             model = self.p.models[model_id]
             obj = StateObject.weights(model_id, model.preferred)
             cold = cold_load(self.p, index, model)
@@ -477,7 +563,7 @@ class GreedyPlanner:
                 continue
             nbytes = model.weights_bytes[model.preferred]
             from_host = costs.weights_load_seconds(nbytes, cold.gpus, Tier.HOST, node, self.c)
-            saved = sum(w for _, w in demand) * (cold.seconds - from_host)
+            saved = self._demand(model_id) * (cold.seconds - from_host)
             stage = nbytes / node.nvme_read_bytes_per_s * self.c.move_weight
             if saved - stage > 0:
                 candidates.append((-(saved - stage) / nbytes, model_id, obj, cold.node, nbytes))
@@ -494,8 +580,19 @@ class GreedyPlanner:
         self.serve_active()
         self.spend()
         self.settle_lower_tiers()
-        placement = {k: v for k, v in self.target.items() if v > 0}
+        if min(self.target.values(), default=1) > 0:
+            placement = copy_placement(self.target)
+        else:
+            placement = {k: v for k, v in self.target.items() if v > 0}
         return TargetPlan(placement, dict(self.groups), dict(self.unserved), dict(self.reasons))
+
+
+def _bytes_per_node(placement: Mapping[tuple[StateObject, Location], int], tier: Tier) -> dict[str, int]:
+    used: dict[str, int] = defaultdict(int)
+    for (_, loc), nbytes in placement.items():
+        if loc.tier is tier:
+            used[loc.id] += nbytes
+    return used
 
 
 class PlanningError(RuntimeError):

@@ -207,7 +207,8 @@ def _capabilities(problem: Problem, ops: Sequence[Operation], target: Mapping[tu
             if (below and op.dest.tier is Tier.HOST) or (op.source is not None and op.source.tier is Tier.HOST and op.dest and op.dest.tier is Tier.GPU):
                 errors.append(f"capability: {op.id} moves weights through host DRAM on node {op.node}, which cannot")
         if op.object.kind is Kind.KV and Capability.KV_OFFLOAD not in caps:
-            if below or (op.source is not None and op.source.tier is not Tier.GPU):
+            # dropping KV that sits below GPU only frees memory; moving it between tiers needs the engine
+            if below or (op.dest is not None and op.source is not None and op.source.tier is not Tier.GPU):
                 errors.append(f"capability: {op.id} offloads KV on node {op.node}, which cannot")
     index = ResidencyIndex.build(problem, target)
     for (obj, node, tier), nbytes in index.by_tier.items():

@@ -28,7 +28,8 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from planner_service.domain.problem import Gpu, ModelSpec, Problem
+from planner_service.domain.problem import Gpu, ModelSpec, Problem, Session
+from planner_service.domain.scenario import Slo
 from planner_service.domain.state import Kind, Location, StateObject, Tier
 from planner_service.planner import costs
 from planner_service.planner.residency import ResidencyIndex, Serving
@@ -64,6 +65,61 @@ class Predicted:
         out = asdict(self)
         out["unserved_sessions"] = list(self.unserved_sessions)
         return out
+
+
+@dataclass(frozen=True)
+class Demand:
+    """The predicted next requests as arrays: q(s, m) and each session's SLO weight and target.
+
+    Rows of `q` are models (in problem order), columns sessions (in problem
+    order), so each model's row is contiguous. Sessions without a prediction
+    have q = 0 everywhere.
+    """
+
+    sessions: list[Session]
+    position: dict[str, int]  # session id -> column
+    row: dict[str, int]  # model id -> row
+    q: np.ndarray  # [models x sessions] probability of the session's next request going to the model
+    slo_weight: np.ndarray  # [sessions] w_s
+    slo_target: np.ndarray  # [sessions] target_s, seconds
+
+    @classmethod
+    def of(cls, problem: Problem) -> Demand:
+        c = problem.constants
+        weight = {slo: c.slo_weights.of(slo) for slo in Slo}
+        target = {slo: c.slo_targets_seconds.of(slo) for slo in Slo}
+        sessions = list(problem.sessions.values())
+        row = {m: i for i, m in enumerate(problem.models)}
+        # The predictor hands every session on a model the same row object: turn each distinct row
+        # into a vector once, then gather.
+        vectors: list[np.ndarray] = [np.zeros(len(row))]  # 0: no prediction
+        vector_of: dict[int, int] = {}
+        which = np.zeros(len(sessions), dtype=np.intp)
+        for j, s in enumerate(sessions):
+            probs = problem.next_model.get(s.id)
+            if not probs:
+                continue
+            k = vector_of.get(id(probs))
+            if k is None:
+                k = vector_of[id(probs)] = len(vectors)
+                vector = np.zeros(len(row))
+                for model, q in probs.items():
+                    if model in row:
+                        vector[row[model]] = q
+                vectors.append(vector)
+            which[j] = k
+        return cls(
+            sessions=sessions,
+            position={s.id: j for j, s in enumerate(sessions)},
+            row=row,
+            q=np.ascontiguousarray(np.stack(vectors)[which].T),
+            slo_weight=np.array([weight[s.slo] for s in sessions]),
+            slo_target=np.array([target[s.slo] for s in sessions]),
+        )
+
+    def of_model(self, model: str) -> np.ndarray:
+        """q(s, model) for every session."""
+        return self.q[self.row[model]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,35 +185,42 @@ def evaluate(problem: Problem, target: Mapping[tuple[StateObject, Location], int
     target_terms: list[np.ndarray] = []
     switch = violations = decode = degraded = unserved_cost = 0.0
     unserved: list[str] = []
-    sessions = list(problem.sessions.values())
-    slo_weight = np.array([c.slo_weights.of(s.slo) for s in sessions])
-    slo_target = np.array([c.slo_targets_seconds.of(s.slo) for s in sessions])
+    demand = Demand.of(problem)
+    sessions, position = demand.sessions, demand.position
+    slo_weight, slo_target = demand.slo_weight, demand.slo_target
     context = np.array([s.context_tokens for s in sessions], dtype=float)
-    position = {s.id: i for i, s in enumerate(sessions)}
 
     # Requests being served now: the time to bring their state from C to T.
+    arrival_latency: list[float] = []
+    arrival_target: list[float] = []
+    weights_arrival: dict[str, float] = {}  # model -> seconds until its weights are on their GPUs
     for s in sessions:
         if not s.active:
             continue
         model = problem.models[s.model]
-        w = c.slo_weights.of(s.slo)
+        w = slo_weight[position[s.id]]
         serving = then.serving.get(s.model)
         if serving is None:
             unserved.append(s.id)
             unserved_cost += c.unserved_penalty_seconds * w
             continue
-        latency = _arrival_latency(problem, now, then, model, s.id, serving)
+        if s.model not in weights_arrival:
+            weights_arrival[s.model] = _weights_arrival(problem, now, then, model, serving)
+        latency = weights_arrival[s.model] + _kv_arrival(problem, now, model, s.id, serving)
+        target_s = slo_target[position[s.id]]
         switch += w * latency
-        violations += w * c.violation_penalty_seconds * (latency > c.slo_targets_seconds.of(s.slo))
+        violations += w * c.violation_penalty_seconds * (latency > target_s)
         decode += w * _decode(problem, then, model, serving)
         degraded += w * c.degraded_precision_seconds * (serving.precision != model.preferred)
-        latency_terms.append(np.array([latency]))
-        weight_terms.append(np.array([1.0]))
-        target_terms.append(np.array([c.slo_targets_seconds.of(s.slo)]))
+        arrival_latency.append(latency)
+        arrival_target.append(target_s)
+    latency_terms.append(np.array(arrival_latency))
+    weight_terms.append(np.ones(len(arrival_latency)))
+    target_terms.append(np.array(arrival_target))
 
     # Predicted next requests, one model at a time, vectorized over sessions.
     for model in problem.models.values():
-        q = np.array([problem.next_model.get(s.id, {}).get(model.id, 0.0) for s in sessions])
+        q = demand.of_model(model.id)
         if not q.any():
             continue
         serving = then.serving.get(model.id)
@@ -191,9 +254,9 @@ def evaluate(problem: Problem, target: Mapping[tuple[StateObject, Location], int
         weight_terms.append(q)
         target_terms.append(slo_target)
 
-    gpu_bytes = sum(b for (_, loc), b in target.items() if loc.tier is Tier.GPU)
+    gpu_bytes = sum(then.on_gpus.values())
     memory = costs.gpu_hold_cost(gpu_bytes, c)
-    moves = c.move_weight * promote_seconds(problem, now, target)
+    moves = c.move_weight * promote_seconds(problem, now, then.on_gpus)
     total = switch + violations + decode + degraded + memory + moves + unserved_cost
     objective = Objective(total, switch, violations, decode, degraded, memory, moves, unserved_cost)
     return objective, _predicted(latency_terms, weight_terms, target_terms, gpu_bytes, unserved)
@@ -210,18 +273,27 @@ def _arrival_latency(
     problem: Problem, now: ResidencyIndex, then: ResidencyIndex, model: ModelSpec, session: str, serving: Serving
 ) -> float:
     """Latency of a request waiting now: copy its model's missing shards, then ready its KV."""
+    return _weights_arrival(problem, now, then, model, serving) + _kv_arrival(problem, now, model, session, serving)
+
+
+def _weights_arrival(problem: Problem, now: ResidencyIndex, then: ResidencyIndex, model: ModelSpec, serving: Serving) -> float:
+    """Seconds to copy the shards of the model's weights that `serving`'s GPUs lack now."""
     obj = StateObject.weights(model.id, serving.precision)
     node = problem.nodes[serving.node]
     shards = [max(0, then.placement.get((obj, Location.gpu(g.id)), 0) - now.placement.get((obj, Location.gpu(g.id)), 0)) for g in serving.gpus]
-    weights = 0.0
-    if any(shards):
-        source = now.complete_source(obj, serving.node) or Tier.NVME
-        weights = costs.copy_seconds(shards, serving.gpus, source, node) + problem.constants.engine_load_overhead_seconds
+    if not any(shards):
+        return 0.0
+    source = now.complete_source(obj, serving.node) or Tier.NVME
+    return costs.copy_seconds(shards, serving.gpus, source, node) + problem.constants.engine_load_overhead_seconds
+
+
+def _kv_arrival(problem: Problem, now: ResidencyIndex, model: ModelSpec, session: str, serving: Serving) -> float:
+    """Seconds to ready the session's KV on `serving`'s GPUs (what is there now at the same precision counts)."""
     current = now.serving.get(model.id)
     kv_now = 0
     if current is not None and current.node == serving.node and current.precision == serving.precision:
         kv_now = _gpu_kv(now, model.id, session, current)
-    return weights + kv_ready(problem, now, model, session, serving.node, serving.gpus, kv_now)
+    return kv_ready(problem, now, model, session, serving.node, serving.gpus, kv_now)
 
 
 def promote_seconds(
@@ -253,21 +325,25 @@ def _predicted(
         return Predicted(0.0, 0.0, 0.0, 0.0, int(gpu_bytes), tuple(unserved))
     latency, weight, target = (np.concatenate(t) for t in (latency_terms, weight_terms, target_terms))
     keep = weight > 0
-    latency, weight, target = latency[keep], weight[keep], target[keep]
+    if not keep.all():
+        latency, weight, target = latency[keep], weight[keep], target[keep]
     if latency.size == 0:
         return Predicted(0.0, 0.0, 0.0, 0.0, int(gpu_bytes), tuple(unserved))
-    order = np.argsort(latency, kind="stable")
-    latency, weight, target = latency[order], weight[order], target[order]
-    cdf = np.cumsum(weight) / weight.sum()
+    total = weight.sum()
+    # element-wise sums rather than `@`: a BLAS dot this long may start threads
+    mean = float(np.sum(latency * weight) / total)
+    violation_rate = float(weight[latency > target].sum() / total)
+    order = np.argsort(latency)  # equal latencies may come in any order: the quantiles read their value
+    cdf = np.cumsum(weight[order]) / total
 
     def quantile(p: float) -> float:
-        return float(latency[min(int(np.searchsorted(cdf, p)), latency.size - 1)])
+        return float(latency[order[min(int(np.searchsorted(cdf, p)), latency.size - 1)]])
 
     return Predicted(
         switch_latency_p50_seconds=quantile(0.5),
         switch_latency_p95_seconds=quantile(0.95),
-        switch_latency_mean_seconds=float(latency @ weight / weight.sum()),
-        slo_violation_rate=float(weight @ (latency > target) / weight.sum()),
+        switch_latency_mean_seconds=mean,
+        slo_violation_rate=violation_rate,
         gpu_bytes=int(gpu_bytes),
         unserved_sessions=tuple(unserved),
     )

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
-from planner_service.domain.problem import Problem
+from planner_service.domain.problem import Gpu, ModelSpec, Problem
 from planner_service.domain.scenario import Capability, Slo
 from planner_service.domain.state import TIER_RANK, Kind, Location, Placement, StateObject, Tier
 from planner_service.planner import costs
@@ -44,6 +44,7 @@ class Priority(StrEnum):
 
 
 PRIORITY_RANK = {Priority.BLOCKING: 0, Priority.INTERACTIVE: 1, Priority.BACKGROUND: 2, Priority.PREFETCH: 3}
+SLO_PRIORITY = {Slo.BLOCKING: Priority.BLOCKING, Slo.INTERACTIVE: Priority.INTERACTIVE, Slo.BACKGROUND: Priority.BACKGROUND}
 
 
 @dataclass(slots=True)
@@ -111,6 +112,18 @@ class _Builder:
         self.now = ResidencyIndex.build(problem, problem.residency)
         self.ops: list[Operation] = []
         self.active_slo = self._active_slo()
+        # model -> the most urgent SLO of its requests in flight (what its routed experts serve)
+        self.model_slo = {obj.model: slo for obj, slo in self.active_slo.items() if obj.kind is Kind.WEIGHTS}
+        self.stale_kv = self._stale_kv_models()
+        # remembered per builder: thousands of operations share objects, GPUs and sources
+        self._labels: dict[StateObject | Location, str] = {}
+        self._prefill_seconds: dict[tuple[str, str], float] = {}  # (model, gpu) -> seconds per token
+        self._sources: dict[tuple[StateObject, str, Tier], Location | None] = {}
+
+    def _stale_kv_models(self) -> set[str]:
+        """Models served at another precision in the target: their sessions' KV must be computed again."""
+        then = ResidencyIndex.build(self.p, self.target).serving
+        return {m for m, now in self.now.serving.items() if m in then and then[m].precision != now.precision}
 
     def _active_slo(self) -> dict[StateObject, Slo]:
         """Objects a request in flight needs on GPU, with the most urgent SLO among those requests."""
@@ -136,22 +149,40 @@ class _Builder:
 
     # -- diff -------------------------------------------------------------
 
+    def _changed(self) -> dict[tuple[StateObject, str], list[Location]]:
+        """(object, node) -> the locations whose bytes differ between the confirmed placement and the target."""
+        before, after = self.p.residency, self.target
+        changed: dict[tuple[StateObject, str], list[Location]] = defaultdict(list)
+        keys = [key for key, nbytes in before.items() if after.get(key, 0) != nbytes]
+        keys += [key for key, nbytes in after.items() if nbytes != 0 and key not in before]
+        # stale KV that stays on a GPU is recomputed there all the same
+        keys += [
+            key for key in self.now.on_gpus if key[0].kind is Kind.KV and key[0].model in self.stale_kv and before[key] == after.get(key)
+        ]
+        for obj, loc in keys:
+            changed[(obj, self.p.node_of(loc))].append(loc)
+        return changed
+
     def diff(self) -> None:
-        keys: dict[tuple[StateObject, str], set[Location]] = defaultdict(set)
-        for placement in (self.p.residency, self.target):
-            for obj, loc in placement:
-                keys[(obj, self.p.node_of(loc))].add(loc)
-        for (obj, node), locs in sorted(keys.items()):
+        for (obj, node), locs in sorted(self._changed().items()):
+            stale = obj.kind is Kind.KV and obj.model in self.stale_kv
             gains: dict[Location, int] = {}
             losses: dict[Location, int] = {}
             for loc in sorted(locs):
-                delta = self.target.get((obj, loc), 0) - self.p.residency.get((obj, loc), 0)
-                if delta > 0:
-                    gains[loc] = delta
-                elif delta < 0:
-                    losses[loc] = -delta
-            self._moves_down(obj, gains, losses)
-            self._copies_up(obj, node, gains)
+                before = self.p.residency.get((obj, loc), 0)
+                after = self.target.get((obj, loc), 0)
+                if stale and loc.tier is Tier.GPU and before and after:
+                    # KV of the old precision cannot serve the new weights: free it, prefill anew
+                    gains[loc], losses[loc] = after, before
+                    continue
+                if after > before:
+                    gains[loc] = after - before
+                elif after < before:
+                    losses[loc] = before - after
+            if gains and losses:
+                self._moves_down(obj, gains, losses)
+            if gains:
+                self._copies_up(obj, node, gains, stale)
             for loc, nbytes in sorted(losses.items()):
                 if nbytes > 0:
                     self._new(Action.DROP, obj, loc, None, nbytes, False)
@@ -166,9 +197,12 @@ class _Builder:
                 gains[dest] -= nbytes
                 losses[src] -= nbytes
 
-    def _copies_up(self, obj: StateObject, node: str, gains: dict[Location, int]) -> None:
+    def _copies_up(self, obj: StateObject, node: str, gains: dict[Location, int], stale: bool = False) -> None:
         for dest, nbytes in sorted(gains.items(), key=lambda kv: (TIER_RANK[kv[0].tier], kv[0])):
             if nbytes <= 0:
+                continue
+            if stale and dest.tier is Tier.GPU:
+                self._new(Action.PROMOTE, obj, None, dest, nbytes, True)
                 continue
             source = self._complete_source_for(obj, node, dest)
             if source is not None:
@@ -194,14 +228,24 @@ class _Builder:
         return Capability.KV_OFFLOAD in self.p.nodes[node].capabilities
 
     def _complete_source_for(self, obj: StateObject, node: str, dest: Location) -> Location | None:
+        """The node's fastest complete copy below GPU, on another tier than `dest`, that its engines can read.
+
+        (GPU shards are never read as a source for another tier's full copy.)
+        """
+        key = (obj, node, dest.tier)
+        if key not in self._sources:
+            self._sources[key] = self._find_complete_source(obj, node, dest.tier)
+        return self._sources[key]
+
+    def _find_complete_source(self, obj: StateObject, node: str, dest_tier: Tier) -> Location | None:
         caps = self.p.nodes[node].capabilities
-        for tier in (Tier.HOST, Tier.NVME, Tier.GPU):
-            if tier is dest.tier:
+        if obj.kind is Kind.KV and Capability.KV_OFFLOAD not in caps:
+            return None
+        for tier in (Tier.HOST, Tier.NVME):
+            if tier is dest_tier:
                 continue
             if tier is Tier.HOST and obj.kind is Kind.WEIGHTS and Capability.WEIGHTS_OFFLOAD not in caps:
                 continue
-            if tier is Tier.GPU:
-                continue  # GPU shards are never read as a source for another tier's full copy here
             if self.now.complete(obj, node, tier):
                 return Location(tier, node)
         return None
@@ -232,29 +276,25 @@ class _Builder:
                 for other in self._complete_copies_in_target(op.object, self.p.node_of(op.source)):
                     if other != op.source:
                         deps[op.id].update(a.id for a in adders[(op.object, other)])
-        # a location gains bytes only after the frees there
-        by_id = {op.id: op for op in self.ops}
+        # a location gains bytes only after the frees there, except a free that itself waits on the gain
+        waiting: dict[str, set[str]] = defaultdict(set)  # op -> the ops that depend on it directly
+        for op_id, ds in deps.items():
+            for d in ds:
+                waiting[d].add(op_id)
         for loc, adds in adds_at.items():
+            frees = [f.id for f in frees_at.get(loc, [])]
+            if not frees:
+                continue
             for add in adds:
-                for free in frees_at.get(loc, []):
-                    if free is add or self._reaches(deps, free.id, add.id):
-                        continue
-                    deps[add.id].add(free.id)
+                after_add = _downstream(waiting, add.id)
+                first = [f for f in frees if f != add.id and f not in after_add]
+                deps[add.id].update(first)
+                for f in first:
+                    waiting[f].add(add.id)
         for op in self.ops:
-            op.depends_on = sorted(deps[op.id], key=int)
-        self._inherit_priority(by_id)
-
-    @staticmethod
-    def _reaches(deps: Mapping[str, set[str]], start: str, goal: str) -> bool:
-        seen, stack = {start}, [start]
-        while stack:
-            for nxt in deps[stack.pop()]:
-                if nxt == goal:
-                    return True
-                if nxt not in seen:
-                    seen.add(nxt)
-                    stack.append(nxt)
-        return False
+            if deps[op.id]:
+                op.depends_on = sorted(deps[op.id], key=int)
+        self._inherit_priority({op.id: op for op in self.ops})
 
     def _complete_copies_in_target(self, obj: StateObject, node: str) -> list[Location]:
         size = self.p.size_of(obj)
@@ -294,10 +334,11 @@ class _Builder:
                     heapq.heappush(ready, (PRIORITY_RANK[by_id[child].priority], int(child)))
         if len(order) != len(self.ops):
             raise ValueError("operation dependencies form a cycle")
-        renumber = {op.id: f"op-{i + 1}" for i, op in enumerate(order)}
-        for op in order:
-            op.id = renumber[op.id]
-            op.depends_on = sorted((renumber[d] for d in op.depends_on), key=lambda x: int(x[3:]))
+        position = {op.id: i for i, op in enumerate(order)}
+        for i, op in enumerate(order):
+            op.id = f"op-{i + 1}"
+            if op.depends_on:
+                op.depends_on = [f"op-{j + 1}" for j in sorted(position[d] for d in op.depends_on)]
         return order
 
     # -- annotations --------------------------------------------------------
@@ -306,12 +347,8 @@ class _Builder:
         if op.dest is not None and op.dest.tier is Tier.GPU:
             slo = self.active_slo.get(op.object)
             if slo is None and op.object.kind is Kind.EXPERTS:
-                slo = min(
-                    (self.active_slo[k] for k in self.active_slo if k.model == op.object.model and k.kind is Kind.WEIGHTS),
-                    key=list(Slo).index,
-                    default=None,
-                )
-            return Priority(slo.value) if slo is not None else Priority.PREFETCH
+                slo = self.model_slo.get(op.object.model)
+            return SLO_PRIORITY[slo] if slo is not None else Priority.PREFETCH
         if op.action is Action.PROMOTE:
             return Priority.PREFETCH
         return Priority.BACKGROUND
@@ -326,25 +363,49 @@ class _Builder:
                 if op.source is None:  # KV made by prefill
                     model = self.p.models[op.object.model]
                     tokens = op.bytes / max(1, model.kv_bytes_per_token)
-                    return tokens * costs.prefill_seconds_per_token(model, [gpu], self.p.constants)
+                    return tokens * self._prefill_seconds_per_token(model, gpu)
                 return costs.copy_seconds([op.bytes], [gpu], op.source.tier, node)
             return op.bytes / node.nvme_read_bytes_per_s
         gpu = self.p.gpus[op.source.id] if op.source.tier is Tier.GPU else None
         return costs.write_down_seconds(op.bytes, gpu, op.dest.tier, node)
 
+    def _prefill_seconds_per_token(self, model: ModelSpec, gpu: Gpu) -> float:
+        key = (model.id, gpu.id)
+        if key not in self._prefill_seconds:
+            self._prefill_seconds[key] = costs.prefill_seconds_per_token(model, [gpu], self.p.constants)
+        return self._prefill_seconds[key]
+
+    def _label(self, item: StateObject | Location) -> str:
+        if item not in self._labels:
+            self._labels[item] = item.label()
+        return self._labels[item]
+
     def _reason(self, op: Operation) -> str:
         gib = op.bytes / 2**30
         why = self.reasons.get(op.object)
+        obj = self._label(op.object)
         if op.action is Action.PROMOTE:
-            base = f"bring {gib:.2f} GiB of {op.object.label()} to {op.dest.label()}"
+            base = f"bring {gib:.2f} GiB of {obj} to {self._label(op.dest)}"
             if op.source is None:
-                base = f"prefill {gib:.2f} GiB of {op.object.label()} on {op.dest.label()}"
+                base = f"prefill {gib:.2f} GiB of {obj} on {self._label(op.dest)}"
             if op.object in self.active_slo:
                 return f"{base}: a {self.active_slo[op.object].value} request is waiting for it"
             return f"{base}: {why}" if why else f"{base}: predicted to be needed"
         if op.action is Action.DEMOTE:
-            return f"free {gib:.2f} GiB on {op.source.label()}; keep {op.object.label()} on {op.dest.label()} for a cheaper way back"
-        return f"free {gib:.2f} GiB on {op.source.label()}; {op.object.label()} is worth less than the room it takes"
+            return f"free {gib:.2f} GiB on {self._label(op.source)}; keep {obj} on {self._label(op.dest)} for a cheaper way back"
+        return f"free {gib:.2f} GiB on {self._label(op.source)}; {obj} is worth less than the room it takes"
+
+
+def _downstream(waiting: Mapping[str, set[str]], start: str) -> set[str]:
+    """Every operation that waits on `start`, directly or through others."""
+    seen: set[str] = set()
+    stack = [start]
+    while stack:
+        for nxt in waiting.get(stack.pop(), ()):
+            if nxt not in seen:
+                seen.add(nxt)
+                stack.append(nxt)
+    return seen
 
 
 def build_operations(

@@ -3,6 +3,11 @@
 A model is *served* on a node when its weights at one precision are complete
 on that node's GPUs (tensor-parallel shards add up to the full size). A copy
 is *complete* on a tier of a node when that tier alone holds the full object.
+
+Building the index copies only GPU, host DRAM and KV entries: a location
+holds at most one copy of an object, so the bytes of an object on a node's
+NVMe are one lookup in the placement itself. Placements are dominated by
+checkpoints on NVMe, which the index therefore never copies.
 """
 
 from __future__ import annotations
@@ -10,9 +15,11 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
+from types import MappingProxyType
 
 from planner_service.domain.problem import Gpu, Problem
-from planner_service.domain.state import Kind, Location, StateObject, Tier
+from planner_service.domain.state import Kind, Location, Placement, StateObject, Tier
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,48 +34,92 @@ class ResidencyIndex:
     problem: Problem
     placement: Mapping[tuple[StateObject, Location], int]
     serving: dict[str, Serving] = field(default_factory=dict)
-    used: dict[Location, int] = field(default_factory=lambda: defaultdict(int))
-    # (object, node, tier) -> bytes on that tier of that node (GPU bytes summed over the node's GPUs)
-    by_tier: dict[tuple[StateObject, str, Tier], int] = field(default_factory=lambda: defaultdict(int))
+    # (object, node) -> bytes on the node's GPUs, summed over them
+    gpu_bytes: dict[tuple[StateObject, str], int] = field(default_factory=lambda: defaultdict(int))
+    # the GPU, host DRAM and KV entries of the placement
+    on_gpus: dict[tuple[StateObject, Location], int] = field(default_factory=dict)
+    on_host: dict[tuple[StateObject, Location], int] = field(default_factory=dict)
+    kv_entries: dict[tuple[StateObject, Location], int] = field(default_factory=dict)
     # model -> sessions with KV for it anywhere (most sessions have none for most models)
     kv_sessions: dict[str, set[str]] = field(default_factory=lambda: defaultdict(set))
+    # (object, node) -> `complete_source`, remembered (the placement must not change while the index is used)
+    _sources: dict[tuple[StateObject, str], Tier | None] = field(default_factory=dict, init=False, repr=False)
+    _locations: dict[tuple[Tier, str], Location] = field(default_factory=dict, init=False, repr=False)
 
     @classmethod
     def build(cls, problem: Problem, placement: Mapping[tuple[StateObject, Location], int]) -> ResidencyIndex:
         index = cls(problem, placement)
+        nvme_tier, gpu_tier, host_tier, kv_kind = Tier.NVME, Tier.GPU, Tier.HOST, Kind.KV
         gpu_holders: dict[tuple[StateObject, str], list[Gpu]] = defaultdict(list)
-        for (obj, loc), nbytes in placement.items():
+        wanted = [(key, nbytes) for key, nbytes in placement.items() if key[1].tier is not nvme_tier or key[0].kind is kv_kind]
+        for key, nbytes in wanted:
+            obj, loc = key
             if nbytes <= 0:
                 continue
-            node = problem.node_of(loc)
-            index.used[loc] += nbytes
-            index.by_tier[(obj, node, loc.tier)] += nbytes
-            if obj.kind is Kind.KV:
+            if obj.kind is kv_kind:
+                index.kv_entries[key] = nbytes
                 index.kv_sessions[obj.model].add(obj.session)
-            elif loc.tier is Tier.GPU and obj.kind is Kind.WEIGHTS:
-                gpu_holders[(obj, node)].append(problem.gpus[loc.id])
+            if loc.tier is gpu_tier:
+                gpu = problem.gpus[loc.id]
+                index.on_gpus[key] = nbytes
+                index.gpu_bytes[(obj, gpu.node)] += nbytes
+                if obj.kind is Kind.WEIGHTS:
+                    gpu_holders[(obj, gpu.node)].append(gpu)
+            elif loc.tier is host_tier:
+                index.on_host[key] = nbytes
         for (obj, node), gpus in sorted(gpu_holders.items(), key=lambda kv: _serving_order(problem, kv[0])):
             if obj.model in index.serving:
                 continue
-            if index.by_tier[(obj, node, Tier.GPU)] >= problem.size_of(obj):
+            if index.gpu_bytes[(obj, node)] >= problem.size_of(obj):
                 index.serving[obj.model] = Serving(node, obj.precision, tuple(sorted(gpus, key=lambda g: g.id)))
         return index
 
+    def on(self, obj: StateObject, node: str, tier: Tier) -> int:
+        """Bytes of `obj` on one tier of a node (GPU bytes summed over the node's GPUs)."""
+        if tier is Tier.GPU:
+            return self.gpu_bytes.get((obj, node), 0)
+        loc = self._locations.get((tier, node))
+        if loc is None:
+            loc = self._locations[(tier, node)] = Location(tier, node)
+        return max(0, self.placement.get((obj, loc), 0))
+
     def complete(self, obj: StateObject, node: str, tier: Tier) -> bool:
-        return self.by_tier.get((obj, node, tier), 0) >= self.problem.size_of(obj) > 0
+        return self.on(obj, node, tier) >= self.problem.size_of(obj) > 0
 
     def complete_source(self, obj: StateObject, node: str) -> Tier | None:
         """The fastest tier below GPU that holds a complete copy on the node."""
-        for tier in (Tier.HOST, Tier.NVME):
-            if self.complete(obj, node, tier):
-                return tier
-        return None
-
-    def on(self, obj: StateObject, node: str, tier: Tier) -> int:
-        return self.by_tier.get((obj, node, tier), 0)
+        key = (obj, node)
+        if key not in self._sources:
+            self._sources[key] = next((t for t in (Tier.HOST, Tier.NVME) if self.complete(obj, node, t)), None)
+        return self._sources[key]
 
     def free(self, loc: Location) -> int:
         return self.problem.capacity_of(loc) - self.used.get(loc, 0)
+
+    @cached_property
+    def used(self) -> dict[Location, int]:
+        """Bytes held per location (a pass over the whole placement, made on first use)."""
+        used: dict[Location, int] = defaultdict(int)
+        for (_, loc), nbytes in self.placement.items():
+            if nbytes > 0:
+                used[loc] += nbytes
+        return used
+
+    @cached_property
+    def by_tier(self) -> dict[tuple[StateObject, str, Tier], int]:
+        """(object, node, tier) -> bytes there, for every entry (a pass over the whole placement, made on first use)."""
+        out: dict[tuple[StateObject, str, Tier], int] = defaultdict(int)
+        for (obj, loc), nbytes in self.placement.items():
+            if nbytes > 0:
+                out[(obj, self.problem.node_of(loc), loc.tier)] += nbytes
+        return out
+
+
+def copy_placement(placement: Mapping[tuple[StateObject, Location], int]) -> Placement:
+    """A dict copy of a placement: a dict, or a read-only view of one, copies without hashing its keys again."""
+    if isinstance(placement, dict | MappingProxyType):
+        return placement.copy()
+    return dict(placement)
 
 
 def _serving_order(problem: Problem, key: tuple[StateObject, str]) -> tuple[int, str]:

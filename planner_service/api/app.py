@@ -1,0 +1,115 @@
+"""`create_app(settings)`: the FastAPI application around one `ClusterService`.
+
+The lifespan owns the files and threads: it opens the store, restores or
+seeds the state, plans, and starts the planning loop; nothing happens at
+import time or in constructors.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+from fastapi.routing import APIRoute
+from prometheus_client import CollectorRegistry
+from starlette.concurrency import run_in_threadpool
+
+from planner_service.api.deps import QueueSignal
+from planner_service.api.errors import install_error_handlers
+from planner_service.api.routes import cluster, events, health, models, nodes, operations, plan, sessions, srv, whatif
+from planner_service.domain.demo import demo_scenario
+from planner_service.domain.scenario import Scenario, load_scenario
+from planner_service.metrics import Metrics
+from planner_service.service.engine import ClusterService
+from planner_service.service.loop import PlanningLoop
+from planner_service.service.store import SqliteStore, Store
+from planner_service.settings import Settings
+
+log = logging.getLogger("planner_service")
+
+
+def _operation_id(route: APIRoute) -> str:
+    return route.name  # the handler's name: stable, unique, readable (e.g. "post_events")
+
+
+def seed_for(settings: Settings) -> Callable[[], Scenario]:
+    """What seeds an empty database: the scenario file, else the demo."""
+    if settings.scenario_path is not None:
+        path = settings.scenario_path
+        return lambda: load_scenario(path)
+    return demo_scenario
+
+
+def create_app(
+    settings: Settings,
+    *,
+    clock: Callable[[], float] | None = None,
+    registry: CollectorRegistry | None = None,
+    store: Store | None = None,
+) -> FastAPI:
+    registry = registry if registry is not None else CollectorRegistry()
+    metrics = Metrics(registry)
+    service = ClusterService(
+        store if store is not None else SqliteStore(settings.db_path),
+        metrics,
+        lease_seconds=settings.lease_seconds,
+        event_retention_seconds=settings.event_retention_seconds,
+        solver=settings.solver,
+        clock=clock or time.time,
+    )
+    metrics.watch(service.metrics_snapshot)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if not settings.auth_enabled:
+            log.warning("no operator or node tokens configured: the API is open to anyone who can reach it")
+        seeded = await run_in_threadpool(service.start, seed_for(settings))
+        if seeded:
+            source = settings.scenario_path or "the demo scenario"
+            log.info("database %s was empty: seeded from %s", settings.db_path, source)
+        elif settings.scenario_path is not None or settings.demo:
+            log.info("database %s already holds a state: it wins, the seed scenario is ignored", settings.db_path)
+        loop = asyncio.get_running_loop()
+        signal = QueueSignal()
+        app.state.signal = signal
+
+        def wake() -> None:
+            if not loop.is_closed():
+                loop.call_soon_threadsafe(signal.bump)
+
+        service.add_listener(wake)
+        await run_in_threadpool(service.replan)
+        planner = None
+        if settings.background_planning:
+            planner = PlanningLoop(
+                service,
+                debounce_seconds=settings.replan_debounce_seconds,
+                interval_seconds=settings.replan_interval_seconds,
+            )
+            planner.start()
+        try:
+            yield
+        finally:
+            if planner is not None:
+                await run_in_threadpool(planner.stop)
+            service.close()
+
+    app = FastAPI(
+        title="StateBudget",
+        summary="Plans where LLM weights, KV cache and MoE experts live in a small GPU cluster.",
+        version="0.1.0",
+        lifespan=lifespan,
+        generate_unique_id_function=_operation_id,
+    )
+    app.state.settings = settings
+    app.state.service = service
+    app.state.registry = registry
+    app.state.signal = QueueSignal()
+    install_error_handlers(app)
+    for module in (health, cluster, models, events, sessions, srv, plan, nodes, operations, whatif):
+        app.include_router(module.router)
+    return app

@@ -1,0 +1,95 @@
+"""Typed dependencies: the service, the settings, and who is calling."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+from dataclasses import dataclass
+from typing import Annotated, Literal
+
+from fastapi import Depends, Request
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+
+from planner_service.api.errors import Unauthorized
+from planner_service.service.engine import ClusterService
+from planner_service.service.errors import Forbidden
+from planner_service.settings import Settings
+
+
+class QueueSignal:
+    """Wakes lease long-polls when the queues may have changed (set from any thread)."""
+
+    def __init__(self) -> None:
+        self._event = asyncio.Event()
+
+    @property
+    def event(self) -> asyncio.Event:
+        return self._event
+
+    def bump(self) -> None:
+        old, self._event = self._event, asyncio.Event()
+        old.set()
+
+
+def get_service(request: Request) -> ClusterService:
+    return request.app.state.service
+
+
+def get_settings(request: Request) -> Settings:
+    return request.app.state.settings
+
+
+def get_signal(request: Request) -> QueueSignal:
+    return request.app.state.signal
+
+
+ServiceDep = Annotated[ClusterService, Depends(get_service)]
+SettingsDep = Annotated[Settings, Depends(get_settings)]
+SignalDep = Annotated[QueueSignal, Depends(get_signal)]
+
+_bearer = HTTPBearer(auto_error=False, description="An operator token, or a node's token for its own endpoints.")
+
+
+@dataclass(frozen=True)
+class Principal:
+    kind: Literal["open", "operator", "node"]
+    node: str | None = None
+
+
+def get_principal(
+    settings: SettingsDep,
+    credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
+) -> Principal:
+    if not settings.auth_enabled:
+        return Principal("open")
+    if credentials is None:
+        raise Unauthorized("send 'Authorization: Bearer <token>' with an operator or node token")
+    token = credentials.credentials.encode()
+    if any(hmac.compare_digest(token, t.encode()) for t in settings.operator_tokens):
+        return Principal("operator")
+    for node, t in settings.node_tokens.items():
+        if hmac.compare_digest(token, t.encode()):
+            return Principal("node", node)
+    raise Unauthorized("unknown bearer token")
+
+
+PrincipalDep = Annotated[Principal, Depends(get_principal)]
+
+
+def require_operator(principal: PrincipalDep) -> Principal:
+    if principal.kind == "node":
+        raise Forbidden(
+            f"this endpoint needs an operator token; the token of node {principal.node!r} reaches only "
+            "that node's register, heartbeat, lease and report"
+        )
+    return principal
+
+
+def require_node_access(node_id: str, principal: PrincipalDep) -> Principal:
+    if principal.kind == "node" and principal.node != node_id:
+        raise Forbidden(f"the token of node {principal.node!r} does not reach node {node_id!r}")
+    return principal
+
+
+OperatorDep = Annotated[Principal, Depends(require_operator)]
+NodeAccessDep = Annotated[Principal, Depends(require_node_access)]

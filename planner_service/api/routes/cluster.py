@@ -1,0 +1,22 @@
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter
+
+from planner_service.api.deps import OperatorDep, ServiceDep
+from planner_service.domain.scenario import ClusterIn
+
+router = APIRouter(prefix="/v1/cluster", tags=["cluster"])
+
+
+@router.get("")
+def get_cluster(service: ServiceDep, _: OperatorDep) -> dict[str, Any]:
+    """Nodes and GPUs with effective (calibrated) bandwidths, confirmed and planned HBM use, telemetry."""
+    return service.cluster_view()
+
+
+@router.put("")
+def put_cluster(cluster: ClusterIn, service: ServiceDep, _: OperatorDep) -> dict[str, Any]:
+    """Replace the topology. State held on hardware that disappears is forgotten; the service replans."""
+    return service.put_cluster(cluster)

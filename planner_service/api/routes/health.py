@@ -1,0 +1,32 @@
+from __future__ import annotations
+
+from fastapi import APIRouter, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.requests import Request
+
+from planner_service.api.deps import ServiceDep
+from planner_service.api.errors import problem
+from planner_service.api.schemas import Health
+
+router = APIRouter(tags=["health"])
+
+
+@router.get("/livez", response_model=Health, response_model_exclude_none=True)
+def livez() -> Health:
+    """The process answers."""
+    return Health(status="ok")
+
+
+@router.get("/readyz", response_model=Health, responses={503: {"description": "still starting"}})
+def readyz(service: ServiceDep):
+    """The state is restored and a plan exists."""
+    status = service.status()
+    if status["epoch"] is None:
+        return problem(503, "Not ready", "the service is restoring its state or computing its first plan")
+    return Health(status="ok", **status)
+
+
+@router.get("/metrics", response_class=Response)
+def metrics(request: Request) -> Response:
+    """Prometheus exposition."""
+    return Response(generate_latest(request.app.state.registry), media_type=CONTENT_TYPE_LATEST)

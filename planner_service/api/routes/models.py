@@ -1,0 +1,33 @@
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Response
+
+from planner_service.api.deps import OperatorDep, ServiceDep
+from planner_service.service.inputs import ModelPutIn
+
+router = APIRouter(prefix="/v1/models", tags=["models"])
+
+
+@router.get("")
+def list_models(service: ServiceDep, _: OperatorDep) -> list[dict[str, Any]]:
+    """The catalog, with the sizes each model resolves to."""
+    return service.models_view()
+
+
+@router.put("/{model_id}", responses={201: {"description": "created"}})
+def put_model(
+    model_id: str, body: ModelPutIn, service: ServiceDep, _: OperatorDep, response: Response
+) -> dict[str, Any]:
+    """Add or replace a model; its weights are declared present on the NVMe of `nvme_nodes` (default: all)."""
+    view, created = service.put_model(model_id, body.model, body.nvme_nodes)
+    response.status_code = 201 if created else 200
+    return view
+
+
+@router.delete("/{model_id}", status_code=204)
+def delete_model(model_id: str, service: ServiceDep, _: OperatorDep) -> Response:
+    """Remove a model, its sessions and its state everywhere."""
+    service.delete_model(model_id)
+    return Response(status_code=204)

@@ -1,0 +1,44 @@
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from fastapi import APIRouter
+from starlette.concurrency import run_in_threadpool
+
+from planner_service.api.deps import NodeAccessDep, ServiceDep, SettingsDep, SignalDep
+from planner_service.api.schemas import HeartbeatOut, LeaseOut, RegisterOut
+from planner_service.service.inputs import HeartbeatIn, LeaseIn, RegisterIn
+
+router = APIRouter(prefix="/v1/nodes/{node_id}", tags=["nodes"])
+
+
+@router.post("/register", response_model=RegisterOut)
+def register(node_id: str, body: RegisterIn, service: ServiceDep, _: NodeAccessDep) -> dict[str, Any]:
+    """A node agent announces its inventory and the moves its engines can carry out."""
+    return service.register_node(node_id, body)
+
+
+@router.post("/heartbeat", response_model=HeartbeatOut)
+def heartbeat(node_id: str, body: HeartbeatIn, service: ServiceDep, _: NodeAccessDep) -> dict[str, Any]:
+    """Telemetry: per-GPU use, measured bandwidths (they recalibrate the cost model), engine state."""
+    return service.heartbeat(node_id, body)
+
+
+@router.post("/lease", response_model=LeaseOut)
+async def lease(
+    node_id: str, body: LeaseIn, service: ServiceDep, settings: SettingsDep, signal: SignalDep, _: NodeAccessDep
+) -> dict[str, Any]:
+    """Long-poll: lease the node's ready operations, most urgent first, waiting up to `wait_seconds` for some."""
+    deadline = time.monotonic() + min(body.wait_seconds, settings.max_wait_seconds)
+    while True:
+        changed = signal.event  # taken before looking, so a change in between still wakes us
+        result = await run_in_threadpool(service.lease, node_id, body.max_operations)
+        remaining = deadline - time.monotonic()
+        if result["operations"] or remaining <= 0:
+            return result
+        try:
+            await asyncio.wait_for(changed.wait(), timeout=remaining)
+        except TimeoutError:
+            pass

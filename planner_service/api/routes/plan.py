@@ -1,0 +1,40 @@
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Query
+
+from planner_service.api.deps import OperatorDep, ServiceDep
+from planner_service.api.schemas import PlanRequestOut
+from planner_service.service import questions
+
+router = APIRouter(tags=["plan"])
+
+
+@router.get("/v1/plan")
+def get_plan(service: ServiceDep, _: OperatorDep) -> dict[str, Any]:
+    """The current plan (as `statebudget plan --json`) with its `epoch`."""
+    return service.plan_view()
+
+
+@router.post("/v1/plan", response_model=PlanRequestOut)
+def replan(service: ServiceDep, _: OperatorDep) -> dict[str, Any]:
+    """Replan now: a new epoch supersedes the operations not yet leased."""
+    return service.replan(force=True)
+
+
+@router.get("/v1/pareto")
+def get_pareto(service: ServiceDep, _: OperatorDep) -> dict[str, Any]:
+    """Predicted P95 switch latency against warm GPU bytes for the current workload."""
+    return questions.pareto(service.live_view(), service.solve)
+
+
+@router.get("/v1/explain")
+def explain(
+    service: ServiceDep,
+    _: OperatorDep,
+    model: str | None = Query(None, description="A model id."),
+    session: str | None = Query(None, description="A session id."),
+) -> dict[str, Any]:
+    """Why each state object of a model (or a session) sits where it does, now and in the plan."""
+    return questions.explain(service.live_view(), model=model, session=session)

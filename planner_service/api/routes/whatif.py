@@ -1,0 +1,17 @@
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter
+
+from planner_service.api.deps import OperatorDep, ServiceDep
+from planner_service.service import questions
+from planner_service.service.inputs import WhatIfIn
+
+router = APIRouter(prefix="/v1/whatif", tags=["what-if"])
+
+
+@router.post("")
+def what_if(body: WhatIfIn, service: ServiceDep, _: OperatorDep) -> dict[str, Any]:
+    """Plan hypothetical changes on a copy of the live state; the live state is not touched."""
+    return questions.what_if(service.live_view(), body, service.solve)

@@ -1,0 +1,64 @@
+"""The State Residency Vector: how much of each model's state sits on each tier.
+
+For model m, state kind s and tier t:
+
+    bytes[m,s,t]    = sum of the bytes of m's objects of kind s held at tier t (all devices, all nodes)
+    fraction[m,s,t] = min(1, resident / full)
+
+where, per kind,
+    weights  resident / full = max over precisions p of  bytes(weights(m,p) at t) / size(weights(m,p))
+             (a model is as resident as its most resident precision)
+    experts  bytes(experts(m) at t) / size(experts(m))      (all routed experts)
+    kv       sum over sessions of bytes(kv(m,s) at t) / sum over those sessions of context * kv_bytes_per_token
+
+Several full copies (e.g. one per node's NVMe) still count as fraction 1.
+The per-device detail is the placement itself.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Mapping
+from typing import Any
+
+from planner_service.domain.problem import Problem
+from planner_service.domain.state import Kind, Location, StateObject, Tier
+
+
+def srv_entries(problem: Problem, placement: Mapping[tuple[StateObject, Location], int]) -> list[dict[str, Any]]:
+    """SRV rows `{model, state, tier, fraction, bytes}`, sorted, one per (model, kind, tier) with bytes > 0."""
+    held: dict[tuple[StateObject, Tier], int] = defaultdict(int)
+    for (obj, loc), nbytes in placement.items():
+        if nbytes > 0 and obj.model in problem.models:
+            held[(obj, loc.tier)] += nbytes
+    total_bytes: dict[tuple[str, Kind, Tier], int] = defaultdict(int)
+    weight_fraction: dict[tuple[str, Tier], float] = defaultdict(float)
+    kv_full: dict[tuple[str, Tier], int] = defaultdict(int)
+    for (obj, tier), nbytes in held.items():
+        total_bytes[(obj.model, obj.kind, tier)] += nbytes
+        if obj.kind is Kind.WEIGHTS:
+            size = problem.size_of(obj)
+            share = nbytes / size if size else 1.0
+            weight_fraction[(obj.model, tier)] = max(weight_fraction[(obj.model, tier)], share)
+        elif obj.kind is Kind.KV and obj.session in problem.sessions:
+            kv_full[(obj.model, tier)] += problem.size_of(obj)
+    rows = []
+    for (model, kind, tier), nbytes in sorted(total_bytes.items()):
+        if kind is Kind.WEIGHTS:
+            fraction = weight_fraction[(model, tier)]
+        elif kind is Kind.EXPERTS:
+            size = problem.models[model].experts_bytes
+            fraction = nbytes / size if size else 1.0
+        else:
+            full = kv_full[(model, tier)]
+            fraction = nbytes / full if full else 1.0
+        rows.append(
+            {
+                "model": model,
+                "state": kind.value,
+                "tier": tier.value,
+                "fraction": round(min(1.0, fraction), 6),
+                "bytes": int(nbytes),
+            }
+        )
+    return rows

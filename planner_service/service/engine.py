@@ -1,0 +1,1056 @@
+"""The authoritative cluster state: sessions, confirmed placement, plans and operation queues.
+
+`ClusterService` is the one owner of the live state. Every public method
+takes the state lock, changes memory and writes the change through the
+`Store` as one batch before it returns, so what a caller is told has
+happened survives a crash. Planning reads a snapshot under the lock and
+solves outside it, so lease polls and reports never wait behind a solve.
+
+Lifecycle of an operation: `queued -> leased -> done | failed`, or
+`superseded` when a newer plan epoch replaces it before it is leased (or
+when its lease expires after a newer epoch exists). An expired lease of the
+current epoch re-queues its operations. The confirmed placement, and with it
+the SRV and its `version`, change only when an operation is reported `done`
+(or when an operator changes the topology or catalog underneath it).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+import threading
+import time
+import uuid
+from collections import defaultdict
+from collections.abc import Callable, Mapping
+from datetime import UTC, datetime
+from typing import Any
+
+from planner_service.domain.problem import Problem, compile_problem, resolve_model
+from planner_service.domain.scenario import (
+    ClusterIn,
+    ModelIn,
+    PredictorIn,
+    Scenario,
+    ScenarioError,
+    Slo,
+    parse_scenario,
+)
+from planner_service.domain.state import (
+    Kind,
+    Placement,
+    Tier,
+    location_from_json,
+    object_from_json,
+    placement_to_json,
+)
+from planner_service.metrics import Metrics, StateSnapshot
+from planner_service.planner.operations import PRIORITY_RANK, apply_operation, apply_operations
+from planner_service.planner.plan import Plan
+from planner_service.planner.predictor import SwitchPredictor
+from planner_service.planner.registry import solve
+from planner_service.planner.residency import ResidencyIndex
+from planner_service.planner.srv import srv_entries
+from planner_service.service import changes as edits
+from planner_service.service.errors import (
+    Conflict,
+    Forbidden,
+    InvalidInput,
+    NotFound,
+    NotReady,
+    SolverUnavailable,
+)
+from planner_service.service.inputs import (
+    Event,
+    HeartbeatIn,
+    RegisterIn,
+    ReportIn,
+    RequestEvent,
+    SessionEndEvent,
+    ToolCallEndEvent,
+    ToolCallStartEvent,
+    TurnEndEvent,
+)
+from planner_service.service.questions import LiveView
+from planner_service.service.records import FINAL_STATES, OpRecord, OpState, SessionState
+from planner_service.service.store import Batch, Store, Stored
+
+log = logging.getLogger(__name__)
+
+PREDICTOR_WINDOW_SECONDS = 3600.0
+CALIBRATION_ALPHA = 0.3  # EWMA weight of a new bandwidth measurement
+GIB = 2**30
+
+
+def iso(t: float | None) -> str | None:
+    return None if t is None else datetime.fromtimestamp(t, UTC).isoformat().replace("+00:00", "Z")
+
+
+def placement_from_json(entries: list[dict[str, Any]]) -> Placement:
+    return {
+        (object_from_json(e["object"]), location_from_json(e["location"])): int(e["bytes"])
+        for e in entries
+        if int(e["bytes"]) > 0
+    }
+
+
+class ClusterService:
+    def __init__(
+        self,
+        store: Store,
+        metrics: Metrics,
+        *,
+        lease_seconds: float = 30.0,
+        event_retention_seconds: float = 7 * 86400.0,
+        solver: str = "greedy",
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._store = store
+        self._metrics = metrics
+        self._lease_seconds = lease_seconds
+        self._event_retention_seconds = event_retention_seconds
+        self._solver = solver
+        self._clock = clock
+        self._lock = threading.RLock()
+        self._plan_lock = threading.Lock()
+        self._listeners: list[Callable[[], None]] = []
+        self.dirty = threading.Event()  # set when something planning depends on changed
+        self._force_replan = False
+        self._ready = False
+        self._changes = 0
+        self._base: dict[str, Any] = {}
+        self._sessions: dict[str, SessionState] = {}
+        self._event_ids: set[str] = set()
+        self._placement: Placement = {}
+        self._srv_version = 0
+        self._srv_doc: dict[str, Any] = {}
+        self._epoch = 0
+        self._plan_doc: dict[str, Any] | None = None
+        self._plan_placement: Placement = {}
+        self._ops: dict[str, OpRecord] = {}
+        self._open_ops: set[str] = set()  # queued or leased
+        self._calibration: dict[str, dict[str, dict[str, dict[str, float]]]] = {"gpus": {}, "nodes": {}}
+        self._nodes_info: dict[str, dict[str, Any]] = {}
+        self._predictor = SwitchPredictor([])
+        self._sizes: Problem | None = None  # the live problem without residency: sizes, capacities, bandwidths
+        self._serving: set[str] = set()
+        self.metrics_source_registered = False
+
+    # -- lifecycle ---------------------------------------------------------------
+
+    @property
+    def ready(self) -> bool:
+        return self._ready
+
+    def start(self, seed: Callable[[], Scenario]) -> bool:
+        """Open the store; restore its state, or seed an empty one from `seed()`. True when seeded."""
+        with self._lock:
+            now = self._clock()
+            self._store.open()
+            self._store.prune(now - PREDICTOR_WINDOW_SECONDS, now - self._event_retention_seconds)
+            stored = self._store.load(now - PREDICTOR_WINDOW_SECONDS)
+            seeded = stored.empty
+            if seeded:
+                self._seed(seed(), now)
+            else:
+                self._restore(stored)
+            self._ready = True
+            return seeded
+
+    def close(self) -> None:
+        with self._lock:
+            self._ready = False
+            self._store.close()
+
+    def status(self) -> dict[str, int | None]:
+        with self._lock:
+            ready = self._ready and self._plan_doc is not None
+            return {"epoch": self._epoch if ready else None, "srv_version": self._srv_version if ready else None}
+
+    def add_listener(self, callback: Callable[[], None]) -> None:
+        """`callback()` runs (from any thread) whenever the queues may have changed."""
+        self._listeners.append(callback)
+
+    def _notify(self) -> None:
+        for callback in list(self._listeners):
+            callback()
+
+    def _require_ready(self) -> None:
+        if not self._ready:
+            raise NotReady("the service is starting; retry shortly")
+
+    def _seed(self, scenario: Scenario, now: float) -> None:
+        data = scenario.model_dump(mode="json")
+        residency = data.pop("residency")
+        data.pop("sessions")
+        self._base = data
+        for s in scenario.sessions:
+            self._sessions[s.id] = SessionState(
+                id=s.id,
+                user=s.user,
+                slo=s.slo,
+                model=s.model,
+                active=s.active,
+                context_tokens=s.context_tokens,
+                cached_tokens={s.model: s.context_tokens} if s.context_tokens else {},
+                created_at=now,
+                last_activity=now,
+            )
+        self._placement = placement_from_json(residency)
+        self._predictor = self._new_predictor()
+        self._publish_srv()
+        batch = Batch(
+            meta={
+                "base": self._base,
+                "placement": placement_to_json(self._placement),
+                "srv": self._srv_doc,
+                "epoch": 0,
+                "calibration": self._calibration,
+                "nodes": self._nodes_info,
+            },
+            sessions={s.id: s.to_json() for s in self._sessions.values()},
+        )
+        self._store.write(batch)
+        log.info(
+            "seeded an empty database: %d nodes, %d models, %d sessions",
+            len(self._base["cluster"]["nodes"]),
+            len(self._base["models"]),
+            len(self._sessions),
+        )
+
+    def _restore(self, stored: Stored) -> None:
+        meta = stored.meta
+        self._base = meta["base"]
+        self._placement = placement_from_json(meta.get("placement", []))
+        self._srv_doc = meta["srv"]
+        self._srv_version = int(self._srv_doc["version"])
+        self._epoch = int(meta.get("epoch", 0))
+        self._plan_doc = meta.get("plan")
+        self._plan_placement = placement_from_json(self._plan_doc["placement"]) if self._plan_doc else {}
+        self._calibration = meta.get("calibration", {"gpus": {}, "nodes": {}})
+        self._nodes_info = meta.get("nodes", {})
+        self._sessions = {k: SessionState.from_json(v) for k, v in stored.sessions.items()}
+        self._event_ids = set(stored.event_ids)
+        self._ops = {k: OpRecord.from_json(v) for k, v in stored.operations.items()}
+        self._open_ops = {k for k, r in self._ops.items() if r.state not in FINAL_STATES}
+        self._predictor = self._new_predictor()
+        for t, kind, a, b, gap in stored.observations:
+            if kind == "handoff" and a in self._predictor.models and b in self._predictor.models:
+                self._predictor.observe_handoff(t, a, b)
+            elif kind == "gap" and gap is not None:
+                self._predictor.observe_turn_gap(t, gap)
+        self._refresh_live()
+        log.info(
+            "restored from the database: srv version %d, plan epoch %d, %d sessions, %d events, %d open operations",
+            self._srv_version,
+            self._epoch,
+            len(self._sessions),
+            len(self._event_ids),
+            len(self._open_ops),
+        )
+
+    def _new_predictor(self) -> SwitchPredictor:
+        priors = PredictorIn.model_validate(self._base.get("predictor", {}))
+        return SwitchPredictor([m["id"] for m in self._base["models"]], priors, window_seconds=PREDICTOR_WINDOW_SECONDS)
+
+    # -- scenario views ----------------------------------------------------------
+
+    def _scenario_data(self, residency: Placement, *, calibrated: bool = True) -> dict[str, Any]:
+        """The live state as scenario JSON: base + sessions + `residency` (+ bandwidth calibration)."""
+        data = copy.deepcopy(self._base)
+        if calibrated:
+            for node in data["cluster"]["nodes"]:
+                node.update({k: v["value"] for k, v in self._calibration["nodes"].get(node["id"], {}).items()})
+                for gpu in node.get("gpus", []):
+                    gpu.update({k: v["value"] for k, v in self._calibration["gpus"].get(gpu["id"], {}).items()})
+        models = {m["id"] for m in data["models"]}
+        with_kv = {obj.session for obj, _ in residency if obj.kind is Kind.KV}
+        sessions = [s for s in self._sessions.values() if s.model in models and (not s.ended or s.id in with_kv)]
+        included = {s.id for s in sessions}
+        data["sessions"] = [
+            {
+                "id": s.id,
+                "user": s.user,
+                "slo": s.slo.value,
+                "model": s.model,
+                "active": s.active and not s.ended,
+                "context_tokens": s.context_tokens,
+            }
+            for s in sorted(sessions, key=lambda s: s.id)
+        ]
+        data["residency"] = [
+            e
+            for e in placement_to_json(residency)
+            if e["object"]["model"] in models and (e["object"]["kind"] != "kv" or e["object"]["session"] in included)
+        ]
+        return data
+
+    def _next_model(self, data: Mapping[str, Any], now: float) -> dict[str, dict[str, float]]:
+        current = {
+            s["id"]: s["model"]
+            for s in data["sessions"]
+            if not (s["id"] in self._sessions and self._sessions[s["id"]].ended)
+        }
+        return self._predictor.predict_sessions(current, now)
+
+    def _compile(self, data: dict[str, Any], next_model: Mapping[str, Mapping[str, float]]) -> Problem:
+        return compile_problem(parse_scenario(data), next_model)
+
+    def _refresh_live(self) -> None:
+        """Recompute sizes (sessions, calibration) and the served models from the confirmed placement."""
+        data = self._scenario_data(self._placement)
+        data["residency"] = []
+        self._sizes = self._compile(data, {})
+        self._serving = set(ResidencyIndex.build(self._sizes, self._valid_placement(self._placement)).serving)
+
+    def _publish_srv(self) -> None:
+        """Snapshot the SRV of the confirmed placement; `version` moves exactly when the snapshot does."""
+        self._refresh_live()
+        assert self._sizes is not None
+        rows = srv_entries(self._sizes, self._valid_placement(self._placement))
+        placement = placement_to_json(self._placement)
+        if self._srv_doc and (rows, placement) == (self._srv_doc["srv"], self._srv_doc["placement"]):
+            return
+        self._srv_version = self._srv_version + 1 if self._srv_doc else 1
+        self._srv_doc = {"version": self._srv_version, "srv": rows, "placement": placement}
+
+    def _valid_placement(self, placement: Placement) -> Placement:
+        p = self._sizes
+        assert p is not None
+        return {
+            (obj, loc): n
+            for (obj, loc), n in placement.items()
+            if obj.model in p.models
+            and (obj.kind is not Kind.KV or obj.session in p.sessions)
+            and (loc.id in p.gpus if loc.tier is Tier.GPU else loc.id in p.nodes)
+        }
+
+    # -- planning ----------------------------------------------------------------
+
+    def _planning_snapshot(self) -> tuple[dict[str, Any], dict[str, dict[str, float]], list[OpRecord]]:
+        """Scenario JSON whose residency is the confirmed placement plus what leased operations will do."""
+        inflight = sorted(
+            (self._ops[i] for i in self._open_ops if self._ops[i].state is OpState.LEASED),
+            key=lambda r: (r.epoch, r.seq),
+        )
+        residency = apply_operations(self._placement, [r.op for r in inflight])
+        data = self._scenario_data(residency)
+        return data, self._next_model(data, self._clock()), inflight
+
+    def _solve(self, problem: Problem, solver: str, **options: object) -> Plan:
+        started = time.perf_counter()
+        try:
+            plan = solve(problem, solver, **options)
+        except ImportError as error:
+            raise SolverUnavailable(
+                f"solver {solver!r} is not available in this build ({error}); use solver 'greedy'"
+            ) from None
+        self._metrics.plan_duration.labels(solver).observe(time.perf_counter() - started)
+        return plan
+
+    def replan(self, *, force: bool = False) -> dict[str, Any]:
+        """Plan from the live state; install a new epoch when the target changed (always when `force`)."""
+        self._require_ready()
+        with self._plan_lock:
+            for attempt in range(3):
+                with self._lock:
+                    self._expire_and_write()
+                    data, next_model, inflight = self._planning_snapshot()
+                    marker = self._marker()
+                    force = force or self._force_replan
+                    self.dirty.clear()
+                try:
+                    problem = self._compile(data, next_model)
+                except ScenarioError as error:
+                    # in-flight operations would overfill a location: plan from the confirmed placement alone
+                    log.warning("planning from the confirmed placement only: %s", error)
+                    with self._lock:
+                        data = self._scenario_data(self._placement)
+                        inflight = []
+                    try:
+                        problem = self._compile(data, next_model)
+                    except ScenarioError as error:
+                        raise Conflict(f"the live state cannot be planned: {error}") from None
+                try:
+                    try:
+                        plan = self._solve(problem, self._solver)
+                    except SolverUnavailable as error:
+                        log.warning("%s; the planning loop falls back to greedy", error.message)
+                        plan = self._solve(problem, "greedy")
+                except ValueError as error:  # ScenarioError included: the live state itself cannot be planned
+                    raise Conflict(f"the live state cannot be planned: {error}") from None
+                with self._lock:
+                    if self._marker() != marker and attempt < 2:
+                        continue  # the state moved while solving; plan again from the new one
+                    if not force and self._plan_doc is not None and plan.placement == self._plan_placement:
+                        return {"epoch": self._epoch, "changed": False}
+                    self._install(plan, inflight)
+                    self._force_replan = False
+                    epoch = self._epoch
+                break
+        self._notify()
+        return {"epoch": epoch, "changed": True}
+
+    def _marker(self) -> tuple[int, frozenset[str], int]:
+        """What a plan depends on: the confirmed placement, the operations in flight, everything else."""
+        leased = frozenset(i for i in self._open_ops if self._ops[i].state is OpState.LEASED)
+        return self._srv_version, leased, self._changes
+
+    def _install(self, plan: Plan, inflight: list[OpRecord]) -> None:
+        now = self._clock()
+        epoch = self._epoch + 1
+        rename = {op.id: f"{epoch}.{op.id}" for op in plan.operations}
+        records: list[OpRecord] = []
+        for seq, op in enumerate(plan.operations):
+            deps = [rename[d] for d in op.depends_on]
+            for r in inflight:  # a new operation must not race one still in flight
+                frees_dest = op.dest is not None and r.op.frees() == op.dest
+                reads_its_output = op.source is not None and r.op.dest == op.source and r.op.object == op.object
+                drops_its_source = (
+                    op.frees() is not None
+                    and r.op.keep_source
+                    and r.op.source == op.frees()
+                    and r.op.object == op.object
+                )
+                if frees_dest or reads_its_output or drops_its_source:
+                    deps.append(r.id)
+            new = dataclasses.replace(op, id=rename[op.id], depends_on=deps)
+            records.append(OpRecord(new, epoch, seq, OpState.QUEUED, now, now))
+        batch = Batch()
+        for oid in list(self._open_ops):
+            r = self._ops[oid]
+            if r.state is OpState.QUEUED:
+                r.state, r.superseded_by, r.updated_at = OpState.SUPERSEDED, epoch, now
+                self._open_ops.discard(oid)
+                batch.operations[oid] = r.to_json()
+        for r in records:
+            self._ops[r.id] = r
+            self._open_ops.add(r.id)
+            batch.operations[r.id] = r.to_json()
+        doc = plan.to_json()
+        doc["operations"] = [r.op.to_json() for r in records]
+        doc["epoch"] = epoch
+        doc["planned_at"] = iso(now)
+        doc["based_on_srv_version"] = self._srv_version
+        batch.meta.update({"epoch": epoch, "plan": doc})
+        self._store.write(batch)
+        self._epoch, self._plan_doc, self._plan_placement = epoch, doc, dict(plan.placement)
+        log.info(
+            "plan epoch %d: %s, %d operations, %d unserved", epoch, doc["status"], len(records), len(plan.unserved)
+        )
+
+    # -- leases ------------------------------------------------------------------
+
+    def _expire(self, batch: Batch) -> bool:
+        now = self._clock()
+        expired_leases: dict[str, str] = {}
+        for oid in list(self._open_ops):
+            r = self._ops[oid]
+            if r.state is OpState.LEASED and r.lease_expires_at is not None and r.lease_expires_at <= now:
+                expired_leases[r.lease_id or ""] = r.node
+                if r.epoch < self._epoch:
+                    r.state, r.superseded_by = OpState.SUPERSEDED, self._epoch
+                    self._open_ops.discard(oid)
+                    self._force_replan = True
+                    self.dirty.set()
+                else:
+                    r.state = OpState.QUEUED
+                r.lease_id, r.lease_expires_at, r.updated_at = None, None, now
+                batch.operations[oid] = r.to_json()
+        for node in expired_leases.values():
+            self._metrics.lease_expiries.labels(node).inc()
+        if expired_leases:
+            log.info("%d lease(s) expired; their operations were re-queued", len(expired_leases))
+        return bool(expired_leases)
+
+    def _expire_and_write(self) -> bool:
+        batch = Batch()
+        expired = self._expire(batch)
+        self._store.write(batch)
+        return expired
+
+    def tick(self) -> None:
+        """Expire leases (the planning loop calls this about every second)."""
+        if not self._ready:
+            return
+        with self._lock:
+            expired = self._expire_and_write()
+        if expired:
+            self._notify()
+
+    def _deps_done(self, r: OpRecord) -> bool:
+        return all(d not in self._ops or self._ops[d].state is OpState.DONE for d in r.op.depends_on)
+
+    def _require_node(self, node_id: str) -> None:
+        nodes = [n["id"] for n in self._base["cluster"]["nodes"]]
+        if node_id not in nodes:
+            raise NotFound(f"unknown node {node_id!r}; known: {sorted(nodes)}")
+
+    def lease(self, node_id: str, max_operations: int) -> dict[str, Any]:
+        """Lease up to `max_operations` of the node's queued operations whose dependencies are done."""
+        self._require_ready()
+        with self._lock:
+            self._require_node(node_id)
+            now = self._clock()
+            batch = Batch()
+            expired = self._expire(batch)
+            eligible = sorted(
+                (
+                    self._ops[i]
+                    for i in self._open_ops
+                    if self._ops[i].state is OpState.QUEUED
+                    and self._ops[i].node == node_id
+                    and self._deps_done(self._ops[i])
+                ),
+                key=lambda r: (PRIORITY_RANK[r.op.priority], r.epoch, r.seq),
+            )[:max_operations]
+            lease_id = expires = None
+            if eligible:
+                lease_id, expires = uuid.uuid4().hex, now + self._lease_seconds
+                for r in eligible:
+                    r.state, r.lease_id, r.lease_expires_at, r.updated_at = OpState.LEASED, lease_id, expires, now
+                    r.leases += 1
+                    batch.operations[r.id] = r.to_json()
+            self._store.write(batch)
+        if expired:
+            self._notify()
+        return {
+            "lease_id": lease_id,
+            "expires_at": iso(expires),
+            "expires_in_seconds": self._lease_seconds if lease_id else None,
+            "operations": [{**r.op.to_json(), "epoch": r.epoch} for r in eligible],
+        }
+
+    def report(self, op_id: str, body: ReportIn, *, node_scope: str | None = None) -> dict[str, Any]:
+        """A node's outcome for a leased operation. Idempotent: the same report again answers the same."""
+        self._require_ready()
+        with self._lock:
+            self._expire_and_write()
+            r = self._ops.get(op_id)
+            if r is None:
+                raise NotFound(f"unknown operation {op_id!r}")
+            if node_scope is not None and r.node != node_scope:
+                raise Forbidden(f"operation {op_id} belongs to node {r.node!r}, not to {node_scope!r}")
+            if r.state in (OpState.DONE, OpState.FAILED):
+                if r.lease_id == body.lease_id and r.state.value == body.status:
+                    return {"operation": r.to_json(), "srv_version": self._srv_version, "duplicate": True}
+                raise Conflict(f"operation {op_id} is already {r.state.value} under another report")
+            if r.state is OpState.SUPERSEDED:
+                raise Conflict(
+                    f"operation {op_id} was superseded by plan epoch {r.superseded_by}; lease the node's queue again"
+                )
+            if r.state is OpState.QUEUED:
+                raise Conflict(
+                    f"operation {op_id} is not leased (its lease expired and it was re-queued); lease it again"
+                )
+            if r.lease_id != body.lease_id:
+                raise Conflict(f"operation {op_id} is held by another lease, not {body.lease_id!r}")
+            now = self._clock()
+            r.state = OpState.DONE if body.status == "done" else OpState.FAILED
+            r.measured_seconds, r.measured_bytes, r.error, r.updated_at = (
+                body.measured_seconds,
+                body.measured_bytes,
+                body.error,
+                now,
+            )
+            self._open_ops.discard(op_id)
+            batch = Batch(operations={op_id: r.to_json()})
+            if r.state is OpState.DONE:
+                self._confirm(r, now, batch)
+            else:
+                self._force_replan = True
+                self.dirty.set()
+                log.warning("operation %s failed on %s: %s", op_id, r.node, body.error)
+            self._store.write(batch)
+            if body.measured_seconds is not None:
+                self._metrics.operation_duration.labels(r.op.action.value, r.state.value).observe(body.measured_seconds)
+            out = {"operation": r.to_json(), "srv_version": self._srv_version, "duplicate": False}
+        self._notify()
+        return out
+
+    def _confirm(self, r: OpRecord, now: float, batch: Batch) -> None:
+        """Apply a done operation to the confirmed placement and learn from its measured duration."""
+        op = r.op
+        self._refresh_live()  # sizes must know the sessions that events created since
+        touched = {(op.object, loc): 1 for loc in (op.source, op.dest) if loc is not None}
+        if len(self._valid_placement(touched)) == len(touched):
+            apply_operation(self._placement, op)
+        else:
+            log.warning("operation %s refers to state or hardware no longer in the cluster; placement unchanged", r.id)
+        self._purge_ended_sessions(batch)
+        self._publish_srv()
+        self._calibrate_from(r, batch)
+        for s in self._sessions.values():
+            if s.waiting_since is not None and s.model in self._serving:
+                self._observe_switch(s, now - s.waiting_since)
+                s.waiting_since = None
+                batch.sessions[s.id] = s.to_json()
+        batch.meta.update({"placement": placement_to_json(self._placement), "srv": self._srv_doc})
+
+    def _purge_ended_sessions(self, batch: Batch) -> None:
+        with_kv = {obj.session for obj, _ in self._placement if obj.kind is Kind.KV}
+        busy = {self._ops[i].op.object.session for i in self._open_ops if self._ops[i].op.object.kind is Kind.KV}
+        for sid in [s.id for s in self._sessions.values() if s.ended and s.id not in with_kv | busy]:
+            del self._sessions[sid]
+            batch.sessions[sid] = None
+
+    def _observe_switch(self, s: SessionState, seconds: float) -> None:
+        self._metrics.switch_latency.labels(s.slo.value).observe(seconds)
+        targets = self._sizes.constants.slo_targets_seconds if self._sizes else None
+        if targets is not None and seconds > targets.of(s.slo):
+            self._metrics.slo_violations.labels(s.slo.value).inc()
+
+    # -- calibration -------------------------------------------------------------
+
+    def _calibrate(self, scope: str, key: str, field: str, measured: float, batch: Batch) -> None:
+        entry = self._calibration[scope].setdefault(key, {}).get(field)
+        if entry is None:
+            assert self._sizes is not None
+            spec = self._sizes.gpus[key] if scope == "gpus" else self._sizes.nodes[key]
+            before, samples = float(getattr(spec, field)), 0
+        else:
+            before, samples = entry["value"], int(entry["samples"])
+        value = (1 - CALIBRATION_ALPHA) * before + CALIBRATION_ALPHA * measured
+        self._calibration[scope][key][field] = {"value": value, "samples": samples + 1, "last_measured": measured}
+        batch.meta["calibration"] = self._calibration
+        self._changes += 1
+
+    def _calibrate_from(self, r: OpRecord, batch: Batch) -> None:
+        """Measured bytes / seconds of a copy updates the bandwidth of the link it crossed."""
+        op = r.op
+        seconds = r.measured_seconds
+        nbytes = r.measured_bytes if r.measured_bytes else op.bytes
+        if not seconds or seconds <= 0 or nbytes <= 0 or op.source is None or op.dest is None or self._sizes is None:
+            return
+        rate = nbytes / seconds
+        src, dst = op.source, op.dest
+        if src.tier is Tier.NVME and src.id in self._sizes.nodes:
+            self._calibrate("nodes", src.id, "nvme_read_bytes_per_s", rate, batch)
+        elif src.tier is Tier.HOST and dst.tier is Tier.GPU and dst.id in self._sizes.gpus:
+            self._calibrate("gpus", dst.id, "h2d_bytes_per_s", rate, batch)
+        elif dst.tier is Tier.NVME and dst.id in self._sizes.nodes:
+            self._calibrate("nodes", dst.id, "nvme_write_bytes_per_s", rate, batch)
+        elif src.tier is Tier.GPU and dst.tier is Tier.HOST and src.id in self._sizes.gpus:
+            self._calibrate("gpus", src.id, "d2h_bytes_per_s", rate, batch)
+
+    # -- events ------------------------------------------------------------------
+
+    def apply_events(self, events: list[Event]) -> dict[str, Any]:
+        """Apply a batch atomically: all new events apply, or none when one refers to something unknown."""
+        self._require_ready()
+        with self._lock:
+            models = sorted(m["id"] for m in self._base["models"])
+            known_sessions = {sid for sid, s in self._sessions.items()}
+            seen: set[str] = set()
+            for i, ev in enumerate(events):
+                if ev.id in self._event_ids or ev.id in seen:
+                    continue
+                seen.add(ev.id)
+                if isinstance(ev, RequestEvent):
+                    if ev.model not in models:
+                        raise InvalidInput(
+                            f"events[{i}].model: unknown model {ev.model!r}; known: {models}", field=f"events.{i}.model"
+                        )
+                    known_sessions.add(ev.session)
+                elif ev.session not in known_sessions:
+                    raise InvalidInput(
+                        f"events[{i}].session: unknown session {ev.session!r}; a session starts with a request event",
+                        field=f"events.{i}.session",
+                    )
+            now = self._clock()
+            batch = Batch()
+            results = []
+            for ev in events:
+                if ev.id in self._event_ids:
+                    results.append({"id": ev.id, "status": "duplicate"})
+                    continue
+                self._apply_event(ev, ev.at if ev.at is not None else now, batch)
+                self._event_ids.add(ev.id)
+                batch.events.append((ev.id, ev.type, now))
+                results.append({"id": ev.id, "status": "applied"})
+            self._purge_ended_sessions(batch)
+            self._store.write(batch)
+            applied = [ev for ev, res in zip(events, results, strict=True) if res["status"] == "applied"]
+            for ev in applied:
+                self._metrics.events.labels(ev.type).inc()
+            if applied:
+                self._changes += 1
+                self.dirty.set()
+        return {
+            "applied": len(applied),
+            "duplicates": len(events) - len(applied),
+            "results": results,
+        }
+
+    def _apply_event(self, ev: Event, t: float, batch: Batch) -> None:
+        s = self._sessions.get(ev.session)
+        if isinstance(ev, RequestEvent):
+            if s is None:
+                s = SessionState(
+                    id=ev.session,
+                    user=ev.user or "default",
+                    slo=ev.slo or Slo.INTERACTIVE,
+                    model=ev.model,
+                    created_at=t,
+                )
+                self._sessions[s.id] = s
+            else:
+                self._predictor.observe_handoff(t, s.model, ev.model)
+                batch.observations.append((t, "handoff", s.model, ev.model, None))
+                if s.last_turn_end is not None and t >= s.last_turn_end:
+                    self._predictor.observe_turn_gap(t, t - s.last_turn_end)
+                    batch.observations.append((t, "gap", None, None, t - s.last_turn_end))
+            s.model, s.active, s.ended = ev.model, True, False
+            s.user = ev.user or s.user
+            s.slo = ev.slo or s.slo
+            s.requests += 1
+            s.context_tokens += ev.input_tokens + ev.output_tokens
+            s.cached_tokens[ev.model] = s.context_tokens
+            if ev.model in self._serving:
+                self._observe_switch(s, 0.0)
+                s.waiting_since = None
+            else:
+                s.waiting_since = t
+        else:
+            assert s is not None
+            if isinstance(ev, TurnEndEvent):
+                s.active, s.in_tool_call, s.last_turn_end = False, False, t
+                s.context_tokens += ev.output_tokens
+                s.cached_tokens[s.model] = s.context_tokens
+            elif isinstance(ev, ToolCallStartEvent):
+                s.in_tool_call = True
+                s.tool_calls += 1
+            elif isinstance(ev, ToolCallEndEvent):
+                s.in_tool_call = False
+            elif isinstance(ev, SessionEndEvent):
+                s.active, s.in_tool_call, s.ended, s.waiting_since = False, False, True, None
+        s.last_activity = t
+        batch.sessions[s.id] = s.to_json()
+
+    # -- topology and catalog ----------------------------------------------------
+
+    def _admin_edit(self, edit: Callable[[dict[str, Any]], None]) -> None:
+        """Apply an operator's edit to the live scenario; state at removed hardware or models is forgotten."""
+        data = self._scenario_data(self._placement, calibrated=False)
+        before = {s["id"] for s in data["sessions"]}
+        try:
+            edit(data)
+            scenario = parse_scenario(data)
+            problem = compile_problem(scenario, {})
+        except (edits.ChangeError, ScenarioError) as error:
+            raise InvalidInput(str(error)) from None
+        new = scenario.model_dump(mode="json")
+        self._base = {k: new[k] for k in ("cluster", "models", "predictor", "constants")}
+        batch = Batch(meta={"base": self._base})
+        for sid in before - {s.id for s in scenario.sessions}:
+            self._sessions.pop(sid, None)
+            batch.sessions[sid] = None
+        placement = dict(problem.residency)
+        for model in [m.id for m in scenario.models]:
+            self._predictor.add_model(model)
+        for model in set(self._predictor.models) - {m.id for m in scenario.models}:
+            self._predictor.remove_model(model)
+        self._placement = placement
+        self._publish_srv()
+        batch.meta.update({"placement": placement_to_json(self._placement), "srv": self._srv_doc})
+        self._store.write(batch)
+        self._changes += 1
+        self._force_replan = True
+        self.dirty.set()
+
+    def put_cluster(self, cluster: ClusterIn) -> dict[str, Any]:
+        self._require_ready()
+        with self._lock:
+            self._admin_edit(lambda data: edits.replace_cluster(data, cluster))
+            return self.cluster_view()
+
+    def put_model(
+        self, model_id: str, spec: dict[str, Any], nvme_nodes: list[str] | None
+    ) -> tuple[dict[str, Any], bool]:
+        self._require_ready()
+        if "id" in spec and spec["id"] != model_id:
+            raise InvalidInput(f"model.id: {spec['id']!r} differs from the path's {model_id!r}", field="model.id")
+        try:
+            model = ModelIn.model_validate({**spec, "id": model_id})
+        except ValueError as error:
+            raise InvalidInput(f"model: {error}", field="model") from None
+        with self._lock:
+            created = model_id not in {m["id"] for m in self._base["models"]}
+            self._admin_edit(lambda data: edits.put_model(data, model, nvme_nodes, "model"))
+            return self._model_view(model_id), created
+
+    def delete_model(self, model_id: str) -> None:
+        self._require_ready()
+        with self._lock:
+            if model_id not in {m["id"] for m in self._base["models"]}:
+                raise NotFound(f"unknown model {model_id!r}; known: {sorted(m['id'] for m in self._base['models'])}")
+            self._admin_edit(lambda data: edits.remove_model(data, model_id, "model"))
+
+    # -- nodes -------------------------------------------------------------------
+
+    def register_node(self, node_id: str, body: RegisterIn) -> dict[str, Any]:
+        self._require_ready()
+        with self._lock:
+            self._require_node(node_id)
+            now = self._clock()
+            node = next(n for n in self._base["cluster"]["nodes"] if n["id"] == node_id)
+            known = {g["id"]: g for g in node.get("gpus", [])}
+            warnings = []
+            seen = {g.id for g in body.gpus}
+            for i, g in enumerate(body.gpus):
+                if g.id not in known:
+                    warnings.append(f"gpus[{i}].id: {g.id!r} is not in the cluster topology; PUT /v1/cluster to add it")
+                elif g.type and known[g.id].get("type") and g.type != known[g.id]["type"]:
+                    warnings.append(f"gpus[{i}].type: {g.type!r}, the topology says {known[g.id]['type']!r}")
+            if body.gpus:
+                warnings += [f"gpu {gid!r} of the topology was not reported" for gid in sorted(set(known) - seen)]
+            batch = Batch()
+            if body.capabilities is not None and sorted(body.capabilities) != sorted(node.get("capabilities", [])):
+                node["capabilities"] = [c.value for c in body.capabilities]
+                batch.meta["base"] = self._base
+                self._changes += 1
+                self._force_replan = True
+                self.dirty.set()
+            info = self._nodes_info.setdefault(node_id, {})
+            info["registration"] = body.model_dump(mode="json")
+            info["registered_at"] = iso(now)
+            batch.meta["nodes"] = self._nodes_info
+            self._store.write(batch)
+            return {
+                "node": node_id,
+                "registered_at": iso(now),
+                "capabilities": node.get("capabilities", []),
+                "gpus": sorted(known),
+                "lease_seconds": self._lease_seconds,
+                "warnings": warnings,
+            }
+
+    def heartbeat(self, node_id: str, body: HeartbeatIn) -> dict[str, Any]:
+        self._require_ready()
+        with self._lock:
+            self._require_node(node_id)
+            assert self._sizes is not None
+            node_gpus = set(self._sizes.nodes[node_id].gpus)
+            for i, g in enumerate(body.gpus):
+                if g.id not in node_gpus:
+                    raise InvalidInput(
+                        f"gpus[{i}].id: {g.id!r} is not a GPU of node {node_id!r}; its GPUs: {sorted(node_gpus)}",
+                        field=f"gpus.{i}.id",
+                    )
+            unknown_models = sorted(set(body.expert_hit_rates) - set(self._sizes.models))
+            if unknown_models:
+                raise InvalidInput(
+                    f"expert_hit_rates: unknown model(s) {unknown_models}; known: {sorted(self._sizes.models)}",
+                    field="expert_hit_rates",
+                )
+            now = self._clock()
+            batch = Batch()
+            for g in body.gpus:
+                for field in ("h2d_bytes_per_s", "d2h_bytes_per_s"):
+                    if getattr(g, field) is not None:
+                        self._calibrate("gpus", g.id, field, getattr(g, field), batch)
+            for field in ("nvme_read_bytes_per_s", "nvme_write_bytes_per_s"):
+                if getattr(body, field) is not None:
+                    self._calibrate("nodes", node_id, field, getattr(body, field), batch)
+            info = self._nodes_info.setdefault(node_id, {})
+            info["telemetry"] = body.model_dump(mode="json")
+            info["last_heartbeat"] = iso(now)
+            batch.meta["nodes"] = self._nodes_info
+            self._store.write(batch)
+            return {
+                "node": node_id,
+                "received_at": iso(now),
+                "calibration": self._calibration["nodes"].get(node_id, {}),
+            }
+
+    # -- reads -------------------------------------------------------------------
+
+    def cluster_view(self) -> dict[str, Any]:
+        self._require_ready()
+        with self._lock:
+            data = self._scenario_data({})
+            problem = self._compile(data, {})
+            used: dict[str, int] = defaultdict(int)
+            planned: dict[str, int] = defaultdict(int)
+            for (_, loc), n in self._placement.items():
+                if loc.tier is Tier.GPU:
+                    used[loc.id] += n
+            for (_, loc), n in self._plan_placement.items():
+                if loc.tier is Tier.GPU:
+                    planned[loc.id] += n
+            nodes = []
+            for raw in self._base["cluster"]["nodes"]:
+                n = problem.nodes[raw["id"]]
+                info = self._nodes_info.get(n.id, {})
+                gpus = []
+                for graw in raw.get("gpus", []):
+                    g = problem.gpus[graw["id"]]
+                    gpus.append(
+                        {
+                            "id": g.id,
+                            "type": g.type,
+                            "capacity_bytes": g.capacity_bytes,
+                            "reserved_bytes": graw.get("reserved_bytes", 0),
+                            "hbm_bytes_per_s": g.hbm_bytes_per_s,
+                            "bf16_flops": g.bf16_flops,
+                            "h2d_bytes_per_s": g.h2d_bytes_per_s,
+                            "d2h_bytes_per_s": g.d2h_bytes_per_s,
+                            "used_bytes": used[g.id],
+                            "planned_bytes": planned[g.id],
+                            "calibrated": self._calibration["gpus"].get(g.id, {}),
+                        }
+                    )
+                nodes.append(
+                    {
+                        "id": n.id,
+                        "host_dram_bytes": n.host_bytes,
+                        "nvme_bytes": n.nvme_bytes,
+                        "nvme_read_bytes_per_s": n.nvme_read_bytes_per_s,
+                        "nvme_write_bytes_per_s": n.nvme_write_bytes_per_s,
+                        "capabilities": sorted(c.value for c in n.capabilities),
+                        "calibrated": self._calibration["nodes"].get(n.id, {}),
+                        "registered_at": info.get("registered_at"),
+                        "last_heartbeat": info.get("last_heartbeat"),
+                        "telemetry": info.get("telemetry"),
+                        "gpus": gpus,
+                    }
+                )
+            return {"nodes": nodes}
+
+    def _model_view(self, model_id: str) -> dict[str, Any]:
+        raw = next(m for m in self._base["models"] if m["id"] == model_id)
+        spec = resolve_model(ModelIn.model_validate(raw), "model")
+        return {
+            **{k: v for k, v in raw.items() if v is not None},
+            "resolved": {
+                "precisions": list(spec.precisions),
+                "weights_bytes": dict(spec.weights_bytes),
+                "kv_bytes_per_token": spec.kv_bytes_per_token,
+                "experts_bytes": spec.experts_bytes,
+                "expert_bytes": spec.expert_bytes,
+                "is_moe": spec.is_moe,
+                "active_params": spec.active_params,
+            },
+            "serving": model_id in self._serving,
+        }
+
+    def models_view(self) -> list[dict[str, Any]]:
+        self._require_ready()
+        with self._lock:
+            return [self._model_view(m["id"]) for m in self._base["models"]]
+
+    def _session_view(self, s: SessionState) -> dict[str, Any]:
+        kv: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+        for (obj, loc), n in self._placement.items():
+            if obj.kind is Kind.KV and obj.session == s.id:
+                kv[obj.model][loc.tier.value] += n
+        return {
+            "id": s.id,
+            "user": s.user,
+            "slo": s.slo.value,
+            "model": s.model,
+            "active": s.active,
+            "ended": s.ended,
+            "in_tool_call": s.in_tool_call,
+            "context_tokens": s.context_tokens,
+            "cached_tokens": dict(s.cached_tokens),
+            "requests": s.requests,
+            "tool_calls": s.tool_calls,
+            "kv_bytes": {m: dict(t) for m, t in sorted(kv.items())},
+            "last_activity": iso(s.last_activity),
+        }
+
+    def sessions_view(self) -> list[dict[str, Any]]:
+        self._require_ready()
+        with self._lock:
+            return [self._session_view(s) for _, s in sorted(self._sessions.items())]
+
+    def session_view(self, session_id: str) -> dict[str, Any]:
+        self._require_ready()
+        with self._lock:
+            if session_id not in self._sessions:
+                raise NotFound(f"unknown session {session_id!r}")
+            return self._session_view(self._sessions[session_id])
+
+    def srv_view(self) -> dict[str, Any]:
+        self._require_ready()
+        with self._lock:
+            return copy.deepcopy(self._srv_doc)
+
+    def plan_view(self) -> dict[str, Any]:
+        self._require_ready()
+        with self._lock:
+            if self._plan_doc is None:
+                raise NotFound("no plan yet; POST /v1/plan to plan now")
+            return copy.deepcopy(self._plan_doc)
+
+    def operations_view(self, node: str | None = None, state: str | None = None) -> list[dict[str, Any]]:
+        self._require_ready()
+        with self._lock:
+            if node is not None:
+                self._require_node(node)
+            batch = Batch()
+            self._expire(batch)
+            self._store.write(batch)
+            ids = self._open_ops if state in (None, "queued", "leased") else self._ops.keys()
+            rows = [self._ops[i] for i in ids]
+            return [
+                r.to_json()
+                for r in sorted(rows, key=lambda r: (r.epoch, r.seq))
+                if (node is None or r.node == node) and (state is None or r.state.value == state)
+            ]
+
+    def metrics_snapshot(self) -> StateSnapshot:
+        snap = StateSnapshot()
+        with self._lock:
+            if not self._ready or self._sizes is None:
+                return snap
+            for (obj, loc), n in self._placement.items():
+                key = (obj.model, obj.kind.value, loc.tier.value)
+                snap.resident_bytes[key] = snap.resident_bytes.get(key, 0) + n
+            for g in self._sizes.gpus.values():
+                snap.gpu_capacity_bytes[(g.node, g.id)] = g.capacity_bytes
+                snap.gpu_used_bytes[(g.node, g.id)] = 0
+            for (_, loc), n in self._placement.items():
+                if loc.tier is Tier.GPU and loc.id in self._sizes.gpus:
+                    snap.gpu_used_bytes[(self._sizes.gpus[loc.id].node, loc.id)] += n
+            for i in self._open_ops:
+                r = self._ops[i]
+                key = (r.node, r.op.priority.value, r.state.value)
+                snap.queue[key] = snap.queue.get(key, 0) + 1
+            if self._plan_doc is not None:
+                snap.predicted_p95_seconds = float(self._plan_doc["predicted"]["switch_latency_p95_seconds"])
+                snap.unserved_sessions = len(self._plan_doc["unserved"])
+            snap.plan_epoch = self._epoch
+        return snap
+
+    # -- questions ---------------------------------------------------------------
+
+    def live_view(self) -> LiveView:
+        """A consistent copy of what questions about the live state need (what-if, Pareto, explain)."""
+        self._require_ready()
+        with self._lock:
+            assert self._sizes is not None
+            data, next_model, _ = self._planning_snapshot()
+            return LiveView(
+                data=data,
+                next_model=next_model,
+                predictor=copy.deepcopy(self._predictor),
+                ended=frozenset(sid for sid, s in self._sessions.items() if s.ended),
+                now=self._clock(),
+                epoch=self._epoch,
+                srv_version=self._srv_version,
+                plan_doc=copy.deepcopy(self._plan_doc),
+                sizes=self._sizes,
+                placement=dict(self._placement),
+                plan_placement=dict(self._plan_placement),
+                plan_ops=[
+                    copy.deepcopy(r) for r in self._ops.values() if r.epoch == self._epoch or r.id in self._open_ops
+                ],
+                sessions={sid: copy.deepcopy(s) for sid, s in self._sessions.items()},
+            )
+
+    def solve(self, problem: Problem, solver: str, **options: object) -> Plan:
+        """Solve and time one problem (the planning-duration histogram counts it)."""
+        return self._solve(problem, solver, **options)

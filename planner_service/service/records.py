@@ -1,0 +1,129 @@
+"""The service's live records: sessions and queued operations, with their JSON forms."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from enum import StrEnum
+from typing import Any
+
+from planner_service.domain.scenario import Slo
+from planner_service.domain.state import location_from_json, object_from_json
+from planner_service.planner.operations import Action, Operation, Priority
+
+
+class OpState(StrEnum):
+    QUEUED = "queued"
+    LEASED = "leased"
+    DONE = "done"
+    FAILED = "failed"
+    SUPERSEDED = "superseded"
+
+
+FINAL_STATES = frozenset({OpState.DONE, OpState.FAILED, OpState.SUPERSEDED})
+
+
+def operation_from_json(data: dict[str, Any]) -> Operation:
+    return Operation(
+        id=data["id"],
+        action=Action(data["action"]),
+        object=object_from_json(data["object"]),
+        source=location_from_json(data["from"]) if data.get("from") else None,
+        dest=location_from_json(data["to"]) if data.get("to") else None,
+        bytes=int(data["bytes"]),
+        keep_source=bool(data["keep_source"]),
+        priority=Priority(data["priority"]),
+        depends_on=list(data["depends_on"]),
+        estimated_seconds=float(data["estimated_seconds"]),
+        reason=data.get("reason", ""),
+        node=data["node"],
+    )
+
+
+@dataclass
+class OpRecord:
+    """One operation of one plan epoch and where it is in its lifecycle."""
+
+    op: Operation  # ids already qualified by the epoch ("3.op-1")
+    epoch: int
+    seq: int  # position in its plan's topological order
+    state: OpState = OpState.QUEUED
+    created_at: float = 0.0
+    updated_at: float = 0.0
+    lease_id: str | None = None
+    lease_expires_at: float | None = None
+    leases: int = 0  # times leased (re-queued after an expiry counts again)
+    measured_seconds: float | None = None
+    measured_bytes: int | None = None
+    error: str | None = None
+    superseded_by: int | None = None
+
+    @property
+    def id(self) -> str:
+        return self.op.id
+
+    @property
+    def node(self) -> str:
+        return self.op.node
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            **self.op.to_json(),
+            "epoch": self.epoch,
+            "seq": self.seq,
+            "state": self.state.value,
+            "created_at": self.created_at,
+            "updated_at": self.updated_at,
+            "lease_id": self.lease_id,
+            "lease_expires_at": self.lease_expires_at,
+            "leases": self.leases,
+            "measured_seconds": self.measured_seconds,
+            "measured_bytes": self.measured_bytes,
+            "error": self.error,
+            "superseded_by": self.superseded_by,
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> OpRecord:
+        return cls(
+            op=operation_from_json(data),
+            epoch=int(data["epoch"]),
+            seq=int(data["seq"]),
+            state=OpState(data["state"]),
+            created_at=float(data["created_at"]),
+            updated_at=float(data["updated_at"]),
+            lease_id=data.get("lease_id"),
+            lease_expires_at=data.get("lease_expires_at"),
+            leases=int(data.get("leases", 0)),
+            measured_seconds=data.get("measured_seconds"),
+            measured_bytes=data.get("measured_bytes"),
+            error=data.get("error"),
+            superseded_by=data.get("superseded_by"),
+        )
+
+
+@dataclass
+class SessionState:
+    id: str
+    user: str
+    slo: Slo
+    model: str
+    active: bool = False
+    context_tokens: int = 0
+    cached_tokens: dict[str, int] = field(default_factory=dict)  # model -> context tokens its KV holds
+    requests: int = 0
+    tool_calls: int = 0
+    in_tool_call: bool = False
+    ended: bool = False
+    created_at: float = 0.0
+    last_activity: float = 0.0
+    last_turn_end: float | None = None
+    waiting_since: float | None = None  # a request not yet served on GPU (observed switch latency)
+
+    def to_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["slo"] = self.slo.value
+        return out
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> SessionState:
+        return cls(**{**data, "slo": Slo(data["slo"])})

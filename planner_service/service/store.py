@@ -1,0 +1,169 @@
+"""Durable state behind one small interface.
+
+The service keeps its authoritative state in memory and writes every
+acknowledged change through a `Store` as one atomic `Batch` before it answers.
+`SqliteStore` is the embedded default (WAL, synchronous=FULL: a committed
+batch survives `kill -9` and power loss); a replicated database (PostgreSQL)
+can implement the same protocol.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+
+@dataclass
+class Batch:
+    """Changes that commit together or not at all."""
+
+    meta: dict[str, Any] = field(default_factory=dict)  # key -> JSON value
+    sessions: dict[str, dict[str, Any] | None] = field(default_factory=dict)  # id -> JSON, None deletes
+    events: list[tuple[str, str, float]] = field(default_factory=list)  # (id, type, at)
+    operations: dict[str, dict[str, Any]] = field(default_factory=dict)  # id -> JSON record
+    observations: list[tuple[float, str, str | None, str | None, float | None]] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.meta or self.sessions or self.events or self.operations or self.observations)
+
+    def merge(self, other: Batch) -> None:
+        self.meta.update(other.meta)
+        self.sessions.update(other.sessions)
+        self.events.extend(other.events)
+        self.operations.update(other.operations)
+        self.observations.extend(other.observations)
+
+
+@dataclass
+class Stored:
+    """Everything a store holds, as read back on start."""
+
+    meta: dict[str, Any]
+    sessions: dict[str, dict[str, Any]]
+    event_ids: set[str]
+    operations: dict[str, dict[str, Any]]
+    # (t, kind "handoff"|"gap", from model, to model, gap seconds), oldest first
+    observations: list[tuple[float, str, str | None, str | None, float | None]]
+
+    @property
+    def empty(self) -> bool:
+        return "base" not in self.meta
+
+
+class Store(Protocol):
+    def open(self) -> None: ...
+
+    def close(self) -> None: ...
+
+    def load(self, observations_since: float) -> Stored: ...
+
+    def write(self, batch: Batch) -> None:
+        """Commit `batch` atomically and durably before returning."""
+
+    def prune(self, observations_before: float, events_before: float) -> None:
+        """Forget what no longer matters: old predictor observations and event ids, the oldest finished operations."""
+
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS sessions (id TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS events (id TEXT PRIMARY KEY, type TEXT NOT NULL, at REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS operations (
+    id TEXT PRIMARY KEY, epoch INTEGER NOT NULL, node TEXT NOT NULL, state TEXT NOT NULL, value TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS operations_state ON operations (state);
+CREATE TABLE IF NOT EXISTS observations (
+    t REAL NOT NULL, kind TEXT NOT NULL, from_model TEXT, to_model TEXT, gap_seconds REAL
+);
+CREATE INDEX IF NOT EXISTS observations_t ON observations (t);
+"""
+
+# operations in these states are history: kept for reports' idempotency, not loaded into the queues
+_FINAL_KEEP = 5000
+
+
+class SqliteStore:
+    def __init__(self, path: Path) -> None:
+        self._path = path
+        self._db: sqlite3.Connection | None = None
+
+    def open(self) -> None:
+        if str(self._path) != ":memory:":
+            self._path.parent.mkdir(parents=True, exist_ok=True)
+        # the service serializes every call under its own lock
+        self._db = sqlite3.connect(str(self._path), check_same_thread=False, isolation_level=None)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=FULL")
+        self._db.executescript(_SCHEMA)
+
+    def close(self) -> None:
+        if self._db is not None:
+            self._db.close()
+            self._db = None
+
+    @property
+    def db(self) -> sqlite3.Connection:
+        if self._db is None:
+            raise RuntimeError("store is not open")
+        return self._db
+
+    def load(self, observations_since: float) -> Stored:
+        db = self.db
+        meta = {k: json.loads(v) for k, v in db.execute("SELECT key, value FROM meta")}
+        sessions = {k: json.loads(v) for k, v in db.execute("SELECT id, value FROM sessions")}
+        event_ids = {row[0] for row in db.execute("SELECT id FROM events")}
+        operations = {k: json.loads(v) for k, v in db.execute("SELECT id, value FROM operations ORDER BY rowid")}
+        observations = [
+            (t, kind, a, b, gap)
+            for t, kind, a, b, gap in db.execute(
+                "SELECT t, kind, from_model, to_model, gap_seconds FROM observations WHERE t >= ? ORDER BY t, rowid",
+                (observations_since,),
+            )
+        ]
+        return Stored(meta, sessions, event_ids, operations, observations)
+
+    def write(self, batch: Batch) -> None:
+        if not batch:
+            return
+        db = self.db
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            db.executemany(
+                "INSERT INTO meta (key, value) VALUES (?, ?) ON CONFLICT (key) DO UPDATE SET value = excluded.value",
+                [(k, json.dumps(v)) for k, v in batch.meta.items()],
+            )
+            db.executemany(
+                "INSERT INTO sessions (id, value) VALUES (?, ?) ON CONFLICT (id) DO UPDATE SET value = excluded.value",
+                [(k, json.dumps(v)) for k, v in batch.sessions.items() if v is not None],
+            )
+            db.executemany("DELETE FROM sessions WHERE id = ?", [(k,) for k, v in batch.sessions.items() if v is None])
+            db.executemany("INSERT OR IGNORE INTO events (id, type, at) VALUES (?, ?, ?)", batch.events)
+            db.executemany(
+                "INSERT INTO operations (id, epoch, node, state, value) VALUES (?, ?, ?, ?, ?) "
+                "ON CONFLICT (id) DO UPDATE SET state = excluded.state, value = excluded.value",
+                [(k, v["epoch"], v["node"], v["state"], json.dumps(v)) for k, v in batch.operations.items()],
+            )
+            db.executemany(
+                "INSERT INTO observations (t, kind, from_model, to_model, gap_seconds) VALUES (?, ?, ?, ?, ?)",
+                batch.observations,
+            )
+            db.execute("COMMIT")
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
+
+    def prune(self, observations_before: float, events_before: float) -> None:
+        """Forget predictor observations that left the window, event ids past their retention, old finished operations."""
+        db = self.db
+        db.execute("BEGIN IMMEDIATE")
+        db.execute("DELETE FROM observations WHERE t < ?", (observations_before,))
+        db.execute("DELETE FROM events WHERE at < ?", (events_before,))
+        db.execute(
+            "DELETE FROM operations WHERE state IN ('done', 'failed', 'superseded') AND rowid NOT IN "
+            "(SELECT rowid FROM operations WHERE state IN ('done', 'failed', 'superseded') ORDER BY rowid DESC LIMIT ?)",
+            (_FINAL_KEEP,),
+        )
+        db.execute("COMMIT")

@@ -1,0 +1,65 @@
+"""Service settings: `STATEBUDGET_*` environment variables, built once and passed down.
+
+Lists and maps come from the environment as JSON, e.g.
+`STATEBUDGET_OPERATOR_TOKENS='["op-secret"]'`, `STATEBUDGET_NODE_TOKENS='{"n1": "n1-secret"}'`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="STATEBUDGET_", frozen=True, extra="forbid")
+
+    host: str = Field("127.0.0.1", description="Address to listen on.")
+    port: int = Field(8080, ge=0, le=65535, description="TCP port to listen on.")
+    db_path: Path = Field(Path("statebudget.db"), description="SQLite database file holding the durable state.")
+    scenario_path: Path | None = Field(None, description="Scenario file that seeds an empty database.")
+    demo: bool = Field(False, description="Seed an empty database with the embedded demo scenario.")
+    operator_tokens: list[str] = Field(
+        default_factory=list, description="Bearer tokens that reach every endpoint (JSON list)."
+    )
+    node_tokens: dict[str, str] = Field(
+        default_factory=dict, description="Node id -> bearer token reaching only that node's endpoints (JSON map)."
+    )
+    lease_seconds: float = Field(30.0, gt=0, description="How long a node's lease on operations lasts.")
+    event_retention_seconds: float = Field(
+        7 * 86400.0, gt=0, description="How long an event id is remembered, so a resend within it is ignored."
+    )
+    max_wait_seconds: float = Field(30.0, ge=0, description="Longest a lease long-poll may wait.")
+    replan_debounce_seconds: float = Field(0.2, ge=0, description="Quiet time after an event burst before replanning.")
+    replan_interval_seconds: float = Field(30.0, gt=0, description="Replan at least this often.")
+    background_planning: bool = Field(
+        True, description="Run the planning loop thread (tests turn it off and replan with POST /v1/plan)."
+    )
+    solver: Literal["greedy", "milp"] = Field("greedy", description="Solver of the online planning loop.")
+    log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Log level.")
+
+    @model_validator(mode="after")
+    def _tokens_distinct(self) -> Settings:
+        node_values = list(self.node_tokens.values())
+        if len(set(node_values)) != len(node_values):
+            raise ValueError("node_tokens: two nodes share a token")
+        if set(node_values) & set(self.operator_tokens):
+            raise ValueError("node_tokens: a node token is also an operator token")
+        if any(not t for t in [*node_values, *self.operator_tokens]):
+            raise ValueError("tokens must not be empty")
+        return self
+
+    @property
+    def auth_enabled(self) -> bool:
+        return bool(self.operator_tokens or self.node_tokens)
+
+
+def env_help() -> str:
+    """One line per setting: its environment variable, default and meaning (for `serve --help`)."""
+    lines = ["Settings (environment variables):"]
+    for name, info in Settings.model_fields.items():
+        default = info.get_default(call_default_factory=True)
+        lines.append(f"STATEBUDGET_{name.upper()} (default {default!s}): {info.description}")
+    return "\n\n".join(lines)

@@ -1,0 +1,747 @@
+"""The discrete-event simulator: a trace replayed through a simulated cluster under one policy.
+
+What is modelled (the same cost model as the planner, `planner/costs.py`):
+
+* **Memory** (`cluster.py`): capacities per GPU / host / NVMe hold at every
+  instant; a transfer reserves its destination bytes when it starts, so a
+  promote waits for room. Evicting from a GPU is a *drop*, allowed only when a
+  complete copy of weights / experts stays below on the node (KV may always
+  be dropped: it can be re-prefilled). Loads from NVMe stage through pinned
+  host DRAM and leave the copy there when the node has room (ServerlessLLM's
+  DRAM cache), for every policy alike.
+* **Bandwidth** (`cluster.py`): every GPU's PCIe direction and every node's
+  NVMe read/write are shared by processor sharing.
+* **Engine overhead**: a model whose weights became complete on its GPUs
+  serves `constants.engine_load_overhead_seconds` later (default 0.3 s: vLLM
+  sleep-mode level-1 wake measured 0.1-0.4 s in the 2025-10-03 post, 0.1-6 s
+  across models in the final one; perf_anchors.md section 1).
+* **Compute**: prefill is compute-bound (`costs.prefill_seconds_per_token`
+  on the serving group) and serialised per serving group (one prefill at a
+  time); decode is memory-bound: a step reads the active weights,
+  `(weights + active expert bytes per token) / (0.8 * sum of HBM bandwidth)`
+  (0.8: the HBM derating aiconfigurator and InferSim use), plus the MoE miss
+  cost `costs.decode_slowdown_seconds` scaled to the request's output tokens.
+  Concurrent requests of one model on its group share decode steps (a batch),
+  so decode does not slow down with the batch size.
+* **KV**: a session's history H grows by each turn's input + output tokens.
+  Model M's KV for the session covers the history up to M's last turn in it
+  while retained. A request allocates its whole KV footprint
+  (H + input + output tokens) on the serving group when it starts, then makes
+  the uncovered history ready by restoring from host DRAM (shared PCIe) or by
+  re-prefilling it, whichever the cost model says is cheaper.
+
+**Switch latency** of a request = from its arrival until its model's weights
+are on GPU and ready (engine overhead included) and the session's history KV
+is ready to prefill (restore and re-prefill of the uncovered history included,
+as is waiting for room and for the group's prefill queue).
+**TTFT** = switch latency + prefill of the new input tokens.
+
+A policy (`policies/`) decides what moves and what is evicted; the mechanism
+here is the same for all of them.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from planner_service.domain.problem import Gpu, Problem
+from planner_service.domain.scenario import Capability, Scenario, Slo
+from planner_service.domain.state import Kind, Location, StateObject, Tier
+from planner_service.planner import costs
+from planner_service.planner.greedy import split_evenly
+from planner_service.planner.predictor import problem_from_scenario
+from planner_service.sim.cluster import SimCluster, Transfer
+from planner_service.sim.trace import TraceEnd, TraceRecord, TraceRequest
+
+if TYPE_CHECKING:
+    from planner_service.sim.policies.base import Policy
+
+HBM_EFFICIENCY = 0.8  # achieved / spec HBM bandwidth (aiconfigurator, InferSim; perf_anchors.md section 6)
+KV_HEADROOM = 0.10  # share of each GPU a baseline's expert fill leaves free for KV
+
+
+class SimulationError(RuntimeError):
+    """The replay could not finish (a request waits forever); the message names it."""
+
+
+@dataclass(slots=True)
+class SimRequest:
+    index: int
+    t: float
+    session: str
+    model: str
+    input_tokens: int
+    output_tokens: int
+    slo: Slo
+    handoff: bool
+    admitted_at: float = 0.0  # arrival, or the end of the session's previous turn if that ran later
+    history_tokens: int = 0  # the session's history when the request starts
+    state: str = "waiting"  # waiting -> running -> done
+    switch_seconds: float = math.nan
+    ttft_seconds: float = math.nan
+    done_at: float = math.nan
+
+
+@dataclass(slots=True)
+class SessionState:
+    id: str
+    user: str
+    slo: Slo
+    history_tokens: int = 0
+    model: str | None = None  # the model of the last request
+    last_t: float = 0.0
+    request: SimRequest | None = None  # waiting or running
+    ended: bool = False
+
+
+@dataclass(slots=True)
+class ModelState:
+    status: str  # loading | warming | ready
+    node: str
+    precision: str
+    gpus: tuple[Gpu, ...]
+    epoch: int
+    pending: int = 0  # shards still copying
+
+
+@dataclass
+class SimResult:
+    policy: str
+    requests: list[SimRequest]
+    duration_seconds: float
+    gpu_byte_seconds: float
+    peak_gpu_bytes: int
+    warm_idle_byte_seconds: float
+    bytes_moved: int
+    operations: int
+    planner_seconds: list[float]
+    violations: int
+    timeline: list[tuple[float, int]]
+    link_peak_ratio: float  # max over links of peak total rate / bandwidth (<= 1)
+    fallback_loads: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+def base_problem(scenario: Scenario) -> Problem:
+    """The scenario's cluster and catalog, with only the copies below GPU and no sessions."""
+    data = scenario.model_dump(mode="json")
+    data["sessions"] = []
+    data["residency"] = [
+        r for r in data["residency"] if r["location"]["tier"] != "gpu" and r["object"]["kind"] != "kv"
+    ]
+    return problem_from_scenario(Scenario.model_validate(data))
+
+
+class Simulator:
+    def __init__(
+        self,
+        scenario: Scenario,
+        records: Sequence[TraceRecord],
+        policy: Policy,
+        *,
+        seed: int = 0,
+        tick_seconds: float = 60.0,
+        on_progress: Callable[[float], None] | None = None,
+    ) -> None:
+        self.scenario = scenario
+        self.problem = base_problem(scenario)
+        self.c = self.problem.constants
+        self.records = list(records)
+        self.policy = policy
+        self.seed = seed
+        self.tick_seconds = tick_seconds
+        self.on_progress = on_progress
+        self.cluster = SimCluster(self.problem)
+        for (obj, loc), nbytes in sorted(self.problem.residency.items()):
+            self.cluster.add(obj, loc, nbytes)
+        self.now = 0.0
+        self._heap: list[tuple[float, int, str, object]] = []
+        self._seq = itertools.count()
+        self._xfer_gen = 0
+        self._xfer_at: float | None = None
+        self.sessions: dict[str, SessionState] = {}
+        self.requests: list[SimRequest] = []
+        self.waiting: list[SimRequest] = []
+        self.models: dict[str, ModelState] = {}
+        self._epochs = itertools.count(1)
+        self.demand: dict[str, int] = defaultdict(int)  # waiting + running requests per model
+        self.running: dict[str, int] = defaultdict(int)  # running requests per model
+        self.needs_kv_room: set[str] = set()  # models whose last group could not hold a waiting request's KV
+        self.loads = 0
+        self.running_kv: set[StateObject] = set()  # KV of running requests: pinned
+        self.gpu_tokens: dict[StateObject, int] = defaultdict(int)  # valid KV tokens on the serving GPUs
+        self.host_tokens: dict[StateObject, int] = defaultdict(int)  # KV tokens in host DRAM
+        self.compute_free_at: dict[str, float] = defaultdict(float)  # per model's serving group
+        self.last_used: dict[StateObject, float] = {}
+        self.operations = 0
+        self.fallback_loads = 0
+        self.planner_seconds: list[float] = []
+        self._gpu_byte_seconds = 0.0
+        self._idle_byte_seconds = 0.0
+        self._last_sample = 0.0
+        self.timeline: list[tuple[float, int]] = [(0.0, 0)]
+        self._queues: dict[str, list[SimRequest]] = defaultdict(list)  # per session: its turns not done
+        self.kv_offload = policy.kv_offload
+
+    # -- events --------------------------------------------------------------
+
+    def push(self, at: float, kind: str, payload: object = None) -> None:
+        heapq.heappush(self._heap, (at, next(self._seq), kind, payload))
+
+    def run(self) -> SimResult:
+        for i, rec in enumerate(self.records):
+            self.push(rec.t, "record", i)
+        end_of_trace = self.records[-1].t if self.records else 0.0
+        self.policy.setup(self)
+        if self.tick_seconds > 0:
+            self.push(self.tick_seconds, "tick")
+        self._reschedule_transfers()
+        handlers = {
+            "record": self._on_record,
+            "xfer": self._on_transfers,
+            "model_ready": self._on_model_ready,
+            "kv_restored": self._on_kv_restored,
+            "done": self._on_done,
+            "tick": self._on_tick,
+            "call": lambda payload: payload(),
+            "plan": lambda payload: self.policy.on_plan_event(self, payload),
+        }
+        last_progress = 0.0
+        idle_ticks = 0
+        while self._heap:
+            at, _, kind, payload = heapq.heappop(self._heap)
+            if kind == "tick":
+                idle_ticks += 1
+                if self.now >= end_of_trace and (not self._busy() or idle_ticks > 10):
+                    continue  # nothing left to do, or nothing but ticks for 10 ticks: deadlock, reported below
+            elif kind != "xfer" or payload == self._xfer_gen:
+                idle_ticks = 0
+            if kind == "xfer" and payload != self._xfer_gen:
+                continue
+            self._sample(at)
+            self.now = at
+            handlers[kind](payload)
+            self.dispatch()
+            self._reschedule_transfers()
+            if self.on_progress is not None and at - last_progress >= 60.0:
+                last_progress = at
+                self.on_progress(at)
+        unfinished = [r for r in self.requests if r.state != "done"]
+        if unfinished:
+            r = unfinished[0]
+            raise SimulationError(
+                f"{len(unfinished)} request(s) never finished under policy {self.policy.name}; first: request "
+                f"{r.index} of session {r.session} on {r.model} at t={r.t:.1f}s ({r.state})"
+            )
+        duration = max(self.now, end_of_trace)
+        peak_ratio = max(
+            (l.peak_rate_bytes_per_s / l.bandwidth_bytes_per_s for l in self.cluster.links.values()), default=0.0
+        )
+        return SimResult(
+            policy=str(self.policy.name),
+            requests=self.requests,
+            duration_seconds=duration,
+            gpu_byte_seconds=self._gpu_byte_seconds,
+            peak_gpu_bytes=self.cluster.peak_gpu_bytes,
+            warm_idle_byte_seconds=self._idle_byte_seconds,
+            bytes_moved=self.cluster.bytes_moved,
+            operations=self.operations,
+            planner_seconds=self.planner_seconds,
+            violations=self.cluster.violations,
+            timeline=self.timeline,
+            link_peak_ratio=peak_ratio,
+            fallback_loads=self.fallback_loads,
+        )
+
+    def _busy(self) -> bool:
+        return bool(self.cluster.transfers) or any(r.state != "done" for r in self.requests[-50:])
+
+    def _sample(self, at: float) -> None:
+        dt = at - self._last_sample
+        if dt > 0:
+            self._gpu_byte_seconds += self.cluster.gpu_bytes * dt
+            idle = sum(b for m, b in self.cluster.model_gpu_bytes.items() if not self.demand.get(m))
+            self._idle_byte_seconds += idle * dt
+            self._last_sample = at
+        if self.timeline[-1][1] != self.cluster.gpu_bytes:
+            self.timeline.append((at, self.cluster.gpu_bytes))
+
+    def _reschedule_transfers(self) -> None:
+        nxt = self.cluster.next_finish()
+        if nxt is not None and nxt != self._xfer_at:
+            self._xfer_gen += 1
+            self._xfer_at = nxt
+            self.push(max(nxt, self.now), "xfer", self._xfer_gen)
+        elif nxt is None:
+            self._xfer_at = None
+
+    def _on_transfers(self, _: object) -> None:
+        self._xfer_at = None
+        for t in self.cluster.finish_due(self.now):
+            t.on_done(t)
+
+    def _on_tick(self, _: object) -> None:
+        self.policy.on_tick(self)
+        self.push(self.now + self.tick_seconds, "tick")
+
+    # -- requests ------------------------------------------------------------
+
+    def _on_record(self, index: int) -> None:
+        rec = self.records[index]
+        if isinstance(rec, TraceEnd):
+            session = self.sessions.get(rec.session)
+            if session is not None:
+                session.ended = True
+                self._drop_session_kv(session.id)
+                self.policy.on_session_end(self, session)
+            return
+        assert isinstance(rec, TraceRequest)
+        session = self.sessions.get(rec.session)
+        if session is None:
+            session = self.sessions[rec.session] = SessionState(rec.session, rec.user or rec.session, rec.slo)
+        session.ended = False
+        session.slo = rec.slo
+        handoff = session.model is not None and session.model != rec.model
+        req = SimRequest(len(self.requests), rec.t, rec.session, rec.model, rec.input_tokens, rec.output_tokens, rec.slo, handoff)
+        self.requests.append(req)
+        self.policy.observe(self, session, req)
+        self._queues[rec.session].append(req)
+        self._admit(rec.session)
+
+    def _admit(self, session_id: str) -> None:
+        """A session runs one turn at a time: a turn arriving while the previous one runs waits for it."""
+        session = self.sessions[session_id]
+        queue = self._queues[session_id]
+        if not queue or session.request is not None:
+            return
+        req = queue[0]
+        req.admitted_at = self.now
+        session.request = req
+        self.demand[req.model] += 1
+        self.waiting.append(req)
+        self.policy.on_arrival(self, req)
+
+    def dispatch(self) -> None:
+        """Start every waiting request whose model is ready and whose KV fits; ask the policy for the rest."""
+        self.policy.on_dispatch(self)
+        progressed = True
+        while progressed:
+            progressed = False
+            for req in list(self.waiting):
+                state = self.models.get(req.model)
+                if state is None:
+                    self.policy.on_waiting(self, req)
+                    state = self.models.get(req.model)
+                if state is not None and state.status == "ready":
+                    if self._start(req, state):
+                        self.waiting.remove(req)
+                        progressed = True
+                    elif self._stuck(state):
+                        self.needs_kv_room.add(req.model)
+                        self.policy.on_stuck(self, req)
+                        progressed = req.model not in self.models
+
+    def _stuck(self, state: ModelState) -> bool:
+        """Nothing running or copying on the group will ever free room for the waiting KV."""
+        group = {g.id for g in state.gpus}
+        if any(t.dest.tier is Tier.GPU and t.dest.id in group for t in self.cluster.transfers.values()):
+            return False
+        return not any(
+            self.running.get(m) and {g.id for g in st.gpus} & group for m, st in self.models.items()
+        )
+
+    def kv_footprint(self, req: SimRequest) -> int:
+        history = self.sessions[req.session].history_tokens
+        return (history + req.input_tokens + req.output_tokens) * self.problem.models[req.model].kv_bytes_per_token
+
+    def _start(self, req: SimRequest, state: ModelState) -> bool:
+        model = self.problem.models[req.model]
+        session = self.sessions[req.session]
+        kv = StateObject.kv(req.model, req.session)
+        kvpt = model.kv_bytes_per_token
+        history = session.history_tokens
+        footprint = (history + req.input_tokens + req.output_tokens) * kvpt
+        group = state.gpus
+        group_ids = {g.id for g in group}
+        # KV left on GPUs outside the serving group is stale: drop it
+        for loc in [l for (o, l) in list(self.cluster.placed) if o == kv and l.tier is Tier.GPU and l.id not in group_ids]:
+            self.cluster.remove(kv, loc)
+            self.gpu_tokens[kv] = 0
+        shards = split_evenly(footprint, len(group))
+        needs = []
+        for g, b in zip(group, shards, strict=True):
+            loc = Location.gpu(g.id)
+            need = b - self.cluster.bytes_of(kv, loc)
+            if need > self.cluster.free(loc):
+                self.make_room(loc, need - self.cluster.free(loc), protect={req.model})
+            if need > self.cluster.free(loc):
+                return False
+            needs.append((loc, need))
+        for loc, need in needs:
+            if need > 0:
+                self.cluster.add(kv, loc, need)
+            elif need < 0:
+                self.cluster.remove(kv, loc, -need)
+        req.state = "running"
+        self.needs_kv_room.discard(req.model)
+        req.history_tokens = history
+        self.running[req.model] += 1
+        self.running_kv.add(kv)
+        self.touch(StateObject.weights(req.model, state.precision))
+        self.touch(kv)
+        self.policy.on_start(self, req)
+        # make the uncovered history ready: restore from host or re-prefill, the cheaper
+        have = min(self.gpu_tokens[kv], history)
+        missing = history - have
+        node = self.problem.nodes[state.node]
+        per_token = costs.prefill_seconds_per_token(model, group, self.c)
+        host_tokens = min(self.host_tokens[kv], history) if self.cluster.bytes_of(kv, Location.host(state.node)) else 0
+        restorable = max(0, host_tokens - have)
+        if missing > 0 and restorable > 0 and kvpt > 0:
+            shard = math.ceil(restorable * kvpt / len(group))
+            restore = costs.copy_seconds([shard] * len(group), group, Tier.HOST, node)
+            if restore + (missing - restorable) * per_token < missing * per_token:
+                self._restore(req, state, kv, restorable, shard, missing - restorable)
+                return True
+        self._compute(req, state, missing)
+        return True
+
+    def _restore(self, req: SimRequest, state: ModelState, kv: StateObject, tokens: int, shard: int, rest: int) -> None:
+        left = {"n": len(state.gpus)}
+
+        def done(_: Transfer) -> None:
+            left["n"] -= 1
+            if left["n"] == 0:
+                self.push(self.now, "kv_restored", (req, state, tokens, rest))
+
+        host = Location.host(state.node)
+        for g in state.gpus:
+            self.cluster.start(self.now, kv, host, Location.gpu(g.id), shard, True, done, preallocated=True)
+        self.operations += 1
+
+    def _on_kv_restored(self, payload: tuple) -> None:
+        req, state, tokens, rest = payload
+        kv = StateObject.kv(req.model, req.session)
+        self.gpu_tokens[kv] = max(self.gpu_tokens[kv], tokens + min(self.gpu_tokens[kv], req.history_tokens))
+        self._compute(req, state, rest)
+
+    def _compute(self, req: SimRequest, state: ModelState, reprefill_tokens: int) -> None:
+        """Re-prefill the uncovered history, prefill the input, decode: on the group's prefill queue."""
+        model = self.problem.models[req.model]
+        per_token = costs.prefill_seconds_per_token(model, state.gpus, self.c)
+        start = max(self.now, self.compute_free_at[req.model])
+        ready = start + reprefill_tokens * per_token
+        first_token = ready + req.input_tokens * per_token
+        self.compute_free_at[req.model] = first_token
+        req.switch_seconds = ready - req.admitted_at
+        req.ttft_seconds = first_token - req.admitted_at
+        decode = req.output_tokens * self.decode_seconds_per_token(req.model, state)
+        self.push(first_token + decode, "done", req)
+
+    def decode_seconds_per_token(self, model_id: str, state: ModelState) -> float:
+        model = self.problem.models[model_id]
+        hbm = HBM_EFFICIENCY * sum(g.hbm_bytes_per_s for g in state.gpus)
+        step = (model.weights_bytes[state.precision] + model.active_expert_bytes_per_token) / hbm
+        if not model.is_moe:
+            return step
+        fraction = self.cluster.node_bytes(StateObject.experts(model_id), state.node, Tier.GPU) / model.experts_bytes
+        per_request = costs.decode_slowdown_seconds(model, fraction, state.gpus, self.c)
+        return step + per_request / max(1, self.c.output_tokens_per_request)
+
+    def _on_done(self, req: SimRequest) -> None:
+        session = self.sessions[req.session]
+        model = self.problem.models[req.model]
+        kv = StateObject.kv(req.model, req.session)
+        req.state = "done"
+        req.done_at = self.now
+        session.history_tokens = req.history_tokens + req.input_tokens + req.output_tokens
+        session.model = req.model
+        session.last_t = self.now
+        self.gpu_tokens[kv] = session.history_tokens
+        self.running_kv.discard(kv)
+        self.demand[req.model] -= 1
+        self.running[req.model] -= 1
+        self.touch(kv)
+        state = self.models.get(req.model)
+        if state is not None:
+            self.touch(StateObject.weights(req.model, state.precision))
+        if self.kv_offload and state is not None:
+            self._write_through(kv, state.node, session.history_tokens * model.kv_bytes_per_token, session.history_tokens)
+        self._queues[req.session].remove(req)
+        session.request = None
+        self.policy.on_done(self, req)
+        self._admit(req.session)
+
+    def _write_through(self, kv: StateObject, node: str, nbytes: int, tokens: int) -> None:
+        """LMCache-style: a turn's KV is stored to host DRAM as it is produced (small, asynchronous copies)."""
+        host = Location.host(node)
+        for (o, loc) in [k for k in self.cluster.placed if k[0] == kv and k[1].tier is Tier.HOST and k[1] != host]:
+            self.cluster.remove(o, loc)
+        have = self.cluster.bytes_of(kv, host)
+        grow = nbytes - have
+        if grow > self.cluster.free(host):
+            self._free_host(host, grow - self.cluster.free(host))
+        if grow <= self.cluster.free(host):
+            self.cluster.add(kv, host, grow)
+            self.host_tokens[kv] = tokens
+
+    def _free_host(self, host: Location, nbytes: int) -> None:
+        victims = sorted(
+            (self.last_used.get(o, 0.0), o) for o in self.cluster.objects_at(host) if o.kind is Kind.KV and o not in self.running_kv
+        )
+        for _, o in victims:
+            if nbytes <= 0:
+                break
+            nbytes -= self.cluster.remove(o, host)
+            self.host_tokens[o] = 0
+
+    def _drop_session_kv(self, session_id: str) -> None:
+        """A session that ended needs no KV: free it everywhere (except a turn still running)."""
+        for obj, loc in [k for k in self.cluster.placed if k[0].kind is Kind.KV and k[0].session == session_id]:
+            if obj not in self.running_kv:
+                self.cluster.remove(obj, loc)
+                self.gpu_tokens.pop(obj, None)
+                self.host_tokens.pop(obj, None)
+
+    def touch(self, obj: StateObject) -> None:
+        self.last_used[obj] = self.now
+
+    # -- mechanism the policies use -------------------------------------------
+
+    def pinned(self, obj: StateObject, force: bool = False) -> bool:
+        """What running requests need, weights being loaded, and (unless forced) weights a waiting request wants."""
+        if obj.kind is Kind.KV:
+            return obj in self.running_kv
+        state = self.models.get(obj.model)
+        if obj.kind is Kind.WEIGHTS and state is not None and state.precision == obj.precision:
+            busy = self.running.get(obj.model) if force else self.demand.get(obj.model)
+            return state.status != "ready" or bool(busy)
+        return False
+
+    def evict(self, obj: StateObject, loc: Location, force: bool = False) -> int:
+        """Drop an object from a GPU (all its shards for weights and KV); returns the bytes freed at `loc`.
+
+        `force` also evicts weights that only waiting requests want (to reload them where their KV fits).
+        """
+        if self.pinned(obj, force) or self.cluster.reading(obj, loc):
+            return 0
+        node = self.problem.gpus[loc.id].node
+        if obj.kind is not Kind.KV and self.cluster.complete_below(obj, node) is None:
+            return 0  # the last complete copy on the node is never dropped
+        before = self.cluster.bytes_of(obj, loc)
+        if obj.kind is Kind.EXPERTS:
+            self.cluster.remove(obj, loc)
+        else:
+            for g in self.problem.nodes[node].gpus:
+                self.cluster.remove(obj, Location.gpu(g))
+            if obj.kind is Kind.KV:
+                self.gpu_tokens[obj] = 0
+            else:
+                state = self.models.get(obj.model)
+                if state is not None and state.node == node and state.precision == obj.precision:
+                    del self.models[obj.model]
+        self.operations += 1
+        return before
+
+    def evictable(self, loc: Location, protect: Iterable[str] = ()) -> list[tuple[tuple, StateObject]]:
+        protect = set(protect)
+        out = []
+        for obj in self.cluster.objects_at(loc):
+            if obj.model in protect and obj.kind is not Kind.KV or self.pinned(obj):
+                continue
+            key = self.policy.victim_key(self, obj, loc)
+            if key is not None:
+                out.append((key, obj))
+        out.sort()
+        return out
+
+    def make_room(self, loc: Location, nbytes: int, protect: Iterable[str] = ()) -> bool:
+        """Evict the policy's victims at `loc` (lowest key first) until `nbytes` more are free."""
+        target = self.cluster.free(loc) + nbytes
+        for _, obj in self.evictable(loc, protect):
+            if self.cluster.free(loc) >= target:
+                break
+            self.evict(obj, loc)
+        return self.cluster.free(loc) >= target
+
+    def loading(self, model_id: str) -> bool:
+        return model_id in self.models
+
+    def choose_group(
+        self,
+        model_id: str,
+        allowed: Callable[[str], bool] = lambda g: True,
+        protect: Iterable[str] = (),
+        kv_bytes: int = 0,
+    ) -> tuple[str, str, tuple[Gpu, ...]] | None:
+        """Where an on-demand load would go: (node, precision, gpus), the least eviction first, then the fastest.
+
+        The group must hold the weights plus `kv_bytes` (the waiting requests' KV), split evenly.
+        Preferred precision first; a degraded one only when the preferred fits nowhere.
+        """
+        model = self.problem.models[model_id]
+        protect = {*protect, model_id}
+        for precision in model.precisions:
+            obj = StateObject.weights(model_id, precision)
+            nbytes = model.weights_bytes[precision]
+            best = None
+            for node_id in sorted(self.problem.nodes):
+                node = self.problem.nodes[node_id]
+                source = self.cluster.complete_below(obj, node_id)
+                if source is None:
+                    continue
+                room = {}
+                for g in node.gpus:
+                    if allowed(g):
+                        loc = Location.gpu(g)
+                        room[g] = self.cluster.free(loc) + sum(
+                            self.cluster.bytes_of(o, loc) for _, o in self.evictable(loc, protect)
+                        )
+                gpus = sorted((self.problem.gpus[g] for g in room), key=lambda g: (-room[g.id], g.id))
+                for k in range(1, len(gpus) + 1):
+                    group = tuple(sorted(gpus[:k], key=lambda g: g.id))
+                    if k < max(model.min_gpus.get(g.type, 1) for g in group):
+                        continue
+                    shard = math.ceil(nbytes / k) + math.ceil(kv_bytes / k)
+                    if all(room[g.id] >= shard for g in group):
+                        evict = sum(max(0, shard - self.cluster.free(Location.gpu(g.id))) for g in group)
+                        seconds = costs.weights_load_seconds(nbytes, group, source, node, self.c)
+                        key = (evict > 0, seconds, evict, node_id)
+                        if best is None or key < best[0]:
+                            best = (key, (node_id, precision, group))
+                        break
+            if best is not None:
+                return best[1]
+        return None
+
+    def load_model(
+        self, model_id: str, allowed: Callable[[str], bool] = lambda g: True, protect: Iterable[str] = ()
+    ) -> bool:
+        """Load a model's weights on demand where they and the waiting requests' KV fit: evict, then copy.
+
+        When no group has room for the KV too, the weights alone decide (the KV then waits for room).
+        """
+        if model_id in self.models:
+            return True
+        kv_bytes = sum(self.kv_footprint(r) for r in self.waiting if r.model == model_id)
+        choice = self.choose_group(model_id, allowed, protect, kv_bytes)
+        if choice is None and model_id not in self.needs_kv_room:
+            choice = self.choose_group(model_id, allowed, protect)
+        if choice is None:
+            return False
+        self.loads += 1
+        if self.loads > 50 * len(self.requests) + 1000:
+            raise SimulationError(f"policy {self.policy.name} thrashes: {self.loads} loads for {len(self.requests)} requests")
+        node_id, precision, group = choice
+        model = self.problem.models[model_id]
+        obj = StateObject.weights(model_id, precision)
+        shards = split_evenly(model.weights_bytes[precision], len(group))
+        for g, b in zip(group, shards, strict=True):
+            loc = Location.gpu(g.id)
+            have = self.cluster.bytes_of(obj, loc)
+            if b - have > self.cluster.free(loc):
+                self.make_room(loc, b - have - self.cluster.free(loc), protect={*protect, model_id})
+            if b - have > self.cluster.free(loc):
+                return False
+        self.promote_weights(model_id, node_id, precision, group)
+        return True
+
+    def promote_weights(self, model_id: str, node_id: str, precision: str, group: tuple[Gpu, ...]) -> None:
+        model = self.problem.models[model_id]
+        obj = StateObject.weights(model_id, precision)
+        source_tier = self.cluster.complete_below(obj, node_id)
+        assert source_tier is not None, f"no copy of {obj.label()} below GPU on {node_id}"
+        source = Location(source_tier, node_id)
+        state = ModelState("loading", node_id, precision, group, next(self._epochs))
+        self.models[model_id] = state
+        shards = split_evenly(model.weights_bytes[precision], len(group))
+        for g, b in zip(group, shards, strict=True):
+            need = b - self.cluster.bytes_of(obj, Location.gpu(g.id))
+            if need > 0:
+                state.pending += 1
+                self.cluster.start(self.now, obj, source, Location.gpu(g.id), need, True, lambda t, s=state: self._shard_done(s, t))
+        self.operations += 1
+        if state.pending == 0:
+            self._weights_complete(state, model_id)
+
+    def adopt_weights(self, model_id: str, node_id: str, precision: str, gpus: tuple[Gpu, ...]) -> None:
+        """Weights a policy's own operations completed on GPUs: the engine warms them up and serves them."""
+        if model_id in self.models:
+            return
+        state = ModelState("loading", node_id, precision, tuple(sorted(gpus, key=lambda g: g.id)), next(self._epochs))
+        self.models[model_id] = state
+        self._weights_complete(state, model_id)
+
+    def _shard_done(self, state: ModelState, transfer: Transfer) -> None:
+        state.pending -= 1
+        if state.pending == 0 and self.models.get(transfer.obj.model) is state:
+            self._weights_complete(state, transfer.obj.model)
+
+    def _weights_complete(self, state: ModelState, model_id: str) -> None:
+        obj = StateObject.weights(model_id, state.precision)
+        host = Location.host(state.node)
+        nbytes = self.cluster.full_size(obj)
+        if self.cluster.complete_below(obj, state.node) is Tier.NVME and self.cluster.free(host) >= nbytes - self.cluster.bytes_of(obj, host):
+            # the load staged through pinned host buffers; the copy stays in DRAM
+            if Capability.WEIGHTS_OFFLOAD in self.problem.nodes[state.node].capabilities:
+                self.cluster.add(obj, host, nbytes - self.cluster.bytes_of(obj, host))
+        state.status = "warming"
+        self.push(self.now + self.c.engine_load_overhead_seconds, "model_ready", (model_id, state.epoch))
+
+    def _on_model_ready(self, payload: tuple[str, int]) -> None:
+        model_id, epoch = payload
+        state = self.models.get(model_id)
+        if state is None or state.epoch != epoch:
+            return
+        state.status = "ready"
+        self.touch(StateObject.weights(model_id, state.precision))
+        self.policy.on_model_ready(self, model_id)
+
+    def place_now(self, model_id: str, node_id: str, precision: str, group: Sequence[Gpu]) -> None:
+        """Set-up only: put a model's weights on its GPUs at t=0, ready (the policy's offline placement)."""
+        model = self.problem.models[model_id]
+        obj = StateObject.weights(model_id, precision)
+        for g, b in zip(group, split_evenly(model.weights_bytes[precision], len(group)), strict=True):
+            self.cluster.add(obj, Location.gpu(g.id), b - self.cluster.bytes_of(obj, Location.gpu(g.id)))
+        self.models[model_id] = ModelState("ready", node_id, precision, tuple(group), next(self._epochs))
+
+    def fill_experts(self, model_id: str, headroom: float = KV_HEADROOM, gpu_ids: Iterable[str] | None = None) -> None:
+        """Copy a MoE's routed experts into the free room of its node's GPUs, leaving `headroom` of each GPU."""
+        model = self.problem.models[model_id]
+        state = self.models.get(model_id)
+        if not model.is_moe or state is None:
+            return
+        obj = StateObject.experts(model_id)
+        source_tier = self.cluster.complete_below(obj, state.node)
+        if source_tier is None:
+            return
+        have = self.cluster.node_bytes(obj, state.node, Tier.GPU) + sum(
+            t.bytes for t in self.cluster.transfers.values() if t.obj == obj
+        )
+        want = model.experts_bytes - have
+        # routed experts may sit on any GPU of the serving node (expert parallel), as the planner places them
+        serving = {g.id for g in state.gpus}
+        order = sorted(self.problem.nodes[state.node].gpus, key=lambda g: (g not in serving, g))
+        for gid in gpu_ids if gpu_ids is not None else order:
+            loc = Location.gpu(gid)
+            room = self.cluster.free(loc) - int(headroom * self.cluster.capacity[loc])
+            nbytes = min(want, room) // model.expert_bytes * model.expert_bytes
+            if nbytes <= 0:
+                continue
+            self.cluster.start(self.now, obj, Location(source_tier, state.node), loc, nbytes, True, lambda t: None)
+            self.operations += 1
+            want -= nbytes
+
+
+def simulate(scenario: Scenario, records: Sequence[TraceRecord], policy: Policy, **options: object) -> SimResult:
+    started = time.perf_counter()
+    result = Simulator(scenario, records, policy, **options).run()  # type: ignore[arg-type]
+    result.extra["wall_seconds"] = time.perf_counter() - started
+    return result

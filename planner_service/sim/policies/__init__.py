@@ -1,0 +1,27 @@
+"""Residency policies the simulator compares, registered by name (see `base.py`)."""
+
+from __future__ import annotations
+
+from planner_service.sim.policies.base import Policy, PolicyName, PolicyRegistry
+from planner_service.sim.policies.independent import IndependentPolicy
+from planner_service.sim.policies.lru import LruPolicy
+from planner_service.sim.policies.oracle import OraclePolicy
+from planner_service.sim.policies.static import SiloedPolicy, StaticPolicy
+from planner_service.sim.policies.statebudget import StatebudgetPolicy
+
+__all__ = ["Policy", "PolicyName", "PolicyRegistry", "default_registry", "create_policy"]
+
+
+def default_registry() -> PolicyRegistry:
+    registry = PolicyRegistry()
+    registry.register(PolicyName.STATEBUDGET, StatebudgetPolicy)
+    registry.register(PolicyName.STATIC, StaticPolicy)
+    registry.register(PolicyName.LRU, LruPolicy)
+    registry.register(PolicyName.INDEPENDENT, IndependentPolicy)
+    registry.register(PolicyName.SILOED, SiloedPolicy)
+    registry.register(PolicyName.ORACLE, OraclePolicy)
+    return registry
+
+
+def create_policy(name: str, **options: object) -> Policy:
+    return default_registry().create(name, **options)

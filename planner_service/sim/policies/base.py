@@ -1,0 +1,100 @@
+"""The policy interface and its registry.
+
+A policy decides what the simulated cluster keeps warm and what it evicts;
+the engine (`sim/engine.py`) owns the mechanism: memory, transfers, compute,
+requests. Every hook has a do-nothing (or load-on-demand) default, so each
+policy is a small class that overrides what makes it different.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from enum import StrEnum
+from typing import TYPE_CHECKING, ClassVar
+
+from planner_service.domain.state import Kind, Location, StateObject
+
+if TYPE_CHECKING:
+    from planner_service.sim.engine import SessionState, Simulator, SimRequest
+
+
+class PolicyName(StrEnum):
+    STATEBUDGET = "statebudget"
+    STATIC = "static"
+    LRU = "lru"
+    INDEPENDENT = "independent"
+    SILOED = "siloed"
+    ORACLE = "oracle"
+
+
+class Policy:
+    """Load on demand, evict the least recently used; subclasses change what differs."""
+
+    name: ClassVar[PolicyName]
+    kv_offload: ClassVar[bool] = False  # keep a write-through copy of every turn's KV in host DRAM
+
+    def setup(self, sim: Simulator) -> None:
+        """Put the policy's offline placement in place at t=0."""
+
+    def observe(self, sim: Simulator, session: SessionState, req: SimRequest) -> None:
+        """A request arrived (before it is queued): what an online policy may learn from."""
+
+    def on_arrival(self, sim: Simulator, req: SimRequest) -> None:
+        self.ensure(sim, req)
+
+    def on_waiting(self, sim: Simulator, req: SimRequest) -> None:
+        """The request's model is not on GPU (and not loading)."""
+        self.ensure(sim, req)
+
+    def ensure(self, sim: Simulator, req: SimRequest) -> None:
+        if req.model not in sim.models:
+            sim.load_model(req.model, self.allowed(sim, req.model))
+
+    def allowed(self, sim: Simulator, model: str) -> Callable[[str], bool]:
+        return lambda gpu: True
+
+    def on_start(self, sim: Simulator, req: SimRequest) -> None: ...
+
+    def on_done(self, sim: Simulator, req: SimRequest) -> None: ...
+
+    def on_tick(self, sim: Simulator) -> None: ...
+
+    def on_session_end(self, sim: Simulator, session: SessionState) -> None: ...
+
+    def on_dispatch(self, sim: Simulator) -> None: ...
+
+    def on_plan_event(self, sim: Simulator, payload: object) -> None: ...
+
+    def on_model_ready(self, sim: Simulator, model: str) -> None:
+        sim.fill_experts(model)
+
+    def on_stuck(self, sim: Simulator, req: SimRequest) -> None:
+        """The model is ready but its group can never hold the request's KV: move the model."""
+        state = sim.models.get(req.model)
+        if state is not None:
+            obj = StateObject.weights(req.model, state.precision)
+            sim.evict(obj, Location.gpu(state.gpus[0].id), force=True)
+
+    def victim_key(self, sim: Simulator, obj: StateObject, loc: Location) -> tuple | None:
+        """Eviction order on a GPU, lowest first; None: never evict. Default: experts first, then LRU."""
+        return (0 if obj.kind is Kind.EXPERTS else 1, sim.last_used.get(obj, -1.0), obj)
+
+
+class PolicyRegistry:
+    def __init__(self) -> None:
+        self._policies: dict[str, Callable[..., Policy]] = {}
+
+    def register(self, name: PolicyName, factory: Callable[..., Policy]) -> None:
+        if name in self._policies:
+            raise ValueError(f"policy {name!r} is registered already")
+        self._policies[name] = factory
+
+    def create(self, name: str, **options: object) -> Policy:
+        try:
+            factory = self._policies[name]
+        except KeyError:
+            raise ValueError(f"unknown policy {name!r}; choose one of: {', '.join(self.names())}") from None
+        return factory(**options)
+
+    def names(self) -> list[str]:
+        return [str(n) for n in PolicyName if n in self._policies]

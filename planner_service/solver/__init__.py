@@ -1,0 +1,6 @@
+"""The MILP oracle (OR-Tools, imported lazily): exact plans within a candidate space, and the greedy's gap.
+
+`milp.solve_milp(problem, ...)` returns a `Plan` like every solver; the
+formulation is written out in `milp.py`'s docstring and built in
+`formulation.py`; `gap.py` runs the greedy-versus-MILP study.
+"""

@@ -1,0 +1,587 @@
+"""The MILP oracle's model, built from a `Problem` with no solver attached.
+
+Pure Python and numpy: every coefficient is priced with the evaluator's own
+functions (`objective.py`, `costs.py`), so for any assignment the model's
+value equals `objective.evaluate` of the placement it decodes to, up to the
+lower-tier approximation stated in `planner_service/solver/milp.py`. The
+formulation itself (sets, variables, constraints, objective) is written out
+in that module's docstring; the comments here name the family each row
+belongs to.
+
+Everything is integer: binaries, expert units per GPU and promoted expert
+MiB. Constraint coefficients are whole bytes, so CP-SAT can take the rows as
+they are; only objective coefficients are floats (seconds).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from planner_service.domain.problem import Gpu, ModelSpec, Problem, Session
+from planner_service.domain.scenario import Capability
+from planner_service.domain.state import Location, Placement, StateObject, Tier
+from planner_service.domain.units import MIB
+from planner_service.planner import costs
+from planner_service.planner.greedy import EXPERT_CHUNKS, GreedyPlanner, Group, PlanningError, TargetPlan, split_evenly
+from planner_service.planner.objective import _arrival_latency, cold_load, kv_ready
+from planner_service.planner.residency import ResidencyIndex, Serving
+
+MAX_SUBSET_GPUS = 4  # nodes with at most this many GPUs offer every subset as a group; larger ones offer windows
+
+
+# -- a solver-independent integer linear model ------------------------------
+
+
+@dataclass
+class IntModel:
+    """min offset + sum cost[i] * v[i]  s.t.  lo <= sum a * v <= hi (integer a),  lb <= v <= ub,  v integer."""
+
+    names: list[str] = field(default_factory=list)
+    lb: list[int] = field(default_factory=list)
+    ub: list[int] = field(default_factory=list)
+    rows: list[tuple[dict[int, int], float, float]] = field(default_factory=list)
+    cost: dict[int, float] = field(default_factory=lambda: defaultdict(float))
+    offset: float = 0.0
+
+    def var(self, name: str, ub: int = 1, lb: int = 0, cost: float = 0.0) -> int:
+        self.names.append(name)
+        self.lb.append(int(lb))
+        self.ub.append(int(ub))
+        index = len(self.names) - 1
+        if cost:
+            self.cost[index] += cost
+        return index
+
+    def row(self, coeffs: Mapping[int, int], lo: float = -math.inf, hi: float = math.inf) -> None:
+        terms = {i: int(a) for i, a in coeffs.items() if a}
+        if terms:
+            self.rows.append((terms, lo, hi))
+
+    def value(self, assignment: Sequence[int]) -> float:
+        return self.offset + math.fsum(c * assignment[i] for i, c in self.cost.items())
+
+    def violated(self, assignment: Sequence[int]) -> list[str]:
+        bad = [self.names[i] for i, v in enumerate(assignment) if not self.lb[i] <= v <= self.ub[i]]
+        for terms, lo, hi in self.rows:
+            total = sum(a * assignment[i] for i, a in terms.items())
+            if not lo <= total <= hi:
+                bad.append(f"row over {[self.names[i] for i in list(terms)[:3]]}: {total} not in [{lo}, {hi}]")
+        return bad
+
+
+# -- what the variables stand for -------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Option:
+    """One way to serve a model: its weights at `precision`, split evenly over `gpus` of `node`."""
+
+    var: int
+    model: str
+    node: str
+    precision: str
+    gpus: tuple[Gpu, ...]
+    shards: tuple[int, ...]
+    decode_class: int  # options on a node with the same sum of h2d bandwidth decode alike
+
+    def group(self) -> Group:
+        return Group(self.node, self.precision, self.gpus)
+
+
+@dataclass(frozen=True, slots=True)
+class KvChoice:
+    var: int
+    session: str
+    option: Option
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertCombo:
+    """`regular` chunks plus (`last` = 1) the short tail chunk of a MoE's routed experts on the node's GPUs."""
+
+    var: int
+    model: str
+    node: str
+    decode_class: int
+    regular: int
+    last: int
+    nbytes: int
+
+
+@dataclass
+class Formulation:
+    problem: Problem
+    ilp: IntModel
+    options: dict[str, list[Option]]
+    off: dict[str, int]  # model -> 1 when no GPU group serves it
+    kv: dict[tuple[str, str], list[KvChoice]]  # (model, session) -> one choice per option that may hold it
+    combos: list[ExpertCombo]
+    expert_vars: dict[tuple[str, str], tuple[int, int]]  # (model, gpu) -> (var, unit): units of routed experts there
+    gain_vars: dict[tuple[str, str], int]  # (model, gpu) -> MiB of experts promoted there
+    lower: ResidencyIndex  # lower tiers when no model is on GPU (the approximation)
+    unavoidable: float  # sum over models of their best cost with unlimited HBM: a lower bound of every plan
+
+    def hint(self, target: TargetPlan) -> list[int]:
+        """The assignment that reproduces the greedy's target GPU placement, as far as the model can express it."""
+        values = [0] * len(self.ilp.names)
+        chosen: dict[str, Option] = {}
+        for model_id, options in self.options.items():
+            group = target.groups.get(model_id)
+            match = next(
+                (o for o in options if group and (o.node, o.precision, _ids(o.gpus)) == (group.node, group.precision, _ids(group.gpus))),
+                None,
+            )
+            if match is None:
+                values[self.off[model_id]] = 1
+            else:
+                values[match.var] = 1
+                chosen[model_id] = match
+        gpu_bytes: dict[tuple[StateObject, str], int] = defaultdict(int)
+        for (obj, loc), nbytes in target.placement.items():
+            if loc.tier is Tier.GPU:
+                gpu_bytes[(obj, loc.id)] += nbytes
+        for (model_id, sid), choices in self.kv.items():
+            for choice in choices:
+                if chosen.get(model_id) is choice.option:
+                    obj = StateObject.kv(model_id, sid)
+                    values[choice.var] = int(sum(gpu_bytes.get((obj, g.id), 0) for g in choice.option.gpus) >= choice.nbytes)
+        for (model_id, gpu_id), (var, unit) in self.expert_vars.items():
+            values[var] = min(gpu_bytes.get((StateObject.experts(model_id), gpu_id), 0) // unit, self.ilp.ub[var])
+            now = self.problem.residency.get((StateObject.experts(model_id), Location.gpu(gpu_id)), 0)
+            values[self.gain_vars[(model_id, gpu_id)]] = -(-max(0, values[var] * unit - now) // MIB)
+        for combo in self.combos:
+            option = chosen.get(combo.model)
+            if option is None or option.node != combo.node or option.decode_class != combo.decode_class:
+                continue
+            held = sum(gpu_bytes.get((StateObject.experts(combo.model), g), 0) for g in self.problem.nodes[combo.node].gpus)
+            values[combo.var] = int(held == combo.nbytes)
+        return values
+
+
+def _ids(gpus: Sequence[Gpu]) -> tuple[str, ...]:
+    return tuple(g.id for g in gpus)
+
+
+# -- building ---------------------------------------------------------------
+
+
+def build_formulation(problem: Problem, extra_groups: Mapping[str, Group] | None = None, *, symmetry: bool = True) -> Formulation:
+    """The model over every candidate group (plus `extra_groups`, e.g. the greedy's, so its plan is a solution)."""
+    return _Builder(problem, extra_groups or {}, symmetry).build()
+
+
+class _Builder:
+    def __init__(self, problem: Problem, extra_groups: Mapping[str, Group], symmetry: bool) -> None:
+        self.p = problem
+        self.symmetry = symmetry
+        self.c = problem.constants
+        self.extra = extra_groups
+        self.now = ResidencyIndex.build(problem, problem.residency)
+        self.lower = lower_tiers_with_gpus_empty(problem)
+        self.ilp = IntModel()
+        self.options: dict[str, list[Option]] = {}
+        self.off: dict[str, int] = {}
+        self.kv: dict[tuple[str, str], list[KvChoice]] = {}
+        self.combos: list[ExpertCombo] = []
+        self.expert_vars: dict[tuple[str, str], tuple[int, int]] = {}
+        self.gain_vars: dict[tuple[str, str], int] = {}
+        self.gpu_terms: dict[str, dict[int, int]] = {g: defaultdict(int) for g in problem.gpus}
+        self.unavoidable = 0.0
+        self.demand = self._demand()
+        self.active: dict[str, list[Session]] = defaultdict(list)
+        for s in sorted(problem.sessions.values(), key=lambda s: s.id):
+            if s.active:
+                self.active[s.model].append(s)
+
+    def _demand(self) -> dict[str, list[tuple[Session, float]]]:
+        """model -> [(session, probability of its next request there)], q > 0, in session order."""
+        out: dict[str, list[tuple[Session, float]]] = defaultdict(list)
+        for sid in sorted(self.p.next_model):
+            session = self.p.sessions.get(sid)
+            if session is None:
+                continue
+            for model_id, q in sorted(self.p.next_model[sid].items()):
+                if q > 0 and model_id in self.p.models:
+                    out[model_id].append((session, q))
+        return out
+
+    def build(self) -> Formulation:
+        for model_id in sorted(self.p.models):
+            self._model(self.p.models[model_id])
+        # (C1) HBM capacity of every GPU: weights shards + KV shards + expert bytes
+        for gpu_id, terms in sorted(self.gpu_terms.items()):
+            self.ilp.row(terms, hi=self.p.gpus[gpu_id].capacity_bytes)
+        # (C8) symmetry: of two interchangeable GPUs (same node and card, nothing on either now), the first holds more
+        if self.symmetry:
+            for a, b in _interchangeable_pairs(self.p, self.now):
+                difference = defaultdict(int, self.gpu_terms[a])
+                for i, c in self.gpu_terms[b].items():
+                    difference[i] -= c
+                self.ilp.row(difference, lo=0)
+        return Formulation(
+            self.p, self.ilp, self.options, self.off, self.kv, self.combos, self.expert_vars, self.gain_vars, self.lower, self.unavoidable
+        )
+
+    # -- one model ------------------------------------------------------------
+
+    def _model(self, model: ModelSpec) -> None:
+        c = self.c
+        demand = self.demand.get(model.id, [])
+        sessions = [s for s, _ in demand]
+        q = np.array([q for _, q in demand], dtype=float)
+        weight = np.array([c.slo_weights.of(s.slo) for s in sessions], dtype=float)
+        wq = weight * q
+        target = np.array([c.slo_targets_seconds.of(s.slo) for s in sessions], dtype=float)
+        context = np.array([s.context_tokens for s in sessions], dtype=float)
+        position = {s.id: i for i, s in enumerate(sessions)}
+        active = self.active.get(model.id, [])
+        active_weight = sum(c.slo_weights.of(s.slo) for s in active)
+
+        def request_costs(latency: np.ndarray) -> np.ndarray:
+            """Each predicted request's w*q*(latency + V*[latency > target]), as the evaluator sums them."""
+            return wq * (latency + c.violation_penalty_seconds * (latency > target))
+
+        # -- x_off: no group serves the model; its requests cold-load from the lower tiers
+        cold = cold_load(self.p, self.lower, model)
+        if cold.node is None:
+            latency = np.full(len(sessions), c.unserved_penalty_seconds)
+            slowdown = 0.0
+        else:
+            kv = context * costs.prefill_seconds_per_token(model, cold.gpus, c)
+            for sid in self.lower.kv_sessions.get(model.id, ()):
+                if sid in position:
+                    kv[position[sid]] = kv_ready(self.p, self.lower, model, sid, cold.node, cold.gpus, 0)
+            latency = cold.seconds + kv
+            slowdown = costs.decode_slowdown_seconds(model, 0.0, cold.gpus, c)
+        off_cost = float(request_costs(latency).sum()) + float(wq.sum()) * slowdown
+        off_cost += c.unserved_penalty_seconds * active_weight  # (every active request waits)
+        self.off[model.id] = self.ilp.var(f"off[{model.id}]", cost=off_cost)
+        best = off_cost
+
+        options = self._options(model)
+        self.options[model.id] = options
+        # (C2) one choice per model: a group at a precision, or off
+        self.ilp.row({self.off[model.id]: 1, **{o.var: 1 for o in options}}, lo=1, hi=1)
+
+        served_weight = float(wq.sum()) + active_weight  # requests that decode on the serving group
+        current = self.now.serving.get(model.id)
+        holders_now = self.now.kv_sessions.get(model.id, set())
+        holders_low = self.lower.kv_sessions.get(model.id, set())
+        by_class: dict[tuple[str, int], list[Option]] = defaultdict(list)
+        for o in options:
+            by_class[(o.node, o.decode_class)].append(o)
+            obj = StateObject.weights(model.id, o.precision)
+            node = self.p.nodes[o.node]
+            degraded = c.degraded_precision_seconds * (o.precision != model.preferred)
+            cost = 0.0
+            # weights: the warm memory tax and the seconds spent promoting shards
+            cost += costs.gpu_hold_cost(model.weights_bytes[o.precision], c)
+            source = self.now.complete_source(obj, o.node) or Tier.NVME
+            for g, shard in zip(o.gpus, o.shards, strict=True):
+                gain = shard - self.now.placement.get((obj, Location.gpu(g.id)), 0)
+                if gain > 0:
+                    cost += c.move_weight * costs.copy_seconds([gain], [g], source, node)
+                if shard:
+                    self.gpu_terms[g.id][o.var] += shard
+            # requests in flight: the time to bring their state from C to T (their KV rides on k below)
+            then = ResidencyIndex(self.p, {(obj, Location.gpu(g.id)): b for g, b in zip(o.gpus, o.shards, strict=True) if b})
+            serving = Serving(o.node, o.precision, o.gpus)
+            for s in active:
+                w = c.slo_weights.of(s.slo)
+                arrival = _arrival_latency(self.p, self.now, then, model, s.id, serving)
+                cost += w * (arrival + c.violation_penalty_seconds * (arrival > c.slo_targets_seconds.of(s.slo)))
+                cost += w * degraded
+            # predicted requests: weights ready; KV ready from the lower tiers unless k puts it on GPU
+            invalidated = current is not None and current.precision != o.precision
+            kv = context * costs.prefill_seconds_per_token(model, o.gpus, c)
+            if not invalidated:
+                for sid in holders_low:
+                    if sid in position:
+                        kv[position[sid]] = kv_ready(self.p, self.lower, model, sid, o.node, o.gpus, 0)
+            without_kv = request_costs(kv)
+            cost += float(without_kv.sum()) + float(wq.sum()) * degraded
+            cost += served_weight * costs.decode_slowdown_seconds(model, 0.0, o.gpus, c)
+            self.ilp.cost[o.var] += cost
+            relaxed = cost
+            # k: KV of a session on this group's GPUs (whole, split evenly)
+            candidates = [(s, True) for s in active] + [
+                (s, False)
+                for s in sessions
+                if s.id in holders_now and not (s.active and s.model == model.id) and not invalidated and self._kv_on_node(model.id, s.id, o.node)
+            ]
+            for s, is_active in candidates:
+                nbytes = s.context_tokens * model.kv_bytes_per_token
+                saved = float(without_kv[position[s.id]]) if s.id in position else 0.0
+                k_cost = costs.gpu_hold_cost(nbytes, c) - saved
+                if is_active:
+                    # (C3) an active request whose KV is not on the serving GPUs waits: the unserved penalty
+                    unserved = c.unserved_penalty_seconds * c.slo_weights.of(s.slo)
+                    self.ilp.cost[o.var] += unserved
+                    relaxed += unserved
+                    k_cost -= unserved
+                elif nbytes == 0:
+                    continue  # nothing to hold
+                var = self.ilp.var(f"k[{model.id},{s.id},{o.var}]", cost=k_cost)
+                # (C4) KV only on the GPUs of the chosen group
+                self.ilp.row({var: 1, o.var: -1}, hi=0)
+                for g, b in zip(o.gpus, split_evenly(nbytes, len(o.gpus)), strict=True):
+                    if b:
+                        self.gpu_terms[g.id][var] += b
+                self.kv.setdefault((model.id, s.id), []).append(KvChoice(var, s.id, o, nbytes))
+                relaxed += min(0.0, k_cost)
+            o_best = relaxed + (self._best_combo_cost(model, o, served_weight) if model.is_moe else 0.0)
+            best = min(best, o_best)
+        if model.is_moe:
+            self._experts(model, by_class, served_weight)
+        self.unavoidable += best
+
+    def _kv_on_node(self, model: str, session: str, node: str) -> bool:
+        obj = StateObject.kv(model, session)
+        return any(self.now.on(obj, node, t) for t in Tier)
+
+    # -- candidate groups ---------------------------------------------------
+
+    def _options(self, model: ModelSpec) -> list[Option]:
+        out: list[Option] = []
+        seen: set[tuple[str, str, tuple[str, ...]]] = set()
+        current = self.now.serving.get(model.id)
+        extra = self.extra.get(model.id)
+        classes: dict[tuple[str, float], int] = {}  # (node, sum of h2d) -> decode class, shared by precisions
+        for precision in model.precisions:
+            obj = StateObject.weights(model.id, precision)
+            nbytes = model.weights_bytes[precision]
+            for node_id in sorted(self.p.nodes):
+                node = self.p.nodes[node_id]
+                gpus = sorted((self.p.gpus[g] for g in node.gpus), key=lambda g: g.id)
+                groups = list(_subsets(gpus))
+                if current and current.node == node_id and current.precision == precision:
+                    groups.append(tuple(current.gpus))
+                if extra and extra.node == node_id and extra.precision == precision:
+                    groups.append(tuple(extra.gpus))
+                has_source = _weights_source(self.p, self.now, obj, node_id) is not None
+                for group in groups:
+                    key = (node_id, precision, _ids(group))
+                    if key in seen:
+                        continue
+                    if len(group) < max(model.min_gpus.get(g.type, 1) for g in group):
+                        continue
+                    shards = tuple(split_evenly(nbytes, len(group)))
+                    if any(b > g.capacity_bytes for g, b in zip(group, shards, strict=True)):
+                        continue
+                    moves = any(b > self.now.placement.get((obj, Location.gpu(g.id)), 0) for g, b in zip(group, shards, strict=True))
+                    if moves and not has_source:
+                        continue  # nothing on the node to load the shards from
+                    seen.add(key)
+                    h2d = round(sum(g.h2d_bytes_per_s for g in group), -3)
+                    cls = classes.setdefault((node_id, h2d), len(classes))
+                    var = self.ilp.var(f"x[{model.id},{node_id},{precision},{'+'.join(_ids(group))}]")
+                    out.append(Option(var, model.id, node_id, precision, tuple(group), shards, cls))
+        return out
+
+    # -- routed experts ---------------------------------------------------------
+
+    def _chunks(self, model: ModelSpec, node_id: str) -> tuple[int, int, int]:
+        """(regular chunk bytes, regular chunks, tail bytes): the greedy's breakpoints on this node."""
+        partial = Capability.PARTIAL_EXPERTS in self.p.nodes[node_id].capabilities
+        chunks = EXPERT_CHUNKS if partial else 1
+        unit = model.expert_bytes if partial else model.experts_bytes
+        chunk = max(unit, (model.experts_bytes // chunks) // unit * unit)
+        regular = model.experts_bytes // chunk
+        return chunk, regular, model.experts_bytes - regular * chunk
+
+    def _unit(self, model: ModelSpec, node_id: str) -> int:
+        """Expert bytes per GPU are counted in this unit: every breakpoint is a whole number of them."""
+        chunk, _, tail = self._chunks(model, node_id)
+        return math.gcd(chunk, tail)
+
+    def _combo_terms(self, model: ModelSpec, node_id: str) -> list[tuple[int, int, int]]:
+        """Every (regular, last, bytes) the node could hold: the fraction on GPU takes the exact hit rate there."""
+        chunk, regular, tail = self._chunks(model, node_id)
+        room = sum(self.p.gpus[g].capacity_bytes for g in self.p.nodes[node_id].gpus)
+        if not _experts_source(self.p, self.now, model.id, node_id):
+            room = min(room, self.now.on(StateObject.experts(model.id), node_id, Tier.GPU))
+        out = []
+        for r in range(regular + 1):
+            for last in (0, 1) if tail else (0,):
+                nbytes = r * chunk + last * tail
+                if 0 < nbytes <= room:
+                    out.append((r, last, nbytes))
+        return out
+
+    def _combo_cost(self, model: ModelSpec, gpus: Sequence[Gpu], nbytes: int, served_weight: float) -> float:
+        c = self.c
+        fraction = nbytes / model.experts_bytes
+        saved = costs.decode_slowdown_seconds(model, 0.0, gpus, c) - costs.decode_slowdown_seconds(model, fraction, gpus, c)
+        return costs.gpu_hold_cost(nbytes, c) - served_weight * saved
+
+    def _best_combo_cost(self, model: ModelSpec, option: Option, served_weight: float) -> float:
+        costs_ = [self._combo_cost(model, option.gpus, n, served_weight) for _, _, n in self._combo_terms(model, option.node)]
+        return min([0.0, *costs_])
+
+    def _experts(self, model: ModelSpec, by_class: Mapping[tuple[str, int], list[Option]], served_weight: float) -> None:
+        obj = StateObject.experts(model.id)
+        nodes = sorted({node for node, _ in by_class})
+        for node_id in nodes:
+            terms = self._combo_terms(model, node_id)
+            if not terms:
+                continue
+            node = self.p.nodes[node_id]
+            link: dict[int, int] = {}
+            for (n, cls), options in sorted(by_class.items()):
+                if n != node_id:
+                    continue
+                chosen = []
+                for r, last, nbytes in terms:
+                    var = self.ilp.var(
+                        f"y[{model.id},{node_id},{cls},{r},{last}]", cost=self._combo_cost(model, options[0].gpus, nbytes, served_weight)
+                    )
+                    self.combos.append(ExpertCombo(var, model.id, node_id, cls, r, last, nbytes))
+                    chosen.append(var)
+                    link[var] = -nbytes // self._unit(model, node_id)
+                # (C5) at most one expert fraction, and only on a node whose group (of this decode class) serves the model
+                self.ilp.row({**dict.fromkeys(chosen, 1), **{o.var: -1 for o in options}}, hi=0)
+            has_source = _experts_source(self.p, self.now, model.id, node_id)
+            source = self.now.complete_source(obj, node_id) or Tier.NVME
+            unit = self._unit(model, node_id)
+            for gpu_id in sorted(node.gpus):
+                g = self.p.gpus[gpu_id]
+                now = self.now.placement.get((obj, Location.gpu(gpu_id)), 0)
+                ub = g.capacity_bytes // unit if has_source else min(g.capacity_bytes, now) // unit
+                v = self.ilp.var(f"v[{model.id},{gpu_id}]", ub=min(ub, model.experts_bytes // unit))
+                self.expert_vars[(model.id, gpu_id)] = (v, unit)
+                self.gpu_terms[gpu_id][v] += unit
+                link[v] = 1
+                # (C6) promoted MiB: MiB * u >= unit * v - now, charged at the GPU's copy rate
+                rate = self.c.move_weight * costs.copy_seconds([MIB], [g], source, node)
+                u = self.ilp.var(f"u[{model.id},{gpu_id}]", ub=-(-self.ilp.ub[v] * unit // MIB), cost=rate)
+                self.gain_vars[(model.id, gpu_id)] = u
+                self.ilp.row({u: MIB, v: -unit}, lo=-now)
+            # (C7) the expert bytes spread over the node's GPUs add up to the chosen fraction
+            self.ilp.row(link, lo=0, hi=0)
+
+
+def _interchangeable_pairs(problem: Problem, now: ResidencyIndex) -> list[tuple[str, str]]:
+    """Consecutive GPUs (in id order) of one node that no cost or constraint tells apart.
+
+    Swapping two such cards maps every candidate group to another candidate
+    (every subset is offered on nodes of up to MAX_SUBSET_GPUS cards) and
+    every cost to itself, so some optimum holds more bytes on the first.
+    """
+    pairs = []
+    for node in problem.nodes.values():
+        if len(node.gpus) > MAX_SUBSET_GPUS:
+            continue
+        cards = sorted((problem.gpus[g] for g in node.gpus), key=lambda g: g.id)
+        empty = [g for g in cards if now.used.get(Location.gpu(g.id), 0) == 0]
+        for a, b in itertools.pairwise(empty):
+            if (a.type, a.capacity_bytes, a.h2d_bytes_per_s, a.d2h_bytes_per_s, a.bf16_flops) == (
+                b.type, b.capacity_bytes, b.h2d_bytes_per_s, b.d2h_bytes_per_s, b.bf16_flops
+            ):
+                pairs.append((a.id, b.id))
+    return pairs
+
+
+def _subsets(gpus: Sequence[Gpu]):
+    if len(gpus) <= MAX_SUBSET_GPUS:
+        for k in range(1, len(gpus) + 1):
+            yield from itertools.combinations(gpus, k)
+        return
+    # large nodes: for each k, the k largest cards and every window of k cards in id order
+    by_size = sorted(gpus, key=lambda g: (-g.capacity_bytes, g.id))
+    for k in range(1, len(gpus) + 1):
+        yield tuple(sorted(by_size[:k], key=lambda g: g.id))
+        for start in range(0, len(gpus) - k + 1):
+            yield tuple(gpus[start : start + k])
+
+
+def _weights_source(problem: Problem, now: ResidencyIndex, obj: StateObject, node: str) -> Tier | None:
+    """Where operations can load weights from on the node (host DRAM only with the weights_offload capability)."""
+    if now.complete(obj, node, Tier.HOST) and Capability.WEIGHTS_OFFLOAD in problem.nodes[node].capabilities:
+        return Tier.HOST
+    return Tier.NVME if now.complete(obj, node, Tier.NVME) else None
+
+
+def _experts_source(problem: Problem, now: ResidencyIndex, model: str, node: str) -> bool:
+    return now.complete_source(StateObject.experts(model), node) is not None
+
+
+# -- lower tiers, settled like the greedy --------------------------------------
+
+
+def lower_tiers_with_gpus_empty(problem: Problem) -> ResidencyIndex:
+    """The greedy's lower-tier rule applied as if nothing stayed on GPU: where each model would cold-load from.
+
+    What leaves the GPUs is demoted, the last complete copies are kept, likely
+    next models are staged in host DRAM. Prices of a model that is off (and of
+    KV left below GPU) are read from this placement.
+    """
+    planner = GreedyPlanner(problem)
+    try:
+        planner.settle_lower_tiers()
+    except PlanningError:  # no room below for everything at once: fall back to what is below now
+        planner.target = {k: v for k, v in problem.residency.items() if k[1].tier is not Tier.GPU}
+    return ResidencyIndex.build(problem, {k: v for k, v in planner.target.items() if v > 0})
+
+
+def settle(
+    problem: Problem,
+    gpu_target: Mapping[tuple[StateObject, Location], int],
+    groups: Mapping[str, Group],
+    unserved: Mapping[str, str],
+    reasons: Mapping[StateObject, str],
+) -> TargetPlan:
+    """A full target from a GPU-tier decision: the lower tiers are settled exactly as the greedy settles them."""
+    planner = GreedyPlanner(problem)
+    planner.target = dict(gpu_target)
+    planner.groups = dict(groups)
+    planner.unserved = dict(unserved)
+    planner.reasons = dict(reasons)
+    for (_, loc), nbytes in gpu_target.items():
+        planner.book.free[loc.id] -= nbytes
+    planner.settle_lower_tiers()
+    placement: Placement = {k: v for k, v in planner.target.items() if v > 0}
+    return TargetPlan(placement, dict(planner.groups), dict(planner.unserved), dict(planner.reasons))
+
+
+def decode(form: Formulation, values: Sequence[int]) -> TargetPlan:
+    """Turn an assignment into a full target placement (GPU tier from the model, lower tiers by the greedy's rule)."""
+    p = form.problem
+    gpu_target: dict[tuple[StateObject, Location], int] = defaultdict(int)
+    groups: dict[str, Group] = {}
+    reasons: dict[StateObject, str] = {}
+    unserved: dict[str, str] = {}
+    for model_id, options in sorted(form.options.items()):
+        for o in options:
+            if values[o.var]:
+                obj = StateObject.weights(model_id, o.precision)
+                for g, b in zip(o.gpus, o.shards, strict=True):
+                    if b:
+                        gpu_target[(obj, Location.gpu(g.id))] += b
+                groups[model_id] = o.group()
+                reasons[obj] = "placed by the MILP oracle"
+    for (model_id, sid), choices in sorted(form.kv.items()):
+        for choice in choices:
+            if values[choice.var]:
+                obj = StateObject.kv(model_id, sid)
+                for g, b in zip(choice.option.gpus, split_evenly(choice.nbytes, len(choice.option.gpus)), strict=True):
+                    if b:
+                        gpu_target[(obj, Location.gpu(g.id))] += b
+    for (model_id, gpu_id), (var, unit) in sorted(form.expert_vars.items()):
+        if values[var]:
+            gpu_target[(StateObject.experts(model_id), Location.gpu(gpu_id))] += int(values[var]) * unit
+    for s in sorted(p.sessions.values(), key=lambda s: s.id):
+        if not s.active:
+            continue
+        group = groups.get(s.model)
+        if group is None:
+            unserved[s.id] = f"gpu capacity: the MILP found no group for {s.model} among the active models' needs"
+        elif not any(values[c.var] for c in form.kv.get((s.model, s.id), [])):
+            unserved[s.id] = f"kv capacity: the KV of session {s.id} does not fit on node {group.node}'s GPUs beside {s.model}'s weights"
+    return settle(p, dict(gpu_target), groups, unserved, reasons)

@@ -1,0 +1,122 @@
+"""The greedy's optimality gap: plan each scenario with both solvers and compare what a plan can change.
+
+Every plan pays a part of the objective no decision can avoid (a request to
+a model must load or prefill something; an active request must wait for its
+state to arrive). That part is bounded by the *unavoidable* cost: for each
+model on its own, the cheapest of its choices with unlimited HBM (no other
+model competing for a card; every expert chunk and KV that pays sits on GPU;
+expert promotion priced at zero), summed over models. It is a lower bound of
+the objective of every plan in the oracle's candidate space, greedy's included.
+
+    ratio = (greedy - unavoidable + floor) / (milp - unavoidable + floor),   floor = 1 ms
+
+Both differences are clamped at zero; the floor makes a scenario where
+neither plan pays anything avoidable count as ratio 1. The MILP side is the
+oracle's plan, which is never worse than the greedy's, so ratio >= 1.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from planner_service.domain.generate import random_scenario
+from planner_service.domain.scenario import Scenario, load_scenario
+from planner_service.planner.greedy import plan_greedy
+from planner_service.planner.plan import PlanStatus, make_plan
+from planner_service.planner.predictor import problem_from_scenario
+from planner_service.solver.milp import solve_milp
+
+RATIO_FLOOR_SECONDS = 1e-3
+
+
+@dataclass(frozen=True, slots=True)
+class GapRow:
+    scenario: str
+    greedy_objective: float
+    milp_objective: float
+    unavoidable: float
+    ratio: float
+    milp_status: str
+    bound: float | None
+    gap: float | None
+    plan_from: str
+    greedy_seconds: float
+    milp_seconds: float
+
+
+def ratio(greedy: float, milp: float, unavoidable: float, floor: float = RATIO_FLOOR_SECONDS) -> float:
+    """greedy / MILP on the avoidable part of the objective (1 when neither has any)."""
+    return (max(0.0, greedy - unavoidable) + floor) / (max(0.0, milp - unavoidable) + floor)
+
+
+def random_scenarios(count: int, seed: int, gpus: int, models: int, sessions: int) -> Iterable[tuple[str, Scenario]]:
+    """Scenario i comes from `random_scenario(np.random.default_rng(seed + i), ...)`."""
+    for i in range(count):
+        yield f"seed={seed + i}", random_scenario(np.random.default_rng(seed + i), gpus, models, sessions)
+
+
+def scenario_files(directory: Path, count: int | None = None) -> Iterable[tuple[str, Scenario]]:
+    paths = sorted(p for p in directory.iterdir() if p.suffix in (".json", ".yaml", ".yml"))
+    for path in paths[:count] if count else paths:
+        yield path.name, load_scenario(path)
+
+
+def gap_row(name: str, scenario: Scenario, *, time_limit_seconds: float, seed: int, workers: int) -> GapRow:
+    problem = problem_from_scenario(scenario)
+    started = time.perf_counter()
+    target = plan_greedy(problem)
+    greedy_seconds = time.perf_counter() - started
+    greedy = make_plan(problem, "greedy", target.placement, target.unserved, target.reasons)
+    oracle = solve_milp(problem, time_limit_seconds=time_limit_seconds, seed=seed, workers=workers, hint=target)
+    details = oracle.extra["milp"]
+    unavoidable = details["unavoidable"]
+    return GapRow(
+        scenario=name,
+        greedy_objective=round(greedy.objective.total, 6),
+        milp_objective=round(oracle.objective.total, 6),
+        unavoidable=unavoidable,
+        ratio=round(ratio(greedy.objective.total, oracle.objective.total, unavoidable), 6),
+        milp_status=oracle.status.value,
+        bound=oracle.extra["bound"],
+        gap=oracle.extra["gap"],
+        plan_from=details["plan_from"],
+        greedy_seconds=round(greedy_seconds, 6),
+        milp_seconds=round(oracle.solve_seconds, 6),
+    )
+
+
+def gap_study(
+    scenarios: Iterable[tuple[str, Scenario]],
+    *,
+    time_limit_seconds: float,
+    seed: int = 0,
+    workers: int = 2,
+    progress: Callable[[GapRow], None] | None = None,
+) -> dict[str, Any]:
+    rows = []
+    for name, scenario in scenarios:
+        row = gap_row(name, scenario, time_limit_seconds=time_limit_seconds, seed=seed, workers=workers)
+        rows.append(row)
+        if progress is not None:
+            progress(row)
+    return summarize(rows)
+
+
+def summarize(rows: list[GapRow]) -> dict[str, Any]:
+    ratios = np.array([r.ratio for r in rows], dtype=float)
+    if ratios.size == 0:
+        return {"scenarios": 0, "median_ratio": None, "p95_ratio": None, "max_ratio": None, "milp_optimal_fraction": None, "per_scenario": []}
+    return {
+        "scenarios": len(rows),
+        "median_ratio": round(float(np.median(ratios)), 6),
+        "p95_ratio": round(float(np.percentile(ratios, 95)), 6),
+        "max_ratio": round(float(ratios.max()), 6),
+        "milp_optimal_fraction": round(sum(r.milp_status == PlanStatus.OPTIMAL for r in rows) / len(rows), 6),
+        "per_scenario": [asdict(r) for r in rows],
+    }

@@ -1,0 +1,126 @@
+"""Topology, catalog and node agents' registration and telemetry."""
+
+from __future__ import annotations
+
+from api_helpers import assert_problem, request
+
+
+def test_get_cluster_shape(demo):
+    nodes = demo.get("/v1/cluster").json()["nodes"]
+    assert [n["id"] for n in nodes] == ["n1", "n2", "n3", "n4"]
+    gpu = nodes[0]["gpus"][0]
+    for key in ("id", "type", "capacity_bytes", "h2d_bytes_per_s", "used_bytes", "planned_bytes", "calibrated"):
+        assert key in gpu
+    assert nodes[0]["capabilities"] and nodes[0]["nvme_read_bytes_per_s"] > 0
+
+
+def test_put_cluster_replaces_topology_and_forgets_state_on_removed_hardware(demo):
+    cluster = demo.get("/v1/cluster").json()
+    body = {
+        "nodes": [
+            {
+                "id": n["id"],
+                "host_dram_bytes": n["host_dram_bytes"],
+                "nvme_bytes": n["nvme_bytes"],
+                "gpus": [{"id": g["id"], "type": g["type"], "reserved_bytes": g["reserved_bytes"]} for g in n["gpus"]],
+            }
+            for n in cluster["nodes"]
+            if n["id"] != "n4"
+        ]
+    }
+    version = demo.get("/v1/srv").json()["version"]
+    out = demo.client.put("/v1/cluster", json=body)
+    assert out.status_code == 200 and [n["id"] for n in out.json()["nodes"]] == ["n1", "n2", "n3"]
+    srv = demo.get("/v1/srv").json()
+    assert srv["version"] == version + 1
+    assert not [
+        e
+        for e in srv["placement"]
+        if e["location"].get("node") == "n4" or e["location"].get("gpu", "").startswith("n4")
+    ]
+    demo.post("/v1/plan")
+    assert all(o["node"] != "n4" for o in demo.get("/v1/plan").json()["operations"])
+
+
+def test_put_cluster_rejects_bad_topology(demo):
+    dup = {"nodes": [{"id": "a", "gpus": [{"id": "g", "type": "l40"}, {"id": "g", "type": "l40"}]}]}
+    assert_problem(demo.client.put("/v1/cluster", json=dup), 422, "duplicate gpu id")
+    bad_type = {"nodes": [{"id": "a", "gpus": [{"id": "g", "type": "h900"}]}]}
+    assert_problem(demo.client.put("/v1/cluster", json=bad_type), 422, "type", "h900")
+    assert_problem(demo.client.put("/v1/cluster", json={"nodes": []}), 422, "nodes")
+
+
+def test_models_put_get_delete(demo):
+    created = demo.client.put(
+        "/v1/models/tiny-llama", json={"model": {"preset": "llama-3.1-8b-instruct"}, "nvme_nodes": ["n1"]}
+    )
+    assert created.status_code == 201, created.text
+    assert created.json()["resolved"]["weights_bytes"]["bf16"] > 10**9
+    assert "tiny-llama" in [m["id"] for m in demo.get("/v1/models").json()]
+    assert demo.events(request("e1", "t", "tiny-llama")).json()["applied"] == 1
+    replaced = demo.client.put(
+        "/v1/models/tiny-llama", json={"model": {"preset": "llama-3.1-8b-instruct", "precisions": ["bf16", "fp8"]}}
+    )
+    assert replaced.status_code == 200 and replaced.json()["resolved"]["precisions"] == ["bf16", "fp8"]
+    assert demo.client.delete("/v1/models/tiny-llama").status_code == 204
+    assert "tiny-llama" not in [m["id"] for m in demo.get("/v1/models").json()]
+    assert demo.get("/v1/sessions/t").status_code == 404
+    assert not [e for e in demo.get("/v1/srv").json()["placement"] if e["object"]["model"] == "tiny-llama"]
+    assert_problem(demo.client.delete("/v1/models/tiny-llama"), 404, "coder")
+
+
+def test_models_put_rejects_bad_models(demo):
+    assert_problem(demo.client.put("/v1/models/x", json={"model": {"preset": "gpt-99"}}), 422, "preset", "gpt-99")
+    assert_problem(
+        demo.client.put("/v1/models/x", json={"model": {"id": "y", "preset": "llama-3.1-8b-instruct"}}), 422, "model.id"
+    )
+    assert_problem(
+        demo.client.put("/v1/models/x", json={"model": {"precisions": ["fp4"], "kv_bytes_per_token": 1}}),
+        422,
+        "precisions",
+    )
+    assert_problem(
+        demo.client.put("/v1/models/x", json={"model": {"preset": "llama-3.1-8b-instruct"}, "nvme_nodes": ["n9"]}),
+        422,
+        "n9",
+    )
+
+
+def test_register_and_heartbeat(demo):
+    reg = demo.post(
+        "/v1/nodes/n1/register",
+        json={
+            "capabilities": ["weights_offload", "kv_offload"],
+            "gpus": [{"id": "n1-g0", "type": "l40"}, {"id": "n1-g9"}],
+            "engines": [{"name": "vllm-coder", "kind": "vllm", "models": ["coder"]}],
+        },
+    )
+    assert reg.status_code == 200
+    body = reg.json()
+    assert body["capabilities"] == ["weights_offload", "kv_offload"]
+    assert any("n1-g9" in w for w in body["warnings"]) and any("n1-g1" in w for w in body["warnings"])
+    node = demo.get("/v1/cluster").json()["nodes"][0]
+    assert node["capabilities"] == ["kv_offload", "weights_offload"] and node["registered_at"]
+    before = node["gpus"][0]["h2d_bytes_per_s"]
+    beat = demo.post(
+        "/v1/nodes/n1/heartbeat",
+        json={
+            "gpus": [{"id": "n1-g0", "used_bytes": 10, "free_bytes": 20, "h2d_bytes_per_s": 10e9}],
+            "nvme_read_bytes_per_s": 3e9,
+            "engines": {"vllm-coder": "sleeping"},
+            "expert_hit_rates": {"reasoner": 0.8},
+        },
+    )
+    assert beat.status_code == 200, beat.text
+    node = demo.get("/v1/cluster").json()["nodes"][0]
+    assert node["gpus"][0]["h2d_bytes_per_s"] == 0.7 * before + 0.3 * 10e9
+    assert node["telemetry"]["engines"] == {"vllm-coder": "sleeping"} and node["last_heartbeat"]
+    assert_problem(demo.post("/v1/nodes/n1/heartbeat", json={"gpus": [{"id": "n2-g0"}]}), 422, "gpus[0].id", "n2-g0")
+    assert_problem(
+        demo.post("/v1/nodes/n1/heartbeat", json={"expert_hit_rates": {"nope": 0.5}}), 422, "expert_hit_rates"
+    )
+    assert_problem(
+        demo.post("/v1/nodes/n1/heartbeat", json={"expert_hit_rates": {"reasoner": 1.5}}), 422, "expert_hit_rates"
+    )
+    assert_problem(demo.post("/v1/nodes/n9/register", json={}), 404, "n9", "n1")
+    assert_problem(demo.lease("n9"), 404, "n9")

@@ -1,0 +1,110 @@
+"""What-if, Pareto and explain: answers about the live state that never change it."""
+
+from __future__ import annotations
+
+import hashlib
+
+from api_helpers import assert_problem, request
+
+
+def fingerprint(app) -> str:
+    parts = [
+        app.get(p).text for p in ("/v1/srv", "/v1/sessions", "/v1/plan", "/v1/operations", "/v1/cluster", "/v1/models")
+    ]
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
+
+
+CHANGES = [
+    {"type": "add_gpu", "node": "n1", "gpu": {"id": "n1-extra", "type": "l40"}},
+    {"type": "remove_gpu", "gpu": "n2-g0"},
+    {"type": "add_node", "node": {"id": "n5", "gpus": [{"id": "n5-g0", "type": "a100-40gb-pcie"}]}},
+    {"type": "remove_node", "node": "n3"},
+    {"type": "add_model", "model": {"id": "extra", "preset": "qwen2.5-7b-instruct"}},
+    {"type": "remove_model", "model": "vision"},
+    {"type": "add_sessions", "model": "reasoner", "count": 5, "slo": "blocking", "context_tokens": 30000},
+    {"type": "set_slo", "session": "s02", "slo": "blocking"},
+]
+
+
+def test_whatif_answers_without_touching_live_state(demo):
+    demo.events(request("e1", "a", "coder", input_tokens=2000))
+    before = fingerprint(demo)
+    for change in CHANGES:
+        out = demo.post("/v1/whatif", json={"changes": [change]})
+        assert out.status_code == 200, (change, out.text)
+        body = out.json()
+        assert body["plan"]["status"] in ("ok", "partial") and "switch_latency_p95_seconds" in body["predicted"]
+        assert body["baseline_predicted"] is not None
+    combined = demo.post("/v1/whatif", json={"changes": CHANGES}).json()
+    assert any(e["location"].get("gpu") == "n1-extra" or True for e in combined["plan"]["placement"])
+    assert fingerprint(demo) == before
+
+
+def test_whatif_more_sessions_than_fit_is_partial(make_app):
+    app = make_app(tiny=True)
+    out = app.post(
+        "/v1/whatif",
+        json={"changes": [{"type": "add_sessions", "model": "beta", "count": 8, "context_tokens": 300_000}]},
+    ).json()
+    assert out["plan"]["status"] == "partial" and out["plan"]["unserved"]
+
+
+def test_whatif_rejects_bad_changes_naming_the_field(demo):
+    assert_problem(
+        demo.post(
+            "/v1/whatif", json={"changes": [{"type": "add_gpu", "node": "n9", "gpu": {"id": "x", "type": "l40"}}]}
+        ),
+        422,
+        "changes[0].node",
+        "n9",
+    )
+    assert_problem(
+        demo.post("/v1/whatif", json={"changes": [{"type": "set_slo", "session": "zz", "slo": "blocking"}]}),
+        422,
+        "changes[0].session",
+    )
+    assert_problem(demo.post("/v1/whatif", json={"changes": [{"type": "explode"}]}), 422, "changes.0")
+    assert_problem(demo.post("/v1/whatif", json={"changes": [], "solver": "magic"}), 422, "solver")
+    assert_problem(
+        demo.post(
+            "/v1/whatif", json={"changes": [{"type": "add_gpu", "node": "n1", "gpu": {"id": "n1-g0", "type": "l40"}}]}
+        ),
+        422,
+        "duplicate gpu id",
+    )
+
+
+def test_whatif_milp_answers_or_says_it_is_missing(make_app):
+    app = make_app(tiny=True)
+    out = app.post("/v1/whatif", json={"changes": [], "solver": "milp", "time_limit_seconds": 5})
+    if out.status_code == 501:
+        assert_problem(out, 501, "milp")
+    else:
+        assert out.status_code == 200, out.text
+        assert out.json()["solver"] == "milp"
+
+
+def test_pareto_curve(demo):
+    body = demo.get("/v1/pareto").json()
+    points, frontier = body["points"], body["frontier"]
+    assert len(points) >= 5 and frontier
+    assert all(p["gpu_bytes"] >= 0 and p["switch_latency_p95_seconds"] >= 0 for p in points)
+    for a, b in zip(frontier, frontier[1:], strict=False):  # more warm bytes buy a lower P95
+        assert b["gpu_bytes"] > a["gpu_bytes"] and b["switch_latency_p95_seconds"] < a["switch_latency_p95_seconds"]
+
+
+def test_explain_model_and_session(demo):
+    body = demo.get("/v1/explain", params={"model": "coder"}).json()
+    kinds = {(o["object"]["kind"], o["object"].get("precision")) for o in body["objects"]}
+    assert ("weights", "bf16") in kinds and ("weights", "int4") in kinds and ("kv", None) in kinds
+    assert all(o["why"] for o in body["objects"])
+    assert body["active_sessions"] == {"coder": ["s01"]} and body["predicted_requests"]["coder"] > 0
+    off = demo.get("/v1/explain", params={"model": "longctx"}).json()
+    assert any("kept off GPU" in o["why"] or "on GPU" in o["why"] for o in off["objects"])
+    moe = demo.get("/v1/explain", params={"model": "reasoner"}).json()
+    assert any(o["object"]["kind"] == "experts" and o["operations"] for o in moe["objects"])
+    session = demo.get("/v1/explain", params={"session": "s03"}).json()
+    assert session["session_model"] == "reasoner" and any(o["object"]["kind"] == "kv" for o in session["objects"])
+    assert_problem(demo.get("/v1/explain", params={"model": "gpt-9"}), 404, "coder")
+    assert_problem(demo.get("/v1/explain"), 422, "model", "session")
+    assert_problem(demo.get("/v1/explain", params={"session": "nope"}), 404, "nope")

@@ -1,0 +1,128 @@
+"""Property tests: every greedy plan over random scenarios is sound, and planning is deterministic.
+
+Scenarios come from `random_scenario` (sizes and seed drawn by hypothesis);
+some nodes lose capabilities. Besides `check_plan`, the operations are run
+in random interleavings that respect `depends_on` (an operation occupies its
+destination when it starts and frees its source when it finishes), and
+capacities and last copies are checked at every step.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections import defaultdict
+
+import numpy as np
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from planner_service.domain.generate import GPUS_PER_NODE, random_scenario
+from planner_service.domain.problem import Problem
+from planner_service.domain.scenario import Capability, Scenario, parse_scenario
+from planner_service.domain.state import Kind
+from planner_service.planner.invariants import check_plan
+from planner_service.planner.operations import Action, Operation
+from planner_service.planner.predictor import problem_from_scenario
+from planner_service.planner.registry import solve
+
+MAX_GPUS = 12
+SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+capability_sets = st.sets(st.sampled_from(list(Capability))).map(lambda caps: sorted(c.value for c in caps))
+
+
+@st.composite
+def scenarios(draw: st.DrawFn) -> Scenario:
+    seed = draw(st.integers(0, 2**32 - 1))
+    gpus = draw(st.integers(1, MAX_GPUS))
+    scenario = random_scenario(
+        np.random.default_rng(seed), gpus, draw(st.integers(1, 6)), draw(st.integers(0, 30))
+    )
+    node_caps = draw(st.lists(st.none() | capability_sets, min_size=-(-gpus // GPUS_PER_NODE), max_size=MAX_GPUS))
+    data = scenario.model_dump(mode="json")
+    for node, caps in zip(data["cluster"]["nodes"], node_caps):
+        if caps is not None:  # None keeps every capability
+            node["capabilities"] = caps
+    return parse_scenario(data)
+
+
+def plan_json(problem: Problem) -> str:
+    out = solve(problem).to_json()
+    out.pop("solve_seconds")
+    return json.dumps(out, sort_keys=True)
+
+
+@SETTINGS
+@given(scenarios())
+def test_greedy_plans_pass_the_invariant_checker(scenario: Scenario) -> None:
+    problem = problem_from_scenario(scenario)
+    plan = solve(problem)
+    assert check_plan(problem, plan.placement, plan.operations, plan.unserved) == []
+    assert all(why for why in plan.unserved.values())
+
+
+@SETTINGS
+@given(scenarios(), st.randoms(use_true_random=False))
+def test_every_interleaving_of_the_operations_is_safe(scenario: Scenario, rng: random.Random) -> None:
+    problem = problem_from_scenario(scenario)
+    plan = solve(problem)
+    _run_interleaved(problem, plan.operations, rng)
+
+
+@settings(max_examples=25, deadline=None)
+@given(scenarios())
+def test_same_input_same_plan(scenario: Scenario) -> None:
+    problem = problem_from_scenario(scenario)
+    first = plan_json(problem)
+    assert plan_json(problem) == first
+    again = problem_from_scenario(parse_scenario(json.loads(scenario.model_dump_json())))
+    assert plan_json(again) == first
+
+
+def _run_interleaved(problem: Problem, ops: list[Operation], rng: random.Random) -> None:
+    """Start and finish operations in a random order allowed by `depends_on`, checking every step."""
+    placement = dict(problem.residency)
+    occupied: dict = defaultdict(int)
+    for (_, loc), nbytes in placement.items():
+        occupied[loc] += nbytes
+    had_copy = _complete_copies(problem, placement)
+    by_id = {op.id: op for op in ops}
+    done: set[str] = set()
+    running: list[Operation] = []
+    waiting = list(ops)
+    while waiting or running:
+        ready = [op for op in waiting if all(d in done for d in op.depends_on)]
+        assert ready or running, "operations wait on each other"
+        if ready and (not running or rng.random() < 0.5):
+            op = rng.choice(ready)
+            waiting.remove(op)
+            running.append(op)
+            if op.dest is not None:
+                occupied[op.dest] += op.bytes
+                assert occupied[op.dest] <= problem.capacity_of(op.dest), f"{op.id} overfills {op.dest.label()}"
+            continue
+        op = running.pop(rng.randrange(len(running)))
+        if op.dest is not None:
+            placement[(op.object, op.dest)] = placement.get((op.object, op.dest), 0) + op.bytes
+        if op.source is not None and not op.keep_source:
+            placement[(op.object, op.source)] -= op.bytes
+            occupied[op.source] -= op.bytes
+            readers = [r.id for r in ops if r.keep_source and r.source == op.source and r.object == op.object]
+            assert all(r in done or r == op.id for r in readers), f"{op.id} frees a source still being read"
+        done.add(op.id)
+        if op.action is Action.DROP:
+            key = (op.object, problem.node_of(op.source))
+            if key in had_copy:
+                assert key in _complete_copies(problem, placement), f"{op.id} drops the last copy of {op.object.label()}"
+    assert len(done) == len(by_id)
+    assert {k: v for k, v in placement.items() if v} == {k: v for k, v in solve(problem).placement.items() if v}
+
+
+def _complete_copies(problem: Problem, placement: dict) -> set:
+    """(object, node) pairs with a complete copy of weights or experts on one tier of the node."""
+    per_tier: dict = defaultdict(int)
+    for (obj, loc), nbytes in placement.items():
+        if obj.kind is not Kind.KV:
+            per_tier[(obj, problem.node_of(loc), loc.tier)] += nbytes
+    return {(obj, node) for (obj, node, _), nbytes in per_tier.items() if nbytes >= problem.size_of(obj) > 0}

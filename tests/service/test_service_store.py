@@ -1,0 +1,77 @@
+"""SqliteStore: batches commit atomically and come back after reopening."""
+
+from __future__ import annotations
+
+import sqlite3
+
+import pytest
+
+from planner_service.service.store import Batch, SqliteStore
+
+
+def op(op_id: str, state: str = "queued") -> dict:
+    return {"id": op_id, "epoch": 1, "node": "n1", "state": state}
+
+
+def test_roundtrip_after_reopen(tmp_path):
+    store = SqliteStore(tmp_path / "s.db")
+    store.open()
+    assert store.load(0).empty
+    store.write(
+        Batch(
+            meta={"base": {"x": 1}, "epoch": 3},
+            sessions={"s1": {"id": "s1"}, "s2": {"id": "s2"}},
+            events=[("e1", "request", 10.0)],
+            operations={"3.op-1": op("3.op-1")},
+            observations=[(5.0, "handoff", "a", "b", None), (50.0, "gap", None, None, 2.5)],
+        )
+    )
+    store.write(
+        Batch(sessions={"s2": None}, operations={"3.op-1": op("3.op-1", "done")}, events=[("e1", "request", 11.0)])
+    )
+    store.close()
+    store = SqliteStore(tmp_path / "s.db")
+    store.open()
+    loaded = store.load(observations_since=10.0)
+    assert loaded.meta == {"base": {"x": 1}, "epoch": 3}
+    assert loaded.sessions == {"s1": {"id": "s1"}}
+    assert loaded.event_ids == {"e1"}
+    assert loaded.operations["3.op-1"]["state"] == "done"
+    assert loaded.observations == [(50.0, "gap", None, None, 2.5)]
+    mode = store.db.execute("PRAGMA journal_mode").fetchone()[0]
+    assert mode == "wal"
+    store.close()
+
+
+def test_a_failing_batch_leaves_nothing(tmp_path):
+    store = SqliteStore(tmp_path / "s.db")
+    store.open()
+    store.write(Batch(meta={"epoch": 1}))
+    with pytest.raises(KeyError):
+        store.write(Batch(meta={"epoch": 2}, operations={"bad": {"id": "bad"}}))  # no epoch/node/state
+    loaded = store.load(0)
+    assert loaded.meta == {"epoch": 1} and loaded.operations == {}
+    store.close()
+
+
+def test_prune_keeps_recent_observations_and_event_ids(tmp_path):
+    store = SqliteStore(tmp_path / "s.db")
+    store.open()
+    store.write(Batch(observations=[(1.0, "gap", None, None, 1.0), (100.0, "gap", None, None, 2.0)]))
+    store.write(Batch(events=[("old", "request", 10.0), ("new", "request", 90.0)]))
+    store.prune(observations_before=50.0, events_before=50.0)
+    loaded = store.load(0)
+    assert loaded.observations == [(100.0, "gap", None, None, 2.0)]
+    assert loaded.event_ids == {"new"}
+    store.close()
+    with pytest.raises(RuntimeError):
+        store.load(0)
+
+
+def test_database_is_plain_sqlite(tmp_path):
+    store = SqliteStore(tmp_path / "s.db")
+    store.open()
+    store.write(Batch(meta={"k": [1, 2]}))
+    store.close()
+    with sqlite3.connect(tmp_path / "s.db") as db:
+        assert db.execute("SELECT value FROM meta WHERE key = 'k'").fetchone() == ("[1, 2]",)

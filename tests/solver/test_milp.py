@@ -1,0 +1,299 @@
+"""The MILP oracle on tiny clusters: known optima, a brute-force enumeration, and the greedy as a floor."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from planner_service.cli import app
+from planner_service.domain.demo import demo_scenario
+from planner_service.domain.generate import random_scenario
+from planner_service.domain.problem import Problem
+from planner_service.domain.state import Location, StateObject, Tier
+from planner_service.domain.units import GIB
+from planner_service.planner.greedy import Group, plan_greedy, split_evenly
+from planner_service.planner.invariants import check_plan
+from planner_service.planner.objective import evaluate
+from planner_service.planner.plan import PlanStatus, make_plan
+from planner_service.planner.predictor import problem_from_scenario
+from planner_service.planner.registry import solve
+from planner_service.planner.residency import ResidencyIndex
+from planner_service.solver.formulation import build_formulation, settle
+from planner_service.solver.gap import ratio
+from planner_service.solver.milp import solve_milp
+from solver_cases import experts, gpu, held, kv, model, node, problem_of, random_tiny, session, weights
+
+STATUSES = {PlanStatus.OPTIMAL, PlanStatus.FEASIBLE, PlanStatus.TIMEOUT}
+
+
+def sound(problem: Problem, plan) -> None:
+    assert check_plan(problem, plan.placement, plan.operations, plan.unserved) == []
+
+
+def penalized(problem: Problem, placement) -> float:
+    """The evaluator, plus the unserved penalty for an active request whose model is served but whose KV is not beside it.
+
+    (The MILP charges that wait; `objective.evaluate` prices such a session at its arrival latency.)
+    """
+    total = evaluate(problem, placement)[0].total
+    index = ResidencyIndex.build(problem, placement)
+    c = problem.constants
+    for s in problem.sessions.values():
+        serving = index.serving.get(s.model)
+        if s.active and serving is not None:
+            obj = StateObject.kv(s.model, s.id)
+            if sum(placement.get((obj, Location.gpu(g.id)), 0) for g in serving.gpus) < problem.size_of(obj):
+                total += c.unserved_penalty_seconds * c.slo_weights.of(s.slo)
+    return total
+
+
+def brute_force(problem: Problem) -> float:
+    """The best penalized objective over every GPU-tier choice of a one-node cluster of dense models.
+
+    Each model: off, or its weights split evenly over any subset of the node's GPUs at any precision (when
+    the node can load them). Each session's KV: on the serving GPUs or not (active sessions' KV always goes
+    with a served model when it fits; KV worth keeping must exist already at the serving precision). The
+    lower tiers follow the greedy's rule; the evaluator prices the result.
+    """
+    now = ResidencyIndex.build(problem, problem.residency)
+    (node_id,) = problem.nodes
+    cards = sorted((problem.gpus[g] for g in problem.nodes[node_id].gpus), key=lambda g: g.id)
+    models = sorted(problem.models)
+    choices = []
+    for m in models:
+        spec = problem.models[m]
+        options: list[Group | None] = [None]
+        for p in spec.precisions:
+            obj = StateObject.weights(m, p)
+            has_source = now.complete(obj, node_id, Tier.NVME) or now.complete(obj, node_id, Tier.HOST)
+            for k in range(1, len(cards) + 1):
+                for subset in itertools.combinations(cards, k):
+                    shards = split_evenly(spec.weights_bytes[p], k)
+                    grows = any(b > now.placement.get((obj, Location.gpu(g.id)), 0) for g, b in zip(subset, shards))
+                    if all(b <= g.capacity_bytes for g, b in zip(subset, shards)) and (has_source or not grows):
+                        options.append(Group(node_id, p, subset))
+        choices.append(options)
+    best = math.inf
+    for pick in itertools.product(*choices):
+        gpu_target: dict = {}
+        groups = {}
+        for m, group in zip(models, pick):
+            if group is None:
+                continue
+            groups[m] = group
+            for g, b in zip(group.gpus, split_evenly(problem.models[m].weights_bytes[group.precision], len(group.gpus))):
+                gpu_target[(StateObject.weights(m, group.precision), Location.gpu(g.id))] = b
+        used = {g.id: 0 for g in cards}
+        for (_, loc), b in gpu_target.items():
+            used[loc.id] += b
+        if any(used[g.id] > g.capacity_bytes for g in cards):
+            continue
+        kv_options = []
+        for s in sorted(problem.sessions.values(), key=lambda s: s.id):
+            for m, q in sorted(problem.next_model.get(s.id, {}).items()):
+                group = groups.get(m)
+                if group is None or q <= 0:
+                    continue
+                obj = StateObject.kv(m, s.id)
+                current = now.serving.get(m)
+                exists = s.id in now.kv_sessions.get(m, set()) and (current is None or current.precision == group.precision)
+                if (s.active and s.model == m) or exists:
+                    kv_options.append((obj, group))
+        for on in itertools.product((False, True), repeat=len(kv_options)):
+            target = dict(gpu_target)
+            load = dict(used)
+            for flag, (obj, group) in zip(on, kv_options):
+                if flag:
+                    for g, b in zip(group.gpus, split_evenly(problem.size_of(obj), len(group.gpus))):
+                        target[(obj, Location.gpu(g.id))] = b
+                        load[g.id] += b
+            if any(load[g.id] > g.capacity_bytes for g in cards):
+                continue
+            unserved = {s.id: "waits" for s in problem.sessions.values() if s.active and s.model not in groups}
+            full = settle(problem, target, groups, unserved, {})
+            best = min(best, penalized(problem, full.placement))
+    return best
+
+
+# -- hand-checked optima ----------------------------------------------------------
+
+
+def test_keeps_the_model_more_requests_want_when_only_one_fits() -> None:
+    # one 24 GiB card, two 16 GiB models: only one fits. Three sessions sit on "hot", one on "cold", so
+    # the predictor sends most next requests to "hot": keeping it warm saves the most cold loads.
+    problem = problem_of(
+        [node("n0", gpu("g0", 24))],
+        [model("hot", {"bf16": 16}), model("cold", {"bf16": 16})],
+        [session("s1", "hot"), session("s2", "hot"), session("s3", "hot"), session("s4", "cold")],
+        [held(weights("hot"), "nvme", "n0", 16 * GIB), held(weights("cold"), "nvme", "n0", 16 * GIB)],
+    )
+    plan = solve_milp(problem, time_limit_seconds=5)
+    sound(problem, plan)
+    assert plan.status is PlanStatus.OPTIMAL
+    on_gpu = {obj.model for (obj, loc) in plan.placement if loc.tier is Tier.GPU}
+    assert on_gpu == {"hot"}
+    # the three candidate plans, priced by the evaluator: hot warm beats cold warm beats nothing warm
+    values = {}
+    for name in ("hot", "cold", None):
+        gpu_target = {(StateObject.weights(name, "bf16"), Location.gpu("g0")): 16 * GIB} if name else {}
+        groups = {name: Group("n0", "bf16", (problem.gpus["g0"],))} if name else {}
+        values[name] = evaluate(problem, settle(problem, gpu_target, groups, {}, {}).placement)[0].total
+    assert values["hot"] < values["cold"] < values[None]
+    assert plan.objective.total == pytest.approx(values["hot"], rel=1e-9)
+    assert plan.extra["bound"] == pytest.approx(values["hot"], rel=1e-6)
+
+
+def test_serves_every_active_request_and_keeps_its_kv_beside_the_weights() -> None:
+    # 8 GiB of weights + 2 x 1 GiB of KV on a 24 GiB card: serving both active sessions is the only way
+    # to avoid 2 x 600 s x w of unserved penalty.
+    problem = problem_of(
+        [node("n0", gpu("g0", 24))],
+        [model("m", {"bf16": 8})],
+        [session("s1", "m", active=True), session("s2", "m", active=True, user="v")],
+        [held(weights("m"), "nvme", "n0", 8 * GIB)],
+    )
+    plan = solve_milp(problem, time_limit_seconds=5)
+    sound(problem, plan)
+    assert plan.status is PlanStatus.OPTIMAL and plan.unserved == {}
+    for sid in ("s1", "s2"):
+        assert plan.placement[(StateObject.kv("m", sid), Location.gpu("g0"))] == GIB
+    assert plan.objective.unserved == 0.0
+
+
+def test_falls_back_to_the_degraded_precision_when_the_preferred_one_cannot_fit() -> None:
+    # the active model needs 30 GiB at bf16 (no 24 GiB card holds it) or 8 GiB at int4.
+    problem = problem_of(
+        [node("n0", gpu("g0", 24))],
+        [model("m", {"bf16": 30, "int4": 8})],
+        [session("s1", "m", active=True, slo="blocking")],
+        [held(weights("m", "bf16"), "nvme", "n0", 30 * GIB), held(weights("m", "int4"), "nvme", "n0", 8 * GIB)],
+    )
+    plan = solve_milp(problem, time_limit_seconds=5)
+    sound(problem, plan)
+    assert plan.placement[(StateObject.weights("m", "int4"), Location.gpu("g0"))] == 8 * GIB
+    assert plan.objective.degraded_precision > 0 and plan.objective.unserved == 0.0
+
+
+def test_moe_expert_fraction_is_the_best_breakpoint() -> None:
+    # A MoE with 64 GiB of routed experts in 16 chunks of 4 GiB, served on a 48 GiB card beside 8 GiB of
+    # weights and 1 GiB of KV: at most 9 chunks fit. The oracle's fraction is the best over 0..9 chunks.
+    moe = model("moe", {"bf16": 8}, experts_bytes=64 * GIB, expert_bytes=GIB // 4, active_expert_bytes_per_token=2 * GIB)
+    problem = problem_of(
+        [{**node("n0", gpu("g0", 48)), "capabilities": ["partial_experts", "kv_offload", "weights_offload"]}],
+        [moe],
+        [session("s1", "moe", active=True)],
+        [held(weights("moe"), "nvme", "n0", 8 * GIB), held(experts("moe"), "nvme", "n0", 64 * GIB)],
+    )
+    plan = solve_milp(problem, time_limit_seconds=5)
+    sound(problem, plan)
+    assert plan.status is PlanStatus.OPTIMAL
+    chosen = plan.placement.get((StateObject.experts("moe"), Location.gpu("g0")), 0)
+    assert chosen % (4 * GIB) == 0
+    base = {
+        (StateObject.weights("moe", "bf16"), Location.gpu("g0")): 8 * GIB,
+        (StateObject.kv("moe", "s1"), Location.gpu("g0")): GIB,
+    }
+    groups = {"moe": Group("n0", "bf16", (problem.gpus["g0"],))}
+    values = []
+    for chunks in range(10):
+        target = dict(base)
+        if chunks:
+            target[(StateObject.experts("moe"), Location.gpu("g0"))] = chunks * 4 * GIB
+        values.append(evaluate(problem, settle(problem, target, groups, {}, {}).placement)[0].total)
+    assert plan.objective.total == pytest.approx(min(values), rel=1e-9)
+    assert chosen == 4 * GIB * int(np.argmin(values))
+
+
+def test_oracle_plans_when_the_greedy_target_is_unreachable() -> None:
+    # The MoE's routed experts sit only on n1's NVMe; its weights only on n0's. The greedy serves it on n0 and
+    # puts expert chunks there, which no operation can fill (no copy on n0). The oracle keeps experts off n0.
+    moe = model("moe", {"bf16": 8}, experts_bytes=64 * GIB, expert_bytes=GIB // 4, active_expert_bytes_per_token=2 * GIB)
+    caps = ["partial_experts", "kv_offload", "weights_offload"]
+    problem = problem_of(
+        [{**node("n0", gpu("g0", 48)), "capabilities": caps}, {**node("n1", gpu("h0", 24)), "capabilities": caps}],
+        [moe],
+        [session("s1", "moe", active=True)],
+        [held(weights("moe"), "nvme", "n0", 8 * GIB), held(experts("moe"), "nvme", "n1", 64 * GIB)],
+    )
+    plan = solve_milp(problem, time_limit_seconds=5)
+    sound(problem, plan)
+    assert plan.extra["milp"]["greedy_objective"] is None and plan.extra["milp"]["plan_from"] == "milp"
+    assert plan.unserved == {}
+    assert not any(obj.kind == "experts" and loc.tier is Tier.GPU for obj, loc in plan.placement)
+
+
+# -- brute force on tiny random scenarios -------------------------------------------
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_milp_matches_brute_force_on_tiny_random_scenarios(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    problem = random_tiny(rng, gpus=2, models=int(rng.integers(2, 4)), sessions=int(rng.integers(2, 5)))
+    best = brute_force(problem)
+    plan = solve_milp(problem, time_limit_seconds=5)
+    sound(problem, plan)
+    details = plan.extra["milp"]
+    assert plan.status is PlanStatus.OPTIMAL
+    assert details["model_objective"] == pytest.approx(best, rel=1e-6, abs=1e-6)
+    # the model's value is what the evaluator says of the plan it decodes to
+    assert details["milp_plan_objective"] <= details["model_objective"] + 1e-6
+    assert plan.objective.total <= details["greedy_objective"] + 1e-9
+
+
+def test_model_objective_is_the_evaluators_on_the_demo_hint() -> None:
+    # the greedy's plan, written as an assignment of the model's variables, is priced as the evaluator prices it
+    problem = problem_from_scenario(demo_scenario())
+    target = plan_greedy(problem)
+    form = build_formulation(problem, target.groups)
+    start = form.hint(target)
+    assert form.ilp.violated(start) == []
+    greedy = make_plan(problem, "greedy", target.placement, target.unserved, target.reasons)
+    assert form.ilp.value(start) == pytest.approx(greedy.objective.total, rel=1e-6)
+    assert form.unavoidable <= greedy.objective.total
+
+
+# -- the oracle against the greedy ------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_oracle_is_never_worse_than_greedy(seed: int) -> None:
+    problem = problem_from_scenario(random_scenario(np.random.default_rng(seed), 4, 3, 12))
+    greedy = solve(problem)
+    plan = solve(problem, "milp", time_limit_seconds=3, seed=0, workers=2)
+    sound(problem, greedy)
+    sound(problem, plan)
+    assert plan.solver == "milp" and plan.status in STATUSES
+    assert plan.objective.total <= greedy.objective.total + 1e-9
+    assert set(plan.extra) >= {"bound", "gap", "milp"}
+    if plan.extra["bound"] is not None:
+        assert plan.extra["bound"] <= plan.objective.total * (1 + 1e-6) + 1e-6  # solver tolerances
+        assert 0 <= plan.extra["gap"]
+
+
+def test_gap_ratio_counts_nothing_avoidable_as_one() -> None:
+    assert ratio(10.0, 10.0, 10.0) == 1.0
+    assert ratio(12.0, 11.0, 10.0) == pytest.approx((2.001) / (1.001))
+    assert ratio(9.0, 9.0, 10.0) == 1.0  # below the bound on both sides: clamped
+
+
+# -- the command line -------------------------------------------------------------------
+
+
+def test_cli_plan_milp_and_gap_print_json() -> None:
+    runner = CliRunner()
+    result = runner.invoke(app, ["plan", "--solver", "milp", "--time-limit", "4", "--json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["solver"] == "milp" and data["status"] in {s.value for s in STATUSES}
+    assert {"bound", "gap", "solve_seconds", "objective", "operations", "placement"} <= set(data)
+    result = runner.invoke(app, ["gap", "--scenarios", "2", "--seed", "3", "--gpus", "4", "--models", "3", "--sessions", "8", "--time-limit", "2", "--json"])
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.stdout)
+    assert summary["scenarios"] == 2 and len(summary["per_scenario"]) == 2
+    assert {"median_ratio", "p95_ratio", "max_ratio", "milp_optimal_fraction"} <= set(summary)
+    assert all(row["ratio"] >= 1.0 - 1e-9 for row in summary["per_scenario"])

@@ -1,0 +1,289 @@
+"""The greedy planner on tiny hand-built clusters: each test states the arithmetic it relies on."""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+
+from typer.testing import CliRunner
+
+from planner_service.cli import app
+from planner_service.domain.state import Kind, Location, StateObject, Tier
+from planner_service.domain.units import GIB
+from planner_service.planner.invariants import check_plan
+from planner_service.planner.operations import Action
+from tiny_clusters import (
+    experts,
+    gpu,
+    held,
+    kv,
+    model,
+    node,
+    on_gpu,
+    on_host,
+    on_nvme,
+    plan_for,
+    scenario,
+    session,
+    weights,
+)
+
+
+def gpu_bytes(plan, obj: StateObject) -> dict[str, int]:
+    return {loc.id: b for (o, loc), b in plan.placement.items() if o == obj and loc.tier is Tier.GPU}
+
+
+def ops_for(plan, obj: StateObject):
+    return [op for op in plan.operations if op.object == obj]
+
+
+def sound(problem, plan) -> None:
+    assert check_plan(problem, plan.placement, plan.operations, plan.unserved) == []
+
+
+def test_active_model_lands_on_gpu_with_its_sessions_kv() -> None:
+    # 8 GiB of weights + 2 sessions x 1 GiB of KV fit one 24 GiB card.
+    data = scenario(
+        [node("n0", gpu("g0", 24))],
+        [model("m", 8)],
+        [session("s1", "m", active=True), session("s2", "m", active=True, user="v")],
+        [held(weights("m"), on_nvme("n0"), 8 * GIB)],
+    )
+    problem, plan = plan_for(data)
+    sound(problem, plan)
+    assert plan.unserved == {}
+    assert gpu_bytes(plan, StateObject.weights("m", "bf16")) == {"g0": 8 * GIB}
+    for sid in ("s1", "s2"):
+        assert gpu_bytes(plan, StateObject.kv("m", sid)) == {"g0": GIB}
+        (prefill,) = ops_for(plan, StateObject.kv("m", sid))
+        assert prefill.source is None and prefill.action is Action.PROMOTE
+    (load,) = ops_for(plan, StateObject.weights("m", "bf16"))
+    assert (load.action, load.source, load.keep_source) == (Action.PROMOTE, Location.nvme("n0"), True)
+
+
+def test_large_model_takes_the_large_card_and_small_model_the_small_card() -> None:
+    # 70 + 16 GiB do not share the 80 GiB card; only the 80 GiB card holds the 70 GiB model.
+    data = scenario(
+        [node("n0", gpu("big", 80), gpu("small", 24))],
+        [model("a-small", 16), model("z-large", 70)],
+        [session("s1", "a-small", active=True, tokens=0), session("s2", "z-large", active=True, tokens=0)],
+        [held(weights("a-small"), on_nvme("n0"), 16 * GIB), held(weights("z-large"), on_nvme("n0"), 70 * GIB)],
+    )
+    problem, plan = plan_for(data)
+    sound(problem, plan)
+    assert plan.unserved == {}
+    assert gpu_bytes(plan, StateObject.weights("z-large", "bf16")) == {"big": 70 * GIB}
+    assert gpu_bytes(plan, StateObject.weights("a-small", "bf16")) == {"small": 16 * GIB}
+
+
+def _pressure(*, old_copies: list, host_gib: float = 256, capabilities: list[str] | None = None) -> dict:
+    """`old` sits on the only GPU (20 of 24 GiB); `new` (20 GiB) has an active request and needs the card."""
+    return scenario(
+        [node("n0", gpu("g0", 24), host_gib=host_gib, capabilities=capabilities)],
+        [model("old", 20), model("new", 20)],
+        [session("s1", "new", active=True, tokens=0)],
+        [held(weights("old"), on_gpu("g0"), 20 * GIB), *old_copies, held(weights("new"), on_nvme("n0"), 20 * GIB)],
+    )
+
+
+def test_last_copy_on_gpu_is_demoted_to_host_not_dropped() -> None:
+    problem, plan = plan_for(_pressure(old_copies=[]))
+    sound(problem, plan)
+    old = StateObject.weights("old", "bf16")
+    assert gpu_bytes(plan, old) == {}
+    assert plan.placement[(old, Location.host("n0"))] == 20 * GIB
+    (move,) = ops_for(plan, old)
+    assert (move.action, move.source, move.dest) == (Action.DEMOTE, Location.gpu("g0"), Location.host("n0"))
+    load = next(op for op in plan.operations if op.object.model == "new")
+    assert move.id in load.depends_on  # the card is freed before it is filled
+
+
+def test_last_copy_goes_to_nvme_when_host_is_full_or_cannot_hold_weights() -> None:
+    for data in (_pressure(old_copies=[], host_gib=8), _pressure(old_copies=[], capabilities=["kv_offload"])):
+        problem, plan = plan_for(data)
+        sound(problem, plan)
+        (move,) = ops_for(plan, StateObject.weights("old", "bf16"))
+        assert (move.action, move.dest) == (Action.DEMOTE, Location.nvme("n0"))
+
+
+def test_gpu_copy_is_dropped_when_nvme_holds_one() -> None:
+    # host DRAM (8 GiB) is too small to stage "old" for its predicted requests, so the GPU copy just goes
+    problem, plan = plan_for(_pressure(old_copies=[held(weights("old"), on_nvme("n0"), 20 * GIB)], host_gib=8))
+    sound(problem, plan)
+    old = StateObject.weights("old", "bf16")
+    drops = [op for op in ops_for(plan, old) if op.source == Location.gpu("g0")]
+    assert [op.action for op in drops] == [Action.DROP]
+    assert plan.placement[(old, Location.nvme("n0"))] == 20 * GIB
+
+
+def test_gpu_copy_moves_to_host_when_a_predicted_request_pays_for_the_room() -> None:
+    # with NVMe holding a copy and host DRAM free, "old" (40 % likely next) is parked one tier down
+    problem, plan = plan_for(_pressure(old_copies=[held(weights("old"), on_nvme("n0"), 20 * GIB)]))
+    sound(problem, plan)
+    (move,) = ops_for(plan, StateObject.weights("old", "bf16"))
+    assert (move.action, move.source, move.dest) == (Action.DEMOTE, Location.gpu("g0"), Location.host("n0"))
+
+
+def test_precision_change_invalidates_the_models_kv() -> None:
+    # "urgent" (18 GiB, blocking) takes the 24 GiB card first; "m" fits beside it only at int4 (4 GiB).
+    data = scenario(
+        [node("n0", gpu("g0", 24))],
+        [model("m", {"bf16": 16, "int4": 4}), model("urgent", 18)],
+        [
+            session("s1", "m", active=True, tokens=4096),
+            session("s2", "m", user="v", tokens=4096),
+            session("s3", "urgent", active=True, slo="blocking", tokens=0),
+        ],
+        [
+            held(weights("m", "bf16"), on_gpu("g0"), 16 * GIB),
+            held(weights("m", "bf16"), on_nvme("n0"), 16 * GIB),
+            held(weights("m", "int4"), on_nvme("n0"), 4 * GIB),
+            held(kv("m", "s1"), on_gpu("g0"), GIB // 2),
+            held(kv("m", "s2"), on_host("n0"), GIB // 2),
+            held(weights("urgent"), on_nvme("n0"), 18 * GIB),
+        ],
+    )
+    problem, plan = plan_for(data)
+    sound(problem, plan)
+    assert gpu_bytes(plan, StateObject.weights("m", "int4")) == {"g0": 4 * GIB}
+    # s2's bf16 KV in host DRAM no longer matches the weights: dropped, not kept
+    assert (StateObject.kv("m", "s2"), Location.host("n0")) not in plan.placement
+    assert [op.action for op in ops_for(plan, StateObject.kv("m", "s2"))] == [Action.DROP]
+    # s1's KV is on the card again, but recomputed at int4: the old bytes go and a prefill makes the new ones
+    s1 = ops_for(plan, StateObject.kv("m", "s1"))
+    assert [op.action for op in s1] == [Action.DROP, Action.PROMOTE]
+    assert s1[1].source is None and s1[0].id in s1[1].depends_on
+
+
+def test_kv_is_shared_max_min_fair_across_users() -> None:
+    # 4 GiB of weights + room for exactly 4 sessions' 1 GiB KV on an 8 GiB card.
+    sessions = [session(f"a{i}", "m", user="alice", active=True) for i in range(5)]
+    sessions.append(session("b0", "m", user="bob", active=True))
+    data = scenario([node("n0", gpu("g0", 8))], [model("m", 4)], sessions, [held(weights("m"), on_nvme("n0"), 4 * GIB)])
+    problem, plan = plan_for(data)
+    sound(problem, plan)
+    placed = {s["id"] for s in sessions if gpu_bytes(plan, StateObject.kv("m", s["id"]))}
+    assert "b0" in placed
+    assert len(placed) == 4
+    assert set(plan.unserved) == {s["id"] for s in sessions} - placed
+    assert all(why.startswith("kv capacity") for why in plan.unserved.values())
+    _assert_max_min_fair(problem, plan)
+
+
+def test_fairness_holds_with_three_users_and_unequal_histories() -> None:
+    sessions = [session(f"a{i}", "m", user="alice", active=True, tokens=4096) for i in range(6)]
+    sessions += [session("b0", "m", user="bob", active=True, tokens=16384)]
+    sessions += [session(f"c{i}", "m", user="carol", active=True, tokens=8192) for i in range(3)]
+    data = scenario([node("n0", gpu("g0", 10))], [model("m", 4)], sessions, [held(weights("m"), on_nvme("n0"), 4 * GIB)])
+    problem, plan = plan_for(data)
+    sound(problem, plan)
+    assert plan.unserved
+    _assert_max_min_fair(problem, plan)
+
+
+def _assert_max_min_fair(problem, plan) -> None:
+    """No user holds more than a refused user plus one session's KV (the whole-session granularity)."""
+    holding: dict[str, int] = defaultdict(int)
+    for (obj, loc), nbytes in plan.placement.items():
+        if obj.kind is Kind.KV and loc.tier is Tier.GPU:
+            holding[problem.sessions[obj.session].user] += nbytes
+    largest = max(problem.size_of(StateObject.kv(s.model, s.id)) for s in problem.sessions.values())
+    for sid in plan.unserved:
+        refused = problem.sessions[sid].user
+        for user, nbytes in holding.items():
+            assert nbytes <= holding[refused] + largest, (user, refused, dict(holding))
+
+
+def _moe(capabilities: list[str] | None) -> dict:
+    # 8 GiB dense part + 32 GiB of routed experts; the 24 GiB card holds part of the experts only.
+    moe = model("moe", 8, experts_bytes=32 * GIB, expert_bytes=GIB // 4, active_expert_bytes_per_token=GIB)
+    return scenario(
+        [node("n0", gpu("g0", 24), capabilities=capabilities)],
+        [moe],
+        [session("s1", "moe", active=True, tokens=0)],
+        [held(weights("moe"), on_nvme("n0"), 8 * GIB), held(experts("moe"), on_nvme("n0"), 32 * GIB)],
+    )
+
+
+def test_partial_experts_only_where_the_node_can_split_them() -> None:
+    problem, plan = plan_for(_moe(None))
+    sound(problem, plan)
+    on_card = sum(gpu_bytes(plan, StateObject.experts("moe")).values())
+    assert 0 < on_card < 32 * GIB  # the hot part, at a decode cost for the rest
+
+    problem, plan = plan_for(_moe(["weights_offload", "kv_offload"]))
+    sound(problem, plan)
+    assert sum(gpu_bytes(plan, StateObject.experts("moe")).values()) in (0, 32 * GIB)
+
+
+def _kv_leaves(capabilities: list[str] | None) -> dict:
+    # "old" and its idle session's KV leave the card for "new"; the KV is worth restoring later.
+    return scenario(
+        [node("n0", gpu("g0", 24), capabilities=capabilities)],
+        [model("old", 16), model("new", 20)],
+        [session("s1", "new", active=True, tokens=0), session("s2", "old", tokens=16384)],
+        [
+            held(weights("old"), on_gpu("g0"), 16 * GIB),
+            held(weights("old"), on_nvme("n0"), 16 * GIB),
+            held(kv("old", "s2"), on_gpu("g0"), 2 * GIB),
+            held(weights("new"), on_nvme("n0"), 20 * GIB),
+        ],
+    )
+
+
+def test_kv_is_offloaded_only_where_the_node_can() -> None:
+    s2 = StateObject.kv("old", "s2")
+    problem, plan = plan_for(_kv_leaves(None))
+    sound(problem, plan)
+    assert [(op.action, op.dest) for op in ops_for(plan, s2)] == [(Action.DEMOTE, Location.host("n0"))]
+
+    problem, plan = plan_for(_kv_leaves(["weights_offload", "partial_experts"]))
+    sound(problem, plan)
+    assert [op.action for op in ops_for(plan, s2)] == [Action.DROP]
+    assert not any(obj == s2 for obj, _ in plan.placement)
+
+
+def _too_large() -> dict:
+    return scenario(
+        [node("n0", gpu("g0", 24), gpu("g1", 24)), node("n1", gpu("g2", 24))],
+        [model("huge", 100)],
+        [session("s1", "huge", active=True)],
+        [held(weights("huge"), on_nvme("n0"), 100 * GIB)],
+    )
+
+
+def test_model_larger_than_every_gpu_group_is_unserved_with_the_constraint_named() -> None:
+    problem, plan = plan_for(_too_large())
+    sound(problem, plan)
+    assert list(plan.unserved) == ["s1"]
+    assert plan.unserved["s1"].startswith("gpu capacity")
+
+
+def test_cli_exits_2_naming_the_constraint_and_prints_no_plan(tmp_path) -> None:
+    path = tmp_path / "scenario.json"
+    path.write_text(json.dumps(_too_large()))
+    result = CliRunner().invoke(app, ["plan", "--scenario", str(path), "--json"])
+    assert result.exit_code == 2
+    assert "gpu capacity" in result.stderr
+    assert result.stdout == ""
+
+
+def test_cli_names_the_field_path_of_a_malformed_scenario(tmp_path) -> None:
+    data = _too_large()
+    data["sessions"][0]["context_tokens"] = -5
+    path = tmp_path / "scenario.json"
+    path.write_text(json.dumps(data))
+    result = CliRunner().invoke(app, ["plan", "--scenario", str(path), "--json"])
+    assert result.exit_code == 2
+    assert "sessions.0.context_tokens" in result.stderr
+    assert result.stdout == ""
+
+
+def test_cli_prints_one_plan_object_for_a_feasible_scenario(tmp_path) -> None:
+    data = _pressure(old_copies=[])
+    path = tmp_path / "scenario.json"
+    path.write_text(json.dumps(data))
+    result = CliRunner().invoke(app, ["plan", "--scenario", str(path), "--json"])
+    assert result.exit_code == 0, result.stderr
+    out = json.loads(result.stdout)
+    assert {"solver", "status", "objective", "solve_seconds", "placement", "operations", "predicted"} <= set(out)

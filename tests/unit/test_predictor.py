@@ -1,0 +1,81 @@
+"""The switch predictor: priors from zero observations, learning, drift out of the window, turn gaps."""
+
+from __future__ import annotations
+
+import pytest
+
+from planner_service.domain.demo import demo_scenario
+from planner_service.domain.scenario import PredictorIn
+from planner_service.planner.predictor import SwitchPredictor, handoffs_from_history, problem_from_scenario
+
+MODELS = ["a", "b", "c"]
+
+
+def test_zero_observations_follow_the_stay_prior_and_sum_to_one() -> None:
+    p = SwitchPredictor(MODELS).next_model_probs("a")
+    assert sum(p.values()) == pytest.approx(1.0)
+    # (w * prior + alpha) / (w + alpha * |M|) with w = 10, alpha = 0.1, stay 0.6, others 0.2 each
+    assert p["a"] == pytest.approx((10 * 0.6 + 0.1) / 10.3)
+    assert p["b"] == pytest.approx((10 * 0.2 + 0.1) / 10.3)
+    assert p["b"] == pytest.approx(p["c"])
+
+
+def test_handoff_priors_shape_the_row() -> None:
+    priors = PredictorIn(handoff={"a": {"b": 3.0, "c": 1.0}})
+    p = SwitchPredictor(MODELS, priors).next_model_probs("a")
+    assert sum(p.values()) == pytest.approx(1.0)
+    assert p["b"] > p["c"] > p["a"] > 0  # never ruled out (Laplace term)
+
+
+def test_observations_shift_the_probabilities() -> None:
+    predictor = SwitchPredictor(MODELS)
+    before = predictor.next_model_probs("a", now=0.0)
+    for t in range(50):
+        predictor.observe_handoff(float(t), "a", "c")
+    after = predictor.next_model_probs("a", now=50.0)
+    assert sum(after.values()) == pytest.approx(1.0)
+    assert after["c"] > before["c"] and after["c"] > after["a"]
+    assert after["c"] == pytest.approx((50 + 10 * 0.2 + 0.1) / (50 + 10.3))
+
+
+def test_old_observations_expire_after_the_window() -> None:
+    predictor = SwitchPredictor(MODELS, window_seconds=3600)
+    for t in range(20):
+        predictor.observe_handoff(float(t), "a", "c")
+    assert predictor.observations() == 20
+    # an hour later the morning's hand-offs are gone and the afternoon's count
+    predictor.observe_handoff(4000.0, "a", "b")
+    assert predictor.observations() == 1
+    drifted = predictor.next_model_probs("a", now=4000.0)
+    assert drifted["b"] > drifted["c"]
+    assert predictor.next_model_probs("a", now=9000.0) == pytest.approx(SwitchPredictor(MODELS).next_model_probs("a"))
+
+
+def test_turn_gap_quantiles() -> None:
+    predictor = SwitchPredictor(MODELS, PredictorIn(turn_gap_seconds=12.0), window_seconds=1000)
+    assert predictor.turn_gap_seconds(0.5) == 12.0  # the prior without observations
+    for i in range(1, 101):
+        predictor.observe_turn_gap(float(i), float(i))
+    assert predictor.turn_gap_seconds(0.5) == pytest.approx(50.5)
+    assert predictor.turn_gap_seconds(0.9) == pytest.approx(90.1)
+    predictor.observe_turn_gap(2000.0, 5.0)  # the rest leave the window
+    assert predictor.turn_gap_seconds(0.5) == 5.0
+
+
+def test_sessions_get_their_current_models_row() -> None:
+    predictor = SwitchPredictor(MODELS)
+    rows = predictor.predict_sessions({"s1": "a", "s2": "b"})
+    assert rows["s1"] == predictor.next_model_probs("a")
+    assert rows["s2"]["b"] == pytest.approx(rows["s1"]["a"])
+
+
+def test_handoffs_from_history() -> None:
+    assert handoffs_from_history([(0.0, "a"), (1.0, "a"), (2.0, "b")]) == [(1.0, "a", "a"), (2.0, "a", "b")]
+
+
+def test_problem_from_scenario_predicts_every_session() -> None:
+    scenario = demo_scenario()
+    problem = problem_from_scenario(scenario)
+    assert set(problem.next_model) == {s.id for s in scenario.sessions}
+    for row in problem.next_model.values():
+        assert sum(row.values()) == pytest.approx(1.0)

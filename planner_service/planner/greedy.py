@@ -19,6 +19,13 @@ It rebuilds what the GPUs should hold, then settles the lower tiers:
    never is). Host DRAM is filled with likely next models from NVMe.
 
 The result is a target placement; `operations.py` turns it into moves.
+
+Speed (`statebudget bench plan`): the predicted demand is one array
+[models x sessions] (`objective.Demand`); a search for a model's GPU group
+tries one node per look (nodes whose GPUs, free bytes and links match give
+the same options, so the first by id stands for all) plus the few nodes with
+a copy in host DRAM; the checkpoints on NVMe, most of any placement, are
+looked up in place and copied without re-hashing, never walked one by one.
 """
 
 from __future__ import annotations
@@ -27,13 +34,14 @@ import bisect
 import heapq
 import itertools
 import math
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from planner_service.domain.problem import Gpu, ModelSpec, Problem, Session
 from planner_service.domain.scenario import Capability, Slo
 from planner_service.domain.state import Kind, Location, Placement, StateObject, Tier
+from planner_service.domain.units import GIB
 from planner_service.planner import costs
 from planner_service.planner.objective import Demand, cold_load
 from planner_service.planner.residency import ResidencyIndex, copy_placement
@@ -73,7 +81,7 @@ class _GpuBook:
     taken in id order, match in free bytes, type and host link: then a model
     gets the same group shape, load time and slack on either, so a search
     needs to try only the first of them (by id) per source tier. Change
-    `free` through `take`, which keeps the grouping current.
+    `free` through `take`: `alike` does not see changes made to it directly.
     """
 
     def __init__(self, problem: Problem) -> None:
@@ -143,15 +151,16 @@ class GreedyPlanner:
         self.slo_target = demand.slo_target
         self.active = self._active_sessions()
         self._host_copies = self._host_copies_by_object()
+        # (kv object, node, tier) wherever KV sits now
+        self._kv_held = {(obj, problem.node_of(loc), loc.tier) for obj, loc in self.now.kv_entries}
         self._cold_groups: dict[tuple[str, str, str], tuple[Gpu, ...] | None] = {}
 
     # -- inputs ------------------------------------------------------------
 
     def _active_sessions(self) -> dict[str, list[Session]]:
         active: dict[str, list[Session]] = defaultdict(list)
-        for s in sorted(self.p.sessions.values(), key=lambda s: s.id):
-            if s.active:
-                active[s.model].append(s)
+        for s in sorted((s for s in self.p.sessions.values() if s.active), key=lambda s: s.id):
+            active[s.model].append(s)
         return active
 
     def _host_copies_by_object(self) -> dict[StateObject, list[str]]:
@@ -194,24 +203,25 @@ class GreedyPlanner:
         for rank, precision in enumerate(model.precisions):
             obj = StateObject.weights(model.id, precision)
             nbytes = model.weights_bytes[precision]
-            options: list[tuple[tuple, Group]] = []
+            options: list[tuple[tuple, tuple[Gpu, ...]]] = []
             stay_node = None
             if current and current.precision == precision:
                 stay = current.gpus
                 shards = [a + b for a, b in zip(split_evenly(nbytes, len(stay)), split_evenly(extra_bytes, len(stay)))]
                 if self.book.fits(stay, shards):
                     stay_node = current.node
-                    options.append(((rank, 0.0, 0, stay_node), Group(stay_node, precision, stay)))
+                    options.append(((rank, 0.0, 0, stay_node), stay))
             for node_id, source in self._load_candidates(obj, nbytes + extra_bytes, skip=stay_node):
                 node = self.p.nodes[node_id]
-                group = self._best_fit(node.gpus, model, nbytes + extra_bytes)
-                if group is None:
+                gpus = self._best_fit(node.gpus, model, nbytes + extra_bytes)
+                if gpus is None:
                     continue
-                seconds = costs.weights_load_seconds(nbytes, group, source, node, self.c)
-                slack = sum(self.book.free[g.id] for g in group) - nbytes - extra_bytes
-                options.append(((rank, seconds, slack, node_id), Group(node_id, precision, group)))
-            if options:
-                return min(options, key=lambda option: option[0])  # a less preferred precision never wins
+                seconds = costs.weights_load_seconds(nbytes, gpus, source, node, self.c)
+                slack = sum(self.book.free[g.id] for g in gpus) - nbytes - extra_bytes
+                options.append(((rank, seconds, slack, node_id), gpus))
+            if options:  # a less preferred precision never wins
+                key, gpus = min(options, key=lambda option: option[0])
+                return key, Group(key[3], precision, gpus)
         return None
 
     def _load_candidates(self, obj: StateObject, need: int, skip: str | None) -> list[tuple[str, Tier]]:
@@ -281,7 +291,7 @@ class GreedyPlanner:
             model = self.p.models[model_id]
             sessions = active[model_id]
             need = sum(self._kv_bytes(s, model) for s in sessions)
-            # Not all sessions fit: take the group that holds the weights and the most KV.
+            # where the weights and all the KV fit nowhere, take the group for the weights; KV fills what it can
             best = self._best_group(model, need) or self._best_group(model, 0)
             if best is None:
                 for s in sessions:
@@ -299,21 +309,22 @@ class GreedyPlanner:
 
     def _water_fill(self, model: ModelSpec, group: Group, sessions: list[Session]) -> list[Session]:
         """Place active sessions' KV max-min fair across users: the user holding the least goes next."""
-        by_user: dict[str, list[Session]] = defaultdict(list)
+        by_user: dict[str, deque[Session]] = defaultdict(deque)
         for s in sorted(sessions, key=lambda s: (SLO_RANK[s.slo], s.context_tokens, s.id)):
             by_user[s.user].append(s)
-        held = dict.fromkeys(by_user, 0)
+        turns = [(0, user) for user in by_user]  # (bytes the user holds, user): the least served goes next
+        heapq.heapify(turns)
         served: list[Session] = []
-        while by_user:
-            user = min(by_user, key=lambda u: (held[u], u))
-            s = by_user[user].pop(0)
-            if not by_user[user]:
-                del by_user[user]
+        while turns:
+            held, user = heapq.heappop(turns)
+            s = by_user[user].popleft()
             nbytes = self._kv_bytes(s, model)
             if self.book.fits(group.gpus, split_evenly(nbytes, len(group.gpus))):
                 self._place_spread(StateObject.kv(model.id, s.id), group, nbytes)
-                held[user] = held.get(user, 0) + nbytes
+                held += nbytes
                 served.append(s)
+            if by_user[user]:
+                heapq.heappush(turns, (held, user))
         return served
 
     def _why_unplaceable(self, model: ModelSpec) -> str:
@@ -354,7 +365,7 @@ class GreedyPlanner:
         while heap:
             _, _, kind, payload = heapq.heappop(heap)
             if kind == "weights":
-                model_id, group = payload
+                model_id, group, why = payload
                 if model_id in self.groups:
                     continue
                 model = self.p.models[model_id]
@@ -363,16 +374,17 @@ class GreedyPlanner:
                     # the group filled up; look for another one at the same value
                     self._push_weights(model, push)
                     continue
-                self._place_weights(model, group, "kept warm for predicted requests")
+                self._place_weights(model, group, why)
                 self._push_followers(model_id, push)
             elif kind == "kv":  # a model's group is set once, before its followers are pushed
-                obj, group, nbytes = payload
+                obj, group, nbytes, why = payload
                 if self.groups.get(obj.model) is group and self.book.fits(group.gpus, split_evenly(nbytes, len(group.gpus))):
                     self._place_spread(obj, group, nbytes)
+                    self.reasons[obj] = why
             else:
-                obj, group, nbytes = payload
-                if self.groups.get(obj.model) is group:
-                    self._place_expert_chunk(obj, group.node, nbytes)
+                obj, group, nbytes, why = payload
+                if self.groups.get(obj.model) is group and self._place_expert_chunk(obj, group.node, nbytes):
+                    self.reasons[obj] = why
 
     def _push_weights(self, model: ModelSpec, push) -> None:
         """The model's weights on their best group, valued by the cold loads they save."""
@@ -392,7 +404,11 @@ class GreedyPlanner:
         value += float(missed) * self.c.violation_penalty_seconds
         value -= total_w * self.c.degraded_precision_seconds * (rank > 0)
         value -= costs.gpu_hold_cost(nbytes, self.c) + self.c.move_weight * seconds
-        push(value, nbytes, "weights", (model.id, group))
+        why = (
+            f"kept warm: {total_w:.2f} SLO-weighted predicted requests would each wait {saved:.1f} s for a cold load; "
+            f"saves {value:.1f} s net of the {nbytes / GIB:.1f} GiB HBM price"
+        )
+        push(value, nbytes, "weights", (model.id, group, why))
 
     def _push_followers(self, model_id: str, push) -> None:
         """KV of sessions likely to use the model, and its hot experts, once its weights are placed."""
@@ -414,15 +430,18 @@ class GreedyPlanner:
                 session.context_tokens, restorable, model, group.gpus, Tier.HOST, node, self.c
             )
             value = w * without - costs.gpu_hold_cost(nbytes, self.c)
-            push(value, nbytes, "kv", (obj, group, nbytes))
+            why = f"kept on GPU: spares {w:.2f} SLO-weighted predicted requests {without:.1f} s of KV restore or re-prefill"
+            push(value, nbytes, "kv", (obj, group, nbytes, why))
         if model.is_moe:
             self._push_expert_chunks(model, group, push)
 
     def _kv_exists(self, obj: StateObject, group: Group) -> bool:
-        """KV worth keeping is KV already computed at the precision the model is served at, on a tier
-        the node can restore it from (only its GPUs without KV offload)."""
+        """KV worth keeping is KV already computed, at the precision the model is served at.
+
+        It must sit where the node can use it: on its GPUs, or below them when the node offloads KV.
+        """
         reachable = ALL_TIERS if Capability.KV_OFFLOAD in self.p.nodes[group.node].capabilities else (Tier.GPU,)
-        if not any(self.now.on(obj, group.node, t) for t in reachable):
+        if not any((obj, group.node, tier) in self._kv_held for tier in reachable):
             return False
         current = self.now.serving.get(obj.model)
         return current is None or current.precision == group.precision
@@ -442,17 +461,25 @@ class GreedyPlanner:
             nbytes = min(chunk_bytes, model.experts_bytes - placed)
             after = costs.decode_slowdown_seconds(model, (placed + nbytes) / model.experts_bytes, group.gpus, self.c)
             saved = demand * (slowdown - after)
-            push(saved - costs.gpu_hold_cost(nbytes, self.c), nbytes, "experts", (obj, group, nbytes))
+            fraction = (placed + nbytes) / model.experts_bytes
+            why = (
+                f"hot experts on GPU up to {fraction:.0%} of all routed experts "
+                f"(hit rate {costs.expert_hit_rate(fraction, self.c):.0%}): MoE decode slowdown {after:.1f} s per request "
+                f"for {demand:.2f} SLO-weighted requests"
+            )
+            push(saved - costs.gpu_hold_cost(nbytes, self.c), nbytes, "experts", (obj, group, nbytes, why))
             placed, slowdown = placed + nbytes, after
         # chunks are valued in order (concave hit rate), so the heap takes them hottest first
 
-    def _place_expert_chunk(self, obj: StateObject, node: str, nbytes: int) -> None:
+    def _place_expert_chunk(self, obj: StateObject, node: str, nbytes: int) -> bool:
         """Routed experts may sit on any GPU of the serving node (expert parallel): the roomiest takes the chunk."""
         gpu = max(self.p.nodes[node].gpus, key=lambda g: (self.book.free[g], g))
-        if self.book.free[gpu] >= nbytes:
-            self.book.take([self.p.gpus[gpu]], [nbytes])
-            key = (obj, Location.gpu(gpu))
-            self.target[key] = self.target.get(key, 0) + nbytes
+        if self.book.free[gpu] < nbytes:
+            return False
+        self.book.take([self.p.gpus[gpu]], [nbytes])
+        key = (obj, Location.gpu(gpu))
+        self.target[key] = self.target.get(key, 0) + nbytes
+        return True
 
     # -- step 3: lower tiers ---------------------------------------------
 
@@ -552,6 +579,7 @@ class GreedyPlanner:
             return
         index = ResidencyIndex.build(self.p, self.target)
         candidates = []
+        staged: dict[StateObject, str] = {}
         for model_id in waiting:
             model = self.p.models[model_id]
             obj = StateObject.weights(model_id, model.preferred)
@@ -567,12 +595,16 @@ class GreedyPlanner:
             stage = nbytes / node.nvme_read_bytes_per_s * self.c.move_weight
             if saved - stage > 0:
                 candidates.append((-(saved - stage) / nbytes, model_id, obj, cold.node, nbytes))
+                staged[obj] = (
+                    f"staged in host DRAM: a load from here takes {from_host:.1f} s instead of {cold.seconds:.1f} s "
+                    f"from NVMe, for {self._demand(model_id):.2f} SLO-weighted predicted requests"
+                )
         for _, _, obj, node_id, nbytes in sorted(candidates):
             have = self.target.get((obj, Location.host(node_id)), 0)
             if self.p.nodes[node_id].host_bytes - host_used[node_id] >= nbytes - have:
                 self.target[(obj, Location.host(node_id))] = nbytes
                 host_used[node_id] += nbytes - have
-                self.reasons[obj] = "staged in host DRAM for a predicted request"
+                self.reasons[obj] = staged[obj]
 
     # -- all together -----------------------------------------------------
 

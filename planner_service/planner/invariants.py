@@ -210,9 +210,10 @@ def _capabilities(problem: Problem, ops: Sequence[Operation], target: Mapping[tu
             # dropping KV that sits below GPU only frees memory; moving it between tiers needs the engine
             if below or (op.dest is not None and op.source is not None and op.source.tier is not Tier.GPU):
                 errors.append(f"capability: {op.id} offloads KV on node {op.node}, which cannot")
-    index = ResidencyIndex.build(problem, target)
-    for (obj, node, tier), nbytes in index.by_tier.items():
-        if obj.kind is Kind.EXPERTS and tier is Tier.GPU and Capability.PARTIAL_EXPERTS not in problem.nodes[node].capabilities:
-            if 0 < nbytes < problem.size_of(obj) and nbytes != ResidencyIndex.build(problem, problem.residency).on(obj, node, Tier.GPU):
+    now = ResidencyIndex.build(problem, problem.residency)
+    then = ResidencyIndex.build(problem, target)
+    for (obj, node), nbytes in then.gpu_bytes.items():
+        if obj.kind is Kind.EXPERTS and Capability.PARTIAL_EXPERTS not in problem.nodes[node].capabilities:
+            if 0 < nbytes < problem.size_of(obj) and nbytes != now.on(obj, node, Tier.GPU):
                 errors.append(f"capability: node {node} cannot hold part of {obj.label()} on GPU")
     return errors

@@ -112,7 +112,7 @@ class Demand:
             sessions=sessions,
             position={s.id: j for j, s in enumerate(sessions)},
             row=row,
-            q=np.ascontiguousarray(np.stack(vectors)[which].T),
+            q=np.stack(vectors, axis=1).take(which, axis=1),
             slo_weight=np.array([weight[s.slo] for s in sessions]),
             slo_target=np.array([target[s.slo] for s in sessions]),
         )
@@ -194,23 +194,26 @@ def evaluate(problem: Problem, target: Mapping[tuple[StateObject, Location], int
     arrival_latency: list[float] = []
     arrival_target: list[float] = []
     weights_arrival: dict[str, float] = {}  # model -> seconds until its weights are on their GPUs
+    arrival_slowdown: dict[str, float] = {}  # model -> decode slowdown of its requests
     for s in sessions:
         if not s.active:
             continue
         model = problem.models[s.model]
-        w = slo_weight[position[s.id]]
+        w, target_s = float(slo_weight[position[s.id]]), float(slo_target[position[s.id]])
         serving = then.serving.get(s.model)
-        if serving is None:
+        kv = StateObject.kv(s.model, s.id)
+        if serving is None or then.on(kv, serving.node, Tier.GPU) < problem.size_of(kv):
+            # the model is not served, or this session's KV has no room beside it: the request waits
             unserved.append(s.id)
             unserved_cost += c.unserved_penalty_seconds * w
             continue
         if s.model not in weights_arrival:
             weights_arrival[s.model] = _weights_arrival(problem, now, then, model, serving)
+            arrival_slowdown[s.model] = _decode(problem, then, model, serving)
         latency = weights_arrival[s.model] + _kv_arrival(problem, now, model, s.id, serving)
-        target_s = slo_target[position[s.id]]
         switch += w * latency
         violations += w * c.violation_penalty_seconds * (latency > target_s)
-        decode += w * _decode(problem, then, model, serving)
+        decode += w * arrival_slowdown[s.model]
         degraded += w * c.degraded_precision_seconds * (serving.precision != model.preferred)
         arrival_latency.append(latency)
         arrival_target.append(target_s)

@@ -12,6 +12,11 @@ run operations in parallel as soon as their dependencies are done:
   * a location gains bytes only after every operation freeing bytes there
     (unless that free itself waits on the gain: then the target leaves room);
   * a complete copy is dropped only after the other complete copy it relies on exists.
+
+Only the entries that differ between the two placements are visited (the
+checkpoints that stay on NVMe are never walked), and a free that already
+waits on a gain is found by one walk from the gain over the operations
+waiting on it, not by a search per (gain, free) pair.
 """
 
 from __future__ import annotations
@@ -122,19 +127,19 @@ class _Builder:
 
     def _stale_kv_models(self) -> set[str]:
         """Models served at another precision in the target: their sessions' KV must be computed again."""
-        then = ResidencyIndex.build(self.p, self.target).serving
+        then = ResidencyIndex.serving_in(self.p, self.target)
         return {m for m, now in self.now.serving.items() if m in then and then[m].precision != now.precision}
 
     def _active_slo(self) -> dict[StateObject, Slo]:
         """Objects a request in flight needs on GPU, with the most urgent SLO among those requests."""
-        order = list(Slo)
+        urgency = {slo: rank for rank, slo in enumerate(Slo)}  # most urgent first
         out: dict[StateObject, Slo] = {}
         for s in self.p.sessions.values():
             if not s.active:
                 continue
             model = self.p.models[s.model]
             for obj in [StateObject.kv(s.model, s.id), *(StateObject.weights(s.model, p) for p in model.precisions)]:
-                if obj not in out or order.index(s.slo) < order.index(out[obj]):
+                if obj not in out or urgency[s.slo] < urgency[out[obj]]:
                     out[obj] = s.slo
         return out
 
@@ -152,15 +157,15 @@ class _Builder:
     def _changed(self) -> dict[tuple[StateObject, str], list[Location]]:
         """(object, node) -> the locations whose bytes differ between the confirmed placement and the target."""
         before, after = self.p.residency, self.target
-        changed: dict[tuple[StateObject, str], list[Location]] = defaultdict(list)
-        keys = [key for key, nbytes in before.items() if after.get(key, 0) != nbytes]
-        keys += [key for key, nbytes in after.items() if nbytes != 0 and key not in before]
+        # entries that differ in either placement (dict views compare with the hashes the dicts keep)
+        keys = {key for key, _ in before.items() ^ after.items()}
         # stale KV that stays on a GPU is recomputed there all the same
-        keys += [
-            key for key in self.now.on_gpus if key[0].kind is Kind.KV and key[0].model in self.stale_kv and before[key] == after.get(key)
-        ]
-        for obj, loc in keys:
-            changed[(obj, self.p.node_of(loc))].append(loc)
+        stale = {key for key in self.now.on_gpus if key[0].kind is Kind.KV and key[0].model in self.stale_kv}
+        changed: dict[tuple[StateObject, str], list[Location]] = defaultdict(list)
+        for key in keys | stale:
+            if key in stale or before.get(key, 0) != after.get(key, 0):
+                obj, loc = key
+                changed[(obj, self.p.node_of(loc))].append(loc)
         return changed
 
     def diff(self) -> None:
@@ -212,10 +217,8 @@ class _Builder:
             if obj.kind is not Kind.KV:
                 raise ValueError(f"no complete copy of {obj.label()} on node {node} to fill {dest.label()} from")
             # KV: restore what a lower tier holds, prefill the rest on the GPU
-            for tier in (Tier.HOST, Tier.NVME):
-                below = Location(tier, node)
-                have = self.p.residency.get((obj, below), 0)
-                if nbytes and have and TIER_RANK[tier] > TIER_RANK[dest.tier] and self._kv_offload(node):
+            for below, have in self._kv_below(obj, node):
+                if nbytes and TIER_RANK[below.tier] > TIER_RANK[dest.tier]:
                     part = min(have, nbytes)
                     self._new(Action.PROMOTE, obj, below, dest, part, True)
                     nbytes -= part
@@ -224,8 +227,12 @@ class _Builder:
             elif nbytes:
                 raise ValueError(f"no source for {nbytes} bytes of {obj.label()} at {dest.label()}")
 
-    def _kv_offload(self, node: str) -> bool:
-        return Capability.KV_OFFLOAD in self.p.nodes[node].capabilities
+    def _kv_below(self, obj: StateObject, node: str) -> list[tuple[Location, int]]:
+        """The node's host DRAM and NVMe copies of a session's KV it can restore from, with their bytes."""
+        if Capability.KV_OFFLOAD not in self.p.nodes[node].capabilities:
+            return []
+        below = (Location.host(node), Location.nvme(node))
+        return [(loc, self.p.residency[(obj, loc)]) for loc in below if self.p.residency.get((obj, loc), 0)]
 
     def _complete_source_for(self, obj: StateObject, node: str, dest: Location) -> Location | None:
         """The node's fastest complete copy below GPU, on another tier than `dest`, that its engines can read.
@@ -354,7 +361,7 @@ class _Builder:
         return Priority.BACKGROUND
 
     def _seconds(self, op: Operation) -> float:
-        node = self.p.nodes[self.p.node_of(op.dest or op.source)]
+        node = self.p.nodes[op.node]
         if op.action is Action.DROP:
             return 0.0
         if op.action is Action.PROMOTE:
@@ -389,7 +396,8 @@ class _Builder:
             if op.source is None:
                 base = f"prefill {gib:.2f} GiB of {obj} on {self._label(op.dest)}"
             if op.object in self.active_slo:
-                return f"{base}: a {self.active_slo[op.object].value} request is waiting for it"
+                slo = self.active_slo[op.object].value
+                return f"{base}: {'an' if slo[0] in 'aeiou' else 'a'} {slo} request is waiting for it"
             return f"{base}: {why}" if why else f"{base}: predicted to be needed"
         if op.action is Action.DEMOTE:
             return f"free {gib:.2f} GiB on {self._label(op.source)}; keep {obj} on {self._label(op.dest)} for a cheaper way back"

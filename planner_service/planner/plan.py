@@ -16,6 +16,7 @@ from planner_service.domain.problem import Problem
 from planner_service.domain.state import Location, StateObject, placement_to_json
 from planner_service.planner.objective import Objective, Predicted, evaluate
 from planner_service.planner.operations import Operation, build_operations
+from planner_service.planner.residency import copy_placement
 
 
 class PlanStatus(StrEnum):
@@ -64,7 +65,7 @@ def make_plan(
     status: PlanStatus | None = None,
     solve_seconds: float = 0.0,
 ) -> Plan:
-    placement = {k: int(v) for k, v in target.items() if v > 0}
+    placement = copy_placement(target) if all(v > 0 for v in target.values()) else {k: v for k, v in target.items() if v > 0}
     operations = build_operations(problem, placement, reasons)
     objective, predicted = evaluate(problem, placement)
     if status is None:

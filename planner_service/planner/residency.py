@@ -67,12 +67,21 @@ class ResidencyIndex:
                     gpu_holders[(obj, gpu.node)].append(gpu)
             elif loc.tier is host_tier:
                 index.on_host[key] = nbytes
-        for (obj, node), gpus in sorted(gpu_holders.items(), key=lambda kv: _serving_order(problem, kv[0])):
-            if obj.model in index.serving:
-                continue
-            if index.gpu_bytes[(obj, node)] >= problem.size_of(obj):
-                index.serving[obj.model] = Serving(node, obj.precision, tuple(sorted(gpus, key=lambda g: g.id)))
+        index.serving = _serving(problem, gpu_holders, index.gpu_bytes)
         return index
+
+    @staticmethod
+    def serving_in(problem: Problem, placement: Mapping[tuple[StateObject, Location], int]) -> dict[str, Serving]:
+        """`build(problem, placement).serving` alone: only the weights on GPUs are read."""
+        gpu_tier, weights_kind = Tier.GPU, Kind.WEIGHTS
+        holders: dict[tuple[StateObject, str], list[Gpu]] = defaultdict(list)
+        gpu_bytes: dict[tuple[StateObject, str], int] = defaultdict(int)
+        for (obj, loc), nbytes in placement.items():
+            if loc.tier is gpu_tier and obj.kind is weights_kind and nbytes > 0:
+                gpu = problem.gpus[loc.id]
+                holders[(obj, gpu.node)].append(gpu)
+                gpu_bytes[(obj, gpu.node)] += nbytes
+        return _serving(problem, holders, gpu_bytes)
 
     def on(self, obj: StateObject, node: str, tier: Tier) -> int:
         """Bytes of `obj` on one tier of a node (GPU bytes summed over the node's GPUs)."""
@@ -81,7 +90,8 @@ class ResidencyIndex:
         loc = self._locations.get((tier, node))
         if loc is None:
             loc = self._locations[(tier, node)] = Location(tier, node)
-        return max(0, self.placement.get((obj, loc), 0))
+        nbytes = self.placement.get((obj, loc), 0)
+        return nbytes if nbytes > 0 else 0
 
     def complete(self, obj: StateObject, node: str, tier: Tier) -> bool:
         return self.on(obj, node, tier) >= self.problem.size_of(obj) > 0
@@ -120,6 +130,17 @@ def copy_placement(placement: Mapping[tuple[StateObject, Location], int]) -> Pla
     if isinstance(placement, dict | MappingProxyType):
         return placement.copy()
     return dict(placement)
+
+
+def _serving(
+    problem: Problem, holders: Mapping[tuple[StateObject, str], list[Gpu]], gpu_bytes: Mapping[tuple[StateObject, str], int]
+) -> dict[str, Serving]:
+    """Who serves each model: the node whose GPUs hold its weights complete, preferred precision first."""
+    serving: dict[str, Serving] = {}
+    for (obj, node), gpus in sorted(holders.items(), key=lambda kv: _serving_order(problem, kv[0])):
+        if obj.model not in serving and gpu_bytes[(obj, node)] >= problem.size_of(obj):
+            serving[obj.model] = Serving(node, obj.precision, tuple(sorted(gpus, key=lambda g: g.id)))
+    return serving
 
 
 def _serving_order(problem: Problem, key: tuple[StateObject, str]) -> tuple[int, str]:

@@ -27,7 +27,7 @@ from planner_service.planner.predictor import problem_from_scenario
 from planner_service.planner.registry import solve
 
 MAX_GPUS = 12
-SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 capability_sets = st.sets(st.sampled_from(list(Capability))).map(lambda caps: sorted(c.value for c in caps))
 
@@ -70,7 +70,7 @@ def test_every_interleaving_of_the_operations_is_safe(scenario: Scenario, rng: r
     _run_interleaved(problem, plan.operations, rng)
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=40, deadline=None)
 @given(scenarios())
 def test_same_input_same_plan(scenario: Scenario) -> None:
     problem = problem_from_scenario(scenario)

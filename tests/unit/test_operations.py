@@ -8,7 +8,7 @@ from planner_service.domain.units import GIB
 from planner_service.planner.invariants import check_plan
 from planner_service.planner.operations import Action, apply_operations, build_operations
 from planner_service.planner.predictor import problem_from_scenario
-from tiny_clusters import gpu, held, model, node, on_gpu, on_host, on_nvme, scenario, session, weights
+from tiny_clusters import gpu, held, kv, model, node, on_gpu, on_host, on_nvme, scenario, session, weights
 
 A = StateObject.weights("a", "bf16")
 B = StateObject.weights("b", "bf16")
@@ -89,3 +89,16 @@ def test_ids_are_renumbered_in_topological_order() -> None:
     ops = ops_to(problem, {(A, NVME): 8 * GIB, (B, NVME): 8 * GIB, (B, G0): 8 * GIB})
     assert [op.id for op in ops] == ["op-1", "op-2"]
     assert ops[1].to_json()["depends_on"] == ["op-1"]
+
+
+def test_kv_is_prefilled_not_restored_where_the_node_cannot_offload_kv() -> None:
+    data = scenario(
+        [node("n0", gpu("g0", 10), capabilities=["weights_offload"])],
+        [model("a", 8)],
+        [session("s1", "a", tokens=8192)],
+        [held(weights("a"), on_gpu("g0"), 8 * GIB), held(kv("a", "s1"), on_host("n0"), GIB)],
+    )
+    problem = problem_from_scenario(parse_scenario(data))
+    kv_obj = StateObject.kv("a", "s1")
+    (op,) = ops_to(problem, {(A, G0): 8 * GIB, (kv_obj, HOST): GIB, (kv_obj, G0): GIB})
+    assert (op.action, op.source, op.dest) == (Action.PROMOTE, None, G0)

@@ -11,7 +11,7 @@ from planner_service.cli import app
 from planner_service.domain.state import Kind, Location, StateObject, Tier
 from planner_service.domain.units import GIB
 from planner_service.planner.invariants import check_plan
-from planner_service.planner.operations import Action
+from planner_service.planner.operations import Action, build_operations
 from tiny_clusters import (
     experts,
     gpu,
@@ -214,6 +214,13 @@ def test_partial_experts_only_where_the_node_can_split_them() -> None:
     problem, plan = plan_for(_moe(["weights_offload", "kv_offload"]))
     sound(problem, plan)
     assert sum(gpu_bytes(plan, StateObject.experts("moe")).values()) in (0, 32 * GIB)
+
+
+def test_the_checker_refuses_partial_experts_where_the_node_cannot_split_them() -> None:
+    problem, plan = plan_for(_moe(["weights_offload", "kv_offload"]))
+    half = {**plan.placement, (StateObject.experts("moe"), Location.gpu("g0")): 16 * GIB}
+    errors = check_plan(problem, half, build_operations(problem, half), plan.unserved)
+    assert any(e.startswith("capability") for e in errors)
 
 
 def _kv_leaves(capabilities: list[str] | None) -> dict:

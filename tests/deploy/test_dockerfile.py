@@ -183,7 +183,6 @@ def test_entrypoint_is_the_projects_console_script(final: Stage) -> None:
     assert isinstance(getattr(importlib.import_module(module), attribute), typer.Typer)
 
 
-@pytest.mark.xfail(strict=False, reason="serve command not yet present")
 def test_cmd_is_a_real_subcommand_with_real_options(final: Stage) -> None:
     from typer.testing import CliRunner
 

@@ -1,0 +1,1 @@
+"""StateBudget clients: the SDK (`clients.sdk`) and the node agent (`clients.agent`)."""

@@ -1,0 +1,1 @@
+"""The StateBudget node agent: registers, heartbeats, leases operations and carries them out."""

@@ -1,0 +1,100 @@
+"""Agent configuration: a YAML/JSON file, overridden by command-line flags; checked once, then frozen.
+
+server_url: http://127.0.0.1:8080
+node_id: n1
+token: n1-secret            # or STATEBUDGET_AGENT_TOKEN
+executor: local             # local | vllm | sglang | lmcache
+scale: 0.000001             # local: materialize 1 byte per million planned bytes
+nvme_dir: /var/lib/statebudget/nvme
+host_dir: /dev/shm/statebudget   # omit: an in-memory store
+gpus: [{id: n1-g0, type: l40, hbm_bytes: 48000000000, device: 0}]
+engines: {coder: http://127.0.0.1:8000}     # vllm / sglang: model -> engine URL
+lmcache: {url: http://127.0.0.1:9000, instance_id: lmcache_default_instance}
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from clients.agent.executors.names import ExecutorName
+from clients.agent.operations import Capability
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class GpuConfig(_Frozen):
+    id: str = Field(min_length=1)
+    type: str | None = None
+    hbm_bytes: int | None = Field(None, ge=0, description="Capacity reported as used + free in heartbeats.")
+    device: int | None = Field(None, ge=0, description="CUDA device index (local executor with torch + CUDA).")
+
+
+class LMCacheConfig(_Frozen):
+    url: str
+    instance_id: str = "lmcache_default_instance"
+    host_location: str = "LocalCPUBackend"
+    nvme_location: str = "LocalDiskBackend"
+
+
+class AgentConfig(_Frozen):
+    server_url: str = "http://127.0.0.1:8080"
+    node_id: str = Field(min_length=1)
+    token: str | None = None
+    executor: ExecutorName = ExecutorName.LOCAL
+    capabilities: list[Capability] | None = Field(
+        None, description="Moves to declare at registration; default: what the executor can do."
+    )
+    gpus: list[GpuConfig] = Field(default_factory=list)
+    host_dram_bytes: int | None = Field(None, ge=0)
+    nvme_bytes: int | None = Field(None, ge=0)
+    # local executor
+    nvme_dir: Path | None = None
+    host_dir: Path | None = None
+    scale: float = Field(1.0, gt=0, le=1, description="Materialized bytes per planned byte (local executor).")
+    chunk_bytes: int = Field(4 * 1024 * 1024, ge=1024, description="Copy granularity (local executor).")
+    seed_from_srv: bool = Field(True, description="Materialize this node's confirmed placement at start (local).")
+    # engine executors
+    engines: dict[str, str] = Field(default_factory=dict, description="Model id -> engine base URL.")
+    model_paths: dict[str, str] = Field(default_factory=dict, description="Model id -> weights path (SGLang reload).")
+    lmcache: LMCacheConfig | None = None
+    engine_timeout_seconds: float = Field(120.0, gt=0)
+    # loop
+    heartbeat_seconds: float = Field(10.0, gt=0)
+    lease_wait_seconds: float = Field(10.0, ge=0, le=300)
+    max_operations: int = Field(8, ge=1, le=1000)
+    max_parallel: int = Field(4, ge=1)
+    temporary_attempts: int = Field(3, ge=1, description="Tries of an operation that fails temporarily.")
+    retry_delay_seconds: float = Field(1.0, ge=0)
+    shutdown_grace_seconds: float = Field(30.0, ge=0, description="On SIGTERM, wait this long for running work.")
+    timeout_seconds: float = Field(30.0, gt=0, description="HTTP timeout towards the service.")
+
+    def gpu_devices(self) -> dict[str, int]:
+        """Cluster GPU id -> local device index (the configured one, else the GPU's position in `gpus`)."""
+        return {g.id: g.device if g.device is not None else i for i, g in enumerate(self.gpus)}
+
+    @model_validator(mode="after")
+    def _gpu_ids_unique(self) -> AgentConfig:
+        ids = [g.id for g in self.gpus]
+        if len(set(ids)) != len(ids):
+            raise ValueError("gpus: two GPUs share an id")
+        return self
+
+
+def load_config(path: Path | None, overrides: dict[str, Any]) -> AgentConfig:
+    """The file's settings (YAML or JSON), then the flags that were given (None means not given)."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        text = path.read_text()
+        loaded = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+        if not isinstance(loaded, dict):
+            raise ValueError(f"{path}: expected a mapping of settings, got {type(loaded).__name__}")
+        data.update(loaded)
+    data.update({k: v for k, v in overrides.items() if v is not None})
+    return AgentConfig.model_validate(data)

@@ -1,0 +1,340 @@
+"""The node agent's loop: register, heartbeat, long-poll leases, run operations, report.
+
+Operations run in parallel (at most `max_parallel`), each as soon as its
+`depends_on` are done. The service leases only operations whose dependencies it
+has confirmed, so a dependency this agent does not hold is done already; one it
+holds (leased together, or still running) is awaited, and if it fails the
+dependent operation is reported `failed` without running.
+
+Executors raise `TemporaryError` (retried with backoff while the lease lasts)
+or `PermanentError` (reported `failed` at once). Stopping (`stop` set, e.g. by
+SIGTERM) ends leasing, lets running operations finish and report within
+`shutdown_grace_seconds`, and abandons the rest: their leases expire and the
+service re-queues them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from clients.agent.config import AgentConfig
+from clients.agent.errors import PermanentError, TemporaryError
+from clients.agent.executors.base import Executor, Seedable
+from clients.agent.operations import Operation, Outcome, Tier
+from clients.sdk import (
+    APIError,
+    AsyncStateBudgetClient,
+    AuthenticationError,
+    ConflictError,
+    PermissionDeniedError,
+    ServerError,
+)
+from clients.sdk import ConnectionError as SdkConnectionError
+
+log = logging.getLogger("statebudget.agent")
+
+AGENT_VERSION = "0.1.0"
+CALIBRATION_ALPHA = 0.3  # weight of the newest measurement in the moving average
+
+
+@dataclass
+class BandwidthMeter:
+    """Measured rates per link (exponential moving averages) for the heartbeat.
+
+    A rate is sent once per new measurement: the service also calibrates from each
+    report's measured seconds and bytes, and a rate repeated in every heartbeat would
+    pull its calibration again and again with the same sample.
+    """
+
+    gpu: dict[str, dict[str, float]] = field(default_factory=dict)  # gpu -> {h2d_bytes_per_s, d2h_bytes_per_s}
+    node: dict[str, float] = field(default_factory=dict)  # nvme_read_bytes_per_s, nvme_write_bytes_per_s
+    _fresh: set[tuple[str | None, str]] = field(default_factory=set)  # (gpu or None for the node, field)
+
+    def _mix(self, gpu: str | None, key: str, rate: float) -> None:
+        table = self.node if gpu is None else self.gpu.setdefault(gpu, {})
+        old = table.get(key)
+        table[key] = rate if old is None else (1 - CALIBRATION_ALPHA) * old + CALIBRATION_ALPHA * rate
+        self._fresh.add((gpu, key))
+
+    def observe(self, op: Operation, outcome: Outcome) -> None:
+        src, dst = op.source, op.dest
+        if src is None or dst is None or not outcome.measured_bytes or outcome.measured_seconds <= 0:
+            return
+        rate = outcome.measured_bytes / outcome.measured_seconds
+        if src.tier is Tier.NVME:
+            self._mix(None, "nvme_read_bytes_per_s", rate)
+        elif src.tier is Tier.HOST and dst.tier is Tier.GPU:
+            self._mix(dst.id, "h2d_bytes_per_s", rate)
+        elif dst.tier is Tier.NVME:
+            self._mix(None, "nvme_write_bytes_per_s", rate)
+        elif src.tier is Tier.GPU and dst.tier is Tier.HOST:
+            self._mix(src.id, "d2h_bytes_per_s", rate)
+
+    def take_fresh(self) -> tuple[dict[str, dict[str, float]], dict[str, float]]:
+        """The rates measured since the last call: (per GPU, per node)."""
+        gpus: dict[str, dict[str, float]] = {}
+        node: dict[str, float] = {}
+        for gpu, key in self._fresh:
+            if gpu is None:
+                node[key] = self.node[key]
+            else:
+                gpus.setdefault(gpu, {})[key] = self.gpu[gpu][key]
+        self._fresh.clear()
+        return gpus, node
+
+
+class Agent:
+    def __init__(
+        self,
+        config: AgentConfig,
+        client: AsyncStateBudgetClient,
+        executor: Executor,
+        *,
+        sleep: Callable[[float], Awaitable[Any]] = asyncio.sleep,
+        monotonic: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config, self.client, self.executor = config, client, executor
+        self._sleep, self._monotonic = sleep, monotonic
+        self.gpu_ids: set[str] = {g.id for g in config.gpus}
+        self.meter = BandwidthMeter()
+        self.stats: Counter[str] = Counter()
+        self.reports: list[dict[str, Any]] = []  # what this agent reported, newest last
+        self._results: dict[str, asyncio.Future[bool]] = {}  # op id -> done?, for ops this agent holds
+        self._failed: set[str] = set()  # ops this agent reported failed (or could not run)
+        self._inflight: set[asyncio.Task[bool]] = set()
+        self._slots = asyncio.Semaphore(config.max_parallel)
+
+    # -- lifecycle ---------------------------------------------------------------
+
+    async def run(self, stop: asyncio.Event) -> None:
+        node = self.config.node_id
+        if not await self._register(stop):
+            return
+        await self._seed()
+        heartbeats = asyncio.create_task(self._heartbeats(stop), name=f"heartbeat-{node}")
+        try:
+            while not stop.is_set():
+                free = self.config.max_parallel - len(self._inflight)
+                if free <= 0:
+                    await self._wait_any(stop)
+                    continue
+                lease = await self._lease(stop, free)
+                if lease:
+                    self._start(lease)
+        finally:
+            await self._drain()
+            heartbeats.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await heartbeats
+            log.info("agent %s stopped: %s", node, dict(self.stats))
+
+    async def _wait_any(self, stop: asyncio.Event) -> None:
+        stopper = asyncio.create_task(stop.wait())
+        await asyncio.wait({*self._inflight, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        stopper.cancel()
+
+    async def _drain(self) -> None:
+        if not self._inflight:
+            return
+        log.info(
+            "waiting up to %.0f s for %d running operation(s)", self.config.shutdown_grace_seconds, len(self._inflight)
+        )
+        _, pending = await asyncio.wait(set(self._inflight), timeout=self.config.shutdown_grace_seconds)
+        for task in pending:
+            task.cancel()
+        if pending:
+            await asyncio.wait(pending)
+            log.warning("%d operation(s) abandoned; their leases expire and the service re-queues them", len(pending))
+
+    async def _backoff(self, stop: asyncio.Event, attempt: int) -> None:
+        delay = min(self.config.retry_delay_seconds * 2 ** min(attempt, 6), 30.0)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), timeout=delay)
+
+    # -- registration and telemetry ----------------------------------------------
+
+    async def _register(self, stop: asyncio.Event) -> bool:
+        cfg = self.config
+        capabilities = [
+            c.value for c in (cfg.capabilities if cfg.capabilities is not None else self.executor.capabilities)
+        ]
+        gpus = [g.model_dump(exclude={"device"}, exclude_none=True) for g in cfg.gpus]
+        attempt = 0
+        while not stop.is_set():
+            try:
+                out = await self.client.register_node(
+                    cfg.node_id,
+                    capabilities=sorted(capabilities),
+                    gpus=gpus or None,
+                    host_dram_bytes=cfg.host_dram_bytes,
+                    nvme_bytes=cfg.nvme_bytes,
+                    engines=self.executor.engines(),
+                    agent_version=AGENT_VERSION,
+                )
+            except (SdkConnectionError, ServerError) as error:
+                log.warning("register failed (%s); retrying", error)
+                await self._backoff(stop, attempt)
+                attempt += 1
+                continue
+            self.gpu_ids |= set(out.get("gpus", []))
+            for warning in out.get("warnings", []):
+                log.warning("register: %s", warning)
+            log.info("registered node %s: capabilities %s, GPUs %s", cfg.node_id, out["capabilities"], out["gpus"])
+            return True
+        return False
+
+    async def _seed(self) -> None:
+        if not self.config.seed_from_srv or not isinstance(self.executor, Seedable):
+            return
+        try:
+            srv = await self.client.get_srv()
+        except (PermissionDeniedError, AuthenticationError):
+            log.info("this token cannot read /v1/srv: existing state is materialized when first used")
+            return
+        count = await asyncio.to_thread(self.executor.seed, srv["placement"], self.config.node_id, set(self.gpu_ids))
+        log.info("materialized %d state object(s) of the confirmed placement (srv version %s)", count, srv["version"])
+
+    def heartbeat_body(self) -> dict[str, Any]:
+        telemetry = self.executor.telemetry()
+        gpus: dict[str, dict[str, Any]] = {}
+        for usage in telemetry.gpus:
+            if usage.id in self.gpu_ids:
+                gpus[usage.id] = {"id": usage.id, "used_bytes": usage.used_bytes, "free_bytes": usage.free_bytes}
+        gpu_rates, node_rates = self.meter.take_fresh()
+        for gpu_id, rates in gpu_rates.items():
+            if gpu_id in self.gpu_ids:
+                gpus.setdefault(gpu_id, {"id": gpu_id}).update(rates)
+        return {"gpus": list(gpus.values()), "engines": telemetry.engines, **node_rates}
+
+    async def _heartbeats(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            try:
+                await self.client.heartbeat(self.config.node_id, **self.heartbeat_body())
+                self.stats["heartbeats"] += 1
+            except APIError as error:
+                log.warning("heartbeat refused: %s", error)
+            except SdkConnectionError as error:
+                log.warning("heartbeat failed: %s", error)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), timeout=self.config.heartbeat_seconds)
+
+    # -- leases ------------------------------------------------------------------
+
+    async def _lease(self, stop: asyncio.Event, max_operations: int) -> dict[str, Any] | None:
+        """One long-poll, abandoned if `stop` is set first (operations it leased then expire and re-queue)."""
+        cfg = self.config
+        poll = asyncio.create_task(
+            self.client.lease(
+                cfg.node_id, max_operations=min(max_operations, cfg.max_operations), wait_seconds=cfg.lease_wait_seconds
+            )
+        )
+        stopper = asyncio.create_task(stop.wait())
+        await asyncio.wait({poll, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        stopper.cancel()
+        if not poll.done():
+            poll.cancel()
+            with contextlib.suppress(asyncio.CancelledError, APIError, SdkConnectionError):
+                await poll
+            return None
+        try:
+            lease = poll.result()
+        except (SdkConnectionError, ServerError) as error:
+            log.warning("lease failed (%s); retrying", error)
+            self.stats["lease_errors"] += 1
+            await self._backoff(stop, min(self.stats["lease_errors"], 5))
+            return None
+        self.stats["lease_errors"] = 0
+        return lease if lease.get("operations") else None
+
+    def _start(self, lease: dict[str, Any]) -> None:
+        lease_id = lease["lease_id"]
+        deadline = self._monotonic() + float(lease.get("expires_in_seconds") or 30.0)
+        ops = [Operation.from_json(o) for o in lease["operations"]]
+        loop = asyncio.get_running_loop()
+        for op in ops:  # every op of the lease is known before any starts, so order within the lease holds
+            self._results[op.id] = loop.create_future()
+        for op in ops:
+            task = asyncio.create_task(self._run(op, lease_id, deadline), name=f"op-{op.id}")
+            self._inflight.add(task)
+            task.add_done_callback(self._inflight.discard)
+
+    # -- one operation -----------------------------------------------------------
+
+    async def _run(self, op: Operation, lease_id: str, deadline: float) -> bool:
+        ok = False
+        try:
+            ok = await self._run_once_ready(op, lease_id, deadline)
+            return ok
+        finally:
+            if not ok:
+                self._failed.add(op.id)
+            result = self._results.pop(op.id, None)
+            if result is not None and not result.done():
+                result.set_result(ok)
+
+    async def _run_once_ready(self, op: Operation, lease_id: str, deadline: float) -> bool:
+        for dep in op.depends_on:
+            pending = self._results.get(dep)
+            if dep in self._failed or (pending is not None and not await asyncio.shield(pending)):
+                return await self._report(op, lease_id, None, f"dependency {dep} failed on this node")
+        async with self._slots:
+            log.info("running %s", op.label())
+            for attempt in range(1, self.config.temporary_attempts + 1):
+                try:
+                    outcome = await self.executor.execute(op)
+                except TemporaryError as error:
+                    delay = (
+                        error.delay_seconds
+                        if error.delay_seconds is not None
+                        else (self.config.retry_delay_seconds * 2 ** (attempt - 1))
+                    )
+                    last = attempt == self.config.temporary_attempts or self._monotonic() + delay >= deadline
+                    log.warning("%s: temporary error (attempt %d): %s", op.id, attempt, error.reason)
+                    if last:
+                        reason = f"temporary error, gave up after {attempt} attempt(s): {error.reason}"
+                        return await self._report(op, lease_id, None, reason)
+                    await self._sleep(delay)
+                except PermanentError as error:
+                    return await self._report(op, lease_id, None, error.reason)
+                except Exception as error:  # noqa: BLE001 - a bug in one executor must not kill the agent
+                    log.exception("%s: unexpected error", op.id)
+                    return await self._report(op, lease_id, None, f"unexpected error: {type(error).__name__}: {error}")
+                else:
+                    if outcome.details.get("shortfall_bytes"):
+                        log.warning(
+                            "%s: the device freed %s bytes fewer than promised",
+                            op.id,
+                            outcome.details["shortfall_bytes"],
+                        )
+                    self.meter.observe(op, outcome)
+                    return await self._report(op, lease_id, outcome, None)
+        return False  # pragma: no cover - the loop always returns
+
+    async def _report(self, op: Operation, lease_id: str, outcome: Outcome | None, error: str | None) -> bool:
+        status = "done" if outcome is not None else "failed"
+        body: dict[str, Any] = {"lease_id": lease_id, "status": status, "error": error}
+        if outcome is not None:
+            body["measured_seconds"] = round(outcome.measured_seconds, 6)
+            body["measured_bytes"] = outcome.measured_bytes
+        try:
+            await self.client.report(op.id, **body)
+        except ConflictError as conflict:
+            log.warning("%s: the service refused the report: %s", op.id, conflict.detail)
+            self.stats["conflicts"] += 1
+            return False
+        except (APIError, SdkConnectionError) as failure:
+            log.error("%s: report not delivered (%s); the lease will expire and re-queue it", op.id, failure)
+            self.stats["unreported"] += 1
+            return False
+        self.stats[status] += 1
+        self.reports.append({"op": op.id, **body})
+        if error:
+            log.warning("%s failed: %s", op.label(), error)
+        return outcome is not None

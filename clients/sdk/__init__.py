@@ -1,0 +1,34 @@
+"""Python SDK of the StateBudget API: `StateBudgetClient`, `AsyncStateBudgetClient`, typed errors, event helpers."""
+
+from clients.sdk import events
+from clients.sdk._core import RetryPolicy
+from clients.sdk.client import AsyncStateBudgetClient, StateBudgetClient
+from clients.sdk.errors import (
+    APIError,
+    AuthenticationError,
+    BadRequestError,
+    ConflictError,
+    ConnectionError,
+    NotFoundError,
+    PermissionDeniedError,
+    ServerError,
+    StateBudgetError,
+    UnexpectedStatusError,
+)
+
+__all__ = [
+    "APIError",
+    "AsyncStateBudgetClient",
+    "AuthenticationError",
+    "BadRequestError",
+    "ConflictError",
+    "ConnectionError",
+    "NotFoundError",
+    "PermissionDeniedError",
+    "RetryPolicy",
+    "ServerError",
+    "StateBudgetClient",
+    "StateBudgetError",
+    "UnexpectedStatusError",
+    "events",
+]

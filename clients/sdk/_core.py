@@ -1,0 +1,265 @@
+"""What the sync and async clients share: building a call, retrying it, reading the answer.
+
+A `Call` is a plain description of one HTTP request; `Endpoints` turns every
+method of the API into a `Call` and hands it to `_send`, which the sync client
+implements with `httpx.Client` and the async client with `httpx.AsyncClient`.
+Neither client knows an endpoint; neither endpoint knows the transport.
+
+Retries (stamina, exponential backoff with jitter) apply only to calls that are
+safe to repeat (`idempotent`), and only on transport errors and 5xx answers.
+A lease is never retried: a lost answer would leave operations leased to nobody
+until the lease expires.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import httpx
+
+from clients.sdk.errors import ConnectionError, ServerError, error_from_response
+
+Method = Literal["GET", "POST", "PUT", "DELETE"]
+OpState = Literal["queued", "leased", "done", "failed", "superseded"]
+DEFAULT_TIMEOUT_SECONDS = 30.0
+LONG_POLL_MARGIN_SECONDS = 10.0  # a lease long-poll may hold the request this much past its wait
+
+
+@dataclass(frozen=True, slots=True)
+class Call:
+    method: Method
+    path: str
+    params: dict[str, Any] | None = None
+    json: Any = None
+    idempotent: bool = True
+    timeout_seconds: float | None = None  # overrides the client's timeout (long polls)
+    expect: Literal["json", "text", "none"] = "json"
+
+
+@dataclass(frozen=True, slots=True)
+class RetryPolicy:
+    """How often and how patiently an idempotent call is retried (stamina's parameters)."""
+
+    attempts: int = 4
+    timeout_seconds: float = 60.0
+    wait_initial_seconds: float = 0.2
+    wait_max_seconds: float = 5.0
+    wait_jitter_seconds: float = 0.5
+
+    def stamina_kwargs(self) -> dict[str, Any]:
+        return {
+            "attempts": self.attempts,
+            "timeout": self.timeout_seconds,
+            "wait_initial": self.wait_initial_seconds,
+            "wait_max": self.wait_max_seconds,
+            "wait_jitter": self.wait_jitter_seconds,
+        }
+
+
+NO_RETRY = RetryPolicy(attempts=1)
+
+
+def is_retryable(error: Exception) -> bool:
+    """Transport failures and 5xx (including 503 while the service starts) may succeed on a later try."""
+    return isinstance(error, ConnectionError | ServerError)
+
+
+def _compact(data: dict[str, Any]) -> dict[str, Any]:
+    """Leave out unset fields: the service's defaults apply (and its models forbid unknown keys)."""
+    return {k: v for k, v in data.items() if v is not None}
+
+
+@dataclass(slots=True)
+class ClientConfig:
+    base_url: str
+    token: str | None = None
+    timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS
+    retry: RetryPolicy = field(default_factory=RetryPolicy)
+
+    def headers(self) -> dict[str, str]:
+        headers = {"Accept": "application/json, application/problem+json"}
+        if self.token:
+            headers["Authorization"] = f"Bearer {self.token}"
+        return headers
+
+    def request_kwargs(self, call: Call) -> dict[str, Any]:
+        kwargs: dict[str, Any] = {"headers": self.headers()}
+        if call.params:
+            kwargs["params"] = _compact(call.params)
+        if call.json is not None:
+            kwargs["json"] = call.json
+        if call.timeout_seconds is not None:  # long polls; other calls use the client's own timeout
+            kwargs["timeout"] = call.timeout_seconds
+        return kwargs
+
+
+def transport_error(error: httpx.TransportError, call: Call) -> ConnectionError:
+    return ConnectionError(
+        f"{call.method} {call.path}: {type(error).__name__}: {error}", method=call.method, url=call.path
+    )
+
+
+def parse(call: Call, response: httpx.Response) -> Any:
+    """The body of a successful answer, or the typed error of a failed one."""
+    if response.status_code >= 400:
+        raise error_from_response(response)
+    if call.expect == "none" or response.status_code == 204 or not response.content:
+        return None
+    if call.expect == "text":
+        return response.text
+    return response.json()
+
+
+class Endpoints:
+    """Every endpoint of the StateBudget API, once. `_send` is the transport (sync or async)."""
+
+    def _send(self, call: Call) -> Any:  # pragma: no cover - each client implements it
+        raise NotImplementedError
+
+    # -- health ------------------------------------------------------------------
+
+    def livez(self) -> Any:
+        return self._send(Call("GET", "/livez"))
+
+    def readyz(self) -> Any:
+        """`{"status": "ok", "epoch", "srv_version"}`; a service still starting answers 503 (`ServerError`)."""
+        return self._send(Call("GET", "/readyz"))
+
+    def metrics(self) -> Any:
+        """The Prometheus exposition text."""
+        return self._send(Call("GET", "/metrics", expect="text"))
+
+    # -- cluster and catalog -----------------------------------------------------
+
+    def get_cluster(self) -> Any:
+        return self._send(Call("GET", "/v1/cluster"))
+
+    def put_cluster(self, cluster: dict[str, Any]) -> Any:
+        """Replace the topology (`{"nodes": [...]}` as in a scenario file's `cluster`)."""
+        return self._send(Call("PUT", "/v1/cluster", json=cluster))
+
+    def list_models(self) -> Any:
+        return self._send(Call("GET", "/v1/models"))
+
+    def put_model(self, model_id: str, model: dict[str, Any], *, nvme_nodes: list[str] | None = None) -> Any:
+        """Add or replace a model (as in a scenario's `models[]`, without `id`)."""
+        body = _compact({"model": model, "nvme_nodes": nvme_nodes})
+        return self._send(Call("PUT", f"/v1/models/{model_id}", json=body))
+
+    def delete_model(self, model_id: str) -> Any:
+        return self._send(Call("DELETE", f"/v1/models/{model_id}", expect="none"))
+
+    # -- events and sessions -----------------------------------------------------
+
+    def post_events(self, *events: dict[str, Any]) -> Any:
+        """Session events (build them with `clients.sdk.events`); event ids make a resend harmless."""
+        return self._send(Call("POST", "/v1/events", json={"events": list(events)}))
+
+    def list_sessions(self) -> Any:
+        return self._send(Call("GET", "/v1/sessions"))
+
+    def get_session(self, session_id: str) -> Any:
+        return self._send(Call("GET", f"/v1/sessions/{session_id}"))
+
+    # -- state and plan ----------------------------------------------------------
+
+    def get_srv(self) -> Any:
+        """The State Residency Vector and the confirmed placement, with its `version`."""
+        return self._send(Call("GET", "/v1/srv"))
+
+    def get_plan(self) -> Any:
+        return self._send(Call("GET", "/v1/plan"))
+
+    def replan(self) -> Any:
+        """Plan now (a new epoch supersedes the operations not yet leased). Not retried: each call is an epoch."""
+        return self._send(Call("POST", "/v1/plan", idempotent=False))
+
+    def whatif(self, changes: list[dict[str, Any]], *, solver: str = "greedy", time_limit_seconds: float = 10.0) -> Any:
+        body = {"changes": changes, "solver": solver, "time_limit_seconds": time_limit_seconds}
+        return self._send(Call("POST", "/v1/whatif", json=body, timeout_seconds=time_limit_seconds + 30.0))
+
+    def pareto(self) -> Any:
+        return self._send(Call("GET", "/v1/pareto"))
+
+    def explain(self, *, model: str | None = None, session: str | None = None) -> Any:
+        return self._send(Call("GET", "/v1/explain", params={"model": model, "session": session}))
+
+    # -- nodes and queues --------------------------------------------------------
+
+    def register_node(
+        self,
+        node_id: str,
+        *,
+        capabilities: list[str] | None = None,
+        gpus: list[dict[str, Any]] | None = None,
+        host_dram_bytes: int | None = None,
+        nvme_bytes: int | None = None,
+        engines: list[dict[str, Any]] | None = None,
+        agent_version: str | None = None,
+    ) -> Any:
+        body = _compact(
+            {
+                "capabilities": capabilities,
+                "gpus": gpus,
+                "host_dram_bytes": host_dram_bytes,
+                "nvme_bytes": nvme_bytes,
+                "engines": engines,
+                "agent_version": agent_version,
+            }
+        )
+        return self._send(Call("POST", f"/v1/nodes/{node_id}/register", json=body))
+
+    def heartbeat(
+        self,
+        node_id: str,
+        *,
+        gpus: list[dict[str, Any]] | None = None,
+        nvme_read_bytes_per_s: float | None = None,
+        nvme_write_bytes_per_s: float | None = None,
+        engines: dict[str, str] | None = None,
+        expert_hit_rates: dict[str, float] | None = None,
+    ) -> Any:
+        body = _compact(
+            {
+                "gpus": [_compact(g) for g in gpus] if gpus is not None else None,
+                "nvme_read_bytes_per_s": nvme_read_bytes_per_s,
+                "nvme_write_bytes_per_s": nvme_write_bytes_per_s,
+                "engines": engines,
+                "expert_hit_rates": expert_hit_rates,
+            }
+        )
+        return self._send(Call("POST", f"/v1/nodes/{node_id}/heartbeat", json=body))
+
+    def lease(self, node_id: str, *, max_operations: int = 8, wait_seconds: float = 0.0) -> Any:
+        """Long-poll the node's ready operations. Never retried (see the module docstring)."""
+        body = {"max_operations": max_operations, "wait_seconds": wait_seconds}
+        timeout = max(wait_seconds + LONG_POLL_MARGIN_SECONDS, DEFAULT_TIMEOUT_SECONDS)
+        return self._send(
+            Call("POST", f"/v1/nodes/{node_id}/lease", json=body, idempotent=False, timeout_seconds=timeout)
+        )
+
+    def report(
+        self,
+        op_id: str,
+        *,
+        lease_id: str,
+        status: Literal["done", "failed"],
+        measured_seconds: float | None = None,
+        measured_bytes: int | None = None,
+        error: str | None = None,
+    ) -> Any:
+        """`done` or `failed` for a leased operation; the service answers a repeat the same way, so it is retried."""
+        body = _compact(
+            {
+                "lease_id": lease_id,
+                "status": status,
+                "measured_seconds": measured_seconds,
+                "measured_bytes": measured_bytes,
+                "error": error[:2000] if error else None,
+            }
+        )
+        return self._send(Call("POST", f"/v1/operations/{op_id}/report", json=body))
+
+    def list_operations(self, *, node: str | None = None, state: OpState | None = None) -> Any:
+        return self._send(Call("GET", "/v1/operations", params={"node": node, "state": state}))

@@ -1,0 +1,66 @@
+"""Helpers for the client tests: the real app on a temp SQLite file, served in-process."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+from fastapi import FastAPI
+from prometheus_client import CollectorRegistry
+
+from clients.sdk import AsyncStateBudgetClient, RetryPolicy
+from planner_service.api.app import create_app
+from planner_service.settings import Settings
+
+TINY = Path(__file__).parents[1] / "service" / "tiny_scenario.json"
+OPERATOR_TOKEN = "op-token"
+NODE_TOKENS = {"n1": "n1-token", "n2": "n2-token"}
+FAST_RETRY = RetryPolicy(attempts=3, wait_initial_seconds=0.001, wait_max_seconds=0.002, wait_jitter_seconds=0.0)
+
+
+class FakeClock:
+    def __init__(self, t: float = 1_800_000_000.0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+    def advance(self, seconds: float) -> None:
+        self.t += seconds
+
+
+def make_app(
+    tmp_path: Path, *, tiny: bool = False, auth: bool = False, clock: FakeClock | None = None, **overrides: Any
+) -> FastAPI:
+    settings: dict[str, Any] = {
+        "db_path": tmp_path / "statebudget.db",
+        "background_planning": False,
+        "lease_seconds": 30.0,
+        "max_wait_seconds": 5.0,
+        **overrides,
+    }
+    if tiny:
+        settings["scenario_path"] = TINY
+    if auth:
+        settings["operator_tokens"] = [OPERATOR_TOKEN]
+        settings["node_tokens"] = NODE_TOKENS
+    return create_app(Settings(**settings), clock=clock or FakeClock(), registry=CollectorRegistry())
+
+
+@contextlib.asynccontextmanager
+async def served(app: FastAPI) -> AsyncIterator[httpx.AsyncClient]:
+    """The app's lifespan in this event loop, and an httpx client that talks to it in-process."""
+    async with app.router.lifespan_context(app):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://statebudget") as http:
+            yield http
+
+
+def async_client(http: httpx.AsyncClient, token: str | None = None) -> AsyncStateBudgetClient:
+    return AsyncStateBudgetClient("http://statebudget", token=token, http_client=http, retry=FAST_RETRY)
+
+
+def request_event(event_id: str, session: str, model: str, **extra: Any) -> dict[str, Any]:
+    return {"id": event_id, "type": "request", "session": session, "model": model, **extra}

@@ -1,0 +1,98 @@
+"""The async SDK against the in-process app (httpx.ASGITransport, lifespan run in the test's loop)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from clients_helpers import NODE_TOKENS, OPERATOR_TOKEN, async_client, make_app, served
+
+from clients.sdk import ConflictError, PermissionDeniedError, events
+
+pytestmark = pytest.mark.anyio
+
+
+async def test_every_method_async(tmp_path):
+    app = make_app(tmp_path, tiny=True)
+    async with served(app) as http:
+        sb = async_client(http)
+        assert (await sb.livez())["status"] == "ok"
+        assert (await sb.readyz())["epoch"] == 1
+        assert "statebudget_" in await sb.metrics()
+        cluster = await sb.get_cluster()
+        assert len(cluster["nodes"]) == 2
+        nodes = [
+            {
+                "id": n["id"],
+                "gpus": [
+                    {
+                        "id": g["id"],
+                        "hbm_bytes": g["capacity_bytes"],
+                        "hbm_bytes_per_s": 1e12,
+                        "bf16_flops": 1e14,
+                        "h2d_bytes_per_s": 2e10,
+                    }
+                    for g in n["gpus"]
+                ],
+            }
+            for n in cluster["nodes"]
+        ]
+        assert len((await sb.put_cluster({"nodes": nodes}))["nodes"]) == 2
+        assert {m["id"] for m in await sb.list_models()} == {"alpha", "beta"}
+        await sb.put_model(
+            "gamma", {"precisions": ["bf16"], "weights_bytes": {"bf16": 1024**3}, "kv_bytes_per_token": 1024}
+        )
+        assert await sb.delete_model("gamma") is None
+        out = await sb.post_events(events.request("e1", session="s1", model="beta", slo="blocking", input_tokens=1000))
+        assert out["applied"] == 1
+        assert (await sb.get_session("s1"))["model"] == "beta"
+        assert len(await sb.list_sessions()) == 1
+        before = await sb.get_srv()
+        plan = await sb.replan()
+        assert (await sb.get_plan())["epoch"] == plan["epoch"]
+        assert "predicted" in await sb.whatif([{"type": "remove_gpu", "gpu": "n2-g0"}])
+        assert await sb.pareto()
+        assert await sb.explain(model="alpha")
+        await sb.register_node("n1", capabilities=["weights_offload", "kv_offload"])
+        await sb.heartbeat("n1", gpus=[{"id": "n1-g0", "used_bytes": 5}], engines={"vllm-alpha": "awake"})
+        lease = await sb.lease("n1", max_operations=5)
+        assert [o["action"] for o in lease["operations"]] == ["drop"]
+        op = lease["operations"][0]
+        out = await sb.report(op["id"], lease_id=lease["lease_id"], status="failed", error="engine refused")
+        assert out["operation"]["state"] == "failed" and out["operation"]["error"] == "engine refused"
+        assert (await sb.get_srv())["version"] == before["version"]  # a failure confirms nothing
+        assert [o["id"] for o in await sb.list_operations(state="failed")] == [op["id"]]
+        await sb.aclose()
+
+
+async def test_long_poll_wakes_when_work_becomes_ready(tmp_path):
+    app = make_app(tmp_path, tiny=True)
+    async with served(app) as http:
+        sb = async_client(http)
+        await sb.post_events(
+            events.request("e1", session="s1", model="beta", slo="blocking", input_tokens=1000),
+            events.request("e2", session="s2", model="alpha", input_tokens=1000),
+        )
+        await sb.replan()
+        first = await sb.lease("n1")
+        assert [o["action"] for o in first["operations"]] == ["drop"]
+        waiting = asyncio.create_task(sb.lease("n1", wait_seconds=5))
+        await asyncio.sleep(0.2)
+        assert not waiting.done()
+        await sb.report(first["operations"][0]["id"], lease_id=first["lease_id"], status="done")
+        second = await asyncio.wait_for(waiting, timeout=5)
+        assert {o["action"] for o in second["operations"]} == {"promote"}
+
+
+async def test_node_tokens_async(tmp_path):
+    app = make_app(tmp_path, auth=True)
+    async with served(app) as http:
+        node1, node2 = async_client(http, NODE_TOKENS["n1"]), async_client(http, NODE_TOKENS["n2"])
+        lease = await node1.lease("n1", max_operations=1)
+        op = lease["operations"][0]
+        with pytest.raises(PermissionDeniedError, match="belongs to node 'n1'"):
+            await node2.report(op["id"], lease_id=lease["lease_id"], status="done")
+        with pytest.raises(ConflictError):
+            await node1.report(op["id"], lease_id="foreign", status="done")
+        assert (await node1.report(op["id"], lease_id=lease["lease_id"], status="done"))["duplicate"] is False
+        assert (await async_client(http, OPERATOR_TOKEN).get_srv())["version"] == 2

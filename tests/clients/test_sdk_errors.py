@@ -1,0 +1,172 @@
+"""Error mapping (problem+json -> typed exceptions) and retries (idempotent calls only)."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from clients_helpers import FAST_RETRY, NODE_TOKENS, OPERATOR_TOKEN, request_event
+
+from clients.sdk import (
+    AsyncStateBudgetClient,
+    AuthenticationError,
+    BadRequestError,
+    ConflictError,
+    ConnectionError,
+    NotFoundError,
+    PermissionDeniedError,
+    ServerError,
+    StateBudgetClient,
+    UnexpectedStatusError,
+)
+
+# the SDK passes a per-call timeout on long polls; starlette's TestClient warns that it ignores it
+pytestmark = pytest.mark.filterwarnings("ignore:You should not use the 'timeout' argument")
+
+
+def test_validation_error_names_the_field(sync_client):
+    sb, _, _ = sync_client()
+    with pytest.raises(BadRequestError) as info:
+        sb.lease("n1", max_operations=0)
+    error = info.value
+    assert error.status == 422 and error.title == "Invalid request"
+    assert error.field == "body.max_operations" and "max_operations" in error.detail
+    assert error.errors[0]["field"] == "body.max_operations"
+
+
+def test_service_invalid_input_is_a_bad_request_with_its_field(sync_client):
+    sb, _, _ = sync_client()
+    with pytest.raises(BadRequestError) as info:
+        sb.heartbeat("n1", gpus=[{"id": "n2-g0"}])
+    assert info.value.status == 422 and info.value.field == "gpus.0.id" and "n2-g0" in info.value.detail
+
+
+def test_unknown_event_model_is_a_bad_request(sync_client):
+    sb, _, _ = sync_client()
+    with pytest.raises(BadRequestError) as info:
+        sb.post_events(request_event("e1", "s1", "no-such-model"))
+    assert info.value.status == 422 and "no-such-model" in info.value.detail
+
+
+def test_tokens(sync_client):
+    anonymous, http, clock = sync_client(auth=True)
+    with pytest.raises(AuthenticationError) as info:
+        anonymous.get_srv()
+    assert info.value.status == 401 and "Bearer" in info.value.detail
+    wrong = StateBudgetClient(token="wrong", http_client=http, retry=FAST_RETRY)
+    with pytest.raises(AuthenticationError, match="unknown bearer token"):
+        wrong.get_srv()
+    node1 = StateBudgetClient(token=NODE_TOKENS["n1"], http_client=http, retry=FAST_RETRY)
+    with pytest.raises(PermissionDeniedError) as denied:
+        node1.get_srv()
+    assert denied.value.status == 403 and denied.value.title == "Forbidden" and "operator token" in denied.value.detail
+    with pytest.raises(PermissionDeniedError, match="n2"):
+        node1.lease("n2")
+    assert node1.register_node("n1")["node"] == "n1"
+    operator = StateBudgetClient(token=OPERATOR_TOKEN, http_client=http, retry=FAST_RETRY)
+    assert operator.get_srv()["version"] >= 1
+    assert anonymous.livez() == {"status": "ok"}  # open endpoints need no token
+
+
+def test_not_found_and_conflicts(sync_client):
+    sb, _, _ = sync_client()
+    mine = sb.lease("n1", max_operations=1)
+    op = mine["operations"][0]
+    with pytest.raises(NotFoundError, match="99.op-1"):
+        sb.report("99.op-1", lease_id=mine["lease_id"], status="done")
+    with pytest.raises(NotFoundError, match="nx"):
+        sb.lease("nx")
+    with pytest.raises(ConflictError) as info:
+        sb.report(op["id"], lease_id="someone-elses-lease", status="done")
+    assert info.value.status == 409 and "another lease" in info.value.detail
+    other = sb.lease("n2", max_operations=1)
+    with pytest.raises(ConflictError):
+        sb.report(op["id"], lease_id=other["lease_id"], status="done")
+    assert sb.report(op["id"], lease_id=mine["lease_id"], status="done")["duplicate"] is False
+    assert sb.report(op["id"], lease_id=mine["lease_id"], status="done")["duplicate"] is True
+    with pytest.raises(ConflictError, match="already done"):
+        sb.report(op["id"], lease_id=mine["lease_id"], status="failed", error="x")
+
+
+def _scripted(statuses: list[int], seen: list[str]) -> httpx.MockTransport:
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(f"{request.method} {request.url.path}")
+        status = statuses.pop(0) if statuses else 200
+        if status == 200:
+            return httpx.Response(200, json={"lease_id": None, "operations": [], "version": 1})
+        return httpx.Response(
+            status,
+            json={"type": "about:blank", "title": "Not ready", "status": status, "detail": "starting"},
+            headers={"content-type": "application/problem+json"},
+        )
+
+    return httpx.MockTransport(handler)
+
+
+def test_idempotent_calls_retry_5xx_then_succeed():
+    seen: list[str] = []
+    sb = StateBudgetClient(
+        retry=FAST_RETRY, http_client=httpx.Client(transport=_scripted([503, 502], seen), base_url="http://x")
+    )
+    assert sb.get_srv()["version"] == 1
+    assert seen == ["GET /v1/srv"] * 3
+
+
+def test_retries_give_up_with_the_last_error():
+    seen: list[str] = []
+    sb = StateBudgetClient(
+        retry=FAST_RETRY, http_client=httpx.Client(transport=_scripted([503] * 5, seen), base_url="http://x")
+    )
+    with pytest.raises(ServerError) as info:
+        sb.readyz()
+    assert info.value.status == 503 and info.value.detail == "starting" and len(seen) == FAST_RETRY.attempts
+
+
+def test_a_lease_and_a_replan_are_never_retried():
+    seen: list[str] = []
+    sb = StateBudgetClient(
+        retry=FAST_RETRY, http_client=httpx.Client(transport=_scripted([503, 503], seen), base_url="http://x")
+    )
+    with pytest.raises(ServerError):
+        sb.lease("n1")
+    with pytest.raises(ServerError):
+        sb.replan()
+    assert seen == ["POST /v1/nodes/n1/lease", "POST /v1/plan"]
+
+
+def test_client_errors_are_not_retried_and_odd_statuses_are_typed():
+    seen: list[str] = []
+    sb = StateBudgetClient(
+        retry=FAST_RETRY, http_client=httpx.Client(transport=_scripted([409, 405], seen), base_url="http://x")
+    )
+    with pytest.raises(ConflictError):
+        sb.get_srv()
+    with pytest.raises(UnexpectedStatusError) as info:
+        sb.get_srv()
+    assert info.value.status == 405 and seen == ["GET /v1/srv"] * 2
+
+
+def test_transport_errors_become_connection_errors_and_are_retried():
+    calls = []
+
+    def refuse(request: httpx.Request) -> httpx.Response:
+        calls.append(request.url.path)
+        raise httpx.ConnectError("connection refused", request=request)
+
+    sb = StateBudgetClient(
+        retry=FAST_RETRY, http_client=httpx.Client(transport=httpx.MockTransport(refuse), base_url="http://x")
+    )
+    with pytest.raises(ConnectionError) as info:
+        sb.get_plan()
+    assert len(calls) == FAST_RETRY.attempts and "ConnectError" in str(info.value)
+    assert isinstance(info.value, OSError)  # also a builtin ConnectionError
+
+
+@pytest.mark.anyio
+async def test_async_client_maps_and_retries_the_same_way():
+    seen: list[str] = []
+    transport = _scripted([503, 404], seen)
+    sb = AsyncStateBudgetClient("http://x", retry=FAST_RETRY, transport=transport)
+    with pytest.raises(NotFoundError):
+        await sb.get_srv()
+    assert seen == ["GET /v1/srv"] * 2
+    await sb.aclose()

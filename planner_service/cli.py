@@ -337,6 +337,130 @@ def serve(
     )
 
 
+# -- trace replay and studies (planner_service/sim) --------------------------------------------------
+
+study_app = typer.Typer(no_args_is_help=True, help="The paper's measurements on a trace: h1, h3, pareto.")
+app.add_typer(study_app, name="study")
+TraceOpt = Annotated[Path, typer.Option("--trace", help="Agent trace (JSON Lines).")]
+
+
+def read_trace_file(path: Path) -> list:
+    from planner_service.sim.trace import TraceError, read_trace
+
+    try:
+        return read_trace(path)
+    except (OSError, TraceError) as error:
+        raise fail(f"{path}: {error}") from None
+
+
+@app.command()
+def replay(
+    trace: TraceOpt,
+    scenario: ScenarioOpt = None,
+    policies: Annotated[str, typer.Option(help="Comma-separated policies to compare.")] = (
+        "statebudget,static,lru,independent,siloed,oracle"
+    ),
+    json_out: Annotated[Path | None, typer.Option("--json", help="Write the report (JSON) here.")] = None,
+    plots: Annotated[Path | None, typer.Option("--plots", help="Write the PNG plots into this folder.")] = None,
+    seed: Annotated[int, typer.Option(help="Seed of the replay (same seed, same report).")] = 0,
+    expert_miss_decode: Annotated[
+        bool,
+        typer.Option(help="Slow MoE decode down for routed experts off GPU (costs.decode_slowdown_seconds)."),
+    ] = True,
+) -> None:
+    """Replay a trace through the simulated cluster under each policy and compare them."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from planner_service.sim.engine import SimulationError
+    from planner_service.sim.policies import default_registry as policy_registry
+    from planner_service.sim.report import TABLE_COLUMNS, comparison, replay as run_replay, table_rows, write_json
+
+    parsed = read_scenario(scenario)
+    records = read_trace_file(trace)
+    names = [p.strip() for p in policies.split(",") if p.strip()]
+    known = policy_registry().names()
+    for name in names:
+        if name not in known:
+            raise fail(f"unknown policy {name!r}; choose one of: {', '.join(known)}")
+    horizon = max((r.t for r in records), default=0.0) or 1.0
+    with Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), console=err) as progress:
+        tasks = {n: progress.add_task(f"{n:12s}", total=horizon) for n in names}
+
+        def advance(name: str, t: float) -> None:
+            progress.update(tasks[name], completed=min(t, horizon))
+
+        try:
+            result = run_replay(
+                parsed, records, names, scenario_name=str(scenario or "demo"), seed=seed, on_progress=advance,
+                expert_miss_decode=expert_miss_decode,
+            )
+        except (SimulationError, ValueError) as error:
+            raise fail(str(error)) from None
+    table = Table(title=f"replay of {trace} ({result.report['trace']['requests']} requests)")
+    for col in TABLE_COLUMNS:
+        table.add_column(col)
+    for row in table_rows(result.report):
+        table.add_row(*row)
+    out.print(table)
+    ratios = comparison(result.report)
+    if ratios:
+        out.print(", ".join(f"{k} {v:.2f}" for k, v in ratios.items()), highlight=False)
+    if json_out is not None:
+        write_json(json_out, result.report)
+        err.print(f"wrote {json_out}")
+    if plots is not None:
+        from planner_service.sim.plots import replay_plots
+
+        for path in replay_plots(result.results, result.report, plots):
+            err.print(f"wrote {path}")
+
+
+def _study(kind: str, scenario: Path | None, trace: Path, out_dir: Path, as_json: bool) -> None:
+    from planner_service.sim import studies
+
+    parsed = read_scenario(scenario)
+    records = read_trace_file(trace)
+    try:
+        result = studies.run_study(kind, parsed, records, out_dir)
+    except ValueError as error:
+        raise fail(str(error)) from None
+    if as_json:
+        emit_json(result.data)
+        return
+    table = Table(title=result.title)
+    for col in result.columns:
+        table.add_column(col)
+    for row in result.rows:
+        table.add_row(*row)
+    out.print(table)
+    for line in result.notes:
+        out.print(line, highlight=False)
+    err.print(f"wrote {result.plot}")
+
+
+StudyOutOpt = Annotated[Path, typer.Option("--out", help="Folder for the study's plot.")]
+
+
+@study_app.command("h1")
+def study_h1(trace: TraceOpt, scenario: ScenarioOpt = None, out_dir: StudyOutOpt = Path("."), as_json: JsonOpt = False) -> None:
+    """H1: CDF of concurrently active models and aggregate KV; KV capacity pooling gains over per-model pools."""
+    _study("h1", scenario, trace, out_dir, as_json)
+
+
+@study_app.command("h3")
+def study_h3(trace: TraceOpt, scenario: ScenarioOpt = None, out_dir: StudyOutOpt = Path("."), as_json: JsonOpt = False) -> None:
+    """H3: add warm models one by one; which runs out first (weights or KV), and the next model's cold load."""
+    _study("h3", scenario, trace, out_dir, as_json)
+
+
+@study_app.command("pareto")
+def study_pareto(
+    trace: TraceOpt, scenario: ScenarioOpt = None, out_dir: StudyOutOpt = Path("."), as_json: JsonOpt = False
+) -> None:
+    """P95 switch latency against GPU bytes kept warm as the warm-memory price varies (statebudget policy)."""
+    _study("pareto", scenario, trace, out_dir, as_json)
+
+
 def main() -> None:  # pragma: no cover - console script entry
     app()
 

@@ -290,14 +290,15 @@ class _Builder:
                     cost += c.move_weight * costs.copy_seconds([gain], [g], source, node)
                 if shard:
                     self.gpu_terms[g.id][o.var] += shard
-            # requests in flight: the time to bring their state from C to T (their KV rides on k below)
+            # requests in flight: the time to bring their state from C to T, charged on k below (without
+            # its KV beside the weights the request waits instead)
             then = ResidencyIndex(self.p, {(obj, Location.gpu(g.id)): b for g, b in zip(o.gpus, o.shards, strict=True) if b})
             serving = Serving(o.node, o.precision, o.gpus)
+            arrival_cost = {}
             for s in active:
                 w = c.slo_weights.of(s.slo)
                 arrival = _arrival_latency(self.p, self.now, then, model, s.id, serving)
-                cost += w * (arrival + c.violation_penalty_seconds * (arrival > c.slo_targets_seconds.of(s.slo)))
-                cost += w * degraded
+                arrival_cost[s.id] = w * (arrival + c.violation_penalty_seconds * (arrival > c.slo_targets_seconds.of(s.slo)) + degraded)
             # predicted requests: weights ready; KV ready from the lower tiers unless k puts it on GPU
             invalidated = current is not None and current.precision != o.precision
             kv = context * costs.prefill_seconds_per_token(model, o.gpus, c)
@@ -325,7 +326,7 @@ class _Builder:
                     unserved = c.unserved_penalty_seconds * c.slo_weights.of(s.slo)
                     self.ilp.cost[o.var] += unserved
                     relaxed += unserved
-                    k_cost -= unserved
+                    k_cost += arrival_cost[s.id] - unserved
                 elif nbytes == 0:
                     continue  # nothing to hold
                 var = self.ilp.var(f"k[{model.id},{s.id},{o.var}]", cost=k_cost)

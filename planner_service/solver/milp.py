@@ -28,7 +28,8 @@ Variables
     x_{m,o} ∈ {0,1}        m's weights split evenly over g_o at p_o
     k_{m,s,o} ∈ {0,1}      s's whole KV for m split evenly over g_o
     y_{m,n,c,r} ∈ {0,1}    fraction r of m's routed experts on n's GPUs, m served by a class-c group of n
-    v_{m,g} ∈ Z>=0         m's routed experts on GPU g, in units e_{m,n} (gcd of the chunk sizes)
+    v_{m,g} ∈ Z>=0         m's routed experts on GPU g, in units e_{m,n} (gcd of the chunk sizes, whole
+                           experts; a chunk may spread over the node's GPUs, the greedy keeps it on one)
     u_{m,g} ∈ Z>=0         MiB of those promoted onto g (above what g holds now)
 
 Constraints (one family per comment in `formulation.py`)
@@ -45,10 +46,10 @@ Constraints (one family per comment in `formulation.py`)
 
 Objective (seconds; every coefficient computed by the evaluator's functions)
     off_m:   sum_{s in D_m} w q (L_cold + V [L_cold > t_s]) + decode at f=0 + U * sum_{A_m} w
-    x_{m,o}: warm tax of the weights + move_weight * shard promotion seconds
-             + sum_{A_m} w (L_now + V [L_now > t_s] + degraded) + U * sum_{A_m} w
+    x_{m,o}: warm tax of the weights + move_weight * shard promotion seconds + U * sum_{A_m} w
              + sum_{D_m} w q (L_kv + V [L_kv > t_s] + degraded) + W_m * decode(f=0)
-    k:       warm tax of the KV - w q (L_kv + V [L_kv > t_s]) (- U w for an active one)
+    k:       warm tax of the KV - w q (L_kv + V [L_kv > t_s])
+             (an active one: + w (L_now + V [L_now > t_s] + degraded) - U w)
     y:       warm tax of the chunks - W_m * (decode(0) - decode(f_r)) on the class's group
     u:       move_weight * copy seconds of one MiB from the node's best complete copy
 
@@ -66,25 +67,27 @@ How the non-linear parts are made linear
       below GPU come from the greedy's lower-tier rule applied with the GPUs
       empty; the decision is then settled exactly by that rule. Host DRAM
       contention between models (and the group that prices a KV demotion)
-      is all this can misprice; the
-      plan reports `milp.model_objective` next to the evaluator's objective.
-    * A served model's active request whose KV does not fit pays U in the
-      model (it waits); the evaluator prices such a session at its arrival
-      latency instead, and the greedy leaves those sessions in `unserved`.
+      is all this can misprice; the plan reports `milp.model_objective`
+      next to `milp.milp_plan_objective`, the evaluator's value of it.
+    * An active request whose KV is not beside its served model waits: U,
+      as the evaluator charges it. W_m (the decode weight) counts it anyway,
+      so the model overprices such a plan by w * its decode slowdown.
 
 Bound and gap
     `bound` is the solver's best bound on the model objective, in the
     evaluator's seconds (CP-SAT's integer objective divided back by its
-    scale; solver tolerances put it up to ~1e-6 relative above), so gap = (objective - bound) / objective. It bounds every plan in
-    the candidate space above, not plans outside it (other groups, partial KV,
-    other expert fractions, other lower tiers); it is null when the solver has none.
+    scale; solver tolerances may put it ~1e-6 relative too high), so
+    gap = (objective - bound) / objective, clamped at 0. It bounds every plan
+    in the candidate space, not plans outside it (other groups, partial KV,
+    other expert fractions, other lower tiers); null when the solver has none.
 
 Choice of solver (measured on this machine: 2 cores; same model, greedy
-hint, 20 s limit; "incumbent/bound", model objective in seconds)
+hint, 20 s limit; "incumbent / bound", model objective in seconds; seeds
+3 and 5 measured before the symmetry rows C8 were added)
 
     scenario                      CBC                    SCIP                   CP-SAT (8 workers)
     demo (16 GPUs, 10 sessions)   optimal 265.65 in 0.8 s optimal 265.65 in 1.1 s optimal 265.65 in 1.4 s
-    random seed 1 (100 sessions)  optimal 4698.5 in 19 s  5306 / 4047 (timeout)   5481 / 4006 (timeout)
+    random seed 1 (100 sessions)  optimal 4698.5 in 25 s  5306 / 4047 (timeout)   5481 / 4006 (timeout)
     random seed 2                 4448 / 3774 (33 s)      4967 / 4145             4961 / -30122
     random seed 3                 optimal 4894.7 in 8 s   4894.7 / 4641           4968.8 / 4493
     random seed 4                 4283 / 3228 (32 s)      9381 / 3315             6859 / -2081
@@ -92,9 +95,12 @@ hint, 20 s limit; "incumbent/bound", model objective in seconds)
 
 CBC (through pywraplp) finds the best incumbent on every case and is the
 only one to prove optimality on the random ones, so it is the default.
-Its costs: it overruns the time limit (up to ~2.5x above: it checks the clock
-between cut and heuristic rounds), it ignores the warm start hint (the
-greedy plan still bounds the result, see above), and this OR-Tools build
+At 45 s SCIP got 4461 / 7743 / optimal 3371.6 on seeds 2 / 4 / 5: better
+bounds, worse incumbents on the hardest case. CBC's costs: it overruns the
+time limit (a 15 s limit took a median 36 s of wall time, max 54 s, over the
+50-scenario gap study; a 60 s limit took 66 s and 105 s on seeds 4 and 2;
+SCIP and CP-SAT stop on time), it ignores the warm start hint (the greedy
+plan still bounds the result, see above), and this OR-Tools build
 runs it single-threaded with no seed (`seed` reaches SCIP and CP-SAT,
 `workers` CP-SAT only). CP-SAT with 2 workers runs no LP-based worker and
 reports a useless bound (about -1e5 on the demo; 8 workers prove the demo in

@@ -26,7 +26,7 @@ from planner_service.planner.residency import ResidencyIndex
 from planner_service.solver.formulation import build_formulation, settle
 from planner_service.solver.gap import ratio
 from planner_service.solver.milp import solve_milp
-from solver_cases import experts, gpu, held, kv, model, node, problem_of, random_tiny, session, weights
+from solver_cases import experts, gpu, held, model, node, problem_of, random_tiny, session, weights
 
 STATUSES = {PlanStatus.OPTIMAL, PlanStatus.FEASIBLE, PlanStatus.TIMEOUT}
 
@@ -35,25 +35,8 @@ def sound(problem: Problem, plan) -> None:
     assert check_plan(problem, plan.placement, plan.operations, plan.unserved) == []
 
 
-def penalized(problem: Problem, placement) -> float:
-    """The evaluator, plus the unserved penalty for an active request whose model is served but whose KV is not beside it.
-
-    (The MILP charges that wait; `objective.evaluate` prices such a session at its arrival latency.)
-    """
-    total = evaluate(problem, placement)[0].total
-    index = ResidencyIndex.build(problem, placement)
-    c = problem.constants
-    for s in problem.sessions.values():
-        serving = index.serving.get(s.model)
-        if s.active and serving is not None:
-            obj = StateObject.kv(s.model, s.id)
-            if sum(placement.get((obj, Location.gpu(g.id)), 0) for g in serving.gpus) < problem.size_of(obj):
-                total += c.unserved_penalty_seconds * c.slo_weights.of(s.slo)
-    return total
-
-
 def brute_force(problem: Problem) -> float:
-    """The best penalized objective over every GPU-tier choice of a one-node cluster of dense models.
+    """The best objective over every GPU-tier choice of a one-node cluster of dense models.
 
     Each model: off, or its weights split evenly over any subset of the node's GPUs at any precision (when
     the node can load them). Each session's KV: on the serving GPUs or not (active sessions' KV always goes
@@ -116,7 +99,7 @@ def brute_force(problem: Problem) -> float:
                 continue
             unserved = {s.id: "waits" for s in problem.sessions.values() if s.active and s.model not in groups}
             full = settle(problem, target, groups, unserved, {})
-            best = min(best, penalized(problem, full.placement))
+            best = min(best, evaluate(problem, full.placement)[0].total)
     return best
 
 
@@ -241,7 +224,7 @@ def test_milp_matches_brute_force_on_tiny_random_scenarios(seed: int) -> None:
     assert plan.status is PlanStatus.OPTIMAL
     assert details["model_objective"] == pytest.approx(best, rel=1e-6, abs=1e-6)
     # the model's value is what the evaluator says of the plan it decodes to
-    assert details["milp_plan_objective"] <= details["model_objective"] + 1e-6
+    assert details["milp_plan_objective"] == pytest.approx(details["model_objective"], rel=1e-9, abs=1e-9)
     assert plan.objective.total <= details["greedy_objective"] + 1e-9
 
 

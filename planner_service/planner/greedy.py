@@ -3,16 +3,26 @@
 It rebuilds what the GPUs should hold, then settles the lower tiers:
 
 1. **Serve active requests.** Models with a request in flight go first (most
-   urgent SLO, then largest), each onto one node's GPUs: where it already is
-   when it still fits, else the best-fitting group (fewest, tightest cards that
-   hold the shards: large models land on large cards, small ones on small
-   cards), at its preferred precision when possible, degraded (e.g. int4)
-   otherwise. Their sessions' KV follows onto the same GPUs, water-filled
-   across users so that no user's sessions starve another user's.
+   urgent SLO, then largest), each onto one node's GPUs. The group is the one
+   with the least *estimated marginal objective* (`_group_cost`): load time
+   (for move_weight and the waiting requests), re-prefill of the predicted
+   requests' history on the group's summed FLOP/s, for a MoE the decode
+   slowdown at the best expert fraction the node's remaining room allows (on
+   the group's summed PCIe bandwidth), the expert room taken from MoE models
+   already on the node, and the degraded-precision cost of a less preferred
+   precision. Per node the widest group that fits and the fewest-GPU one are
+   priced (wider prefills and fetches missed experts faster for the same
+   bytes), staying put or resharding on the current node included. Their
+   sessions' KV follows onto the same GPUs, water-filled across users so that
+   no user's sessions starve another user's.
 2. **Spend the rest by value per byte.** Candidates are the weights of
    other models, KV of sessions on served models, and chunks of a MoE's hot
    experts; each is valued by the objective it saves (`objective.py`) minus
-   the price of the bytes, and placed from the densest down while it pays.
+   the price of the bytes (and, for weights, the expert room they take from a
+   MoE on their node), and placed from the densest down while it pays
+   (lazily re-priced when weights land on the same node). Expert chunks go
+   only where the node has a complete copy below its GPUs to load them from
+   (else at most what its GPUs hold now), spread over the node's cards.
 3. **Demote by tiers.** What leaves the GPUs goes to host DRAM if it is worth
    the room there, else to NVMe or is dropped when a lower copy exists (KV
    may be dropped; the last complete copy of weights or experts on a node
@@ -23,9 +33,12 @@ The result is a target placement; `operations.py` turns it into moves.
 Speed (`statebudget bench plan`): the predicted demand is one array
 [models x sessions] (`objective.Demand`); a search for a model's GPU group
 tries one node per look (nodes whose GPUs, free bytes and links match give
-the same options, so the first by id stands for all) plus the few nodes with
-a copy in host DRAM; the checkpoints on NVMe, most of any placement, are
-looked up in place and copied without re-hashing, never walked one by one.
+the same options, so the first by id stands for all; a node serving a MoE is
+tried only when no node of its look serves none) plus the few nodes with a
+copy in host DRAM, and past 2 * NODE_SHORTLIST candidates only the tightest
+and roomiest few; expert costs are memoized per node state; the checkpoints
+on NVMe, most of any placement, are looked up in place and copied without
+re-hashing, never walked one by one.
 """
 
 from __future__ import annotations
@@ -38,6 +51,8 @@ from collections import defaultdict, deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from planner_service.domain.problem import Gpu, ModelSpec, Problem, Session
 from planner_service.domain.scenario import Capability, Slo
 from planner_service.domain.state import Kind, Location, Placement, StateObject, Tier
@@ -49,6 +64,7 @@ from planner_service.planner.residency import ResidencyIndex, copy_placement
 SLO_RANK = {Slo.BLOCKING: 0, Slo.INTERACTIVE: 1, Slo.BACKGROUND: 2}
 EXPERT_CHUNKS = 16  # granularity of partial expert residency the greedy considers
 ALL_TIERS = tuple(Tier)
+NODE_SHORTLIST = 4  # past 2x this many candidate nodes, a group search prices the tightest and roomiest this many each
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,6 +170,25 @@ class GreedyPlanner:
         # (kv object, node, tier) wherever KV sits now
         self._kv_held = {(obj, problem.node_of(loc), loc.tier) for obj, loc in self.now.kv_entries}
         self._cold_groups: dict[tuple[str, str, str], tuple[Gpu, ...] | None] = {}
+        self._uniform = {  # nodes whose cards are all alike
+            n.id: len({(g.type, g.capacity_bytes, g.h2d_bytes_per_s, g.bf16_flops) for g in map(problem.gpus.get, n.gpus)}) <= 1
+            for n in problem.nodes.values()
+        }
+        context_tokens = np.array([s.context_tokens for s in demand.sessions], dtype=float)
+        self._context_demand = self.weighted @ context_tokens  # [models] SLO-weighted tokens a re-prefill would process
+        self._active_weight = {
+            m: sum(self.c.slo_weights.of(s.slo) for s in sessions) for m, sessions in self.active.items()
+        }
+        self._moe_on: dict[str, dict[str, Group]] = defaultdict(dict)  # node -> {MoE model served there: its group}
+        self._experts_placed: dict[str, int] = defaultdict(int)  # MoE model -> expert bytes the target puts on GPU
+        self._steps_cache: dict[tuple[str, str], list[int]] = {}
+        self._experts_memo: dict[tuple, float] = {}
+        self._curves: dict[tuple, tuple[list[int], list[float], int]] = {}
+        self._served: dict[str, float] = {}
+        self._active_context: dict[str, float] = {}
+        self._limits: dict[tuple[str, str], int] = {}
+        self._split_units: dict[tuple[str, str], int] = {}
+        self._placed_on: dict[str, int] = defaultdict(int)  # node -> weights placed there so far (offers older are stale)
 
     # -- inputs ------------------------------------------------------------
 
@@ -196,33 +231,227 @@ class GreedyPlanner:
     def _best_group(self, model: ModelSpec, extra_bytes: int) -> tuple[tuple, Group] | None:
         """The best (cost key, group) for the model's weights plus `extra_bytes` of KV, if any fits.
 
-        The key orders by precision preference, then by load time (0 where the
-        weights already sit), then by how tightly the group fits, then by node.
+        The key (cost, precision rank, slack, node, load seconds) orders by the
+        group's estimated marginal objective (`_group_cost`: load, prefill and
+        MoE decode terms, and the expert room it takes from MoE models on the
+        node; plus the degraded-precision cost of every request served at a
+        less preferred precision), then by precision preference, then by how
+        tightly the group fits, then by node. Per node the widest group that
+        fits and the fewest-GPU one are priced (`_fits_by_width`): a wider group
+        prefills and fetches missed experts faster at the same bytes (the
+        evaluator sums FLOP/s and PCIe bandwidth over it).
         """
         current = self.now.serving.get(model.id)
+        options: list[tuple[tuple, Group]] = []
+        # a degraded precision costs every request served at it; it wins only where its smaller bytes buy more
+        degrade = self.c.degraded_precision_seconds * self._served_weight(model.id)
         for rank, precision in enumerate(model.precisions):
             obj = StateObject.weights(model.id, precision)
             nbytes = model.weights_bytes[precision]
-            options: list[tuple[tuple, tuple[Gpu, ...]]] = []
+            penalty = degrade if rank else 0.0
+            if current and current.precision != precision:
+                penalty += self._active_context_seconds(model)  # the active sessions' KV no longer matches
             stay_node = None
             if current and current.precision == precision:
                 stay = current.gpus
                 shards = [a + b for a, b in zip(split_evenly(nbytes, len(stay)), split_evenly(extra_bytes, len(stay)))]
+                stay_node = current.node
                 if self.book.fits(stay, shards):
-                    stay_node = current.node
-                    options.append(((rank, 0.0, 0, stay_node), stay))
+                    cost = penalty + self._group_cost(model, stay, current.node, 0.0, nbytes + extra_bytes)
+                    options.append(((cost, rank, 0, stay_node, 0.0), Group(stay_node, precision, stay)))
+                # other groups on the same node: only the shards a card lacks now are copied
+                for gpus in self._fits_by_width(self.p.nodes[stay_node].gpus, model, nbytes + extra_bytes):
+                    if gpus == stay:
+                        continue
+                    seconds = self._regroup_seconds(obj, gpus, nbytes, stay_node)
+                    if seconds is None:
+                        continue
+                    cost = penalty + self._group_cost(model, gpus, stay_node, seconds, nbytes + extra_bytes)
+                    slack = sum(self.book.free[g.id] for g in gpus) - nbytes - extra_bytes
+                    options.append(((cost, rank, slack, stay_node, seconds), Group(stay_node, precision, gpus)))
             for node_id, source in self._load_candidates(obj, nbytes + extra_bytes, skip=stay_node):
                 node = self.p.nodes[node_id]
-                gpus = self._best_fit(node.gpus, model, nbytes + extra_bytes)
-                if gpus is None:
-                    continue
-                seconds = costs.weights_load_seconds(nbytes, gpus, source, node, self.c)
-                slack = sum(self.book.free[g.id] for g in gpus) - nbytes - extra_bytes
-                options.append(((rank, seconds, slack, node_id), gpus))
-            if options:  # a less preferred precision never wins
-                key, gpus = min(options, key=lambda option: option[0])
-                return key, Group(key[3], precision, gpus)
-        return None
+                moved = self._active_context_seconds(model) if current and current.node != node_id and not penalty else 0.0
+                for gpus in self._fits_by_width(node.gpus, model, nbytes + extra_bytes):
+                    seconds = costs.weights_load_seconds(nbytes, gpus, source, node, self.c)
+                    cost = penalty + moved + self._group_cost(model, gpus, node_id, seconds, nbytes + extra_bytes)
+                    slack = sum(self.book.free[g.id] for g in gpus) - nbytes - extra_bytes
+                    options.append(((cost, rank, slack, node_id, seconds), Group(node_id, precision, gpus)))
+        if not options:
+            return None
+        return min(options, key=lambda option: option[0])
+
+    def _active_context_seconds(self, model: ModelSpec) -> float:
+        """Rough price of re-prefilling the active sessions' KV (on the current group)."""
+        seconds = self._active_context.get(model.id)
+        if seconds is None:
+            current = self.now.serving.get(model.id)
+            seconds = 0.0
+            if current is not None and self.active.get(model.id):
+                per_token = costs.prefill_seconds_per_token(model, current.gpus, self.c)
+                seconds = sum(self.c.slo_weights.of(s.slo) * s.context_tokens for s in self.active[model.id]) * per_token
+            self._active_context[model.id] = seconds
+        return seconds
+
+    def _regroup_seconds(self, obj: StateObject, gpus: tuple[Gpu, ...], nbytes: int, node_id: str) -> float | None:
+        """Seconds to reshard weights onto `gpus` of the node serving them now: each card copies what it lacks.
+
+        None when a card must grow and the node has no complete copy below its GPUs to copy from.
+        """
+        shards = split_evenly(nbytes, len(gpus))
+        gains = [max(0, b - self.now.placement.get((obj, Location.gpu(g.id)), 0)) for g, b in zip(gpus, shards, strict=True)]
+        if not any(gains):
+            return 0.0
+        source = self._source(obj, node_id)
+        if source is None:
+            return None
+        return costs.copy_seconds(gains, gpus, source, self.p.nodes[node_id]) + self.c.engine_load_overhead_seconds
+
+    def _group_cost(self, model: ModelSpec, gpus: tuple[Gpu, ...], node_id: str, load_seconds: float, need: int) -> float:
+        """Estimated objective seconds of serving the model on `gpus` (what differs between groups).
+
+        move_weight and the active requests wait for the load; predicted
+        requests re-prefill their history on the group's FLOP/s; a MoE's
+        requests pay the decode slowdown left after the best expert fraction
+        the node's remaining room can hold; and a MoE already on the node loses
+        the expert room the group takes.
+        """
+        c = self.c
+        active_w = self._active_weight.get(model.id, 0.0)
+        cost = load_seconds * (c.move_weight + active_w)
+        per_token = costs.prefill_seconds_per_token(model, gpus, c)
+        cost += per_token * self._context_demand[self.row[model.id]]
+        others = [(self.p.models[m], g.gpus) for m, g in self._moe_on.get(node_id, {}).items() if m != model.id]
+        if model.is_moe or others:
+            # the MoE models on the node share its free room for experts: price the joint change
+            room = self.book.room(node_id)
+            after = others + [(model, gpus)] if model.is_moe else others
+            cost += self._experts_cost(node_id, after, max(0, room - need)) - self._experts_cost(node_id, others, room)
+        return cost
+
+    def _expert_steps(self, model: ModelSpec, node_id: str) -> list[int]:
+        """Cumulative bytes of the expert chunks the greedy offers on the node (hottest first)."""
+        key = (model.id, node_id)
+        steps = self._steps_cache.get(key)
+        if steps is None:
+            partial = Capability.PARTIAL_EXPERTS in self.p.nodes[node_id].capabilities
+            unit = model.expert_bytes if partial else model.experts_bytes
+            chunk_bytes = max(unit, (model.experts_bytes // EXPERT_CHUNKS) // unit * unit) if partial else model.experts_bytes
+            steps, placed = [], 0
+            while placed < model.experts_bytes:
+                placed = min(model.experts_bytes, placed + chunk_bytes)
+                steps.append(placed)
+            self._steps_cache[key] = steps
+        return steps
+
+    def _expert_split_unit(self, model: ModelSpec, node_id: str) -> int:
+        """The largest size that divides every expert chunk on the node (a whole number of experts)."""
+        key = (model.id, node_id)
+        unit = self._split_units.get(key)
+        if unit is None:
+            steps = self._expert_steps(model, node_id)
+            unit = self._split_units[key] = math.gcd(*(b - a for a, b in zip([0, *steps], steps)))
+        return unit
+
+    def _expert_limit(self, model: ModelSpec, node_id: str) -> int:
+        """Most expert bytes the node's GPUs may hold: all with a complete copy below to load from, else what they hold now."""
+        key = (model.id, node_id)
+        limit = self._limits.get(key)
+        if limit is None:
+            obj = StateObject.experts(model.id)
+            if self.now.complete_source(obj, node_id) is not None:
+                limit = model.experts_bytes
+            else:
+                limit = self.now.on(obj, node_id, Tier.GPU)
+            self._limits[key] = limit
+        return limit
+
+    def _experts_cost(self, node_id: str, moes: list[tuple[ModelSpec, tuple[Gpu, ...]]], room: int) -> float:
+        """Decode slowdown (served weight * seconds) plus HBM price of the MoE models on a node sharing `room` for experts.
+
+        Each model has already `_experts_placed` bytes on GPU; `room` more are
+        handed out chunk by chunk, the best saving per byte first (the hit rate
+        is concave, so each model's chunks come hottest first), while a chunk
+        saves more than its price.
+        """
+        if not moes:
+            return 0.0
+        key = (node_id, room, tuple((m.id, tuple(g.id for g in gpus), self._experts_placed.get(m.id, 0)) for m, gpus in moes))
+        cached = self._experts_memo.get(key)
+        if cached is not None:
+            return cached
+        price = self.c.gpu_price_seconds_per_gib / GIB  # seconds per byte held on GPU
+        total = 0.0
+        offers: list[tuple[float, int, int]] = []  # (-saving per byte, model index, step index)
+        curves = []
+        wanted = 0  # bytes that bring every model to its own best step
+        alone = 0.0  # the cost when the room holds all of them
+        for i, (model, gpus) in enumerate(moes):
+            steps, slow, best = self._expert_curve(model, node_id, gpus)
+            placed = self._experts_placed.get(model.id, 0)
+            j = bisect.bisect_right(steps, placed) - 1  # steps[0] = 0; `placed` is always a step
+            total += slow[j]
+            curves.append((steps, slow))
+            if best > j:
+                wanted += steps[best] - placed
+                alone += slow[best] + price * (steps[best] - placed)
+            else:
+                alone += slow[j]
+            if j + 1 < len(steps):
+                offers.append(((slow[j + 1] - slow[j]) / (steps[j + 1] - steps[j]) + price, i, j))
+        if wanted <= room:  # no contention: each model takes its paying chunks
+            self._experts_memo[key] = alone
+            return alone
+        heapq.heapify(offers)
+        while offers and room > 0:
+            density, i, j = heapq.heappop(offers)
+            if density >= 0:
+                break  # no chunk left saves more than its price
+            steps, slow = curves[i]
+            nbytes = steps[j + 1] - steps[j]
+            if nbytes > room:
+                continue  # this model's later chunks save less per byte (concave hit rate)
+            room -= nbytes
+            total += density * nbytes
+            if j + 2 < len(steps):
+                heapq.heappush(offers, ((slow[j + 2] - slow[j + 1]) / (steps[j + 2] - steps[j + 1]) + price, i, j + 1))
+        self._experts_memo[key] = total
+        return total
+
+    def _expert_curve(self, model: ModelSpec, node_id: str, gpus: tuple[Gpu, ...]) -> tuple[list[int], list[float], int]:
+        """([0, expert bytes at each chunk step the node may hold], served weight * decode slowdown there,
+        the step where slowdown plus the HBM price of the experts is least)."""
+        h2d = sum(g.h2d_bytes_per_s for g in gpus)
+        limit = self._expert_limit(model, node_id)
+        partial = Capability.PARTIAL_EXPERTS in self.p.nodes[node_id].capabilities
+        key = (model.id, partial, limit, h2d)  # all the curve depends on
+        curve = self._curves.get(key)
+        if curve is None:
+            served = self._served_weight(model.id)
+            steps = [0] + [b for b in self._expert_steps(model, node_id) if b <= limit]
+            # costs.decode_slowdown_seconds at each step, one pass: served * tokens * miss(f) * bytes/token / h2d
+            at_zero = served * costs.decode_slowdown_seconds(model, 0.0, gpus, self.c)
+            skew = self.c.expert_popularity_skew
+            slow = [at_zero * (1.0 - min(1.0, b / model.experts_bytes) ** skew) if b else at_zero for b in steps]
+            price = self.c.gpu_price_seconds_per_gib / GIB
+            best = min(range(len(steps)), key=lambda j: (slow[j] + price * steps[j], j))
+            curve = self._curves[key] = (steps, slow, best)
+        return curve
+
+    def _expert_loss(self, node_id: str, nbytes: int) -> float:
+        """Objective seconds the MoE models on the node lose when `nbytes` of its free room go to something else."""
+        moes = [(self.p.models[m], g.gpus) for m, g in self._moe_on.get(node_id, {}).items()]
+        if not moes:
+            return 0.0
+        room = self.book.room(node_id)
+        return self._experts_cost(node_id, moes, max(0, room - nbytes)) - self._experts_cost(node_id, moes, room)
+
+    def _served_weight(self, model_id: str) -> float:
+        """SLO-weighted requests that decode on the model's group: predicted plus active."""
+        served = self._served.get(model_id)
+        if served is None:
+            served = self._served[model_id] = self._demand(model_id) + self._active_weight.get(model_id, 0.0)
+        return served
 
     def _load_candidates(self, obj: StateObject, need: int, skip: str | None) -> list[tuple[str, Tier]]:
         """(node, source tier) pairs worth trying for a load of `obj` that takes `need` bytes of HBM.
@@ -240,24 +469,60 @@ class GreedyPlanner:
         for nodes in self.book.alike():
             if self.book.room(nodes[0]) < need:
                 continue
+            # A node serving a MoE also prices the expert room it would take, so it does not stand for the
+            # others; but it never beats a node of its look that serves none (sharing the room only costs).
+            with_moe = []
             for node_id in nodes:
-                if node_id != skip and self._source(obj, node_id) is Tier.NVME:
-                    out.append((node_id, Tier.NVME))
-                    break
+                if node_id == skip or self._source(obj, node_id) is not Tier.NVME:
+                    continue
+                if node_id in self._moe_on:
+                    with_moe.append((node_id, Tier.NVME))
+                    continue
+                out.append((node_id, Tier.NVME))
+                break
+            else:
+                out.extend(with_moe)
+        if len(out) > 2 * NODE_SHORTLIST:
+            # many distinct nodes (large clusters): price only the tightest and the roomiest few, and every
+            # node with a copy in host DRAM (the group search is the hot loop of planning at scale)
+            hosted = [c for c in out if c[1] is Tier.HOST]
+            by_room = sorted((c for c in out if c[1] is not Tier.HOST), key=lambda c: (self.book.room(c[0]), c[0]))
+            keep = {c[0] for c in by_room[:NODE_SHORTLIST]} | {c[0] for c in by_room[-NODE_SHORTLIST:]}
+            out = hosted + [c for c in by_room if c[0] in keep]
         return out
 
-    def _best_fit(self, gpu_ids: Iterable[str], model: ModelSpec, nbytes: int) -> tuple[Gpu, ...] | None:
-        """The fewest GPUs of one node that hold `nbytes` split evenly, tightest fit first."""
+    def _fits_by_width(self, gpu_ids: Iterable[str], model: ModelSpec, nbytes: int) -> list[tuple[Gpu, ...]]:
+        """The groups of one node worth pricing for `nbytes` split evenly: the widest that fits and the fewest GPUs.
+
+        For each width k the candidate is the tightest k GPUs that hold an even
+        shard (min_gpus respected). The widest prefills and fetches missed
+        experts fastest and loads in parallel over the most links, and takes
+        the same bytes of the node as any other width, so it is the one that
+        usually wins; the fewest GPUs (the tightest fit) stays on offer for
+        nodes of unlike cards, where a wide group may leave a large card's room
+        in small pieces.
+        """
         gpus = sorted((self.p.gpus[g] for g in gpu_ids), key=lambda g: (self.book.free[g.id], g.id))
-        for k in range(1, len(gpus) + 1):
+        free = [self.book.free[g.id] for g in gpus]
+
+        def group_of(k: int) -> tuple[Gpu, ...] | None:
             share = math.ceil(nbytes / k)
-            fitting = [g for g in gpus if self.book.free[g.id] >= share]
-            if len(fitting) < k:
-                continue
-            group = tuple(sorted(fitting[:k], key=lambda g: g.id))
-            if not model.min_gpus or k >= max(model.min_gpus.get(g.type, 1) for g in group):
-                return group
-        return None
+            start = bisect.bisect_left(free, share)  # cards in order of free bytes: the tightest k that hold a shard
+            if len(gpus) - start < k:
+                return None
+            group = tuple(sorted(gpus[start : start + k], key=lambda g: g.id))
+            if model.min_gpus and k < max(model.min_gpus.get(g.type, 1) for g in group):
+                return None
+            return group
+
+        widths = range(1, len(gpus) + 1)
+        wide = next((g for g in map(group_of, reversed(widths)) if g is not None), None)
+        if wide is None:
+            return []
+        if self._uniform[gpus[0].node]:
+            return [wide]  # like cards: the widest is never worse (more FLOP/s and links, the same bytes)
+        narrow = next(g for g in map(group_of, widths) if g is not None)
+        return [wide] if wide == narrow else [wide, narrow]
 
     def _place_weights(self, model: ModelSpec, group: Group, reason: str) -> None:
         obj = StateObject.weights(model.id, group.precision)
@@ -268,6 +533,9 @@ class GreedyPlanner:
                 self.target[(obj, Location.gpu(g.id))] = b
         self.groups[model.id] = group
         self.reasons[obj] = reason
+        self._placed_on[group.node] += 1
+        if model.is_moe:
+            self._moe_on[group.node][model.id] = group
 
     def _place_spread(self, obj: StateObject, group: Group, nbytes: int) -> None:
         shards = split_evenly(nbytes, len(group.gpus))
@@ -365,13 +633,15 @@ class GreedyPlanner:
         while heap:
             _, _, kind, payload = heapq.heappop(heap)
             if kind == "weights":
-                model_id, group, why = payload
+                model_id, group, why, offered = payload
                 if model_id in self.groups:
                     continue
                 model = self.p.models[model_id]
                 shards = split_evenly(model.weights_bytes[group.precision], len(group.gpus))
-                if not self.book.fits(group.gpus, shards):
-                    # the group filled up; look for another one at the same value
+                if offered != self._placed_on[group.node] or not self.book.fits(group.gpus, shards):
+                    # weights were placed on its node since the offer was made, or its group filled up: its
+                    # best group and value may have changed (lazy greedy: re-offer at the current value; it
+                    # comes back at once if it still leads). Placements elsewhere only make other nodes worse.
                     self._push_weights(model, push)
                     continue
                 self._place_weights(model, group, why)
@@ -394,7 +664,7 @@ class GreedyPlanner:
         best = self._best_group(model, 0)
         if best is None:
             return
-        (rank, seconds, _, _), group = best
+        (_, rank, _, _, seconds), group = best
         cold = cold_load(self.p, self.now, model)
         nbytes = model.weights_bytes[group.precision]
         saved = cold.seconds if math.isfinite(cold.seconds) else self.c.unserved_penalty_seconds
@@ -404,11 +674,14 @@ class GreedyPlanner:
         value += float(missed) * self.c.violation_penalty_seconds
         value -= total_w * self.c.degraded_precision_seconds * (rank > 0)
         value -= costs.gpu_hold_cost(nbytes, self.c) + self.c.move_weight * seconds
+        # the expert room it takes from MoE models served on that node
+        if not model.is_moe:
+            value -= self._expert_loss(group.node, nbytes)
         why = (
             f"kept warm: {total_w:.2f} SLO-weighted predicted requests would each wait {saved:.1f} s for a cold load; "
             f"saves {value:.1f} s net of the {nbytes / GIB:.1f} GiB HBM price"
         )
-        push(value, nbytes, "weights", (model.id, group, why))
+        push(value, nbytes, "weights", (model.id, group, why, self._placed_on[group.node]))
 
     def _push_followers(self, model_id: str, push) -> None:
         """KV of sessions likely to use the model, and its hot experts, once its weights are placed."""
@@ -425,15 +698,32 @@ class GreedyPlanner:
             nbytes = self._kv_bytes(session, model)
             if nbytes == 0 or not self._kv_exists(obj, group):
                 continue
-            restorable = self.now.on(obj, group.node, Tier.HOST) if kv_ok_below else 0
-            without = costs.kv_ready_seconds(
-                session.context_tokens, restorable, model, group.gpus, Tier.HOST, node, self.c
-            )
+            without = self._kv_without_seconds(obj, session, model, group, kv_ok_below)
             value = w * without - costs.gpu_hold_cost(nbytes, self.c)
+            if without > self.slo_target[self.position[sid]]:  # off GPU the request would miss its target
+                value += w * self.c.violation_penalty_seconds
             why = f"kept on GPU: spares {w:.2f} SLO-weighted predicted requests {without:.1f} s of KV restore or re-prefill"
             push(value, nbytes, "kv", (obj, group, nbytes, why))
         if model.is_moe:
             self._push_expert_chunks(model, group, push)
+
+    def _kv_without_seconds(self, obj: StateObject, session: Session, model: ModelSpec, group: Group, kv_ok_below: bool) -> float:
+        """Seconds to ready the session's KV if it is not kept on GPU: restore it from below, or re-prefill.
+
+        KV leaving this node's GPUs is parked in host DRAM by the lower-tier
+        step (when the node offloads KV and a restore beats a re-prefill), so
+        a copy there counts as restorable as well as one that is there now.
+        """
+        node = self.p.nodes[group.node]
+        tokens = session.context_tokens
+        if not kv_ok_below:
+            return costs.kv_ready_seconds(tokens, 0, model, group.gpus, Tier.HOST, node, self.c)
+        host = self.now.on(obj, group.node, Tier.HOST)
+        if (obj, group.node, Tier.GPU) in self._kv_held and node.host_bytes > 0:
+            host = self.p.size_of(obj)
+        nvme = self.now.on(obj, group.node, Tier.NVME)
+        source, restorable = (Tier.HOST, host) if host >= nvme else (Tier.NVME, nvme)
+        return costs.kv_ready_seconds(tokens, restorable, model, group.gpus, source, node, self.c)
 
     def _kv_exists(self, obj: StateObject, group: Group) -> bool:
         """KV worth keeping is KV already computed, at the precision the model is served at.
@@ -448,37 +738,72 @@ class GreedyPlanner:
 
     def _push_expert_chunks(self, model: ModelSpec, group: Group, push) -> None:
         obj = StateObject.experts(model.id)
-        demand = self._demand(model.id) + sum(self.c.slo_weights.of(s.slo) for s in self.active.get(model.id, ()))
+        demand = self._served_weight(model.id)
         if demand <= 0:
             return
-        partial = Capability.PARTIAL_EXPERTS in self.p.nodes[group.node].capabilities
-        chunks = EXPERT_CHUNKS if partial else 1
-        unit = model.expert_bytes if partial else model.experts_bytes
-        chunk_bytes = max(unit, (model.experts_bytes // chunks) // unit * unit)
+        # chunks grow only up to what the node can load: a complete copy below its GPUs, or what they hold now
+        limit = self._expert_limit(model, group.node)
         placed = 0
         slowdown = costs.decode_slowdown_seconds(model, 0.0, group.gpus, self.c)
-        while placed < model.experts_bytes:
-            nbytes = min(chunk_bytes, model.experts_bytes - placed)
-            after = costs.decode_slowdown_seconds(model, (placed + nbytes) / model.experts_bytes, group.gpus, self.c)
+        for step in self._expert_steps(model, group.node):
+            if step > limit:
+                break
+            nbytes = step - placed
+            after = costs.decode_slowdown_seconds(model, step / model.experts_bytes, group.gpus, self.c)
             saved = demand * (slowdown - after)
-            fraction = (placed + nbytes) / model.experts_bytes
+            fraction = step / model.experts_bytes
             why = (
                 f"hot experts on GPU up to {fraction:.0%} of all routed experts "
                 f"(hit rate {costs.expert_hit_rate(fraction, self.c):.0%}): MoE decode slowdown {after:.1f} s per request "
                 f"for {demand:.2f} SLO-weighted requests"
             )
             push(saved - costs.gpu_hold_cost(nbytes, self.c), nbytes, "experts", (obj, group, nbytes, why))
-            placed, slowdown = placed + nbytes, after
+            placed, slowdown = step, after
         # chunks are valued in order (concave hit rate), so the heap takes them hottest first
 
     def _place_expert_chunk(self, obj: StateObject, node: str, nbytes: int) -> bool:
-        """Routed experts may sit on any GPU of the serving node (expert parallel): the roomiest takes the chunk."""
-        gpu = max(self.p.nodes[node].gpus, key=lambda g: (self.book.free[g], g))
-        if self.book.free[gpu] < nbytes:
+        """Routed experts may sit on any GPU of the serving node (expert parallel): filled in card order, in whole experts.
+
+        A chunk splits over cards in pieces that divide every chunk where it
+        can (so each card holds a whole number of the MILP oracle's expert
+        units), else in whole experts; without partial_experts it stays on one
+        card. Without a complete copy below the node's GPUs to load from, a
+        GPU keeps at most the expert bytes it holds now (nothing could fill more).
+        """
+        model = self.p.models[obj.model]
+        if Capability.PARTIAL_EXPERTS in self.p.nodes[node].capabilities:
+            units = (self._expert_split_unit(model, node), model.expert_bytes)
+        else:
+            units = (nbytes,)
+        sourced = self.now.complete_source(obj, node) is not None
+        room: list[tuple[int, str]] = []
+        for g in self.p.nodes[node].gpus:
+            free = self.book.free[g]
+            if not sourced:
+                key = (obj, Location.gpu(g))
+                free = min(free, self.p.residency.get(key, 0) - self.target.get(key, 0))
+            if free > 0:
+                room.append((free, g))
+        room.sort(key=lambda fg: fg[1])  # in card order: of two like cards the first holds at least as much
+        for unit in units:
+            takes: list[tuple[str, int]] = []
+            left = nbytes
+            for free, g in room:
+                if left <= 0:
+                    break
+                take = left if free >= left else free // unit * unit
+                if take > 0:
+                    takes.append((g, take))
+                    left -= take
+            if left <= 0:
+                break
+        else:
             return False
-        self.book.take([self.p.gpus[gpu]], [nbytes])
-        key = (obj, Location.gpu(gpu))
-        self.target[key] = self.target.get(key, 0) + nbytes
+        for g, take in takes:
+            self.book.take([self.p.gpus[g]], [take])
+            key = (obj, Location.gpu(g))
+            self.target[key] = self.target.get(key, 0) + take
+        self._experts_placed[obj.model] += nbytes
         return True
 
     # -- step 3: lower tiers ---------------------------------------------

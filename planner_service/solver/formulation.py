@@ -398,8 +398,14 @@ class _Builder:
         return chunk, regular, model.experts_bytes - regular * chunk
 
     def _unit(self, model: ModelSpec, node_id: str) -> int:
-        """Expert bytes per GPU are counted in this unit: every breakpoint is a whole number of them."""
+        """Expert bytes per GPU are counted in this unit: every breakpoint is a whole number of them.
+
+        With partial_experts a chunk may split over the node's cards in whole experts (as the greedy splits
+        it); without, the only breakpoint is all experts on one card.
+        """
         chunk, _, tail = self._chunks(model, node_id)
+        if Capability.PARTIAL_EXPERTS in self.p.nodes[node_id].capabilities:
+            return math.gcd(chunk, tail, model.expert_bytes)
         return math.gcd(chunk, tail)
 
     def _combo_terms(self, model: ModelSpec, node_id: str) -> list[tuple[int, int, int]]:

@@ -192,9 +192,9 @@ def test_moe_expert_fraction_is_the_best_breakpoint() -> None:
     assert chosen == 4 * GIB * int(np.argmin(values))
 
 
-def test_oracle_plans_when_the_greedy_target_is_unreachable() -> None:
-    # The MoE's routed experts sit only on n1's NVMe; its weights only on n0's. The greedy serves it on n0 and
-    # puts expert chunks there, which no operation can fill (no copy on n0). The oracle keeps experts off n0.
+def test_neither_solver_puts_experts_where_no_copy_can_fill_them() -> None:
+    # The MoE's routed experts sit only on n1's NVMe; its weights only on n0's. Serving it on n0, no operation
+    # could fill expert chunks there (no copy on n0): the greedy (fixed) and the oracle both keep experts off n0.
     moe = model("moe", {"bf16": 8}, experts_bytes=64 * GIB, expert_bytes=GIB // 4, active_expert_bytes_per_token=2 * GIB)
     caps = ["partial_experts", "kv_offload", "weights_offload"]
     problem = problem_of(
@@ -205,7 +205,7 @@ def test_oracle_plans_when_the_greedy_target_is_unreachable() -> None:
     )
     plan = solve_milp(problem, time_limit_seconds=5)
     sound(problem, plan)
-    assert plan.extra["milp"]["greedy_objective"] is None and plan.extra["milp"]["plan_from"] == "milp"
+    assert plan.extra["milp"]["greedy_objective"] is not None
     assert plan.unserved == {}
     assert not any(obj.kind == "experts" and loc.tier is Tier.GPU for obj, loc in plan.placement)
 
@@ -225,7 +225,7 @@ def test_milp_matches_brute_force_on_tiny_random_scenarios(seed: int) -> None:
     assert details["model_objective"] == pytest.approx(best, rel=1e-6, abs=1e-6)
     # the model's value is what the evaluator says of the plan it decodes to
     assert details["milp_plan_objective"] == pytest.approx(details["model_objective"], rel=1e-9, abs=1e-9)
-    assert plan.objective.total <= details["greedy_objective"] + 1e-9
+    assert plan.objective.total <= details["greedy_objective"] + 1e-6  # greedy_objective is rounded to 6 places
 
 
 def test_model_objective_is_the_evaluators_on_the_demo_hint() -> None:

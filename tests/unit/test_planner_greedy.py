@@ -10,7 +10,9 @@ from typer.testing import CliRunner
 from planner_service.cli import app
 from planner_service.domain.state import Kind, Location, StateObject, Tier
 from planner_service.domain.units import GIB
+from planner_service.planner import costs
 from planner_service.planner.invariants import check_plan
+from planner_service.planner.objective import evaluate
 from planner_service.planner.operations import Action, build_operations
 from tiny_clusters import (
     experts,
@@ -294,3 +296,99 @@ def test_cli_prints_one_plan_object_for_a_feasible_scenario(tmp_path) -> None:
     assert result.exit_code == 0, result.stderr
     out = json.loads(result.stdout)
     assert {"solver", "status", "objective", "solve_seconds", "placement", "operations", "predicted"} <= set(out)
+
+
+def test_expert_chunks_go_only_where_a_copy_can_fill_them() -> None:
+    # Regression: the MoE's weights are only on n0's NVMe, its routed experts only on n1's (whose 8 GiB card
+    # cannot hold the 8 GiB weights beside anything). The model is served on n0, where no operation could
+    # fill expert chunks (no complete copy below n0's GPUs): the greedy must leave the experts off n0's card
+    # rather than produce a target that `build_operations` refuses.
+    moe = model("moe", 8, experts_bytes=32 * GIB, expert_bytes=GIB // 4, active_expert_bytes_per_token=GIB)
+    caps = ["partial_experts", "kv_offload", "weights_offload"]
+    data = scenario(
+        [node("n0", gpu("g0", 48), capabilities=caps), node("n1", gpu("h0", 8), capabilities=caps)],
+        [moe],
+        [session("s1", "moe", active=True, tokens=0)],
+        [held(weights("moe"), on_nvme("n0"), 8 * GIB), held(experts("moe"), on_nvme("n1"), 32 * GIB)],
+    )
+    problem, plan = plan_for(data)  # raised "no complete copy of experts(moe)" before the fix
+    sound(problem, plan)
+    assert plan.unserved == {}
+    assert gpu_bytes(plan, StateObject.weights("moe", "bf16")) == {"g0": 8 * GIB}
+    assert gpu_bytes(plan, StateObject.experts("moe")) == {}
+
+
+def test_experts_already_on_gpu_stay_without_a_copy_below_but_do_not_grow() -> None:
+    # 4 GiB of the experts sit on g0 and nowhere else on n0: they may stay, but nothing can add to them.
+    moe = model("moe", 8, experts_bytes=32 * GIB, expert_bytes=GIB // 4, active_expert_bytes_per_token=GIB)
+    caps = ["partial_experts", "kv_offload", "weights_offload"]
+    data = scenario(
+        [node("n0", gpu("g0", 48), capabilities=caps), node("n1", gpu("h0", 8), capabilities=caps)],
+        [moe],
+        [session("s1", "moe", active=True, tokens=0)],
+        [
+            held(weights("moe"), on_gpu("g0"), 8 * GIB),
+            held(weights("moe"), on_nvme("n0"), 8 * GIB),
+            held(experts("moe"), on_gpu("g0"), 4 * GIB),
+            held(experts("moe"), on_nvme("n1"), 32 * GIB),
+        ],
+    )
+    problem, plan = plan_for(data)
+    sound(problem, plan)
+    assert 0 < gpu_bytes(plan, StateObject.experts("moe")).get("g0", 0) <= 4 * GIB
+
+
+def test_weights_spread_over_the_whole_node_when_that_prefills_faster() -> None:
+    # 8 GiB of weights fit one 24 GiB card, but the evaluator prefills on the group's summed FLOP/s
+    # (2 * active_params / (sum_i flops_i * efficiency) per token) and copies shards in parallel, one PCIe link
+    # each: four cards prefill the idle session's 32,768-token history and load the weights in a quarter of
+    # the time of one, for the same 8 GiB of HBM.
+    data = scenario(
+        [node("n0", *(gpu(f"g{i}", 24) for i in range(4)))],
+        [model("m", 8, active_params=8_000_000_000)],
+        [session("s1", "m", active=True, tokens=0), session("s2", "m", user="v", tokens=32768)],
+        [held(weights("m"), on_nvme("n0"), 8 * GIB)],
+    )
+    problem, plan = plan_for(data)
+    sound(problem, plan)
+    assert gpu_bytes(plan, StateObject.weights("m", "bf16")) == {f"g{i}": 2 * GIB for i in range(4)}
+    # the fewest-GPUs group (all on g0) evaluates worse
+    narrow = {k: v for k, v in plan.placement.items() if not (k[1].tier is Tier.GPU and k[0].kind is Kind.WEIGHTS)}
+    narrow[(StateObject.weights("m", "bf16"), Location.gpu("g0"))] = 8 * GIB
+    for (obj, loc), nbytes in list(narrow.items()):
+        if obj.kind is Kind.KV and loc.tier is Tier.GPU and loc.id != "g0":
+            del narrow[(obj, loc)]
+            narrow[(obj, Location.gpu("g0"))] = narrow.get((obj, Location.gpu("g0")), 0) + nbytes
+    assert plan.objective.total < evaluate(problem, narrow)[0].total
+
+
+def test_a_moe_takes_the_roomier_node_for_its_experts() -> None:
+    # "dense" (12 GiB) and the MoE (8 GiB dense part + 32 GiB of routed experts) both serve a request.
+    # The larger goes first and takes the tightest fit, n0's 24 GiB card. Fewest-GPUs best fit then put the
+    # MoE beside it (4 GiB left for experts); the MoE's decode slowdown falls with the experts on GPU
+    # (tokens * (1 - f**skew) * bytes/token / h2d), so the greedy serves it on n1's empty 48 GiB card, where
+    # 40 GiB are left for experts: all 32 GiB of them fit.
+    moe = model("moe", 8, experts_bytes=32 * GIB, expert_bytes=GIB // 4, active_expert_bytes_per_token=GIB)
+    caps = ["partial_experts", "kv_offload", "weights_offload"]
+    residency = [
+        held(obj, on_nvme(n), size * GIB)
+        for n in ("n0", "n1")
+        for obj, size in ((weights("dense"), 12), (weights("moe"), 8), (experts("moe"), 32))
+    ]
+    data = scenario(
+        [node("n0", gpu("g0", 24), capabilities=caps), node("n1", gpu("h0", 48), capabilities=caps)],
+        [model("dense", 12), moe],
+        [session("s1", "dense", active=True, tokens=0), session("s2", "moe", user="v", active=True, tokens=0)],
+        residency,
+    )
+    problem, plan = plan_for(data)
+    sound(problem, plan)
+    assert plan.unserved == {}
+    assert gpu_bytes(plan, StateObject.weights("dense", "bf16")) == {"g0": 12 * GIB}
+    assert gpu_bytes(plan, StateObject.weights("moe", "bf16")) == {"h0": 8 * GIB}
+    assert gpu_bytes(plan, StateObject.experts("moe")) == {"h0": 32 * GIB}
+    # beside "dense" on g0 at most 4 GiB of experts would fit: the decode slowdown there is larger
+    spec = problem.models["moe"]
+    cramped = costs.decode_slowdown_seconds(spec, 4 / 32, (problem.gpus["g0"],), problem.constants)
+    served = costs.decode_slowdown_seconds(spec, 1.0, (problem.gpus["h0"],), problem.constants)
+    assert served < cramped

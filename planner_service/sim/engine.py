@@ -149,6 +149,7 @@ class Simulator:
         seed: int = 0,
         tick_seconds: float = 60.0,
         on_progress: Callable[[float], None] | None = None,
+        expert_miss_decode: bool = True,
     ) -> None:
         self.scenario = scenario
         self.problem = base_problem(scenario)
@@ -158,6 +159,7 @@ class Simulator:
         self.seed = seed
         self.tick_seconds = tick_seconds
         self.on_progress = on_progress
+        self.expert_miss_decode = expert_miss_decode  # False: decode ignores routed experts off GPU
         self.cluster = SimCluster(self.problem)
         for (obj, loc), nbytes in sorted(self.problem.residency.items()):
             self.cluster.add(obj, loc, nbytes)
@@ -173,6 +175,7 @@ class Simulator:
         self._epochs = itertools.count(1)
         self.demand: dict[str, int] = defaultdict(int)  # waiting + running requests per model
         self.running: dict[str, int] = defaultdict(int)  # running requests per model
+        self.deadlock_breaks = 0
         self.needs_kv_room: set[str] = set()  # models whose last group could not hold a waiting request's KV
         self.loads = 0
         self.running_kv: set[StateObject] = set()  # KV of running requests: pinned
@@ -200,6 +203,9 @@ class Simulator:
             self.push(rec.t, "record", i)
         end_of_trace = self.records[-1].t if self.records else 0.0
         self.policy.setup(self)
+        for model_id in sorted(self.models):
+            if self.models[model_id].status == "ready":
+                self.policy.on_model_ready(self, model_id)  # what the policy does next to a model it placed
         if self.tick_seconds > 0:
             self.push(self.tick_seconds, "tick")
         self._reschedule_transfers()
@@ -217,9 +223,12 @@ class Simulator:
         idle_ticks = 0
         while self._heap:
             at, _, kind, payload = heapq.heappop(self._heap)
-            if kind == "tick":
-                idle_ticks += 1
-                if self.now >= end_of_trace and (not self._busy() or idle_ticks > 10):
+            if kind in ("tick", "plan"):
+                idle_ticks += kind == "tick"
+                if idle_ticks > 10 and self.waiting and self.deadlock_breaks < 100:
+                    idle_ticks = 0
+                    self._break_deadlock()  # waiting requests pin each other's room: free it for the oldest
+                elif self.now >= end_of_trace and (not self._busy() or idle_ticks > 10):
                     continue  # nothing left to do, or nothing but ticks for 10 ticks: deadlock, reported below
             elif kind != "xfer" or payload == self._xfer_gen:
                 idle_ticks = 0
@@ -258,7 +267,21 @@ class Simulator:
             timeline=self.timeline,
             link_peak_ratio=peak_ratio,
             fallback_loads=self.fallback_loads,
+            extra={"deadlock_breaks": self.deadlock_breaks},
         )
+
+    def _break_deadlock(self) -> None:
+        """Nothing has moved for 10 ticks: evict every model no request runs on, then serve the oldest waiter."""
+        self.deadlock_breaks += 1
+        oldest = min(self.waiting, key=lambda r: (r.admitted_at, r.index))
+        for model_id, state in sorted(self.models.items()):
+            if not self.running.get(model_id) and model_id != oldest.model and state.status == "ready":
+                self.evict(StateObject.weights(model_id, state.precision), Location.gpu(state.gpus[0].id), force=True)
+        self.needs_kv_room.discard(oldest.model)
+        state = self.models.get(oldest.model)
+        if state is not None and not self.running.get(oldest.model) and state.status == "ready":
+            self.evict(StateObject.weights(oldest.model, state.precision), Location.gpu(state.gpus[0].id), force=True)
+        self.load_model(oldest.model)
 
     def _busy(self) -> bool:
         return bool(self.cluster.transfers) or any(r.state != "done" for r in self.requests[-50:])
@@ -371,9 +394,10 @@ class Simulator:
         group = state.gpus
         group_ids = {g.id for g in group}
         # KV left on GPUs outside the serving group is stale: drop it
-        for loc in [l for (o, l) in list(self.cluster.placed) if o == kv and l.tier is Tier.GPU and l.id not in group_ids]:
-            self.cluster.remove(kv, loc)
-            self.gpu_tokens[kv] = 0
+        for gpu_id in self.problem.gpus:
+            if gpu_id not in group_ids and self.cluster.bytes_of(kv, Location.gpu(gpu_id)):
+                self.cluster.remove(kv, Location.gpu(gpu_id))
+                self.gpu_tokens[kv] = 0
         shards = split_evenly(footprint, len(group))
         needs = []
         for g, b in zip(group, shards, strict=True):
@@ -449,7 +473,7 @@ class Simulator:
         model = self.problem.models[model_id]
         hbm = HBM_EFFICIENCY * sum(g.hbm_bytes_per_s for g in state.gpus)
         step = (model.weights_bytes[state.precision] + model.active_expert_bytes_per_token) / hbm
-        if not model.is_moe:
+        if not model.is_moe or not self.expert_miss_decode:
             return step
         fraction = self.cluster.node_bytes(StateObject.experts(model_id), state.node, Tier.GPU) / model.experts_bytes
         per_request = costs.decode_slowdown_seconds(model, fraction, state.gpus, self.c)
@@ -482,8 +506,9 @@ class Simulator:
     def _write_through(self, kv: StateObject, node: str, nbytes: int, tokens: int) -> None:
         """LMCache-style: a turn's KV is stored to host DRAM as it is produced (small, asynchronous copies)."""
         host = Location.host(node)
-        for (o, loc) in [k for k in self.cluster.placed if k[0] == kv and k[1].tier is Tier.HOST and k[1] != host]:
-            self.cluster.remove(o, loc)
+        for other in self.problem.nodes:
+            if other != node and self.cluster.bytes_of(kv, Location.host(other)):
+                self.cluster.remove(kv, Location.host(other))
         have = self.cluster.bytes_of(kv, host)
         grow = nbytes - have
         if grow > self.cluster.free(host):
@@ -583,7 +608,7 @@ class Simulator:
     ) -> tuple[str, str, tuple[Gpu, ...]] | None:
         """Where an on-demand load would go: (node, precision, gpus), the least eviction first, then the fastest.
 
-        The group must hold the weights plus `kv_bytes` (the waiting requests' KV), split evenly.
+        The group must hold the weights plus `kv_bytes` (a waiting request's KV), split evenly.
         Preferred precision first; a degraded one only when the preferred fits nowhere.
         """
         model = self.problem.models[model_id]
@@ -630,7 +655,8 @@ class Simulator:
         """
         if model_id in self.models:
             return True
-        kv_bytes = sum(self.kv_footprint(r) for r in self.waiting if r.model == model_id)
+        # room for the largest waiting request's KV next to the weights (the others queue behind it)
+        kv_bytes = max((self.kv_footprint(r) for r in self.waiting if r.model == model_id), default=0)
         choice = self.choose_group(model_id, allowed, protect, kv_bytes)
         if choice is None and model_id not in self.needs_kv_room:
             choice = self.choose_group(model_id, allowed, protect)

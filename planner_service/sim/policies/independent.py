@@ -38,7 +38,7 @@ class IndependentPolicy(Policy):
         share = {m: counts.get(m, 0) / total for m in p.models}
         free = {n: sorted(node.gpus, key=lambda g: (-p.gpus[g].capacity_bytes, g)) for n, node in p.nodes.items()}
         node_of: dict[str, str] = {}
-        order = sorted(p.models.values(), key=lambda m: (-share[m.id] > 0, -m.weights_bytes[m.preferred], m.id))
+        order = sorted(p.models.values(), key=lambda m: (share[m.id] == 0, -m.weights_bytes[m.preferred], m.id))
         for model in order:
             nbytes = model.weights_bytes[model.preferred]
             best = None

@@ -47,8 +47,8 @@ class StatebudgetPolicy(Policy):
     def __init__(
         self,
         solver: str = SolverName.GREEDY,
-        min_interval_seconds: float = 1.0,
-        idle_interval_seconds: float = 10.0,
+        min_interval_seconds: float = 2.0,
+        idle_interval_seconds: float = 30.0,
         fallback_after_seconds: float = 10.0,
         warm_start: bool = True,
     ) -> None:
@@ -111,6 +111,10 @@ class StatebudgetPolicy(Policy):
             self.request_plan(sim, 0.0)
 
     def on_waiting(self, sim: Simulator, req: SimRequest) -> None:
+        if req.model in sim.needs_kv_room:  # the planned group could not hold this KV: load where it fits
+            if sim.load_model(req.model):
+                sim.fallback_loads += 1
+            return
         if self.scheduled_at is not None and sim.now - req.admitted_at < self.fallback_after_seconds:
             return  # a plan is coming
         if self._brings(req.model) and sim.now - req.admitted_at < self.fallback_after_seconds:

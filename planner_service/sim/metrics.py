@@ -1,0 +1,72 @@
+"""Per-policy metrics of a replay, as the `replay` JSON reports them."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from planner_service.domain.scenario import CostConstants, Slo, SloClassConstants
+from planner_service.sim.engine import SimRequest, SimResult
+
+DEFAULT_TTFT_TARGETS = SloClassConstants(blocking=2.0, interactive=5.0, background=30.0)
+
+
+def _quantiles(values: Sequence[float], keys: Sequence[str] = ("p50", "p95", "p99")) -> dict[str, float]:
+    arr = np.asarray(values, dtype=float)
+    out = {}
+    for key in keys:
+        out[key] = round(float(np.percentile(arr, float(key[1:]))), 6) if arr.size else 0.0
+    return out
+
+
+def _latency(values: Sequence[float]) -> dict[str, float]:
+    out = _quantiles(values)
+    out["mean"] = round(float(np.mean(values)), 6) if len(values) else 0.0
+    return out
+
+
+def slo_violation_rates(requests: Sequence[SimRequest], targets: SloClassConstants) -> dict[str, float]:
+    """Share of requests whose TTFT exceeds their class's target, per class and overall."""
+    out: dict[str, float] = {}
+    late_all = 0
+    for slo in Slo:
+        mine = [r for r in requests if r.slo is slo]
+        late = sum(r.ttft_seconds > targets.of(slo) for r in mine)
+        late_all += late
+        out[slo.value] = round(late / len(mine), 6) if mine else 0.0
+    out["all"] = round(late_all / len(requests), 6) if requests else 0.0
+    return out
+
+
+def summarize(result: SimResult, targets: SloClassConstants = DEFAULT_TTFT_TARGETS) -> dict[str, Any]:
+    requests = result.requests
+    switch = [r.switch_seconds for r in requests]
+    handoff = [r.switch_seconds for r in requests if r.handoff]
+    duration = result.duration_seconds or 1.0
+    return {
+        "requests": len(requests),
+        "handoffs": len(handoff),
+        "switch_latency_seconds": {"all": _latency(switch), "handoff": _latency(handoff)},
+        "ttft_seconds": _quantiles([r.ttft_seconds for r in requests]),
+        "slo_violation_rate": slo_violation_rates(requests, targets),
+        "gpu_bytes": {"mean": int(result.gpu_byte_seconds / duration), "peak": int(result.peak_gpu_bytes)},
+        "warm_idle_gpu_bytes": {"mean": int(result.warm_idle_byte_seconds / duration)},
+        "bytes_moved": int(result.bytes_moved),
+        "operations": int(result.operations),
+        "planner_seconds": _quantiles(result.planner_seconds, ("p50", "p99")),
+        "planner_calls": len(result.planner_seconds),
+        "fallback_loads": int(result.fallback_loads),
+        "deadlock_breaks": int(result.extra.get("deadlock_breaks", 0)),
+        "capacity_or_bandwidth_violations": int(result.violations),
+        "replay_wall_seconds": round(float(result.extra.get("wall_seconds", 0.0)), 3),
+        "simulated_seconds": round(duration, 3),
+    }
+
+
+def ttft_targets(constants: CostConstants | None, overrides: Mapping[str, float] | None = None) -> SloClassConstants:
+    """The TTFT targets: the defaults (2 / 5 / 30 s) with any per-class overrides."""
+    data = DEFAULT_TTFT_TARGETS.model_dump()
+    data.update(overrides or {})
+    return SloClassConstants(**data)

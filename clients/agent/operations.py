@@ -3,34 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import StrEnum
 from typing import Any
 
-
-class Capability(StrEnum):
-    """Moves a node's engines can carry out (the service's `Capability`, DESIGN.md §5)."""
-
-    WEIGHTS_OFFLOAD = "weights_offload"
-    PARTIAL_EXPERTS = "partial_experts"
-    KV_OFFLOAD = "kv_offload"
-
-
-class Tier(StrEnum):
-    GPU = "gpu"
-    HOST = "host"
-    NVME = "nvme"
-
-
-class Kind(StrEnum):
-    WEIGHTS = "weights"
-    KV = "kv"
-    EXPERTS = "experts"
-
-
-class Action(StrEnum):
-    PROMOTE = "promote"
-    DEMOTE = "demote"
-    DROP = "drop"
+# The wire vocabulary is the planner's own.
+from planner_service.domain.scenario import Capability
+from planner_service.domain.state import Kind, Tier
+from planner_service.planner.operations import Action
 
 
 @dataclass(frozen=True, slots=True)

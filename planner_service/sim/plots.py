@@ -20,6 +20,15 @@ def _pyplot():
     return plt
 
 
+def _save_with_legend(plt, fig, ax, path: Path) -> Path:
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def switch_latency_cdf(results: dict[str, SimResult], path: Path) -> Path:
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -31,12 +40,7 @@ def switch_latency_cdf(results: dict[str, SimResult], path: Path) -> Path:
     ax.set_xlabel("switch latency (s, log scale)")
     ax.set_ylabel("share of requests")
     ax.set_title("Switch latency CDF per policy")
-    ax.grid(True, alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save_with_legend(plt, fig, ax, path)
 
 
 def gpu_memory_over_time(results: dict[str, SimResult], path: Path) -> Path:
@@ -53,12 +57,7 @@ def gpu_memory_over_time(results: dict[str, SimResult], path: Path) -> Path:
     ax.set_xlabel("time (h)")
     ax.set_ylabel("GPU bytes held (GiB)")
     ax.set_title("GPU memory over time per policy")
-    ax.grid(True, alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save_with_legend(plt, fig, ax, path)
 
 
 def comparison_bars(report: dict[str, Any], path: Path) -> Path:

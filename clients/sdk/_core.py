@@ -13,6 +13,8 @@ until the lease expires.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -111,11 +113,12 @@ def parse(call: Call, response: httpx.Response) -> Any:
     return response.json()
 
 
-class Endpoints:
+class Endpoints(ABC):
     """Every endpoint of the StateBudget API, once. `_send` is the transport (sync or async)."""
 
-    def _send(self, call: Call) -> Any:  # pragma: no cover - each client implements it
-        raise NotImplementedError
+    @abstractmethod
+    def _send(self, call: Call) -> Any:
+        """Send one call; the sync client returns the result, the async one an awaitable of it."""
 
     # -- health ------------------------------------------------------------------
 

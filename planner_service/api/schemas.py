@@ -67,11 +67,6 @@ class ReportOut(BaseModel):
     duplicate: bool
 
 
-class PlanRequestOut(BaseModel):
-    epoch: int
-    changed: bool
-
-
 class RegisterOut(BaseModel):
     node: str
     registered_at: str | None

@@ -5,7 +5,6 @@ from typing import Any
 from fastapi import APIRouter, Query
 
 from planner_service.api.deps import OperatorDep, ServiceDep
-from planner_service.api.schemas import PlanRequestOut
 from planner_service.service import questions
 
 router = APIRouter(tags=["plan"])
@@ -17,10 +16,11 @@ def get_plan(service: ServiceDep, _: OperatorDep) -> dict[str, Any]:
     return service.plan_view()
 
 
-@router.post("/v1/plan", response_model=PlanRequestOut)
+@router.post("/v1/plan")
 def replan(service: ServiceDep, _: OperatorDep) -> dict[str, Any]:
-    """Replan now: a new epoch supersedes the operations not yet leased."""
-    return service.replan(force=True)
+    """Replan now: a new epoch supersedes the operations not yet leased. Returns the new plan, as GET does."""
+    changed = service.replan(force=True)["changed"]
+    return {**service.plan_view(), "changed": changed}
 
 
 @router.get("/v1/pareto")

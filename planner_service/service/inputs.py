@@ -17,6 +17,8 @@ Tokens = Annotated[int, Field(ge=0, le=100_000_000, description="Tokens (at most
 EventId = Annotated[str, Field(min_length=1, max_length=200)]
 Name = Annotated[str, Field(min_length=1, max_length=200)]
 
+MAX_UNIX_SECONDS = 253_402_300_799  # 9999-12-31T23:59:59Z, the last instant a timestamp can show
+
 
 class _In(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -25,7 +27,12 @@ class _In(BaseModel):
 class _Event(_In):
     id: EventId = Field(description="Unique per event; a repeated id is acknowledged and ignored.")
     session: Name
-    at: float | None = Field(None, description="Unix seconds when it happened; default: when received.")
+    at: float | None = Field(
+        None,
+        ge=0,
+        le=MAX_UNIX_SECONDS,
+        description="Unix seconds when it happened; default: when received.",
+    )
 
 
 class RequestEvent(_Event):

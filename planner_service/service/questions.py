@@ -190,7 +190,11 @@ def _explain_object(view: LiveView, obj: StateObject, active: list[str], unserve
         for r in sorted(view.plan_ops, key=lambda r: (r.epoch, r.seq))
         if r.op.object == obj
     ]
-    size = sizes.size_of(obj) if obj.kind is not Kind.KV or obj.session in sizes.sessions else 0
+    if obj.kind is Kind.KV:  # the session's whole history, from the live record (the sizes may predate it)
+        session = view.sessions.get(obj.session)
+        size = session.context_tokens * sizes.models[obj.model].kv_bytes_per_token if session else 0
+    else:
+        size = sizes.size_of(obj)
     on_gpu = sum(e["bytes"] for e in planned if e["location"]["tier"] == "gpu")
     demand = _demand(view.next_model, obj.model)
     gib = size / GIB

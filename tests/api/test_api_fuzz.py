@@ -102,3 +102,11 @@ def test_well_shaped_event_batches_never_500(demo):
     assert demo.post("/v1/plan").status_code == 200
     assert demo.get("/v1/sessions").status_code == 200
     assert demo.get("/v1/pareto").status_code == 200
+
+
+def test_event_time_beyond_any_calendar_is_refused_by_field(demo):
+    response = demo.client.post(
+        "/v1/events", json={"events": [{"id": "e-far", "type": "turn_end", "session": "s01", "at": 1e12}]}
+    )
+    assert response.status_code == 422
+    assert "events.0.at" in response.text

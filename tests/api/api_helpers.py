@@ -2,27 +2,16 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 from fastapi.testclient import TestClient
 from prometheus_client import CollectorRegistry
+from support import TINY_SCENARIO, FakeClock  # noqa: F401 - re-exported to the tests
 
-TINY = Path(__file__).parents[1] / "service" / "tiny_scenario.json"
+TINY = TINY_SCENARIO
 OPERATOR = {"Authorization": "Bearer op-token"}
 NODE1 = {"Authorization": "Bearer n1-token"}
 NODE2 = {"Authorization": "Bearer n2-token"}
-
-
-class FakeClock:
-    def __init__(self, t: float = 1_800_000_000.0) -> None:
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
-
-    def advance(self, seconds: float) -> None:
-        self.t += seconds
 
 
 class Harness:

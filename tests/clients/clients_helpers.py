@@ -10,26 +10,16 @@ from typing import Any
 import httpx
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
+from support import TINY_SCENARIO, FakeClock  # noqa: F401 - re-exported to the tests
 
 from clients.sdk import AsyncStateBudgetClient, RetryPolicy
 from planner_service.api.app import create_app
 from planner_service.settings import Settings
 
-TINY = Path(__file__).parents[1] / "service" / "tiny_scenario.json"
+TINY = TINY_SCENARIO
 OPERATOR_TOKEN = "op-token"
 NODE_TOKENS = {"n1": "n1-token", "n2": "n2-token"}
 FAST_RETRY = RetryPolicy(attempts=3, wait_initial_seconds=0.001, wait_max_seconds=0.002, wait_jitter_seconds=0.0)
-
-
-class FakeClock:
-    def __init__(self, t: float = 1_800_000_000.0) -> None:
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
-
-    def advance(self, seconds: float) -> None:
-        self.t += seconds
 
 
 def make_app(

@@ -77,16 +77,19 @@ def kv_ready_seconds(
     source: Tier,
     node: Node,
     constants: CostConstants,
+    per_token: float | None = None,
 ) -> float:
     """Make a session's KV ready on GPU: restore what a lower tier holds, or re-prefill; the cheaper.
 
     restore  = copy(restorable) + prefill(missing - restorable tokens)
     prefill  = prefill(missing tokens)
     t        = min(restore, prefill)       (LMCache's load-or-prefill crossover)
+    `per_token` is `prefill_seconds_per_token(model, gpus, constants)`, when the caller has it.
     """
     if missing_tokens <= 0:
         return 0.0
-    per_token = prefill_seconds_per_token(model, gpus, constants)
+    if per_token is None:
+        per_token = prefill_seconds_per_token(model, gpus, constants)
     prefill_all = missing_tokens * per_token
     if restorable_bytes <= 0 or model.kv_bytes_per_token == 0:
         return prefill_all

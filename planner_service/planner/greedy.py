@@ -47,6 +47,7 @@ import bisect
 import heapq
 import itertools
 import math
+import operator
 from collections import defaultdict, deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -64,6 +65,7 @@ from planner_service.planner.residency import ResidencyIndex, copy_placement
 SLO_RANK = {Slo.BLOCKING: 0, Slo.INTERACTIVE: 1, Slo.BACKGROUND: 2}
 EXPERT_CHUNKS = 16  # granularity of partial expert residency the greedy considers
 ALL_TIERS = tuple(Tier)
+_BY_ID = operator.attrgetter("id")
 NODE_SHORTLIST = 4  # past 2x this many candidate nodes, a group search prices the tightest and roomiest this many each
 
 
@@ -82,6 +84,9 @@ class TargetPlan:
     groups: dict[str, Group]
     unserved: dict[str, str]  # session -> the constraint that kept its model off GPU
     reasons: dict[StateObject, str] = field(default_factory=dict)
+    # what it was planned from, for `make_plan` to reuse: the confirmed placement's index and the demand
+    now: ResidencyIndex | None = None
+    demand: Demand | None = None
 
 
 def split_evenly(nbytes: int, parts: int) -> list[int]:
@@ -105,6 +110,8 @@ class _GpuBook:
         self.free = {g.id: g.capacity_bytes for g in problem.gpus.values()}
         self._dirty: set[str] = set()  # nodes whose look changed since the grouping was last brought up to date
         self._gpu_ids = {n.id: sorted(n.gpus) for n in problem.nodes.values()}
+        self._room = {n: sum(self.free[g] for g in ids) for n, ids in self._gpu_ids.items()}
+        self._by_free: dict[str, tuple[list[Gpu], list[int]]] = {}  # node -> its GPUs by free bytes (see `by_free`)
         self._hardware = {  # the part of a node's look that never changes
             n.id: (n.nvme_read_bytes_per_s, tuple((problem.gpus[g].type, problem.gpus[g].h2d_bytes_per_s) for g in self._gpu_ids[n.id]))
             for n in problem.nodes.values()
@@ -122,11 +129,34 @@ class _GpuBook:
         for g, b in zip(gpus, shards, strict=True):
             if b:
                 self.free[g.id] -= b
-                self._dirty.add(g.node)
+                self._changed(g.node, b)
+
+    def take_from(self, node_id: str, takes: Iterable[tuple[str, int]]) -> None:
+        """Take (GPU id, bytes) pairs on one node."""
+        for g, b in takes:
+            self.free[g] -= b
+            self._changed(node_id, b)
+
+    def _changed(self, node_id: str, taken: int) -> None:
+        self._room[node_id] -= taken
+        self._dirty.add(node_id)
+        self._by_free.pop(node_id, None)
+
+    def by_free(self, node_id: str) -> tuple[list[Gpu], list[int]]:
+        """The node's GPUs sorted by (free bytes, id), and their free bytes in that order."""
+        entry = self._by_free.get(node_id)
+        if entry is None:
+            gpus = sorted((self.p.gpus[g] for g in self._gpu_ids[node_id]), key=lambda g: (self.free[g.id], g.id))
+            entry = self._by_free[node_id] = (gpus, [self.free[g.id] for g in gpus])
+        return entry
+
+    def gpu_ids(self, node_id: str) -> list[str]:
+        """The node's GPU ids, sorted."""
+        return self._gpu_ids[node_id]
 
     def room(self, node_id: str) -> int:
         """Free bytes on all of the node's GPUs together."""
-        return sum(self.free[g] for g in self._gpu_ids[node_id])
+        return self._room[node_id]
 
     def alike(self) -> Iterable[list[str]]:
         """Nodes grouped by look, each group sorted by id."""
@@ -149,17 +179,32 @@ class _GpuBook:
         self._look[node_id] = new
 
 
+@dataclass(frozen=True, slots=True)
+class _ExpertShape:
+    """A MoE's expert chunks on one node. Its decode slowdown at step k is `scale * miss[k]`, where the
+    scale (served weight * slowdown with no expert on GPU) depends on the group's PCIe bandwidth."""
+
+    steps: list[int]  # [0, expert bytes on GPU at each chunk step the node may hold]
+    miss: list[float]  # share of routed-expert reads that miss the GPU at each step
+    order: list[float]  # per chunk (step k -> k + 1): change of `miss` per byte, as a running max (concave hit rate)
+
+    def paying(self, scale: float, price: float) -> int:
+        """The step up to which every chunk saves more slowdown than the HBM price of its bytes."""
+        return bisect.bisect_left(self.order, -price / scale) if scale > 0 else 0
+
+
 class GreedyPlanner:
     def __init__(self, problem: Problem) -> None:
         self.p = problem
         self.c = problem.constants
         self.now = ResidencyIndex.build(problem, problem.residency)
         self.book = _GpuBook(problem)
+        self._at = {g: Location.gpu(g) for g in problem.gpus}  # GPU id -> its location
         self.target: Placement = {}
         self.groups: dict[str, Group] = {}
         self.unserved: dict[str, str] = {}
         self.reasons: dict[StateObject, str] = {}
-        demand = Demand.of(problem)
+        self.demand = demand = Demand.of(problem)
         self.position = demand.position  # session id -> column of `weighted`
         self.row = demand.row  # model id -> row of `weighted`
         self.weighted = demand.q * demand.slo_weight  # [models x sessions] SLO weight * probability of the next request
@@ -179,15 +224,18 @@ class GreedyPlanner:
         self._active_weight = {
             m: sum(self.c.slo_weights.of(s.slo) for s in sessions) for m, sessions in self.active.items()
         }
-        self._moe_on: dict[str, dict[str, Group]] = defaultdict(dict)  # node -> {MoE model served there: its group}
+        # node -> {MoE model served there: its group's summed host->GPU bandwidth (what its expert fetches run on)}
+        self._moe_on: dict[str, dict[str, float]] = defaultdict(dict)
+        self._sources: dict[tuple[StateObject, str], Tier | None] = {}
         self._experts_placed: dict[str, int] = defaultdict(int)  # MoE model -> expert bytes the target puts on GPU
         self._steps_cache: dict[tuple[str, str], list[int]] = {}
         self._experts_memo: dict[tuple, float] = {}
-        self._curves: dict[tuple, tuple[list[int], list[float], int]] = {}
+        self._shapes: dict[tuple, _ExpertShape] = {}
         self._served: dict[str, float] = {}
         self._active_context: dict[str, float] = {}
         self._limits: dict[tuple[str, str], int] = {}
         self._split_units: dict[tuple[str, str], int] = {}
+        self._refused_chunk: dict[StateObject, int] = {}  # experts -> the smallest chunk of them that found no room
         self._placed_on: dict[str, int] = defaultdict(int)  # node -> weights placed there so far (offers older are stale)
 
     # -- inputs ------------------------------------------------------------
@@ -214,10 +262,15 @@ class GreedyPlanner:
         return float(self.weighted[self.row[model_id], self.position[session_id]])
 
     def _source(self, obj: StateObject, node: str) -> Tier | None:
+        """The tier a load of `obj` onto the node's GPUs reads from (its engines may not load weights from host DRAM)."""
+        key = (obj, node)
+        if key in self._sources:
+            return self._sources[key]
         tier = self.now.complete_source(obj, node)
         caps = self.p.nodes[node].capabilities
         if tier is Tier.HOST and obj.kind is not Kind.KV and Capability.WEIGHTS_OFFLOAD not in caps:
-            return Tier.NVME if self.now.complete(obj, node, Tier.NVME) else None
+            tier = Tier.NVME if self.now.complete(obj, node, Tier.NVME) else None
+        self._sources[key] = tier
         return tier
 
     def _cold_group(self, model: ModelSpec, precision: str, node: str) -> tuple[Gpu, ...] | None:
@@ -260,7 +313,7 @@ class GreedyPlanner:
                     cost = penalty + self._group_cost(model, stay, current.node, 0.0, nbytes + extra_bytes)
                     options.append(((cost, rank, 0, stay_node, 0.0), Group(stay_node, precision, stay)))
                 # other groups on the same node: only the shards a card lacks now are copied
-                for gpus in self._fits_by_width(self.p.nodes[stay_node].gpus, model, nbytes + extra_bytes):
+                for gpus in self._fits_by_width(stay_node, model, nbytes + extra_bytes):
                     if gpus == stay:
                         continue
                     seconds = self._regroup_seconds(obj, gpus, nbytes, stay_node)
@@ -272,7 +325,7 @@ class GreedyPlanner:
             for node_id, source in self._load_candidates(obj, nbytes + extra_bytes, skip=stay_node):
                 node = self.p.nodes[node_id]
                 moved = self._active_context_seconds(model) if current and current.node != node_id and not penalty else 0.0
-                for gpus in self._fits_by_width(node.gpus, model, nbytes + extra_bytes):
+                for gpus in self._fits_by_width(node_id, model, nbytes + extra_bytes):
                     seconds = costs.weights_load_seconds(nbytes, gpus, source, node, self.c)
                     cost = penalty + moved + self._group_cost(model, gpus, node_id, seconds, nbytes + extra_bytes)
                     slack = sum(self.book.free[g.id] for g in gpus) - nbytes - extra_bytes
@@ -299,7 +352,7 @@ class GreedyPlanner:
         None when a card must grow and the node has no complete copy below its GPUs to copy from.
         """
         shards = split_evenly(nbytes, len(gpus))
-        gains = [max(0, b - self.now.placement.get((obj, Location.gpu(g.id)), 0)) for g, b in zip(gpus, shards, strict=True)]
+        gains = [max(0, b - self.now.placement.get((obj, self._at[g.id]), 0)) for g, b in zip(gpus, shards, strict=True)]
         if not any(gains):
             return 0.0
         source = self._source(obj, node_id)
@@ -319,13 +372,12 @@ class GreedyPlanner:
         c = self.c
         active_w = self._active_weight.get(model.id, 0.0)
         cost = load_seconds * (c.move_weight + active_w)
-        per_token = costs.prefill_seconds_per_token(model, gpus, c)
-        cost += per_token * self._context_demand[self.row[model.id]]
-        others = [(self.p.models[m], g.gpus) for m, g in self._moe_on.get(node_id, {}).items() if m != model.id]
+        cost += costs.prefill_seconds_per_token(model, gpus, c) * self._context_demand[self.row[model.id]]
+        others = [(self.p.models[m], h2d) for m, h2d in self._moe_on.get(node_id, {}).items() if m != model.id]
         if model.is_moe or others:
             # the MoE models on the node share its free room for experts: price the joint change
             room = self.book.room(node_id)
-            after = others + [(model, gpus)] if model.is_moe else others
+            after = [*others, (model, sum(g.h2d_bytes_per_s for g in gpus))] if model.is_moe else others
             cost += self._experts_cost(node_id, after, max(0, room - need)) - self._experts_cost(node_id, others, room)
         return cost
 
@@ -366,7 +418,7 @@ class GreedyPlanner:
             self._limits[key] = limit
         return limit
 
-    def _experts_cost(self, node_id: str, moes: list[tuple[ModelSpec, tuple[Gpu, ...]]], room: int) -> float:
+    def _experts_cost(self, node_id: str, moes: list[tuple[ModelSpec, float]], room: int) -> float:
         """Decode slowdown (served weight * seconds) plus HBM price of the MoE models on a node sharing `room` for experts.
 
         Each model has already `_experts_placed` bytes on GPU; `room` more are
@@ -376,71 +428,75 @@ class GreedyPlanner:
         """
         if not moes:
             return 0.0
-        key = (node_id, room, tuple((m.id, tuple(g.id for g in gpus), self._experts_placed.get(m.id, 0)) for m, gpus in moes))
+        key = (node_id, room, *[(m.id, h2d, self._experts_placed.get(m.id, 0)) for m, h2d in moes])
         cached = self._experts_memo.get(key)
         if cached is not None:
             return cached
         price = self.c.gpu_price_seconds_per_gib / GIB  # seconds per byte held on GPU
         total = 0.0
-        offers: list[tuple[float, int, int]] = []  # (-saving per byte, model index, step index)
-        curves = []
         wanted = 0  # bytes that bring every model to its own best step
         alone = 0.0  # the cost when the room holds all of them
-        for i, (model, gpus) in enumerate(moes):
-            steps, slow, best = self._expert_curve(model, node_id, gpus)
-            placed = self._experts_placed.get(model.id, 0)
-            j = bisect.bisect_right(steps, placed) - 1  # steps[0] = 0; `placed` is always a step
-            total += slow[j]
-            curves.append((steps, slow))
-            if best > j:
-                wanted += steps[best] - placed
-                alone += slow[best] + price * (steps[best] - placed)
-            else:
-                alone += slow[j]
-            if j + 1 < len(steps):
-                offers.append(((slow[j + 1] - slow[j]) / (steps[j + 1] - steps[j]) + price, i, j))
+        chosen = []
+        for model, h2d in moes:
+            shape = self._expert_shape(model, node_id)
+            # served weight * decode slowdown with no expert on GPU (costs.decode_slowdown_seconds at f = 0)
+            scale = self._served_weight(model.id) * self.c.output_tokens_per_request * model.active_expert_bytes_per_token / h2d
+            steps, miss = shape.steps, shape.miss
+            j = bisect.bisect_right(steps, self._experts_placed.get(model.id, 0)) - 1  # `placed` is always a step
+            best = max(j, shape.paying(scale, price))
+            total += scale * miss[j]
+            wanted += steps[best] - steps[j]
+            alone += scale * miss[best] + price * (steps[best] - steps[j])
+            chosen.append((shape, scale, j, best))
         if wanted <= room:  # no contention: each model takes its paying chunks
             self._experts_memo[key] = alone
             return alone
-        heapq.heapify(offers)
-        while offers and room > 0:
-            density, i, j = heapq.heappop(offers)
-            if density >= 0:
-                break  # no chunk left saves more than its price
-            steps, slow = curves[i]
-            nbytes = steps[j + 1] - steps[j]
+        if len(chosen) == 1:  # one model takes its chunks in step order while they fit and pay
+            shape, scale, j, best = chosen[0]
+            steps = shape.steps
+            m = min(best, bisect.bisect_right(steps, steps[j] + room) - 1)
+            total = scale * shape.miss[m] + price * (steps[m] - steps[j])
+            self._experts_memo[key] = total
+            return total
+        # the best saving per byte first; a model whose next chunk does not fit takes no more (the hit rate
+        # is concave, so each model's chunks save less per byte as they go: `order` keeps step order)
+        offers: list[tuple[float, int, int]] = []  # (order, model index, chunk index)
+        for i, (shape, scale, j, best) in enumerate(chosen):
+            offers.extend((scale * shape.order[k], i, k) for k in range(j, best))
+        offers.sort()
+        stopped = [False] * len(chosen)
+        for _, i, k in offers:
+            if room <= 0:
+                break
+            if stopped[i]:
+                continue
+            shape, scale = chosen[i][0], chosen[i][1]
+            nbytes = shape.steps[k + 1] - shape.steps[k]
             if nbytes > room:
-                continue  # this model's later chunks save less per byte (concave hit rate)
+                stopped[i] = True
+                continue
             room -= nbytes
-            total += density * nbytes
-            if j + 2 < len(steps):
-                heapq.heappush(offers, ((slow[j + 2] - slow[j + 1]) / (steps[j + 2] - steps[j + 1]) + price, i, j + 1))
+            total += scale * (shape.miss[k + 1] - shape.miss[k]) + price * nbytes
         self._experts_memo[key] = total
         return total
 
-    def _expert_curve(self, model: ModelSpec, node_id: str, gpus: tuple[Gpu, ...]) -> tuple[list[int], list[float], int]:
-        """([0, expert bytes at each chunk step the node may hold], served weight * decode slowdown there,
-        the step where slowdown plus the HBM price of the experts is least)."""
-        h2d = sum(g.h2d_bytes_per_s for g in gpus)
+    def _expert_shape(self, model: ModelSpec, node_id: str) -> _ExpertShape:
+        """The model's expert chunks the node may hold, and the share of expert reads each step still misses."""
         limit = self._expert_limit(model, node_id)
         partial = Capability.PARTIAL_EXPERTS in self.p.nodes[node_id].capabilities
-        key = (model.id, partial, limit, h2d)  # all the curve depends on
-        curve = self._curves.get(key)
-        if curve is None:
-            served = self._served_weight(model.id)
+        key = (model.id, partial, limit)  # all the shape depends on
+        shape = self._shapes.get(key)
+        if shape is None:
             steps = [0] + [b for b in self._expert_steps(model, node_id) if b <= limit]
-            # costs.decode_slowdown_seconds at each step, one pass: served * tokens * miss(f) * bytes/token / h2d
-            at_zero = served * costs.decode_slowdown_seconds(model, 0.0, gpus, self.c)
             skew = self.c.expert_popularity_skew
-            slow = [at_zero * (1.0 - min(1.0, b / model.experts_bytes) ** skew) if b else at_zero for b in steps]
-            price = self.c.gpu_price_seconds_per_gib / GIB
-            best = min(range(len(steps)), key=lambda j: (slow[j] + price * steps[j], j))
-            curve = self._curves[key] = (steps, slow, best)
-        return curve
+            miss = [1.0 - min(1.0, b / model.experts_bytes) ** skew for b in steps]  # 1 - costs.expert_hit_rate
+            slope = [(miss[k + 1] - miss[k]) / (steps[k + 1] - steps[k]) for k in range(len(steps) - 1)]
+            shape = self._shapes[key] = _ExpertShape(steps, miss, list(itertools.accumulate(slope, max)))
+        return shape
 
     def _expert_loss(self, node_id: str, nbytes: int) -> float:
         """Objective seconds the MoE models on the node lose when `nbytes` of its free room go to something else."""
-        moes = [(self.p.models[m], g.gpus) for m, g in self._moe_on.get(node_id, {}).items()]
+        moes = [(self.p.models[m], h2d) for m, h2d in self._moe_on.get(node_id, {}).items()]
         if not moes:
             return 0.0
         room = self.book.room(node_id)
@@ -491,7 +547,7 @@ class GreedyPlanner:
             out = hosted + [c for c in by_room if c[0] in keep]
         return out
 
-    def _fits_by_width(self, gpu_ids: Iterable[str], model: ModelSpec, nbytes: int) -> list[tuple[Gpu, ...]]:
+    def _fits_by_width(self, node_id: str, model: ModelSpec, nbytes: int) -> list[tuple[Gpu, ...]]:
         """The groups of one node worth pricing for `nbytes` split evenly: the widest that fits and the fewest GPUs.
 
         For each width k the candidate is the tightest k GPUs that hold an even
@@ -502,15 +558,14 @@ class GreedyPlanner:
         nodes of unlike cards, where a wide group may leave a large card's room
         in small pieces.
         """
-        gpus = sorted((self.p.gpus[g] for g in gpu_ids), key=lambda g: (self.book.free[g.id], g.id))
-        free = [self.book.free[g.id] for g in gpus]
+        gpus, free = self.book.by_free(node_id)
 
         def group_of(k: int) -> tuple[Gpu, ...] | None:
             share = math.ceil(nbytes / k)
             start = bisect.bisect_left(free, share)  # cards in order of free bytes: the tightest k that hold a shard
             if len(gpus) - start < k:
                 return None
-            group = tuple(sorted(gpus[start : start + k], key=lambda g: g.id))
+            group = tuple(sorted(gpus[start : start + k], key=_BY_ID))
             if model.min_gpus and k < max(model.min_gpus.get(g.type, 1) for g in group):
                 return None
             return group
@@ -519,7 +574,7 @@ class GreedyPlanner:
         wide = next((g for g in map(group_of, reversed(widths)) if g is not None), None)
         if wide is None:
             return []
-        if self._uniform[gpus[0].node]:
+        if self._uniform[node_id]:
             return [wide]  # like cards: the widest is never worse (more FLOP/s and links, the same bytes)
         narrow = next(g for g in map(group_of, widths) if g is not None)
         return [wide] if wide == narrow else [wide, narrow]
@@ -530,19 +585,19 @@ class GreedyPlanner:
         self.book.take(group.gpus, shards)
         for g, b in zip(group.gpus, shards, strict=True):
             if b:
-                self.target[(obj, Location.gpu(g.id))] = b
+                self.target[(obj, self._at[g.id])] = b
         self.groups[model.id] = group
         self.reasons[obj] = reason
         self._placed_on[group.node] += 1
         if model.is_moe:
-            self._moe_on[group.node][model.id] = group
+            self._moe_on[group.node][model.id] = sum(g.h2d_bytes_per_s for g in group.gpus)
 
     def _place_spread(self, obj: StateObject, group: Group, nbytes: int) -> None:
         shards = split_evenly(nbytes, len(group.gpus))
         self.book.take(group.gpus, shards)
         for g, b in zip(group.gpus, shards, strict=True):
             if b:
-                key = (obj, Location.gpu(g.id))
+                key = (obj, self._at[g.id])
                 self.target[key] = self.target.get(key, 0) + b
 
     def _kv_bytes(self, session: Session, model: ModelSpec) -> int:
@@ -770,21 +825,23 @@ class GreedyPlanner:
         card. Without a complete copy below the node's GPUs to load from, a
         GPU keeps at most the expert bytes it holds now (nothing could fill more).
         """
+        if nbytes >= self._refused_chunk.get(obj, math.inf):
+            return False  # a chunk this size found no room already, and room only shrinks
         model = self.p.models[obj.model]
         if Capability.PARTIAL_EXPERTS in self.p.nodes[node].capabilities:
             units = (self._expert_split_unit(model, node), model.expert_bytes)
         else:
             units = (nbytes,)
         sourced = self.now.complete_source(obj, node) is not None
+        free_of = self.book.free
         room: list[tuple[int, str]] = []
-        for g in self.p.nodes[node].gpus:
-            free = self.book.free[g]
+        for g in self.book.gpu_ids(node):  # in card order: of two like cards the first holds at least as much
+            free = free_of[g]
             if not sourced:
-                key = (obj, Location.gpu(g))
+                key = (obj, self._at[g])
                 free = min(free, self.p.residency.get(key, 0) - self.target.get(key, 0))
             if free > 0:
                 room.append((free, g))
-        room.sort(key=lambda fg: fg[1])  # in card order: of two like cards the first holds at least as much
         for unit in units:
             takes: list[tuple[str, int]] = []
             left = nbytes
@@ -798,10 +855,11 @@ class GreedyPlanner:
             if left <= 0:
                 break
         else:
+            self._refused_chunk[obj] = nbytes
             return False
+        self.book.take_from(node, takes)
         for g, take in takes:
-            self.book.take([self.p.gpus[g]], [take])
-            key = (obj, Location.gpu(g))
+            key = (obj, self._at[g])
             self.target[key] = self.target.get(key, 0) + take
         self._experts_placed[obj.model] += nbytes
         return True
@@ -836,7 +894,7 @@ class GreedyPlanner:
             if obj.kind is Kind.KV:
                 if obj.model in invalid or Capability.KV_OFFLOAD not in node.capabilities:
                     continue
-                if self.target.get((obj, Location.gpu(self.groups[obj.model].gpus[0].id)) if obj.model in self.groups else None):
+                if self.target.get((obj, self._at[self.groups[obj.model].gpus[0].id]) if obj.model in self.groups else None):
                     continue  # it stays on GPU elsewhere in the group
                 have = self.target.get((obj, host), 0)
                 if have >= self.p.size_of(obj) or self._kv_host_value(obj, node_id) <= 0:
@@ -902,7 +960,7 @@ class GreedyPlanner:
         waiting = [m for m in sorted(self.p.models) if m not in self.groups and self._demand(m) > 0]
         if not waiting:
             return
-        index = ResidencyIndex.build(self.p, self.target)
+        index = ResidencyIndex.below_gpu(self.p, self.target)  # cold loads read copies below GPU only
         candidates = []
         staged: dict[StateObject, str] = {}
         for model_id in waiting:
@@ -941,7 +999,7 @@ class GreedyPlanner:
             placement = copy_placement(self.target)
         else:
             placement = {k: v for k, v in self.target.items() if v > 0}
-        return TargetPlan(placement, dict(self.groups), dict(self.unserved), dict(self.reasons))
+        return TargetPlan(placement, dict(self.groups), dict(self.unserved), dict(self.reasons), self.now, self.demand)
 
 
 def _bytes_per_node(placement: Mapping[tuple[StateObject, Location], int], tier: Tier) -> dict[str, int]:

@@ -154,9 +154,19 @@ def cold_load(problem: Problem, index: ResidencyIndex, model: ModelSpec) -> Cold
 
 
 def kv_ready(
-    problem: Problem, index: ResidencyIndex, model: ModelSpec, session: str, node: str, gpus: tuple[Gpu, ...], gpu_kv: int
+    problem: Problem,
+    index: ResidencyIndex,
+    model: ModelSpec,
+    session: str,
+    node: str,
+    gpus: tuple[Gpu, ...],
+    gpu_kv: int,
+    per_token: float | None = None,
 ) -> float:
-    """Seconds to make `session`'s KV for `model` ready on `gpus`, given `gpu_kv` bytes already there."""
+    """Seconds to make `session`'s KV for `model` ready on `gpus`, given `gpu_kv` bytes already there.
+
+    `per_token`: the group's prefill seconds per token, when the caller has it already.
+    """
     kv_per_token = model.kv_bytes_per_token
     if kv_per_token == 0:
         return 0.0
@@ -168,24 +178,35 @@ def kv_ready(
     host = index.on(obj, node, Tier.HOST)
     nvme = index.on(obj, node, Tier.NVME)
     source, restorable = (Tier.HOST, host) if host >= nvme else (Tier.NVME, nvme)
-    return costs.kv_ready_seconds(missing, restorable, model, gpus, source, problem.nodes[node], problem.constants)
+    return costs.kv_ready_seconds(missing, restorable, model, gpus, source, problem.nodes[node], problem.constants, per_token)
 
 
 def _gpu_kv(index: ResidencyIndex, model: str, session: str, serving: Serving) -> int:
     return index.on(StateObject.kv(model, session), serving.node, Tier.GPU)
 
 
-def evaluate(problem: Problem, target: Mapping[tuple[StateObject, Location], int]) -> tuple[Objective, Predicted]:
+def evaluate(
+    problem: Problem,
+    target: Mapping[tuple[StateObject, Location], int],
+    now: ResidencyIndex | None = None,
+    then: ResidencyIndex | None = None,
+    demand: Demand | None = None,
+) -> tuple[Objective, Predicted]:
+    """The objective of reaching `target` from the confirmed placement, and its predicted metrics.
+
+    `now` and `then` index the confirmed placement and the target, and `demand` is `Demand.of(problem)`,
+    when the caller has them already.
+    """
     c = problem.constants
-    now = ResidencyIndex.build(problem, problem.residency)
-    then = ResidencyIndex.build(problem, target)
+    now = now or ResidencyIndex.build(problem, problem.residency)
+    then = then or ResidencyIndex.build(problem, target)
 
     latency_terms: list[np.ndarray] = []
     weight_terms: list[np.ndarray] = []
     target_terms: list[np.ndarray] = []
     switch = violations = decode = degraded = unserved_cost = 0.0
     unserved: list[str] = []
-    demand = Demand.of(problem)
+    demand = demand or Demand.of(problem)
     sessions, position = demand.sessions, demand.position
     slo_weight, slo_target = demand.slo_weight, demand.slo_target
     context = np.array([s.context_tokens for s in sessions], dtype=float)
@@ -242,11 +263,11 @@ def evaluate(problem: Problem, target: Mapping[tuple[StateObject, Location], int
         kv = np.zeros(len(sessions))
         if node is not None:
             # no KV anywhere: re-prefill the whole history; sessions holding some KV are priced one by one
-            kv = context * costs.prefill_seconds_per_token(model, gpus, c)
+            per_token = costs.prefill_seconds_per_token(model, gpus, c)
+            kv = context * per_token
             for sid in then.kv_sessions.get(model.id, ()):
-                i = position[sid]
                 gpu_kv = _gpu_kv(then, model.id, sid, serving) if serving else 0
-                kv[i] = kv_ready(problem, then, model, sid, node, gpus, gpu_kv)
+                kv[position[sid]] = kv_ready(problem, then, model, sid, node, gpus, gpu_kv, per_token)
         latency = weights_ready + kv
         wq = slo_weight * q
         switch += float(wq @ latency)

@@ -21,6 +21,7 @@ waiting on it, not by a search per (gain, free) pair.
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
@@ -32,7 +33,7 @@ from planner_service.domain.problem import Gpu, ModelSpec, Problem
 from planner_service.domain.scenario import Capability, Slo
 from planner_service.domain.state import TIER_RANK, Kind, Location, Placement, StateObject, Tier
 from planner_service.planner import costs
-from planner_service.planner.residency import ResidencyIndex
+from planner_service.planner.residency import ResidencyIndex, Serving
 
 
 class Action(StrEnum):
@@ -64,8 +65,16 @@ class Operation:
     priority: Priority = Priority.BACKGROUND
     depends_on: list[str] = field(default_factory=list)
     estimated_seconds: float = 0.0
-    reason: str = ""
     node: str = ""  # every move stays inside one node
+    # what it buys: the words, or (purpose, waiting SLO) to say them from; read it as `reason`
+    why: str | tuple[str | None, Slo | None] = ""
+
+    @property
+    def reason(self) -> str:
+        """What the operation buys, in words; formatted on first read (most plans are only executed)."""
+        if not isinstance(self.why, str):
+            self.why = _words(self, *self.why)
+        return self.why
 
     def frees(self) -> Location | None:
         """The location this operation takes bytes from, if any."""
@@ -86,6 +95,25 @@ class Operation:
             "reason": self.reason,
             "node": self.node,
         }
+
+
+def _words(op: Operation, purpose: str | None, waiting: Slo | None) -> str:
+    """An operation's reason: what it moves, and what the planner wanted the object for (`purpose`) or
+    the SLO of the request in flight that needs it (`waiting`)."""
+    gib = op.bytes / 2**30
+    obj = op.object.label()
+    if op.action is Action.PROMOTE:
+        if op.source is None:
+            base = f"prefill {gib:.2f} GiB of {obj} on {op.dest.label()}"
+        else:
+            base = f"bring {gib:.2f} GiB of {obj} to {op.dest.label()}"
+        if waiting is not None:
+            slo = waiting.value
+            return f"{base}: {'an' if slo[0] in 'aeiou' else 'a'} {slo} request is waiting for it"
+        return f"{base}: {purpose}" if purpose else f"{base}: predicted to be needed"
+    if op.action is Action.DEMOTE:
+        return f"free {gib:.2f} GiB on {op.source.label()}; keep {obj} on {op.dest.label()} for a cheaper way back"
+    return f"free {gib:.2f} GiB on {op.source.label()}; {obj} is worth less than the room it takes"
 
 
 def apply_operation(placement: Placement, op: Operation) -> None:
@@ -110,24 +138,31 @@ def apply_operations(placement: Mapping[tuple[StateObject, Location], int], ops:
 
 
 class _Builder:
-    def __init__(self, problem: Problem, target: Mapping[tuple[StateObject, Location], int], reasons: Mapping[StateObject, str]):
+    def __init__(
+        self,
+        problem: Problem,
+        target: Mapping[tuple[StateObject, Location], int],
+        reasons: Mapping[StateObject, str],
+        now: ResidencyIndex,
+        then: Mapping[str, Serving],
+    ):
         self.p = problem
         self.target = target
         self.reasons = reasons
-        self.now = ResidencyIndex.build(problem, problem.residency)
+        self.now = now
         self.ops: list[Operation] = []
+        self._deps: list[set[int]] = []  # per operation, the positions in `ops` it waits on (set by `link`)
         self.active_slo = self._active_slo()
         # model -> the most urgent SLO of its requests in flight (what its routed experts serve)
         self.model_slo = {obj.model: slo for obj, slo in self.active_slo.items() if obj.kind is Kind.WEIGHTS}
-        self.stale_kv = self._stale_kv_models()
+        self.stale_kv = self._stale_kv_models(then)
+        self._kv_below_gpu = {(obj, problem.node_of(loc)) for obj, loc in now.kv_entries if loc.tier is not Tier.GPU}
         # remembered per builder: thousands of operations share objects, GPUs and sources
-        self._labels: dict[StateObject | Location, str] = {}
-        self._prefill_seconds: dict[tuple[str, str], float] = {}  # (model, gpu) -> seconds per token
+        self._prefill_seconds: dict[tuple[str, str], float] = {}  # (model, gpu) -> seconds per byte of KV
         self._sources: dict[tuple[StateObject, str, Tier], Location | None] = {}
 
-    def _stale_kv_models(self) -> set[str]:
+    def _stale_kv_models(self, then: Mapping[str, Serving]) -> set[str]:
         """Models served at another precision in the target: their sessions' KV must be computed again."""
-        then = ResidencyIndex.serving_in(self.p, self.target)
         return {m for m, now in self.now.serving.items() if m in then and then[m].precision != now.precision}
 
     def _active_slo(self) -> dict[StateObject, Slo]:
@@ -143,12 +178,15 @@ class _Builder:
                     out[obj] = s.slo
         return out
 
-    def _new(self, action: Action, obj: StateObject, source: Location | None, dest: Location | None, nbytes: int, keep: bool) -> Operation:
-        op = Operation(str(len(self.ops)), action, obj, source, dest, int(nbytes), keep)
-        op.node = self.p.node_of(dest or source)
-        op.estimated_seconds = self._seconds(op)
-        op.priority = self._priority(op)
-        op.reason = self._reason(op)
+    def _new(
+        self, action: Action, obj: StateObject, source: Location | None, dest: Location | None, nbytes: int, keep: bool, node: str
+    ) -> Operation:
+        nbytes = int(nbytes)
+        op = Operation(
+            "", action, obj, source, dest, nbytes, keep,  # named in `ordered`
+            self._priority(action, obj, dest), [], self._seconds(action, obj, source, dest, nbytes, node), node,
+            (self.reasons.get(obj), self.active_slo.get(obj)),
+        )  # fmt: skip
         self.ops.append(op)
         return op
 
@@ -169,8 +207,15 @@ class _Builder:
         return changed
 
     def diff(self) -> None:
+        gpu_tier, kv_kind, residency = Tier.GPU, Kind.KV, self.p.residency
         for (obj, node), locs in sorted(self._changed().items()):
-            stale = obj.kind is Kind.KV and obj.model in self.stale_kv
+            stale = obj.kind is kv_kind and obj.model in self.stale_kv
+            if obj.kind is kv_kind and (obj, node) not in self._kv_below_gpu and not stale:
+                if all(loc.tier is gpu_tier and (obj, loc) not in residency for loc in locs):
+                    # the common case: KV new to the node, computed by prefill on each GPU of its group
+                    for loc in sorted(locs):
+                        self._new(Action.PROMOTE, obj, None, loc, self.target[(obj, loc)], True, node)
+                    continue
             gains: dict[Location, int] = {}
             losses: dict[Location, int] = {}
             for loc in sorted(locs):
@@ -185,20 +230,20 @@ class _Builder:
                 elif after < before:
                     losses[loc] = before - after
             if gains and losses:
-                self._moves_down(obj, gains, losses)
+                self._moves_down(obj, node, gains, losses)
             if gains:
                 self._copies_up(obj, node, gains, stale)
             for loc, nbytes in sorted(losses.items()):
                 if nbytes > 0:
-                    self._new(Action.DROP, obj, loc, None, nbytes, False)
+                    self._new(Action.DROP, obj, loc, None, nbytes, False, node)
 
-    def _moves_down(self, obj: StateObject, gains: dict[Location, int], losses: dict[Location, int]) -> None:
+    def _moves_down(self, obj: StateObject, node: str, gains: dict[Location, int], losses: dict[Location, int]) -> None:
         for dest in sorted(gains, key=lambda l: (-TIER_RANK[l.tier], l)):
             for src in sorted(losses, key=lambda l: (TIER_RANK[l.tier], l)):
                 if TIER_RANK[src.tier] >= TIER_RANK[dest.tier] or gains[dest] == 0 or losses[src] == 0:
                     continue
                 nbytes = min(gains[dest], losses[src])
-                self._new(Action.DEMOTE, obj, src, dest, nbytes, False)
+                self._new(Action.DEMOTE, obj, src, dest, nbytes, False, node)
                 gains[dest] -= nbytes
                 losses[src] -= nbytes
 
@@ -206,13 +251,14 @@ class _Builder:
         for dest, nbytes in sorted(gains.items(), key=lambda kv: (TIER_RANK[kv[0].tier], kv[0])):
             if nbytes <= 0:
                 continue
-            if stale and dest.tier is Tier.GPU:
-                self._new(Action.PROMOTE, obj, None, dest, nbytes, True)
+            if (stale or (obj, node) not in self._kv_below_gpu) and obj.kind is Kind.KV and dest.tier is Tier.GPU:
+                # KV with no copy below the GPUs to restore from (or of a stale precision): prefill it there
+                self._new(Action.PROMOTE, obj, None, dest, nbytes, True, node)
                 continue
             source = self._complete_source_for(obj, node, dest)
             if source is not None:
                 action = Action.PROMOTE if TIER_RANK[source.tier] > TIER_RANK[dest.tier] else Action.DEMOTE
-                self._new(action, obj, source, dest, nbytes, True)
+                self._new(action, obj, source, dest, nbytes, True, node)
                 continue
             if obj.kind is not Kind.KV:
                 raise ValueError(f"no complete copy of {obj.label()} on node {node} to fill {dest.label()} from")
@@ -220,10 +266,10 @@ class _Builder:
             for below, have in self._kv_below(obj, node):
                 if nbytes and TIER_RANK[below.tier] > TIER_RANK[dest.tier]:
                     part = min(have, nbytes)
-                    self._new(Action.PROMOTE, obj, below, dest, part, True)
+                    self._new(Action.PROMOTE, obj, below, dest, part, True, node)
                     nbytes -= part
             if nbytes and dest.tier is Tier.GPU:
-                self._new(Action.PROMOTE, obj, None, dest, nbytes, True)
+                self._new(Action.PROMOTE, obj, None, dest, nbytes, True, node)
             elif nbytes:
                 raise ValueError(f"no source for {nbytes} bytes of {obj.label()} at {dest.label()}")
 
@@ -260,48 +306,49 @@ class _Builder:
     # -- dependencies -------------------------------------------------------
 
     def link(self) -> None:
-        deps: dict[str, set[str]] = {op.id: set() for op in self.ops}
-        readers: dict[tuple[StateObject, Location], list[Operation]] = defaultdict(list)
-        adders: dict[tuple[StateObject, Location], list[Operation]] = defaultdict(list)
-        frees_at: dict[Location, list[Operation]] = defaultdict(list)
-        adds_at: dict[Location, list[Operation]] = defaultdict(list)
-        for op in self.ops:
-            if op.source is not None and op.keep_source:
-                readers[(op.object, op.source)].append(op)
-            if op.frees() is not None:
-                frees_at[op.source].append(op)
+        """Set `depends_on` (as positions in `self.ops` until `ordered` names them) and inherit priorities."""
+        ops = self.ops
+        deps: list[set[int]] = [set() for _ in ops]
+        readers: dict[tuple[StateObject, Location], list[int]] = defaultdict(list)
+        adders: dict[tuple[StateObject, Location], list[int]] = defaultdict(list)
+        frees_at: dict[Location, list[int]] = defaultdict(list)
+        adds_at: dict[Location, list[int]] = defaultdict(list)
+        for i, op in enumerate(ops):
+            if op.source is not None:
+                if op.keep_source:
+                    readers[(op.object, op.source)].append(i)
+                else:
+                    frees_at[op.source].append(i)
             if op.dest is not None:
-                adders[(op.object, op.dest)].append(op)
-                adds_at[op.dest].append(op)
-        # a source is freed only after its readers are done
-        for op in self.ops:
-            if op.frees() is not None:
-                deps[op.id].update(r.id for r in readers[(op.object, op.source)] if r is not op)
-        # a complete copy is dropped only once another complete copy on the node exists
-        for op in self.ops:
+                adders[(op.object, op.dest)].append(i)
+                adds_at[op.dest].append(i)
+        for i, op in enumerate(ops):
+            if op.source is None or op.keep_source:
+                continue
+            # a source is freed only after its readers are done
+            deps[i].update(r for r in readers.get((op.object, op.source), ()) if r != i)
+            # a complete copy is dropped only once another complete copy on the node exists
             if op.action is Action.DROP and op.object.kind is not Kind.KV:
                 for other in self._complete_copies_in_target(op.object, self.p.node_of(op.source)):
                     if other != op.source:
-                        deps[op.id].update(a.id for a in adders[(op.object, other)])
+                        deps[i].update(adders.get((op.object, other), ()))
         # a location gains bytes only after the frees there, except a free that itself waits on the gain
-        waiting: dict[str, set[str]] = defaultdict(set)  # op -> the ops that depend on it directly
-        for op_id, ds in deps.items():
+        waiting: dict[int, set[int]] = defaultdict(set)  # op -> the ops that depend on it directly
+        for i, ds in enumerate(deps):
             for d in ds:
-                waiting[d].add(op_id)
+                waiting[d].add(i)
         for loc, adds in adds_at.items():
-            frees = [f.id for f in frees_at.get(loc, [])]
+            frees = frees_at.get(loc)
             if not frees:
                 continue
             for add in adds:
-                after_add = _downstream(waiting, add.id)
-                first = [f for f in frees if f != add.id and f not in after_add]
-                deps[add.id].update(first)
+                after_add = _downstream(waiting, add)
+                first = [f for f in frees if f != add and f not in after_add]
+                deps[add].update(first)
                 for f in first:
-                    waiting[f].add(add.id)
-        for op in self.ops:
-            if deps[op.id]:
-                op.depends_on = sorted(deps[op.id], key=int)
-        self._inherit_priority({op.id: op for op in self.ops})
+                    waiting[f].add(add)
+        self._deps = deps
+        self._inherit_priority()
 
     def _complete_copies_in_target(self, obj: StateObject, node: str) -> list[Location]:
         size = self.p.size_of(obj)
@@ -309,104 +356,92 @@ class _Builder:
             Location(t, node) for t in (Tier.HOST, Tier.NVME) if self.target.get((obj, Location(t, node)), 0) >= size
         ]
 
-    def _inherit_priority(self, by_id: Mapping[str, Operation]) -> None:
+    def _inherit_priority(self) -> None:
         """What an urgent operation waits on is as urgent as it is."""
-        for op in sorted(self.ops, key=lambda o: PRIORITY_RANK[o.priority]):
-            stack = list(op.depends_on)
+        ops, deps = self.ops, self._deps
+        for i in sorted((i for i, ds in enumerate(deps) if ds), key=lambda i: PRIORITY_RANK[ops[i].priority]):
+            priority = ops[i].priority
+            rank = PRIORITY_RANK[priority]
+            stack = list(deps[i])
             while stack:
-                dep = by_id[stack.pop()]
-                if PRIORITY_RANK[dep.priority] > PRIORITY_RANK[op.priority]:
-                    dep.priority = op.priority
-                    stack.extend(dep.depends_on)
+                j = stack.pop()
+                if PRIORITY_RANK[ops[j].priority] > rank:
+                    ops[j].priority = priority
+                    stack.extend(deps[j])
 
     def ordered(self) -> list[Operation]:
-        """Kahn's topological order, most urgent first among the ready; ids renumbered in that order."""
-        import heapq
-
-        by_id = {op.id: op for op in self.ops}
-        pending = {op.id: len(op.depends_on) for op in self.ops}
-        children: dict[str, list[str]] = defaultdict(list)
-        for op in self.ops:
-            for d in op.depends_on:
-                children[d].append(op.id)
-        ready = [(PRIORITY_RANK[op.priority], int(op.id)) for op in self.ops if not op.depends_on]
+        """Kahn's topological order, most urgent first among the ready; ids set to "op-N" in that order."""
+        ops, deps = self.ops, self._deps
+        pending = [len(ds) for ds in deps]
+        children: dict[int, list[int]] = defaultdict(list)
+        for i, ds in enumerate(deps):
+            for d in ds:
+                children[d].append(i)
+        ready = [(PRIORITY_RANK[op.priority], i) for i, op in enumerate(ops) if not pending[i]]
         heapq.heapify(ready)
         order: list[Operation] = []
+        name: list[str] = [""] * len(ops)  # position in `ops` -> "op-N"
         while ready:
-            _, oid = heapq.heappop(ready)
-            order.append(by_id[str(oid)])
-            for child in children[str(oid)]:
+            i = heapq.heappop(ready)[1]
+            op = ops[i]
+            order.append(op)
+            op.id = name[i] = f"op-{len(order)}"
+            for child in children.get(i, ()):
                 pending[child] -= 1
-                if pending[child] == 0:
-                    heapq.heappush(ready, (PRIORITY_RANK[by_id[child].priority], int(child)))
-        if len(order) != len(self.ops):
+                if not pending[child]:
+                    heapq.heappush(ready, (PRIORITY_RANK[ops[child].priority], child))
+        if len(order) != len(ops):
             raise ValueError("operation dependencies form a cycle")
-        position = {op.id: i for i, op in enumerate(order)}
-        for i, op in enumerate(order):
-            op.id = f"op-{i + 1}"
-            if op.depends_on:
-                op.depends_on = [f"op-{j + 1}" for j in sorted(position[d] for d in op.depends_on)]
+        for i, ds in enumerate(deps):
+            if ds:
+                ops[i].depends_on = sorted((name[d] for d in ds), key=_op_number)
         return order
 
     # -- annotations --------------------------------------------------------
 
-    def _priority(self, op: Operation) -> Priority:
-        if op.dest is not None and op.dest.tier is Tier.GPU:
-            slo = self.active_slo.get(op.object)
-            if slo is None and op.object.kind is Kind.EXPERTS:
-                slo = self.model_slo.get(op.object.model)
+    def _priority(self, action: Action, obj: StateObject, dest: Location | None) -> Priority:
+        if dest is not None and dest.tier is Tier.GPU:
+            slo = self.active_slo.get(obj)
+            if slo is None and obj.kind is Kind.EXPERTS:
+                slo = self.model_slo.get(obj.model)
             return SLO_PRIORITY[slo] if slo is not None else Priority.PREFETCH
-        if op.action is Action.PROMOTE:
+        if action is Action.PROMOTE:
             return Priority.PREFETCH
         return Priority.BACKGROUND
 
-    def _seconds(self, op: Operation) -> float:
-        node = self.p.nodes[op.node]
-        if op.action is Action.DROP:
+    def _seconds(
+        self, action: Action, obj: StateObject, source: Location | None, dest: Location | None, nbytes: int, node_id: str
+    ) -> float:
+        if action is Action.DROP:
             return 0.0
-        if op.action is Action.PROMOTE:
-            if op.dest.tier is Tier.GPU:
-                gpu = self.p.gpus[op.dest.id]
-                if op.source is None:  # KV made by prefill
-                    model = self.p.models[op.object.model]
-                    tokens = op.bytes / max(1, model.kv_bytes_per_token)
-                    return tokens * self._prefill_seconds_per_token(model, gpu)
-                return costs.copy_seconds([op.bytes], [gpu], op.source.tier, node)
-            return op.bytes / node.nvme_read_bytes_per_s
-        gpu = self.p.gpus[op.source.id] if op.source.tier is Tier.GPU else None
-        return costs.write_down_seconds(op.bytes, gpu, op.dest.tier, node)
+        node = self.p.nodes[node_id]
+        if action is Action.PROMOTE:
+            if dest.tier is Tier.GPU:
+                if source is None:  # KV made by prefill
+                    return nbytes * self._prefill_seconds_per_byte(obj.model, dest.id)
+                return costs.copy_seconds([nbytes], [self.p.gpus[dest.id]], source.tier, node)
+            return nbytes / node.nvme_read_bytes_per_s
+        gpu = self.p.gpus[source.id] if source.tier is Tier.GPU else None
+        return costs.write_down_seconds(nbytes, gpu, dest.tier, node)
 
-    def _prefill_seconds_per_token(self, model: ModelSpec, gpu: Gpu) -> float:
-        key = (model.id, gpu.id)
-        if key not in self._prefill_seconds:
-            self._prefill_seconds[key] = costs.prefill_seconds_per_token(model, [gpu], self.p.constants)
-        return self._prefill_seconds[key]
-
-    def _label(self, item: StateObject | Location) -> str:
-        if item not in self._labels:
-            self._labels[item] = item.label()
-        return self._labels[item]
-
-    def _reason(self, op: Operation) -> str:
-        gib = op.bytes / 2**30
-        why = self.reasons.get(op.object)
-        obj = self._label(op.object)
-        if op.action is Action.PROMOTE:
-            base = f"bring {gib:.2f} GiB of {obj} to {self._label(op.dest)}"
-            if op.source is None:
-                base = f"prefill {gib:.2f} GiB of {obj} on {self._label(op.dest)}"
-            if op.object in self.active_slo:
-                slo = self.active_slo[op.object].value
-                return f"{base}: {'an' if slo[0] in 'aeiou' else 'a'} {slo} request is waiting for it"
-            return f"{base}: {why}" if why else f"{base}: predicted to be needed"
-        if op.action is Action.DEMOTE:
-            return f"free {gib:.2f} GiB on {self._label(op.source)}; keep {obj} on {self._label(op.dest)} for a cheaper way back"
-        return f"free {gib:.2f} GiB on {self._label(op.source)}; {obj} is worth less than the room it takes"
+    def _prefill_seconds_per_byte(self, model_id: str, gpu_id: str) -> float:
+        """Seconds to compute one byte of the model's KV by prefill on one GPU."""
+        key = (model_id, gpu_id)
+        rate = self._prefill_seconds.get(key)
+        if rate is None:
+            model = self.p.models[model_id]
+            per_token = costs.prefill_seconds_per_token(model, [self.p.gpus[gpu_id]], self.p.constants)
+            rate = self._prefill_seconds[key] = per_token / max(1, model.kv_bytes_per_token)
+        return rate
 
 
-def _downstream(waiting: Mapping[str, set[str]], start: str) -> set[str]:
+def _op_number(op_id: str) -> int:
+    return int(op_id[3:])
+
+
+def _downstream(waiting: Mapping[int, set[int]], start: int) -> set[int]:
     """Every operation that waits on `start`, directly or through others."""
-    seen: set[str] = set()
+    seen: set[int] = set()
     stack = [start]
     while stack:
         for nxt in waiting.get(stack.pop(), ()):
@@ -417,10 +452,20 @@ def _downstream(waiting: Mapping[str, set[str]], start: str) -> set[str]:
 
 
 def build_operations(
-    problem: Problem, target: Mapping[tuple[StateObject, Location], int], reasons: Mapping[StateObject, str] | None = None
+    problem: Problem,
+    target: Mapping[tuple[StateObject, Location], int],
+    reasons: Mapping[StateObject, str] | None = None,
+    now: ResidencyIndex | None = None,
+    then: Mapping[str, Serving] | None = None,
 ) -> list[Operation]:
-    """The operations that turn `problem.residency` into `target`, in a topological order of `depends_on`."""
-    builder = _Builder(problem, target, reasons or {})
+    """The operations that turn `problem.residency` into `target`, in a topological order of `depends_on`.
+
+    `now` indexes the confirmed placement and `then` says who serves each model in the target, when the
+    caller has them already.
+    """
+    now = now or ResidencyIndex.build(problem, problem.residency)
+    then = then if then is not None else ResidencyIndex.serving_in(problem, target)
+    builder = _Builder(problem, target, reasons or {}, now, then)
     builder.diff()
     builder.link()
     return builder.ordered()

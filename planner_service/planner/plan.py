@@ -14,9 +14,9 @@ from typing import Any
 
 from planner_service.domain.problem import Problem
 from planner_service.domain.state import Location, StateObject, placement_to_json
-from planner_service.planner.objective import Objective, Predicted, evaluate
+from planner_service.planner.objective import Demand, Objective, Predicted, evaluate
 from planner_service.planner.operations import Operation, build_operations
-from planner_service.planner.residency import copy_placement
+from planner_service.planner.residency import ResidencyIndex, copy_placement
 
 
 class PlanStatus(StrEnum):
@@ -64,10 +64,19 @@ def make_plan(
     reasons: Mapping[StateObject, str] | None = None,
     status: PlanStatus | None = None,
     solve_seconds: float = 0.0,
+    *,
+    now: ResidencyIndex | None = None,
+    demand: Demand | None = None,
 ) -> Plan:
+    """The plan that reaches `target`: its operations, objective and predicted metrics.
+
+    `now` (the confirmed placement's index) and `demand` may come from the solver, which built them already.
+    """
     placement = copy_placement(target) if all(v > 0 for v in target.values()) else {k: v for k, v in target.items() if v > 0}
-    operations = build_operations(problem, placement, reasons)
-    objective, predicted = evaluate(problem, placement)
+    now = now or ResidencyIndex.build(problem, problem.residency)
+    then = ResidencyIndex.build(problem, placement)
+    operations = build_operations(problem, placement, reasons, now, then.serving)
+    objective, predicted = evaluate(problem, placement, now, then, demand)
     if status is None:
         status = PlanStatus.PARTIAL if unserved else PlanStatus.OK
     return Plan(solver, status, objective, predicted, placement, operations, dict(unserved), solve_seconds)

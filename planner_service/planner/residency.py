@@ -49,26 +49,37 @@ class ResidencyIndex:
     @classmethod
     def build(cls, problem: Problem, placement: Mapping[tuple[StateObject, Location], int]) -> ResidencyIndex:
         index = cls(problem, placement)
-        nvme_tier, gpu_tier, host_tier, kv_kind = Tier.NVME, Tier.GPU, Tier.HOST, Kind.KV
+        nvme_tier, gpu_tier, kv_kind, weights_kind = Tier.NVME, Tier.GPU, Kind.KV, Kind.WEIGHTS
+        gpus, gpu_bytes, on_gpus, on_host = problem.gpus, index.gpu_bytes, index.on_gpus, index.on_host
+        kv_entries, kv_sessions = index.kv_entries, index.kv_sessions
         gpu_holders: dict[tuple[StateObject, str], list[Gpu]] = defaultdict(list)
-        wanted = [(key, nbytes) for key, nbytes in placement.items() if key[1].tier is not nvme_tier or key[0].kind is kv_kind]
-        for key, nbytes in wanted:
+        for key, nbytes in placement.items():
             obj, loc = key
-            if nbytes <= 0:
+            tier = loc.tier
+            if (tier is nvme_tier and obj.kind is not kv_kind) or nbytes <= 0:
                 continue
             if obj.kind is kv_kind:
-                index.kv_entries[key] = nbytes
-                index.kv_sessions[obj.model].add(obj.session)
-            if loc.tier is gpu_tier:
-                gpu = problem.gpus[loc.id]
-                index.on_gpus[key] = nbytes
-                index.gpu_bytes[(obj, gpu.node)] += nbytes
-                if obj.kind is Kind.WEIGHTS:
+                kv_entries[key] = nbytes
+                kv_sessions[obj.model].add(obj.session)
+            if tier is gpu_tier:
+                gpu = gpus[loc.id]
+                on_gpus[key] = nbytes
+                gpu_bytes[(obj, gpu.node)] += nbytes
+                if obj.kind is weights_kind:
                     gpu_holders[(obj, gpu.node)].append(gpu)
-            elif loc.tier is host_tier:
-                index.on_host[key] = nbytes
+            elif tier is not nvme_tier:
+                on_host[key] = nbytes
         index.serving = _serving(problem, gpu_holders, index.gpu_bytes)
         return index
+
+    @classmethod
+    def below_gpu(cls, problem: Problem, placement: Mapping[tuple[StateObject, Location], int]) -> ResidencyIndex:
+        """An index that answers only for host DRAM and NVMe (`on`, `complete`, `complete_source`).
+
+        Those are lookups in the placement itself, so nothing is copied: for a
+        placement read once, such as where a cold load would come from.
+        """
+        return cls(problem, placement)
 
     @staticmethod
     def serving_in(problem: Problem, placement: Mapping[tuple[StateObject, Location], int]) -> dict[str, Serving]:

@@ -34,7 +34,7 @@ def operation_from_json(data: dict[str, Any]) -> Operation:
         priority=Priority(data["priority"]),
         depends_on=list(data["depends_on"]),
         estimated_seconds=float(data["estimated_seconds"]),
-        reason=data.get("reason", ""),
+        why=data.get("reason", ""),
         node=data["node"],
     )
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+import numpy as np
+
 from planner_service.domain.problem import Gpu, ModelSpec, Node, Problem
 from planner_service.domain.scenario import CostConstants
 from planner_service.domain.state import Tier
@@ -77,19 +79,16 @@ def kv_ready_seconds(
     source: Tier,
     node: Node,
     constants: CostConstants,
-    per_token: float | None = None,
 ) -> float:
     """Make a session's KV ready on GPU: restore what a lower tier holds, or re-prefill; the cheaper.
 
     restore  = copy(restorable) + prefill(missing - restorable tokens)
     prefill  = prefill(missing tokens)
     t        = min(restore, prefill)       (LMCache's load-or-prefill crossover)
-    `per_token` is `prefill_seconds_per_token(model, gpus, constants)`, when the caller has it.
     """
     if missing_tokens <= 0:
         return 0.0
-    if per_token is None:
-        per_token = prefill_seconds_per_token(model, gpus, constants)
+    per_token = prefill_seconds_per_token(model, gpus, constants)
     prefill_all = missing_tokens * per_token
     if restorable_bytes <= 0 or model.kv_bytes_per_token == 0:
         return prefill_all
@@ -97,6 +96,31 @@ def kv_ready_seconds(
     shard = math.ceil(restored_tokens * model.kv_bytes_per_token / len(gpus))
     restore = copy_seconds([shard] * len(gpus), gpus, source, node)
     return min(prefill_all, restore + (missing_tokens - restored_tokens) * per_token)
+
+
+def kv_ready_seconds_many(
+    missing_tokens: np.ndarray,
+    restorable_bytes: np.ndarray,
+    from_host: np.ndarray,
+    model: ModelSpec,
+    gpus: Sequence[Gpu],
+    node: Node,
+    per_token: float,
+) -> np.ndarray:
+    """`kv_ready_seconds` for many sessions of one model at once, on one group of one node.
+
+    `from_host[i]` says whether session i's restorable bytes are in host DRAM (else on NVMe); the
+    restore is the same even split over the group as `copy_seconds` of equal shards.
+    """
+    missing = np.maximum(missing_tokens, 0)
+    prefill_all = missing * per_token
+    if model.kv_bytes_per_token == 0:
+        return prefill_all
+    restored = np.minimum(missing, restorable_bytes // model.kv_bytes_per_token)
+    shard = np.ceil(restored * model.kv_bytes_per_token / len(gpus))
+    restore = shard / min(g.h2d_bytes_per_s for g in gpus)
+    restore = np.where(from_host, restore, np.maximum(restore, shard * len(gpus) / node.nvme_read_bytes_per_s))
+    return np.where(restorable_bytes > 0, np.minimum(prefill_all, restore + (missing - restored) * per_token), prefill_all)
 
 
 def expert_hit_rate(gpu_fraction: float, constants: CostConstants) -> float:

@@ -231,6 +231,7 @@ class GreedyPlanner:
         self._steps_cache: dict[tuple[str, str], list[int]] = {}
         self._experts_memo: dict[tuple, float] = {}
         self._shapes: dict[tuple, _ExpertShape] = {}
+        self._shape_on: dict[tuple[str, str], _ExpertShape] = {}  # (model, node) -> its shape
         self._served: dict[str, float] = {}
         self._active_context: dict[str, float] = {}
         self._limits: dict[tuple[str, str], int] = {}
@@ -482,16 +483,21 @@ class GreedyPlanner:
 
     def _expert_shape(self, model: ModelSpec, node_id: str) -> _ExpertShape:
         """The model's expert chunks the node may hold, and the share of expert reads each step still misses."""
+        shape = self._shape_on.get((model.id, node_id))
+        if shape is not None:
+            return shape
         limit = self._expert_limit(model, node_id)
         partial = Capability.PARTIAL_EXPERTS in self.p.nodes[node_id].capabilities
-        key = (model.id, partial, limit)  # all the shape depends on
-        shape = self._shapes.get(key)
+        key = (model.id, partial, limit)  # all the shape depends on (nodes alike share it)
+        shape = self._shape_on[(model.id, node_id)] = self._shapes.get(key)
         if shape is None:
             steps = [0] + [b for b in self._expert_steps(model, node_id) if b <= limit]
             skew = self.c.expert_popularity_skew
             miss = [1.0 - min(1.0, b / model.experts_bytes) ** skew for b in steps]  # 1 - costs.expert_hit_rate
             slope = [(miss[k + 1] - miss[k]) / (steps[k + 1] - steps[k]) for k in range(len(steps) - 1)]
-            shape = self._shapes[key] = _ExpertShape(steps, miss, list(itertools.accumulate(slope, max)))
+            shape = self._shapes[key] = self._shape_on[(model.id, node_id)] = _ExpertShape(
+                steps, miss, list(itertools.accumulate(slope, max))
+            )
         return shape
 
     def _expert_loss(self, node_id: str, nbytes: int) -> float:
@@ -622,9 +628,9 @@ class GreedyPlanner:
                 continue
             _, group = best
             self._place_weights(model, group, f"serves {len(sessions)} active session(s)")
-            served = self._water_fill(model, group, sessions)
+            served = {s.id for s in self._water_fill(model, group, sessions)}
             for s in sessions:
-                if s not in served:
+                if s.id not in served:
                     self.unserved[s.id] = (
                         f"kv capacity: the KV of session {s.id} does not fit on node {group.node}'s GPUs "
                         f"beside {model.id}'s weights and other users' fair share"
@@ -699,17 +705,17 @@ class GreedyPlanner:
                     # comes back at once if it still leads). Placements elsewhere only make other nodes worse.
                     self._push_weights(model, push)
                     continue
-                self._place_weights(model, group, why)
+                self._place_weights(model, group, _words(why))
                 self._push_followers(model_id, push)
             elif kind == "kv":  # a model's group is set once, before its followers are pushed
                 obj, group, nbytes, why = payload
                 if self.groups.get(obj.model) is group and self.book.fits(group.gpus, split_evenly(nbytes, len(group.gpus))):
                     self._place_spread(obj, group, nbytes)
-                    self.reasons[obj] = why
+                    self.reasons[obj] = _words(why)
             else:
                 obj, group, nbytes, why = payload
                 if self.groups.get(obj.model) is group and self._place_expert_chunk(obj, group.node, nbytes):
-                    self.reasons[obj] = why
+                    self.reasons[obj] = _words(why)
 
     def _push_weights(self, model: ModelSpec, push) -> None:
         """The model's weights on their best group, valued by the cold loads they save."""
@@ -732,10 +738,7 @@ class GreedyPlanner:
         # the expert room it takes from MoE models served on that node
         if not model.is_moe:
             value -= self._expert_loss(group.node, nbytes)
-        why = (
-            f"kept warm: {total_w:.2f} SLO-weighted predicted requests would each wait {saved:.1f} s for a cold load; "
-            f"saves {value:.1f} s net of the {nbytes / GIB:.1f} GiB HBM price"
-        )
+        why = (_KEPT_WARM, (total_w, saved, value, nbytes / GIB))
         push(value, nbytes, "weights", (model.id, group, why, self._placed_on[group.node]))
 
     def _push_followers(self, model_id: str, push) -> None:
@@ -757,8 +760,7 @@ class GreedyPlanner:
             value = w * without - costs.gpu_hold_cost(nbytes, self.c)
             if without > self.slo_target[self.position[sid]]:  # off GPU the request would miss its target
                 value += w * self.c.violation_penalty_seconds
-            why = f"kept on GPU: spares {w:.2f} SLO-weighted predicted requests {without:.1f} s of KV restore or re-prefill"
-            push(value, nbytes, "kv", (obj, group, nbytes, why))
+            push(value, nbytes, "kv", (obj, group, nbytes, (_KV_KEPT, (w, without))))
         if model.is_moe:
             self._push_expert_chunks(model, group, push)
 
@@ -807,11 +809,7 @@ class GreedyPlanner:
             after = costs.decode_slowdown_seconds(model, step / model.experts_bytes, group.gpus, self.c)
             saved = demand * (slowdown - after)
             fraction = step / model.experts_bytes
-            why = (
-                f"hot experts on GPU up to {fraction:.0%} of all routed experts "
-                f"(hit rate {costs.expert_hit_rate(fraction, self.c):.0%}): MoE decode slowdown {after:.1f} s per request "
-                f"for {demand:.2f} SLO-weighted requests"
-            )
+            why = (_HOT_EXPERTS, (fraction, costs.expert_hit_rate(fraction, self.c), after, demand))
             push(saved - costs.gpu_hold_cost(nbytes, self.c), nbytes, "experts", (obj, group, nbytes, why))
             placed, slowdown = step, after
         # chunks are valued in order (concave hit rate), so the heap takes them hottest first
@@ -868,7 +866,6 @@ class GreedyPlanner:
 
     def settle_lower_tiers(self) -> None:
         invalid = self._invalidated_kv_models()
-        on_gpus = self._gpu_totals()
         # Keep what is below GPU now, except KV made stale by a precision change.
         kept = copy_placement(self.p.residency)
         for key in self.now.on_gpus:
@@ -907,7 +904,7 @@ class GreedyPlanner:
                 continue
             if self._complete_below(obj, node_id):
                 continue
-            if obj.model in self.groups and self.groups[obj.model].node == node_id and on_gpus[(obj, node_id)] >= self.p.size_of(obj):
+            if obj.model in self.groups and self.groups[obj.model].node == node_id and self._on_node_gpus(obj, node_id) >= self.p.size_of(obj):
                 continue
             # the GPU copy is the node's last complete one: move it down
             to = host if (Capability.WEIGHTS_OFFLOAD in node.capabilities and node.host_bytes - host_used[node_id] >= nbytes) else nvme
@@ -926,13 +923,9 @@ class GreedyPlanner:
         size = self.p.size_of(obj)
         return any(self.target.get((obj, t(node)), 0) >= size for t in (Location.host, Location.nvme))
 
-    def _gpu_totals(self) -> dict[tuple[StateObject, str], int]:
-        """(object, node) -> bytes the target puts on the node's GPUs."""
-        totals: dict[tuple[StateObject, str], int] = defaultdict(int)
-        for (obj, loc), nbytes in self.target.items():
-            if loc.tier is Tier.GPU:
-                totals[(obj, self.p.gpus[loc.id].node)] += nbytes
-        return totals
+    def _on_node_gpus(self, obj: StateObject, node_id: str) -> int:
+        """Bytes of `obj` the target puts on the node's GPUs."""
+        return sum(self.target.get((obj, self._at[g]), 0) for g in self.book.gpu_ids(node_id))
 
     def _invalidated_kv_models(self) -> set[str]:
         """Models whose serving precision changes: their sessions' KV no longer matches the weights."""
@@ -1008,6 +1001,24 @@ def _bytes_per_node(placement: Mapping[tuple[StateObject, Location], int], tier:
         if loc.tier is tier:
             used[loc.id] += nbytes
     return used
+
+
+# What the spend step offers for, as (template, numbers): most offers are never taken, so the words are
+# made only for those that are.
+_KEPT_WARM = (
+    "kept warm: {:.2f} SLO-weighted predicted requests would each wait {:.1f} s for a cold load; "
+    "saves {:.1f} s net of the {:.1f} GiB HBM price"
+)
+_KV_KEPT = "kept on GPU: spares {:.2f} SLO-weighted predicted requests {:.1f} s of KV restore or re-prefill"
+_HOT_EXPERTS = (
+    "hot experts on GPU up to {:.0%} of all routed experts (hit rate {:.0%}): MoE decode slowdown {:.1f} s "
+    "per request for {:.2f} SLO-weighted requests"
+)
+
+
+def _words(why: tuple[str, tuple]) -> str:
+    template, numbers = why
+    return template.format(*numbers)
 
 
 class PlanningError(RuntimeError):

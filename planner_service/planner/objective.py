@@ -23,7 +23,7 @@ Everything is in seconds. `evaluate` also reports the predicted metrics
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -94,9 +94,10 @@ class Demand:
         # into a vector once, then gather.
         vectors: list[np.ndarray] = [np.zeros(len(row))]  # 0: no prediction
         vector_of: dict[int, int] = {}
-        which = np.zeros(len(sessions), dtype=np.intp)
-        for j, s in enumerate(sessions):
-            probs = problem.next_model.get(s.id)
+        which = [0] * len(sessions)
+        next_model = problem.next_model
+        for j, session_id in enumerate(problem.sessions):
+            probs = next_model.get(session_id)
             if not probs:
                 continue
             k = vector_of.get(id(probs))
@@ -108,13 +109,14 @@ class Demand:
                         vector[row[model]] = q
                 vectors.append(vector)
             which[j] = k
+        slos = [s.slo for s in sessions]
         return cls(
             sessions=sessions,
-            position={s.id: j for j, s in enumerate(sessions)},
+            position=dict(zip(problem.sessions, range(len(sessions)))),
             row=row,
-            q=np.stack(vectors, axis=1).take(which, axis=1),
-            slo_weight=np.array([weight[s.slo] for s in sessions]),
-            slo_target=np.array([target[s.slo] for s in sessions]),
+            q=np.stack(vectors, axis=1).take(np.array(which, dtype=np.intp), axis=1),
+            slo_weight=np.array(list(map(weight.__getitem__, slos))),
+            slo_target=np.array(list(map(target.__getitem__, slos))),
         )
 
     def of_model(self, model: str) -> np.ndarray:
@@ -161,12 +163,8 @@ def kv_ready(
     node: str,
     gpus: tuple[Gpu, ...],
     gpu_kv: int,
-    per_token: float | None = None,
 ) -> float:
-    """Seconds to make `session`'s KV for `model` ready on `gpus`, given `gpu_kv` bytes already there.
-
-    `per_token`: the group's prefill seconds per token, when the caller has it already.
-    """
+    """Seconds to make `session`'s KV for `model` ready on `gpus`, given `gpu_kv` bytes already there."""
     kv_per_token = model.kv_bytes_per_token
     if kv_per_token == 0:
         return 0.0
@@ -178,7 +176,42 @@ def kv_ready(
     host = index.on(obj, node, Tier.HOST)
     nvme = index.on(obj, node, Tier.NVME)
     source, restorable = (Tier.HOST, host) if host >= nvme else (Tier.NVME, nvme)
-    return costs.kv_ready_seconds(missing, restorable, model, gpus, source, problem.nodes[node], problem.constants, per_token)
+    return costs.kv_ready_seconds(missing, restorable, model, gpus, source, problem.nodes[node], problem.constants)
+
+
+def _kv_ready_of(
+    problem: Problem,
+    index: ResidencyIndex,
+    model: ModelSpec,
+    sessions: Iterable[str],
+    node: str,
+    gpus: tuple[Gpu, ...],
+    on_gpus: bool,
+    per_token: float,
+) -> tuple[list[str], np.ndarray]:
+    """`kv_ready` for every session holding some of the model's KV, at once: (those sessions, their seconds).
+
+    `on_gpus`: the model is served on `gpus`, so KV already there counts.
+    """
+    at = sorted(sessions)
+    kv_per_token = model.kv_bytes_per_token
+    if kv_per_token == 0:
+        return at, np.zeros(len(at))
+    host_loc, nvme_loc = Location.host(node), Location.nvme(node)
+    placement, gpu_bytes = index.placement, index.gpu_bytes
+    tokens, held, host, nvme = [], [], [], []
+    for sid in at:
+        obj = StateObject.kv(model.id, sid)
+        tokens.append(problem.sessions[sid].context_tokens)
+        held.append(gpu_bytes.get((obj, node), 0) if on_gpus else 0)
+        host.append(max(0, placement.get((obj, host_loc), 0)))
+        nvme.append(max(0, placement.get((obj, nvme_loc), 0)))
+    missing = np.array(tokens) - np.array(held) // kv_per_token
+    host_bytes, nvme_bytes = np.array(host), np.array(nvme)
+    from_host = host_bytes >= nvme_bytes
+    restorable = np.where(from_host, host_bytes, nvme_bytes)
+    seconds = costs.kv_ready_seconds_many(missing, restorable, from_host, model, gpus, problem.nodes[node], per_token)
+    return at, np.where(missing > 0, seconds, 0.0)
 
 
 def _gpu_kv(index: ResidencyIndex, model: str, session: str, serving: Serving) -> int:
@@ -265,9 +298,10 @@ def evaluate(
             # no KV anywhere: re-prefill the whole history; sessions holding some KV are priced one by one
             per_token = costs.prefill_seconds_per_token(model, gpus, c)
             kv = context * per_token
-            for sid in then.kv_sessions.get(model.id, ()):
-                gpu_kv = _gpu_kv(then, model.id, sid, serving) if serving else 0
-                kv[position[sid]] = kv_ready(problem, then, model, sid, node, gpus, gpu_kv, per_token)
+            holders = then.kv_sessions.get(model.id)
+            if holders:
+                at, seconds = _kv_ready_of(problem, then, model, holders, node, gpus, serving is not None, per_token)
+                kv[[position[sid] for sid in at]] = seconds
         latency = weights_ready + kv
         wq = slo_weight * q
         switch += float(wq @ latency)

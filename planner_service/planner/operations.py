@@ -53,6 +53,13 @@ PRIORITY_RANK = {Priority.BLOCKING: 0, Priority.INTERACTIVE: 1, Priority.BACKGRO
 SLO_PRIORITY = {Slo.BLOCKING: Priority.BLOCKING, Slo.INTERACTIVE: Priority.INTERACTIVE, Slo.BACKGROUND: Priority.BACKGROUND}
 
 
+# Enum members read once per operation, bound here: on Python 3.11 each `Enum.MEMBER` lookup goes through
+# EnumType.__getattr__ and costs about ten global reads.
+_GPU, _EXPERTS = Tier.GPU, Kind.EXPERTS
+_PROMOTE, _DROP = Action.PROMOTE, Action.DROP
+_PREFETCH, _BACKGROUND = Priority.PREFETCH, Priority.BACKGROUND
+
+
 @dataclass(slots=True)
 class Operation:
     id: str
@@ -400,28 +407,28 @@ class _Builder:
     # -- annotations --------------------------------------------------------
 
     def _priority(self, action: Action, obj: StateObject, dest: Location | None) -> Priority:
-        if dest is not None and dest.tier is Tier.GPU:
+        if dest is not None and dest.tier is _GPU:
             slo = self.active_slo.get(obj)
-            if slo is None and obj.kind is Kind.EXPERTS:
+            if slo is None and obj.kind is _EXPERTS:
                 slo = self.model_slo.get(obj.model)
-            return SLO_PRIORITY[slo] if slo is not None else Priority.PREFETCH
-        if action is Action.PROMOTE:
-            return Priority.PREFETCH
-        return Priority.BACKGROUND
+            return SLO_PRIORITY[slo] if slo is not None else _PREFETCH
+        if action is _PROMOTE:
+            return _PREFETCH
+        return _BACKGROUND
 
     def _seconds(
         self, action: Action, obj: StateObject, source: Location | None, dest: Location | None, nbytes: int, node_id: str
     ) -> float:
-        if action is Action.DROP:
+        if action is _DROP:
             return 0.0
         node = self.p.nodes[node_id]
-        if action is Action.PROMOTE:
-            if dest.tier is Tier.GPU:
+        if action is _PROMOTE:
+            if dest.tier is _GPU:
                 if source is None:  # KV made by prefill
                     return nbytes * self._prefill_seconds_per_byte(obj.model, dest.id)
                 return costs.copy_seconds([nbytes], [self.p.gpus[dest.id]], source.tier, node)
             return nbytes / node.nvme_read_bytes_per_s
-        gpu = self.p.gpus[source.id] if source.tier is Tier.GPU else None
+        gpu = self.p.gpus[source.id] if source.tier is _GPU else None
         return costs.write_down_seconds(nbytes, gpu, dest.tier, node)
 
     def _prefill_seconds_per_byte(self, model_id: str, gpu_id: str) -> float:

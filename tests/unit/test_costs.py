@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from types import MappingProxyType
 
+import numpy as np
 import pytest
 
 from planner_service.domain.problem import Gpu, ModelSpec, Node
@@ -105,3 +106,23 @@ def test_decode_slowdown_fetches_missed_experts_over_pcie() -> None:
 def test_gpu_hold_cost_is_price_per_gib() -> None:
     assert costs.gpu_hold_cost(10 * GIB, C) == pytest.approx(0.2)
     assert costs.gpu_hold_cost(0, C) == 0.0
+
+
+def test_kv_ready_for_many_sessions_matches_one_at_a_time() -> None:
+    model = dense()
+    group = [gpu("a", h2d=20 * GB), gpu("b", h2d=12 * GB)]
+    where = node("a", "b")
+    per_token = costs.prefill_seconds_per_token(model, group, C)
+    cases = [  # (missing tokens, restorable bytes, from host)
+        (0, 0, True), (-5, 10**9, True), (1000, 0, True), (1000, 40 * 10**6, True), (1000, 200 * 10**6, False),
+        (50_000, 5 * 10**9, True), (50_000, 5 * 10**9, False), (7, 100_000 * 3, False),
+    ]  # fmt: skip
+    many = costs.kv_ready_seconds_many(
+        np.array([m for m, _, _ in cases]),
+        np.array([r for _, r, _ in cases]),
+        np.array([h for _, _, h in cases]),
+        model, group, where, per_token,
+    )  # fmt: skip
+    for (missing, restorable, host), seconds in zip(cases, many, strict=True):
+        tier = Tier.HOST if host else Tier.NVME
+        assert seconds == pytest.approx(costs.kv_ready_seconds(missing, restorable, model, group, tier, where, C), rel=1e-12)

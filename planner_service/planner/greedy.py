@@ -186,6 +186,8 @@ class _ExpertShape:
 
     steps: list[int]  # [0, expert bytes on GPU at each chunk step the node may hold]
     miss: list[float]  # share of routed-expert reads that miss the GPU at each step
+    sizes: list[int]  # per chunk (step k -> k + 1): its bytes
+    gains: list[float]  # per chunk: the change of `miss` (negative: fewer misses)
     order: list[float]  # per chunk (step k -> k + 1): change of `miss` per byte, as a running max (concave hit rate)
 
     def paying(self, scale: float, price: float) -> int:
@@ -461,23 +463,25 @@ class GreedyPlanner:
             return total
         # the best saving per byte first; a model whose next chunk does not fit takes no more (the hit rate
         # is concave, so each model's chunks save less per byte as they go: `order` keeps step order)
-        offers: list[tuple[float, int, int]] = []  # (order, model index, chunk index)
+        offers: list[tuple[float, int, int, float]] = []  # (order, model index, chunk bytes, change of miss)
         for i, (shape, scale, j, best) in enumerate(chosen):
-            offers.extend((scale * shape.order[k], i, k) for k in range(j, best))
+            order = [scale * o for o in shape.order[j:best]]
+            offers.extend(zip(order, itertools.repeat(i), shape.sizes[j:best], shape.gains[j:best]))
         offers.sort()
+        scales = [scale for _, scale, _, _ in chosen]
         stopped = [False] * len(chosen)
-        for _, i, k in offers:
-            if room <= 0:
-                break
+        live = len(chosen)  # models still taking chunks
+        for _, i, nbytes, gain in offers:
             if stopped[i]:
                 continue
-            shape, scale = chosen[i][0], chosen[i][1]
-            nbytes = shape.steps[k + 1] - shape.steps[k]
             if nbytes > room:
                 stopped[i] = True
+                live -= 1
+                if not live:
+                    break
                 continue
             room -= nbytes
-            total += scale * (shape.miss[k + 1] - shape.miss[k]) + price * nbytes
+            total += scales[i] * gain + price * nbytes
         self._experts_memo[key] = total
         return total
 
@@ -494,9 +498,11 @@ class GreedyPlanner:
             steps = [0] + [b for b in self._expert_steps(model, node_id) if b <= limit]
             skew = self.c.expert_popularity_skew
             miss = [1.0 - min(1.0, b / model.experts_bytes) ** skew for b in steps]  # 1 - costs.expert_hit_rate
-            slope = [(miss[k + 1] - miss[k]) / (steps[k + 1] - steps[k]) for k in range(len(steps) - 1)]
+            sizes = [b - a for a, b in zip(steps, steps[1:])]
+            gains = [b - a for a, b in zip(miss, miss[1:])]
+            slope = [g / n for g, n in zip(gains, sizes)]
             shape = self._shapes[key] = self._shape_on[(model.id, node_id)] = _ExpertShape(
-                steps, miss, list(itertools.accumulate(slope, max))
+                steps, miss, sizes, gains, list(itertools.accumulate(slope, max))
             )
         return shape
 
@@ -609,14 +615,18 @@ class GreedyPlanner:
     def _kv_bytes(self, session: Session, model: ModelSpec) -> int:
         return session.context_tokens * model.kv_bytes_per_token
 
-    def serve_active(self) -> None:
-        active = self.active
+    def _serve_order(self) -> list[str]:
+        """Models with requests in flight, most urgent SLO first, then largest."""
 
         def urgency(model_id: str) -> tuple:
             model = self.p.models[model_id]
-            return (min(SLO_RANK[s.slo] for s in active[model_id]), -model.weights_bytes[model.preferred], model_id)
+            return (min(SLO_RANK[s.slo] for s in self.active[model_id]), -model.weights_bytes[model.preferred], model_id)
 
-        for model_id in sorted(active, key=urgency):
+        return sorted(self.active, key=urgency)
+
+    def serve_active(self) -> None:
+        active = self.active
+        for model_id in self._serve_order():
             model = self.p.models[model_id]
             sessions = active[model_id]
             need = sum(self._kv_bytes(s, model) for s in sessions)

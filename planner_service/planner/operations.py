@@ -55,7 +55,7 @@ SLO_PRIORITY = {Slo.BLOCKING: Priority.BLOCKING, Slo.INTERACTIVE: Priority.INTER
 
 # Enum members read once per operation, bound here: on Python 3.11 each `Enum.MEMBER` lookup goes through
 # EnumType.__getattr__ and costs about ten global reads.
-_GPU, _EXPERTS = Tier.GPU, Kind.EXPERTS
+_GPU, _EXPERTS, _KV = Tier.GPU, Kind.EXPERTS, Kind.KV
 _PROMOTE, _DROP = Action.PROMOTE, Action.DROP
 _PREFETCH, _BACKGROUND = Priority.PREFETCH, Priority.BACKGROUND
 
@@ -158,7 +158,9 @@ class _Builder:
         self.reasons = reasons
         self.now = now
         self.ops: list[Operation] = []
-        self._deps: list[set[int]] = []  # per operation, the positions in `ops` it waits on (set by `link`)
+        # set by `link`: per operation, the positions in `ops` it waits on, and the reverse
+        self._deps: list[set[int]] = []
+        self._waiting: dict[int, set[int]] = {}
         self.active_slo = self._active_slo()
         # model -> the most urgent SLO of its requests in flight (what its routed experts serve)
         self.model_slo = {obj.model: slo for obj, slo in self.active_slo.items() if obj.kind is Kind.WEIGHTS}
@@ -203,14 +205,14 @@ class _Builder:
         """(object, node) -> the locations whose bytes differ between the confirmed placement and the target."""
         before, after = self.p.residency, self.target
         # entries that differ in either placement (dict views compare with the hashes the dicts keep)
+        # (placements hold no zero entries, so every key there differs in bytes)
         keys = {key for key, _ in before.items() ^ after.items()}
         # stale KV that stays on a GPU is recomputed there all the same
-        stale = {key for key in self.now.on_gpus if key[0].kind is Kind.KV and key[0].model in self.stale_kv}
+        keys.update(key for key in self.now.on_gpus if key[0].kind is _KV and key[0].model in self.stale_kv)
+        gpus = self.p.gpus
         changed: dict[tuple[StateObject, str], list[Location]] = defaultdict(list)
-        for key in keys | stale:
-            if key in stale or before.get(key, 0) != after.get(key, 0):
-                obj, loc = key
-                changed[(obj, self.p.node_of(loc))].append(loc)
+        for obj, loc in keys:
+            changed[(obj, gpus[loc.id].node if loc.tier is _GPU else loc.id)].append(loc)
         return changed
 
     def diff(self) -> None:
@@ -317,7 +319,6 @@ class _Builder:
         ops = self.ops
         deps: list[set[int]] = [set() for _ in ops]
         readers: dict[tuple[StateObject, Location], list[int]] = defaultdict(list)
-        adders: dict[tuple[StateObject, Location], list[int]] = defaultdict(list)
         frees_at: dict[Location, list[int]] = defaultdict(list)
         adds_at: dict[Location, list[int]] = defaultdict(list)
         for i, op in enumerate(ops):
@@ -327,7 +328,6 @@ class _Builder:
                 else:
                     frees_at[op.source].append(i)
             if op.dest is not None:
-                adders[(op.object, op.dest)].append(i)
                 adds_at[op.dest].append(i)
         for i, op in enumerate(ops):
             if op.source is None or op.keep_source:
@@ -335,10 +335,10 @@ class _Builder:
             # a source is freed only after its readers are done
             deps[i].update(r for r in readers.get((op.object, op.source), ()) if r != i)
             # a complete copy is dropped only once another complete copy on the node exists
-            if op.action is Action.DROP and op.object.kind is not Kind.KV:
+            if op.action is _DROP and op.object.kind is not _KV:
                 for other in self._complete_copies_in_target(op.object, self.p.node_of(op.source)):
                     if other != op.source:
-                        deps[i].update(adders.get((op.object, other), ()))
+                        deps[i].update(a for a in adds_at.get(other, ()) if ops[a].object == op.object)
         # a location gains bytes only after the frees there, except a free that itself waits on the gain
         waiting: dict[int, set[int]] = defaultdict(set)  # op -> the ops that depend on it directly
         for i, ds in enumerate(deps):
@@ -354,7 +354,7 @@ class _Builder:
                 deps[add].update(first)
                 for f in first:
                     waiting[f].add(add)
-        self._deps = deps
+        self._deps, self._waiting = deps, waiting
         self._inherit_priority()
 
     def _complete_copies_in_target(self, obj: StateObject, node: str) -> list[Location]:
@@ -378,21 +378,18 @@ class _Builder:
 
     def ordered(self) -> list[Operation]:
         """Kahn's topological order, most urgent first among the ready; ids set to "op-N" in that order."""
-        ops, deps = self.ops, self._deps
+        ops, deps, children = self.ops, self._deps, self._waiting
         pending = [len(ds) for ds in deps]
-        children: dict[int, list[int]] = defaultdict(list)
-        for i, ds in enumerate(deps):
-            for d in ds:
-                children[d].append(i)
         ready = [(PRIORITY_RANK[op.priority], i) for i, op in enumerate(ops) if not pending[i]]
         heapq.heapify(ready)
         order: list[Operation] = []
-        name: list[str] = [""] * len(ops)  # position in `ops` -> "op-N"
+        names = list(map("op-{}".format, range(1, len(ops) + 1)))
+        name: list[str] = [""] * len(ops)  # position in `ops` -> its name in the order
         while ready:
             i = heapq.heappop(ready)[1]
             op = ops[i]
+            op.id = name[i] = names[len(order)]
             order.append(op)
-            op.id = name[i] = f"op-{len(order)}"
             for child in children.get(i, ()):
                 pending[child] -= 1
                 if not pending[child]:

@@ -49,7 +49,7 @@ import itertools
 import math
 import operator
 from collections import defaultdict, deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -125,17 +125,22 @@ class _GpuBook:
     def fits(self, gpus: Iterable[Gpu], shards: Iterable[int]) -> bool:
         return all(self.free[g.id] >= b for g, b in zip(gpus, shards, strict=True))
 
-    def take(self, gpus: Iterable[Gpu], shards: Iterable[int]) -> None:
+    def take(self, gpus: Sequence[Gpu], shards: Iterable[int]) -> None:
+        """Take shards on the GPUs of one group (all on one node)."""
+        free, taken = self.free, 0
         for g, b in zip(gpus, shards, strict=True):
-            if b:
-                self.free[g.id] -= b
-                self._changed(g.node, b)
+            free[g.id] -= b
+            taken += b
+        if taken:
+            self._changed(gpus[0].node, taken)
 
     def take_from(self, node_id: str, takes: Iterable[tuple[str, int]]) -> None:
         """Take (GPU id, bytes) pairs on one node."""
+        taken = 0
         for g, b in takes:
             self.free[g] -= b
-            self._changed(node_id, b)
+            taken += b
+        self._changed(node_id, taken)
 
     def _changed(self, node_id: str, taken: int) -> None:
         self._room[node_id] -= taken
@@ -604,8 +609,8 @@ class GreedyPlanner:
         if model.is_moe:
             self._moe_on[group.node][model.id] = sum(g.h2d_bytes_per_s for g in group.gpus)
 
-    def _place_spread(self, obj: StateObject, group: Group, nbytes: int) -> None:
-        shards = split_evenly(nbytes, len(group.gpus))
+    def _place_spread(self, obj: StateObject, group: Group, shards: list[int]) -> None:
+        """Place `obj` over the group's GPUs in the given shards (`split_evenly` of its bytes)."""
         self.book.take(group.gpus, shards)
         for g, b in zip(group.gpus, shards, strict=True):
             if b:
@@ -658,8 +663,9 @@ class GreedyPlanner:
             held, user = heapq.heappop(turns)
             s = by_user[user].popleft()
             nbytes = self._kv_bytes(s, model)
-            if self.book.fits(group.gpus, split_evenly(nbytes, len(group.gpus))):
-                self._place_spread(StateObject.kv(model.id, s.id), group, nbytes)
+            shards = split_evenly(nbytes, len(group.gpus))
+            if self.book.fits(group.gpus, shards):
+                self._place_spread(StateObject.kv(model.id, s.id), group, shards)
                 held += nbytes
                 served.append(s)
             if by_user[user]:
@@ -719,8 +725,9 @@ class GreedyPlanner:
                 self._push_followers(model_id, push)
             elif kind == "kv":  # a model's group is set once, before its followers are pushed
                 obj, group, nbytes, why = payload
-                if self.groups.get(obj.model) is group and self.book.fits(group.gpus, split_evenly(nbytes, len(group.gpus))):
-                    self._place_spread(obj, group, nbytes)
+                shards = split_evenly(nbytes, len(group.gpus))
+                if self.groups.get(obj.model) is group and self.book.fits(group.gpus, shards):
+                    self._place_spread(obj, group, shards)
                     self.reasons[obj] = _words(why)
             else:
                 obj, group, nbytes, why = payload
@@ -809,19 +816,15 @@ class GreedyPlanner:
         if demand <= 0:
             return
         # chunks grow only up to what the node can load: a complete copy below its GPUs, or what they hold now
-        limit = self._expert_limit(model, group.node)
-        placed = 0
-        slowdown = costs.decode_slowdown_seconds(model, 0.0, group.gpus, self.c)
-        for step in self._expert_steps(model, group.node):
-            if step > limit:
-                break
-            nbytes = step - placed
-            after = costs.decode_slowdown_seconds(model, step / model.experts_bytes, group.gpus, self.c)
-            saved = demand * (slowdown - after)
-            fraction = step / model.experts_bytes
-            why = (_HOT_EXPERTS, (fraction, costs.expert_hit_rate(fraction, self.c), after, demand))
-            push(saved - costs.gpu_hold_cost(nbytes, self.c), nbytes, "experts", (obj, group, nbytes, why))
-            placed, slowdown = step, after
+        shape = self._expert_shape(model, group.node)
+        none_on_gpu = costs.decode_slowdown_seconds(model, 0.0, group.gpus, self.c)  # per request
+        price = self.c.gpu_price_seconds_per_gib / GIB
+        for k, nbytes in enumerate(shape.sizes):
+            after = none_on_gpu * shape.miss[k + 1]
+            saved = demand * none_on_gpu * -shape.gains[k]
+            fraction = shape.steps[k + 1] / model.experts_bytes
+            why = (_HOT_EXPERTS, (fraction, 1.0 - shape.miss[k + 1], after, demand))
+            push(saved - price * nbytes, nbytes, "experts", (obj, group, nbytes, why))
         # chunks are valued in order (concave hit rate), so the heap takes them hottest first
 
     def _place_expert_chunk(self, obj: StateObject, node: str, nbytes: int) -> bool:

@@ -116,9 +116,16 @@ class ResidencyIndex:
     def complete_source(self, obj: StateObject, node: str) -> Tier | None:
         """The fastest tier below GPU that holds a complete copy on the node."""
         key = (obj, node)
-        if key not in self._sources:
-            self._sources[key] = next((t for t in _BELOW_GPU if self.complete(obj, node, t)), None)
-        return self._sources[key]
+        if key in self._sources:
+            return self._sources[key]
+        size, tier = self.problem.size_of(obj), None
+        if size > 0:
+            for below in _BELOW_GPU:
+                if self.on(obj, node, below) >= size:
+                    tier = below
+                    break
+        self._sources[key] = tier
+        return tier
 
     def free(self, loc: Location) -> int:
         return self.problem.capacity_of(loc) - self.used.get(loc, 0)

@@ -66,6 +66,7 @@ SLO_RANK = {Slo.BLOCKING: 0, Slo.INTERACTIVE: 1, Slo.BACKGROUND: 2}
 EXPERT_CHUNKS = 16  # granularity of partial expert residency the greedy considers
 ALL_TIERS = tuple(Tier)
 _BY_ID = operator.attrgetter("id")
+_COST_KEY = operator.itemgetter(0)
 NODE_SHORTLIST = 4  # past 2x this many candidate nodes, a group search prices the tightest and roomiest this many each
 
 
@@ -303,7 +304,7 @@ class GreedyPlanner:
         evaluator sums FLOP/s and PCIe bandwidth over it).
         """
         current = self.now.serving.get(model.id)
-        options: list[tuple[tuple, Group]] = []
+        options: list[tuple[tuple, str, tuple[Gpu, ...]]] = []  # (cost key, precision, GPUs)
         # a degraded precision costs every request served at it; it wins only where its smaller bytes buy more
         degrade = self.c.degraded_precision_seconds * self._served_weight(model.id)
         for rank, precision in enumerate(model.precisions):
@@ -319,7 +320,7 @@ class GreedyPlanner:
                 stay_node = current.node
                 if self.book.fits(stay, shards):
                     cost = penalty + self._group_cost(model, stay, current.node, 0.0, nbytes + extra_bytes)
-                    options.append(((cost, rank, 0, stay_node, 0.0), Group(stay_node, precision, stay)))
+                    options.append(((cost, rank, 0, stay_node, 0.0), precision, stay))
                 # other groups on the same node: only the shards a card lacks now are copied
                 for gpus in self._fits_by_width(stay_node, model, nbytes + extra_bytes):
                     if gpus == stay:
@@ -329,7 +330,7 @@ class GreedyPlanner:
                         continue
                     cost = penalty + self._group_cost(model, gpus, stay_node, seconds, nbytes + extra_bytes)
                     slack = sum(self.book.free[g.id] for g in gpus) - nbytes - extra_bytes
-                    options.append(((cost, rank, slack, stay_node, seconds), Group(stay_node, precision, gpus)))
+                    options.append(((cost, rank, slack, stay_node, seconds), precision, gpus))
             for node_id, source in self._load_candidates(obj, nbytes + extra_bytes, skip=stay_node):
                 node = self.p.nodes[node_id]
                 moved = self._active_context_seconds(model) if current and current.node != node_id and not penalty else 0.0
@@ -337,10 +338,11 @@ class GreedyPlanner:
                     seconds = costs.weights_load_seconds(nbytes, gpus, source, node, self.c)
                     cost = penalty + moved + self._group_cost(model, gpus, node_id, seconds, nbytes + extra_bytes)
                     slack = sum(self.book.free[g.id] for g in gpus) - nbytes - extra_bytes
-                    options.append(((cost, rank, slack, node_id, seconds), Group(node_id, precision, gpus)))
+                    options.append(((cost, rank, slack, node_id, seconds), precision, gpus))
         if not options:
             return None
-        return min(options, key=lambda option: option[0])
+        key, precision, gpus = min(options, key=_COST_KEY)
+        return key, Group(key[3], precision, gpus)
 
     def _active_context_seconds(self, model: ModelSpec) -> float:
         """Rough price of re-prefilling the active sessions' KV (on the current group)."""

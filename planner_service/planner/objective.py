@@ -359,11 +359,12 @@ def promote_seconds(
 ) -> float:
     """Seconds of transfer the plan spends bringing state up to GPUs (each GPU's link on its own)."""
     total = 0.0
+    gpu_tier, kv_kind, before = Tier.GPU, Kind.KV, now.placement
     for (obj, loc), nbytes in target.items():
-        if loc.tier is not Tier.GPU:
+        if loc.tier is not gpu_tier or obj.kind is kv_kind:
             continue
-        gain = nbytes - now.placement.get((obj, loc), 0)
-        if gain <= 0 or obj.kind is Kind.KV:
+        gain = nbytes - before.get((obj, loc), 0)
+        if gain <= 0:
             continue
         gpu = problem.gpus[loc.id]
         source = now.complete_source(obj, gpu.node) or Tier.NVME

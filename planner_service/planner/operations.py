@@ -199,6 +199,16 @@ class _Builder:
         self.ops.append(op)
         return op
 
+    def _prefill(self, obj: StateObject, node: str, gpus: list[Location]) -> None:
+        """KV computed by prefill on each GPU of its group (`_new` for PROMOTE from nowhere, in one pass)."""
+        slo = self.active_slo.get(obj)
+        priority = SLO_PRIORITY[slo] if slo is not None else _PREFETCH
+        why = (self.reasons.get(obj), slo)
+        for dest in gpus:
+            nbytes = self.target[(obj, dest)]
+            seconds = nbytes * self._prefill_seconds_per_byte(obj.model, dest.id)
+            self.ops.append(Operation("", _PROMOTE, obj, None, dest, nbytes, True, priority, [], seconds, node, why))
+
     # -- diff -------------------------------------------------------------
 
     def _changed(self) -> dict[tuple[StateObject, str], list[Location]]:
@@ -221,9 +231,7 @@ class _Builder:
             stale = obj.kind is kv_kind and obj.model in self.stale_kv
             if obj.kind is kv_kind and (obj, node) not in self._kv_below_gpu and not stale:
                 if all(loc.tier is gpu_tier and (obj, loc) not in residency for loc in locs):
-                    # the common case: KV new to the node, computed by prefill on each GPU of its group
-                    for loc in sorted(locs):
-                        self._new(Action.PROMOTE, obj, None, loc, self.target[(obj, loc)], True, node)
+                    self._prefill(obj, node, sorted(locs))  # the common case: KV new to the node
                     continue
             gains: dict[Location, int] = {}
             losses: dict[Location, int] = {}

@@ -36,9 +36,14 @@ tries one node per look (nodes whose GPUs, free bytes and links match give
 the same options, so the first by id stands for all; a node serving a MoE is
 tried only when no node of its look serves none) plus the few nodes with a
 copy in host DRAM, and past 2 * NODE_SHORTLIST candidates only the tightest
-and roomiest few; expert costs are memoized per node state; the checkpoints
-on NVMe, most of any placement, are looked up in place and copied without
-re-hashing, never walked one by one.
+and roomiest few; each node's free room and GPUs-by-free-bytes are kept up to
+date as bytes are taken rather than recomputed per candidate; a MoE's expert
+curve has one cached shape per (model, node), scaled by the group's PCIe
+bandwidth, and expert costs are memoized per node state; reasons are
+formatted only for offers that are placed; the checkpoints on NVMe, most of
+any placement, are looked up in place and copied without re-hashing, never
+walked one by one. The residency index and demand built here are handed to
+`make_plan`, so operations and the evaluator do not build them again.
 """
 
 from __future__ import annotations

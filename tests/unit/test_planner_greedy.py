@@ -298,6 +298,14 @@ def test_cli_prints_one_plan_object_for_a_feasible_scenario(tmp_path) -> None:
     assert {"solver", "status", "objective", "solve_seconds", "placement", "operations", "predicted"} <= set(out)
 
 
+def test_bench_prints_the_size_and_percentiles_of_planning_time() -> None:
+    result = CliRunner().invoke(app, ["bench", "plan", "--gpus", "8", "--models", "4", "--sessions", "12", "--repeat", "3", "--json"])
+    assert result.exit_code == 0, result.stderr
+    out = json.loads(result.stdout)
+    assert (out["gpus"], out["models"], out["sessions"], out["repeat"]) == (8, 4, 12, 3)
+    assert 0 < out["p50_ms"] <= out["p99_ms"]
+
+
 def test_expert_chunks_go_only_where_a_copy_can_fill_them() -> None:
     # Regression: the MoE's weights are only on n0's NVMe, its routed experts only on n1's (whose 8 GiB card
     # cannot hold the 8 GiB weights beside anything). The model is served on n0, where no operation could

@@ -20,7 +20,8 @@ What is modelled (the same cost model as the planner, `planner/costs.py`):
   time); decode is memory-bound: a step reads the active weights,
   `(weights + active expert bytes per token) / (0.8 * sum of HBM bandwidth)`
   (0.8: the HBM derating aiconfigurator and InferSim use), plus the MoE miss
-  cost `costs.decode_slowdown_seconds` scaled to the request's output tokens.
+  cost of `moe.miss_seconds_per_token`: a missed routed expert is streamed
+  over PCIe or computed by the CPU from host DRAM (KTransformers), the cheaper.
   Concurrent requests of one model on its group share decode steps (a batch),
   so decode does not slow down with the batch size.
 * **KV**: a session's history H grows by each turn's input + output tokens.
@@ -29,6 +30,14 @@ What is modelled (the same cost model as the planner, `planner/costs.py`):
   (H + input + output tokens) on the serving group when it starts, then makes
   the uncovered history ready by restoring from host DRAM (shared PCIe) or by
   re-prefilling it, whichever the cost model says is cheaper.
+
+**Sessions** run one turn at a time and, by default, in a closed loop: an
+agent sends its next turn only once the previous answer is back, so a turn
+arrives at its trace time plus its session's lag (how much later than in the
+trace the previous turn finished; the trace's gaps stay as tool and think
+time). With `closed_loop=False` a turn arrives at its trace time and waits
+only for the previous turn to end; a slow cluster then falls ever further
+behind the trace.
 
 **Switch latency** of a request = from its arrival until its model's weights
 are on GPU and ready (engine overhead included) and the session's history KV
@@ -46,7 +55,7 @@ import heapq
 import itertools
 import math
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -57,6 +66,7 @@ from planner_service.domain.state import Kind, Location, StateObject, Tier
 from planner_service.planner import costs
 from planner_service.planner.greedy import split_evenly
 from planner_service.planner.predictor import problem_from_scenario
+from planner_service.sim import moe
 from planner_service.sim.cluster import SimCluster, Transfer
 from planner_service.sim.trace import TraceEnd, TraceRecord, TraceRequest
 
@@ -81,12 +91,15 @@ class SimRequest:
     output_tokens: int
     slo: Slo
     handoff: bool
-    admitted_at: float = 0.0  # arrival, or the end of the session's previous turn if that ran later
+    admitted_at: float = 0.0  # when the session released it (its arrival in the simulated cluster)
     history_tokens: int = 0  # the session's history when the request starts
     state: str = "waiting"  # waiting -> running -> done
     switch_seconds: float = math.nan
     ttft_seconds: float = math.nan
     done_at: float = math.nan
+    started_at: float = math.nan  # when its model was ready and its KV had room
+    prefill_queue_seconds: float = 0.0  # waited for the group's earlier prefills
+    reprefill_tokens: int = 0  # uncovered history it prefilled again
 
 
 @dataclass(slots=True)
@@ -95,10 +108,13 @@ class SessionState:
     user: str
     slo: Slo
     history_tokens: int = 0
-    model: str | None = None  # the model of the last request
+    model: str | None = None  # the model of the last turn served
+    requested_model: str | None = None  # the model of the last turn that arrived (hand-offs are in trace order)
     last_t: float = 0.0
     request: SimRequest | None = None  # waiting or running
     ended: bool = False
+    lag_seconds: float = 0.0  # how much later than in the trace its last turn finished (closed loop)
+    release_pending: bool = False
 
 
 @dataclass(slots=True)
@@ -150,6 +166,7 @@ class Simulator:
         tick_seconds: float = 60.0,
         on_progress: Callable[[float], None] | None = None,
         expert_miss_decode: bool = True,
+        closed_loop: bool = True,
     ) -> None:
         self.scenario = scenario
         self.problem = base_problem(scenario)
@@ -160,6 +177,7 @@ class Simulator:
         self.tick_seconds = tick_seconds
         self.on_progress = on_progress
         self.expert_miss_decode = expert_miss_decode  # False: decode ignores routed experts off GPU
+        self.closed_loop = closed_loop  # False: turns are due at their trace times
         self.cluster = SimCluster(self.problem)
         for (obj, loc), nbytes in sorted(self.problem.residency.items()):
             self.cluster.add(obj, loc, nbytes)
@@ -190,7 +208,7 @@ class Simulator:
         self._idle_byte_seconds = 0.0
         self._last_sample = 0.0
         self.timeline: list[tuple[float, int]] = [(0.0, 0)]
-        self._queues: dict[str, list[SimRequest]] = defaultdict(list)  # per session: its turns not done
+        self._queues: dict[str, deque[SimRequest | TraceEnd]] = defaultdict(deque)  # per session: not yet released
         self.kv_offload = policy.kv_offload
 
     # -- events --------------------------------------------------------------
@@ -216,6 +234,7 @@ class Simulator:
             "kv_restored": self._on_kv_restored,
             "done": self._on_done,
             "tick": self._on_tick,
+            "release": self._on_release,
             "call": lambda payload: payload(),
             "plan": lambda payload: self.policy.on_plan_event(self, payload),
         }
@@ -225,7 +244,8 @@ class Simulator:
             at, _, kind, payload = heapq.heappop(self._heap)
             if kind in ("tick", "plan"):
                 idle_ticks += kind == "tick"
-                if idle_ticks > 10 and self.waiting and self.deadlock_breaks < 100:
+                stalled = self.waiting and not any(self.running.values()) and not self.cluster.transfers
+                if idle_ticks > 10 and stalled and self.deadlock_breaks < 100:
                     idle_ticks = 0
                     self._break_deadlock()  # waiting requests pin each other's room: free it for the oldest
                 elif self.now >= end_of_trace and (not self._busy() or idle_ticks > 10):
@@ -318,33 +338,55 @@ class Simulator:
 
     def _on_record(self, index: int) -> None:
         rec = self.records[index]
+        session = self.sessions.get(rec.session)
         if isinstance(rec, TraceEnd):
-            session = self.sessions.get(rec.session)
             if session is not None:
-                session.ended = True
-                self._drop_session_kv(session.id)
-                self.policy.on_session_end(self, session)
+                self._queues[rec.session].append(rec)
+                self._pump(rec.session)
             return
         assert isinstance(rec, TraceRequest)
-        session = self.sessions.get(rec.session)
         if session is None:
             session = self.sessions[rec.session] = SessionState(rec.session, rec.user or rec.session, rec.slo)
-        session.ended = False
-        session.slo = rec.slo
-        handoff = session.model is not None and session.model != rec.model
+        handoff = session.requested_model is not None and session.requested_model != rec.model
         req = SimRequest(len(self.requests), rec.t, rec.session, rec.model, rec.input_tokens, rec.output_tokens, rec.slo, handoff)
         self.requests.append(req)
         self.policy.observe(self, session, req)
+        session.requested_model = rec.model
         self._queues[rec.session].append(req)
-        self._admit(rec.session)
+        self._pump(rec.session)
 
-    def _admit(self, session_id: str) -> None:
-        """A session runs one turn at a time: a turn arriving while the previous one runs waits for it."""
+    def _pump(self, session_id: str) -> None:
+        """Release a session's next turn (or end) when it is due; one turn runs at a time.
+
+        Closed loop (default): an agent sends its next turn only after the previous answer, so a turn
+        is due at its trace time plus the session's lag (how much later than in the trace its previous
+        turn finished): the trace's gap between two turns is kept as tool and think time. Otherwise
+        a turn is due at its trace time and waits only for the previous turn to end.
+        """
         session = self.sessions[session_id]
         queue = self._queues[session_id]
-        if not queue or session.request is not None:
-            return
-        req = queue[0]
+        while queue and session.request is None and not session.release_pending:
+            item = queue[0]
+            due = item.t + session.lag_seconds
+            if due > self.now:
+                session.release_pending = True
+                self.push(due, "release", session_id)
+                return
+            queue.popleft()
+            if isinstance(item, TraceEnd):
+                session.ended = True
+                self._drop_session_kv(session.id)
+                self.policy.on_session_end(self, session)
+            else:
+                self._admit(session, item)
+
+    def _on_release(self, session_id: str) -> None:
+        self.sessions[session_id].release_pending = False
+        self._pump(session_id)
+
+    def _admit(self, session: SessionState, req: SimRequest) -> None:
+        session.ended = False
+        session.slo = req.slo
         req.admitted_at = self.now
         session.request = req
         self.demand[req.model] += 1
@@ -352,12 +394,20 @@ class Simulator:
         self.policy.on_arrival(self, req)
 
     def dispatch(self) -> None:
-        """Start every waiting request whose model is ready and whose KV fits; ask the policy for the rest."""
+        """Start waiting requests whose model is ready and whose KV fits; ask the policy for the rest.
+
+        First come, first served per model, as vLLM's scheduler does: when the oldest waiting request
+        of a model does not fit, the later ones of that model wait behind it (no large-context
+        request starves behind a stream of small ones).
+        """
         self.policy.on_dispatch(self)
         progressed = True
         while progressed:
             progressed = False
+            blocked: set[str] = set()
             for req in list(self.waiting):
+                if req.model in blocked:
+                    continue
                 state = self.models.get(req.model)
                 if state is None:
                     self.policy.on_waiting(self, req)
@@ -366,10 +416,12 @@ class Simulator:
                     if self._start(req, state):
                         self.waiting.remove(req)
                         progressed = True
-                    elif self._stuck(state):
+                        continue
+                    if self._stuck(state):
                         self.needs_kv_room.add(req.model)
                         self.policy.on_stuck(self, req)
                         progressed = req.model not in self.models
+                blocked.add(req.model)
 
     def _stuck(self, state: ModelState) -> bool:
         """Nothing running or copying on the group will ever free room for the waiting KV."""
@@ -414,6 +466,7 @@ class Simulator:
             elif need < 0:
                 self.cluster.remove(kv, loc, -need)
         req.state = "running"
+        req.started_at = self.now
         self.needs_kv_room.discard(req.model)
         req.history_tokens = history
         self.running[req.model] += 1
@@ -461,6 +514,8 @@ class Simulator:
         model = self.problem.models[req.model]
         per_token = costs.prefill_seconds_per_token(model, state.gpus, self.c)
         start = max(self.now, self.compute_free_at[req.model])
+        req.prefill_queue_seconds = start - self.now
+        req.reprefill_tokens = reprefill_tokens
         ready = start + reprefill_tokens * per_token
         first_token = ready + req.input_tokens * per_token
         self.compute_free_at[req.model] = first_token
@@ -475,9 +530,10 @@ class Simulator:
         step = (model.weights_bytes[state.precision] + model.active_expert_bytes_per_token) / hbm
         if not model.is_moe or not self.expert_miss_decode:
             return step
-        fraction = self.cluster.node_bytes(StateObject.experts(model_id), state.node, Tier.GPU) / model.experts_bytes
-        per_request = costs.decode_slowdown_seconds(model, fraction, state.gpus, self.c)
-        return step + per_request / max(1, self.c.output_tokens_per_request)
+        experts = StateObject.experts(model_id)
+        fraction = self.cluster.node_bytes(experts, state.node, Tier.GPU) / model.experts_bytes
+        in_dram = self.cluster.complete_below(experts, state.node) is Tier.HOST  # the CPU can compute them
+        return step + moe.miss_seconds_per_token(model, fraction, state.gpus, self.c, cpu_experts=in_dram)
 
     def _on_done(self, req: SimRequest) -> None:
         session = self.sessions[req.session]
@@ -498,10 +554,11 @@ class Simulator:
             self.touch(StateObject.weights(req.model, state.precision))
         if self.kv_offload and state is not None:
             self._write_through(kv, state.node, session.history_tokens * model.kv_bytes_per_token, session.history_tokens)
-        self._queues[req.session].remove(req)
         session.request = None
+        if self.closed_loop:
+            session.lag_seconds = max(0.0, self.now - req.t)
         self.policy.on_done(self, req)
-        self._admit(req.session)
+        self._pump(req.session)
 
     def _write_through(self, kv: StateObject, node: str, nbytes: int, tokens: int) -> None:
         """LMCache-style: a turn's KV is stored to host DRAM as it is produced (small, asynchronous copies)."""
@@ -572,14 +629,24 @@ class Simulator:
                 state = self.models.get(obj.model)
                 if state is not None and state.node == node and state.precision == obj.precision:
                     del self.models[obj.model]
+                    self._drop_experts(obj.model)
         self.operations += 1
         return before
+
+    def _drop_experts(self, model_id: str) -> None:
+        """An unloaded engine frees its expert buffers: the model's routed experts leave every GPU."""
+        experts = StateObject.experts(model_id)
+        for gpu in self.problem.gpus.values():
+            loc = Location.gpu(gpu.id)
+            if self.cluster.bytes_of(experts, loc) and not self.cluster.reading(experts, loc):
+                if self.cluster.complete_below(experts, gpu.node) is not None:
+                    self.cluster.remove(experts, loc)
 
     def evictable(self, loc: Location, protect: Iterable[str] = ()) -> list[tuple[tuple, StateObject]]:
         protect = set(protect)
         out = []
         for obj in self.cluster.objects_at(loc):
-            if obj.model in protect and obj.kind is not Kind.KV or self.pinned(obj):
+            if obj.model in protect and obj.kind is Kind.WEIGHTS or self.pinned(obj):  # experts are a cache: they give way
                 continue
             key = self.policy.victim_key(self, obj, loc)
             if key is not None:
@@ -655,8 +722,7 @@ class Simulator:
         """
         if model_id in self.models:
             return True
-        # room for the largest waiting request's KV next to the weights (the others queue behind it)
-        kv_bytes = max((self.kv_footprint(r) for r in self.waiting if r.model == model_id), default=0)
+        kv_bytes = self.policy.kv_reserve(self, model_id)
         choice = self.choose_group(model_id, allowed, protect, kv_bytes)
         if choice is None and model_id not in self.needs_kv_room:
             choice = self.choose_group(model_id, allowed, protect)

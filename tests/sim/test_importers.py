@@ -165,6 +165,27 @@ def test_mooncake_sessions_from_shared_leading_blocks(tmp_path: Path) -> None:
     assert len(set(model_of(f"mc-{i}", MODELS) for i in range(1, 200))) == len(MODELS)  # spread over the catalogue
 
 
+def test_handoffs_follow_the_scenario_chain_deterministically(tmp_path: Path) -> None:
+    source = tmp_path / "conversation_trace.jsonl"
+    source.write_text("".join(json.dumps(row) + "\n" for row in MOONCAKE))
+    plain = requests(run("mooncake", tmp_path, tmp_path))
+    chained = requests(run("mooncake", tmp_path, tmp_path, handoffs=True))
+    again = requests(run("mooncake", tmp_path, tmp_path, handoffs=True))
+    assert [r.model for r in chained] == [r.model for r in again]  # seeded by session id
+    assert [(r.t, r.session, r.input_tokens) for r in chained] == [(r.t, r.session, r.input_tokens) for r in plain]
+    first = {}
+    for plain_r, chained_r in zip(plain, chained, strict=True):
+        if plain_r.session not in first:  # a session's first turn keeps the importer's model
+            first[plain_r.session] = True
+            assert chained_r.model == plain_r.model
+    prior = SCENARIO.predictor.handoff
+    previous = {}
+    for r in chained:  # every move is one the scenario's prior allows
+        if r.session in previous and previous[r.session] in prior:
+            assert r.model in prior[previous[r.session]]
+        previous[r.session] = r.model
+
+
 def test_mooncake_malformed_line(tmp_path: Path) -> None:
     source = tmp_path / "trace.jsonl"
     source.write_text(json.dumps(MOONCAKE[0]) + "\n" + '{"timestamp": 5, "input_length": 3}\n')

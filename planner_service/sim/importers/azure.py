@@ -7,6 +7,9 @@ is one production service; the two are merged on time, and `t` counts from the e
 - **Models.** The `code` service maps onto the first model given (default: the scenario's first
   model whose id or preset mentions "code"), `conv` onto the second (default: the first other model
   whose id or preset mentions "plan", "summar" or "chat", else the first other model).
+- **Hand-offs.** With `--handoffs`, a session's first turn is on its service's model and later
+  turns follow the scenario's hand-off chain (`common.HandoffChain`): an agent that starts on the
+  code (or chat) model and hands off as the scenario's prior says; the SLO stays the service's.
 - **SLO.** `code` requests are `blocking` (an editor waits on the completion), `conv` requests
   `interactive`.
 - **Pseudo-sessions.** The trace has no session id, so sessions are derived per service by
@@ -34,7 +37,7 @@ from itertools import islice
 from pathlib import Path
 
 from planner_service.domain.scenario import Scenario, Slo
-from planner_service.sim.importers.common import IdleSessions, ImportOptions, check_order, new_input_tokens, pick_models
+from planner_service.sim.importers.common import HandoffChain, IdleSessions, ImportOptions, check_order, new_input_tokens, pick_models
 from planner_service.sim.trace import TraceError, TraceRecord, TraceRequest
 
 SERVICES = ("code", "conv")
@@ -128,6 +131,7 @@ class AzureImporter:
         timeout = options.idle_timeout_seconds or DEFAULT_IDLE_TIMEOUT_SECONDS
         sessions = IdleSessions(timeout)
         services = {name: _Service(name, models[name]) for name in paths}
+        chain = HandoffChain(scenario) if options.handoffs else None
         merged = heapq.merge(*(_rows(service, path) for service, path in paths.items()), key=lambda row: row[0])
         last = 0.0
         for stamp, service, line, prompt, output in islice(merged, options.limit):
@@ -141,6 +145,7 @@ class AzureImporter:
             state.update(session, history + new_input + output)
             sessions.touch(session, t)
             yield TraceRequest(
-                t=t, session=session, model=state.model, input_tokens=new_input, output_tokens=output, slo=SLOS[service]
+                t=t, session=session, model=chain.model(session, state.model) if chain else state.model,
+                input_tokens=new_input, output_tokens=output, slo=SLOS[service],
             )
         yield from sessions.close_all()

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import heapq
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
+
+import numpy as np
 
 from planner_service.domain.scenario import Scenario
 from planner_service.sim.trace import TraceEnd, TraceError, TraceRecord
@@ -19,6 +22,7 @@ class ImportOptions:
     limit: int | None = None  # read at most this many source requests
     models: tuple[str, ...] = ()  # scenario model ids to map onto, in the importer's order
     idle_timeout_seconds: float | None = None  # a session ends this long after its last request
+    handoffs: bool = False  # later turns of a session follow the scenario's hand-off chain (HandoffChain)
 
 
 class TraceImporter(Protocol):
@@ -83,3 +87,33 @@ def new_input_tokens(prompt_tokens: int, history_tokens: int) -> int:
     A prompt shorter than the history (a truncated conversation) appends nothing.
     """
     return max(0, prompt_tokens - history_tokens)
+
+
+class HandoffChain:
+    """Models for the turns of imported sessions whose source names one model (or service) per session.
+
+    Azure and Mooncake sessions never change model, so replaying them shows no hand-offs. With
+    `--handoffs`, a session's first turn keeps the importer's model and each later turn moves along
+    the scenario's hand-off prior (`predictor.handoff`, the chain the synthetic traces drift from):
+    the arrival times, sessions and token counts stay the source's, only the agent role of a turn is
+    drawn. Each session draws from its own generator seeded by the CRC-32 of its id, so a session's
+    models do not depend on how many rows were read before it.
+    """
+
+    def __init__(self, scenario: Scenario) -> None:
+        from planner_service.sim.synth import handoff_prior
+
+        self.models = [m.id for m in scenario.models]
+        self.index = {m: i for i, m in enumerate(self.models)}
+        self.matrix = handoff_prior(scenario)
+        self.current: dict[str, tuple[str, np.random.Generator]] = {}
+
+    def model(self, session: str, first_model: str) -> str:
+        """The model of the session's next turn (its first turn: `first_model`)."""
+        if session not in self.current:
+            self.current[session] = (first_model, np.random.default_rng(zlib.crc32(session.encode())))
+            return first_model
+        model, rng = self.current[session]
+        nxt = self.models[int(rng.choice(len(self.models), p=self.matrix[self.index[model]]))]
+        self.current[session] = (nxt, rng)
+        return nxt

@@ -12,7 +12,9 @@ prefix). A directory input reads its `conversation_trace.jsonl`.
   On the full conversation trace this gives 7,624 sessions from 12,031 requests, 2,154 of them
   multi-turn (up to 43 turns).
 - **Models.** Each session stays on one model: `models[crc32(session id) % len(models)]`, over the
-  given models or by default all of the scenario's (a deterministic, roughly even spread).
+  given models or by default all of the scenario's (a deterministic, roughly even spread). With
+  `--handoffs` that is only its first turn's model; later turns follow the scenario's hand-off
+  chain (`common.HandoffChain`).
 - **Tokens.** `input_tokens = input_length - history` (what the prompt adds to the session's input
   and output so far; 0 if shorter), `output_tokens = output_length`. SLO: interactive (a chat).
 - `--limit N` reads the first N requests.
@@ -27,7 +29,7 @@ from itertools import islice
 from pathlib import Path
 
 from planner_service.domain.scenario import Scenario, Slo
-from planner_service.sim.importers.common import IdleSessions, ImportOptions, check_order, new_input_tokens, pick_models
+from planner_service.sim.importers.common import HandoffChain, IdleSessions, ImportOptions, check_order, new_input_tokens, pick_models
 from planner_service.sim.trace import TraceError, TraceRecord, TraceRequest
 
 FILE = "conversation_trace.jsonl"
@@ -90,6 +92,7 @@ class MooncakeImporter:
         sessions = IdleSessions(options.idle_timeout_seconds or DEFAULT_IDLE_TIMEOUT_SECONDS)
         tree = _PrefixTree()
         history: dict[str, int] = {}
+        chain = HandoffChain(scenario) if options.handoffs else None
         opened, last = 0, 0.0
         for line, row in islice(_rows(path), options.limit):
             try:
@@ -110,8 +113,9 @@ class MooncakeImporter:
             history[session] += new_input + output
             tree.insert(blocks, session)
             sessions.touch(session, t)
+            model = model_of(session, models)
             yield TraceRequest(
-                t=t, session=session, model=model_of(session, models), input_tokens=new_input,
+                t=t, session=session, model=chain.model(session, model) if chain else model, input_tokens=new_input,
                 output_tokens=output, slo=Slo.INTERACTIVE,
             )
         yield from sessions.close_all()

@@ -75,6 +75,10 @@ class Policy:
             obj = StateObject.weights(req.model, state.precision)
             sim.evict(obj, Location.gpu(state.gpus[0].id), force=True)
 
+    def kv_reserve(self, sim: Simulator, model: str) -> int:
+        """KV bytes an on-demand load leaves room for next to the weights: the largest waiting request's."""
+        return max((sim.kv_footprint(r) for r in sim.waiting if r.model == model), default=0)
+
     def victim_key(self, sim: Simulator, obj: StateObject, loc: Location) -> tuple | None:
         """Eviction order on a GPU, lowest first; None: never evict. Default: experts first, then LRU."""
         return (0 if obj.kind is Kind.EXPERTS else 1, sim.last_used.get(obj, -1.0), obj)

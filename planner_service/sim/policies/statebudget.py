@@ -1,21 +1,40 @@
 """`statebudget`: the real planner, called online with only what it could know at the time.
 
-On a request whose model is not ready (at most every `min_interval_seconds`),
-after turns end (at most every `idle_interval_seconds`) and on every engine
-tick, the policy builds a `Problem` from the simulated cluster: confirmed
-placement = simulated residency (copies still in flight count as there),
-sessions with their context and an active flag for requests waiting or
-running, and next-model probabilities from a `SwitchPredictor` fed the
-hand-offs observed so far. It calls `planner.registry.solve` and executes
-the plan's operations in simulated time, each as soon as its `depends_on`
-are done and its destination has room; a new plan supersedes operations not
-started yet. Copies share bandwidth with everything else.
+When to plan. On a request whose model is not ready (debounced: at most one
+plan every `min_interval_seconds`) and otherwise at most every
+`replan_seconds` (the planner's 300 s horizon by default) when requests
+arrived since the last plan. A turn ending does not trigger a plan: the KV it
+leaves is written through to host DRAM by the engine. Between plans, a
+request whose model is cold is loaded on demand (below), as `lru` would.
 
-The KV of a request that is waiting or running is made ready by the engine
-(restore or re-prefill, whichever is cheaper), so the plan's operations on
-it are skipped, as are its prefill-from-nothing operations. A waiting
-request whose model no operation brings (the plan left it unserved, or the
-plan failed) is loaded on demand, evicting what the latest plan does not
+What a plan sees. The policy builds a `Problem` from the simulated cluster:
+confirmed placement = simulated residency (copies still in flight count as
+there), sessions with their context and an active flag for requests waiting
+or running, and next-model probabilities from a `SwitchPredictor` fed the
+hand-offs observed so far. It calls the greedy (`plan_greedy`) and prices
+its target and the current placement with `make_plan`.
+
+Hysteresis, so that replans do not reshuffle the cluster:
+
+* **Benefit over cost.** A plan is adopted only when the objective it saves
+  over staying put exceeds the seconds its promotes take (the objective
+  charges only `move_weight` of those; here the whole), or when it serves
+  active requests that staying put leaves waiting.
+* **No undo within a window.** Weights or experts that arrived on a GPU less
+  than `min_residency_seconds` ago are not dropped or moved off by a plan.
+* **Keep-warm.** Weights of a model that served a turn within the window are
+  not dropped by a plan either: agent sessions come back to it.
+  Neither rule holds while a request waits for a model that is not loaded:
+  they stop speculative reshuffles, never the room a waiting request needs.
+
+Executing. The adopted plan's operations run in simulated time, each as soon
+as its `depends_on` are done and its destination has room; a newly adopted
+plan supersedes operations not started yet. Copies share bandwidth with
+everything else. The KV of a request that is waiting or running is made
+ready by the engine (restore or re-prefill, whichever is cheaper), so the
+plan's operations on it are skipped, as are its prefill-from-nothing
+operations. A waiting request whose model no operation brings is loaded on
+demand after `fallback_after_seconds`, evicting what the latest plan does not
 keep first (counted in `fallback_loads`).
 """
 
@@ -28,10 +47,11 @@ from typing import TYPE_CHECKING
 
 from planner_service.domain.problem import Session
 from planner_service.domain.state import Kind, Location, StateObject, Tier
-from planner_service.planner.greedy import PlanningError
+from planner_service.planner.greedy import PlanningError, plan_greedy
 from planner_service.planner.operations import Action, Operation
+from planner_service.planner.plan import Plan, make_plan
 from planner_service.planner.predictor import SwitchPredictor
-from planner_service.planner.registry import SolverName, solve
+from planner_service.planner.registry import SolverName
 from planner_service.sim.policies.base import Policy, PolicyName
 from planner_service.sim.policies.static import apply_placement, static_placement
 
@@ -46,24 +66,29 @@ class StatebudgetPolicy(Policy):
 
     def __init__(
         self,
-        solver: str = SolverName.GREEDY,
-        min_interval_seconds: float = 2.0,
-        idle_interval_seconds: float = 30.0,
+        min_interval_seconds: float = 30.0,
+        replan_seconds: float = 300.0,
         fallback_after_seconds: float = 10.0,
+        min_residency_seconds: float | None = None,
         warm_start: bool = True,
     ) -> None:
-        self.solver = solver
         self.min_interval_seconds = min_interval_seconds
-        self.idle_interval_seconds = idle_interval_seconds
+        self.replan_seconds = replan_seconds  # periodic replan, at most; None of it when nothing changed
         self.fallback_after_seconds = fallback_after_seconds
+        self.min_residency_seconds = min_residency_seconds  # None: the planner's horizon
         self.warm_start = warm_start
         self.predictor: SwitchPredictor | None = None
         self.ops: list[Operation] = []
         self.status: dict[str, str] = {}
         self.keep: set[tuple[StateObject, Location]] = set()
+        self.target: dict[tuple[StateObject, Location], int] = {}  # the adopted plan's GPU entries
+        self.queued: list[Operation] = []  # the adopted plan's operations not started yet
+        self._waiting_models: set[str] = set()
+        self.arrived: dict[tuple[StateObject, Location], float] = {}  # when bytes last came onto a GPU
         self.last_plan = float("-inf")
         self.scheduled_at: float | None = None
         self.plans = 0
+        self.adopted = 0
         self.failed_plans = 0
         self.changed = False
         self.errors: list[str] = []
@@ -72,13 +97,15 @@ class StatebudgetPolicy(Policy):
 
     def setup(self, sim: Simulator) -> None:
         self.predictor = SwitchPredictor(list(sim.problem.models), sim.scenario.predictor)
+        if self.min_residency_seconds is None:
+            self.min_residency_seconds = sim.c.horizon_seconds
         if self.warm_start:
             apply_placement(sim, static_placement(sim))  # start from the same state as `static`
 
     def observe(self, sim: Simulator, session: SessionState, req: SimRequest) -> None:
         assert self.predictor is not None
-        if session.model is not None:
-            self.predictor.observe_handoff(req.t, session.model, req.model)
+        if session.requested_model is not None:
+            self.predictor.observe_handoff(req.t, session.requested_model, req.model)
             self.predictor.observe_turn_gap(req.t, max(0.0, req.t - session.last_t))
         self.changed = True
 
@@ -101,24 +128,20 @@ class StatebudgetPolicy(Policy):
         state = sim.models.get(req.model)
         if state is None or state.status != "ready":
             self.request_plan(sim, self.min_interval_seconds)
-
-    def on_done(self, sim: Simulator, req: SimRequest) -> None:
-        self.changed = True
-        self.request_plan(sim, self.idle_interval_seconds)
+            sim.push(sim.now + self.fallback_after_seconds, "call", lambda: None)  # look again then (dispatch)
 
     def on_tick(self, sim: Simulator) -> None:
-        if self.changed or sim.waiting:
-            self.request_plan(sim, 0.0)
+        if self.changed:
+            self.request_plan(sim, self.replan_seconds)
 
     def on_waiting(self, sim: Simulator, req: SimRequest) -> None:
         if req.model in sim.needs_kv_room:  # the planned group could not hold this KV: load where it fits
             if sim.load_model(req.model):
                 sim.fallback_loads += 1
             return
-        if self.scheduled_at is not None and sim.now - req.admitted_at < self.fallback_after_seconds:
-            return  # a plan is coming
-        if self._brings(req.model) and sim.now - req.admitted_at < self.fallback_after_seconds:
-            return
+        if sim.now - req.admitted_at < self.fallback_after_seconds:
+            if self.scheduled_at is not None or self._brings(req.model):
+                return  # a plan is coming, or its operations are on the way
         if sim.load_model(req.model):
             sim.fallback_loads += 1
 
@@ -170,8 +193,13 @@ class StatebudgetPolicy(Policy):
         started = time.perf_counter()
         self.last_plan = sim.now
         self.changed = False
+        self.plans += 1
         try:
-            plan = solve(self.problem(sim), self.solver)
+            problem = self.problem(sim)
+            self._waiting_models = {r.model for r in sim.waiting if r.model not in sim.models}
+            target = plan_greedy(problem)
+            plan = make_plan(problem, SolverName.GREEDY, target.placement, target.unserved, target.reasons)
+            adopt = self.worth_it(problem, plan)
         except (PlanningError, ValueError, KeyError) as error:
             self.failed_plans += 1
             if len(self.errors) < 5:
@@ -179,35 +207,81 @@ class StatebudgetPolicy(Policy):
             sim.planner_seconds.append(time.perf_counter() - started)
             return
         sim.planner_seconds.append(time.perf_counter() - started)
-        self.plans += 1
-        # a new plan supersedes the operations not started yet
-        for op in self.ops:
+        if adopt:
+            self.adopt(sim, plan)
+
+    def worth_it(self, problem, plan: Plan) -> bool:
+        """Adopt a plan when what it saves over staying put exceeds the seconds its promotes take."""
+        if not plan.operations:
+            return False
+        if self._serves_waiting(plan):
+            return True  # it brings the model of a waiting request: staying put leaves it waiting
+        stay = make_plan(problem, "stay", problem.residency, {})
+        if len(plan.unserved) < len(stay.unserved):
+            return True  # it serves requests that staying put leaves waiting
+        move_weight = problem.constants.move_weight
+        promote_seconds = plan.objective.moves / move_weight if move_weight > 0 else 0.0
+        gain = stay.objective.total - plan.objective.total
+        return gain > promote_seconds
+
+    def _serves_waiting(self, plan: Plan) -> bool:
+        wanted = self._waiting_models
+        return any(
+            op.object.kind is Kind.WEIGHTS and op.object.model in wanted and op.dest is not None
+            and op.dest.tier is Tier.GPU for op in plan.operations
+        )
+
+    def adopt(self, sim: Simulator, plan: Plan) -> None:
+        self.adopted += 1
+        for op in self.ops:  # a new plan supersedes the operations not started yet
             if self.status.get(op.id) == "queued":
                 self.status[op.id] = "superseded"
-        prefix = f"p{self.plans}-"
+        prefix = f"p{self.adopted}-"
         self.ops = []
         for op in plan.operations:
             op = dataclasses.replace(op, id=prefix + op.id, depends_on=[prefix + d for d in op.depends_on])
             self.ops.append(op)
             self.status[op.id] = "queued"
-        self.keep = {key for key in plan.placement if key[1].tier is Tier.GPU}
+        self.queued = list(self.ops)
+        self.target = {key: nbytes for key, nbytes in plan.placement.items() if key[1].tier is Tier.GPU}
+        self.keep = set(self.target)
         self.on_dispatch(sim)
+
+    def _settled(self, sim: Simulator, obj: StateObject, loc: Location) -> bool:
+        """What a plan may not take off this GPU yet: no undo of recent arrivals, keep-warm of served weights."""
+        if obj.kind is Kind.KV or loc.tier is not Tier.GPU:
+            return False
+        if any(r.model not in sim.models for r in sim.waiting):
+            return False  # hysteresis holds back speculative moves, never the room a waiting request needs
+        window = self.min_residency_seconds or 0.0
+        if obj.kind is Kind.EXPERTS:
+            return sim.now - self.arrived.get((obj, loc), float("-inf")) < window
+        state = sim.models.get(obj.model)
+        serving = state is not None and state.precision == obj.precision and any(g.id == loc.id for g in state.gpus)
+        if not serving:
+            return False  # a stale shard (the model moved to another group) may always go
+        recent = max(self.arrived.get((obj, loc), float("-inf")), sim.last_used.get(obj, float("-inf")))
+        return sim.now - recent < window
 
     # -- executing operations ----------------------------------------------------
 
     def on_dispatch(self, sim: Simulator) -> None:
-        progressed = True
+        progressed = bool(self.queued)
         while progressed:
             progressed = False
-            for op in self.ops:
+            still: list[Operation] = []
+            for op in self.queued:
                 if self.status.get(op.id) != "queued":
                     continue
-                if any(self.status.get(d) in ("queued", "started") for d in op.depends_on):
+                outcome = None
+                if not any(self.status.get(d) in ("queued", "started") for d in op.depends_on):
+                    outcome = self._start(sim, op)
+                if outcome is None:
+                    still.append(op)
                     continue
-                outcome = self._start(sim, op)
-                if outcome is not None:
-                    self.status[op.id] = outcome
-                    progressed = progressed or outcome != "started"
+                self.status[op.id] = outcome
+                progressed = progressed or outcome != "started"
+            self.queued = still
 
     def _busy_kv(self, sim: Simulator, obj: StateObject) -> bool:
         session = sim.sessions.get(obj.session) if obj.session else None
@@ -218,6 +292,8 @@ class StatebudgetPolicy(Policy):
         obj, c = op.object, sim.cluster
         if obj.kind is Kind.KV and (op.source is None or self._busy_kv(sim, obj)):
             return "done"  # the engine readies the KV of requests it serves (restore or re-prefill)
+        if (op.action is Action.DROP or not op.keep_source) and self._settled(sim, obj, op.source):
+            return "failed"  # hysteresis: it arrived or served too recently to leave this GPU
         if op.action is Action.DROP:
             return self._drop(sim, obj, op.source, op.bytes)
         have = c.bytes_of(obj, op.source)
@@ -268,6 +344,8 @@ class StatebudgetPolicy(Policy):
         if self.status.get(op.id) in ("started", "superseded"):
             self.status[op.id] = "done"
         obj, c = op.object, sim.cluster
+        if op.dest is not None and op.dest.tier is Tier.GPU:
+            self.arrived[(obj, op.dest)] = sim.now
         if not op.keep_source and op.source is not None and op.source.tier is Tier.GPU:
             self._left_gpu(sim, obj, op.source)
         if obj.kind is Kind.KV:
@@ -277,11 +355,25 @@ class StatebudgetPolicy(Policy):
                 sim.gpu_tokens[obj] = min(sim.host_tokens[obj] or on_gpu, on_gpu)
             elif op.dest.tier is Tier.HOST:
                 sim.host_tokens[obj] = max(sim.host_tokens[obj], c.bytes_of(obj, op.dest) // kvpt)
-        elif obj.kind is Kind.WEIGHTS and op.dest.tier is Tier.GPU and obj.model not in sim.models:
-            size = c.full_size(obj)
-            if c.node_bytes(obj, op.node, Tier.GPU) >= size:
-                gpus = tuple(
-                    sim.problem.gpus[g] for g in sim.problem.nodes[op.node].gpus
-                    if c.bytes_of(obj, Location.gpu(g)) > 0
-                )
-                sim.adopt_weights(obj.model, op.node, obj.precision, gpus)
+        elif obj.kind is Kind.WEIGHTS and op.dest.tier is Tier.GPU:
+            self._serve_from_plan(sim, obj, op.node)
+
+    def _serve_from_plan(self, sim: Simulator, obj: StateObject, node: str) -> None:
+        """Weights complete on the group the plan chose: serve from there (a new engine on that group).
+
+        Requests already running finish where they are; the next ones start on the new group.
+        """
+        c = sim.cluster
+        planned = [(loc, nbytes) for (o, loc), nbytes in self.target.items() if o == obj]
+        if planned and all(c.bytes_of(obj, loc) >= nbytes for loc, nbytes in planned):
+            gpus = tuple(sorted((sim.problem.gpus[loc.id] for loc, _ in planned), key=lambda g: g.id))
+            state = sim.models.get(obj.model)
+            if state is not None and state.precision == obj.precision and state.gpus == gpus:
+                return
+            if state is not None and state.status != "ready":
+                return  # another load of it is on the way
+            sim.models.pop(obj.model, None)
+            sim.adopt_weights(obj.model, sim.problem.gpus[planned[0][0].id].node, obj.precision, gpus)
+        elif obj.model not in sim.models and c.node_bytes(obj, node, Tier.GPU) >= c.full_size(obj):
+            gpus = tuple(sim.problem.gpus[g] for g in sim.problem.nodes[node].gpus if c.bytes_of(obj, Location.gpu(g)) > 0)
+            sim.adopt_weights(obj.model, node, obj.precision, gpus)

@@ -1,8 +1,10 @@
 """`static`: the best fixed placement for the trace's average demand, computed once (BOUTE-style).
 
-The greedy planner is run once on the trace's overall model mix (pseudo
-sessions whose next-model probabilities are that mix, none active, no KV);
-the models it places stay there for the whole replay. Models left out are
+The greedy planner is run once on the trace's average demand: ten pseudo
+sessions spread over the models by their share of the requests, each active
+with the mean context its model's requests arrive with (so the groups it
+picks leave room for the KV of that demand); the models it places stay there
+for the whole replay. Models left out are
 loaded on demand into the room the fixed placement leaves, LRU within it.
 """
 
@@ -26,19 +28,42 @@ if TYPE_CHECKING:
 PSEUDO_SESSIONS = 10  # the team size the demand is spread over
 
 
-def static_placement(sim: Simulator) -> dict[tuple[StateObject, Location], int]:
-    """GPU entries (weights and experts) of the greedy's plan for the trace's average model mix."""
-    counts = Counter(r.model for r in sim.records if isinstance(r, TraceRequest) and r.model in sim.problem.models)
+def average_demand(sim: Simulator) -> list[Session]:
+    """`PSEUDO_SESSIONS` active sessions spread over the trace's models by request share (largest
+    remainder), each with the mean history its model's requests arrive with: the average demand,
+    KV included, that a fixed placement has to carry."""
+    counts: Counter[str] = Counter()
+    context: Counter[str] = Counter()
+    history: dict[str, int] = {}
+    for r in sim.records:
+        if isinstance(r, TraceRequest) and r.model in sim.problem.models:
+            counts[r.model] += 1
+            context[r.model] += history.get(r.session, 0) + r.input_tokens + r.output_tokens
+            history[r.session] = history.get(r.session, 0) + r.input_tokens + r.output_tokens
     total = sum(counts.values())
     if not total:
+        return []
+    quota = {m: PSEUDO_SESSIONS * n / total for m, n in counts.items()}
+    seats = {m: int(q) for m, q in quota.items()}
+    for m in sorted(quota, key=lambda m: (-(quota[m] - seats[m]), m))[: PSEUDO_SESSIONS - sum(seats.values())]:
+        seats[m] += 1
+    sessions = []
+    for m in sorted(seats):
+        for k in range(seats[m]):
+            sid = f"avg-{m}-{k}"
+            sessions.append(Session(sid, sid, Slo.INTERACTIVE, m, True, context[m] // counts[m]))
+    return sessions
+
+
+def static_placement(sim: Simulator) -> dict[tuple[StateObject, Location], int]:
+    """GPU entries (weights and experts) of the greedy's plan for the trace's average demand."""
+    sessions = {s.id: s for s in average_demand(sim)}
+    if not sessions:
         return {}
-    mix = {m: n / total for m, n in sorted(counts.items())}
-    top = max(sorted(mix), key=mix.get)
-    sessions = {f"avg{i}": Session(f"avg{i}", f"avg{i}", Slo.INTERACTIVE, top, False, 0) for i in range(PSEUDO_SESSIONS)}
     problem = dataclasses.replace(
         sim.problem,
         sessions=MappingProxyType(sessions),
-        next_model=MappingProxyType({s: mix for s in sessions}),
+        next_model=MappingProxyType({sid: {s.model: 1.0} for sid, s in sessions.items()}),
     )
     target = plan_greedy(problem)
     return {(o, l): b for (o, l), b in target.placement.items() if l.tier is Tier.GPU and o.kind is not Kind.KV}

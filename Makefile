@@ -22,7 +22,7 @@ test-fast: $(STAMP)
 	$(PY) -m pytest -m 'not slow'
 
 bench: $(STAMP)
-	$(VENV)/bin/statebudget bench plan --gpus 16 --models 7 --sessions 100 --repeat 200 --json
+	$(VENV)/bin/statebudget bench plan --gpus 16 --models 7 --sessions 100 --repeat 300 --json
 	$(VENV)/bin/statebudget bench plan --gpus 64 --models 16 --sessions 500 --repeat 50 --json
 	$(VENV)/bin/statebudget bench plan --gpus 1000 --models 64 --sessions 5000 --repeat 10 --json
 

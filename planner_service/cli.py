@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -60,7 +59,9 @@ def plan(
     solver: Annotated[str, typer.Option(help="greedy (online default) or milp (exact oracle).")] = "greedy",
     time_limit: Annotated[float, typer.Option("--time-limit", help="MILP time limit in seconds.")] = 60.0,
     seed: Annotated[int, typer.Option(help="MILP random seed.")] = 0,
-    workers: Annotated[int, typer.Option(help="MILP worker threads.")] = 2,
+    workers: Annotated[
+        int, typer.Option(help="MILP workers: CBC processes (one per model variant, first proof wins) or CP-SAT threads.")
+    ] = 2,
     as_json: JsonOpt = False,
 ) -> None:
     """Plan one scenario: the target placement and the operations that reach it."""
@@ -121,26 +122,32 @@ def bench_plan(
     repeat: Annotated[int, typer.Option(help="Plans from scratch to time.")] = 100,
     seed: Annotated[int, typer.Option(help="Seed of the random scenario.")] = 0,
     solver: Annotated[str, typer.Option(help="Solver to time.")] = "greedy",
+    warmup: Annotated[
+        int,
+        typer.Option(
+            help="Untimed plans first: a fresh process pays once for warming the interpreter and growing its heap, "
+            "which a running service has done long before."
+        ),
+    ] = 1,
     as_json: JsonOpt = False,
 ) -> None:
-    """Time planning alone (no parsing), `repeat` times from scratch, and print p50/p99."""
+    """Time planning alone (no parsing), `repeat` times from scratch, and print p50/p99.
+
+    `reference_p50_ms` / `reference_p99_ms` time a fixed pure-Python workload run right after each plan:
+    when the machine slows down, its tail grows with the planner's.
+    """
+    from planner_service.bench import time_plans
     from planner_service.domain.generate import random_scenario
 
     parsed = read_scenario(scenario) if scenario else random_scenario(np.random.default_rng(seed), gpus, models, sessions)
     problem = problem_from_scenario(parsed)
-    solve = default_registry().get(solver)
-    timings = []
-    for _ in range(repeat):
-        started = time.perf_counter()
-        solve(problem)
-        timings.append((time.perf_counter() - started) * 1000)
+    timings = time_plans(default_registry().get(solver), problem, repeat, warmup)
     result = {
         "gpus": len(problem.gpus),
         "models": len(problem.models),
         "sessions": len(problem.sessions),
         "repeat": repeat,
-        "p50_ms": round(float(np.percentile(timings, 50)), 3),
-        "p99_ms": round(float(np.percentile(timings, 99)), 3),
+        **timings,
     }
     if as_json:
         emit_json(result)
@@ -156,7 +163,9 @@ def gap(
     models: Annotated[int, typer.Option(help="Models of each random scenario.")] = 7,
     sessions: Annotated[int, typer.Option(help="Sessions of each random scenario.")] = 100,
     time_limit: Annotated[float, typer.Option("--time-limit", help="MILP time limit per scenario, seconds.")] = 20.0,
-    workers: Annotated[int, typer.Option(help="MILP worker threads.")] = 2,
+    workers: Annotated[
+        int, typer.Option(help="MILP workers: CBC processes (one per model variant, first proof wins) or CP-SAT threads.")
+    ] = 2,
     scenario_dir: Annotated[Path | None, typer.Option("--scenario-dir", help="Plan these scenario files instead.")] = None,
     as_json: JsonOpt = False,
 ) -> None:
@@ -170,8 +179,8 @@ def gap(
 
     def progress(row) -> None:
         err.print(
-            f"{row.scenario}: greedy {row.greedy_objective:.2f}  milp {row.milp_objective:.2f} ({row.milp_status})  "
-            f"unavoidable {row.unavoidable:.2f}  ratio {row.ratio:.4f}",
+            f"{row.scenario}: greedy {row.greedy_objective:.2f}  milp {row.milp_objective:.2f} ({row.milp_status}, "
+            f"gap {_percent(row.gap)}, {row.milp_seconds:.1f} s)  unavoidable {row.unavoidable:.2f}  ratio {row.ratio:.4f}",
             highlight=False,
             soft_wrap=True,
         )
@@ -184,7 +193,7 @@ def gap(
         emit_json(summary)
         return
     table = Table(title="greedy vs MILP")
-    for col in ("scenario", "greedy", "milp", "status", "unavoidable", "ratio"):
+    for col in ("scenario", "greedy", "milp", "status", "gap", "seconds", "unavoidable", "ratio"):
         table.add_column(col)
     for row in summary["per_scenario"]:
         table.add_row(
@@ -192,11 +201,17 @@ def gap(
             f"{row['greedy_objective']:.2f}",
             f"{row['milp_objective']:.2f}",
             row["milp_status"],
+            _percent(row["gap"]),
+            f"{row['milp_seconds']:.1f}",
             f"{row['unavoidable']:.2f}",
             f"{row['ratio']:.4f}",
         )
     out.print(table)
     out.print({k: v for k, v in summary.items() if k != "per_scenario"})
+
+
+def _percent(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:.2f} %"
 
 
 @app.command("export-schemas")
@@ -264,6 +279,10 @@ def trace_import(
     idle_timeout: Annotated[
         float | None, typer.Option("--idle-timeout", help="Seconds without a request that end a session.")
     ] = None,
+    handoffs: Annotated[
+        bool,
+        typer.Option(help="Azure, Mooncake: later turns of a session follow the scenario's hand-off chain."),
+    ] = False,
     as_json: JsonOpt = False,
 ) -> None:
     """Convert a public trace (Azure 2023, Mooncake, Alibaba GenAI 2026) into a StateBudget trace."""
@@ -276,7 +295,7 @@ def trace_import(
     chosen = tuple(m.strip() for m in models.split(",") if m.strip()) if models else ()
     try:
         importer = default_registry().get(fmt)
-        options = ImportOptions(limit=limit, models=chosen, idle_timeout_seconds=idle_timeout)
+        options = ImportOptions(limit=limit, models=chosen, idle_timeout_seconds=idle_timeout, handoffs=handoffs)
         summary = write_trace_stream(out_path, importer.records(input_path, parsed, options))
     except ValueError as error:  # TraceError included
         raise fail(str(error)) from None

@@ -19,7 +19,7 @@ import itertools
 import math
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -31,48 +31,9 @@ from planner_service.planner import costs
 from planner_service.planner.greedy import EXPERT_CHUNKS, GreedyPlanner, Group, PlanningError, TargetPlan, split_evenly
 from planner_service.planner.objective import _arrival_latency, cold_load, kv_ready
 from planner_service.planner.residency import ResidencyIndex, Serving
+from planner_service.solver.backends import IntModel
 
 MAX_SUBSET_GPUS = 4  # nodes with at most this many GPUs offer every subset as a group; larger ones offer windows
-
-
-# -- a solver-independent integer linear model ------------------------------
-
-
-@dataclass
-class IntModel:
-    """min offset + sum cost[i] * v[i]  s.t.  lo <= sum a * v <= hi (integer a),  lb <= v <= ub,  v integer."""
-
-    names: list[str] = field(default_factory=list)
-    lb: list[int] = field(default_factory=list)
-    ub: list[int] = field(default_factory=list)
-    rows: list[tuple[dict[int, int], float, float]] = field(default_factory=list)
-    cost: dict[int, float] = field(default_factory=lambda: defaultdict(float))
-    offset: float = 0.0
-
-    def var(self, name: str, ub: int = 1, lb: int = 0, cost: float = 0.0) -> int:
-        self.names.append(name)
-        self.lb.append(int(lb))
-        self.ub.append(int(ub))
-        index = len(self.names) - 1
-        if cost:
-            self.cost[index] += cost
-        return index
-
-    def row(self, coeffs: Mapping[int, int], lo: float = -math.inf, hi: float = math.inf) -> None:
-        terms = {i: int(a) for i, a in coeffs.items() if a}
-        if terms:
-            self.rows.append((terms, lo, hi))
-
-    def value(self, assignment: Sequence[int]) -> float:
-        return self.offset + math.fsum(c * assignment[i] for i, c in self.cost.items())
-
-    def violated(self, assignment: Sequence[int]) -> list[str]:
-        bad = [self.names[i] for i, v in enumerate(assignment) if not self.lb[i] <= v <= self.ub[i]]
-        for terms, lo, hi in self.rows:
-            total = sum(a * assignment[i] for i, a in terms.items())
-            if not lo <= total <= hi:
-                bad.append(f"row over {[self.names[i] for i in list(terms)[:3]]}: {total} not in [{lo}, {hi}]")
-        return bad
 
 
 # -- what the variables stand for -------------------------------------------
@@ -193,6 +154,7 @@ class _Builder:
         self.expert_vars: dict[tuple[str, str], tuple[int, int]] = {}
         self.gain_vars: dict[tuple[str, str], int] = {}
         self.gpu_terms: dict[str, dict[int, int]] = {g: defaultdict(int) for g in problem.gpus}
+        self.model_gpu_terms: dict[tuple[str, str], dict[int, int]] = defaultdict(lambda: defaultdict(int))
         self.unavoidable = 0.0
         self.demand = self._demand()
         self.active: dict[str, list[Session]] = defaultdict(list)
@@ -218,6 +180,16 @@ class _Builder:
         # (C1) HBM capacity of every GPU: weights shards + KV shards + expert bytes
         for gpu_id, terms in sorted(self.gpu_terms.items()):
             self.ilp.row(terms, hi=self.p.gpus[gpu_id].capacity_bytes)
+        # (C9) one model's bytes on a GPU fit the card only while a group of that node serves the model: implied
+        # by C1-C7 for integer values, it keeps the LP from spreading a fractional model's experts and KV over
+        # whole cards (an optional row: the "plain" CBC variant drops it)
+        for (model_id, gpu_id), terms in sorted(self.model_gpu_terms.items()):
+            gpu = self.p.gpus[gpu_id]
+            row = defaultdict(int, terms)
+            for o in self.options[model_id]:
+                if o.node == gpu.node:
+                    row[o.var] -= gpu.capacity_bytes
+            self.ilp.row(row, hi=0, optional=True)
         # (C8) symmetry: of two interchangeable GPUs (same node and card, nothing on either now), the first holds more
         if self.symmetry:
             for a, b in _interchangeable_pairs(self.p, self.now):
@@ -290,6 +262,7 @@ class _Builder:
                     cost += c.move_weight * costs.copy_seconds([gain], [g], source, node)
                 if shard:
                     self.gpu_terms[g.id][o.var] += shard
+                    self.model_gpu_terms[(model.id, g.id)][o.var] += shard
             # requests in flight: the time to bring their state from C to T, charged on k below (without
             # its KV beside the weights the request waits instead)
             then = ResidencyIndex(self.p, {(obj, Location.gpu(g.id)): b for g, b in zip(o.gpus, o.shards, strict=True) if b})
@@ -335,6 +308,7 @@ class _Builder:
                 for g, b in zip(o.gpus, split_evenly(nbytes, len(o.gpus)), strict=True):
                     if b:
                         self.gpu_terms[g.id][var] += b
+                        self.model_gpu_terms[(model.id, g.id)][var] += b
                 self.kv.setdefault((model.id, s.id), []).append(KvChoice(var, s.id, o, nbytes))
                 relaxed += min(0.0, k_cost)
             o_best = relaxed + (self._best_combo_cost(model, o, served_weight) if model.is_moe else 0.0)
@@ -464,6 +438,7 @@ class _Builder:
                 v = self.ilp.var(f"v[{model.id},{gpu_id}]", ub=min(ub, model.experts_bytes // unit))
                 self.expert_vars[(model.id, gpu_id)] = (v, unit)
                 self.gpu_terms[gpu_id][v] += unit
+                self.model_gpu_terms[(model.id, gpu_id)][v] += unit
                 link[v] = 1
                 # (C6) promoted MiB: MiB * u >= unit * v - now, charged at the GPU's copy rate
                 rate = self.c.move_weight * costs.copy_seconds([MIB], [g], source, node)

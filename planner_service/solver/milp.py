@@ -5,7 +5,8 @@ precision, which sessions' KV sits beside it, and how much of a MoE's routed
 experts is on GPU. The lower tiers (host DRAM, NVMe) are then settled by the
 greedy's own rule, the plan is built by `make_plan` (same operations, same
 evaluator) and checked by `check_plan`. The oracle returns the better, by the
-evaluator, of its incumbent and the greedy plan it was warm-started from.
+evaluator, of its incumbent and the greedy plan (SCIP's and CP-SAT's warm
+start; CBC through pywraplp takes no hint).
 
 Sets
     N nodes, G_n GPUs of node n, M models, P_m precisions of m (preferred first),
@@ -43,6 +44,12 @@ Constraints (one family per comment in `formulation.py`)
     (C7) spread:    sum_{g in G_n} e_{m,n} v_{m,g} = sum_{c,r} bytes_r * y_{m,n,c,r}
     (C8) symmetry:  of two interchangeable GPUs (same node and card, both empty
                     now), the first in id order holds at least as many bytes
+    (C9) per model: sum_{o on n_g} shard_{o,g} x + sum kvshard_{k,g} k + e_{m,n} v_{m,g}
+                    <= cap_g * sum_{o of m on n_g} x_{m,o}   (for every model m and GPU g)
+                    Implied by C1-C7 for integer values (nothing of m sits on a node that
+                    does not serve it); it keeps the LP relaxation from spreading a
+                    fractionally served model's experts and KV over whole cards. An
+                    optional row: one of the two CBC processes runs without it.
 
 Objective (seconds; every coefficient computed by the evaluator's functions)
     off_m:   sum_{s in D_m} w q (L_cold + V [L_cold > t_s]) + decode at f=0 + U * sum_{A_m} w
@@ -79,155 +86,68 @@ Bound and gap
     scale; solver tolerances may put it ~1e-6 relative too high), so
     gap = (objective - bound) / objective, clamped at 0. It bounds every plan
     in the candidate space, not plans outside it (other groups, partial KV,
-    other expert fractions, other lower tiers); null when the solver has none.
+    other expert fractions, other lower tiers). A CBC run stopped at the
+    deadline reports the LP relaxation's optimum instead (a weaker bound).
 
-Choice of solver (measured on this machine: 2 cores; same model, greedy
-hint, 20 s limit; "incumbent / bound", model objective in seconds; seeds
-3 and 5 measured before the symmetry rows C8 were added)
+Solving (`backends.py`)
+    The default is CBC through pywraplp, with `workers` (default 2) CBC
+    processes side by side on the same model, one with the optional C9 rows
+    and one without; the first to prove optimality wins and the others are
+    stopped, otherwise the best incumbent and the best bound are kept (every
+    variant bounds the same optimum). `seed` permutes the order of columns and
+    rows (CBC takes no seed through pywraplp; the order steers its search).
+    The time limit is wall clock: CBC's own limit counts CPU seconds (a 10 s
+    limit took 15 s of wall time beside one other job), so each process gets
+    90 % of the budget in CPU seconds and is killed at the deadline; a run
+    stopped that way is a `timeout` whose plan is the greedy's and whose
+    bound is the LP relaxation's. pywraplp's CBC ignores solution hints, so
+    the greedy plan enters only as the fallback the oracle compares against.
 
-    scenario                      CBC                    SCIP                   CP-SAT (8 workers)
-    demo (16 GPUs, 10 sessions)   optimal 265.65 in 0.8 s optimal 265.65 in 1.1 s optimal 265.65 in 1.4 s
-    random seed 1 (100 sessions)  optimal 4698.5 in 25 s  5306 / 4047 (timeout)   5481 / 4006 (timeout)
-    random seed 2                 4448 / 3774 (33 s)      4967 / 4145             4961 / -30122
-    random seed 3                 optimal 4894.7 in 8 s   4894.7 / 4641           4968.8 / 4493
-    random seed 4                 4283 / 3228 (32 s)      9381 / 3315             6859 / -2081
-    random seed 5                 3427 / 3158 (47 s)      3898 / 3189             4562 / 3168
+Choice of solver (measured on this machine: 2 cores shared with other jobs,
+so wall times swing 1-3x; random_scenario(default_rng(s), 16, 7, 100),
+s = 1..10; 60 s limit; CPU seconds of the solver unless "wall")
 
-CBC (through pywraplp) finds the best incumbent on every case and is the
-only one to prove optimality on the random ones, so it is the default.
-At 45 s SCIP got 4461 / 7743 / optimal 3371.6 on seeds 2 / 4 / 5: better
-bounds, worse incumbents on the hardest case. CBC's costs: it overruns the
-time limit (a 15 s limit took a median 36 s of wall time, max 54 s, over the
-50-scenario gap study; a 60 s limit took 66 s and 105 s on seeds 4 and 2;
-SCIP and CP-SAT stop on time), it ignores the warm start hint (the greedy
-plan still bounds the result, see above), and this OR-Tools build
-runs it single-threaded with no seed (`seed` reaches SCIP and CP-SAT,
-`workers` CP-SAT only). CP-SAT with 2 workers runs no LP-based worker and
-reports a useless bound (about -1e5 on the demo; 8 workers prove the demo in
-1.4 s). Both stay available as `backend="scip"` and `backend="cpsat"` (its
-objective scaled to integer nanoseconds).
+    CBC, one process, no C9    all 10 optimal; wall 5.8-40 s (median 13)
+    CBC with C9 rows           root gap 1.5-9.3 % (3.0-9.4 % without), but the
+                               search slower on 7 of 10 seeds (both stopping at
+                               a 1 % gap): CPU 5-50 s against 4-28 s, and seed
+                               2 still at a 1.6 % gap after 60 CPU s
+    CBC + objective cutoff     the greedy's value as a row (for the ignored
+                               hint): seed 8 46 -> 8 s wall, seed 4 not solved
+                               in 60 s (was 38 s); dropped
+    column/row order           the same model, three orders: seed 2 13.5 /
+                               19.4 / 29.3 CPU s, seed 4 19.3 / 27.7 / 42.0,
+                               so two processes cut the tail
+    SCIP (greedy hint)         seed 2 optimal in 54 s, seed 4 stopped at a
+                               3.6 % gap, seed 7 optimal; with C9 seeds 2 and 4
+                               stopped at 2.3 % and 12.7 %
+    HiGHS (pywraplp)           crashes (SIGSEGV) when given a hint; without
+                               one 21-49 s wall on seeds 1, 2, 3, 5, 6 (CBC:
+                               6-29 s), and no solution at all on seed 4,
+                               stopped by its limit
+    CP-SAT, 2 workers          no LP-based worker, no useful bound (earlier
+                               measurement: about -1e5 on the demo; with 8
+                               workers it proved the demo in 1.4 s)
+
+SCIP and CP-SAT stay available as `backend="scip"` (greedy hint, stops on
+the wall clock itself) and `backend="cpsat"` (objective in integer
+nanoseconds, `workers` threads).
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 from planner_service.domain.problem import Problem
 from planner_service.planner.greedy import TargetPlan, plan_greedy
 from planner_service.planner.invariants import check_plan
 from planner_service.planner.plan import Plan, PlanStatus, make_plan
-from planner_service.solver.formulation import Formulation, IntModel, build_formulation, decode
+from planner_service.solver.backends import DECODE_RESERVE_SECONDS, SolveResult, solve_model
+from planner_service.solver.formulation import Formulation, build_formulation, decode
 
-OBJECTIVE_SCALE = 1e9  # CP-SAT objective unit: nanoseconds
-
-
-@dataclass
-class SolveResult:
-    """What the solver said about the model, before any plan is built."""
-
-    status: str  # optimal | feasible | timeout | infeasible
-    values: list[int] | None
-    objective: float | None  # model objective of `values`
-    bound: float | None
-    seconds: float
-    info: dict[str, Any] = field(default_factory=dict)
-
-
-def solve_model(
-    ilp: IntModel,
-    *,
-    time_limit_seconds: float,
-    seed: int = 0,
-    workers: int = 2,
-    hint: Sequence[int] | None = None,
-    backend: str = "cbc",
-) -> SolveResult:
-    if backend == "cpsat":
-        return _solve_cpsat(ilp, time_limit_seconds, seed, workers, hint)
-    if backend in ("scip", "cbc"):
-        return _solve_mpsolver(ilp, time_limit_seconds, seed, workers, hint, backend.upper())
-    raise ValueError(f"unknown MILP backend {backend!r}; choose one of: cbc, cpsat, scip")
-
-
-def _solve_cpsat(ilp: IntModel, limit: float, seed: int, workers: int, hint: Sequence[int] | None) -> SolveResult:
-    from ortools.sat.python import cp_model  # OR-Tools loads only when the oracle runs
-
-    model = cp_model.CpModel()
-    xs = [model.new_int_var(lb, ub, name) for name, lb, ub in zip(ilp.names, ilp.lb, ilp.ub, strict=True)]
-    for terms, lo, hi in ilp.rows:
-        expr = sum(a * xs[i] for i, a in terms.items())
-        if lo == hi:
-            model.add(expr == int(lo))
-            continue
-        if lo > -math.inf:
-            model.add(expr >= math.ceil(lo))
-        if hi < math.inf:
-            model.add(expr <= math.floor(hi))
-    model.minimize(sum(round(c * OBJECTIVE_SCALE) * xs[i] for i, c in ilp.cost.items() if round(c * OBJECTIVE_SCALE)))
-    if hint is not None:
-        for var, value in zip(xs, hint, strict=True):
-            model.add_hint(var, int(value))
-    solver = cp_model.CpSolver()
-    solver.parameters.max_time_in_seconds = max(0.1, limit)
-    solver.parameters.num_workers = max(1, workers)
-    solver.parameters.random_seed = seed
-    started = time.perf_counter()
-    code = solver.solve(model)
-    seconds = time.perf_counter() - started
-    values = [int(solver.value(x)) for x in xs] if code in (cp_model.OPTIMAL, cp_model.FEASIBLE) else None
-    if code == cp_model.OPTIMAL:
-        status = "optimal"
-    elif code == cp_model.INFEASIBLE:
-        status = "infeasible"
-    else:
-        status = "timeout" if seconds >= 0.95 * limit else "feasible"
-    bound = solver.best_objective_bound / OBJECTIVE_SCALE + ilp.offset if code != cp_model.INFEASIBLE else None
-    info = {"backend": "cpsat", "solver_status": solver.status_name(code), "branches": solver.num_branches}
-    return SolveResult(status, values, ilp.value(values) if values else None, bound, seconds, info)
-
-
-def _solve_mpsolver(ilp: IntModel, limit: float, seed: int, workers: int, hint: Sequence[int] | None, name: str) -> SolveResult:
-    from ortools.linear_solver import pywraplp  # OR-Tools loads only when the oracle runs
-
-    solver = pywraplp.Solver.CreateSolver(name)
-    if solver is None:
-        raise ValueError(f"OR-Tools was built without {name}")
-    xs = [solver.IntVar(lb, ub, n) for n, lb, ub in zip(ilp.names, ilp.lb, ilp.ub, strict=True)]
-    inf = solver.infinity()
-    for terms, lo, hi in ilp.rows:
-        scale = max(abs(a) for a in terms.values())  # byte rows become fractions of their largest term
-        row = solver.RowConstraint(lo / scale if lo > -math.inf else -inf, hi / scale if hi < math.inf else inf)
-        for i, a in terms.items():
-            row.SetCoefficient(xs[i], a / scale)
-    objective = solver.Objective()
-    for i, c in ilp.cost.items():
-        objective.SetCoefficient(xs[i], c)
-    objective.SetOffset(ilp.offset)
-    objective.SetMinimization()
-    solver.SetTimeLimit(int(max(0.1, limit) * 1000))
-    if name == "SCIP":
-        solver.SetSolverSpecificParametersAsString(f"randomization/randomseedshift = {seed}\n")
-    if hint is not None:
-        solver.SetHint(xs, [float(v) for v in hint])
-    started = time.perf_counter()
-    code = solver.Solve()
-    seconds = time.perf_counter() - started
-    found = code in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE)
-    values = [int(round(x.solution_value())) for x in xs] if found else None
-    if code == pywraplp.Solver.OPTIMAL:
-        status = "optimal"
-    elif code == pywraplp.Solver.INFEASIBLE:
-        status = "infeasible"
-    else:
-        status = "timeout" if seconds >= 0.95 * limit else "feasible"
-    bound = objective.BestBound() if found else None
-    info = {"backend": name.lower(), "solver_status": int(code)}
-    return SolveResult(status, values, ilp.value(values) if values else None, bound, seconds, info)
-
+__all__ = ["SolveResult", "solve_milp", "solve_model"]
 
 _STATUS = {
     "optimal": PlanStatus.OPTIMAL,
@@ -259,7 +179,7 @@ def solve_milp(
     built = time.perf_counter() - started
     result = solve_model(
         form.ilp,
-        time_limit_seconds=max(0.1, time_limit_seconds - built),
+        time_limit_seconds=max(0.1, time_limit_seconds - built - DECODE_RESERVE_SECONDS),
         seed=seed,
         workers=workers,
         hint=start,
@@ -309,6 +229,7 @@ def _extra(
             "greedy_model_objective": round(form.ilp.value(start), 6),
             "unavoidable": round(form.unavoidable, 6),
             "solver_seconds": round(result.seconds, 6),
+            "solver_cpu_seconds": result.info.get("cpu_seconds"),  # CBC's own CPU time (its child process)
             "variables": len(form.ilp.names),
             "constraints": len(form.ilp.rows),
             "invariant_errors": errors[:5],

@@ -171,17 +171,7 @@ def _solve_mpsolver(
         shuffle.shuffle(rows)
     created = {i: solver.IntVar(ilp.lb[i], ilp.ub[i], ilp.names[i]) for i in columns}
     xs = [created[i] for i in range(len(ilp.names))]
-    inf = solver.infinity()
-    for terms, lo, hi in rows:
-        scale = max(abs(a) for a in terms.values())  # byte rows become fractions of their largest term
-        row = solver.RowConstraint(lo / scale if lo > -math.inf else -inf, hi / scale if hi < math.inf else inf)
-        for i, a in terms.items():
-            row.SetCoefficient(xs[i], a / scale)
-    objective = solver.Objective()
-    for i, c in ilp.cost.items():
-        objective.SetCoefficient(xs[i], c)
-    objective.SetOffset(ilp.offset)
-    objective.SetMinimization()
+    _write(solver, ilp, xs, rows)
     solver.SetTimeLimit(int(max(0.1, limit) * 1000))
     if name == "SCIP":
         solver.SetSolverSpecificParametersAsString(f"randomization/randomseedshift = {seed}\n")
@@ -194,7 +184,7 @@ def _solve_mpsolver(
     seconds = time.perf_counter() - started
     found = code in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE)
     values = [int(round(x.solution_value())) for x in xs] if found else None
-    bound = objective.BestBound() if found else None
+    bound = solver.Objective().BestBound() if found else None
     if code == pywraplp.Solver.OPTIMAL:
         status = "optimal"
     elif code == pywraplp.Solver.INFEASIBLE:
@@ -284,14 +274,11 @@ def _child_main() -> None:
     sys.stdout.buffer.flush()
 
 
-def lp_bound(ilp: IntModel) -> float | None:
-    """The LP relaxation's optimum (GLOP): a bound on every solution of the model."""
-    from ortools.linear_solver import pywraplp
-
-    solver = pywraplp.Solver.CreateSolver("GLOP")
-    xs = [solver.NumVar(lb, ub, n) for n, lb, ub in zip(ilp.names, ilp.lb, ilp.ub, strict=True)]
+def _write(solver: Any, ilp: IntModel, xs: Sequence[Any], rows: Sequence[tuple[dict[int, int], float, float]]) -> None:
+    """Put `rows` (each scaled by its largest coefficient: byte rows become fractions) and the objective of
+    `ilp` into a pywraplp solver whose variables are `xs`."""
     inf = solver.infinity()
-    for terms, lo, hi in ilp.rows:
+    for terms, lo, hi in rows:
         scale = max(abs(a) for a in terms.values())
         row = solver.RowConstraint(lo / scale if lo > -math.inf else -inf, hi / scale if hi < math.inf else inf)
         for i, a in terms.items():
@@ -301,9 +288,18 @@ def lp_bound(ilp: IntModel) -> float | None:
         objective.SetCoefficient(xs[i], c)
     objective.SetOffset(ilp.offset)
     objective.SetMinimization()
+
+
+def lp_bound(ilp: IntModel) -> float | None:
+    """The LP relaxation's optimum (GLOP): a bound on every solution of the model."""
+    from ortools.linear_solver import pywraplp
+
+    solver = pywraplp.Solver.CreateSolver("GLOP")
+    xs = [solver.NumVar(lb, ub, n) for n, lb, ub in zip(ilp.names, ilp.lb, ilp.ub, strict=True)]
+    _write(solver, ilp, xs, ilp.rows)
     if solver.Solve() != pywraplp.Solver.OPTIMAL:
         return None
-    return objective.Value()
+    return solver.Objective().Value()
 
 
 if __name__ == "__main__":

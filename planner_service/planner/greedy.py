@@ -505,7 +505,7 @@ class GreedyPlanner:
         limit = self._expert_limit(model, node_id)
         partial = Capability.PARTIAL_EXPERTS in self.p.nodes[node_id].capabilities
         key = (model.id, partial, limit)  # all the shape depends on (nodes alike share it)
-        shape = self._shape_on[(model.id, node_id)] = self._shapes.get(key)
+        shape = self._shapes.get(key)
         if shape is None:
             steps = [0] + [b for b in self._expert_steps(model, node_id) if b <= limit]
             skew = self.c.expert_popularity_skew
@@ -513,9 +513,8 @@ class GreedyPlanner:
             sizes = [b - a for a, b in zip(steps, steps[1:])]
             gains = [b - a for a, b in zip(miss, miss[1:])]
             slope = [g / n for g, n in zip(gains, sizes)]
-            shape = self._shapes[key] = self._shape_on[(model.id, node_id)] = _ExpertShape(
-                steps, miss, sizes, gains, list(itertools.accumulate(slope, max))
-            )
+            shape = self._shapes[key] = _ExpertShape(steps, miss, sizes, gains, list(itertools.accumulate(slope, max)))
+        self._shape_on[(model.id, node_id)] = shape
         return shape
 
     def _expert_loss(self, node_id: str, nbytes: int) -> float:

@@ -180,7 +180,8 @@ def gap(
     def progress(row) -> None:
         err.print(
             f"{row.scenario}: greedy {row.greedy_objective:.2f}  milp {row.milp_objective:.2f} ({row.milp_status}, "
-            f"gap {_percent(row.gap)}, {row.milp_seconds:.1f} s)  unavoidable {row.unavoidable:.2f}  ratio {row.ratio:.4f}",
+            f"gap {_percent(row.gap)}, {row.milp_seconds:.1f} s)  unavoidable {row.unavoidable:.2f}  ratio {row.ratio:.4f}  "
+            f"search {row.search_objective:.2f} ratio {row.search_ratio:.4f}",
             highlight=False,
             soft_wrap=True,
         )
@@ -193,7 +194,7 @@ def gap(
         emit_json(summary)
         return
     table = Table(title="greedy vs MILP")
-    for col in ("scenario", "greedy", "milp", "status", "gap", "seconds", "unavoidable", "ratio"):
+    for col in ("scenario", "greedy", "milp", "status", "gap", "seconds", "unavoidable", "ratio", "search ratio"):
         table.add_column(col)
     for row in summary["per_scenario"]:
         table.add_row(
@@ -205,6 +206,7 @@ def gap(
             f"{row['milp_seconds']:.1f}",
             f"{row['unavoidable']:.2f}",
             f"{row['ratio']:.4f}",
+            f"{row['search_ratio']:.4f}",
         )
     out.print(table)
     out.print({k: v for k, v in summary.items() if k != "per_scenario"})

@@ -37,7 +37,7 @@ class Settings(BaseSettings):
     background_planning: bool = Field(
         True, description="Run the planning loop thread (tests turn it off and replan with POST /v1/plan)."
     )
-    solver: Literal["greedy", "milp"] = Field("greedy", description="Solver of the online planning loop.")
+    solver: Literal["greedy", "search", "milp"] = Field("greedy", description="Solver of the online planning loop.")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Log level.")
 
     @model_validator(mode="after")

@@ -207,8 +207,12 @@ class _ExpertShape:
 
 
 class GreedyPlanner:
-    def __init__(self, problem: Problem) -> None:
+    """`nodes` fixes the node a model is served on (the local search's moves, `search.py`); the others'
+    nodes are the greedy's choice."""
+
+    def __init__(self, problem: Problem, nodes: Mapping[str, str] | None = None) -> None:
         self.p = problem
+        self.nodes = dict(nodes or {})
         self.c = problem.constants
         self.now = ResidencyIndex.build(problem, problem.residency)
         self.book = _GpuBook(problem)
@@ -336,7 +340,11 @@ class GreedyPlanner:
                     cost = penalty + self._group_cost(model, gpus, stay_node, seconds, nbytes + extra_bytes)
                     slack = sum(self.book.free[g.id] for g in gpus) - nbytes - extra_bytes
                     options.append(((cost, rank, slack, stay_node, seconds), precision, gpus))
-            for node_id, source in self._load_candidates(obj, nbytes + extra_bytes, skip=stay_node):
+            if model.id in self.nodes:
+                candidates = self._candidate_on(self.nodes[model.id], obj, nbytes + extra_bytes, skip=stay_node)
+            else:
+                candidates = self._load_candidates(obj, nbytes + extra_bytes, skip=stay_node)
+            for node_id, source in candidates:
                 node = self.p.nodes[node_id]
                 moved = self._active_context_seconds(model) if current and current.node != node_id and not penalty else 0.0
                 for gpus in self._fits_by_width(node_id, model, nbytes + extra_bytes):
@@ -344,6 +352,8 @@ class GreedyPlanner:
                     cost = penalty + moved + self._group_cost(model, gpus, node_id, seconds, nbytes + extra_bytes)
                     slack = sum(self.book.free[g.id] for g in gpus) - nbytes - extra_bytes
                     options.append(((cost, rank, slack, node_id, seconds), precision, gpus))
+        if model.id in self.nodes:
+            options = [option for option in options if option[0][3] == self.nodes[model.id]]
         if not options:
             return None
         key, precision, gpus = min(options, key=_COST_KEY)
@@ -569,6 +579,13 @@ class GreedyPlanner:
             keep = {c[0] for c in by_room[:NODE_SHORTLIST]} | {c[0] for c in by_room[-NODE_SHORTLIST:]}
             out = hosted + [c for c in by_room if c[0] in keep]
         return out
+
+    def _candidate_on(self, node_id: str, obj: StateObject, need: int, skip: str | None) -> list[tuple[str, Tier]]:
+        """`_load_candidates` restricted to one node."""
+        source = self._source(obj, node_id)
+        if node_id == skip or source is None or self.book.room(node_id) < need:
+            return []
+        return [(node_id, source)]
 
     def _fits_by_width(self, node_id: str, model: ModelSpec, nbytes: int) -> list[tuple[Gpu, ...]]:
         """The groups of one node worth pricing for `nbytes` split evenly: the widest that fits and the fewest GPUs.
@@ -1044,8 +1061,8 @@ class PlanningError(RuntimeError):
     """The plan would break a hard constraint; the message names it."""
 
 
-def plan_greedy(problem: Problem) -> TargetPlan:
-    return GreedyPlanner(problem).plan()
+def plan_greedy(problem: Problem, nodes: Mapping[str, str] | None = None) -> TargetPlan:
+    return GreedyPlanner(problem, nodes).plan()
 
 
 def demand_by_model(problem: Problem) -> Mapping[str, float]:

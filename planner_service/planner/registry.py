@@ -16,10 +16,12 @@ from typing import Protocol
 from planner_service.domain.problem import Problem
 from planner_service.planner.greedy import plan_greedy
 from planner_service.planner.plan import Plan, make_plan
+from planner_service.planner.search import MAX_PLANS, search_nodes
 
 
 class SolverName(StrEnum):
     GREEDY = "greedy"
+    SEARCH = "search"  # the greedy plus a local search over the nodes of models in flight (`search.py`)
     MILP = "milp"
 
 
@@ -56,6 +58,19 @@ def _greedy(problem: Problem, **_: object) -> Plan:
     return plan
 
 
+def _search(problem: Problem, max_plans: int = MAX_PLANS, **_: object) -> Plan:
+    started = time.perf_counter()
+    with cycle_collection_paused():
+        found = search_nodes(problem, max_plans)
+        target = found.target
+        plan = make_plan(
+            problem, SolverName.SEARCH, target.placement, target.unserved, target.reasons, now=target.now, demand=target.demand
+        )
+    plan.solve_seconds = time.perf_counter() - started
+    plan.extra["search"] = {"greedy_objective": round(found.greedy_objective, 6), "plans": found.plans, "moves": found.moves}
+    return plan
+
+
 def _milp(problem: Problem, **options: object) -> Plan:
     from planner_service.solver.milp import solve_milp  # OR-Tools loads only when the oracle is used
 
@@ -84,6 +99,7 @@ class SolverRegistry:
 def default_registry() -> SolverRegistry:
     registry = SolverRegistry()
     registry.register(SolverName.GREEDY, _greedy)
+    registry.register(SolverName.SEARCH, _search)
     registry.register(SolverName.MILP, _milp)
     return registry
 

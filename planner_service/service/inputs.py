@@ -197,5 +197,5 @@ Change = Annotated[
 
 class WhatIfIn(_In):
     changes: list[Change] = Field(default_factory=list, max_length=100)
-    solver: Literal["greedy", "milp"] = "greedy"
+    solver: Literal["greedy", "search", "milp"] = "greedy"
     time_limit_seconds: Annotated[float, Field(gt=0, le=120)] = 10.0

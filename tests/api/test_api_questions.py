@@ -108,3 +108,11 @@ def test_explain_model_and_session(demo):
     assert_problem(demo.get("/v1/explain", params={"model": "gpt-9"}), 404, "coder")
     assert_problem(demo.get("/v1/explain"), 422, "model", "session")
     assert_problem(demo.get("/v1/explain", params={"session": "nope"}), 404, "nope")
+
+
+def test_whatif_with_the_search_solver_is_never_worse_than_the_greedy(demo):
+    changes = [{"type": "add_sessions", "model": "reasoner", "count": 5, "slo": "interactive", "context_tokens": 30000}]
+    greedy = demo.post("/v1/whatif", json={"changes": changes, "solver": "greedy"}).json()
+    searched = demo.post("/v1/whatif", json={"changes": changes, "solver": "search"}).json()
+    assert searched["solver"] == "search"
+    assert searched["plan"]["objective"] <= greedy["plan"]["objective"] + 1e-6

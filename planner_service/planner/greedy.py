@@ -207,12 +207,15 @@ class _ExpertShape:
 
 
 class GreedyPlanner:
-    """`nodes` fixes the node a model is served on (the local search's moves, `search.py`); the others'
-    nodes are the greedy's choice."""
+    """`nodes` and `precisions` fix where and at which precision a model is served (the local search's
+    moves, `search.py`); what they leave open is the greedy's choice."""
 
-    def __init__(self, problem: Problem, nodes: Mapping[str, str] | None = None) -> None:
+    def __init__(
+        self, problem: Problem, nodes: Mapping[str, str] | None = None, precisions: Mapping[str, str] | None = None
+    ) -> None:
         self.p = problem
         self.nodes = dict(nodes or {})
+        self.precisions = dict(precisions or {})
         self.c = problem.constants
         self.now = ResidencyIndex.build(problem, problem.residency)
         self.book = _GpuBook(problem)
@@ -317,6 +320,8 @@ class GreedyPlanner:
         # a degraded precision costs every request served at it; it wins only where its smaller bytes buy more
         degrade = self.c.degraded_precision_seconds * self._served_weight(model.id)
         for rank, precision in enumerate(model.precisions):
+            if self.precisions.get(model.id, precision) != precision:
+                continue
             obj = StateObject.weights(model.id, precision)
             nbytes = model.weights_bytes[precision]
             penalty = degrade if rank else 0.0
@@ -1061,8 +1066,10 @@ class PlanningError(RuntimeError):
     """The plan would break a hard constraint; the message names it."""
 
 
-def plan_greedy(problem: Problem, nodes: Mapping[str, str] | None = None) -> TargetPlan:
-    return GreedyPlanner(problem, nodes).plan()
+def plan_greedy(
+    problem: Problem, nodes: Mapping[str, str] | None = None, precisions: Mapping[str, str] | None = None
+) -> TargetPlan:
+    return GreedyPlanner(problem, nodes, precisions).plan()
 
 
 def demand_by_model(problem: Problem) -> Mapping[str, float]:

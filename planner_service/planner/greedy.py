@@ -663,8 +663,8 @@ class GreedyPlanner:
             model = self.p.models[model_id]
             sessions = active[model_id]
             need = sum(self._kv_bytes(s, model) for s in sessions)
-            # where the weights and all the KV fit nowhere, take the group for the weights; KV fills what it can
-            best = self._best_group(model, need) or self._best_group(model, 0)
+            # where the weights and all the active KV fit nowhere, take the group that holds the most of that KV
+            best = self._best_group(model, need) or self._roomiest_group(model, need)
             if best is None:
                 for s in sessions:
                     self.unserved[s.id] = self._why_unplaceable(model)
@@ -678,6 +678,20 @@ class GreedyPlanner:
                         f"kv capacity: the KV of session {s.id} does not fit on node {group.node}'s GPUs "
                         f"beside {model.id}'s weights and other users' fair share"
                     )
+
+    def _roomiest_group(self, model: ModelSpec, need: int) -> tuple[tuple, Group] | None:
+        """Where the weights and all the active KV fit nowhere: the group that holds the most of that KV."""
+        lo, hi, best = 0, need, self._best_group(model, 0)
+        for _ in range(4):  # halve the gap between what fits and what does not a few times
+            if best is None:
+                break
+            mid = (lo + hi) // 2
+            found = self._best_group(model, mid)
+            if found is None:
+                hi = mid
+            else:
+                lo, best = mid, found
+        return best
 
     def _water_fill(self, model: ModelSpec, group: Group, sessions: list[Session]) -> list[Session]:
         """Place active sessions' KV max-min fair across users: the user holding the least goes next."""

@@ -401,3 +401,18 @@ def test_a_moe_takes_the_roomier_node_for_its_experts() -> None:
     cramped = costs.decode_slowdown_seconds(spec, 4 / 32, (problem.gpus["g0"],), problem.constants)
     served = costs.decode_slowdown_seconds(spec, 1.0, (problem.gpus["h0"],), problem.constants)
     assert served < cramped
+
+
+def test_where_all_active_kv_fits_nowhere_the_model_goes_where_most_of_it_fits() -> None:
+    # 8 active sessions of 5 GiB KV beside 10 GiB of weights (50 GiB) fit on no node. Staying on n0's one
+    # 24 GiB card leaves room for 2 sessions; n1's two 24 GiB cards hold 38 GiB of KV: 7 sessions.
+    data = scenario(
+        [node("n0", gpu("g0", 24)), node("n1", gpu("h0", 24), gpu("h1", 24))],
+        [model("m", 10)],
+        [session(f"s{i}", "m", user=f"u{i}", active=True, tokens=5 * 8192) for i in range(8)],
+        [held(weights("m"), on_gpu("g0"), 10 * GIB), held(weights("m"), on_nvme("n0"), 10 * GIB), held(weights("m"), on_nvme("n1"), 10 * GIB)],
+    )
+    problem, plan = plan_for(data)
+    sound(problem, plan)
+    assert set(gpu_bytes(plan, StateObject.weights("m", "bf16"))) == {"h0", "h1"}
+    assert len(plan.unserved) == 1

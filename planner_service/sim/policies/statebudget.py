@@ -45,9 +45,10 @@ import time
 from types import MappingProxyType
 from typing import TYPE_CHECKING
 
-from planner_service.domain.problem import Session
+from planner_service.domain.problem import Problem, Session
 from planner_service.domain.state import Kind, Location, StateObject, Tier
-from planner_service.planner.greedy import PlanningError, plan_greedy
+from planner_service.planner.greedy import PlanningError, TargetPlan, plan_greedy
+from planner_service.planner.objective import evaluate
 from planner_service.planner.operations import Action, Operation
 from planner_service.planner.plan import Plan, make_plan
 from planner_service.planner.predictor import SwitchPredictor
@@ -198,8 +199,10 @@ class StatebudgetPolicy(Policy):
             problem = self.problem(sim)
             self._waiting_models = {r.model for r in sim.waiting if r.model not in sim.models}
             target = plan_greedy(problem)
-            plan = make_plan(problem, SolverName.GREEDY, target.placement, target.unserved, target.reasons)
-            adopt = self.worth_it(problem, plan)
+            plan = make_plan(
+                problem, SolverName.GREEDY, target.placement, target.unserved, target.reasons, now=target.now, demand=target.demand
+            )
+            adopt = self.worth_it(problem, plan, target)
         except (PlanningError, ValueError, KeyError) as error:
             self.failed_plans += 1
             if len(self.errors) < 5:
@@ -210,18 +213,18 @@ class StatebudgetPolicy(Policy):
         if adopt:
             self.adopt(sim, plan)
 
-    def worth_it(self, problem, plan: Plan) -> bool:
+    def worth_it(self, problem: Problem, plan: Plan, target: TargetPlan) -> bool:
         """Adopt a plan when what it saves over staying put exceeds the seconds its promotes take."""
         if not plan.operations:
             return False
         if self._serves_waiting(plan):
             return True  # it brings the model of a waiting request: staying put leaves it waiting
-        stay = make_plan(problem, "stay", problem.residency, {})
-        if len(plan.unserved) < len(stay.unserved):
+        stay, stay_predicted = evaluate(problem, problem.residency, target.now, target.now, target.demand)
+        if len(plan.unserved) < len(stay_predicted.unserved_sessions):
             return True  # it serves requests that staying put leaves waiting
         move_weight = problem.constants.move_weight
         promote_seconds = plan.objective.moves / move_weight if move_weight > 0 else 0.0
-        gain = stay.objective.total - plan.objective.total
+        gain = stay.total - plan.objective.total
         return gain > promote_seconds
 
     def _serves_waiting(self, plan: Plan) -> bool:
@@ -238,8 +241,9 @@ class StatebudgetPolicy(Policy):
                 self.status[op.id] = "superseded"
         prefix = f"p{self.adopted}-"
         self.ops = []
-        for op in plan.operations:
-            op = dataclasses.replace(op, id=prefix + op.id, depends_on=[prefix + d for d in op.depends_on])
+        for op in plan.operations:  # the plan is this policy's alone: name its operations in place
+            op.id = prefix + op.id
+            op.depends_on = [prefix + d for d in op.depends_on]
             self.ops.append(op)
             self.status[op.id] = "queued"
         self.queued = list(self.ops)

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
-from planner_service.domain.problem import Gpu, ModelSpec, Problem
+from planner_service.domain.problem import Problem
 from planner_service.domain.scenario import Capability, Slo
 from planner_service.domain.state import TIER_RANK, Kind, Location, Placement, StateObject, Tier
 from planner_service.planner import costs

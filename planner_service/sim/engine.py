@@ -436,6 +436,9 @@ class Simulator:
         history = self.sessions[req.session].history_tokens
         return (history + req.input_tokens + req.output_tokens) * self.problem.models[req.model].kv_bytes_per_token
 
+    def largest_waiting_kv(self, model_id: str) -> int:
+        return max((self.kv_footprint(r) for r in self.waiting if r.model == model_id), default=0)
+
     def _start(self, req: SimRequest, state: ModelState) -> bool:
         model = self.problem.models[req.model]
         session = self.sessions[req.session]
@@ -718,12 +721,15 @@ class Simulator:
     ) -> bool:
         """Load a model's weights on demand where they and the waiting requests' KV fit: evict, then copy.
 
-        When no group has room for the KV too, the weights alone decide (the KV then waits for room).
+        The group must hold the policy's KV reserve (`Policy.kv_reserve`), else the largest waiting
+        request's KV; when no group has room for that either, the weights alone decide (the KV then
+        waits for room).
         """
         if model_id in self.models:
             return True
-        kv_bytes = self.policy.kv_reserve(self, model_id)
-        choice = self.choose_group(model_id, allowed, protect, kv_bytes)
+        choice = None
+        for kv_bytes in dict.fromkeys((self.policy.kv_reserve(self, model_id), self.largest_waiting_kv(model_id))):
+            choice = choice or self.choose_group(model_id, allowed, protect, kv_bytes)
         if choice is None and model_id not in self.needs_kv_room:
             choice = self.choose_group(model_id, allowed, protect)
         if choice is None:

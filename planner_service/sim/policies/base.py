@@ -77,7 +77,7 @@ class Policy:
 
     def kv_reserve(self, sim: Simulator, model: str) -> int:
         """KV bytes an on-demand load leaves room for next to the weights: the largest waiting request's."""
-        return max((sim.kv_footprint(r) for r in sim.waiting if r.model == model), default=0)
+        return sim.largest_waiting_kv(model)
 
     def victim_key(self, sim: Simulator, obj: StateObject, loc: Location) -> tuple | None:
         """Eviction order on a GPU, lowest first; None: never evict. Default: experts first, then LRU."""

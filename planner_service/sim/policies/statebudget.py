@@ -11,11 +11,19 @@ What a plan sees. The policy builds a `Problem` from the simulated cluster:
 confirmed placement = simulated residency (copies still in flight count as
 there), sessions with their context and an active flag for requests waiting
 or running, and next-model probabilities from a `SwitchPredictor` fed the
-hand-offs observed so far. It calls the greedy (`plan_greedy`) and prices
-its target and the current placement with `make_plan`.
+hand-offs observed so far. An instant holds few requests in flight, so a plan
+for it alone would give away the room the next ones need: the policy adds
+stand-in active sessions for the load of the last hour (`expected_demand`,
+the way `static` sizes its groups for the whole trace's average). It calls
+the greedy (`plan_greedy`) and prices its target and the current placement
+with `make_plan`.
 
 Hysteresis, so that replans do not reshuffle the cluster:
 
+* **Pinned engines.** A model that served within the window keeps its node
+  and precision in the plan (the greedy's `nodes` / `precisions`); the plan
+  still chooses its GPUs on that node, its KV and its experts. A model whose
+  requests have waited longer than `unpin_after_seconds` is free to move.
 * **Benefit over cost.** A plan is adopted only when the objective it saves
   over staying put exceeds the seconds its promotes take (the objective
   charges only `move_weight` of those; here the whole), or when it serves
@@ -26,6 +34,8 @@ Hysteresis, so that replans do not reshuffle the cluster:
   not dropped by a plan either: agent sessions come back to it.
   Neither rule holds while a request waits for a model that is not loaded:
   they stop speculative reshuffles, never the room a waiting request needs.
+  When the engine makes room on a GPU, such weights go after idle KV (which
+  has a copy in host DRAM) and experts.
 
 Executing. The adopted plan's operations run in simulated time, each as soon
 as its `depends_on` are done and its destination has room; a newly adopted
@@ -35,17 +45,21 @@ ready by the engine (restore or re-prefill, whichever is cheaper), so the
 plan's operations on it are skipped, as are its prefill-from-nothing
 operations. A waiting request whose model no operation brings is loaded on
 demand after `fallback_after_seconds`, evicting what the latest plan does not
-keep first (counted in `fallback_loads`).
+keep first (counted in `fallback_loads`), onto a group with room for the
+model's working set: the KV of its waiting requests and of the sessions it
+served within the window.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
+from collections import defaultdict, deque
 from types import MappingProxyType
 from typing import TYPE_CHECKING
 
 from planner_service.domain.problem import Problem, Session
+from planner_service.domain.scenario import Slo
 from planner_service.domain.state import Kind, Location, StateObject, Tier
 from planner_service.planner.greedy import PlanningError, TargetPlan, plan_greedy
 from planner_service.planner.objective import evaluate
@@ -72,12 +86,19 @@ class StatebudgetPolicy(Policy):
         fallback_after_seconds: float = 10.0,
         min_residency_seconds: float | None = None,
         warm_start: bool = True,
+        demand_window_seconds: float = 3600.0,
+        demand_seats: int = 10,
+        unpin_after_seconds: float = 60.0,
     ) -> None:
         self.min_interval_seconds = min_interval_seconds
         self.replan_seconds = replan_seconds  # periodic replan, at most; None of it when nothing changed
         self.fallback_after_seconds = fallback_after_seconds
         self.min_residency_seconds = min_residency_seconds  # None: the planner's horizon
         self.warm_start = warm_start
+        self.demand_window_seconds = demand_window_seconds  # the load `expected_demand` averages over
+        self.demand_seats = demand_seats  # stand-in sessions spread over the models (a team's engineers)
+        self.unpin_after_seconds = unpin_after_seconds
+        self.recent: deque[tuple[float, str, int]] = deque()  # (arrival, model, context) of the window's requests
         self.predictor: SwitchPredictor | None = None
         self.ops: list[Operation] = []
         self.status: dict[str, str] = {}
@@ -105,6 +126,7 @@ class StatebudgetPolicy(Policy):
 
     def observe(self, sim: Simulator, session: SessionState, req: SimRequest) -> None:
         assert self.predictor is not None
+        self.recent.append((sim.now, req.model, session.history_tokens + req.input_tokens + req.output_tokens))
         if session.requested_model is not None:
             self.predictor.observe_handoff(req.t, session.requested_model, req.model)
             self.predictor.observe_turn_gap(req.t, max(0.0, req.t - session.last_t))
@@ -153,8 +175,28 @@ class StatebudgetPolicy(Policy):
             for op in self.ops
         )
 
+    def kv_reserve(self, sim: Simulator, model: str) -> int:
+        """An on-demand load leaves room for the model's working set: the KV of its waiting requests and
+        of the sessions it served within the window (agent sessions come back to it)."""
+        window = self.min_residency_seconds or 0.0
+        kvpt = sim.problem.models[model].kv_bytes_per_token
+        total = sum(sim.kv_footprint(r) for r in sim.waiting if r.model == model)
+        for s in sim.sessions.values():
+            if s.request is None and not s.ended and s.model == model and sim.now - s.last_t < window:
+                total += s.history_tokens * kvpt
+        return total
+
     def victim_key(self, sim: Simulator, obj: StateObject, loc: Location) -> tuple | None:
-        return ((obj, loc) in self.keep, obj.kind is not Kind.EXPERTS, sim.last_used.get(obj, -1.0), obj)
+        """What the plan keeps goes last; before it experts, then idle KV and weights idle for the window, then
+        weights that served within it (least recently used first within each)."""
+        used = sim.last_used.get(obj, -1.0)
+        if obj.kind is Kind.EXPERTS:
+            rank = 0
+        elif obj.kind is Kind.WEIGHTS and sim.now - used < (self.min_residency_seconds or 0.0):
+            rank = 2
+        else:
+            rank = 1
+        return ((obj, loc) in self.keep, rank, used, obj)
 
     # -- planning ----------------------------------------------------------------
 
@@ -182,6 +224,8 @@ class StatebudgetPolicy(Policy):
                 residency[(obj, loc)] = min(nbytes, size)
                 if residency[(obj, loc)] <= 0:
                     del residency[(obj, loc)]
+        for stand_in in self.expected_demand(sim, sessions):
+            sessions[stand_in.id] = stand_in
         next_model = self.predictor.predict_sessions({s.id: s.model for s in sessions.values()}, sim.now)
         return dataclasses.replace(
             sim.problem,
@@ -189,6 +233,49 @@ class StatebudgetPolicy(Policy):
             residency=MappingProxyType(residency),
             next_model=MappingProxyType(next_model),
         )
+
+    def expected_demand(self, sim: Simulator, sessions: dict[str, Session]) -> list[Session]:
+        """Stand-in active sessions for the window's load beyond the requests in flight now.
+
+        `demand_seats` seats are spread over the models by their share of the window's requests
+        (largest remainder, as `static` does for the whole trace), each with the mean context its
+        model's requests arrived with; a model's sessions in flight take its seats first.
+        """
+        recent = self.recent
+        while recent and recent[0][0] < sim.now - self.demand_window_seconds:
+            recent.popleft()
+        if not recent:
+            return []
+        counts: dict[str, int] = defaultdict(int)
+        context: dict[str, int] = defaultdict(int)
+        for _, model, tokens in recent:
+            counts[model] += 1
+            context[model] += tokens
+        quota = {m: self.demand_seats * n / len(recent) for m, n in counts.items()}
+        seats = {m: int(q) for m, q in quota.items()}
+        for m in sorted(quota, key=lambda m: (-(quota[m] - seats[m]), m))[: self.demand_seats - sum(seats.values())]:
+            seats[m] += 1
+        in_flight: dict[str, int] = defaultdict(int)
+        for s in sessions.values():
+            in_flight[s.model] += s.active
+        return [
+            Session(f"expected-{m}-{k}", f"expected-{m}-{k}", Slo.INTERACTIVE, m, True, context[m] // counts[m])
+            for m in sorted(seats)
+            for k in range(in_flight[m], seats[m])
+        ]
+
+    def pins(self, sim: Simulator) -> tuple[dict[str, str], dict[str, str]]:
+        """Node and precision of every model that served within the window, unless its requests are stuck."""
+        window = self.min_residency_seconds or 0.0
+        stuck = {r.model for r in sim.waiting if sim.now - r.admitted_at > self.unpin_after_seconds}
+        nodes: dict[str, str] = {}
+        precisions: dict[str, str] = {}
+        for model_id, state in sim.models.items():
+            used = sim.last_used.get(StateObject.weights(model_id, state.precision), float("-inf"))
+            if state.status == "ready" and model_id not in stuck and sim.now - used < window:
+                nodes[model_id] = state.node
+                precisions[model_id] = state.precision
+        return nodes, precisions
 
     def plan(self, sim: Simulator) -> None:
         started = time.perf_counter()
@@ -198,7 +285,7 @@ class StatebudgetPolicy(Policy):
         try:
             problem = self.problem(sim)
             self._waiting_models = {r.model for r in sim.waiting if r.model not in sim.models}
-            target = plan_greedy(problem)
+            target = plan_greedy(problem, *self.pins(sim))
             plan = make_plan(
                 problem, SolverName.GREEDY, target.placement, target.unserved, target.reasons, now=target.now, demand=target.demand
             )

@@ -1,0 +1,126 @@
+"""What the `statebudget` policy adds around the planner: the load it plans for, its pins, its eviction order."""
+
+from __future__ import annotations
+
+from planner_service.domain.problem import Session
+from planner_service.domain.scenario import Scenario, Slo, parse_scenario
+from planner_service.domain.state import Location, StateObject
+from planner_service.sim.engine import SessionState, Simulator, SimRequest
+from planner_service.sim.policies import create_policy
+from planner_service.sim.policies.statebudget import StatebudgetPolicy
+from planner_service.sim.trace import TraceRequest
+
+GB = 10**9
+
+
+def two_node_scenario() -> Scenario:
+    """Two nodes of two 10 GB GPUs; models a, b, c of 4 GB weights and 1,000 bytes of KV per token."""
+    model = {"weights_bytes": {"bf16": 4 * GB}, "kv_bytes_per_token": 1000, "active_params": 250_000_000}
+    return parse_scenario({
+        "cluster": {"nodes": [{
+            "id": n, "nvme_read_bytes_per_s": 0.5 * GB,
+            "gpus": [{"id": f"{n}-g{i}", "hbm_bytes": 10 * GB, "hbm_bytes_per_s": 1000 * GB, "bf16_flops": 1e12,
+                      "h2d_bytes_per_s": 1 * GB} for i in range(2)],
+        } for n in ("n1", "n2")]},
+        "models": [{"id": m, **model} for m in ("a", "b", "c")],
+        "residency": [
+            {"object": {"kind": "weights", "model": m, "precision": "bf16"}, "location": {"tier": "nvme", "node": n},
+             "bytes": 4 * GB} for m in ("a", "b", "c") for n in ("n1", "n2")
+        ],
+    })
+
+
+def simulator(**options: object) -> tuple[Simulator, StatebudgetPolicy]:
+    policy = create_policy("statebudget", warm_start=False, **options)
+    assert isinstance(policy, StatebudgetPolicy)
+    sim = Simulator(two_node_scenario(), [TraceRequest(t=0.0, session="x", model="a", input_tokens=1, output_tokens=1)], policy)
+    policy.setup(sim)
+    return sim, policy
+
+
+def arrive(sim: Simulator, policy: StatebudgetPolicy, t: float, session: str, model: str, context: int) -> None:
+    sim.now = t
+    state = sim.sessions.setdefault(session, SessionState(session, session, Slo.INTERACTIVE, history_tokens=context - 100))
+    req = SimRequest(0, t, session, model, 50, 50, Slo.INTERACTIVE, False)
+    policy.observe(sim, state, req)
+
+
+def test_expected_demand_spreads_the_seats_by_the_windows_request_share() -> None:
+    sim, policy = simulator(demand_seats=4, demand_window_seconds=100.0)
+    for i in range(6):
+        arrive(sim, policy, 10.0 + i, f"s{i}", "a", 1000)
+    for i in range(2):
+        arrive(sim, policy, 20.0 + i, f"t{i}", "b", 3000)
+    sim.now = 50.0
+    stand_ins = policy.expected_demand(sim, {})
+    # a has 6 of 8 requests: 3 seats; b 2 of 8: 1 seat; each at its model's mean context
+    assert sorted((s.model, s.context_tokens, s.active) for s in stand_ins) == [
+        ("a", 1000, True), ("a", 1000, True), ("a", 1000, True), ("b", 3000, True),
+    ]
+    # a session of a in flight takes one of a's seats
+    in_flight = {"s0": Session("s0", "u", Slo.INTERACTIVE, "a", True, 1000)}
+    assert [s.model for s in policy.expected_demand(sim, in_flight)].count("a") == 2
+    # requests older than the window no longer count
+    sim.now = 118.0
+    assert {s.model for s in policy.expected_demand(sim, {})} == {"b"}
+    sim.now = 500.0
+    assert policy.expected_demand(sim, {}) == []
+
+
+def test_the_planned_problem_carries_the_stand_ins_as_active_sessions() -> None:
+    sim, policy = simulator(demand_seats=2)
+    arrive(sim, policy, 1.0, "s0", "c", 2000)
+    problem = policy.problem(sim)
+    assert {s.id for s in problem.sessions.values() if s.active} == {"expected-c-0", "expected-c-1"}
+    assert set(problem.next_model) >= {"expected-c-0", "expected-c-1"}
+
+
+def test_a_model_that_served_within_the_window_keeps_its_node_until_its_requests_are_stuck() -> None:
+    sim, policy = simulator(unpin_after_seconds=60.0)
+    sim.place_now("a", "n2", "bf16", [sim.problem.gpus["n2-g0"]])
+    sim.place_now("b", "n1", "bf16", [sim.problem.gpus["n1-g0"]])
+    sim.now = 1000.0
+    sim.touch(StateObject.weights("a", "bf16"))  # a served just now; b last at t=0, beyond the 300 s window
+    assert policy.pins(sim) == ({"a": "n2"}, {"a": "bf16"})
+    waiting = SimRequest(0, 900.0, "s1", "a", 10, 10, Slo.INTERACTIVE, False, admitted_at=900.0)
+    sim.waiting.append(waiting)  # waited 100 s > 60 s: a may move
+    assert policy.pins(sim) == ({}, {})
+
+
+def test_weights_that_served_within_the_window_are_evicted_after_idle_kv() -> None:
+    sim, policy = simulator()
+    loc = Location.gpu("n1-g0")
+    recent, stale = StateObject.weights("a", "bf16"), StateObject.weights("b", "bf16")
+    kv, experts = StateObject.kv("c", "s1"), StateObject.experts("c")
+    sim.now = 1000.0
+    sim.last_used.update({recent: 990.0, stale: 100.0, kv: 995.0})
+    order = sorted((policy.victim_key(sim, obj, loc), obj) for obj in (recent, stale, kv, experts))
+    assert [obj for _, obj in order] == [experts, stale, kv, recent]
+    policy.keep = {(experts, loc)}  # what the adopted plan keeps goes last of all
+    order = sorted((policy.victim_key(sim, obj, loc), obj) for obj in (recent, stale, kv, experts))
+    assert [obj for _, obj in order][-1] == experts
+
+
+def test_an_on_demand_load_reserves_the_models_working_set() -> None:
+    sim, policy = simulator()
+    sim.now = 400.0
+    for sid, model, last_t, history in [("s1", "a", 350.0, 2000), ("s2", "a", 10.0, 5000), ("s3", "b", 390.0, 7000)]:
+        sim.sessions[sid] = SessionState(sid, sid, Slo.INTERACTIVE, history_tokens=history, model=model, last_t=last_t)
+    waiting = SimRequest(0, 399.0, "s4", "a", 100, 100, Slo.INTERACTIVE, False, admitted_at=399.0)
+    sim.sessions["s4"] = SessionState("s4", "s4", Slo.INTERACTIVE, history_tokens=800, request=waiting)
+    sim.waiting.append(waiting)
+    # s4's request (800 + 100 + 100 tokens) and s1 (served a within 300 s); not s2 (too long ago) nor s3 (on b)
+    assert policy.kv_reserve(sim, "a") == (1000 + 2000) * 1000
+
+
+def test_a_load_whose_working_set_fits_nowhere_still_leaves_room_for_the_waiting_request() -> None:
+    sim, policy = simulator()
+    sim.now = 10.0
+    for i in range(4):  # 4 x 8 GB of recent sessions on a: more than any node's two GPUs hold beside the weights
+        sim.sessions[f"s{i}"] = SessionState(f"s{i}", "u", Slo.INTERACTIVE, history_tokens=8_000_000, model="a", last_t=5.0)
+    waiting = SimRequest(0, 9.0, "w", "a", 100, 100, Slo.INTERACTIVE, False, admitted_at=9.0)
+    sim.sessions["w"] = SessionState("w", "w", Slo.INTERACTIVE, history_tokens=11_000_000, request=waiting)
+    sim.waiting.append(waiting)
+    assert sim.load_model("a")
+    # 4 GB of weights + 11 GB of the waiting request's KV need both GPUs of a node
+    assert len(sim.models["a"].gpus) == 2

@@ -47,7 +47,9 @@ operations. A waiting request whose model no operation brings is loaded on
 demand after `fallback_after_seconds`, evicting what the latest plan does not
 keep first (counted in `fallback_loads`), onto a group with room for the
 model's working set: the KV of its waiting requests and of the sessions it
-served within the window.
+served within the window. A model that becomes ready gets no expert fill of
+its own (other policies fill the free room): which expert chunks are worth
+their HBM is the plan's call, and its operations bring them.
 """
 
 from __future__ import annotations
@@ -174,6 +176,9 @@ class StatebudgetPolicy(Policy):
             and op.dest.tier is Tier.GPU and self.status.get(op.id) in ("queued", "started")
             for op in self.ops
         )
+
+    def on_model_ready(self, sim: Simulator, model: str) -> None:
+        """Experts on GPU are the plan's call (its operations bring the chunks worth their room): no fill."""
 
     def kv_reserve(self, sim: Simulator, model: str) -> int:
         """An on-demand load leaves room for the model's working set: the KV of its waiting requests and

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from operator import truediv
+from operator import attrgetter, truediv
 
 import numpy as np
 
@@ -20,6 +20,8 @@ from planner_service.domain.units import GIB
 
 
 _NVME = Tier.NVME  # bound once: on Python 3.11 an `Enum.MEMBER` lookup costs about ten global reads
+_H2D = attrgetter("h2d_bytes_per_s")
+_FLOPS = attrgetter("bf16_flops")
 
 
 def copy_seconds(shard_bytes: Sequence[int], gpus: Sequence[Gpu], source: Tier, node: Node) -> float:
@@ -37,9 +39,20 @@ def copy_seconds(shard_bytes: Sequence[int], gpus: Sequence[Gpu], source: Tier, 
         raise ValueError(f"{len(shard_bytes)} shards for {len(gpus)} GPUs")
     if not shard_bytes:
         return 0.0
-    t_pcie = max(map(truediv, shard_bytes, [g.h2d_bytes_per_s for g in gpus]))
+    t_pcie = max(map(truediv, shard_bytes, map(_H2D, gpus)))
     if source is _NVME:
         return max(t_pcie, sum(shard_bytes) / node.nvme_read_bytes_per_s)
+    return t_pcie
+
+
+def even_copy_seconds(shard: int, gpus: Sequence[Gpu], source: Tier, node: Node) -> float:
+    """`copy_seconds` of one equal shard per GPU (a shard alone: one GPU), without building the lists.
+
+    Division rounds monotonically, so the slowest link's time is the shard over the smallest bandwidth.
+    """
+    t_pcie = shard / min(map(_H2D, gpus))
+    if source is _NVME:
+        return max(t_pcie, shard * len(gpus) / node.nvme_read_bytes_per_s)
     return t_pcie
 
 
@@ -63,7 +76,7 @@ def weights_load_seconds(
     if nbytes <= 0:
         return 0.0
     shard = math.ceil(nbytes / len(gpus))
-    return copy_seconds([shard] * len(gpus), gpus, source, node) + constants.engine_load_overhead_seconds
+    return even_copy_seconds(shard, gpus, source, node) + constants.engine_load_overhead_seconds
 
 
 def prefill_seconds_per_token(model: ModelSpec, gpus: Sequence[Gpu], constants: CostConstants) -> float:
@@ -73,7 +86,7 @@ def prefill_seconds_per_token(model: ModelSpec, gpus: Sequence[Gpu], constants: 
     (The attention term that grows with context is left out: at agent context
     lengths the weight GEMMs dominate.)
     """
-    flops = sum(g.bf16_flops for g in gpus) * constants.prefill_efficiency
+    flops = sum(map(_FLOPS, gpus)) * constants.prefill_efficiency
     return 2 * model.active_params / flops
 
 
@@ -100,7 +113,7 @@ def kv_ready_seconds(
         return prefill_all
     restored_tokens = min(missing_tokens, restorable_bytes // model.kv_bytes_per_token)
     shard = math.ceil(restored_tokens * model.kv_bytes_per_token / len(gpus))
-    restore = copy_seconds([shard] * len(gpus), gpus, source, node)
+    restore = even_copy_seconds(shard, gpus, source, node)
     return min(prefill_all, restore + (missing_tokens - restored_tokens) * per_token)
 
 
@@ -118,14 +131,36 @@ def kv_ready_seconds_many(
     `from_host[i]` says whether session i's restorable bytes are in host DRAM (else on NVMe); the
     restore is the same even split over the group as `copy_seconds` of equal shards.
     """
+    if model.kv_bytes_per_token == 0:
+        return np.maximum(missing_tokens, 0) * per_token
+    return kv_ready_seconds_grouped(
+        missing_tokens, restorable_bytes, from_host, model.kv_bytes_per_token,
+        len(gpus), min(map(_H2D, gpus)), node.nvme_read_bytes_per_s, per_token,
+    )  # fmt: skip
+
+
+def kv_ready_seconds_grouped(
+    missing_tokens: np.ndarray,
+    restorable_bytes: np.ndarray,
+    from_host: np.ndarray,
+    kv_bytes_per_token: np.ndarray | int,
+    group_size: np.ndarray | int,
+    slowest_h2d: np.ndarray | float,
+    nvme_read: np.ndarray | float,
+    per_token: np.ndarray | float,
+) -> np.ndarray:
+    """`kv_ready_seconds_many` for sessions of several models and groups at once: each parameter is an
+    array with one entry per session, or one number for all (KV bytes per token must not be 0).
+
+    `group_size`, `slowest_h2d` and `nvme_read` describe the group the KV is restored onto: its GPU count,
+    its smallest host->GPU bandwidth and its node's NVMe read bandwidth.
+    """
     missing = np.maximum(missing_tokens, 0)
     prefill_all = missing * per_token
-    if model.kv_bytes_per_token == 0:
-        return prefill_all
-    restored = np.minimum(missing, restorable_bytes // model.kv_bytes_per_token)
-    shard = np.ceil(restored * model.kv_bytes_per_token / len(gpus))
-    restore = shard / min(g.h2d_bytes_per_s for g in gpus)
-    restore = np.where(from_host, restore, np.maximum(restore, shard * len(gpus) / node.nvme_read_bytes_per_s))
+    restored = np.minimum(missing, restorable_bytes // kv_bytes_per_token)
+    shard = np.ceil(restored * kv_bytes_per_token / group_size)
+    restore = shard / slowest_h2d
+    restore = np.where(from_host, restore, np.maximum(restore, shard * group_size / nvme_read))
     return np.where(restorable_bytes > 0, np.minimum(prefill_all, restore + (missing - restored) * per_token), prefill_all)
 
 
@@ -148,7 +183,7 @@ def decode_slowdown_seconds(model: ModelSpec, gpu_fraction: float, gpus: Sequenc
     """
     if not model.is_moe:
         return 0.0
-    h2d = sum(g.h2d_bytes_per_s for g in gpus)
+    h2d = sum(map(_H2D, gpus))
     miss = 1.0 - expert_hit_rate(gpu_fraction, constants)
     return constants.output_tokens_per_request * miss * model.active_expert_bytes_per_token / h2d
 

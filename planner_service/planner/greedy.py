@@ -71,7 +71,12 @@ SLO_RANK = {Slo.BLOCKING: 0, Slo.INTERACTIVE: 1, Slo.BACKGROUND: 2}
 EXPERT_CHUNKS = 16  # granularity of partial expert residency the greedy considers
 ALL_TIERS = tuple(Tier)
 _BY_ID = operator.attrgetter("id")
+_H2D = operator.attrgetter("h2d_bytes_per_s")
 _COST_KEY = operator.itemgetter(0)
+# bound once: on Python 3.11 an `Enum.MEMBER` lookup costs about ten global reads
+_GPU, _HOST, _NVME, _KV, _WEIGHTS = Tier.GPU, Tier.HOST, Tier.NVME, Kind.KV, Kind.WEIGHTS
+_KV_OFFLOAD, _WEIGHTS_OFFLOAD, _PARTIAL_EXPERTS = Capability.KV_OFFLOAD, Capability.WEIGHTS_OFFLOAD, Capability.PARTIAL_EXPERTS
+_UNKNOWN = object()  # not looked up yet (None is an answer)
 NODE_SHORTLIST = 4  # past 2x this many candidate nodes, a group search prices the tightest and roomiest this many each
 
 
@@ -98,7 +103,7 @@ class TargetPlan:
 def split_evenly(nbytes: int, parts: int) -> list[int]:
     """Shard sizes for tensor parallelism: equal, the remainder on the first shards."""
     base, extra = divmod(nbytes, parts)
-    return [base + (1 if i < extra else 0) for i in range(parts)]
+    return [base + 1] * extra + [base] * (parts - extra)
 
 
 class _GpuBook:
@@ -129,7 +134,11 @@ class _GpuBook:
             self._alike[look].append(node_id)
 
     def fits(self, gpus: Iterable[Gpu], shards: Iterable[int]) -> bool:
-        return all(self.free[g.id] >= b for g, b in zip(gpus, shards, strict=True))
+        free = self.free
+        for g, b in zip(gpus, shards, strict=True):
+            if free[g.id] < b:
+                return False
+        return True
 
     def take(self, gpus: Sequence[Gpu], shards: Iterable[int]) -> None:
         """Take shards on the GPUs of one group (all on one node)."""
@@ -206,6 +215,20 @@ class _ExpertShape:
         return bisect.bisect_left(self.order, -price / scale) if scale > 0 else 0
 
 
+@dataclass(frozen=True, slots=True)
+class _ExpertTerms:
+    """One MoE's part of `GreedyPlanner._experts_cost` on a node, for its group's bandwidth and the expert
+    bytes already placed: what does not depend on the room the node has left."""
+
+    shape: _ExpertShape
+    scale: float  # served weight * decode slowdown with no expert on GPU
+    placed: int  # the step the model's placed expert bytes reach
+    best: int  # the step it would stop at with room to spare (its last paying chunk)
+    now: float  # slowdown at `placed`
+    wanted: int  # bytes from `placed` to `best`
+    alone: float  # slowdown at `best` plus the price of the bytes to get there
+
+
 class GreedyPlanner:
     """`nodes` and `precisions` fix where and at which precision a model is served (the local search's
     moves, `search.py`); what they leave open is the greedy's choice."""
@@ -240,7 +263,8 @@ class GreedyPlanner:
             for n in problem.nodes.values()
         }
         context_tokens = np.array([s.context_tokens for s in demand.sessions], dtype=float)
-        self._context_demand = self.weighted @ context_tokens  # [models] SLO-weighted tokens a re-prefill would process
+        # model -> SLO-weighted tokens a re-prefill would process (Python floats: they are read one at a time)
+        self._context_demand = dict(zip(self.row, (self.weighted @ context_tokens).tolist()))
         self._active_weight = {
             m: sum(self.c.slo_weights.of(s.slo) for s in sessions) for m, sessions in self.active.items()
         }
@@ -250,6 +274,8 @@ class GreedyPlanner:
         self._experts_placed: dict[str, int] = defaultdict(int)  # MoE model -> expert bytes the target puts on GPU
         self._steps_cache: dict[tuple[str, str], list[int]] = {}
         self._experts_memo: dict[tuple, float] = {}
+        self._expert_terms_memo: dict[tuple, _ExpertTerms] = {}
+        self._price = self.c.gpu_price_seconds_per_gib / GIB  # seconds per byte held on GPU
         self._shapes: dict[tuple, _ExpertShape] = {}
         self._shape_on: dict[tuple[str, str], _ExpertShape] = {}  # (model, node) -> its shape
         self._served: dict[str, float] = {}
@@ -285,13 +311,12 @@ class GreedyPlanner:
     def _source(self, obj: StateObject, node: str) -> Tier | None:
         """The tier a load of `obj` onto the node's GPUs reads from (its engines may not load weights from host DRAM)."""
         key = (obj, node)
-        if key in self._sources:
-            return self._sources[key]
-        tier = self.now.complete_source(obj, node)
-        caps = self.p.nodes[node].capabilities
-        if tier is Tier.HOST and obj.kind is not Kind.KV and Capability.WEIGHTS_OFFLOAD not in caps:
-            tier = Tier.NVME if self.now.complete(obj, node, Tier.NVME) else None
-        self._sources[key] = tier
+        tier = self._sources.get(key, _UNKNOWN)
+        if tier is _UNKNOWN:
+            tier = self.now.complete_source(obj, node)
+            if tier is _HOST and obj.kind is not _KV and _WEIGHTS_OFFLOAD not in self.p.nodes[node].capabilities:
+                tier = _NVME if self.now.complete(obj, node, _NVME) else None
+            self._sources[key] = tier
         return tier
 
     def _cold_group(self, model: ModelSpec, precision: str, node: str) -> tuple[Gpu, ...] | None:
@@ -402,12 +427,12 @@ class GreedyPlanner:
         c = self.c
         active_w = self._active_weight.get(model.id, 0.0)
         cost = load_seconds * (c.move_weight + active_w)
-        cost += costs.prefill_seconds_per_token(model, gpus, c) * self._context_demand[self.row[model.id]]
+        cost += costs.prefill_seconds_per_token(model, gpus, c) * self._context_demand[model.id]
         others = [(self.p.models[m], h2d) for m, h2d in self._moe_on.get(node_id, {}).items() if m != model.id]
         if model.is_moe or others:
             # the MoE models on the node share its free room for experts: price the joint change
             room = self.book.room(node_id)
-            after = [*others, (model, sum(g.h2d_bytes_per_s for g in gpus))] if model.is_moe else others
+            after = [*others, (model, sum(map(_H2D, gpus)))] if model.is_moe else others
             cost += self._experts_cost(node_id, after, max(0, room - need)) - self._experts_cost(node_id, others, room)
         return cost
 
@@ -416,7 +441,7 @@ class GreedyPlanner:
         key = (model.id, node_id)
         steps = self._steps_cache.get(key)
         if steps is None:
-            partial = Capability.PARTIAL_EXPERTS in self.p.nodes[node_id].capabilities
+            partial = _PARTIAL_EXPERTS in self.p.nodes[node_id].capabilities
             unit = model.expert_bytes if partial else model.experts_bytes
             chunk_bytes = max(unit, (model.experts_bytes // EXPERT_CHUNKS) // unit * unit) if partial else model.experts_bytes
             steps, placed = [], 0
@@ -444,7 +469,7 @@ class GreedyPlanner:
             if self.now.complete_source(obj, node_id) is not None:
                 limit = model.experts_bytes
             else:
-                limit = self.now.on(obj, node_id, Tier.GPU)
+                limit = self.now.on(obj, node_id, _GPU)
             self._limits[key] = limit
         return limit
 
@@ -458,44 +483,40 @@ class GreedyPlanner:
         """
         if not moes:
             return 0.0
-        key = (node_id, room, *[(m.id, h2d, self._experts_placed.get(m.id, 0)) for m, h2d in moes])
+        placed = self._experts_placed
+        models = [(m, h2d, placed.get(m.id, 0)) for m, h2d in moes]
+        key = (node_id, room, *[(m.id, h2d, at) for m, h2d, at in models])
         cached = self._experts_memo.get(key)
         if cached is not None:
             return cached
-        price = self.c.gpu_price_seconds_per_gib / GIB  # seconds per byte held on GPU
+        price = self._price
         total = 0.0
         wanted = 0  # bytes that bring every model to its own best step
         alone = 0.0  # the cost when the room holds all of them
-        chosen = []
-        for model, h2d in moes:
-            shape = self._expert_shape(model, node_id)
-            # served weight * decode slowdown with no expert on GPU (costs.decode_slowdown_seconds at f = 0)
-            scale = self._served_weight(model.id) * self.c.output_tokens_per_request * model.active_expert_bytes_per_token / h2d
-            steps, miss = shape.steps, shape.miss
-            j = bisect.bisect_right(steps, self._experts_placed.get(model.id, 0)) - 1  # `placed` is always a step
-            best = max(j, shape.paying(scale, price))
-            total += scale * miss[j]
-            wanted += steps[best] - steps[j]
-            alone += scale * miss[best] + price * (steps[best] - steps[j])
-            chosen.append((shape, scale, j, best))
+        chosen = [self._expert_terms(node_id, *m) for m in models]
+        for terms in chosen:
+            total += terms.now
+            wanted += terms.wanted
+            alone += terms.alone
         if wanted <= room:  # no contention: each model takes its paying chunks
             self._experts_memo[key] = alone
             return alone
         if len(chosen) == 1:  # one model takes its chunks in step order while they fit and pay
-            shape, scale, j, best = chosen[0]
-            steps = shape.steps
-            m = min(best, bisect.bisect_right(steps, steps[j] + room) - 1)
-            total = scale * shape.miss[m] + price * (steps[m] - steps[j])
+            terms = chosen[0]
+            steps, j = terms.shape.steps, terms.placed
+            m = min(terms.best, bisect.bisect_right(steps, steps[j] + room) - 1)
+            total = terms.scale * terms.shape.miss[m] + price * (steps[m] - steps[j])
             self._experts_memo[key] = total
             return total
         # the best saving per byte first; a model whose next chunk does not fit takes no more (the hit rate
         # is concave, so each model's chunks save less per byte as they go: `order` keeps step order)
         offers: list[tuple[float, int, int, float]] = []  # (order, model index, chunk bytes, change of miss)
-        for i, (shape, scale, j, best) in enumerate(chosen):
+        for i, terms in enumerate(chosen):
+            shape, scale, j, best = terms.shape, terms.scale, terms.placed, terms.best
             order = [scale * o for o in shape.order[j:best]]
             offers.extend(zip(order, itertools.repeat(i), shape.sizes[j:best], shape.gains[j:best]))
         offers.sort()
-        scales = [scale for _, scale, _, _ in chosen]
+        scales = [terms.scale for terms in chosen]
         stopped = [False] * len(chosen)
         live = len(chosen)  # models still taking chunks
         for _, i, nbytes, gain in offers:
@@ -512,13 +533,30 @@ class GreedyPlanner:
         self._experts_memo[key] = total
         return total
 
+    def _expert_terms(self, node_id: str, model: ModelSpec, h2d: float, placed: int) -> _ExpertTerms:
+        """`_ExpertTerms` of a MoE on the node, on a group of summed host->GPU bandwidth `h2d`, with `placed`
+        expert bytes on GPU (remembered: a group search prices the same few again and again)."""
+        key = (model.id, node_id, h2d, placed)
+        terms = self._expert_terms_memo.get(key)
+        if terms is None:
+            shape = self._expert_shape(model, node_id)
+            # served weight * decode slowdown with no expert on GPU (costs.decode_slowdown_seconds at f = 0)
+            scale = self._served_weight(model.id) * self.c.output_tokens_per_request * model.active_expert_bytes_per_token / h2d
+            steps, miss = shape.steps, shape.miss
+            j = bisect.bisect_right(steps, placed) - 1  # `placed` is always a step
+            best = max(j, shape.paying(scale, self._price))
+            wanted = steps[best] - steps[j]
+            terms = _ExpertTerms(shape, scale, j, best, scale * miss[j], wanted, scale * miss[best] + self._price * wanted)
+            self._expert_terms_memo[key] = terms
+        return terms
+
     def _expert_shape(self, model: ModelSpec, node_id: str) -> _ExpertShape:
         """The model's expert chunks the node may hold, and the share of expert reads each step still misses."""
         shape = self._shape_on.get((model.id, node_id))
         if shape is not None:
             return shape
         limit = self._expert_limit(model, node_id)
-        partial = Capability.PARTIAL_EXPERTS in self.p.nodes[node_id].capabilities
+        partial = _PARTIAL_EXPERTS in self.p.nodes[node_id].capabilities
         key = (model.id, partial, limit)  # all the shape depends on (nodes alike share it)
         shape = self._shapes.get(key)
         if shape is None:
@@ -567,20 +605,20 @@ class GreedyPlanner:
             # others; but it never beats a node of its look that serves none (sharing the room only costs).
             with_moe = []
             for node_id in nodes:
-                if node_id == skip or self._source(obj, node_id) is not Tier.NVME:
+                if node_id == skip or self._source(obj, node_id) is not _NVME:
                     continue
                 if node_id in self._moe_on:
-                    with_moe.append((node_id, Tier.NVME))
+                    with_moe.append((node_id, _NVME))
                     continue
-                out.append((node_id, Tier.NVME))
+                out.append((node_id, _NVME))
                 break
             else:
                 out.extend(with_moe)
         if len(out) > 2 * NODE_SHORTLIST:
             # many distinct nodes (large clusters): price only the tightest and the roomiest few, and every
             # node with a copy in host DRAM (the group search is the hot loop of planning at scale)
-            hosted = [c for c in out if c[1] is Tier.HOST]
-            by_room = sorted((c for c in out if c[1] is not Tier.HOST), key=lambda c: (self.book.room(c[0]), c[0]))
+            hosted = [c for c in out if c[1] is _HOST]
+            by_room = sorted((c for c in out if c[1] is not _HOST), key=lambda c: (self.book.room(c[0]), c[0]))
             keep = {c[0] for c in by_room[:NODE_SHORTLIST]} | {c[0] for c in by_room[-NODE_SHORTLIST:]}
             out = hosted + [c for c in by_room if c[0] in keep]
         return out
@@ -635,7 +673,7 @@ class GreedyPlanner:
         self.reasons[obj] = reason
         self._placed_on[group.node] += 1
         if model.is_moe:
-            self._moe_on[group.node][model.id] = sum(g.h2d_bytes_per_s for g in group.gpus)
+            self._moe_on[group.node][model.id] = sum(map(_H2D, group.gpus))
 
     def _place_spread(self, obj: StateObject, group: Group, shards: list[int]) -> None:
         """Place `obj` over the group's GPUs in the given shards (`split_evenly` of its bytes)."""
@@ -805,7 +843,7 @@ class GreedyPlanner:
         model = self.p.models[model_id]
         group = self.groups[model_id]
         node = self.p.nodes[group.node]
-        kv_ok_below = Capability.KV_OFFLOAD in node.capabilities
+        kv_ok_below = _KV_OFFLOAD in node.capabilities
         for sid in sorted(self.now.kv_sessions.get(model_id, ())):
             session = self.p.sessions[sid]
             w = self._weight(sid, model_id)
@@ -833,12 +871,12 @@ class GreedyPlanner:
         node = self.p.nodes[group.node]
         tokens = session.context_tokens
         if not kv_ok_below:
-            return costs.kv_ready_seconds(tokens, 0, model, group.gpus, Tier.HOST, node, self.c)
-        host = self.now.on(obj, group.node, Tier.HOST)
-        if (obj, group.node, Tier.GPU) in self._kv_held and node.host_bytes > 0:
+            return costs.kv_ready_seconds(tokens, 0, model, group.gpus, _HOST, node, self.c)
+        host = self.now.on(obj, group.node, _HOST)
+        if (obj, group.node, _GPU) in self._kv_held and node.host_bytes > 0:
             host = self.p.size_of(obj)
-        nvme = self.now.on(obj, group.node, Tier.NVME)
-        source, restorable = (Tier.HOST, host) if host >= nvme else (Tier.NVME, nvme)
+        nvme = self.now.on(obj, group.node, _NVME)
+        source, restorable = (_HOST, host) if host >= nvme else (_NVME, nvme)
         return costs.kv_ready_seconds(tokens, restorable, model, group.gpus, source, node, self.c)
 
     def _kv_exists(self, obj: StateObject, group: Group) -> bool:
@@ -846,7 +884,7 @@ class GreedyPlanner:
 
         It must sit where the node can use it: on its GPUs, or below them when the node offloads KV.
         """
-        reachable = ALL_TIERS if Capability.KV_OFFLOAD in self.p.nodes[group.node].capabilities else (Tier.GPU,)
+        reachable = ALL_TIERS if _KV_OFFLOAD in self.p.nodes[group.node].capabilities else (_GPU,)
         if not any((obj, group.node, tier) in self._kv_held for tier in reachable):
             return False
         current = self.now.serving.get(obj.model)
@@ -860,7 +898,7 @@ class GreedyPlanner:
         # chunks grow only up to what the node can load: a complete copy below its GPUs, or what they hold now
         shape = self._expert_shape(model, group.node)
         none_on_gpu = costs.decode_slowdown_seconds(model, 0.0, group.gpus, self.c)  # per request
-        price = self.c.gpu_price_seconds_per_gib / GIB
+        price = self._price
         for k, nbytes in enumerate(shape.sizes):
             after = none_on_gpu * shape.miss[k + 1]
             saved = demand * none_on_gpu * -shape.gains[k]
@@ -881,7 +919,7 @@ class GreedyPlanner:
         if nbytes >= self._refused_chunk.get(obj, math.inf):
             return False  # a chunk this size found no room already, and room only shrinks
         model = self.p.models[obj.model]
-        if Capability.PARTIAL_EXPERTS in self.p.nodes[node].capabilities:
+        if _PARTIAL_EXPERTS in self.p.nodes[node].capabilities:
             units = (self._expert_split_unit(model, node), model.expert_bytes)
         else:
             units = (nbytes,)
@@ -940,11 +978,11 @@ class GreedyPlanner:
             lost = nbytes - self.target.get((obj, loc), 0)
             if lost > 0:
                 leaving[(obj, self.p.gpus[loc.id].node)] += lost
-        for (obj, node_id), nbytes in sorted(leaving.items(), key=lambda kv: (kv[0][0].kind != Kind.WEIGHTS, kv[0])):
+        for (obj, node_id), nbytes in sorted(leaving.items(), key=lambda kv: (kv[0][0].kind != _WEIGHTS, kv[0])):
             node = self.p.nodes[node_id]
             host, nvme = Location.host(node_id), Location.nvme(node_id)
-            if obj.kind is Kind.KV:
-                if obj.model in invalid or Capability.KV_OFFLOAD not in node.capabilities:
+            if obj.kind is _KV:
+                if obj.model in invalid or _KV_OFFLOAD not in node.capabilities:
                     continue
                 if self.target.get((obj, self._at[self.groups[obj.model].gpus[0].id]) if obj.model in self.groups else None):
                     continue  # it stays on GPU elsewhere in the group
@@ -962,10 +1000,10 @@ class GreedyPlanner:
             if obj.model in self.groups and self.groups[obj.model].node == node_id and self._on_node_gpus(obj, node_id) >= self.p.size_of(obj):
                 continue
             # the GPU copy is the node's last complete one: move it down
-            to = host if (Capability.WEIGHTS_OFFLOAD in node.capabilities and node.host_bytes - host_used[node_id] >= nbytes) else nvme
-            if to.tier is Tier.NVME and nvme_used is None:
-                nvme_used = _bytes_per_node(kept, Tier.NVME)
-            used = host_used if to.tier is Tier.HOST else nvme_used
+            to = host if (_WEIGHTS_OFFLOAD in node.capabilities and node.host_bytes - host_used[node_id] >= nbytes) else nvme
+            if to.tier is _NVME and nvme_used is None:
+                nvme_used = _bytes_per_node(kept, _NVME)
+            used = host_used if to.tier is _HOST else nvme_used
             if self.p.capacity_of(to) - used[node_id] < nbytes:
                 raise PlanningError(
                     f"nvme capacity: node {node_id} has no room below GPU for the last copy of {obj.label()}"
@@ -1000,7 +1038,7 @@ class GreedyPlanner:
             return 0.0
         tokens = self.p.sessions[obj.session].context_tokens
         prefill = tokens * costs.prefill_seconds_per_token(model, gpus, self.c)
-        restore = costs.kv_ready_seconds(tokens, self.p.size_of(obj), model, gpus, Tier.HOST, self.p.nodes[node], self.c)
+        restore = costs.kv_ready_seconds(tokens, self.p.size_of(obj), model, gpus, _HOST, self.p.nodes[node], self.c)
         return w * (prefill - restore)
 
     def _prefetch_to_host(self, host_used: dict[str, int]) -> None:
@@ -1018,10 +1056,10 @@ class GreedyPlanner:
             if cold.node is None or cold.precision != model.preferred:
                 continue
             node = self.p.nodes[cold.node]
-            if Capability.WEIGHTS_OFFLOAD not in node.capabilities or index.complete(obj, cold.node, Tier.HOST):
+            if _WEIGHTS_OFFLOAD not in node.capabilities or index.complete(obj, cold.node, _HOST):
                 continue
             nbytes = model.weights_bytes[model.preferred]
-            from_host = costs.weights_load_seconds(nbytes, cold.gpus, Tier.HOST, node, self.c)
+            from_host = costs.weights_load_seconds(nbytes, cold.gpus, _HOST, node, self.c)
             saved = self._demand(model_id) * (cold.seconds - from_host)
             stage = nbytes / node.nvme_read_bytes_per_s * self.c.move_weight
             if saved - stage > 0:

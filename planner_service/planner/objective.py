@@ -34,6 +34,9 @@ from planner_service.domain.state import Kind, Location, StateObject, Tier
 from planner_service.planner import costs
 from planner_service.planner.residency import ResidencyIndex, Serving
 
+# bound once: on Python 3.11 an `Enum.MEMBER` lookup costs about ten global reads
+_GPU, _HOST, _NVME = Tier.GPU, Tier.HOST, Tier.NVME
+
 
 @dataclass(frozen=True, slots=True)
 class Objective:
@@ -173,49 +176,50 @@ def kv_ready(
     if missing <= 0:
         return 0.0
     obj = StateObject.kv(model.id, session)
-    host = index.on(obj, node, Tier.HOST)
-    nvme = index.on(obj, node, Tier.NVME)
-    source, restorable = (Tier.HOST, host) if host >= nvme else (Tier.NVME, nvme)
+    host = index.on(obj, node, _HOST)
+    nvme = index.on(obj, node, _NVME)
+    source, restorable = (_HOST, host) if host >= nvme else (_NVME, nvme)
     return costs.kv_ready_seconds(missing, restorable, model, gpus, source, problem.nodes[node], problem.constants)
 
 
 def _kv_ready_of(
-    problem: Problem,
-    index: ResidencyIndex,
-    model: ModelSpec,
-    sessions: Iterable[str],
-    node: str,
-    gpus: tuple[Gpu, ...],
-    on_gpus: bool,
-    per_token: float,
-) -> tuple[list[str], np.ndarray]:
-    """`kv_ready` for every session holding some of the model's KV, at once: (those sessions, their seconds).
+    problem: Problem, index: ResidencyIndex, position: Mapping[str, int], groups: Iterable[tuple]
+) -> tuple[list[int], list[int], np.ndarray]:
+    """`kv_ready` for every session holding some KV of the given models, all models at once.
 
-    `on_gpus`: the model is served on `gpus`, so KV already there counts.
+    `groups` holds (row, model, node, gpus, on_gpus, per_token, holders) per model: where its requests
+    would run (`on_gpus`: it is served there, so KV already on those GPUs counts), its prefill seconds
+    per token there, and the sessions holding some of its KV. Returns (rows, session columns, seconds).
     """
-    at = sorted(sessions)
-    kv_per_token = model.kv_bytes_per_token
-    if kv_per_token == 0:
-        return at, np.zeros(len(at))
-    host_loc, nvme_loc = Location.host(node), Location.nvme(node)
+    rows, columns, tokens, held, host, nvme = [], [], [], [], [], []
+    counts, parameters = [], []  # per model: its sessions, and what `kv_ready_seconds_grouped` takes of it
     placement, gpu_bytes = index.placement, index.gpu_bytes
-    tokens, held, host, nvme = [], [], [], []
-    for sid in at:
-        obj = StateObject.kv(model.id, sid)
-        tokens.append(problem.sessions[sid].context_tokens)
-        held.append(gpu_bytes.get((obj, node), 0) if on_gpus else 0)
-        host.append(max(0, placement.get((obj, host_loc), 0)))
-        nvme.append(max(0, placement.get((obj, nvme_loc), 0)))
+    for row, model, node, gpus, on_gpus, per_token, holders in groups:
+        host_loc, nvme_loc = Location.host(node), Location.nvme(node)
+        ready = model.kv_bytes_per_token == 0  # no KV per token: nothing is missing
+        for sid in sorted(holders):
+            obj = StateObject.kv(model.id, sid)
+            columns.append(position[sid])
+            tokens.append(0 if ready else problem.sessions[sid].context_tokens)
+            held.append(gpu_bytes.get((obj, node), 0) if on_gpus else 0)
+            host.append(max(0, placement.get((obj, host_loc), 0)))
+            nvme.append(max(0, placement.get((obj, nvme_loc), 0)))
+        rows += [row] * len(holders)
+        counts.append(len(holders))
+        slowest_h2d = min(g.h2d_bytes_per_s for g in gpus)
+        parameters.append((model.kv_bytes_per_token or 1, len(gpus), slowest_h2d, problem.nodes[node].nvme_read_bytes_per_s, per_token))
+    # one entry per session
+    kv_per_token, group_size, slowest_h2d, nvme_read, per_token = (np.repeat(p, counts) for p in zip(*parameters))
     missing = np.array(tokens) - np.array(held) // kv_per_token
     host_bytes, nvme_bytes = np.array(host), np.array(nvme)
     from_host = host_bytes >= nvme_bytes
     restorable = np.where(from_host, host_bytes, nvme_bytes)
-    seconds = costs.kv_ready_seconds_many(missing, restorable, from_host, model, gpus, problem.nodes[node], per_token)
-    return at, np.where(missing > 0, seconds, 0.0)
+    seconds = costs.kv_ready_seconds_grouped(missing, restorable, from_host, kv_per_token, group_size, slowest_h2d, nvme_read, per_token)
+    return rows, columns, np.where(missing > 0, seconds, 0.0)
 
 
 def _gpu_kv(index: ResidencyIndex, model: str, session: str, serving: Serving) -> int:
-    return index.on(StateObject.kv(model, session), serving.node, Tier.GPU)
+    return index.on(StateObject.kv(model, session), serving.node, _GPU)
 
 
 def evaluate(
@@ -256,7 +260,7 @@ def evaluate(
         w, target_s = float(slo_weight[position[s.id]]), float(slo_target[position[s.id]])
         serving = then.serving.get(s.model)
         kv = StateObject.kv(s.model, s.id)
-        if serving is None or then.on(kv, serving.node, Tier.GPU) < problem.size_of(kv):
+        if serving is None or then.on(kv, serving.node, _GPU) < problem.size_of(kv):
             # the model is not served, or this session's KV has no room beside it: the request waits
             unserved.append(s.id)
             unserved_cost += c.unserved_penalty_seconds * w
@@ -275,10 +279,18 @@ def evaluate(
     weight_terms.append(np.ones(len(arrival_latency)))
     target_terms.append(np.array(arrival_target))
 
-    # Predicted next requests, one model at a time, vectorized over sessions.
+    # Predicted next requests: where each predicted model would run, then the latencies of all of them
+    # as one [models x sessions] array (the sessions holding some KV priced for all models at once).
+    predicted = demand.q.any(axis=1)
+    rows: list[int] = []  # rows of `demand.q` predicted
+    ready: list[float] = []  # per predicted model: seconds until its weights are ready
+    per_token: list[float] = []  # prefill seconds per token where it would run (0: nowhere)
+    slowdowns: list[float] = []
+    degrades: list[float] = []
+    held: list[tuple] = []  # for `_kv_ready_of`
     for model in problem.models.values():
-        q = demand.of_model(model.id)
-        if not q.any():
+        row = demand.row[model.id]
+        if not predicted[row]:
             continue
         serving = then.serving.get(model.id)
         if serving is not None:
@@ -293,24 +305,36 @@ def evaluate(
                 weights_ready, node, gpus = cold.seconds, cold.node, cold.gpus
             slowdown = costs.decode_slowdown_seconds(model, 0.0, gpus, c) if gpus else 0.0
             degrade = 0.0  # already inside cold.seconds
-        kv = np.zeros(len(sessions))
+        seconds = 0.0  # no node: no KV to ready either
         if node is not None:
-            # no KV anywhere: re-prefill the whole history; sessions holding some KV are priced one by one
-            per_token = costs.prefill_seconds_per_token(model, gpus, c)
-            kv = context * per_token
+            # no KV anywhere: re-prefill the whole history; sessions holding some KV are priced below
+            seconds = costs.prefill_seconds_per_token(model, gpus, c)
             holders = then.kv_sessions.get(model.id)
             if holders:
-                at, seconds = _kv_ready_of(problem, then, model, holders, node, gpus, serving is not None, per_token)
-                kv[[position[sid] for sid in at]] = seconds
-        latency = weights_ready + kv
+                held.append((len(rows), model, node, gpus, serving is not None, seconds, holders))
+        rows.append(row)
+        ready.append(weights_ready)
+        per_token.append(seconds)
+        slowdowns.append(slowdown)
+        degrades.append(degrade)
+    if rows:
+        kv = np.multiply.outer(per_token, context)
+        if held:
+            at, columns, seconds = _kv_ready_of(problem, then, position, held)
+            kv[at, columns] = seconds
+        latency = np.array(ready)[:, None] + kv
+        late = latency > slo_target
+        q = demand.q[rows]
         wq = slo_weight * q
-        switch += float(wq @ latency)
-        violations += float(wq @ (latency > slo_target)) * c.violation_penalty_seconds
-        decode += float(wq.sum()) * slowdown
-        degraded += float(wq.sum()) * degrade
-        latency_terms.append(latency)
-        weight_terms.append(q)
-        target_terms.append(slo_target)
+        for k in range(len(rows)):  # model by model, in problem order: the sums add up as they always have
+            weight = float(wq[k].sum())
+            switch += float(wq[k] @ latency[k])
+            violations += float(wq[k] @ late[k]) * c.violation_penalty_seconds
+            decode += weight * slowdowns[k]
+            degraded += weight * degrades[k]
+        latency_terms.append(latency.ravel())
+        weight_terms.append(q.ravel())
+        target_terms.append(np.tile(slo_target, len(rows)))
 
     gpu_bytes = sum(then.on_gpus.values())
     memory = costs.gpu_hold_cost(gpu_bytes, c)
@@ -323,7 +347,7 @@ def evaluate(
 def _decode(problem: Problem, index: ResidencyIndex, model: ModelSpec, serving: Serving) -> float:
     if not model.is_moe:
         return 0.0
-    fraction = index.on(StateObject.experts(model.id), serving.node, Tier.GPU) / model.experts_bytes
+    fraction = index.on(StateObject.experts(model.id), serving.node, _GPU) / model.experts_bytes
     return costs.decode_slowdown_seconds(model, fraction, serving.gpus, problem.constants)
 
 
@@ -341,7 +365,7 @@ def _weights_arrival(problem: Problem, now: ResidencyIndex, then: ResidencyIndex
     shards = [max(0, then.placement.get((obj, Location.gpu(g.id)), 0) - now.placement.get((obj, Location.gpu(g.id)), 0)) for g in serving.gpus]
     if not any(shards):
         return 0.0
-    source = now.complete_source(obj, serving.node) or Tier.NVME
+    source = now.complete_source(obj, serving.node) or _NVME
     return costs.copy_seconds(shards, serving.gpus, source, node) + problem.constants.engine_load_overhead_seconds
 
 
@@ -359,16 +383,16 @@ def promote_seconds(
 ) -> float:
     """Seconds of transfer the plan spends bringing state up to GPUs (each GPU's link on its own)."""
     total = 0.0
-    gpu_tier, kv_kind, before = Tier.GPU, Kind.KV, now.placement
+    kv_kind, before = Kind.KV, now.placement
     for (obj, loc), nbytes in target.items():
-        if loc.tier is not gpu_tier or obj.kind is kv_kind:
+        if loc.tier is not _GPU or obj.kind is kv_kind:
             continue
         gain = nbytes - before.get((obj, loc), 0)
         if gain <= 0:
             continue
         gpu = problem.gpus[loc.id]
-        source = now.complete_source(obj, gpu.node) or Tier.NVME
-        total += costs.copy_seconds([gain], [gpu], source, problem.nodes[gpu.node])
+        source = now.complete_source(obj, gpu.node) or _NVME
+        total += costs.even_copy_seconds(gain, (gpu,), source, problem.nodes[gpu.node])
     return total
 
 

@@ -51,13 +51,17 @@ class Priority(StrEnum):
 
 PRIORITY_RANK = {Priority.BLOCKING: 0, Priority.INTERACTIVE: 1, Priority.BACKGROUND: 2, Priority.PREFETCH: 3}
 SLO_PRIORITY = {Slo.BLOCKING: Priority.BLOCKING, Slo.INTERACTIVE: Priority.INTERACTIVE, Slo.BACKGROUND: Priority.BACKGROUND}
+_URGENCY = {slo: rank for rank, slo in enumerate(Slo)}  # most urgent first
 
 
 # Enum members read once per operation, bound here: on Python 3.11 each `Enum.MEMBER` lookup goes through
 # EnumType.__getattr__ and costs about ten global reads.
-_GPU, _EXPERTS, _KV = Tier.GPU, Kind.EXPERTS, Kind.KV
-_PROMOTE, _DROP = Action.PROMOTE, Action.DROP
+_GPU, _HOST, _NVME = Tier.GPU, Tier.HOST, Tier.NVME
+_WEIGHTS, _EXPERTS, _KV = Kind.WEIGHTS, Kind.EXPERTS, Kind.KV
+_KV_OFFLOAD, _WEIGHTS_OFFLOAD = Capability.KV_OFFLOAD, Capability.WEIGHTS_OFFLOAD
+_PROMOTE, _DEMOTE, _DROP = Action.PROMOTE, Action.DEMOTE, Action.DROP
 _PREFETCH, _BACKGROUND = Priority.PREFETCH, Priority.BACKGROUND
+_UNKNOWN = object()  # not looked up yet (None is an answer)
 
 
 @dataclass(slots=True)
@@ -109,7 +113,7 @@ def _words(op: Operation, purpose: str | None, waiting: Slo | None) -> str:
     the SLO of the request in flight that needs it (`waiting`)."""
     gib = op.bytes / 2**30
     obj = op.object.label()
-    if op.action is Action.PROMOTE:
+    if op.action is _PROMOTE:
         if op.source is None:
             base = f"prefill {gib:.2f} GiB of {obj} on {op.dest.label()}"
         else:
@@ -118,7 +122,7 @@ def _words(op: Operation, purpose: str | None, waiting: Slo | None) -> str:
             slo = waiting.value
             return f"{base}: {'an' if slo[0] in 'aeiou' else 'a'} {slo} request is waiting for it"
         return f"{base}: {purpose}" if purpose else f"{base}: predicted to be needed"
-    if op.action is Action.DEMOTE:
+    if op.action is _DEMOTE:
         return f"free {gib:.2f} GiB on {op.source.label()}; keep {obj} on {op.dest.label()} for a cheaper way back"
     return f"free {gib:.2f} GiB on {op.source.label()}; {obj} is worth less than the room it takes"
 
@@ -161,11 +165,12 @@ class _Builder:
         # set by `link`: per operation, the positions in `ops` it waits on, and the reverse
         self._deps: list[set[int]] = []
         self._waiting: dict[int, set[int]] = {}
+        # model -> the most urgent SLO of its requests in flight (what its weights and routed experts serve)
+        self.model_slo: dict[str, Slo] = {}
         self.active_slo = self._active_slo()
-        # model -> the most urgent SLO of its requests in flight (what its routed experts serve)
-        self.model_slo = {obj.model: slo for obj, slo in self.active_slo.items() if obj.kind is Kind.WEIGHTS}
         self.stale_kv = self._stale_kv_models(then)
-        self._kv_below_gpu = {(obj, problem.node_of(loc)) for obj, loc in now.kv_entries if loc.tier is not Tier.GPU}
+        # (KV, node) wherever KV sits below the GPUs now (there a location's id is its node)
+        self._kv_below_gpu = {(obj, loc.id) for obj, loc in now.kv_entries if loc.tier is not _GPU}
         # remembered per builder: thousands of operations share objects, GPUs and sources
         self._prefill_seconds: dict[tuple[str, str], float] = {}  # (model, gpu) -> seconds per byte of KV
         self._sources: dict[tuple[StateObject, str, Tier], Location | None] = {}
@@ -175,16 +180,20 @@ class _Builder:
         return {m for m, now in self.now.serving.items() if m in then and then[m].precision != now.precision}
 
     def _active_slo(self) -> dict[StateObject, Slo]:
-        """Objects a request in flight needs on GPU, with the most urgent SLO among those requests."""
-        urgency = {slo: rank for rank, slo in enumerate(Slo)}  # most urgent first
+        """Objects a request in flight needs on GPU, with the most urgent SLO among those requests
+        (its own for a session's KV, the most urgent of the model's for its weights); fills `model_slo`."""
         out: dict[StateObject, Slo] = {}
+        model_slo = self.model_slo
         for s in self.p.sessions.values():
             if not s.active:
                 continue
-            model = self.p.models[s.model]
-            for obj in [StateObject.kv(s.model, s.id), *(StateObject.weights(s.model, p) for p in model.precisions)]:
-                if obj not in out or urgency[s.slo] < urgency[out[obj]]:
-                    out[obj] = s.slo
+            out[StateObject.kv(s.model, s.id)] = s.slo
+            slo = model_slo.get(s.model)
+            if slo is None or _URGENCY[s.slo] < _URGENCY[slo]:
+                model_slo[s.model] = s.slo
+        for model_id, slo in model_slo.items():
+            for precision in self.p.models[model_id].precisions:
+                out[StateObject.weights(model_id, precision)] = slo
         return out
 
     def _new(
@@ -226,11 +235,11 @@ class _Builder:
         return changed
 
     def diff(self) -> None:
-        gpu_tier, kv_kind, residency = Tier.GPU, Kind.KV, self.p.residency
+        residency = self.p.residency
         for (obj, node), locs in sorted(self._changed().items()):
-            stale = obj.kind is kv_kind and obj.model in self.stale_kv
-            if obj.kind is kv_kind and (obj, node) not in self._kv_below_gpu and not stale:
-                if all(loc.tier is gpu_tier and (obj, loc) not in residency for loc in locs):
+            stale = obj.kind is _KV and obj.model in self.stale_kv
+            if obj.kind is _KV and (obj, node) not in self._kv_below_gpu and not stale:
+                if all(loc.tier is _GPU and (obj, loc) not in residency for loc in locs):
                     self._prefill(obj, node, sorted(locs))  # the common case: KV new to the node
                     continue
             gains: dict[Location, int] = {}
@@ -238,7 +247,7 @@ class _Builder:
             for loc in sorted(locs):
                 before = self.p.residency.get((obj, loc), 0)
                 after = self.target.get((obj, loc), 0)
-                if stale and loc.tier is Tier.GPU and before and after:
+                if stale and loc.tier is _GPU and before and after:
                     # KV of the old precision cannot serve the new weights: free it, prefill anew
                     gains[loc], losses[loc] = after, before
                     continue
@@ -252,7 +261,7 @@ class _Builder:
                 self._copies_up(obj, node, gains, stale)
             for loc, nbytes in sorted(losses.items()):
                 if nbytes > 0:
-                    self._new(Action.DROP, obj, loc, None, nbytes, False, node)
+                    self._new(_DROP, obj, loc, None, nbytes, False, node)
 
     def _moves_down(self, obj: StateObject, node: str, gains: dict[Location, int], losses: dict[Location, int]) -> None:
         for dest in sorted(gains, key=lambda l: (-TIER_RANK[l.tier], l)):
@@ -260,7 +269,7 @@ class _Builder:
                 if TIER_RANK[src.tier] >= TIER_RANK[dest.tier] or gains[dest] == 0 or losses[src] == 0:
                     continue
                 nbytes = min(gains[dest], losses[src])
-                self._new(Action.DEMOTE, obj, src, dest, nbytes, False, node)
+                self._new(_DEMOTE, obj, src, dest, nbytes, False, node)
                 gains[dest] -= nbytes
                 losses[src] -= nbytes
 
@@ -268,31 +277,31 @@ class _Builder:
         for dest, nbytes in sorted(gains.items(), key=lambda kv: (TIER_RANK[kv[0].tier], kv[0])):
             if nbytes <= 0:
                 continue
-            if (stale or (obj, node) not in self._kv_below_gpu) and obj.kind is Kind.KV and dest.tier is Tier.GPU:
+            if (stale or (obj, node) not in self._kv_below_gpu) and obj.kind is _KV and dest.tier is _GPU:
                 # KV with no copy below the GPUs to restore from (or of a stale precision): prefill it there
-                self._new(Action.PROMOTE, obj, None, dest, nbytes, True, node)
+                self._new(_PROMOTE, obj, None, dest, nbytes, True, node)
                 continue
             source = self._complete_source_for(obj, node, dest)
             if source is not None:
-                action = Action.PROMOTE if TIER_RANK[source.tier] > TIER_RANK[dest.tier] else Action.DEMOTE
+                action = _PROMOTE if TIER_RANK[source.tier] > TIER_RANK[dest.tier] else _DEMOTE
                 self._new(action, obj, source, dest, nbytes, True, node)
                 continue
-            if obj.kind is not Kind.KV:
+            if obj.kind is not _KV:
                 raise ValueError(f"no complete copy of {obj.label()} on node {node} to fill {dest.label()} from")
             # KV: restore what a lower tier holds, prefill the rest on the GPU
             for below, have in self._kv_below(obj, node):
                 if nbytes and TIER_RANK[below.tier] > TIER_RANK[dest.tier]:
                     part = min(have, nbytes)
-                    self._new(Action.PROMOTE, obj, below, dest, part, True, node)
+                    self._new(_PROMOTE, obj, below, dest, part, True, node)
                     nbytes -= part
-            if nbytes and dest.tier is Tier.GPU:
-                self._new(Action.PROMOTE, obj, None, dest, nbytes, True, node)
+            if nbytes and dest.tier is _GPU:
+                self._new(_PROMOTE, obj, None, dest, nbytes, True, node)
             elif nbytes:
                 raise ValueError(f"no source for {nbytes} bytes of {obj.label()} at {dest.label()}")
 
     def _kv_below(self, obj: StateObject, node: str) -> list[tuple[Location, int]]:
         """The node's host DRAM and NVMe copies of a session's KV it can restore from, with their bytes."""
-        if Capability.KV_OFFLOAD not in self.p.nodes[node].capabilities:
+        if _KV_OFFLOAD not in self.p.nodes[node].capabilities:
             return []
         below = (Location.host(node), Location.nvme(node))
         return [(loc, self.p.residency[(obj, loc)]) for loc in below if self.p.residency.get((obj, loc), 0)]
@@ -303,18 +312,19 @@ class _Builder:
         (GPU shards are never read as a source for another tier's full copy.)
         """
         key = (obj, node, dest.tier)
-        if key not in self._sources:
-            self._sources[key] = self._find_complete_source(obj, node, dest.tier)
-        return self._sources[key]
+        source = self._sources.get(key, _UNKNOWN)
+        if source is _UNKNOWN:
+            source = self._sources[key] = self._find_complete_source(obj, node, dest.tier)
+        return source
 
     def _find_complete_source(self, obj: StateObject, node: str, dest_tier: Tier) -> Location | None:
         caps = self.p.nodes[node].capabilities
-        if obj.kind is Kind.KV and Capability.KV_OFFLOAD not in caps:
+        if obj.kind is _KV and _KV_OFFLOAD not in caps:
             return None
-        for tier in (Tier.HOST, Tier.NVME):
+        for tier in (_HOST, _NVME):
             if tier is dest_tier:
                 continue
-            if tier is Tier.HOST and obj.kind is Kind.WEIGHTS and Capability.WEIGHTS_OFFLOAD not in caps:
+            if tier is _HOST and obj.kind is _WEIGHTS and _WEIGHTS_OFFLOAD not in caps:
                 continue
             if self.now.complete(obj, node, tier):
                 return Location(tier, node)
@@ -368,7 +378,7 @@ class _Builder:
     def _complete_copies_in_target(self, obj: StateObject, node: str) -> list[Location]:
         size = self.p.size_of(obj)
         return [
-            Location(t, node) for t in (Tier.HOST, Tier.NVME) if self.target.get((obj, Location(t, node)), 0) >= size
+            Location(t, node) for t in (_HOST, _NVME) if self.target.get((obj, Location(t, node)), 0) >= size
         ]
 
     def _inherit_priority(self) -> None:
@@ -431,7 +441,7 @@ class _Builder:
             if dest.tier is _GPU:
                 if source is None:  # KV made by prefill
                     return nbytes * self._prefill_seconds_per_byte(obj.model, dest.id)
-                return costs.copy_seconds([nbytes], [self.p.gpus[dest.id]], source.tier, node)
+                return costs.even_copy_seconds(nbytes, (self.p.gpus[dest.id],), source.tier, node)
             return nbytes / node.nvme_read_bytes_per_s
         gpu = self.p.gpus[source.id] if source.tier is _GPU else None
         return costs.write_down_seconds(nbytes, gpu, dest.tier, node)
@@ -484,7 +494,7 @@ def build_operations(
 
 
 def transfer_bytes(ops: Sequence[Operation]) -> int:
-    return sum(op.bytes for op in ops if op.action is not Action.DROP)
+    return sum(op.bytes for op in ops if op.action is not _DROP)
 
 
 def total_seconds(ops: Sequence[Operation]) -> float:

@@ -24,6 +24,7 @@ from planner_service.domain.state import Kind, Location, Placement, StateObject,
 
 _GPU = Tier.GPU  # bound once: on Python 3.11 an `Enum.MEMBER` lookup costs about ten global reads
 _BELOW_GPU = (Tier.HOST, Tier.NVME)  # fastest first
+_UNKNOWN = object()  # not looked up yet (None is an answer)
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,11 +105,15 @@ class ResidencyIndex:
         """Bytes of `obj` on one tier of a node (GPU bytes summed over the node's GPUs)."""
         if tier is _GPU:
             return self.gpu_bytes.get((obj, node), 0)
+        nbytes = self.placement.get((obj, self._location(tier, node)), 0)
+        return nbytes if nbytes > 0 else 0
+
+    def _location(self, tier: Tier, node: str) -> Location:
+        """A node's host DRAM or NVMe location (made once per index)."""
         loc = self._locations.get((tier, node))
         if loc is None:
             loc = self._locations[(tier, node)] = Location(tier, node)
-        nbytes = self.placement.get((obj, loc), 0)
-        return nbytes if nbytes > 0 else 0
+        return loc
 
     def complete(self, obj: StateObject, node: str, tier: Tier) -> bool:
         return self.on(obj, node, tier) >= self.problem.size_of(obj) > 0
@@ -116,16 +121,18 @@ class ResidencyIndex:
     def complete_source(self, obj: StateObject, node: str) -> Tier | None:
         """The fastest tier below GPU that holds a complete copy on the node."""
         key = (obj, node)
-        if key in self._sources:
-            return self._sources[key]
-        size, tier = self.problem.size_of(obj), None
-        if size > 0:
-            for below in _BELOW_GPU:
-                if self.on(obj, node, below) >= size:
-                    tier = below
-                    break
-        self._sources[key] = tier
+        tier = self._sources.get(key, _UNKNOWN)
+        if tier is _UNKNOWN:
+            tier = self._sources[key] = self._fastest_complete_below(obj, node)
         return tier
+
+    def _fastest_complete_below(self, obj: StateObject, node: str) -> Tier | None:
+        size = self.problem.size_of(obj)
+        if size > 0:
+            for tier in _BELOW_GPU:
+                if self.placement.get((obj, self._location(tier, node)), 0) >= size:
+                    return tier
+        return None
 
     def free(self, loc: Location) -> int:
         return self.problem.capacity_of(loc) - self.used.get(loc, 0)

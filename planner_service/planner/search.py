@@ -5,14 +5,20 @@ ones take the best nodes; the exact oracle shows what that costs (a node
 given whole to a MoE whose routed experts then fit, dense models packed
 together, down to a smaller precision). This search starts from the
 greedy's plan and tries, in a fixed order, every swap of two models' nodes,
-every move of one model to another node, and serving one model at another
-of its precisions on its node. Each candidate is planned by the greedy with
-those choices fixed and scored by the evaluator; the first that improves is
-taken and the search starts over, until no candidate improves or
-`max_plans` plans have been made. Deterministic for a problem.
+every move of one model to another node, serving one model at another of
+its precisions on its node, and a swap or move together with another
+precision for the model that moves (a 70B model fits the other node only
+at fp8). Each candidate is planned by the greedy with those choices fixed
+and scored by the evaluator; the first that improves is taken and the scan
+starts over. Where none improves (a local optimum), the search steps to the
+best candidate it has not seen, even a worse one, and goes on from there
+(a tabu search: every assignment is planned once); it keeps the best plan
+found and stops after `MAX_ESCAPES` such steps without a new best, or at
+`max_plans` plans. Deterministic for a problem.
 
-It costs tens of greedy plans, so it serves where time allows (`plan
---solver search`, what-if questions, the gap study), not the online path.
+It costs hundreds of greedy plans (about a second at demo size), so it
+serves where time allows (`plan --solver search`, what-if questions, the
+gap study), not the online path.
 """
 
 from __future__ import annotations
@@ -25,7 +31,8 @@ from planner_service.domain.problem import Problem
 from planner_service.planner.greedy import PlanningError, TargetPlan, plan_greedy
 from planner_service.planner.objective import evaluate
 
-MAX_PLANS = 200  # under a second at demo size; the search usually settles within 150
+MAX_PLANS = 400  # about a second at demo size
+MAX_ESCAPES = 3  # steps out of a local optimum without a new best before it stops
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,29 +44,51 @@ class SearchResult:
     moves: int  # improving moves taken
 
 
-def search_nodes(problem: Problem, max_plans: int = MAX_PLANS) -> SearchResult:
-    best = plan_greedy(problem)
-    greedy_objective = best_objective = _score(problem, best)
-    nodes, fixed = _served_nodes(problem, best), {}  # fixed: precisions chosen by a move
-    plans, moves = 1, 0
-    improved = True
-    while improved and plans < max_plans:
+def search_nodes(problem: Problem, max_plans: int = MAX_PLANS, max_escapes: int = MAX_ESCAPES) -> SearchResult:
+    start = plan_greedy(problem)
+    greedy_objective = _score(problem, start)
+    best, best_objective = start, greedy_objective
+    current, current_objective = start, greedy_objective
+    nodes, fixed = _served_nodes(problem, start), {}  # fixed: precisions chosen by a move
+    seen = {_key(nodes, fixed)}
+    plans, moves, escapes = 1, 0, 0
+    while plans < max_plans:
+        escape = None  # the best unseen neighbour, taken when none improves (a step out of a local optimum)
         improved = False
-        for candidate, precisions in _neighbours(problem, best, nodes, fixed):
+        for candidate, precisions in _neighbours(problem, current, nodes, fixed):
+            key = _key(candidate, precisions)
+            if key in seen:
+                continue
             if plans >= max_plans:
                 break
+            seen.add(key)
             plans += 1
             try:
                 target = plan_greedy(problem, candidate, precisions)
             except PlanningError:
                 continue  # that assignment leaves no room below GPU for a last copy
             objective = _score(problem, target)
-            if objective < best_objective - 1e-9:
-                best, best_objective, improved = target, objective, True
+            if objective < current_objective - 1e-9:
+                current, current_objective, improved = target, objective, True
                 nodes, fixed = _served_nodes(problem, target), precisions
-                moves += 1
                 break
+            if escape is None or objective < escape[0]:
+                escape = (objective, target, precisions)
+        if improved:
+            if current_objective < best_objective - 1e-9:
+                best, best_objective = current, current_objective
+                moves, escapes = moves + 1, 0
+            continue
+        escapes += 1
+        if escape is None or escapes > max_escapes:
+            break
+        current_objective, current, fixed = escape
+        nodes = _served_nodes(problem, current)
     return SearchResult(best, best_objective, greedy_objective, plans, moves)
+
+
+def _key(nodes: Mapping[str, str], precisions: Mapping[str, str]) -> tuple:
+    return tuple(sorted(nodes.items())), tuple(sorted(precisions.items()))
 
 
 def _score(problem: Problem, target: TargetPlan) -> float:
@@ -90,3 +119,18 @@ def _neighbours(
         for precision in problem.models[model].precisions:
             if precision != plan.groups[model].precision:
                 yield dict(nodes), {**fixed, model: precision}
+    # a model that fits another node only at another precision (or makes room there only so): both at once
+    for a, b in itertools.combinations(models, 2):
+        if nodes[a] != nodes[b]:
+            for model in (a, b):
+                for precision in _other_precisions(problem, plan, model):
+                    yield {**nodes, a: nodes[b], b: nodes[a]}, {**fixed, model: precision}
+    for model in models:
+        for node in sorted(problem.nodes):
+            if node != nodes[model]:
+                for precision in _other_precisions(problem, plan, model):
+                    yield {**nodes, model: node}, {**fixed, model: precision}
+
+
+def _other_precisions(problem: Problem, plan: TargetPlan, model: str) -> list[str]:
+    return [p for p in problem.models[model].precisions if p != plan.groups[model].precision]

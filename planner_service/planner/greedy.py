@@ -57,8 +57,6 @@ from collections import defaultdict, deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from planner_service.domain.problem import Gpu, ModelSpec, Problem, Session
 from planner_service.domain.scenario import Capability, Slo
 from planner_service.domain.state import Kind, Location, Placement, StateObject, Tier
@@ -69,7 +67,6 @@ from planner_service.planner.residency import ResidencyIndex, copy_placement
 
 SLO_RANK = {Slo.BLOCKING: 0, Slo.INTERACTIVE: 1, Slo.BACKGROUND: 2}
 EXPERT_CHUNKS = 16  # granularity of partial expert residency the greedy considers
-ALL_TIERS = tuple(Tier)
 _BY_ID = operator.attrgetter("id")
 _H2D = operator.attrgetter("h2d_bytes_per_s")
 _COST_KEY = operator.itemgetter(0)
@@ -121,6 +118,7 @@ class _GpuBook:
         self.free = {g.id: g.capacity_bytes for g in problem.gpus.values()}
         self._dirty: set[str] = set()  # nodes whose look changed since the grouping was last brought up to date
         self._gpu_ids = {n.id: sorted(n.gpus) for n in problem.nodes.values()}
+        self._gpus = {n: [problem.gpus[g] for g in ids] for n, ids in self._gpu_ids.items()}  # node -> its GPUs, by id
         self._room = {n: sum(self.free[g] for g in ids) for n, ids in self._gpu_ids.items()}
         self._by_free: dict[str, tuple[list[Gpu], list[int]]] = {}  # node -> its GPUs by free bytes (see `by_free`)
         self._hardware = {  # the part of a node's look that never changes
@@ -166,8 +164,10 @@ class _GpuBook:
         """The node's GPUs sorted by (free bytes, id), and their free bytes in that order."""
         entry = self._by_free.get(node_id)
         if entry is None:
-            gpus = sorted((self.p.gpus[g] for g in self._gpu_ids[node_id]), key=lambda g: (self.free[g.id], g.id))
-            entry = self._by_free[node_id] = (gpus, [self.free[g.id] for g in gpus])
+            gpus = self._gpus[node_id]
+            free = list(map(self.free.__getitem__, self._gpu_ids[node_id]))
+            order = sorted(range(len(gpus)), key=free.__getitem__)  # stable: ties stay in id order
+            entry = self._by_free[node_id] = (list(map(gpus.__getitem__, order)), list(map(free.__getitem__, order)))
         return entry
 
     def gpu_ids(self, node_id: str) -> list[str]:
@@ -255,24 +255,25 @@ class GreedyPlanner:
         self.slo_target = demand.slo_target
         self.active = self._active_sessions()
         self._host_copies = self._host_copies_by_object()
-        # (kv object, node, tier) wherever KV sits now
-        self._kv_held = {(obj, problem.node_of(loc), loc.tier) for obj, loc in self.now.kv_entries}
+        # (kv object, node) wherever KV sits now, and where it sits on the node's GPUs
+        self._kv_held = {(obj, problem.node_of(loc)) for obj, loc in self.now.kv_entries}
+        self._kv_on_gpus = {(obj, problem.gpus[loc.id].node) for obj, loc in self.now.kv_entries if loc.tier is _GPU}
         self._cold_groups: dict[tuple[str, str, str], tuple[Gpu, ...] | None] = {}
         self._uniform = {  # nodes whose cards are all alike
             n.id: len({(g.type, g.capacity_bytes, g.h2d_bytes_per_s, g.bf16_flops) for g in map(problem.gpus.get, n.gpus)}) <= 1
             for n in problem.nodes.values()
         }
-        context_tokens = np.array([s.context_tokens for s in demand.sessions], dtype=float)
         # model -> SLO-weighted tokens a re-prefill would process (Python floats: they are read one at a time)
-        self._context_demand = dict(zip(self.row, (self.weighted @ context_tokens).tolist()))
+        self._context_demand = dict(zip(self.row, (self.weighted @ demand.context).tolist()))
         self._active_weight = {
             m: sum(self.c.slo_weights.of(s.slo) for s in sessions) for m, sessions in self.active.items()
         }
-        # node -> {MoE model served there: its group's summed host->GPU bandwidth (what its expert fetches run on)}
-        self._moe_on: dict[str, dict[str, float]] = defaultdict(dict)
+        # node -> {MoE model served there: (its spec, its group's summed host->GPU bandwidth, which its expert
+        # fetches run on)}
+        self._moe_on: dict[str, dict[str, tuple[ModelSpec, float]]] = defaultdict(dict)
         self._sources: dict[tuple[StateObject, str], Tier | None] = {}
         self._experts_placed: dict[str, int] = defaultdict(int)  # MoE model -> expert bytes the target puts on GPU
-        self._steps_cache: dict[tuple[str, str], list[int]] = {}
+        self._steps_cache: dict[tuple[str, bool], list[int]] = {}  # (model, partial experts) -> `_expert_steps`
         self._experts_memo: dict[tuple, float] = {}
         self._expert_terms_memo: dict[tuple, _ExpertTerms] = {}
         self._price = self.c.gpu_price_seconds_per_gib / GIB  # seconds per byte held on GPU
@@ -281,7 +282,7 @@ class GreedyPlanner:
         self._served: dict[str, float] = {}
         self._active_context: dict[str, float] = {}
         self._limits: dict[tuple[str, str], int] = {}
-        self._split_units: dict[tuple[str, str], int] = {}
+        self._split_units: dict[tuple[str, bool], int] = {}
         self._refused_chunk: dict[StateObject, int] = {}  # experts -> the smallest chunk of them that found no room
         self._placed_on: dict[str, int] = defaultdict(int)  # node -> weights placed there so far (offers older are stale)
 
@@ -361,15 +362,14 @@ class GreedyPlanner:
                     cost = penalty + self._group_cost(model, stay, current.node, 0.0, nbytes + extra_bytes)
                     options.append(((cost, rank, 0, stay_node, 0.0), precision, stay))
                 # other groups on the same node: only the shards a card lacks now are copied
-                for gpus in self._fits_by_width(stay_node, model, nbytes + extra_bytes):
+                for gpus, free in self._fits_by_width(stay_node, model, nbytes + extra_bytes):
                     if gpus == stay:
                         continue
                     seconds = self._regroup_seconds(obj, gpus, nbytes, stay_node)
                     if seconds is None:
                         continue
                     cost = penalty + self._group_cost(model, gpus, stay_node, seconds, nbytes + extra_bytes)
-                    slack = sum(self.book.free[g.id] for g in gpus) - nbytes - extra_bytes
-                    options.append(((cost, rank, slack, stay_node, seconds), precision, gpus))
+                    options.append(((cost, rank, free - nbytes - extra_bytes, stay_node, seconds), precision, gpus))
             if model.id in self.nodes:
                 candidates = self._candidate_on(self.nodes[model.id], obj, nbytes + extra_bytes, skip=stay_node)
             else:
@@ -377,11 +377,10 @@ class GreedyPlanner:
             for node_id, source in candidates:
                 node = self.p.nodes[node_id]
                 moved = self._active_context_seconds(model) if current and current.node != node_id and not penalty else 0.0
-                for gpus in self._fits_by_width(node_id, model, nbytes + extra_bytes):
+                for gpus, free in self._fits_by_width(node_id, model, nbytes + extra_bytes):
                     seconds = costs.weights_load_seconds(nbytes, gpus, source, node, self.c)
                     cost = penalty + moved + self._group_cost(model, gpus, node_id, seconds, nbytes + extra_bytes)
-                    slack = sum(self.book.free[g.id] for g in gpus) - nbytes - extra_bytes
-                    options.append(((cost, rank, slack, node_id, seconds), precision, gpus))
+                    options.append(((cost, rank, free - nbytes - extra_bytes, node_id, seconds), precision, gpus))
         if model.id in self.nodes:
             options = [option for option in options if option[0][3] == self.nodes[model.id]]
         if not options:
@@ -428,7 +427,7 @@ class GreedyPlanner:
         active_w = self._active_weight.get(model.id, 0.0)
         cost = load_seconds * (c.move_weight + active_w)
         cost += costs.prefill_seconds_per_token(model, gpus, c) * self._context_demand[model.id]
-        others = [(self.p.models[m], h2d) for m, h2d in self._moe_on.get(node_id, {}).items() if m != model.id]
+        others = [moe for m, moe in self._moe_on.get(node_id, {}).items() if m != model.id]
         if model.is_moe or others:
             # the MoE models on the node share its free room for experts: price the joint change
             room = self.book.room(node_id)
@@ -438,10 +437,10 @@ class GreedyPlanner:
 
     def _expert_steps(self, model: ModelSpec, node_id: str) -> list[int]:
         """Cumulative bytes of the expert chunks the greedy offers on the node (hottest first)."""
-        key = (model.id, node_id)
+        partial = _PARTIAL_EXPERTS in self.p.nodes[node_id].capabilities
+        key = (model.id, partial)  # all they depend on
         steps = self._steps_cache.get(key)
         if steps is None:
-            partial = _PARTIAL_EXPERTS in self.p.nodes[node_id].capabilities
             unit = model.expert_bytes if partial else model.experts_bytes
             chunk_bytes = max(unit, (model.experts_bytes // EXPERT_CHUNKS) // unit * unit) if partial else model.experts_bytes
             steps, placed = [], 0
@@ -453,7 +452,7 @@ class GreedyPlanner:
 
     def _expert_split_unit(self, model: ModelSpec, node_id: str) -> int:
         """The largest size that divides every expert chunk on the node (a whole number of experts)."""
-        key = (model.id, node_id)
+        key = (model.id, _PARTIAL_EXPERTS in self.p.nodes[node_id].capabilities)  # as for `_expert_steps`
         unit = self._split_units.get(key)
         if unit is None:
             steps = self._expert_steps(model, node_id)
@@ -484,8 +483,7 @@ class GreedyPlanner:
         if not moes:
             return 0.0
         placed = self._experts_placed
-        models = [(m, h2d, placed.get(m.id, 0)) for m, h2d in moes]
-        key = (node_id, room, *[(m.id, h2d, at) for m, h2d, at in models])
+        key = (node_id, room, *[(m.id, h2d, placed.get(m.id, 0)) for m, h2d in moes])
         cached = self._experts_memo.get(key)
         if cached is not None:
             return cached
@@ -493,7 +491,7 @@ class GreedyPlanner:
         total = 0.0
         wanted = 0  # bytes that bring every model to its own best step
         alone = 0.0  # the cost when the room holds all of them
-        chosen = [self._expert_terms(node_id, *m) for m in models]
+        chosen = [self._expert_terms(node_id, m, h2d, placed.get(m.id, 0)) for m, h2d in moes]
         for terms in chosen:
             total += terms.now
             wanted += terms.wanted
@@ -572,7 +570,7 @@ class GreedyPlanner:
 
     def _expert_loss(self, node_id: str, nbytes: int) -> float:
         """Objective seconds the MoE models on the node lose when `nbytes` of its free room go to something else."""
-        moes = [(self.p.models[m], h2d) for m, h2d in self._moe_on.get(node_id, {}).items()]
+        moes = list(self._moe_on.get(node_id, {}).values())
         if not moes:
             return 0.0
         room = self.book.room(node_id)
@@ -630,8 +628,9 @@ class GreedyPlanner:
             return []
         return [(node_id, source)]
 
-    def _fits_by_width(self, node_id: str, model: ModelSpec, nbytes: int) -> list[tuple[Gpu, ...]]:
-        """The groups of one node worth pricing for `nbytes` split evenly: the widest that fits and the fewest GPUs.
+    def _fits_by_width(self, node_id: str, model: ModelSpec, nbytes: int) -> list[tuple[tuple[Gpu, ...], int]]:
+        """The groups of one node worth pricing for `nbytes` split evenly, with their free bytes together:
+        the widest that fits and the fewest GPUs.
 
         For each width k the candidate is the tightest k GPUs that hold an even
         shard (min_gpus respected). The widest prefills and fetches missed
@@ -643,7 +642,7 @@ class GreedyPlanner:
         """
         gpus, free = self.book.by_free(node_id)
 
-        def group_of(k: int) -> tuple[Gpu, ...] | None:
+        def group_of(k: int) -> tuple[tuple[Gpu, ...], int] | None:
             share = math.ceil(nbytes / k)
             start = bisect.bisect_left(free, share)  # cards in order of free bytes: the tightest k that hold a shard
             if len(gpus) - start < k:
@@ -651,7 +650,7 @@ class GreedyPlanner:
             group = tuple(sorted(gpus[start : start + k], key=_BY_ID))
             if model.min_gpus and k < max(model.min_gpus.get(g.type, 1) for g in group):
                 return None
-            return group
+            return group, sum(free[start : start + k])
 
         widths = range(1, len(gpus) + 1)
         wide = next((g for g in map(group_of, reversed(widths)) if g is not None), None)
@@ -673,7 +672,7 @@ class GreedyPlanner:
         self.reasons[obj] = reason
         self._placed_on[group.node] += 1
         if model.is_moe:
-            self._moe_on[group.node][model.id] = sum(map(_H2D, group.gpus))
+            self._moe_on[group.node][model.id] = (model, sum(map(_H2D, group.gpus)))
 
     def _place_spread(self, obj: StateObject, group: Group, shards: list[int]) -> None:
         """Place `obj` over the group's GPUs in the given shards (`split_evenly` of its bytes)."""
@@ -873,7 +872,7 @@ class GreedyPlanner:
         if not kv_ok_below:
             return costs.kv_ready_seconds(tokens, 0, model, group.gpus, _HOST, node, self.c)
         host = self.now.on(obj, group.node, _HOST)
-        if (obj, group.node, _GPU) in self._kv_held and node.host_bytes > 0:
+        if (obj, group.node) in self._kv_on_gpus and node.host_bytes > 0:
             host = self.p.size_of(obj)
         nvme = self.now.on(obj, group.node, _NVME)
         source, restorable = (_HOST, host) if host >= nvme else (_NVME, nvme)
@@ -884,8 +883,8 @@ class GreedyPlanner:
 
         It must sit where the node can use it: on its GPUs, or below them when the node offloads KV.
         """
-        reachable = ALL_TIERS if _KV_OFFLOAD in self.p.nodes[group.node].capabilities else (_GPU,)
-        if not any((obj, group.node, tier) in self._kv_held for tier in reachable):
+        usable = self._kv_held if _KV_OFFLOAD in self.p.nodes[group.node].capabilities else self._kv_on_gpus
+        if (obj, group.node) not in usable:
             return False
         current = self.now.serving.get(obj.model)
         return current is None or current.precision == group.precision

@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from planner_service.domain.problem import Gpu, ModelSpec, Problem, Session
-from planner_service.domain.scenario import Slo
+from planner_service.domain.scenario import CostConstants, Slo
 from planner_service.domain.state import Kind, Location, StateObject, Tier
 from planner_service.planner import costs
 from planner_service.planner.residency import ResidencyIndex, Serving
@@ -85,6 +85,7 @@ class Demand:
     q: np.ndarray  # [models x sessions] probability of the session's next request going to the model
     slo_weight: np.ndarray  # [sessions] w_s
     slo_target: np.ndarray  # [sessions] target_s, seconds
+    context: np.ndarray  # [sessions] context tokens (what a re-prefill processes), as floats
 
     @classmethod
     def of(cls, problem: Problem) -> Demand:
@@ -94,24 +95,22 @@ class Demand:
         sessions = list(problem.sessions.values())
         row = {m: i for i, m in enumerate(problem.models)}
         # The predictor hands every session on a model the same row object: turn each distinct row
-        # into a vector once, then gather.
+        # into a vector once, then gather (by the rows' ids, without a Python step per session).
         vectors: list[np.ndarray] = [np.zeros(len(row))]  # 0: no prediction
         vector_of: dict[int, int] = {}
-        which = [0] * len(sessions)
-        next_model = problem.next_model
-        for j, session_id in enumerate(problem.sessions):
-            probs = next_model.get(session_id)
+        probs_of = list(map(problem.next_model.get, problem.sessions))
+        ids = list(map(id, probs_of))
+        for key, probs in dict(zip(ids, probs_of)).items():
             if not probs:
+                vector_of[key] = 0
                 continue
-            k = vector_of.get(id(probs))
-            if k is None:
-                k = vector_of[id(probs)] = len(vectors)
-                vector = np.zeros(len(row))
-                for model, q in probs.items():
-                    if model in row:
-                        vector[row[model]] = q
-                vectors.append(vector)
-            which[j] = k
+            vector_of[key] = len(vectors)
+            vector = np.zeros(len(row))
+            for model, q in probs.items():
+                if model in row:
+                    vector[row[model]] = q
+            vectors.append(vector)
+        which = list(map(vector_of.__getitem__, ids))
         slos = [s.slo for s in sessions]
         return cls(
             sessions=sessions,
@@ -120,6 +119,7 @@ class Demand:
             q=np.stack(vectors, axis=1).take(np.array(which, dtype=np.intp), axis=1),
             slo_weight=np.array(list(map(weight.__getitem__, slos))),
             slo_target=np.array(list(map(target.__getitem__, slos))),
+            context=np.array([s.context_tokens for s in sessions], dtype=float),
         )
 
     def of_model(self, model: str) -> np.ndarray:
@@ -183,18 +183,19 @@ def kv_ready(
 
 
 def _kv_ready_of(
-    problem: Problem, index: ResidencyIndex, position: Mapping[str, int], groups: Iterable[tuple]
+    problem: Problem, position: Mapping[str, int], groups: Iterable[tuple]
 ) -> tuple[list[int], list[int], np.ndarray]:
-    """`kv_ready` for every session holding some KV of the given models, all models at once.
+    """`kv_ready` for the given sessions of several models, all at once.
 
-    `groups` holds (row, model, node, gpus, on_gpus, per_token, holders) per model: where its requests
-    would run (`on_gpus`: it is served there, so KV already on those GPUs counts), its prefill seconds
-    per token there, and the sessions holding some of its KV. Returns (rows, session columns, seconds).
+    `groups` holds (index, row, model, node, gpus, on_gpus, per_token, sessions) per model: the
+    placement the KV is readied from, where the requests would run (`on_gpus`: KV already on those GPUs
+    in `index` counts), the prefill seconds per token there, and the sessions. Returns (rows, session
+    columns, seconds), the sessions of each group in id order.
     """
     rows, columns, tokens, held, host, nvme = [], [], [], [], [], []
     counts, parameters = [], []  # per model: its sessions, and what `kv_ready_seconds_grouped` takes of it
-    placement, gpu_bytes = index.placement, index.gpu_bytes
-    for row, model, node, gpus, on_gpus, per_token, holders in groups:
+    for index, row, model, node, gpus, on_gpus, per_token, holders in groups:
+        placement, gpu_bytes = index.placement, index.gpu_bytes
         host_loc, nvme_loc = Location.host(node), Location.nvme(node)
         ready = model.kv_bytes_per_token == 0  # no KV per token: nothing is missing
         for sid in sorted(holders):
@@ -245,14 +246,16 @@ def evaluate(
     unserved: list[str] = []
     demand = demand or Demand.of(problem)
     sessions, position = demand.sessions, demand.position
-    slo_weight, slo_target = demand.slo_weight, demand.slo_target
-    context = np.array([s.context_tokens for s in sessions], dtype=float)
+    slo_weight, slo_target, context = demand.slo_weight, demand.slo_target, demand.context
 
-    # Requests being served now: the time to bring their state from C to T.
+    # Requests being served now: the time to bring their state from C to T (their KV is readied below,
+    # in one batch with the predicted requests').
     arrival_latency: list[float] = []
     arrival_target: list[float] = []
     weights_arrival: dict[str, float] = {}  # model -> seconds until its weights are on their GPUs
     arrival_slowdown: dict[str, float] = {}  # model -> decode slowdown of its requests
+    arriving: list[tuple[Session, ModelSpec, Serving, float, float]] = []  # (session, model, serving, w, target)
+    arriving_on: dict[str, list[str]] = {}  # model -> its sessions in `arriving`
     for s in sessions:
         if not s.active:
             continue
@@ -268,16 +271,9 @@ def evaluate(
         if s.model not in weights_arrival:
             weights_arrival[s.model] = _weights_arrival(problem, now, then, model, serving)
             arrival_slowdown[s.model] = _decode(problem, then, model, serving)
-        latency = weights_arrival[s.model] + _kv_arrival(problem, now, model, s.id, serving)
-        switch += w * latency
-        violations += w * c.violation_penalty_seconds * (latency > target_s)
-        decode += w * arrival_slowdown[s.model]
-        degraded += w * c.degraded_precision_seconds * (serving.precision != model.preferred)
-        arrival_latency.append(latency)
-        arrival_target.append(target_s)
-    latency_terms.append(np.array(arrival_latency))
-    weight_terms.append(np.ones(len(arrival_latency)))
-    target_terms.append(np.array(arrival_target))
+            arriving_on[s.model] = []
+        arriving.append((s, model, serving, w, target_s))
+        arriving_on[s.model].append(s.id)
 
     # Predicted next requests: where each predicted model would run, then the latencies of all of them
     # as one [models x sessions] array (the sessions holding some KV priced for all models at once).
@@ -287,7 +283,9 @@ def evaluate(
     per_token: list[float] = []  # prefill seconds per token where it would run (0: nowhere)
     slowdowns: list[float] = []
     degrades: list[float] = []
-    held: list[tuple] = []  # for `_kv_ready_of`
+    # for `_kv_ready_of`: the active requests' KV first (`arrivals` entries), then the predicted ones'
+    held = [_arrival_kv(now, problem.models[m], then.serving[m], ids, c) for m, ids in arriving_on.items()]
+    arrivals = sum(map(len, arriving_on.values()))
     for model in problem.models.values():
         row = demand.row[model.id]
         if not predicted[row]:
@@ -311,17 +309,30 @@ def evaluate(
             seconds = costs.prefill_seconds_per_token(model, gpus, c)
             holders = then.kv_sessions.get(model.id)
             if holders:
-                held.append((len(rows), model, node, gpus, serving is not None, seconds, holders))
+                held.append((then, len(rows), model, node, gpus, serving is not None, seconds, holders))
         rows.append(row)
         ready.append(weights_ready)
         per_token.append(seconds)
         slowdowns.append(slowdown)
         degrades.append(degrade)
+    at, columns, kv_seconds = _kv_ready_of(problem, position, held) if held else ([], [], np.zeros(0))
+    kv_arrival = dict(zip(columns[:arrivals], kv_seconds[:arrivals].tolist()))  # session column -> seconds
+    for s, model, serving, w, target_s in arriving:
+        latency = weights_arrival[s.model] + kv_arrival[position[s.id]]
+        switch += w * latency
+        violations += w * c.violation_penalty_seconds * (latency > target_s)
+        decode += w * arrival_slowdown[s.model]
+        degraded += w * c.degraded_precision_seconds * (serving.precision != model.preferred)
+        arrival_latency.append(latency)
+        arrival_target.append(target_s)
+    latency_terms.append(np.array(arrival_latency))
+    weight_terms.append(np.ones(len(arrival_latency)))
+    target_terms.append(np.array(arrival_target))
+
     if rows:
         kv = np.multiply.outer(per_token, context)
-        if held:
-            at, columns, seconds = _kv_ready_of(problem, then, position, held)
-            kv[at, columns] = seconds
+        if len(columns) > arrivals:  # sessions holding some KV of predicted models
+            kv[at[arrivals:], columns[arrivals:]] = kv_seconds[arrivals:]
         latency = np.array(ready)[:, None] + kv
         late = latency > slo_target
         q = demand.q[rows]
@@ -367,6 +378,17 @@ def _weights_arrival(problem: Problem, now: ResidencyIndex, then: ResidencyIndex
         return 0.0
     source = now.complete_source(obj, serving.node) or _NVME
     return costs.copy_seconds(shards, serving.gpus, source, node) + problem.constants.engine_load_overhead_seconds
+
+
+def _arrival_kv(
+    now: ResidencyIndex, model: ModelSpec, serving: Serving, sessions: list[str], c: CostConstants
+) -> tuple:
+    """`_kv_ready_of`'s group for the sessions of the model being served now: their KV readied from C on
+    `serving`'s GPUs, what is there now at the same precision counting (as `_kv_arrival`)."""
+    current = now.serving.get(model.id)
+    on_gpus = current is not None and current.node == serving.node and current.precision == serving.precision
+    per_token = costs.prefill_seconds_per_token(model, serving.gpus, c)
+    return (now, -1, model, serving.node, serving.gpus, on_gpus, per_token, sessions)
 
 
 def _kv_arrival(problem: Problem, now: ResidencyIndex, model: ModelSpec, session: str, serving: Serving) -> float:

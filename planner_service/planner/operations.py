@@ -14,9 +14,11 @@ run operations in parallel as soon as their dependencies are done:
   * a complete copy is dropped only after the other complete copy it relies on exists.
 
 Only the entries that differ between the two placements are visited (the
-checkpoints that stay on NVMe are never walked), and a free that already
+checkpoints that stay on NVMe are never walked), a free that already
 waits on a gain is found by one walk from the gain over the operations
-waiting on it, not by a search per (gain, free) pair.
+waiting on it, not by a search per (gain, free) pair, and dependencies are
+kept only for the few operations that have some: once nothing is left for
+the rest to wait on, they are ordered by one sort, not one heap step each.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
+from itertools import filterfalse
+from operator import attrgetter, itemgetter
 from typing import Any
 
 from planner_service.domain.problem import Problem
@@ -62,6 +66,8 @@ _KV_OFFLOAD, _WEIGHTS_OFFLOAD = Capability.KV_OFFLOAD, Capability.WEIGHTS_OFFLOA
 _PROMOTE, _DEMOTE, _DROP = Action.PROMOTE, Action.DEMOTE, Action.DROP
 _PREFETCH, _BACKGROUND = Priority.PREFETCH, Priority.BACKGROUND
 _UNKNOWN = object()  # not looked up yet (None is an answer)
+_PRIORITY_OF = attrgetter("priority")
+_POSITION = itemgetter(1)  # of a (rank, position) entry of the ready heap
 
 
 @dataclass(slots=True)
@@ -162,8 +168,9 @@ class _Builder:
         self.reasons = reasons
         self.now = now
         self.ops: list[Operation] = []
-        # set by `link`: per operation, the positions in `ops` it waits on, and the reverse
-        self._deps: list[set[int]] = []
+        # set by `link`: position in `ops` -> the positions it waits on (only operations that wait on some:
+        # most wait on none), and the reverse
+        self._deps: dict[int, set[int]] = {}
         self._waiting: dict[int, set[int]] = {}
         # model -> the most urgent SLO of its requests in flight (what its weights and routed experts serve)
         self.model_slo: dict[str, Slo] = {}
@@ -335,7 +342,7 @@ class _Builder:
     def link(self) -> None:
         """Set `depends_on` (as positions in `self.ops` until `ordered` names them) and inherit priorities."""
         ops = self.ops
-        deps: list[set[int]] = [set() for _ in ops]
+        deps: dict[int, set[int]] = defaultdict(set)
         readers: dict[tuple[StateObject, Location], list[int]] = defaultdict(list)
         frees_at: dict[Location, list[int]] = defaultdict(list)
         adds_at: dict[Location, list[int]] = defaultdict(list)
@@ -347,19 +354,21 @@ class _Builder:
                     frees_at[op.source].append(i)
             if op.dest is not None:
                 adds_at[op.dest].append(i)
-        for i, op in enumerate(ops):
-            if op.source is None or op.keep_source:
-                continue
-            # a source is freed only after its readers are done
-            deps[i].update(r for r in readers.get((op.object, op.source), ()) if r != i)
-            # a complete copy is dropped only once another complete copy on the node exists
-            if op.action is _DROP and op.object.kind is not _KV:
-                for other in self._complete_copies_in_target(op.object, self.p.node_of(op.source)):
-                    if other != op.source:
-                        deps[i].update(a for a in adds_at.get(other, ()) if ops[a].object == op.object)
+        for frees in frees_at.values():
+            for i in frees:
+                op = ops[i]
+                # a source is freed only after its readers are done
+                after = [r for r in readers.get((op.object, op.source), ()) if r != i]
+                # a complete copy is dropped only once another complete copy on the node exists
+                if op.action is _DROP and op.object.kind is not _KV:
+                    for other in self._complete_copies_in_target(op.object, self.p.node_of(op.source)):
+                        if other != op.source:
+                            after.extend(a for a in adds_at.get(other, ()) if ops[a].object == op.object)
+                if after:
+                    deps[i].update(after)
         # a location gains bytes only after the frees there, except a free that itself waits on the gain
         waiting: dict[int, set[int]] = defaultdict(set)  # op -> the ops that depend on it directly
-        for i, ds in enumerate(deps):
+        for i, ds in deps.items():
             for d in ds:
                 waiting[d].add(i)
         for loc, adds in adds_at.items():
@@ -369,10 +378,11 @@ class _Builder:
             for add in adds:
                 after_add = _downstream(waiting, add)
                 first = [f for f in frees if f != add and f not in after_add]
-                deps[add].update(first)
+                if first:
+                    deps[add].update(first)
                 for f in first:
                     waiting[f].add(add)
-        self._deps, self._waiting = deps, waiting
+        self._deps, self._waiting = dict(deps), waiting
         self._inherit_priority()
 
     def _complete_copies_in_target(self, obj: StateObject, node: str) -> list[Location]:
@@ -384,7 +394,7 @@ class _Builder:
     def _inherit_priority(self) -> None:
         """What an urgent operation waits on is as urgent as it is."""
         ops, deps = self.ops, self._deps
-        for i in sorted((i for i, ds in enumerate(deps) if ds), key=lambda i: PRIORITY_RANK[ops[i].priority]):
+        for i in sorted(deps, key=lambda i: (PRIORITY_RANK[ops[i].priority], i)):
             priority = ops[i].priority
             rank = PRIORITY_RANK[priority]
             stack = list(deps[i])
@@ -392,31 +402,37 @@ class _Builder:
                 j = stack.pop()
                 if PRIORITY_RANK[ops[j].priority] > rank:
                     ops[j].priority = priority
-                    stack.extend(deps[j])
+                    stack.extend(deps.get(j, ()))
 
     def ordered(self) -> list[Operation]:
         """Kahn's topological order, most urgent first among the ready; ids set to "op-N" in that order."""
         ops, deps, children = self.ops, self._deps, self._waiting
-        pending = [len(ds) for ds in deps]
-        ready = [(PRIORITY_RANK[op.priority], i) for i, op in enumerate(ops) if not pending[i]]
+        rank = list(map(PRIORITY_RANK.__getitem__, map(_PRIORITY_OF, ops)))
+        pending = {i: len(ds) for i, ds in deps.items()}
+        free = list(filterfalse(pending.__contains__, range(len(ops))))  # positions waiting on nothing
+        ready = list(zip(map(rank.__getitem__, free), free))
         heapq.heapify(ready)
-        order: list[Operation] = []
-        names = list(map("op-{}".format, range(1, len(ops) + 1)))
-        name: list[str] = [""] * len(ops)  # position in `ops` -> its name in the order
-        while ready:
+        sequence: list[int] = []  # positions in `ops`, in order
+        awaited = set(children)  # operations others wait on, not yet in the order
+        while ready and awaited:
             i = heapq.heappop(ready)[1]
-            op = ops[i]
-            op.id = name[i] = names[len(order)]
-            order.append(op)
-            for child in children.get(i, ()):
-                pending[child] -= 1
-                if not pending[child]:
-                    heapq.heappush(ready, (PRIORITY_RANK[ops[child].priority], child))
-        if len(order) != len(ops):
+            sequence.append(i)
+            if i in awaited:
+                awaited.remove(i)
+                for child in children[i]:
+                    pending[child] -= 1
+                    if not pending[child]:
+                        heapq.heappush(ready, (rank[child], child))
+        # nothing waits on the rest (most operations): they come in the order the heap would pop them
+        sequence.extend(map(_POSITION, sorted(ready)))
+        if len(sequence) != len(ops):
             raise ValueError("operation dependencies form a cycle")
-        for i, ds in enumerate(deps):
-            if ds:
-                ops[i].depends_on = sorted((name[d] for d in ds), key=_op_number)
+        order = list(map(ops.__getitem__, sequence))
+        for op, name in zip(order, map("op-{}".format, range(1, len(ops) + 1))):
+            op.id = name
+        place = dict(zip(sequence, range(len(ops))))  # position in `ops` -> in the order
+        for i, ds in deps.items():
+            ops[i].depends_on = [ops[d].id for d in sorted(ds, key=place.__getitem__)]
         return order
 
     # -- annotations --------------------------------------------------------
@@ -455,10 +471,6 @@ class _Builder:
             per_token = costs.prefill_seconds_per_token(model, [self.p.gpus[gpu_id]], self.p.constants)
             rate = self._prefill_seconds[key] = per_token / max(1, model.kv_bytes_per_token)
         return rate
-
-
-def _op_number(op_id: str) -> int:
-    return int(op_id[3:])
 
 
 def _downstream(waiting: Mapping[int, set[int]], start: int) -> set[int]:

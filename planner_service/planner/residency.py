@@ -50,6 +50,7 @@ class ResidencyIndex:
     # (object, node) -> `complete_source`, remembered (the placement must not change while the index is used)
     _sources: dict[tuple[StateObject, str], Tier | None] = field(default_factory=dict, init=False, repr=False)
     _locations: dict[tuple[Tier, str], Location] = field(default_factory=dict, init=False, repr=False)
+    _below_locations: dict[str, tuple[Location, ...]] = field(default_factory=dict, init=False, repr=False)
 
     @classmethod
     def build(cls, problem: Problem, placement: Mapping[tuple[StateObject, Location], int]) -> ResidencyIndex:
@@ -58,21 +59,19 @@ class ResidencyIndex:
         gpus, gpu_bytes, on_gpus, on_host = problem.gpus, index.gpu_bytes, index.on_gpus, index.on_host
         kv_entries, kv_sessions = index.kv_entries, index.kv_sessions
         gpu_holders: dict[tuple[StateObject, str], list[Gpu]] = defaultdict(list)
-        # checkpoints on NVMe are most of a placement: filter them out in one tight pass
-        wanted = [item for item in placement.items() if item[0][1].tier is not nvme_tier or item[0][0].kind is kv_kind]
-        for key, nbytes in wanted:
+        for key, nbytes in placement.items():
             obj, loc = key
-            tier = loc.tier
-            if nbytes <= 0:
-                continue
-            if obj.kind is kv_kind:
+            tier, kind = loc.tier, obj.kind
+            if (tier is nvme_tier and kind is not kv_kind) or nbytes <= 0:
+                continue  # checkpoints on NVMe: most of a placement
+            if kind is kv_kind:
                 kv_entries[key] = nbytes
                 kv_sessions[obj.model].add(obj.session)
             if tier is gpu_tier:
                 gpu = gpus[loc.id]
                 on_gpus[key] = nbytes
                 gpu_bytes[(obj, gpu.node)] += nbytes
-                if obj.kind is weights_kind:
+                if kind is weights_kind:
                     gpu_holders[(obj, gpu.node)].append(gpu)
             elif tier is not nvme_tier:
                 on_host[key] = nbytes
@@ -129,10 +128,17 @@ class ResidencyIndex:
     def _fastest_complete_below(self, obj: StateObject, node: str) -> Tier | None:
         size = self.problem.size_of(obj)
         if size > 0:
-            for tier in _BELOW_GPU:
-                if self.placement.get((obj, self._location(tier, node)), 0) >= size:
-                    return tier
+            for loc in self._below(node):
+                if self.placement.get((obj, loc), 0) >= size:
+                    return loc.tier
         return None
+
+    def _below(self, node: str) -> tuple[Location, ...]:
+        """The node's host DRAM and NVMe locations, fastest first (made once per index)."""
+        locs = self._below_locations.get(node)
+        if locs is None:
+            locs = self._below_locations[node] = tuple(self._location(tier, node) for tier in _BELOW_GPU)
+        return locs
 
     def free(self, loc: Location) -> int:
         return self.problem.capacity_of(loc) - self.used.get(loc, 0)

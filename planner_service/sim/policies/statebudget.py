@@ -70,7 +70,7 @@ from planner_service.planner.plan import Plan, make_plan
 from planner_service.planner.predictor import SwitchPredictor
 from planner_service.planner.registry import SolverName
 from planner_service.sim.policies.base import Policy, PolicyName
-from planner_service.sim.policies.static import apply_placement, static_placement
+from planner_service.sim.policies.static import apply_placement, apportion, static_placement
 
 if TYPE_CHECKING:
     from planner_service.sim.engine import SessionState, Simulator, SimRequest
@@ -256,10 +256,7 @@ class StatebudgetPolicy(Policy):
         for _, model, tokens in recent:
             counts[model] += 1
             context[model] += tokens
-        quota = {m: self.demand_seats * n / len(recent) for m, n in counts.items()}
-        seats = {m: int(q) for m, q in quota.items()}
-        for m in sorted(quota, key=lambda m: (-(quota[m] - seats[m]), m))[: self.demand_seats - sum(seats.values())]:
-            seats[m] += 1
+        seats = apportion(counts, self.demand_seats)
         in_flight: dict[str, int] = defaultdict(int)
         for s in sessions.values():
             in_flight[s.model] += s.active

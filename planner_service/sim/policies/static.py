@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter
+from collections.abc import Mapping
 from types import MappingProxyType
 from typing import TYPE_CHECKING
 
@@ -40,19 +41,25 @@ def average_demand(sim: Simulator) -> list[Session]:
             counts[r.model] += 1
             context[r.model] += history.get(r.session, 0) + r.input_tokens + r.output_tokens
             history[r.session] = history.get(r.session, 0) + r.input_tokens + r.output_tokens
-    total = sum(counts.values())
-    if not total:
+    if not counts:
         return []
-    quota = {m: PSEUDO_SESSIONS * n / total for m, n in counts.items()}
-    seats = {m: int(q) for m, q in quota.items()}
-    for m in sorted(quota, key=lambda m: (-(quota[m] - seats[m]), m))[: PSEUDO_SESSIONS - sum(seats.values())]:
-        seats[m] += 1
+    seats = apportion(counts, PSEUDO_SESSIONS)
     sessions = []
     for m in sorted(seats):
         for k in range(seats[m]):
             sid = f"avg-{m}-{k}"
             sessions.append(Session(sid, sid, Slo.INTERACTIVE, m, True, context[m] // counts[m]))
     return sessions
+
+
+def apportion(counts: Mapping[str, int], seats: int) -> dict[str, int]:
+    """`seats` spread over the keys in proportion to their counts (largest remainder; ties by key)."""
+    total = sum(counts.values())
+    quota = {m: seats * n / total for m, n in counts.items()}
+    share = {m: int(q) for m, q in quota.items()}
+    for m in sorted(quota, key=lambda m: (-(quota[m] - share[m]), m))[: seats - sum(share.values())]:
+        share[m] += 1
+    return share
 
 
 def static_placement(sim: Simulator) -> dict[tuple[StateObject, Location], int]:

@@ -74,6 +74,14 @@ def occupancy(scenario: Scenario, records: Sequence[TraceRecord]) -> tuple[np.nd
     return np.array(times), np.array(counts), {m: np.array(v) for m, v in kv.items()}
 
 
+def _save(plt, fig, path: Path) -> Path:
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def _time_weights(times: np.ndarray) -> np.ndarray:
     if times.size < 2:
         return np.ones_like(times, dtype=float)
@@ -123,11 +131,7 @@ def study_h1(scenario: Scenario, records: Sequence[TraceRecord], out_dir: Path) 
     for ax in axes:
         ax.grid(True, alpha=0.3)
     fig.suptitle("H1: active models and aggregate KV over the trace")
-    fig.tight_layout()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / "h1.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    path = _save(plt, fig, out_dir / "h1.png")
     data = {
         "active_models_quantiles": {r[0]: float(r[1]) for r in rows},
         "aggregate_kv_bytes_quantiles": {r[0]: float(r[2]) * GIB for r in rows},
@@ -188,11 +192,7 @@ def study_h3(scenario: Scenario, records: Sequence[TraceRecord], out_dir: Path) 
     ax.set_ylabel("GiB")
     ax.set_title("H3: warm models added one by one")
     ax.legend()
-    fig.tight_layout()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / "h3.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    path = _save(plt, fig, out_dir / "h3.png")
     data = {"hbm_bytes": hbm, "rows": data_rows, "first_killer": killer[0] if killer else None}
     return StudyResult(
         "H3: which runs out first as warm models are added",
@@ -241,11 +241,7 @@ def study_pareto(
     ax.set_title("Pareto: switch latency vs warm memory (labels: price s/GiB)")
     ax.grid(True, alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / "pareto.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    path = _save(plt, fig, out_dir / "pareto.png")
     return StudyResult(
         "Pareto: P95 switch latency against GPU bytes kept warm (statebudget, varying the warm-memory price)",
         ["price s/GiB", "mean GPU GiB", "P95 switch s", "P95 hand-off s"], rows, path, [], {"points": points},

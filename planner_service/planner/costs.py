@@ -117,28 +117,6 @@ def kv_ready_seconds(
     return min(prefill_all, restore + (missing_tokens - restored_tokens) * per_token)
 
 
-def kv_ready_seconds_many(
-    missing_tokens: np.ndarray,
-    restorable_bytes: np.ndarray,
-    from_host: np.ndarray,
-    model: ModelSpec,
-    gpus: Sequence[Gpu],
-    node: Node,
-    per_token: float,
-) -> np.ndarray:
-    """`kv_ready_seconds` for many sessions of one model at once, on one group of one node.
-
-    `from_host[i]` says whether session i's restorable bytes are in host DRAM (else on NVMe); the
-    restore is the same even split over the group as `copy_seconds` of equal shards.
-    """
-    if model.kv_bytes_per_token == 0:
-        return np.maximum(missing_tokens, 0) * per_token
-    return kv_ready_seconds_grouped(
-        missing_tokens, restorable_bytes, from_host, model.kv_bytes_per_token,
-        len(gpus), min(map(_H2D, gpus)), node.nvme_read_bytes_per_s, per_token,
-    )  # fmt: skip
-
-
 def kv_ready_seconds_grouped(
     missing_tokens: np.ndarray,
     restorable_bytes: np.ndarray,
@@ -149,8 +127,10 @@ def kv_ready_seconds_grouped(
     nvme_read: np.ndarray | float,
     per_token: np.ndarray | float,
 ) -> np.ndarray:
-    """`kv_ready_seconds_many` for sessions of several models and groups at once: each parameter is an
-    array with one entry per session, or one number for all (KV bytes per token must not be 0).
+    """`kv_ready_seconds` for many sessions at once, of one or several models and groups: each parameter
+    is an array with one entry per session, or one number for all (KV bytes per token must not be 0).
+    `from_host[i]` says whether session i's restorable bytes are in host DRAM (else on NVMe); the
+    restore is the same even split over the group as `copy_seconds` of equal shards.
 
     `group_size`, `slowest_h2d` and `nvme_read` describe the group the KV is restored onto: its GPU count,
     its smallest host->GPU bandwidth and its node's NVMe read bandwidth.

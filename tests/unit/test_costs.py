@@ -117,11 +117,12 @@ def test_kv_ready_for_many_sessions_matches_one_at_a_time() -> None:
         (0, 0, True), (-5, 10**9, True), (1000, 0, True), (1000, 40 * 10**6, True), (1000, 200 * 10**6, False),
         (50_000, 5 * 10**9, True), (50_000, 5 * 10**9, False), (7, 100_000 * 3, False),
     ]  # fmt: skip
-    many = costs.kv_ready_seconds_many(
+    many = costs.kv_ready_seconds_grouped(
         np.array([m for m, _, _ in cases]),
         np.array([r for _, r, _ in cases]),
         np.array([h for _, _, h in cases]),
-        model, group, where, per_token,
+        model.kv_bytes_per_token, len(group), min(g.h2d_bytes_per_s for g in group), where.nvme_read_bytes_per_s,
+        per_token,
     )  # fmt: skip
     for (missing, restorable, host), seconds in zip(cases, many, strict=True):
         tier = Tier.HOST if host else Tier.NVME

@@ -53,8 +53,10 @@ def test_kv_ready_for_several_groups_at_once_matches_each_group_alone() -> None:
         restorable = rng.integers(0, 3, 9) * rng.integers(1, 10**10, 9)
         from_host = rng.random(9) < 0.5
         per_token = costs.prefill_seconds_per_token(m, gpus, C)
-        expected.append(costs.kv_ready_seconds_many(missing, restorable, from_host, m, gpus, where, per_token))
         slowest = min(g.h2d_bytes_per_s for g in gpus)
+        expected.append(costs.kv_ready_seconds_grouped(
+            missing, restorable, from_host, m.kv_bytes_per_token, len(gpus), slowest, where.nvme_read_bytes_per_s, per_token
+        ))  # fmt: skip
         for values, value in zip(columns, (missing, restorable, from_host, m.kv_bytes_per_token, len(gpus), slowest, where.nvme_read_bytes_per_s, per_token)):
             values.append(value if isinstance(value, np.ndarray) else np.full(9, value))
         # and one session alone agrees with the scalar formula

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass
+from itertools import repeat
 
 import numpy as np
 
@@ -36,6 +37,7 @@ from planner_service.planner.residency import ResidencyIndex, Serving
 
 # bound once: on Python 3.11 an `Enum.MEMBER` lookup costs about ten global reads
 _GPU, _HOST, _NVME = Tier.GPU, Tier.HOST, Tier.NVME
+_KV = Kind.KV
 
 
 @dataclass(frozen=True, slots=True)
@@ -193,26 +195,32 @@ def _kv_ready_of(
     columns, seconds), the sessions of each group in id order.
     """
     rows, columns, tokens, held, host, nvme = [], [], [], [], [], []
-    counts, parameters = [], []  # per model: its sessions, and what `kv_ready_seconds_grouped` takes of it
+    counts, sizes, links = [], [], []  # per model: its sessions, and what `kv_ready_seconds_grouped` takes of it
     for index, row, model, node, gpus, on_gpus, per_token, holders in groups:
-        placement, gpu_bytes = index.placement, index.gpu_bytes
-        host_loc, nvme_loc = Location.host(node), Location.nvme(node)
-        ready = model.kv_bytes_per_token == 0  # no KV per token: nothing is missing
-        for sid in sorted(holders):
-            obj = StateObject.kv(model.id, sid)
-            columns.append(position[sid])
-            tokens.append(0 if ready else problem.sessions[sid].context_tokens)
-            held.append(gpu_bytes.get((obj, node), 0) if on_gpus else 0)
-            host.append(max(0, placement.get((obj, host_loc), 0)))
-            nvme.append(max(0, placement.get((obj, nvme_loc), 0)))
-        rows += [row] * len(holders)
-        counts.append(len(holders))
+        ids = sorted(holders)
+        # the sessions' KV objects as plain tuples, which equal (and hash as) `StateObject.kv(model.id, sid)`
+        objs = list(zip(repeat(_KV), repeat(model.id), repeat(None), ids))
+        columns += map(position.__getitem__, ids)
+        if model.kv_bytes_per_token:
+            tokens += [problem.sessions[sid].context_tokens for sid in ids]
+        else:  # no KV per token: nothing is missing
+            tokens += repeat(0, len(ids))
+        if on_gpus:
+            held += map(index.gpu_bytes.get, zip(objs, repeat(node)), repeat(0))
+        else:
+            held += repeat(0, len(ids))
+        host += map(index.placement.get, zip(objs, repeat(Location.host(node))), repeat(0))
+        nvme += map(index.placement.get, zip(objs, repeat(Location.nvme(node))), repeat(0))
+        rows += repeat(row, len(ids))
+        counts.append(len(ids))
+        sizes.append((model.kv_bytes_per_token or 1, len(gpus)))
         slowest_h2d = min(g.h2d_bytes_per_s for g in gpus)
-        parameters.append((model.kv_bytes_per_token or 1, len(gpus), slowest_h2d, problem.nodes[node].nvme_read_bytes_per_s, per_token))
-    # one entry per session
-    kv_per_token, group_size, slowest_h2d, nvme_read, per_token = (np.repeat(p, counts) for p in zip(*parameters))
+        links.append((slowest_h2d, problem.nodes[node].nvme_read_bytes_per_s, per_token))
+    # one entry per session (integers and rates repeated apart: bytes stay integers)
+    kv_per_token, group_size = np.repeat(np.array(sizes), counts, axis=0).T
+    slowest_h2d, nvme_read, per_token = np.repeat(np.array(links, dtype=float), counts, axis=0).T
     missing = np.array(tokens) - np.array(held) // kv_per_token
-    host_bytes, nvme_bytes = np.array(host), np.array(nvme)
+    host_bytes, nvme_bytes = np.maximum(np.array(host), 0), np.maximum(np.array(nvme), 0)
     from_host = host_bytes >= nvme_bytes
     restorable = np.where(from_host, host_bytes, nvme_bytes)
     seconds = costs.kv_ready_seconds_grouped(missing, restorable, from_host, kv_per_token, group_size, slowest_h2d, nvme_read, per_token)
@@ -256,11 +264,12 @@ def evaluate(
     arrival_slowdown: dict[str, float] = {}  # model -> decode slowdown of its requests
     arriving: list[tuple[Session, ModelSpec, Serving, float, float]] = []  # (session, model, serving, w, target)
     arriving_on: dict[str, list[str]] = {}  # model -> its sessions in `arriving`
+    weight_of, target_of = slo_weight.tolist(), slo_target.tolist()  # read per active session: floats
     for s in sessions:
         if not s.active:
             continue
         model = problem.models[s.model]
-        w, target_s = float(slo_weight[position[s.id]]), float(slo_target[position[s.id]])
+        w, target_s = weight_of[position[s.id]], target_of[position[s.id]]
         serving = then.serving.get(s.model)
         kv = StateObject.kv(s.model, s.id)
         if serving is None or then.on(kv, serving.node, _GPU) < problem.size_of(kv):
@@ -277,7 +286,7 @@ def evaluate(
 
     # Predicted next requests: where each predicted model would run, then the latencies of all of them
     # as one [models x sessions] array (the sessions holding some KV priced for all models at once).
-    predicted = demand.q.any(axis=1)
+    predicted = demand.q.any(axis=1).tolist()
     rows: list[int] = []  # rows of `demand.q` predicted
     ready: list[float] = []  # per predicted model: seconds until its weights are ready
     per_token: list[float] = []  # prefill seconds per token where it would run (0: nowhere)
@@ -293,7 +302,9 @@ def evaluate(
         serving = then.serving.get(model.id)
         if serving is not None:
             node, gpus, weights_ready = serving.node, serving.gpus, 0.0
-            slowdown = _decode(problem, then, model, serving)
+            slowdown = arrival_slowdown.get(model.id)  # its requests in flight have it already
+            if slowdown is None:
+                slowdown = _decode(problem, then, model, serving)
             degrade = c.degraded_precision_seconds * (serving.precision != model.preferred)
         else:
             cold = cold_load(problem, then, model)
@@ -337,12 +348,13 @@ def evaluate(
         late = latency > slo_target
         q = demand.q[rows]
         wq = slo_weight * q
-        for k in range(len(rows)):  # model by model, in problem order: the sums add up as they always have
-            weight = float(wq[k].sum())
-            switch += float(wq[k] @ latency[k])
-            violations += float(wq[k] @ late[k]) * c.violation_penalty_seconds
-            decode += weight * slowdowns[k]
-            degraded += weight * degrades[k]
+        weights = wq.sum(axis=1).tolist()  # each row summed on its own, as `wq[k].sum()` would
+        # model by model, in problem order: the sums add up as they always have
+        for wq_k, latency_k, late_k, weight, slowdown, degrade in zip(wq, latency, late, weights, slowdowns, degrades):
+            switch += float(wq_k @ latency_k)
+            violations += float(wq_k @ late_k) * c.violation_penalty_seconds
+            decode += weight * slowdown
+            degraded += weight * degrade
         latency_terms.append(latency.ravel())
         weight_terms.append(q.ravel())
         target_terms.append(np.tile(slo_target, len(rows)))
@@ -373,7 +385,8 @@ def _weights_arrival(problem: Problem, now: ResidencyIndex, then: ResidencyIndex
     """Seconds to copy the shards of the model's weights that `serving`'s GPUs lack now."""
     obj = StateObject.weights(model.id, serving.precision)
     node = problem.nodes[serving.node]
-    shards = [max(0, then.placement.get((obj, Location.gpu(g.id)), 0) - now.placement.get((obj, Location.gpu(g.id)), 0)) for g in serving.gpus]
+    keys = [(obj, Location.gpu(g.id)) for g in serving.gpus]
+    shards = [max(0, then.placement.get(key, 0) - now.placement.get(key, 0)) for key in keys]
     if not any(shards):
         return 0.0
     source = now.complete_source(obj, serving.node) or _NVME
@@ -405,16 +418,17 @@ def promote_seconds(
 ) -> float:
     """Seconds of transfer the plan spends bringing state up to GPUs (each GPU's link on its own)."""
     total = 0.0
-    kv_kind, before = Kind.KV, now.placement
-    for (obj, loc), nbytes in target.items():
+    kv_kind, before, gpus, nodes = Kind.KV, now.placement, problem.gpus, problem.nodes
+    for key, nbytes in target.items():
+        obj, loc = key
         if loc.tier is not _GPU or obj.kind is kv_kind:
             continue
-        gain = nbytes - before.get((obj, loc), 0)
+        gain = nbytes - before.get(key, 0)
         if gain <= 0:
             continue
-        gpu = problem.gpus[loc.id]
+        gpu = gpus[loc.id]
         source = now.complete_source(obj, gpu.node) or _NVME
-        total += costs.even_copy_seconds(gain, (gpu,), source, problem.nodes[gpu.node])
+        total += costs.even_copy_seconds(gain, (gpu,), source, nodes[gpu.node])
     return total
 
 

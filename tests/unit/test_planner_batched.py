@@ -9,13 +9,15 @@ import numpy as np
 import pytest
 
 from planner_service.domain.generate import random_scenario
-from planner_service.domain.state import StateObject
+from planner_service.domain.state import Kind, Location, StateObject, Tier
+from planner_service.planner import costs
 from planner_service.planner.greedy import GreedyPlanner
 from planner_service.planner.objective import (
     Demand,
     _arrival_kv,
     _kv_arrival,
     _kv_ready_of,
+    kv_ready,
 )
 from planner_service.planner.operations import (
     PRIORITY_RANK,
@@ -63,6 +65,51 @@ def test_active_requests_kv_in_one_batch_equals_each_alone() -> None:
             for sid in ids:
                 alone = _kv_arrival(problem, now, problem.models[model_id], sid, then.serving[model_id])
                 assert batched[position[sid]] == alone
+
+
+def test_named_constructors_make_what_the_fields_make() -> None:
+    made = [
+        (StateObject.weights("m", "fp8"), StateObject(Kind.WEIGHTS, "m", "fp8", None)),
+        (StateObject.experts("m"), StateObject(Kind.EXPERTS, "m", None, None)),
+        (StateObject.kv("m", "s"), StateObject(Kind.KV, "m", None, "s")),
+        (Location.gpu("g"), Location(Tier.GPU, "g")),
+        (Location.host("n"), Location(Tier.HOST, "n")),
+        (Location.nvme("n"), Location(Tier.NVME, "n")),
+    ]
+    for fast, general in made:
+        assert type(fast) is type(general)
+        assert fast == general and hash(fast) == hash(general)
+        assert fast._asdict() == general._asdict()
+
+
+def test_predicted_kv_in_one_batch_equals_each_alone() -> None:
+    for problem in problems():
+        target = GreedyPlanner(problem).plan().placement
+        then = ResidencyIndex.build(problem, target)
+        position = Demand.of(problem).position
+        groups = []
+        for model_id, serving in then.serving.items():
+            model = problem.models[model_id]
+            holders = then.kv_sessions.get(model_id)
+            if holders:
+                per_token = costs.prefill_seconds_per_token(model, serving.gpus, problem.constants)
+                groups.append((then, len(groups), model, serving.node, serving.gpus, True, per_token, holders))
+        if not groups:
+            continue
+        rows, columns, seconds = _kv_ready_of(problem, position, groups)
+        batched = dict(zip(zip(rows, columns), seconds.tolist()))
+        for row, (_, _, model, node, gpus, _, _, holders) in enumerate(groups):
+            for sid in holders:
+                gpu_kv = then.on(StateObject.kv(model.id, sid), node, Tier.GPU)
+                assert batched[(row, position[sid])] == kv_ready(problem, then, model, sid, node, gpus, gpu_kv)
+
+
+def test_rows_summed_at_once_equal_each_row_alone() -> None:
+    # the evaluator sums q(s, m) * w_s for every predicted model in one call, and must match row by row
+    rng = np.random.default_rng(0)
+    for rows, columns in [(1, 1), (3, 7), (7, 100), (16, 500), (9, 1031)]:
+        weights = rng.random(columns) * (rng.random((rows, columns)) < 0.4)
+        assert weights.sum(axis=1).tolist() == [float(row.sum()) for row in weights]
 
 
 def test_gpus_by_free_bytes_break_ties_by_id() -> None:

@@ -2,19 +2,26 @@
 
 It rebuilds what the GPUs should hold, then settles the lower tiers:
 
-1. **Serve active requests.** Models with a request in flight go first (most
-   urgent SLO, then largest), each onto one node's GPUs. The group is the one
-   with the least *estimated marginal objective* (`_group_cost`): load time
-   (for move_weight and the waiting requests), re-prefill of the predicted
-   requests' history on the group's summed FLOP/s, for a MoE the decode
-   slowdown at the best expert fraction the node's remaining room allows (on
-   the group's summed PCIe bandwidth), the expert room taken from MoE models
-   already on the node, and the degraded-precision cost of a less preferred
-   precision. Per node the widest group that fits and the fewest-GPU one are
-   priced (wider prefills and fetches missed experts faster for the same
-   bytes), staying put or resharding on the current node included. Their
-   sessions' KV follows onto the same GPUs, water-filled across users so that
-   no user's sessions starve another user's.
+1. **Serve active requests.** Models with a request in flight each get one
+   node's GPUs. Their nodes and precisions are chosen together (`joint.py`):
+   each (node, precision) is priced on the empty GPUs by the model's
+   *estimated marginal objective* (`_group_cost`: load time for move_weight
+   and the waiting requests, plus the SLO violations of those that wait past
+   their target; re-prefill of the predicted requests' history on the
+   group's summed FLOP/s; the degraded-precision cost of a less preferred
+   precision), a node holding several is priced with its MoE models sharing
+   its room for experts (the decode slowdown at the best expert fractions
+   that room allows, on each group's summed PCIe bandwidth), and a local
+   search moves and swaps models between options while the sum falls.
+   Served one at a time (most urgent SLO, then largest), the first models
+   took the best nodes: DeepSeek-V3, whose experts gain little per GiB, a
+   node GLM-4.5-Air's experts would fill (median gap to the MILP 1.19, now
+   1.05). Then, in that order, each takes its best group on its node
+   (`_best_group`; per node the widest group that fits and the fewest-GPU
+   one are priced, staying put or resharding on the current node included),
+   or on any node if that one has no room left after all. Their sessions'
+   KV follows onto the same GPUs, water-filled across users so that no
+   user's sessions starve another user's.
 2. **Spend the rest by value per byte.** Candidates are the weights of
    other models, KV of sessions on served models, and chunks of a MoE's hot
    experts; each is valued by the objective it saves (`objective.py`) minus
@@ -36,13 +43,16 @@ tries one node per look (nodes whose GPUs, free bytes and links match give
 the same options, so the first by id stands for all; a node serving a MoE is
 tried only when no node of its look serves none) plus the few nodes with a
 copy in host DRAM, and past 2 * NODE_SHORTLIST candidates only the tightest
-and roomiest few; each node's free room and GPUs-by-free-bytes are kept up to
-date as bytes are taken rather than recomputed per candidate; a MoE's expert
-curve has one cached shape per (model, node), scaled by the group's PCIe
-bandwidth, and expert costs are memoized per node state; reasons are
-formatted only for offers that are placed; the checkpoints on NVMe, most of
-any placement, are looked up in place and copied without re-hashing, never
-walked one by one. The residency index and demand built here are handed to
+and roomiest few; the joint choice prices each model's options once (one
+node per look, copied to the others) and each set of options on a node
+once; each node's free room and GPUs-by-free-bytes are kept up to date as
+bytes are taken rather than recomputed per candidate; a MoE's expert curve
+has one cached shape per (model, node), scaled by the group's PCIe
+bandwidth, and MoE models sharing a node have one curve of running totals
+per set (a room is then one bisection); reasons are formatted only for
+offers that are placed; the checkpoints on NVMe, most of any placement, are
+looked up in place and copied without re-hashing, never walked one by one.
+The residency index and demand built here are handed to
 `make_plan`, so operations and the evaluator do not build them again.
 """
 
@@ -61,7 +71,7 @@ from planner_service.domain.problem import Gpu, ModelSpec, Problem, Session
 from planner_service.domain.scenario import Capability, Slo
 from planner_service.domain.state import Kind, Location, Placement, StateObject, Tier
 from planner_service.domain.units import GIB
-from planner_service.planner import costs
+from planner_service.planner import costs, joint
 from planner_service.planner.objective import Demand, cold_load
 from planner_service.planner.residency import ResidencyIndex, copy_placement
 
@@ -70,11 +80,15 @@ EXPERT_CHUNKS = 16  # granularity of partial expert residency the greedy conside
 _BY_ID = operator.attrgetter("id")
 _H2D = operator.attrgetter("h2d_bytes_per_s")
 _COST_KEY = operator.itemgetter(0)
+_OFFER_BYTES, _OFFER_CHANGE = operator.itemgetter(3), operator.itemgetter(4)  # of `_ExpertTerms.offers`
 # bound once: on Python 3.11 an `Enum.MEMBER` lookup costs about ten global reads
 _GPU, _HOST, _NVME, _KV, _WEIGHTS = Tier.GPU, Tier.HOST, Tier.NVME, Kind.KV, Kind.WEIGHTS
 _KV_OFFLOAD, _WEIGHTS_OFFLOAD, _PARTIAL_EXPERTS = Capability.KV_OFFLOAD, Capability.WEIGHTS_OFFLOAD, Capability.PARTIAL_EXPERTS
 _UNKNOWN = object()  # not looked up yet (None is an answer)
 NODE_SHORTLIST = 4  # past 2x this many candidate nodes, a group search prices the tightest and roomiest this many each
+
+
+_GroupOption = tuple[tuple, str, tuple[Gpu, ...]]  # (cost key, precision, GPUs); the key: see `_best_group`
 
 
 @dataclass(frozen=True, slots=True)
@@ -220,18 +234,16 @@ class _ExpertTerms:
     """One MoE's part of `GreedyPlanner._experts_cost` on a node, for its group's bandwidth and the expert
     bytes already placed: what does not depend on the room the node has left."""
 
-    shape: _ExpertShape
-    scale: float  # served weight * decode slowdown with no expert on GPU
-    placed: int  # the step the model's placed expert bytes reach
-    best: int  # the step it would stop at with room to spare (its last paying chunk)
-    now: float  # slowdown at `placed`
-    wanted: int  # bytes from `placed` to `best`
-    alone: float  # slowdown at `best` plus the price of the bytes to get there
+    now: float  # served weight * decode slowdown with the expert bytes placed
+    # per chunk from the placed bytes to the last paying one: (change of the slowdown per byte, as a running
+    # max: the sort key, model, step, bytes, change of the slowdown plus the bytes' price)
+    offers: list[tuple[float, str, int, int, float]]
 
 
 class GreedyPlanner:
     """`nodes` and `precisions` fix where and at which precision a model is served (the local search's
-    moves, `search.py`); what they leave open is the greedy's choice."""
+    moves, `search.py`); what they leave open is the greedy's choice. Given neither, the joint choice fixes
+    them for the models with requests in flight (`serve_active`)."""
 
     def __init__(
         self, problem: Problem, nodes: Mapping[str, str] | None = None, precisions: Mapping[str, str] | None = None
@@ -274,7 +286,7 @@ class GreedyPlanner:
         self._sources: dict[tuple[StateObject, str], Tier | None] = {}
         self._experts_placed: dict[str, int] = defaultdict(int)  # MoE model -> expert bytes the target puts on GPU
         self._steps_cache: dict[tuple[str, bool], list[int]] = {}  # (model, partial experts) -> `_expert_steps`
-        self._experts_memo: dict[tuple, float] = {}
+        self._curves: dict[tuple, tuple[list[int], list[float]]] = {}  # (node, MoE models) -> `_experts_curve`
         self._expert_terms_memo: dict[tuple, _ExpertTerms] = {}
         self._price = self.c.gpu_price_seconds_per_gib / GIB  # seconds per byte held on GPU
         self._shapes: dict[tuple, _ExpertShape] = {}
@@ -329,7 +341,15 @@ class GreedyPlanner:
     # -- step 1: where each model's weights go -----------------------------
 
     def _best_group(self, model: ModelSpec, extra_bytes: int) -> tuple[tuple, Group] | None:
-        """The best (cost key, group) for the model's weights plus `extra_bytes` of KV, if any fits.
+        """The best (cost key, group) for the model's weights plus `extra_bytes` of KV, if any fits (see `_group_options`)."""
+        options = self._group_options(model, extra_bytes)
+        if not options:
+            return None
+        key, precision, gpus = min(options, key=_COST_KEY)
+        return key, Group(key[3], precision, gpus)
+
+    def _group_options(self, model: ModelSpec, extra_bytes: int) -> list[_GroupOption]:
+        """The groups the model's weights plus `extra_bytes` of KV may take, as (cost key, precision, GPUs).
 
         The key (cost, precision rank, slack, node, load seconds) orders by the
         group's estimated marginal objective (`_group_cost`: load, prefill and
@@ -339,10 +359,11 @@ class GreedyPlanner:
         tightly the group fits, then by node. Per node the widest group that
         fits and the fewest-GPU one are priced (`_fits_by_width`): a wider group
         prefills and fetches missed experts faster at the same bytes (the
-        evaluator sums FLOP/s and PCIe bandwidth over it).
+        evaluator sums FLOP/s and PCIe bandwidth over it). Where a node's GPUs
+        hold a copy besides the one serving, its cards copy only what they lack.
         """
         current = self.now.serving.get(model.id)
-        options: list[tuple[tuple, str, tuple[Gpu, ...]]] = []  # (cost key, precision, GPUs)
+        options: list[_GroupOption] = []
         # a degraded precision costs every request served at it; it wins only where its smaller bytes buy more
         degrade = self.c.degraded_precision_seconds * self._served_weight(model.id)
         for rank, precision in enumerate(model.precisions):
@@ -377,26 +398,28 @@ class GreedyPlanner:
             for node_id, source in candidates:
                 node = self.p.nodes[node_id]
                 moved = self._active_context_seconds(model) if current and current.node != node_id and not penalty else 0.0
+                held = self.now.on(obj, node_id, _GPU)  # a copy there besides the one serving: cards copy what they lack
                 for gpus, free in self._fits_by_width(node_id, model, nbytes + extra_bytes):
-                    seconds = costs.weights_load_seconds(nbytes, gpus, source, node, self.c)
+                    if held:
+                        seconds = self._regroup_seconds(obj, gpus, nbytes, node_id)
+                    else:
+                        seconds = costs.weights_load_seconds(nbytes, gpus, source, node, self.c)
                     cost = penalty + moved + self._group_cost(model, gpus, node_id, seconds, nbytes + extra_bytes)
                     options.append(((cost, rank, free - nbytes - extra_bytes, node_id, seconds), precision, gpus))
         if model.id in self.nodes:
             options = [option for option in options if option[0][3] == self.nodes[model.id]]
-        if not options:
-            return None
-        key, precision, gpus = min(options, key=_COST_KEY)
-        return key, Group(key[3], precision, gpus)
+        return options
 
     def _active_context_seconds(self, model: ModelSpec) -> float:
-        """Rough price of re-prefilling the active sessions' KV (on the current group)."""
+        """Rough price of re-prefilling the active sessions' KV held on the current node (on the current group)."""
         seconds = self._active_context.get(model.id)
         if seconds is None:
             current = self.now.serving.get(model.id)
             seconds = 0.0
             if current is not None and self.active.get(model.id):
                 per_token = costs.prefill_seconds_per_token(model, current.gpus, self.c)
-                seconds = sum(self.c.slo_weights.of(s.slo) * s.context_tokens for s in self.active[model.id]) * per_token
+                held = [s for s in self.active[model.id] if (StateObject.kv(model.id, s.id), current.node) in self._kv_held]
+                seconds = sum(self.c.slo_weights.of(s.slo) * s.context_tokens for s in held) * per_token
             self._active_context[model.id] = seconds
         return seconds
 
@@ -478,58 +501,27 @@ class GreedyPlanner:
         Each model has already `_experts_placed` bytes on GPU; `room` more are
         handed out chunk by chunk, the best saving per byte first (the hit rate
         is concave, so each model's chunks come hottest first), while a chunk
-        saves more than its price.
+        saves more than its price and the next one fits (`_experts_curve`).
         """
         if not moes:
             return 0.0
         placed = self._experts_placed
-        key = (node_id, room, *[(m.id, h2d, placed.get(m.id, 0)) for m, h2d in moes])
-        cached = self._experts_memo.get(key)
-        if cached is not None:
-            return cached
-        price = self._price
-        total = 0.0
-        wanted = 0  # bytes that bring every model to its own best step
-        alone = 0.0  # the cost when the room holds all of them
+        key = (node_id, *[(m.id, h2d, placed.get(m.id, 0)) for m, h2d in moes])
+        curve = self._curves.get(key)
+        if curve is None:
+            curve = self._curves[key] = self._experts_curve(node_id, moes)
+        taken, cost = curve
+        return cost[bisect.bisect_right(taken, room) - 1]
+
+    def _experts_curve(self, node_id: str, moes: list[tuple[ModelSpec, float]]) -> tuple[list[int], list[float]]:
+        """The paying chunks of MoE models sharing a node's room, the best saving per byte first (each model's
+        in step order: `order` is a running max), as running totals: bytes taken ([0, ...]) and the models'
+        slowdown plus the price of those bytes ([slowdown now, ...])."""
+        placed = self._experts_placed
         chosen = [self._expert_terms(node_id, m, h2d, placed.get(m.id, 0)) for m, h2d in moes]
-        for terms in chosen:
-            total += terms.now
-            wanted += terms.wanted
-            alone += terms.alone
-        if wanted <= room:  # no contention: each model takes its paying chunks
-            self._experts_memo[key] = alone
-            return alone
-        if len(chosen) == 1:  # one model takes its chunks in step order while they fit and pay
-            terms = chosen[0]
-            steps, j = terms.shape.steps, terms.placed
-            m = min(terms.best, bisect.bisect_right(steps, steps[j] + room) - 1)
-            total = terms.scale * terms.shape.miss[m] + price * (steps[m] - steps[j])
-            self._experts_memo[key] = total
-            return total
-        # the best saving per byte first; a model whose next chunk does not fit takes no more (the hit rate
-        # is concave, so each model's chunks save less per byte as they go: `order` keeps step order)
-        offers: list[tuple[float, int, int, float]] = []  # (order, model index, chunk bytes, change of miss)
-        for i, terms in enumerate(chosen):
-            shape, scale, j, best = terms.shape, terms.scale, terms.placed, terms.best
-            order = [scale * o for o in shape.order[j:best]]
-            offers.extend(zip(order, itertools.repeat(i), shape.sizes[j:best], shape.gains[j:best]))
-        offers.sort()
-        scales = [terms.scale for terms in chosen]
-        stopped = [False] * len(chosen)
-        live = len(chosen)  # models still taking chunks
-        for _, i, nbytes, gain in offers:
-            if stopped[i]:
-                continue
-            if nbytes > room:
-                stopped[i] = True
-                live -= 1
-                if not live:
-                    break
-                continue
-            room -= nbytes
-            total += scales[i] * gain + price * nbytes
-        self._experts_memo[key] = total
-        return total
+        offers = chosen[0].offers if len(chosen) == 1 else sorted(itertools.chain.from_iterable(t.offers for t in chosen))
+        taken = [0, *itertools.accumulate(map(_OFFER_BYTES, offers))]
+        return taken, list(itertools.accumulate(map(_OFFER_CHANGE, offers), initial=sum(t.now for t in chosen)))
 
     def _expert_terms(self, node_id: str, model: ModelSpec, h2d: float, placed: int) -> _ExpertTerms:
         """`_ExpertTerms` of a MoE on the node, on a group of summed host->GPU bandwidth `h2d`, with `placed`
@@ -543,8 +535,11 @@ class GreedyPlanner:
             steps, miss = shape.steps, shape.miss
             j = bisect.bisect_right(steps, placed) - 1  # `placed` is always a step
             best = max(j, shape.paying(scale, self._price))
-            wanted = steps[best] - steps[j]
-            terms = _ExpertTerms(shape, scale, j, best, scale * miss[j], wanted, scale * miss[best] + self._price * wanted)
+            sizes = shape.sizes[j:best]
+            changes = [scale * gain + self._price * nbytes for gain, nbytes in zip(shape.gains[j:best], sizes)]
+            order = [scale * o for o in shape.order[j:best]]
+            offers = list(zip(order, itertools.repeat(model.id), range(j, best), sizes, changes))
+            terms = _ExpertTerms(scale * miss[j], offers)
             self._expert_terms_memo[key] = terms
         return terms
 
@@ -696,12 +691,19 @@ class GreedyPlanner:
 
     def serve_active(self) -> None:
         active = self.active
-        for model_id in self._serve_order():
+        order = self._serve_order()
+        needs = {m: sum(self._kv_bytes(s, self.p.models[m]) for s in active[m]) for m in order}  # active KV bytes
+        # a caller's choices (the local search's) stand as given; else the nodes are chosen together
+        pinned = self._pin_joint_choice(order, needs) if not self.nodes and not self.precisions else set()
+        for model_id in order:
             model = self.p.models[model_id]
             sessions = active[model_id]
-            need = sum(self._kv_bytes(s, model) for s in sessions)
+            need = needs[model_id]
             # where the weights and all the active KV fit nowhere, take the group that holds the most of that KV
             best = self._best_group(model, need) or self._roomiest_group(model, need)
+            if best is None and model_id in pinned:  # the joint choice has no room left after all: any node
+                del self.nodes[model_id], self.precisions[model_id]
+                best = self._best_group(model, need) or self._roomiest_group(model, need)
             if best is None:
                 for s in sessions:
                     self.unserved[s.id] = self._why_unplaceable(model)
@@ -715,6 +717,67 @@ class GreedyPlanner:
                         f"kv capacity: the KV of session {s.id} does not fit on node {group.node}'s GPUs "
                         f"beside {model.id}'s weights and other users' fair share"
                     )
+
+    def _pin_joint_choice(self, order: list[str], needs: Mapping[str, int]) -> set[str]:
+        """Fix each active model's node and precision as `joint.assign` chooses them together on the greedy's
+        own cost estimates, and return the models fixed (their groups are chosen when they are placed).
+
+        A model whose weights and active KV fit on no node takes a node whole
+        (as `_roomiest_group` does). Past `joint.MAX_OPTIONS` nothing is fixed.
+        """
+        if len(order) < 2 or sum(len(self.p.models[m].precisions) for m in order) * len(self.p.nodes) > joint.MAX_OPTIONS:
+            return set()  # nothing to choose together, or too large a choice to search online: served in turn
+        alike = {n: [m for m in nodes if m != n] for nodes in self.book.alike() for n in nodes}  # node -> its look-alikes
+        options = {}
+        for model_id in order:
+            model = self.p.models[model_id]
+            options[model_id] = self._serve_options(model, needs[model_id], alike, whole=False)
+            options[model_id] = options[model_id] or self._serve_options(model, 0, alike, whole=True)
+        order = [m for m in order if options[m]]
+        if len(order) < 2:
+            return set()
+        rooms = {node_id: self.book.room(node_id) for node_id in self.p.nodes}
+        chosen = joint.assign(options, order, rooms, self._experts_curve)
+        self.nodes = {m: option.node for m, option in chosen.items()}
+        self.precisions = {m: option.precision for m, option in chosen.items()}
+        return set(chosen)
+
+    def _serve_options(self, model: ModelSpec, need: int, alike: Mapping[str, list[str]], whole: bool) -> list[joint.Option]:
+        """The model's (node, precision) options for its weights and `need` bytes of KV on the empty GPUs, each
+        at its best width, for `joint.assign`; `whole`: each takes its node's room whole.
+
+        The cost is `_group_cost` without the experts' term (`joint.assign`
+        prices it per node, for the MoE models the node holds together), plus
+        the violation penalty of every active request whose load outlasts its
+        SLO target. A node that looks like one priced from NVMe gets its option
+        (`_load_candidates` tries one node per look).
+        """
+        sessions = self.active[model.id]
+        weight_by_target = defaultdict(float)
+        for s in sessions:
+            weight_by_target[self.c.slo_targets_seconds.of(s.slo)] += self.c.slo_weights.of(s.slo)
+        best: dict[tuple[str, str], joint.Option] = {}
+        for (cost, _, _, node_id, seconds), precision, gpus in self._group_options(model, need):
+            nbytes = model.weights_bytes[precision] + need
+            moe = (model, sum(map(_H2D, gpus))) if model.is_moe else None
+            if moe:
+                cost -= self._experts_cost(node_id, [moe], max(0, self.book.room(node_id) - nbytes))
+            if whole:
+                nbytes = self.book.room(node_id)
+            for target, w in weight_by_target.items():
+                if seconds > target:
+                    cost += self.c.violation_penalty_seconds * w
+            if (node_id, precision) not in best or cost < best[(node_id, precision)].cost:
+                best[(node_id, precision)] = joint.Option(node_id, precision, nbytes, cost, moe)
+        current = self.now.serving.get(model.id)
+        for (node_id, precision), option in list(best.items()):
+            obj = StateObject.weights(model.id, precision)
+            if self._source(obj, node_id) is not _NVME or (current and current.node == node_id):
+                continue
+            for other in alike[node_id]:
+                if (other, precision) not in best and self._source(obj, other) is _NVME and not (current and current.node == other):
+                    best[(other, precision)] = option._replace(node=other)
+        return list(best.values())
 
     def _roomiest_group(self, model: ModelSpec, need: int) -> tuple[tuple, Group] | None:
         """Where the weights and all the active KV fit nowhere: the group that holds the most of that KV."""

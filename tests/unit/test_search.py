@@ -28,8 +28,8 @@ def test_search_is_never_worse_than_the_greedy_and_its_plan_is_sound(seed: int) 
 
 
 def test_search_finds_a_better_assignment_where_the_greedy_takes_the_best_node_first() -> None:
-    # demo-sized seed 9: the greedy gives the first models the best nodes; one move lowers the objective
-    p = problem(9, gpus=16, models=7, sessions=100)
+    # demo-sized seed 36: the greedy's joint choice keeps the 70B model off GPU; moves lower 3744.3 to 3288.3
+    p = problem(36, gpus=16, models=7, sessions=100)
     found = search_nodes(p)
     assert found.moves >= 1
     assert found.objective < found.greedy_objective - 1.0
@@ -52,9 +52,9 @@ def test_greedy_serves_a_model_on_the_node_it_is_given() -> None:
 
 
 def test_search_steps_out_of_a_local_optimum() -> None:
-    # demo-sized seed 36: descent stops at 3482.9 after 99 plans; stepping to the best unseen neighbour
-    # and going on reaches 3288.3 (the exact oracle's best plan found in 15 s: 3288.2)
-    p = problem(36, gpus=16, models=7, sessions=100)
+    # demo-sized seed 48: descent stops at the greedy's 6662.4 after 93 plans (no single move or swap
+    # improves); stepping to the best unseen neighbour and going on reaches 5650.8
+    p = problem(48, gpus=16, models=7, sessions=100)
     descent = search_nodes(p, max_escapes=0)
     tabu = search_nodes(p)
     assert tabu.objective < descent.objective - 100.0

@@ -1,0 +1,191 @@
+"""A joint node assignment for the models with requests in flight, on estimated costs.
+
+Serving those models one at a time lets the first take the best nodes: a
+MoE whose experts gain little per GiB (DeepSeek-V3) takes a node whole that
+another MoE (GLM-4.5-Air) would nearly fill with its hot experts. Here each
+model has a few options (node, precision, HBM bytes, estimated cost on its
+own), and a node holding some options costs their own costs plus what the
+MoE models among them lose sharing its room for experts (the caller's
+`experts_curve`), or infinity where their bytes exceed its room. Starting
+from each model taking its cheapest option beside those before it (in the
+caller's order, as the greedy would), a local search takes the best move of
+one model to another option, or swap of two models' nodes, while that
+lowers the summed estimate, at most `MAX_ROUNDS` times.
+
+Speed: each option is one bit, a node's set is the OR of its options' bits
+(the bits name the node too), and each set is priced once.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import math
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import NamedTuple
+
+from planner_service.domain.problem import ModelSpec
+
+# A search prices up to (options + pairs of models) sets per round: it runs online only where the models'
+# (node, precision) pairs number at most this (the demo's 7 models x 4 nodes x up to 2 precisions: 56); on
+# larger clusters (64 GPUs x 16 models: 512) it would add a third to planning, at 1,000 GPUs 30 times as much.
+MAX_OPTIONS = 128
+MAX_ROUNDS = 3  # improving moves at most; on the 50-scenario gap study a third still pays (median 1.075 -> 1.049), a fourth not
+
+# (node, MoE models with their groups' summed h2d) -> running totals of the expert bytes they take, best first,
+# and of their decode slowdown plus HBM price ([slowdown with none], ...)
+ExpertsCurve = Callable[[str, list[tuple[ModelSpec, float]]], tuple[list[int], list[float]]]
+
+
+class Option(NamedTuple):
+    """One way to serve a model: on `node` at `precision`, taking `need` bytes of HBM (weights and active KV),
+    at `cost` estimated objective seconds that do not depend on what else the node holds."""
+
+    node: str
+    precision: str
+    need: int
+    cost: float
+    moe: tuple[ModelSpec, float] | None  # a MoE and its group's summed host->GPU bandwidth, for `experts_curve`
+
+
+def assign(
+    options: Mapping[str, Sequence[Option]], order: Sequence[str], rooms: Mapping[str, int], experts_curve: ExpertsCurve
+) -> dict[str, Option]:
+    """The option per model (models in `order`, each with at least one option) with the least summed node cost found."""
+    search = _Search(options, order, rooms, experts_curve)
+    for model in order:
+        search.place_cheapest(model)
+    for _ in range(MAX_ROUNDS):
+        if not search.improve():
+            break
+    return {model: search.option_of[bit] for model, bit in search.chosen.items()}
+
+
+class _Search:
+    def __init__(
+        self, options: Mapping[str, Sequence[Option]], order: Sequence[str], rooms: Mapping[str, int], experts_curve: ExpertsCurve
+    ) -> None:
+        self.option_of: dict[int, Option] = {}  # bit -> option
+        self.bits: dict[str, list[int]] = {}  # model -> the bits of its options
+        self._on: dict[tuple[str, str], list[int]] = {}  # (model, node) -> the bits of its options there
+        for model in order:
+            self.bits[model] = []
+            for option in options[model]:
+                bit = 1 << len(self.option_of)
+                self.option_of[bit] = option
+                self.bits[model].append(bit)
+                self._on.setdefault((model, option.node), []).append(bit)
+        self.chosen: dict[str, int] = {}  # model -> the bit of its option
+        self.held: dict[str, int] = {}  # node -> the bits of the options it holds
+        self.cost = _NodeCosts(self.option_of, rooms, experts_curve)  # the bits of a node's options -> its cost
+
+    def place_cheapest(self, model: str) -> None:
+        """Give the model its cheapest option beside those placed (the first if none fits)."""
+        cost = self.cost
+        best, best_delta = self.bits[model][0], math.inf
+        for bit in self.bits[model]:
+            held = self.held.get(self.option_of[bit].node, 0)
+            delta = cost[held | bit] - cost[held]
+            if delta < best_delta:
+                best, best_delta = bit, delta
+        self._put(model, best)
+
+    def improve(self) -> bool:
+        """Take the best improving move (one model to another of its options) or swap (two models on different
+        nodes trade nodes, each at any of its precisions there); False where none improves."""
+        cost, held, option_of, on = self.cost, self.held, self.option_of, self._on
+        best_gain, best_move = 1e-9, None
+        for model, current in self.chosen.items():
+            node = option_of[current].node
+            here = held[node]
+            without = here ^ current
+            freed = cost[here] - cost[without]
+            for bit in self.bits[model]:
+                to = option_of[bit].node
+                if to == node:
+                    gain = cost[here] - cost[without | bit]
+                else:
+                    there = held.get(to, 0)
+                    gain = freed - cost[there | bit] + cost[there]
+                if gain > best_gain:
+                    best_gain, best_move = gain, ((model, bit),)
+        for a, b in itertools.combinations(self.chosen, 2):
+            bit_a, bit_b = self.chosen[a], self.chosen[b]
+            node_a, node_b = option_of[bit_a].node, option_of[bit_b].node
+            if node_a == node_b:
+                continue
+            rest_a, rest_b = held[node_a] ^ bit_a, held[node_b] ^ bit_b
+            before = cost[held[node_a]] + cost[held[node_b]]
+            for new_a in on.get((a, node_b), ()):
+                for new_b in on.get((b, node_a), ()):
+                    gain = before - cost[rest_b | new_a] - cost[rest_a | new_b]
+                    if gain > best_gain:
+                        best_gain, best_move = gain, ((a, new_a), (b, new_b))
+        if best_move is None:
+            return False
+        for model, _ in best_move:
+            self._take(model)
+        for model, bit in best_move:
+            self._put(model, bit)
+        return True
+
+    def _put(self, model: str, bit: int) -> None:
+        self.chosen[model] = bit
+        node = self.option_of[bit].node
+        self.held[node] = self.held.get(node, 0) | bit
+
+    def _take(self, model: str) -> None:
+        bit = self.chosen.pop(model)
+        self.held[self.option_of[bit].node] ^= bit
+
+
+class _NodeCosts(dict):
+    """The bits of a node's options -> the node's cost, each priced once, on first look-up.
+
+    A set's bytes and own costs are those of the set without its lowest bit
+    (priced first) plus that option's, and the MoE models' experts curve is
+    looked up by the bits of the MoE options alone (sets that differ in
+    their dense models share it).
+    """
+
+    def __init__(self, option_of: Mapping[int, Option], rooms: Mapping[str, int], experts_curve: ExpertsCurve) -> None:
+        super().__init__({0: 0.0})
+        self._option_of, self._rooms, self._experts_curve = option_of, rooms, experts_curve
+        self._sums: dict[int, tuple[int, float, int]] = {0: (0, 0.0, 0)}  # bits -> (bytes, own costs, MoE bits)
+        self._curves: dict[int, tuple[list[int], list[float]]] = {}  # MoE bits -> their experts curve
+
+    def __missing__(self, held: int) -> float:
+        low = held & -held
+        rest = held ^ low
+        if rest not in self._sums:  # not priced yet
+            self.__missing__(rest)
+        need, cost, moe_bits = self._sums[rest]
+        option = self._option_of[low]
+        need += option.need
+        cost += option.cost
+        if option.moe:
+            moe_bits |= low
+        self._sums[held] = (need, cost, moe_bits)
+        room = self._rooms[option.node]
+        if need > room:
+            cost = math.inf
+        elif moe_bits:
+            taken, change = self._curve(option.node, moe_bits)
+            cost += change[bisect.bisect_right(taken, room - need) - 1]
+        self[held] = cost
+        return cost
+
+    def _curve(self, node: str, moe_bits: int) -> tuple[list[int], list[float]]:
+        curve = self._curves.get(moe_bits)
+        if curve is None:
+            moes = [self._option_of[bit].moe for bit in _bits(moe_bits)]
+            curve = self._curves[moe_bits] = self._experts_curve(node, moes)
+        return curve
+
+
+def _bits(mask: int) -> Iterator[int]:
+    """The set bits of `mask`, lowest first."""
+    while mask:
+        low = mask & -mask
+        yield low
+        mask ^= low

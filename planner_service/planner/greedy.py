@@ -14,9 +14,9 @@ It rebuilds what the GPUs should hold, then settles the lower tiers:
    that room allows, on each group's summed PCIe bandwidth), and a local
    search moves and swaps models between options while the sum falls.
    Served one at a time (most urgent SLO, then largest), the first models
-   took the best nodes: DeepSeek-V3, whose experts gain little per GiB, a
-   node GLM-4.5-Air's experts would fill (median gap to the MILP 1.19, now
-   1.05). Then, in that order, each takes its best group on its node
+   would take the best nodes: DeepSeek-V3, whose experts gain little per
+   GiB, a node GLM-4.5-Air's experts would fill (the gap study's median
+   ratio to the MILP: 1.19 that way, 1.05 chosen together). Then, in that order, each takes its best group on its node
    (`_best_group`; per node the widest group that fits and the fewest-GPU
    one are priced, staying put or resharding on the current node included),
    or on any node if that one has no room left after all. Their sessions'

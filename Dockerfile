@@ -16,11 +16,21 @@ ENV PIP_NO_CACHE_DIR=1 \
 
 WORKDIR /src
 RUN python -m venv /opt/venv
-# What the build context carries is decided by .dockerignore (sources, pyproject.toml, README.md).
+# What the build context carries is decided by .dockerignore (sources, pyproject.toml, setup.py, README.md).
+# The planner's hot modules are compiled with mypyc (plans about 1.3x faster, the same plans): a C compiler
+# and mypy are needed here only; the runtime stage needs neither. --build-arg STATEBUDGET_COMPILE=0: pure Python.
+ARG STATEBUDGET_COMPILE=1
+RUN if [ "$STATEBUDGET_COMPILE" = 1 ]; then \
+      apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
+      && rm -rf /var/lib/apt/lists/* \
+      && python -m pip install "mypy>=2,<3" "setuptools>=70.1" wheel; \
+    fi
 COPY . .
-RUN python -m pip wheel --no-deps --wheel-dir /wheels . \
+RUN if [ "$STATEBUDGET_COMPILE" = 1 ]; then isolation=--no-build-isolation; fi \
+ && STATEBUDGET_COMPILE=$STATEBUDGET_COMPILE python -m pip wheel --no-deps $isolation --wheel-dir /wheels . \
  && /opt/venv/bin/pip install /wheels/*.whl \
- && /opt/venv/bin/statebudget --help > /dev/null
+ && /opt/venv/bin/statebudget --help > /dev/null \
+ && /opt/venv/bin/python -c "import os, planner_service.planner.greedy as g; assert g.__file__.endswith('.so') == (os.environ['STATEBUDGET_COMPILE'] == '1')"
 
 # --- runtime: the virtual environment on a clean slim image, no compilers, no sources ---
 FROM ${PYTHON_IMAGE} AS runtime

@@ -1,8 +1,11 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# the deployed build (as in the Docker image): the planner's hot modules compiled with mypyc, see setup.py
+COMPILED_VENV ?= .venv-compiled
+COMPILED_STAMP := $(COMPILED_VENV)/.installed
 
-.PHONY: run test test-fast bench schemas clean
+.PHONY: run test test-fast compiled bench schemas clean
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -21,13 +24,24 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(PY) -m pytest -m 'not slow'
 
-bench: $(STAMP)
-	$(VENV)/bin/statebudget bench plan --gpus 16 --models 7 --sessions 100 --repeat 300 --json
-	$(VENV)/bin/statebudget bench plan --gpus 64 --models 16 --sessions 500 --repeat 50 --json
-	$(VENV)/bin/statebudget bench plan --gpus 1000 --models 64 --sessions 5000 --repeat 10 --json
+$(COMPILED_STAMP): $(STAMP) setup.py $(shell find planner_service -name '*.py')
+	rm -rf dist
+	STATEBUDGET_COMPILE=1 $(PY) -m pip wheel -q --no-build-isolation --no-deps -w dist .
+	test -x $(COMPILED_VENV)/bin/python || python3 -m venv $(COMPILED_VENV)
+	$(COMPILED_VENV)/bin/pip install -q --force-reinstall --no-deps dist/statebudget-*.whl
+	$(COMPILED_VENV)/bin/pip install -q dist/statebudget-*.whl
+	touch $@
+
+compiled: $(COMPILED_STAMP)
+
+# planning time of the deployed (compiled) build; `.venv/bin/statebudget bench plan ...` times pure Python
+bench: $(COMPILED_STAMP)
+	$(COMPILED_VENV)/bin/statebudget bench plan --gpus 16 --models 7 --sessions 100 --repeat 300 --json
+	$(COMPILED_VENV)/bin/statebudget bench plan --gpus 64 --models 16 --sessions 500 --repeat 50 --json
+	$(COMPILED_VENV)/bin/statebudget bench plan --gpus 1000 --models 64 --sessions 5000 --repeat 10 --json
 
 schemas: $(STAMP)
 	$(VENV)/bin/statebudget export-schemas --out schemas
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) $(COMPILED_VENV) build dist .pytest_cache .hypothesis

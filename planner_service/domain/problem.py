@@ -93,9 +93,11 @@ class Problem:
         """Full size of an object: what residency fractions are measured against."""
         model = self.models[obj.model]
         if obj.kind == "weights":
+            assert obj.precision is not None
             return model.weights_bytes[obj.precision]
         if obj.kind == "experts":
             return model.experts_bytes
+        assert obj.session is not None  # a KV object
         return self.sessions[obj.session].context_tokens * model.kv_bytes_per_token
 
     def capacity_of(self, loc: Location) -> int:
@@ -127,7 +129,7 @@ def resolve_model(spec: ModelIn, where: str) -> ModelSpec:
     if spec.precisions is not None:
         precisions = tuple(str(p) for p in spec.precisions)
     if precisions is None:
-        precisions = tuple(str(p) for p in (spec.weights_bytes or {"bf16": 0}))
+        precisions = tuple(str(p) for p in spec.weights_bytes) if spec.weights_bytes else ("bf16",)
     preferred = precisions[0]
 
     weights: dict[str, int] = {}
@@ -194,17 +196,17 @@ def _resolve_gpus(scenario: Scenario) -> dict[str, Gpu]:
             def pick(explicit: float | None, preset_value: float | None) -> float:
                 return explicit if explicit is not None else preset_value  # type: ignore[return-value]
 
-            hbm = int(pick(g.hbm_bytes, base and base.hbm_bytes))
+            hbm = int(pick(g.hbm_bytes, base.hbm_bytes if base else None))
             if g.reserved_bytes > hbm:
                 raise ScenarioError(f"{where}.reserved_bytes: larger than the GPU's {hbm} HBM bytes")
-            h2d = pick(g.h2d_bytes_per_s, base and base.h2d_bytes_per_s)
+            h2d = pick(g.h2d_bytes_per_s, base.h2d_bytes_per_s if base else None)
             gpus[g.id] = Gpu(
                 id=g.id,
                 node=node.id,
                 type=g.type or "custom",
                 capacity_bytes=hbm - g.reserved_bytes,
-                hbm_bytes_per_s=pick(g.hbm_bytes_per_s, base and base.hbm_bytes_per_s),
-                bf16_flops=pick(g.bf16_flops, base and base.bf16_flops),
+                hbm_bytes_per_s=pick(g.hbm_bytes_per_s, base.hbm_bytes_per_s if base else None),
+                bf16_flops=pick(g.bf16_flops, base.bf16_flops if base else None),
                 h2d_bytes_per_s=h2d,
                 d2h_bytes_per_s=pick(g.d2h_bytes_per_s, base.d2h_bytes_per_s if base else h2d),
             )

@@ -66,12 +66,14 @@ import operator
 from collections import defaultdict, deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from planner_service.domain.problem import Gpu, ModelSpec, Problem, Session
 from planner_service.domain.scenario import Capability, Slo
 from planner_service.domain.state import Kind, Location, Placement, StateObject, Tier
 from planner_service.domain.units import GIB
 from planner_service.planner import costs, joint
+from planner_service.planner.errors import PlanningError
 from planner_service.planner.objective import Demand, cold_load
 from planner_service.planner.residency import ResidencyIndex, copy_placement
 
@@ -84,7 +86,7 @@ _OFFER_BYTES, _OFFER_CHANGE = operator.itemgetter(3), operator.itemgetter(4)  # 
 # bound once: on Python 3.11 an `Enum.MEMBER` lookup costs about ten global reads
 _GPU, _HOST, _NVME, _KV, _WEIGHTS = Tier.GPU, Tier.HOST, Tier.NVME, Kind.KV, Kind.WEIGHTS
 _KV_OFFLOAD, _WEIGHTS_OFFLOAD, _PARTIAL_EXPERTS = Capability.KV_OFFLOAD, Capability.WEIGHTS_OFFLOAD, Capability.PARTIAL_EXPERTS
-_UNKNOWN = object()  # not looked up yet (None is an answer)
+_UNKNOWN: Any = object()  # not looked up yet (None is an answer)
 NODE_SHORTLIST = 4  # past 2x this many candidate nodes, a group search prices the tightest and roomiest this many each
 
 
@@ -272,7 +274,7 @@ class GreedyPlanner:
         self._kv_on_gpus = {(obj, problem.gpus[loc.id].node) for obj, loc in self.now.kv_entries if loc.tier is _GPU}
         self._cold_groups: dict[tuple[str, str, str], tuple[Gpu, ...] | None] = {}
         self._uniform = {  # nodes whose cards are all alike
-            n.id: len({(g.type, g.capacity_bytes, g.h2d_bytes_per_s, g.bf16_flops) for g in map(problem.gpus.get, n.gpus)}) <= 1
+            n.id: len({(g.type, g.capacity_bytes, g.h2d_bytes_per_s, g.bf16_flops) for g in (problem.gpus[i] for i in n.gpus)}) <= 1
             for n in problem.nodes.values()
         }
         # model -> SLO-weighted tokens a re-prefill would process (Python floats: they are read one at a time)
@@ -404,6 +406,8 @@ class GreedyPlanner:
                         seconds = self._regroup_seconds(obj, gpus, nbytes, node_id)
                     else:
                         seconds = costs.weights_load_seconds(nbytes, gpus, source, node, self.c)
+                    if seconds is None:
+                        continue
                     cost = penalty + moved + self._group_cost(model, gpus, node_id, seconds, nbytes + extra_bytes)
                     options.append(((cost, rank, free - nbytes - extra_bytes, node_id, seconds), precision, gpus))
         if model.id in self.nodes:
@@ -753,7 +757,7 @@ class GreedyPlanner:
         (`_load_candidates` tries one node per look).
         """
         sessions = self.active[model.id]
-        weight_by_target = defaultdict(float)
+        weight_by_target: dict[float, float] = defaultdict(float)
         for s in sessions:
             weight_by_target[self.c.slo_targets_seconds.of(s.slo)] += self.c.slo_weights.of(s.slo)
         best: dict[tuple[str, str], joint.Option] = {}
@@ -849,6 +853,7 @@ class GreedyPlanner:
             else:
                 self._push_followers(model_id, push)
 
+        group: Group  # each payload's group (the payloads are plain tuples)
         while heap:
             _, _, kind, payload = heapq.heappop(heap)
             if kind == "weights":
@@ -978,11 +983,12 @@ class GreedyPlanner:
         card. Without a complete copy below the node's GPUs to load from, a
         GPU keeps at most the expert bytes it holds now (nothing could fill more).
         """
-        if nbytes >= self._refused_chunk.get(obj, math.inf):
+        refused = self._refused_chunk.get(obj)
+        if refused is not None and nbytes >= refused:
             return False  # a chunk this size found no room already, and room only shrinks
         model = self.p.models[obj.model]
         if _PARTIAL_EXPERTS in self.p.nodes[node].capabilities:
-            units = (self._expert_split_unit(model, node), model.expert_bytes)
+            units: tuple[int, ...] = (self._expert_split_unit(model, node), model.expert_bytes)
         else:
             units = (nbytes,)
         sourced = self.now.complete_source(obj, node) is not None
@@ -1046,7 +1052,7 @@ class GreedyPlanner:
             if obj.kind is _KV:
                 if obj.model in invalid or _KV_OFFLOAD not in node.capabilities:
                     continue
-                if self.target.get((obj, self._at[self.groups[obj.model].gpus[0].id]) if obj.model in self.groups else None):
+                if obj.model in self.groups and self.target.get((obj, self._at[self.groups[obj.model].gpus[0].id])):
                     continue  # it stays on GPU elsewhere in the group
                 have = self.target.get((obj, host), 0)
                 if have >= self.p.size_of(obj) or self._kv_host_value(obj, node_id) <= 0:
@@ -1063,9 +1069,12 @@ class GreedyPlanner:
                 continue
             # the GPU copy is the node's last complete one: move it down
             to = host if (_WEIGHTS_OFFLOAD in node.capabilities and node.host_bytes - host_used[node_id] >= nbytes) else nvme
-            if to.tier is _NVME and nvme_used is None:
-                nvme_used = _bytes_per_node(kept, _NVME)
-            used = host_used if to.tier is _HOST else nvme_used
+            if to.tier is _HOST:
+                used = host_used
+            else:
+                if nvme_used is None:
+                    nvme_used = _bytes_per_node(kept, _NVME)
+                used = nvme_used
             if self.p.capacity_of(to) - used[node_id] < nbytes:
                 raise PlanningError(
                     f"nvme capacity: node {node_id} has no room below GPU for the last copy of {obj.label()}"
@@ -1093,6 +1102,7 @@ class GreedyPlanner:
 
     def _kv_host_value(self, obj: StateObject, node: str) -> float:
         model = self.p.models[obj.model]
+        assert obj.session is not None  # a KV object
         w = self._weight(obj.session, obj.model)
         group = self.groups.get(obj.model)
         gpus = group.gpus if group else self._cold_group(model, model.preferred, node)
@@ -1174,10 +1184,6 @@ _HOT_EXPERTS = (
 def _words(why: tuple[str, tuple]) -> str:
     template, numbers = why
     return template.format(*numbers)
-
-
-class PlanningError(RuntimeError):
-    """The plan would break a hard constraint; the message names it."""
 
 
 def plan_greedy(

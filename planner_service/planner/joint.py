@@ -94,7 +94,8 @@ class _Search:
         """Take the best improving move (one model to another of its options) or swap (two models on different
         nodes trade nodes, each at any of its precisions there); False where none improves."""
         cost, held, option_of, on = self.cost, self.held, self.option_of, self._on
-        best_gain, best_move = 1e-9, None
+        best_gain = 1e-9
+        best_move: tuple[tuple[str, int], ...] | None = None
         for model, current in self.chosen.items():
             node = option_of[current].node
             here = held[node]
@@ -178,7 +179,7 @@ class _NodeCosts(dict):
     def _curve(self, node: str, moe_bits: int) -> tuple[list[int], list[float]]:
         curve = self._curves.get(moe_bits)
         if curve is None:
-            moes = [self._option_of[bit].moe for bit in _bits(moe_bits)]
+            moes = [moe for bit in _bits(moe_bits) if (moe := self._option_of[bit].moe) is not None]  # all are MoEs
             curve = self._curves[moe_bits] = self._experts_curve(node, moes)
         return curve
 

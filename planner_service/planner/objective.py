@@ -194,7 +194,12 @@ def _kv_ready_of(
     in `index` counts), the prefill seconds per token there, and the sessions. Returns (rows, session
     columns, seconds), the sessions of each group in id order.
     """
-    rows, columns, tokens, held, host, nvme = [], [], [], [], [], []
+    rows: list[int] = []
+    columns: list[int] = []
+    tokens: list[int] = []
+    held: list[int] = []
+    host: list[int] = []
+    nvme: list[int] = []
     counts, sizes, links = [], [], []  # per model: its sessions, and what `kv_ready_seconds_grouped` takes of it
     for index, row, model, node, gpus, on_gpus, per_token, holders in groups:
         ids = sorted(holders)
@@ -271,8 +276,8 @@ def evaluate(
         model = problem.models[s.model]
         w, target_s = weight_of[position[s.id]], target_of[position[s.id]]
         serving = then.serving.get(s.model)
-        kv = StateObject.kv(s.model, s.id)
-        if serving is None or then.on(kv, serving.node, _GPU) < problem.size_of(kv):
+        kv_obj = StateObject.kv(s.model, s.id)
+        if serving is None or then.on(kv_obj, serving.node, _GPU) < problem.size_of(kv_obj):
             # the model is not served, or this session's KV has no room beside it: the request waits
             unserved.append(s.id)
             unserved_cost += c.unserved_penalty_seconds * w
@@ -286,7 +291,7 @@ def evaluate(
 
     # Predicted next requests: where each predicted model would run, then the latencies of all of them
     # as one [models x sessions] array (the sessions holding some KV priced for all models at once).
-    predicted = demand.q.any(axis=1).tolist()
+    predicted: list[bool] = np.any(demand.q, axis=1).tolist()
     rows: list[int] = []  # rows of `demand.q` predicted
     ready: list[float] = []  # per predicted model: seconds until its weights are ready
     per_token: list[float] = []  # prefill seconds per token where it would run (0: nowhere)

@@ -65,7 +65,7 @@ _WEIGHTS, _EXPERTS, _KV = Kind.WEIGHTS, Kind.EXPERTS, Kind.KV
 _KV_OFFLOAD, _WEIGHTS_OFFLOAD = Capability.KV_OFFLOAD, Capability.WEIGHTS_OFFLOAD
 _PROMOTE, _DEMOTE, _DROP = Action.PROMOTE, Action.DEMOTE, Action.DROP
 _PREFETCH, _BACKGROUND = Priority.PREFETCH, Priority.BACKGROUND
-_UNKNOWN = object()  # not looked up yet (None is an answer)
+_UNKNOWN: Any = object()  # not looked up yet (None is an answer)
 _KEY = itemgetter(0)  # of a dict item: sorting items by it skips a level of tuple comparison
 
 
@@ -119,6 +119,7 @@ def _words(op: Operation, purpose: str | None, waiting: Slo | None) -> str:
     gib = op.bytes / 2**30
     obj = op.object.label()
     if op.action is _PROMOTE:
+        assert op.dest is not None
         if op.source is None:
             base = f"prefill {gib:.2f} GiB of {obj} on {op.dest.label()}"
         else:
@@ -127,7 +128,9 @@ def _words(op: Operation, purpose: str | None, waiting: Slo | None) -> str:
             slo = waiting.value
             return f"{base}: {'an' if slo[0] in 'aeiou' else 'a'} {slo} request is waiting for it"
         return f"{base}: {purpose}" if purpose else f"{base}: predicted to be needed"
+    assert op.source is not None
     if op.action is _DEMOTE:
+        assert op.dest is not None
         return f"free {gib:.2f} GiB on {op.source.label()}; keep {obj} on {op.dest.label()} for a cheaper way back"
     return f"free {gib:.2f} GiB on {op.source.label()}; {obj} is worth less than the room it takes"
 
@@ -358,12 +361,14 @@ class _Builder:
         for frees in frees_at.values():
             for i in frees:
                 op = ops[i]
+                source = op.source
+                assert source is not None  # ops in frees_at have a source
                 # a source is freed only after its readers are done
-                after = [r for r in readers.get((op.object, op.source), ()) if r != i]
+                after = [r for r in readers.get((op.object, source), ()) if r != i]
                 # a complete copy is dropped only once another complete copy on the node exists
                 if op.action is _DROP and op.object.kind is not _KV:
-                    for other in self._complete_copies_in_target(op.object, self.p.node_of(op.source)):
-                        if other != op.source:
+                    for other in self._complete_copies_in_target(op.object, self.p.node_of(source)):
+                        if other != source:
                             after.extend(a for a in adds_at.get(other, ()) if ops[a].object == op.object)
                 if after:
                     deps[i].update(after)
@@ -373,12 +378,12 @@ class _Builder:
             for d in ds:
                 waiting[d].add(i)
         for loc, adds in adds_at.items():
-            frees = frees_at.get(loc)
-            if not frees:
+            freed = frees_at.get(loc)
+            if not freed:
                 continue
             for add in adds:
                 after_add = _downstream(waiting, add)
-                first = [f for f in frees if f != add and f not in after_add]
+                first = [f for f in freed if f != add and f not in after_add]
                 if first:
                     deps[add].update(first)
                 for f in first:
@@ -407,37 +412,7 @@ class _Builder:
 
     def ordered(self) -> list[Operation]:
         """Kahn's topological order, most urgent first among the ready; ids set to "op-N" in that order."""
-        ops, deps, children = self.ops, self._deps, self._waiting
-        n = len(ops)
-        # an operation's place in the ready heap: rank * n + position, one int that orders as the pair
-        # (rank, position) does and compares several times faster (sorting the heap's rest is most of the work)
-        entry = [PRIORITY_RANK[op.priority] * n + i for i, op in enumerate(ops)]
-        position = n.__rmod__  # of an entry
-        pending = {i: len(ds) for i, ds in deps.items()}
-        ready = list(map(entry.__getitem__, filterfalse(pending.__contains__, range(n))))  # waiting on nothing
-        heapq.heapify(ready)
-        sequence: list[int] = []  # positions in `ops`, in order
-        awaited = set(children)  # operations others wait on, not yet in the order
-        while ready and awaited:
-            i = position(heapq.heappop(ready))
-            sequence.append(i)
-            if i in awaited:
-                awaited.remove(i)
-                for child in children[i]:
-                    pending[child] -= 1
-                    if not pending[child]:
-                        heapq.heappush(ready, entry[child])
-        # nothing waits on the rest (most operations): they come in the order the heap would pop them
-        sequence.extend(map(position, sorted(ready)))
-        if len(sequence) != len(ops):
-            raise ValueError("operation dependencies form a cycle")
-        order = list(map(ops.__getitem__, sequence))
-        for k, op in enumerate(order, 1):
-            op.id = f"op-{k}"  # an f-string formats in about half the time `str.format` takes
-        place = dict(zip(sequence, range(n)))  # position in `ops` -> in the order
-        for i, ds in deps.items():
-            ops[i].depends_on = [ops[d].id for d in sorted(ds, key=place.__getitem__)]
-        return order
+        return kahn_order(self.ops, self._deps, self._waiting)
 
     # -- annotations --------------------------------------------------------
 
@@ -457,12 +432,14 @@ class _Builder:
         if action is _DROP:
             return 0.0
         node = self.p.nodes[node_id]
+        assert dest is not None  # only drops have none
         if action is _PROMOTE:
             if dest.tier is _GPU:
                 if source is None:  # KV made by prefill
                     return nbytes * self._prefill_seconds_per_byte(obj.model, dest.id)
                 return costs.even_copy_seconds(nbytes, (self.p.gpus[dest.id],), source.tier, node)
             return nbytes / node.nvme_read_bytes_per_s
+        assert source is not None  # a demotion or drop
         gpu = self.p.gpus[source.id] if source.tier is _GPU else None
         return costs.write_down_seconds(nbytes, gpu, dest.tier, node)
 
@@ -475,6 +452,41 @@ class _Builder:
             per_token = costs.prefill_seconds_per_token(model, [self.p.gpus[gpu_id]], self.p.constants)
             rate = self._prefill_seconds[key] = per_token / max(1, model.kv_bytes_per_token)
         return rate
+
+
+def kahn_order(ops: list[Operation], deps: Mapping[int, set[int]], children: Mapping[int, set[int]]) -> list[Operation]:
+    """Kahn's topological order of `ops` (`deps`: position -> the positions it waits on; `children`: the
+    reverse), most urgent first among the ready; ids set to "op-N" in that order, `depends_on` filled."""
+    n = len(ops)
+    # an operation's place in the ready heap: rank * n + position, one int that orders as the pair
+    # (rank, position) does and compares several times faster (sorting the heap's rest is most of the work)
+    entry = [PRIORITY_RANK[op.priority] * n + i for i, op in enumerate(ops)]
+    position = n.__rmod__  # of an entry
+    pending = {i: len(ds) for i, ds in deps.items()}
+    ready = list(map(entry.__getitem__, filterfalse(pending.__contains__, range(n))))  # waiting on nothing
+    heapq.heapify(ready)
+    sequence: list[int] = []  # positions in `ops`, in order
+    awaited = set(children)  # operations others wait on, not yet in the order
+    while ready and awaited:
+        i = position(heapq.heappop(ready))
+        sequence.append(i)
+        if i in awaited:
+            awaited.remove(i)
+            for child in children[i]:
+                pending[child] -= 1
+                if not pending[child]:
+                    heapq.heappush(ready, entry[child])
+    # nothing waits on the rest (most operations): they come in the order the heap would pop them
+    sequence.extend(map(position, sorted(ready)))
+    if len(sequence) != len(ops):
+        raise ValueError("operation dependencies form a cycle")
+    order = list(map(ops.__getitem__, sequence))
+    for k, op in enumerate(order, 1):
+        op.id = f"op-{k}"  # an f-string formats in about half the time `str.format` takes
+    place = dict(zip(sequence, range(n)))  # position in `ops` -> in the order
+    for i, ds in deps.items():
+        ops[i].depends_on = [ops[d].id for d in sorted(ds, key=place.__getitem__)]
+    return order
 
 
 def _downstream(waiting: Mapping[int, set[int]], start: int) -> set[int]:

@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
 from types import MappingProxyType
+from typing import Any
 
 from planner_service.domain.problem import Gpu, Problem
 from planner_service.domain.state import Kind, Location, Placement, StateObject, Tier
@@ -24,7 +25,7 @@ from planner_service.domain.state import Kind, Location, Placement, StateObject,
 
 _GPU = Tier.GPU  # bound once: on Python 3.11 an `Enum.MEMBER` lookup costs about ten global reads
 _BELOW_GPU = (Tier.HOST, Tier.NVME)  # fastest first
-_UNKNOWN = object()  # not looked up yet (None is an answer)
+_UNKNOWN: Any = object()  # not looked up yet (None is an answer)
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +67,7 @@ class ResidencyIndex:
                 continue  # checkpoints on NVMe: most of a placement
             if kind is kv_kind:
                 kv_entries[key] = nbytes
+                assert obj.session is not None  # a KV object
                 kv_sessions[obj.model].add(obj.session)
             if tier is gpu_tier:
                 gpu = gpus[loc.id]
@@ -176,6 +178,7 @@ def _serving(
     serving: dict[str, Serving] = {}
     for (obj, node), gpus in sorted(holders.items(), key=lambda kv: _serving_order(problem, kv[0])):
         if obj.model not in serving and gpu_bytes[(obj, node)] >= problem.size_of(obj):
+            assert obj.precision is not None  # a weights object
             serving[obj.model] = Serving(node, obj.precision, tuple(sorted(gpus, key=lambda g: g.id)))
     return serving
 

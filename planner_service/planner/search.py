@@ -28,7 +28,8 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 from planner_service.domain.problem import Problem
-from planner_service.planner.greedy import PlanningError, TargetPlan, plan_greedy
+from planner_service.planner.errors import PlanningError
+from planner_service.planner.greedy import TargetPlan, plan_greedy
 from planner_service.planner.objective import evaluate
 
 MAX_PLANS = 400  # about a second at demo size

@@ -28,7 +28,8 @@ from planner_service.domain.scenario import Capability
 from planner_service.domain.state import Location, Placement, StateObject, Tier
 from planner_service.domain.units import MIB
 from planner_service.planner import costs
-from planner_service.planner.greedy import EXPERT_CHUNKS, GreedyPlanner, Group, PlanningError, TargetPlan, split_evenly
+from planner_service.planner.errors import PlanningError
+from planner_service.planner.greedy import EXPERT_CHUNKS, GreedyPlanner, Group, TargetPlan, split_evenly
 from planner_service.planner.objective import _arrival_latency, cold_load, kv_ready
 from planner_service.planner.residency import ResidencyIndex, Serving
 from planner_service.solver.backends import IntModel

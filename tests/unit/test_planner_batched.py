@@ -23,7 +23,7 @@ from planner_service.planner.operations import (
     PRIORITY_RANK,
     Action,
     Operation,
-    _Builder,
+    kahn_order,
 )
 from planner_service.planner.predictor import problem_from_scenario
 from planner_service.planner.residency import ResidencyIndex
@@ -152,27 +152,22 @@ def test_operations_come_in_kahns_most_urgent_first_order() -> None:
         for _ in range(20):
             ranks = rng.integers(0, len(priorities), n).tolist()
             deps = {i: {int(d) for d in rng.choice(i, size=min(i, 3), replace=False)} for i in range(n) if i and rng.random() < 0.2}
-            builder = object.__new__(_Builder)
-            builder.ops = [Operation("", Action.DROP, kv, None, None, 1, False, priorities[r]) for r in ranks]
-            builder._deps = {i: set(ds) for i, ds in deps.items()}
-            builder._waiting = defaultdict(set)
+            ops = [Operation("", Action.DROP, kv, None, None, 1, False, priorities[r]) for r in ranks]
+            waiting: defaultdict[int, set[int]] = defaultdict(set)
             for i, ds in deps.items():
                 for d in ds:
-                    builder._waiting[d].add(i)
+                    waiting[d].add(i)
             expected = _reference_order(ranks, deps)
-            order = builder.ordered()
-            assert [builder.ops.index(op) for op in order] == expected
+            order = kahn_order(ops, {i: set(ds) for i, ds in deps.items()}, waiting)
+            assert [ops.index(op) for op in order] == expected
             names = {i: f"op-{k + 1}" for k, i in enumerate(expected)}
-            for i, op in enumerate(builder.ops):
+            for i, op in enumerate(ops):
                 assert op.id == names[i]
                 assert op.depends_on == sorted((names[d] for d in deps.get(i, ())), key=lambda name: int(name[3:]))
 
 
 def test_a_dependency_cycle_is_refused() -> None:
     kv = StateObject.kv("m", "s")
-    builder = object.__new__(_Builder)
-    builder.ops = [Operation("", Action.DROP, kv, None, None, 1, False) for _ in range(3)]
-    builder._deps = {1: {2}, 2: {1}}
-    builder._waiting = defaultdict(set, {1: {2}, 2: {1}})
+    ops = [Operation("", Action.DROP, kv, None, None, 1, False) for _ in range(3)]
     with pytest.raises(ValueError, match="cycle"):
-        builder.ordered()
+        kahn_order(ops, {1: {2}, 2: {1}}, defaultdict(set, {1: {2}, 2: {1}}))

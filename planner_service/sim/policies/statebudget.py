@@ -63,7 +63,8 @@ from typing import TYPE_CHECKING
 from planner_service.domain.problem import Problem, Session
 from planner_service.domain.scenario import Slo
 from planner_service.domain.state import Kind, Location, StateObject, Tier
-from planner_service.planner.greedy import PlanningError, TargetPlan, plan_greedy
+from planner_service.planner.errors import PlanningError
+from planner_service.planner.greedy import TargetPlan, plan_greedy
 from planner_service.planner.objective import evaluate
 from planner_service.planner.operations import Action, Operation
 from planner_service.planner.plan import Plan, make_plan

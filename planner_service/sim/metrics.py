@@ -40,6 +40,14 @@ def slo_violation_rates(requests: Sequence[SimRequest], targets: SloClassConstan
     return out
 
 
+def completion_by_model(requests: Sequence[SimRequest]) -> dict[str, dict[str, float]]:
+    """P50 / P95 seconds from each request's arrival until its last output token, per model."""
+    by_model: dict[str, list[float]] = {}
+    for r in requests:
+        by_model.setdefault(r.model, []).append(r.done_at - r.admitted_at)
+    return {model: _quantiles(seconds, ("p50", "p95")) for model, seconds in sorted(by_model.items())}
+
+
 def summarize(result: SimResult, targets: SloClassConstants = DEFAULT_TTFT_TARGETS) -> dict[str, Any]:
     requests = result.requests
     switch = [r.switch_seconds for r in requests]
@@ -50,6 +58,9 @@ def summarize(result: SimResult, targets: SloClassConstants = DEFAULT_TTFT_TARGE
         "handoffs": len(handoff),
         "switch_latency_seconds": {"all": _latency(switch), "handoff": _latency(handoff)},
         "ttft_seconds": _quantiles([r.ttft_seconds for r in requests]),
+        # what the switch latency leaves out: decoding, where a MoE's experts off GPU slow every token
+        "completion_seconds": _quantiles([r.done_at - r.admitted_at for r in requests]),
+        "completion_seconds_by_model": completion_by_model(requests),
         "slo_violation_rate": slo_violation_rates(requests, targets),
         "gpu_bytes": {"mean": int(result.gpu_byte_seconds / duration), "peak": int(result.peak_gpu_bytes)},
         "warm_idle_gpu_bytes": {"mean": int(result.warm_idle_byte_seconds / duration)},

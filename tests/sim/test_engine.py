@@ -10,6 +10,7 @@ import pytest
 from planner_service.domain.demo import demo_scenario
 from planner_service.domain.scenario import Scenario, parse_scenario
 from planner_service.sim.engine import SimulationError, simulate
+from planner_service.sim.metrics import summarize
 from planner_service.sim.policies import create_policy
 from planner_service.sim.report import replay
 from planner_service.sim.trace import TraceEnd, TraceRecord, TraceRequest
@@ -107,6 +108,17 @@ def test_hand_checked_latencies_with_room_for_one(policy: str, expected: list[fl
 def test_ttft_adds_the_prefill_of_the_new_input() -> None:
     result = simulate(tiny_scenario(), tiny_trace(), create_policy("lru"))
     assert [round(r.ttft_seconds, 4) for r in result.requests] == pytest.approx([9.5, 10.5, 2.0])
+
+
+def test_completion_adds_the_decode_to_the_ttft() -> None:
+    """The last turn decodes 200 tokens: each reads the 4 GB of weights at 0.8 * 1000 GB/s, 5 ms."""
+    trace = tiny_trace()
+    trace[-1] = TraceRequest(t=200.0, session="s1", model="a", input_tokens=1000, output_tokens=200)
+    result = simulate(tiny_scenario(), trace, create_policy("lru"))
+    assert [r.done_at - r.admitted_at for r in result.requests] == pytest.approx([9.5, 10.5, 3.0], abs=1e-3)
+    by_model = summarize(result)["completion_seconds_by_model"]
+    assert by_model["a"]["p50"] == pytest.approx((9.5 + 3.0) / 2, abs=1e-3)
+    assert by_model["b"] == pytest.approx({"p50": 10.5, "p95": 10.5}, abs=1e-3)
 
 
 def test_handoffs_are_model_changes_within_a_session() -> None:

@@ -43,6 +43,8 @@ def test_replay_writes_json_and_plots(tmp_path: Path) -> None:
         assert set(m["switch_latency_seconds"]) == {"all", "handoff"}
         assert set(m["switch_latency_seconds"]["handoff"]) == {"p50", "p95", "p99", "mean"}
         assert set(m["ttft_seconds"]) == {"p50", "p95", "p99"}
+        assert m["completion_seconds"]["p95"] >= m["ttft_seconds"]["p95"]
+        assert set(m["completion_seconds_by_model"]) <= {"planner", "coder", "reasoner", "air", "summarizer", "vision", "longctx"}
         assert set(m["slo_violation_rate"]) == {"blocking", "interactive", "background", "all"}
         assert {"mean", "peak"} <= set(m["gpu_bytes"])
         assert "mean" in m["warm_idle_gpu_bytes"]

@@ -47,11 +47,12 @@ and roomiest few; the joint choice prices each model's options once (one
 node per look, copied to the others) and each set of options on a node
 once; each node's free room and GPUs-by-free-bytes are kept up to date as
 bytes are taken rather than recomputed per candidate; a MoE's expert curve
-has one cached shape per (model, node), scaled by the group's PCIe
-bandwidth, and MoE models sharing a node have one curve of running totals
-per set (a room is then one bisection); reasons are formatted only for
-offers that are placed; the checkpoints on NVMe, most of any placement, are
-looked up in place and copied without re-hashing, never walked one by one.
+has one cached shape per (model, node) (nodes alike share it), scaled by
+the group's PCIe bandwidth, and MoE models sharing a node have one curve of
+running totals per set (a room is then one bisection; the joint choice
+reads the same cache); reasons are formatted only for offers that are
+placed; the checkpoints on NVMe, most of any placement, are looked up in
+place and copied without re-hashing, never walked one by one.
 The residency index and demand built here are handed to
 `make_plan`, so operations and the evaluator do not build them again.
 """
@@ -111,6 +112,21 @@ class TargetPlan:
     # what it was planned from, for `make_plan` to reuse: the confirmed placement's index and the demand
     now: ResidencyIndex | None = None
     demand: Demand | None = None
+
+
+def _tightest_group(
+    gpus: list[Gpu], free: list[int], k: int, model: ModelSpec, nbytes: int
+) -> tuple[tuple[Gpu, ...], int] | None:
+    """The tightest `k` of a node's GPUs (`gpus` sorted by `free` bytes) that each hold an even shard of `nbytes`,
+    in id order, with their free bytes together; None if there are fewer or the model needs more GPUs there."""
+    share = math.ceil(nbytes / k)
+    start = bisect.bisect_left(free, share)
+    if len(gpus) - start < k:
+        return None
+    group = tuple(sorted(gpus[start : start + k], key=_BY_ID))
+    if model.min_gpus and k < max(model.min_gpus.get(g.type, 1) for g in group):
+        return None
+    return group, sum(free[start : start + k])
 
 
 def split_evenly(nbytes: int, parts: int) -> list[int]:
@@ -220,6 +236,7 @@ class _ExpertShape:
     """A MoE's expert chunks on one node. Its decode slowdown at step k is `scale * miss[k]`, where the
     scale (served weight * slowdown with no expert on GPU) depends on the group's PCIe bandwidth."""
 
+    key: tuple  # (model, partial experts, limit): all the shape depends on (nodes alike share it)
     steps: list[int]  # [0, expert bytes on GPU at each chunk step the node may hold]
     miss: list[float]  # share of routed-expert reads that miss the GPU at each step
     sizes: list[int]  # per chunk (step k -> k + 1): its bytes
@@ -279,8 +296,11 @@ class GreedyPlanner:
         }
         # model -> SLO-weighted tokens a re-prefill would process (Python floats: they are read one at a time)
         self._context_demand = dict(zip(self.row, (self.weighted @ demand.context).tolist()))
+        # SLO class -> its weight and target, read once (`CostConstants` looks them up by name, a Python call each)
+        self._slo_weight = {slo: self.c.slo_weights.of(slo) for slo in Slo}
+        self._slo_target = {slo: self.c.slo_targets_seconds.of(slo) for slo in Slo}
         self._active_weight = {
-            m: sum(self.c.slo_weights.of(s.slo) for s in sessions) for m, sessions in self.active.items()
+            m: sum(self._slo_weight[s.slo] for s in sessions) for m, sessions in self.active.items()
         }
         # node -> {MoE model served there: (its spec, its group's summed host->GPU bandwidth, which its expert
         # fetches run on)}
@@ -423,7 +443,7 @@ class GreedyPlanner:
             if current is not None and self.active.get(model.id):
                 per_token = costs.prefill_seconds_per_token(model, current.gpus, self.c)
                 held = [s for s in self.active[model.id] if (StateObject.kv(model.id, s.id), current.node) in self._kv_held]
-                seconds = sum(self.c.slo_weights.of(s.slo) * s.context_tokens for s in held) * per_token
+                seconds = sum(self._slo_weight[s.slo] * s.context_tokens for s in held) * per_token
             self._active_context[model.id] = seconds
         return seconds
 
@@ -509,13 +529,17 @@ class GreedyPlanner:
         """
         if not moes:
             return 0.0
+        taken, cost = self._curve(node_id, moes)
+        return cost[bisect.bisect_right(taken, room) - 1]
+
+    def _curve(self, node_id: str, moes: list[tuple[ModelSpec, float]]) -> tuple[list[int], list[float]]:
+        """`_experts_curve`, remembered per (node, models, their bandwidths and placed bytes)."""
         placed = self._experts_placed
         key = (node_id, *[(m.id, h2d, placed.get(m.id, 0)) for m, h2d in moes])
         curve = self._curves.get(key)
         if curve is None:
             curve = self._curves[key] = self._experts_curve(node_id, moes)
-        taken, cost = curve
-        return cost[bisect.bisect_right(taken, room) - 1]
+        return curve
 
     def _experts_curve(self, node_id: str, moes: list[tuple[ModelSpec, float]]) -> tuple[list[int], list[float]]:
         """The paying chunks of MoE models sharing a node's room, the best saving per byte first (each model's
@@ -529,11 +553,12 @@ class GreedyPlanner:
 
     def _expert_terms(self, node_id: str, model: ModelSpec, h2d: float, placed: int) -> _ExpertTerms:
         """`_ExpertTerms` of a MoE on the node, on a group of summed host->GPU bandwidth `h2d`, with `placed`
-        expert bytes on GPU (remembered: a group search prices the same few again and again)."""
-        key = (model.id, node_id, h2d, placed)
+        expert bytes on GPU (remembered per shape, which nodes alike share: a group search prices the same few
+        again and again)."""
+        shape = self._expert_shape(model, node_id)
+        key = (shape.key, h2d, placed)
         terms = self._expert_terms_memo.get(key)
         if terms is None:
-            shape = self._expert_shape(model, node_id)
             # served weight * decode slowdown with no expert on GPU (costs.decode_slowdown_seconds at f = 0)
             scale = self._served_weight(model.id) * self.c.output_tokens_per_request * model.active_expert_bytes_per_token / h2d
             steps, miss = shape.steps, shape.miss
@@ -554,7 +579,7 @@ class GreedyPlanner:
             return shape
         limit = self._expert_limit(model, node_id)
         partial = _PARTIAL_EXPERTS in self.p.nodes[node_id].capabilities
-        key = (model.id, partial, limit)  # all the shape depends on (nodes alike share it)
+        key = (model.id, partial, limit)
         shape = self._shapes.get(key)
         if shape is None:
             steps = [0] + [b for b in self._expert_steps(model, node_id) if b <= limit]
@@ -563,7 +588,7 @@ class GreedyPlanner:
             sizes = [b - a for a, b in zip(steps, steps[1:])]
             gains = [b - a for a, b in zip(miss, miss[1:])]
             slope = [g / n for g, n in zip(gains, sizes)]
-            shape = self._shapes[key] = _ExpertShape(steps, miss, sizes, gains, list(itertools.accumulate(slope, max)))
+            shape = self._shapes[key] = _ExpertShape(key, steps, miss, sizes, gains, list(itertools.accumulate(slope, max)))
         self._shape_on[(model.id, node_id)] = shape
         return shape
 
@@ -640,25 +665,21 @@ class GreedyPlanner:
         in small pieces.
         """
         gpus, free = self.book.by_free(node_id)
-
-        def group_of(k: int) -> tuple[tuple[Gpu, ...], int] | None:
-            share = math.ceil(nbytes / k)
-            start = bisect.bisect_left(free, share)  # cards in order of free bytes: the tightest k that hold a shard
-            if len(gpus) - start < k:
-                return None
-            group = tuple(sorted(gpus[start : start + k], key=_BY_ID))
-            if model.min_gpus and k < max(model.min_gpus.get(g.type, 1) for g in group):
-                return None
-            return group, sum(free[start : start + k])
-
-        widths = range(1, len(gpus) + 1)
-        wide = next((g for g in map(group_of, reversed(widths)) if g is not None), None)
+        # plain loops over a module function rather than a closure and generators: the hot loop of a group search
+        wide = None
+        for k in range(len(gpus), 0, -1):
+            wide = _tightest_group(gpus, free, k, model, nbytes)
+            if wide is not None:
+                break
         if wide is None:
             return []
         if self._uniform[node_id]:
             return [wide]  # like cards: the widest is never worse (more FLOP/s and links, the same bytes)
-        narrow = next(g for g in map(group_of, widths) if g is not None)
-        return [wide] if wide == narrow else [wide, narrow]
+        for k in range(1, len(wide[0])):  # the fewest GPUs, if fewer than the widest's fit
+            narrow = _tightest_group(gpus, free, k, model, nbytes)
+            if narrow is not None:
+                return [wide, narrow]
+        return [wide]
 
     def _place_weights(self, model: ModelSpec, group: Group, reason: str) -> None:
         obj = StateObject.weights(model.id, group.precision)
@@ -741,7 +762,7 @@ class GreedyPlanner:
         if len(order) < 2:
             return set()
         rooms = {node_id: self.book.room(node_id) for node_id in self.p.nodes}
-        chosen = joint.assign(options, order, rooms, self._experts_curve)
+        chosen = joint.assign(options, order, rooms, self._curve)  # the options priced most single-MoE curves
         self.nodes = {m: option.node for m, option in chosen.items()}
         self.precisions = {m: option.precision for m, option in chosen.items()}
         return set(chosen)
@@ -759,7 +780,7 @@ class GreedyPlanner:
         sessions = self.active[model.id]
         weight_by_target: dict[float, float] = defaultdict(float)
         for s in sessions:
-            weight_by_target[self.c.slo_targets_seconds.of(s.slo)] += self.c.slo_weights.of(s.slo)
+            weight_by_target[self._slo_target[s.slo]] += self._slo_weight[s.slo]
         best: dict[tuple[str, str], joint.Option] = {}
         for (cost, _, _, node_id, seconds), precision, gpus in self._group_options(model, need):
             nbytes = model.weights_bytes[precision] + need
@@ -780,7 +801,7 @@ class GreedyPlanner:
                 continue
             for other in alike[node_id]:
                 if (other, precision) not in best and self._source(obj, other) is _NVME and not (current and current.node == other):
-                    best[(other, precision)] = option._replace(node=other)
+                    best[(other, precision)] = joint.Option(other, precision, option.need, option.cost, option.moe)
         return list(best.values())
 
     def _roomiest_group(self, model: ModelSpec, need: int) -> tuple[tuple, Group] | None:

@@ -85,7 +85,7 @@ class _Search:
         best, best_delta = self.bits[model][0], math.inf
         for bit in self.bits[model]:
             held = self.held.get(self.option_of[bit].node, 0)
-            delta = cost[held | bit] - cost[held]
+            delta = cost.of(held | bit) - cost.of(held)
             if delta < best_delta:
                 best, best_delta = bit, delta
         self._put(model, best)
@@ -100,14 +100,14 @@ class _Search:
             node = option_of[current].node
             here = held[node]
             without = here ^ current
-            freed = cost[here] - cost[without]
+            freed = cost.of(here) - cost.of(without)
             for bit in self.bits[model]:
                 to = option_of[bit].node
                 if to == node:
-                    gain = cost[here] - cost[without | bit]
+                    gain = cost.of(here) - cost.of(without | bit)
                 else:
                     there = held.get(to, 0)
-                    gain = freed - cost[there | bit] + cost[there]
+                    gain = freed - cost.of(there | bit) + cost.of(there)
                 if gain > best_gain:
                     best_gain, best_move = gain, ((model, bit),)
         for a, b in itertools.combinations(self.chosen, 2):
@@ -116,10 +116,10 @@ class _Search:
             if node_a == node_b:
                 continue
             rest_a, rest_b = held[node_a] ^ bit_a, held[node_b] ^ bit_b
-            before = cost[held[node_a]] + cost[held[node_b]]
+            before = cost.of(held[node_a]) + cost.of(held[node_b])
             for new_a in on.get((a, node_b), ()):
                 for new_b in on.get((b, node_a), ()):
-                    gain = before - cost[rest_b | new_a] - cost[rest_a | new_b]
+                    gain = before - cost.of(rest_b | new_a) - cost.of(rest_a | new_b)
                     if gain > best_gain:
                         best_gain, best_move = gain, ((a, new_a), (b, new_b))
         if best_move is None:
@@ -140,26 +140,31 @@ class _Search:
         self.held[self.option_of[bit].node] ^= bit
 
 
-class _NodeCosts(dict):
-    """The bits of a node's options -> the node's cost, each priced once, on first look-up.
+class _NodeCosts:
+    """The bits of a node's options -> the node's cost (`of`), each priced once, on first look-up.
 
     A set's bytes and own costs are those of the set without its lowest bit
     (priced first) plus that option's, and the MoE models' experts curve is
     looked up by the bits of the MoE options alone (sets that differ in
-    their dense models share it).
+    their dense models share it). (A plain class rather than a dict with
+    `__missing__`: compiled, its attributes and methods are reached directly.)
     """
 
     def __init__(self, option_of: Mapping[int, Option], rooms: Mapping[str, int], experts_curve: ExpertsCurve) -> None:
-        super().__init__({0: 0.0})
         self._option_of, self._rooms, self._experts_curve = option_of, rooms, experts_curve
+        self._costs: dict[int, float] = {0: 0.0}
         self._sums: dict[int, tuple[int, float, int]] = {0: (0, 0.0, 0)}  # bits -> (bytes, own costs, MoE bits)
         self._curves: dict[int, tuple[list[int], list[float]]] = {}  # MoE bits -> their experts curve
 
-    def __missing__(self, held: int) -> float:
+    def of(self, held: int) -> float:
+        cost = self._costs.get(held)
+        return self._price(held) if cost is None else cost
+
+    def _price(self, held: int) -> float:
         low = held & -held
         rest = held ^ low
         if rest not in self._sums:  # not priced yet
-            self.__missing__(rest)
+            self._price(rest)
         need, cost, moe_bits = self._sums[rest]
         option = self._option_of[low]
         need += option.need
@@ -173,7 +178,7 @@ class _NodeCosts(dict):
         elif moe_bits:
             taken, change = self._curve(option.node, moe_bits)
             cost += change[bisect.bisect_right(taken, room - need) - 1]
-        self[held] = cost
+        self._costs[held] = cost
         return cost
 
     def _curve(self, node: str, moe_bits: int) -> tuple[list[int], list[float]]:

@@ -97,8 +97,9 @@ class Demand:
         sessions = list(problem.sessions.values())
         row = {m: i for i, m in enumerate(problem.models)}
         # The predictor hands every session on a model the same row object: turn each distinct row
-        # into a vector once, then gather (by the rows' ids, without a Python step per session).
-        vectors: list[np.ndarray] = [np.zeros(len(row))]  # 0: no prediction
+        # into a vector once, then gather (by the rows' ids, without a Python step per session). The
+        # vectors are lists, made one array at the end: numpy costs a microsecond or so per call.
+        vectors: list[list[float]] = [[0.0] * len(row)]  # 0: no prediction
         vector_of: dict[int, int] = {}
         probs_of = list(map(problem.next_model.get, problem.sessions))
         ids = list(map(id, probs_of))
@@ -107,7 +108,7 @@ class Demand:
                 vector_of[key] = 0
                 continue
             vector_of[key] = len(vectors)
-            vector = np.zeros(len(row))
+            vector = [0.0] * len(row)
             for model, q in probs.items():
                 if model in row:
                     vector[row[model]] = q
@@ -118,7 +119,7 @@ class Demand:
             sessions=sessions,
             position=dict(zip(problem.sessions, range(len(sessions)))),
             row=row,
-            q=np.stack(vectors, axis=1).take(np.array(which, dtype=np.intp), axis=1),
+            q=np.array(vectors).T.take(np.array(which, dtype=np.intp), axis=1),  # a fresh array, rows contiguous
             slo_weight=np.array(list(map(weight.__getitem__, slos))),
             slo_target=np.array(list(map(target.__getitem__, slos))),
             context=np.array([s.context_tokens for s in sessions], dtype=float),
@@ -222,8 +223,9 @@ def _kv_ready_of(
         slowest_h2d = min(g.h2d_bytes_per_s for g in gpus)
         links.append((slowest_h2d, problem.nodes[node].nvme_read_bytes_per_s, per_token))
     # one entry per session (integers and rates repeated apart: bytes stay integers)
-    kv_per_token, group_size = np.repeat(np.array(sizes), counts, axis=0).T
-    slowest_h2d, nvme_read, per_token = np.repeat(np.array(links, dtype=float), counts, axis=0).T
+    # (array methods rather than numpy's module functions, which add a Python call each: same results)
+    kv_per_token, group_size = np.array(sizes).repeat(counts, axis=0).T
+    slowest_h2d, nvme_read, per_token = np.array(links, dtype=float).repeat(counts, axis=0).T
     missing = np.array(tokens) - np.array(held) // kv_per_token
     host_bytes, nvme_bytes = np.maximum(np.array(host), 0), np.maximum(np.array(nvme), 0)
     from_host = host_bytes >= nvme_bytes
@@ -455,13 +457,13 @@ def _predicted(
         return Predicted(0.0, 0.0, 0.0, 0.0, int(gpu_bytes), tuple(unserved))
     total = weight.sum()
     # element-wise sums rather than `@`: a BLAS dot this long may start threads
-    mean = float(np.sum(latency * weight) / total)
+    mean = float((latency * weight).sum() / total)
     violation_rate = float(weight[latency > target].sum() / total)
-    order = np.argsort(latency)  # equal latencies may come in any order: the quantiles read their value
-    cdf = np.cumsum(weight[order]) / total
+    order = latency.argsort()  # equal latencies may come in any order: the quantiles read their value
+    cdf = weight[order].cumsum() / total
 
     def quantile(p: float) -> float:
-        return float(latency[order[min(int(np.searchsorted(cdf, p)), latency.size - 1)]])
+        return float(latency[order[min(int(cdf.searchsorted(p)), latency.size - 1)]])
 
     return Predicted(
         switch_latency_p50_seconds=quantile(0.5),

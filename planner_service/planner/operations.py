@@ -222,10 +222,10 @@ class _Builder:
         slo = self.active_slo.get(obj)
         priority = SLO_PRIORITY[slo] if slo is not None else _PREFETCH
         why = (self.reasons.get(obj), slo)
-        target, rate, ops = self.target, self._prefill_seconds_per_byte, self.ops
-        for dest in gpus:
+        target, ops = self.target, self.ops
+        for dest in gpus:  # (the rate is called on self, not bound to a local: compiled, that is a direct call)
             nbytes = target[(obj, dest)]
-            seconds = nbytes * rate(obj.model, dest.id)
+            seconds = nbytes * self._prefill_seconds_per_byte(obj.model, dest.id)
             ops.append(Operation("", _PROMOTE, obj, None, dest, nbytes, True, priority, [], seconds, node, why))
 
     # -- diff -------------------------------------------------------------

@@ -370,7 +370,7 @@ class GreedyPlanner:
         key, precision, gpus = min(options, key=_COST_KEY)
         return key, Group(key[3], precision, gpus)
 
-    def _group_options(self, model: ModelSpec, extra_bytes: int) -> list[_GroupOption]:
+    def _group_options(self, model: ModelSpec, extra_bytes: int, experts: bool = True) -> list[_GroupOption]:
         """The groups the model's weights plus `extra_bytes` of KV may take, as (cost key, precision, GPUs).
 
         The key (cost, precision rank, slack, node, load seconds) orders by the
@@ -402,7 +402,7 @@ class GreedyPlanner:
                 shards = [a + b for a, b in zip(split_evenly(nbytes, len(stay)), split_evenly(extra_bytes, len(stay)))]
                 stay_node = current.node
                 if self.book.fits(stay, shards):
-                    cost = penalty + self._group_cost(model, stay, current.node, 0.0, nbytes + extra_bytes)
+                    cost = penalty + self._group_cost(model, stay, current.node, 0.0, nbytes + extra_bytes, experts)
                     options.append(((cost, rank, 0, stay_node, 0.0), precision, stay))
                 # other groups on the same node: only the shards a card lacks now are copied
                 for gpus, free in self._fits_by_width(stay_node, model, nbytes + extra_bytes):
@@ -411,7 +411,7 @@ class GreedyPlanner:
                     seconds = self._regroup_seconds(obj, gpus, nbytes, stay_node)
                     if seconds is None:
                         continue
-                    cost = penalty + self._group_cost(model, gpus, stay_node, seconds, nbytes + extra_bytes)
+                    cost = penalty + self._group_cost(model, gpus, stay_node, seconds, nbytes + extra_bytes, experts)
                     options.append(((cost, rank, free - nbytes - extra_bytes, stay_node, seconds), precision, gpus))
             if model.id in self.nodes:
                 candidates = self._candidate_on(self.nodes[model.id], obj, nbytes + extra_bytes, skip=stay_node)
@@ -428,7 +428,7 @@ class GreedyPlanner:
                         seconds = costs.weights_load_seconds(nbytes, gpus, source, node, self.c)
                     if seconds is None:
                         continue
-                    cost = penalty + moved + self._group_cost(model, gpus, node_id, seconds, nbytes + extra_bytes)
+                    cost = penalty + moved + self._group_cost(model, gpus, node_id, seconds, nbytes + extra_bytes, experts)
                     options.append(((cost, rank, free - nbytes - extra_bytes, node_id, seconds), precision, gpus))
         if model.id in self.nodes:
             options = [option for option in options if option[0][3] == self.nodes[model.id]]
@@ -461,7 +461,9 @@ class GreedyPlanner:
             return None
         return costs.copy_seconds(gains, gpus, source, self.p.nodes[node_id]) + self.c.engine_load_overhead_seconds
 
-    def _group_cost(self, model: ModelSpec, gpus: tuple[Gpu, ...], node_id: str, load_seconds: float, need: int) -> float:
+    def _group_cost(
+        self, model: ModelSpec, gpus: tuple[Gpu, ...], node_id: str, load_seconds: float, need: int, experts: bool = True
+    ) -> float:
         """Estimated objective seconds of serving the model on `gpus` (what differs between groups).
 
         move_weight and the active requests wait for the load; predicted
@@ -474,6 +476,8 @@ class GreedyPlanner:
         active_w = self._active_weight.get(model.id, 0.0)
         cost = load_seconds * (c.move_weight + active_w)
         cost += costs.prefill_seconds_per_token(model, gpus, c) * self._context_demand[model.id]
+        if not experts:
+            return cost
         others = [moe for m, moe in self._moe_on.get(node_id, {}).items() if m != model.id]
         if model.is_moe or others:
             # the MoE models on the node share its free room for experts: price the joint change
@@ -782,11 +786,9 @@ class GreedyPlanner:
         for s in sessions:
             weight_by_target[self._slo_target[s.slo]] += self._slo_weight[s.slo]
         best: dict[tuple[str, str], joint.Option] = {}
-        for (cost, _, _, node_id, seconds), precision, gpus in self._group_options(model, need):
+        for (cost, _, _, node_id, seconds), precision, gpus in self._group_options(model, need, experts=False):
             nbytes = model.weights_bytes[precision] + need
             moe = (model, sum(map(_H2D, gpus))) if model.is_moe else None
-            if moe:
-                cost -= self._experts_cost(node_id, [moe], max(0, self.book.room(node_id) - nbytes))
             if whole:
                 nbytes = self.book.room(node_id)
             for target, w in weight_by_target.items():

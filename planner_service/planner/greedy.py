@@ -470,7 +470,8 @@ class GreedyPlanner:
         requests re-prefill their history on the group's FLOP/s; a MoE's
         requests pay the decode slowdown left after the best expert fraction
         the node's remaining room can hold; and a MoE already on the node loses
-        the expert room the group takes.
+        the expert room the group takes. Without `experts`, the last two are
+        left out (the joint choice prices them per node).
         """
         c = self.c
         active_w = self._active_weight.get(model.id, 0.0)

@@ -16,7 +16,14 @@ It rebuilds what the GPUs should hold, then settles the lower tiers:
    Served one at a time (most urgent SLO, then largest), the first models
    would take the best nodes: DeepSeek-V3, whose experts gain little per
    GiB, a node GLM-4.5-Air's experts would fill (the gap study's median
-   ratio to the MILP: 1.19 that way, 1.05 chosen together). Then, in that order, each takes its best group on its node
+   ratio to the MILP: 1.19 that way, 1.05 chosen together). The largest
+   dense model without a request in flight joins that choice, as one that
+   may stay cold: kept warm, it saves its predicted requests a cold load
+   (`_warm_value`), but only room a node keeps free holds it, and the small
+   models in flight would otherwise spread over every node that could (a
+   Llama-3.3-70B left cold beside 36 GiB free on one node; the gap study's
+   p95 ratio 1.45 -> 1.16). Where the choice keeps it warm, its weights are
+   placed right after the models in flight. Then, in that order, each takes its best group on its node
    (`_best_group`; per node the widest group that fits and the fewest-GPU
    one are priced, staying put or resharding on the current node included),
    or on any node if that one has no room left after all. Their sessions'
@@ -75,7 +82,7 @@ from planner_service.domain.state import Kind, Location, Placement, StateObject,
 from planner_service.domain.units import GIB
 from planner_service.planner import costs, joint
 from planner_service.planner.errors import PlanningError
-from planner_service.planner.objective import Demand, cold_load
+from planner_service.planner.objective import ColdLoad, Demand, cold_load
 from planner_service.planner.residency import ResidencyIndex, copy_placement
 
 SLO_RANK = {Slo.BLOCKING: 0, Slo.INTERACTIVE: 1, Slo.BACKGROUND: 2}
@@ -319,6 +326,8 @@ class GreedyPlanner:
         self._split_units: dict[tuple[str, bool], int] = {}
         self._refused_chunk: dict[StateObject, int] = {}  # experts -> the smallest chunk of them that found no room
         self._placed_on: dict[str, int] = defaultdict(int)  # node -> weights placed there so far (offers older are stale)
+        self._host_free: dict[str, int] = {}  # node -> host DRAM free now (`_host_room`)
+        self._cold_loads: dict[str, ColdLoad] = {}  # model -> its cold load from the confirmed placement
 
     # -- inputs ------------------------------------------------------------
 
@@ -747,6 +756,17 @@ class GreedyPlanner:
                         f"kv capacity: the KV of session {s.id} does not fit on node {group.node}'s GPUs "
                         f"beside {model.id}'s weights and other users' fair share"
                     )
+        for model_id in sorted(pinned - set(order)):  # an idle model the joint choice keeps warm
+            model = self.p.models[model_id]
+            best = self._best_group(model, 0)
+            if best is None:  # no room left after all: `spend` may still offer it elsewhere
+                del self.nodes[model_id], self.precisions[model_id]
+                continue
+            (_, rank, _, _, seconds), group = best
+            value, saved = self._warm_value(model, group.gpus, rank, seconds)
+            nbytes = model.weights_bytes[group.precision]
+            # placed before `spend`, whose value per byte would let the served models' KV and experts fill its room
+            self._place_weights(model, group, _words((_KEPT_WARM, (self._demand(model_id), saved, value, nbytes / GIB))))
 
     def _pin_joint_choice(self, order: list[str], needs: Mapping[str, int]) -> set[str]:
         """Fix each active model's node and precision as `joint.assign` chooses them together on the greedy's
@@ -754,6 +774,7 @@ class GreedyPlanner:
 
         A model whose weights and active KV fit on no node takes a node whole
         (as `_roomiest_group` does). Past `joint.MAX_OPTIONS` nothing is fixed.
+        The idle model the choice weighs (`_idle_model`) is fixed too where it is kept warm.
         """
         if len(order) < 2 or sum(len(self.p.models[m].precisions) for m in order) * len(self.p.nodes) > joint.MAX_OPTIONS:
             return set()  # nothing to choose together, or too large a choice to search online: served in turn
@@ -767,10 +788,49 @@ class GreedyPlanner:
         if len(order) < 2:
             return set()
         rooms = {node_id: self.book.room(node_id) for node_id in self.p.nodes}
-        chosen = joint.assign(options, order, rooms, self._curve)  # the options priced most single-MoE curves
+        idle = self._idle_model()
+        evicting: list[str] = []
+        if idle is not None:  # it may be kept warm (last in the order: the models in flight pack first)
+            options[idle] = self._idle_options(self.p.models[idle], alike)
+            order, evicting = [*order, idle], [idle]
+        chosen = joint.assign(options, order, rooms, self._curve, evicting)  # the options priced most single-MoE curves
+        if idle is not None and chosen[idle].node == joint.NOWHERE:
+            del chosen[idle]
         self.nodes = {m: option.node for m, option in chosen.items()}
         self.precisions = {m: option.precision for m, option in chosen.items()}
         return set(chosen)
+
+    def _idle_model(self) -> str | None:
+        """The model without requests in flight whose room the joint choice should weigh: the largest dense one
+        predicted (by its smallest precision's bytes). Smaller ones fit in the room the others leave; a MoE's
+        worth warm depends on its experts, which the joint choice prices only for models in flight."""
+        best: tuple[int, str] | None = None
+        for model_id, model in self.p.models.items():
+            if model_id in self.active or model.is_moe or self._demand(model_id) <= 0:
+                continue
+            key = (-min(model.weights_bytes.values()), model_id)
+            if best is None or key < best:
+                best = key
+        return None if best is None else best[1]
+
+    def _idle_options(self, model: ModelSpec, alike: Mapping[str, list[str]]) -> list[joint.Option]:
+        """The idle model's options for `joint.assign`: staying cold (`joint.NOWHERE`, at no cost) and each
+        (node, precision) where keeping it warm pays, at minus what it saves (`_warm_value`, its cold load
+        read from host DRAM where the lower-tier step could stage it there: room is held only where it pays
+        even then). A node that looks like one priced from NVMe gets its option (as in `_serve_options`)."""
+        best: dict[tuple[str, str], joint.Option] = {}
+        for (_, rank, _, node_id, seconds), precision, gpus in self._group_options(model, 0, experts=False):
+            cost = -self._warm_value(model, gpus, rank, seconds, staged=True)[0]
+            if cost < 0 and ((node_id, precision) not in best or cost < best[(node_id, precision)].cost):
+                best[(node_id, precision)] = joint.Option(node_id, precision, model.weights_bytes[precision], cost, None)
+        for (node_id, precision), option in list(best.items()):
+            obj = StateObject.weights(model.id, precision)
+            if self._source(obj, node_id) is not _NVME:
+                continue
+            for other in alike[node_id]:
+                if (other, precision) not in best and self._source(obj, other) is _NVME:
+                    best[(other, precision)] = option._replace(node=other)
+        return [joint.Option(joint.NOWHERE, "", 0, 0.0, None), *best.values()]
 
     def _serve_options(self, model: ModelSpec, need: int, alike: Mapping[str, list[str]], whole: bool) -> list[joint.Option]:
         """The model's (node, precision) options for its weights and `need` bytes of KV on the empty GPUs, each
@@ -907,27 +967,63 @@ class GreedyPlanner:
 
     def _push_weights(self, model: ModelSpec, push) -> None:
         """The model's weights on their best group, valued by the cold loads they save."""
-        total_w = self._demand(model.id)
-        if total_w <= 0:
+        if self._demand(model.id) <= 0:
             return
         best = self._best_group(model, 0)
         if best is None:
             return
         (_, rank, _, _, seconds), group = best
-        cold = cold_load(self.p, self.now, model)
         nbytes = model.weights_bytes[group.precision]
+        value, saved = self._warm_value(model, group.gpus, rank, seconds)
+        # the expert room it takes from MoE models served on that node
+        if not model.is_moe:
+            value -= self._expert_loss(group.node, nbytes)
+        why = (_KEPT_WARM, (self._demand(model.id), saved, value, nbytes / GIB))
+        push(value, nbytes, "weights", (model.id, group, why, self._placed_on[group.node]))
+
+    def _host_room(self, node_id: str) -> int:
+        """Bytes of the node's host DRAM free now."""
+        room = self._host_free.get(node_id)
+        if room is None:
+            used = sum(nbytes for (_, loc), nbytes in self.now.on_host.items() if loc.id == node_id)
+            room = self._host_free[node_id] = self.p.nodes[node_id].host_bytes - used
+        return room
+
+    def _warm_value(
+        self, model: ModelSpec, gpus: tuple[Gpu, ...], rank: int, seconds: float, staged: bool = False
+    ) -> tuple[float, float]:
+        """Objective seconds saved by keeping a model without requests in flight warm on `gpus` (at its
+        precision of that `rank`, loaded in `seconds`), and the seconds of the cold load each request is spared.
+
+        Warm, its predicted requests skip the cold load (and the violation
+        penalty where that load misses their target) but re-prefill their
+        history on `gpus` rather than on the cold load's group; the HBM price,
+        the load's move_weight and a degraded precision's cost count against it.
+        `staged`: a cold load from NVMe reads from host DRAM instead where the
+        node has room there (`_prefetch_to_host` may stage it). The joint
+        choice holds a node's room for the model only where that pays even
+        then; `spend` does not count on it (the room may be gone by then).
+        """
+        total_w = self._demand(model.id)
+        cold = self._cold_loads.get(model.id)
+        if cold is None:  # from the confirmed placement: the same on every look
+            cold = self._cold_loads[model.id] = cold_load(self.p, self.now, model)
         saved = cold.seconds if math.isfinite(cold.seconds) else self.c.unserved_penalty_seconds
+        if staged and cold.node is not None and cold.precision == model.preferred:
+            node = self.p.nodes[cold.node]
+            nbytes = model.weights_bytes[cold.precision]
+            if _WEIGHTS_OFFLOAD in node.capabilities and self._host_room(cold.node) >= nbytes:
+                saved = min(saved, costs.weights_load_seconds(nbytes, cold.gpus, _HOST, node, self.c))
         value = total_w * saved
         # a request that would miss its target cold but not warm saves the violation penalty too
         missed = self.weighted[self.row[model.id]][saved > self.slo_target].sum()
         value += float(missed) * self.c.violation_penalty_seconds
         value -= total_w * self.c.degraded_precision_seconds * (rank > 0)
-        value -= costs.gpu_hold_cost(nbytes, self.c) + self.c.move_weight * seconds
-        # the expert room it takes from MoE models served on that node
-        if not model.is_moe:
-            value -= self._expert_loss(group.node, nbytes)
-        why = (_KEPT_WARM, (total_w, saved, value, nbytes / GIB))
-        push(value, nbytes, "weights", (model.id, group, why, self._placed_on[group.node]))
+        value -= costs.gpu_hold_cost(model.weights_bytes[model.precisions[rank]], self.c) + self.c.move_weight * seconds
+        if cold.gpus:  # its predicted requests re-prefill their history on `gpus`, not on the cold load's group
+            per_token = costs.prefill_seconds_per_token(model, gpus, self.c)
+            value -= (per_token - costs.prefill_seconds_per_token(model, cold.gpus, self.c)) * self._context_demand[model.id]
+        return value, saved
 
     def _push_followers(self, model_id: str, push) -> None:
         """KV of sessions likely to use the model, and its hot experts, once its weights are placed."""

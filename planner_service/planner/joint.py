@@ -10,7 +10,11 @@ MoE models among them lose sharing its room for experts (the caller's
 from each model taking its cheapest option beside those before it (in the
 caller's order, as the greedy would), a local search takes the best move of
 one model to another option, or swap of two models' nodes, while that
-lowers the summed estimate, at most `MAX_ROUNDS` times.
+lowers the summed estimate, at most `MAX_ROUNDS` times. A model that may
+stay off the GPUs has an option on `NOWHERE`; for such a large model
+(`evicting`) the search then tries moving it onto a node cleared of the
+others, each of them taking its cheapest option again: small models on
+the one node that could hold it each lose by a single move.
 
 Speed: each option is one bit, a node's set is the OR of its options' bits
 (the bits name the node too), and each set is priced once.
@@ -30,6 +34,7 @@ from planner_service.domain.problem import ModelSpec
 # (node, precision) pairs number at most this (the demo's 7 models x 4 nodes x up to 2 precisions: 56); on
 # larger clusters (64 GPUs x 16 models: 512) it would add a third to planning, at 1,000 GPUs 30 times as much.
 MAX_OPTIONS = 128
+NOWHERE = ""  # the node of an option that leaves a model off the GPUs (it takes no room; see `assign`)
 MAX_ROUNDS = 3  # improving moves at most; on the 50-scenario gap study a third still pays (median 1.075 -> 1.049), a fourth not
 
 # (node, MoE models with their groups' summed h2d) -> running totals of the expert bytes they take, best first,
@@ -49,15 +54,30 @@ class Option(NamedTuple):
 
 
 def assign(
-    options: Mapping[str, Sequence[Option]], order: Sequence[str], rooms: Mapping[str, int], experts_curve: ExpertsCurve
+    options: Mapping[str, Sequence[Option]],
+    order: Sequence[str],
+    rooms: Mapping[str, int],
+    experts_curve: ExpertsCurve,
+    evicting: Sequence[str] = (),
 ) -> dict[str, Option]:
-    """The option per model (models in `order`, each with at least one option) with the least summed node cost found."""
-    search = _Search(options, order, rooms, experts_curve)
+    """The option per model (models in `order`, each with at least one option) with the least summed node cost found.
+
+    A model that may stay off the GPUs (one without requests in flight, that
+    the caller may keep warm) has an option on `NOWHERE`: it weighs the room
+    the others take against what that model saves warm (its other options'
+    costs, negative). Models in `evicting` then try `_Search.evict_for`.
+    """
+    search = _Search(options, order, {**rooms, NOWHERE: 0}, experts_curve)
     for model in order:
         search.place_cheapest(model)
     for _ in range(MAX_ROUNDS):
         if not search.improve():
             break
+    for model in evicting:
+        if search.evict_for(model):
+            for _ in range(MAX_ROUNDS):
+                if not search.improve():
+                    break
     return {model: search.option_of[bit] for model, bit in search.chosen.items()}
 
 
@@ -129,6 +149,39 @@ class _Search:
         for model, bit in best_move:
             self._put(model, bit)
         return True
+
+    def evict_for(self, model: str) -> bool:
+        """Take the best move of the model to another node that first clears that node of the other models
+        and then gives each of them its cheapest option beside those placed (a chain of moves no single move
+        or swap reaches: a large model's way onto a node small ones hold); False where none lowers the sum."""
+        option_of = self.option_of
+        chosen, held = self.chosen, self.held
+        best_total, best_chosen = self._total() - 1e-9, None
+        for bit in self.bits[model]:
+            node = option_of[bit].node
+            if node == option_of[chosen[model]].node:
+                continue
+            kept_chosen, kept_held = dict(chosen), dict(held)
+            evicted = [m for m, b in chosen.items() if m != model and option_of[b].node == node]
+            for m in [model, *evicted]:
+                self._take(m)
+            self._put(model, bit)
+            for m in evicted:
+                self.place_cheapest(m)
+            total = self._total()
+            if total < best_total:
+                best_total, best_chosen = total, dict(chosen)
+            self.chosen, self.held = chosen, held = kept_chosen, kept_held
+        if best_chosen is None:
+            return False
+        self.chosen, self.held = best_chosen, {}
+        for m, bit in best_chosen.items():
+            node = option_of[bit].node
+            self.held[node] = self.held.get(node, 0) | bit
+        return True
+
+    def _total(self) -> float:
+        return sum(map(self.cost.of, self.held.values()))
 
     def _put(self, model: str, bit: int) -> None:
         self.chosen[model] = bit

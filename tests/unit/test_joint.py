@@ -5,7 +5,7 @@ from __future__ import annotations
 from planner_service.domain.state import StateObject, Tier
 from planner_service.domain.units import GIB
 from planner_service.planner.greedy import plan_greedy
-from planner_service.planner.joint import Option, assign
+from planner_service.planner.joint import NOWHERE, Option, assign
 from planner_service.planner.objective import evaluate
 from tiny_clusters import experts, gpu, held, model, node, on_nvme, plan_for, scenario, session, weights
 
@@ -34,6 +34,21 @@ def test_a_model_moves_to_a_smaller_precision_where_that_frees_a_node() -> None:
     }
     chosen = assign(options, ["a", "b"], {"n0": 10}, _no_moe)
     assert {m: o.precision for m, o in chosen.items()} == {"a": "fp8", "b": "bf16"}
+
+
+def test_a_large_idle_model_takes_a_node_cleared_of_a_small_one() -> None:
+    # rooms 10 and 10. a (4) and b (4) each take their cheapest node, so x (8, kept warm saves 3) fits on
+    # neither and stays off the GPUs: 0. No single move or swap helps (a beside b costs 0.5 before x can
+    # move). Clearing n0 for x and placing a again (beside b on n1): -3 + 0.5 = -2.5.
+    options = {
+        "a": [Option("n0", "bf16", 4, 0.0, None), Option("n1", "bf16", 4, 0.5, None)],
+        "b": [Option("n1", "bf16", 4, 0.0, None), Option("n0", "bf16", 4, 0.5, None)],
+        "x": [Option(NOWHERE, "", 0, 0.0, None), Option("n0", "bf16", 8, -3.0, None), Option("n1", "bf16", 8, -3.0, None)],
+    }
+    rooms = {"n0": 10, "n1": 10}
+    assert assign(options, ["a", "b", "x"], rooms, _no_moe)["x"].node == NOWHERE
+    chosen = assign(options, ["a", "b", "x"], rooms, _no_moe, evicting=["x"])
+    assert {m: o.node for m, o in chosen.items()} == {"a": "n1", "b": "n1", "x": "n0"}
 
 
 def _two_moes() -> dict:

@@ -817,20 +817,13 @@ class GreedyPlanner:
         """The idle model's options for `joint.assign`: staying cold (`joint.NOWHERE`, at no cost) and each
         (node, precision) where keeping it warm pays, at minus what it saves (`_warm_value`, its cold load
         read from host DRAM where the lower-tier step could stage it there: room is held only where it pays
-        even then). A node that looks like one priced from NVMe gets its option (as in `_serve_options`)."""
+        even then). A node that looks like one priced from NVMe gets its option (`_with_alike`)."""
         best: dict[tuple[str, str], joint.Option] = {}
         for (_, rank, _, node_id, seconds), precision, gpus in self._group_options(model, 0, experts=False):
             cost = -self._warm_value(model, gpus, rank, seconds, staged=True)[0]
             if cost < 0 and ((node_id, precision) not in best or cost < best[(node_id, precision)].cost):
                 best[(node_id, precision)] = joint.Option(node_id, precision, model.weights_bytes[precision], cost, None)
-        for (node_id, precision), option in list(best.items()):
-            obj = StateObject.weights(model.id, precision)
-            if self._source(obj, node_id) is not _NVME:
-                continue
-            for other in alike[node_id]:
-                if (other, precision) not in best and self._source(obj, other) is _NVME:
-                    best[(other, precision)] = option._replace(node=other)
-        return [joint.Option(joint.NOWHERE, "", 0, 0.0, None), *best.values()]
+        return [joint.Option(joint.NOWHERE, "", 0, 0.0, None), *self._with_alike(model, best, alike, None)]
 
     def _serve_options(self, model: ModelSpec, need: int, alike: Mapping[str, list[str]], whole: bool) -> list[joint.Option]:
         """The model's (node, precision) options for its weights and `need` bytes of KV on the empty GPUs, each
@@ -858,12 +851,20 @@ class GreedyPlanner:
             if (node_id, precision) not in best or cost < best[(node_id, precision)].cost:
                 best[(node_id, precision)] = joint.Option(node_id, precision, nbytes, cost, moe)
         current = self.now.serving.get(model.id)
+        return self._with_alike(model, best, alike, current.node if current else None)
+
+    def _with_alike(
+        self, model: ModelSpec, best: dict[tuple[str, str], joint.Option], alike: Mapping[str, list[str]], staying: str | None
+    ) -> list[joint.Option]:
+        """The options per (node, precision), each one priced on a node that loads from NVMe copied to that
+        node's look-alikes that load from NVMe too (`_load_candidates` tries one node per look), never to or
+        from the `staying` node (where the option is priced as staying put)."""
         for (node_id, precision), option in list(best.items()):
             obj = StateObject.weights(model.id, precision)
-            if self._source(obj, node_id) is not _NVME or (current and current.node == node_id):
+            if self._source(obj, node_id) is not _NVME or node_id == staying:
                 continue
             for other in alike[node_id]:
-                if (other, precision) not in best and self._source(obj, other) is _NVME and not (current and current.node == other):
+                if (other, precision) not in best and self._source(obj, other) is _NVME and other != staying:
                     best[(other, precision)] = joint.Option(other, precision, option.need, option.cost, option.moe)
         return list(best.values())
 

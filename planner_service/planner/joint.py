@@ -155,14 +155,14 @@ class _Search:
         and then gives each of them its cheapest option beside those placed (a chain of moves no single move
         or swap reaches: a large model's way onto a node small ones hold); False where none lowers the sum."""
         option_of = self.option_of
-        chosen, held = self.chosen, self.held
-        best_total, best_chosen = self._total() - 1e-9, None
+        start = (dict(self.chosen), dict(self.held))
+        best_total, best = self._total() - 1e-9, None
         for bit in self.bits[model]:
             node = option_of[bit].node
-            if node == option_of[chosen[model]].node:
+            if node == option_of[start[0][model]].node:
                 continue
-            kept_chosen, kept_held = dict(chosen), dict(held)
-            evicted = [m for m, b in chosen.items() if m != model and option_of[b].node == node]
+            self.chosen, self.held = dict(start[0]), dict(start[1])
+            evicted = [m for m, b in start[0].items() if m != model and option_of[b].node == node]
             for m in [model, *evicted]:
                 self._take(m)
             self._put(model, bit)
@@ -170,15 +170,9 @@ class _Search:
                 self.place_cheapest(m)
             total = self._total()
             if total < best_total:
-                best_total, best_chosen = total, dict(chosen)
-            self.chosen, self.held = chosen, held = kept_chosen, kept_held
-        if best_chosen is None:
-            return False
-        self.chosen, self.held = best_chosen, {}
-        for m, bit in best_chosen.items():
-            node = option_of[bit].node
-            self.held[node] = self.held.get(node, 0) | bit
-        return True
+                best_total, best = total, (self.chosen, self.held)
+        self.chosen, self.held = best or start
+        return best is not None
 
     def _total(self) -> float:
         return sum(map(self.cost.of, self.held.values()))

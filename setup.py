@@ -19,6 +19,7 @@ COMPILED = [
     "planner_service/planner/costs.py",
     "planner_service/planner/greedy.py",
     "planner_service/planner/joint.py",
+    "planner_service/planner/lateness.py",
     "planner_service/planner/objective.py",
     "planner_service/planner/operations.py",
     "planner_service/planner/residency.py",

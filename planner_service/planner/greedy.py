@@ -82,6 +82,7 @@ from planner_service.domain.state import Kind, Location, Placement, StateObject,
 from planner_service.domain.units import GIB
 from planner_service.planner import costs, joint
 from planner_service.planner.errors import PlanningError
+from planner_service.planner.lateness import Lateness
 from planner_service.planner.objective import ColdLoad, Demand, cold_load
 from planner_service.planner.residency import ResidencyIndex, copy_placement
 
@@ -291,6 +292,7 @@ class GreedyPlanner:
         self.weighted = demand.q * demand.slo_weight  # [models x sessions] SLO weight * probability of the next request
         self.demand_total = self.weighted.sum(axis=1)  # [models]
         self.slo_target = demand.slo_target
+        self.lateness = Lateness(demand, self.weighted)
         self.active = self._active_sessions()
         self._host_copies = self._host_copies_by_object()
         # (kv object, node) wherever KV sits now, and where it sits on the node's GPUs
@@ -322,6 +324,7 @@ class GreedyPlanner:
         self._shape_on: dict[tuple[str, str], _ExpertShape] = {}  # (model, node) -> its shape
         self._served: dict[str, float] = {}
         self._active_context: dict[str, float] = {}
+        self._late: dict[tuple[str, float], float] = {}  # (model, re-prefill seconds per token) -> `_late_penalty`
         self._limits: dict[tuple[str, str], int] = {}
         self._split_units: dict[tuple[str, bool], int] = {}
         self._refused_chunk: dict[StateObject, int] = {}  # experts -> the smallest chunk of them that found no room
@@ -476,7 +479,8 @@ class GreedyPlanner:
         """Estimated objective seconds of serving the model on `gpus` (what differs between groups).
 
         move_weight and the active requests wait for the load; predicted
-        requests re-prefill their history on the group's FLOP/s; a MoE's
+        requests re-prefill their history on the group's FLOP/s, and pay the
+        violation penalty where that alone outlasts their target; a MoE's
         requests pay the decode slowdown left after the best expert fraction
         the node's remaining room can hold; and a MoE already on the node loses
         the expert room the group takes. Without `experts`, the last two are
@@ -485,7 +489,8 @@ class GreedyPlanner:
         c = self.c
         active_w = self._active_weight.get(model.id, 0.0)
         cost = load_seconds * (c.move_weight + active_w)
-        cost += costs.prefill_seconds_per_token(model, gpus, c) * self._context_demand[model.id]
+        per_token = costs.prefill_seconds_per_token(model, gpus, c)
+        cost += per_token * self._context_demand[model.id] + self._late_penalty(model.id, per_token)
         if not experts:
             return cost
         others = [moe for m, moe in self._moe_on.get(node_id, {}).items() if m != model.id]
@@ -495,6 +500,15 @@ class GreedyPlanner:
             after = [*others, (model, sum(map(_H2D, gpus)))] if model.is_moe else others
             cost += self._experts_cost(node_id, after, max(0, room - need)) - self._experts_cost(node_id, others, room)
         return cost
+
+    def _late_penalty(self, model_id: str, per_token: float) -> float:
+        """The violation penalty of the model's predicted requests whose history's re-prefill alone, at
+        `per_token` seconds, outlasts their SLO target (on a group where the model is warm)."""
+        key = (model_id, per_token)
+        late = self._late.get(key)
+        if late is None:
+            late = self._late[key] = self.lateness.weight_late(self.row[model_id], per_token) * self.c.violation_penalty_seconds
+        return late
 
     def _expert_steps(self, model: ModelSpec, node_id: str) -> list[int]:
         """Cumulative bytes of the expert chunks the greedy offers on the node (hottest first)."""
@@ -831,26 +845,30 @@ class GreedyPlanner:
 
         The cost is `_group_cost` without the experts' term (`joint.assign`
         prices it per node, for the MoE models the node holds together), plus
-        the violation penalty of every active request whose load outlasts its
-        SLO target. A node that looks like one priced from NVMe gets its option
-        (`_load_candidates` tries one node per look).
+        the violation penalty of every active request whose load, and the
+        re-prefill of its history where its KV is not on the node or is of
+        another precision, outlast its SLO target. A node that looks like one
+        priced from NVMe gets its option (`_load_candidates` tries one node
+        per look).
         """
         sessions = self.active[model.id]
-        weight_by_target: dict[float, float] = defaultdict(float)
-        for s in sessions:
-            weight_by_target[self._slo_target[s.slo]] += self._slo_weight[s.slo]
+        current = self.now.serving.get(model.id)
         best: dict[tuple[str, str], joint.Option] = {}
         for (cost, _, _, node_id, seconds), precision, gpus in self._group_options(model, need, experts=False):
             nbytes = model.weights_bytes[precision] + need
             moe = (model, sum(map(_H2D, gpus))) if model.is_moe else None
             if whole:
                 nbytes = self.book.room(node_id)
-            for target, w in weight_by_target.items():
-                if seconds > target:
-                    cost += self.c.violation_penalty_seconds * w
+            per_token = costs.prefill_seconds_per_token(model, gpus, self.c)
+            stale = current is not None and current.precision != precision
+            for s in sessions:
+                latency = seconds
+                if stale or (StateObject.kv(model.id, s.id), node_id) not in self._kv_held:
+                    latency += per_token * s.context_tokens
+                if latency > self._slo_target[s.slo]:
+                    cost += self.c.violation_penalty_seconds * self._slo_weight[s.slo]
             if (node_id, precision) not in best or cost < best[(node_id, precision)].cost:
                 best[(node_id, precision)] = joint.Option(node_id, precision, nbytes, cost, moe)
-        current = self.now.serving.get(model.id)
         return self._with_alike(model, best, alike, current.node if current else None)
 
     def _with_alike(
@@ -996,10 +1014,11 @@ class GreedyPlanner:
         """Objective seconds saved by keeping a model without requests in flight warm on `gpus` (at its
         precision of that `rank`, loaded in `seconds`), and the seconds of the cold load each request is spared.
 
-        Warm, its predicted requests skip the cold load (and the violation
-        penalty where that load misses their target) but re-prefill their
-        history on `gpus` rather than on the cold load's group; the HBM price,
-        the load's move_weight and a degraded precision's cost count against it.
+        Warm, its predicted requests skip the cold load but re-prefill their
+        history on `gpus` rather than on the cold load's group, and pay the
+        violation penalty where that re-prefill misses their target rather
+        than where the cold load and its re-prefill do; the HBM price, the
+        load's move_weight and a degraded precision's cost count against it.
         `staged`: a cold load from NVMe reads from host DRAM instead where the
         node has room there (`_prefetch_to_host` may stage it). The joint
         choice holds a node's room for the model only where that pays even
@@ -1016,14 +1035,15 @@ class GreedyPlanner:
             if _WEIGHTS_OFFLOAD in node.capabilities and self._host_room(cold.node) >= nbytes:
                 saved = min(saved, costs.weights_load_seconds(nbytes, cold.gpus, _HOST, node, self.c))
         value = total_w * saved
-        # a request that would miss its target cold but not warm saves the violation penalty too
-        missed = self.weighted[self.row[model.id]][saved > self.slo_target].sum()
-        value += float(missed) * self.c.violation_penalty_seconds
         value -= total_w * self.c.degraded_precision_seconds * (rank > 0)
         value -= costs.gpu_hold_cost(model.weights_bytes[model.precisions[rank]], self.c) + self.c.move_weight * seconds
-        if cold.gpus:  # its predicted requests re-prefill their history on `gpus`, not on the cold load's group
-            per_token = costs.prefill_seconds_per_token(model, gpus, self.c)
-            value -= (per_token - costs.prefill_seconds_per_token(model, cold.gpus, self.c)) * self._context_demand[model.id]
+        per_token = costs.prefill_seconds_per_token(model, gpus, self.c)
+        cold_per_token = costs.prefill_seconds_per_token(model, cold.gpus, self.c) if cold.gpus else 0.0
+        # its predicted requests re-prefill their history on `gpus`, not on the cold load's group; those that
+        # miss their target cold (load and re-prefill) but not warm save the violation penalty too
+        value -= (per_token - cold_per_token) * self._context_demand[model.id]
+        late_cold = self.lateness.weight_late(self.row[model.id], cold_per_token, saved) * self.c.violation_penalty_seconds
+        value += late_cold - self._late_penalty(model.id, per_token)
         return value, saved
 
     def _push_followers(self, model_id: str, push) -> None:

@@ -52,9 +52,9 @@ def test_greedy_serves_a_model_on_the_node_it_is_given() -> None:
 
 
 def test_search_steps_out_of_a_local_optimum() -> None:
-    # demo-sized seed 48: descent stops at the greedy's 6662.4 after 93 plans (no single move or swap
-    # improves); stepping to the best unseen neighbour and going on reaches 5650.8
-    p = problem(48, gpus=16, models=7, sessions=100)
+    # demo-sized seed 65: descent stops at 3778.7 after 67 plans (no single move or swap improves);
+    # stepping to the best unseen neighbour and going on reaches 3491.1
+    p = problem(65, gpus=16, models=7, sessions=100)
     descent = search_nodes(p, max_escapes=0)
     tabu = search_nodes(p)
     assert tabu.objective < descent.objective - 100.0

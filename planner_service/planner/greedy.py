@@ -788,7 +788,7 @@ class GreedyPlanner:
 
         A model whose weights and active KV fit on no node takes a node whole
         (as `_roomiest_group` does). Past `joint.MAX_OPTIONS` nothing is fixed.
-        The idle model the choice weighs (`_idle_model`) is fixed too where it is kept warm.
+        The idle models the choice weighs (`_idle_models`) are fixed too where they are kept warm.
         """
         if len(order) < 2 or sum(len(self.p.models[m].precisions) for m in order) * len(self.p.nodes) > joint.MAX_OPTIONS:
             return set()  # nothing to choose together, or too large a choice to search online: served in turn
@@ -802,42 +802,53 @@ class GreedyPlanner:
         if len(order) < 2:
             return set()
         rooms = {node_id: self.book.room(node_id) for node_id in self.p.nodes}
-        idle = self._idle_model()
-        evicting: list[str] = []
-        if idle is not None:  # it may be kept warm (last in the order: the models in flight pack first)
+        dense, moes = self._idle_models()
+        for idle in [*dense, *moes]:  # they may be kept warm (last in the order: the models in flight pack first)
             options[idle] = self._idle_options(self.p.models[idle], alike)
-            order, evicting = [*order, idle], [idle]
-        chosen = joint.assign(options, order, rooms, self._curve, evicting)  # the options priced most single-MoE curves
-        if idle is not None and chosen[idle].node == joint.NOWHERE:
-            del chosen[idle]
+            order = [*order, idle]
+        chosen = joint.assign(options, order, rooms, self._curve, dense)  # the options priced most single-MoE curves
+        for idle in [*dense, *moes]:
+            if chosen[idle].node == joint.NOWHERE:
+                del chosen[idle]
         self.nodes = {m: option.node for m, option in chosen.items()}
         self.precisions = {m: option.precision for m, option in chosen.items()}
         return set(chosen)
 
-    def _idle_model(self) -> str | None:
-        """The model without requests in flight whose room the joint choice should weigh: the largest dense one
-        predicted (by its smallest precision's bytes). Smaller ones fit in the room the others leave; a MoE's
-        worth warm depends on its experts, which the joint choice prices only for models in flight."""
+    def _idle_models(self) -> tuple[list[str], list[str]]:
+        """The models without requests in flight whose room the joint choice should weigh: the largest dense one
+        predicted (by its smallest precision's bytes; smaller ones fit in the room the others leave), and every
+        MoE predicted (its experts compete for the room of the nodes the models in flight share)."""
         best: tuple[int, str] | None = None
+        moes = []
         for model_id, model in self.p.models.items():
-            if model_id in self.active or model.is_moe or self._demand(model_id) <= 0:
+            if model_id in self.active or self._demand(model_id) <= 0:
+                continue
+            if model.is_moe:
+                moes.append(model_id)
                 continue
             key = (-min(model.weights_bytes.values()), model_id)
             if best is None or key < best:
                 best = key
-        return None if best is None else best[1]
+        return ([] if best is None else [best[1]]), moes
 
     def _idle_options(self, model: ModelSpec, alike: Mapping[str, list[str]]) -> list[joint.Option]:
-        """The idle model's options for `joint.assign`: staying cold (`joint.NOWHERE`, at no cost) and each
-        (node, precision) where keeping it warm pays, at minus what it saves (`_warm_value`, its cold load
-        read from host DRAM where the lower-tier step could stage it there: room is held only where it pays
-        even then). A node that looks like one priced from NVMe gets its option (`_with_alike`)."""
+        """The idle model's options for `joint.assign`: staying cold (`joint.NOWHERE`) and each (node, precision)
+        where keeping it warm pays, at minus what it saves (`_warm_value`, its cold load read from host DRAM
+        where the lower-tier step could stage it there: room is held only where it pays even then). A MoE's
+        options carry its experts to the node's curve, and its cold option costs its decode with no expert on
+        GPU; a dense model's cold option costs nothing. A node that looks like one priced from NVMe gets its
+        option (`_with_alike`)."""
         best: dict[tuple[str, str], joint.Option] = {}
         for (_, rank, _, node_id, seconds), precision, gpus in self._group_options(model, 0, experts=False):
             cost = -self._warm_value(model, gpus, rank, seconds, staged=True)[0]
-            if cost < 0 and ((node_id, precision) not in best or cost < best[(node_id, precision)].cost):
-                best[(node_id, precision)] = joint.Option(node_id, precision, model.weights_bytes[precision], cost, None)
-        return [joint.Option(joint.NOWHERE, "", 0, 0.0, None), *self._with_alike(model, best, alike, None)]
+            moe = (model, sum(map(_H2D, gpus))) if model.is_moe else None
+            if (cost < 0 or moe) and ((node_id, precision) not in best or cost < best[(node_id, precision)].cost):
+                best[(node_id, precision)] = joint.Option(node_id, precision, model.weights_bytes[precision], cost, moe)
+        cold = 0.0  # a MoE left cold decodes with no expert on GPU (warm, the node's experts curve prices that)
+        if model.is_moe:
+            gpus = self._cold_load(model).gpus
+            cold = self._served_weight(model.id) * costs.decode_slowdown_seconds(model, 0.0, gpus, self.c) if gpus else 0.0
+        return [joint.Option(joint.NOWHERE, "", 0, cold, None), *self._with_alike(model, best, alike, None)]
 
     def _serve_options(self, model: ModelSpec, need: int, alike: Mapping[str, list[str]], whole: bool) -> list[joint.Option]:
         """The model's (node, precision) options for its weights and `need` bytes of KV on the empty GPUs, each
@@ -1025,9 +1036,7 @@ class GreedyPlanner:
         then; `spend` does not count on it (the room may be gone by then).
         """
         total_w = self._demand(model.id)
-        cold = self._cold_loads.get(model.id)
-        if cold is None:  # from the confirmed placement: the same on every look
-            cold = self._cold_loads[model.id] = cold_load(self.p, self.now, model)
+        cold = self._cold_load(model)
         saved = cold.seconds if math.isfinite(cold.seconds) else self.c.unserved_penalty_seconds
         if staged and cold.node is not None and cold.precision == model.preferred:
             node = self.p.nodes[cold.node]
@@ -1045,6 +1054,13 @@ class GreedyPlanner:
         late_cold = self.lateness.weight_late(self.row[model.id], cold_per_token, saved) * self.c.violation_penalty_seconds
         value += late_cold - self._late_penalty(model.id, per_token)
         return value, saved
+
+    def _cold_load(self, model: ModelSpec) -> ColdLoad:
+        """`cold_load` from the confirmed placement (the same on every look)."""
+        cold = self._cold_loads.get(model.id)
+        if cold is None:
+            cold = self._cold_loads[model.id] = cold_load(self.p, self.now, model)
+        return cold
 
     def _push_followers(self, model_id: str, push) -> None:
         """KV of sessions likely to use the model, and its hot experts, once its weights are placed."""

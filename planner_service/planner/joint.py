@@ -14,7 +14,9 @@ lowers the summed estimate, at most `MAX_ROUNDS` times. A model that may
 stay off the GPUs has an option on `NOWHERE`; for such a large model
 (`evicting`) the search then tries moving it onto a node cleared of the
 others, each of them taking its cheapest option again: small models on
-the one node that could hold it each lose by a single move.
+the one node that could hold it each lose by a single move. Last, it steps
+out of the local optimum once (`_Search.step_out`): a move that costs on
+its own, followed by the best move or swap it makes possible.
 
 Speed: each option is one bit, a node's set is the OR of its options' bits
 (the bits name the node too), and each set is priced once.
@@ -63,9 +65,10 @@ def assign(
     """The option per model (models in `order`, each with at least one option) with the least summed node cost found.
 
     A model that may stay off the GPUs (one without requests in flight, that
-    the caller may keep warm) has an option on `NOWHERE`: it weighs the room
-    the others take against what that model saves warm (its other options'
-    costs, negative). Models in `evicting` then try `_Search.evict_for`.
+    the caller may keep warm) has an option on `NOWHERE` at what staying cold
+    costs it beyond its cold loads: it weighs the room the others take against
+    what that model saves warm (its other options' costs, negative for dense
+    models). Models in `evicting` then try `_Search.evict_for`.
     """
     search = _Search(options, order, {**rooms, NOWHERE: 0}, experts_curve)
     for model in order:
@@ -78,6 +81,7 @@ def assign(
             for _ in range(MAX_ROUNDS):
                 if not search.improve():
                     break
+    search.step_out()
     return {model: search.option_of[bit] for model, bit in search.chosen.items()}
 
 
@@ -110,18 +114,23 @@ class _Search:
                 best, best_delta = bit, delta
         self._put(model, best)
 
-    def improve(self) -> bool:
+    def improve(self, touched: tuple[str, ...] = ()) -> bool:
         """Take the best improving move (one model to another of its options) or swap (two models on different
-        nodes trade nodes, each at any of its precisions there); False where none improves."""
+        nodes trade nodes, each at any of its precisions there); False where none improves. With `touched`,
+        only moves and swaps from or to those nodes are priced."""
         cost, held, option_of, on = self.cost, self.held, self.option_of, self._on
         best_gain = 1e-9
         best_move: tuple[tuple[str, int], ...] | None = None
         for model, current in self.chosen.items():
             node = option_of[current].node
+            if touched and node not in touched:
+                moves = [bit for bit in self.bits[model] if option_of[bit].node in touched]
+            else:
+                moves = self.bits[model]
             here = held[node]
             without = here ^ current
             freed = cost.of(here) - cost.of(without)
-            for bit in self.bits[model]:
+            for bit in moves:
                 to = option_of[bit].node
                 if to == node:
                     gain = cost.of(here) - cost.of(without | bit)
@@ -133,7 +142,7 @@ class _Search:
         for a, b in itertools.combinations(self.chosen, 2):
             bit_a, bit_b = self.chosen[a], self.chosen[b]
             node_a, node_b = option_of[bit_a].node, option_of[bit_b].node
-            if node_a == node_b:
+            if node_a == node_b or (touched and node_a not in touched and node_b not in touched):
                 continue
             rest_a, rest_b = held[node_a] ^ bit_a, held[node_b] ^ bit_b
             before = cost.of(held[node_a]) + cost.of(held[node_b])
@@ -173,6 +182,37 @@ class _Search:
                 best_total, best = total, (self.chosen, self.held)
         self.chosen, self.held = best or start
         return best is not None
+
+    def step_out(self) -> None:
+        """From a local optimum, take the best pair of a move of one model to another node (worse on its own)
+        and the best improving move or swap after it, where the pair lowers the sum; then improve on from there.
+
+        After the first move only the two nodes it changed can make a move or
+        swap improve (the rest was a local optimum), so only those are priced.
+        Such pairs reach rearrangements of three and more models (a MoE moving
+        to the node a dense model leaves, which takes the MoE's node) that the
+        gap study found the greedy missing.
+        """
+        start_chosen, start_held = self.chosen, self.held
+        best_total, best = self._total() - 1e-9, None
+        for model, current in start_chosen.items():
+            here = self.option_of[current].node
+            for bit in self.bits[model]:
+                there = self.option_of[bit].node
+                if there == here:
+                    continue
+                self.chosen, self.held = dict(start_chosen), dict(start_held)
+                self._take(model)
+                self._put(model, bit)
+                self.improve((here, there))
+                total = self._total()
+                if total < best_total:
+                    best_total, best = total, (self.chosen, self.held)
+        self.chosen, self.held = best or (start_chosen, start_held)
+        if best is not None:
+            for _ in range(MAX_ROUNDS):
+                if not self.improve():
+                    break
 
     def _total(self) -> float:
         return sum(map(self.cost.of, self.held.values()))

@@ -39,16 +39,31 @@ def test_a_model_moves_to_a_smaller_precision_where_that_frees_a_node() -> None:
 def test_a_large_idle_model_takes_a_node_cleared_of_a_small_one() -> None:
     # rooms 10 and 10. a (4) and b (4) each take their cheapest node, so x (8, kept warm saves 3) fits on
     # neither and stays off the GPUs: 0. No single move or swap helps (a beside b costs 0.5 before x can
-    # move). Clearing n0 for x and placing a again (beside b on n1): -3 + 0.5 = -2.5.
+    # move). Clearing n0 for x and placing a again (beside b on n1): -3 + 0.5 = -2.5; stepping out of the
+    # local optimum reaches it too, without the clearing move: a to n1 (+0.5), then x onto n0 (-3).
     options = {
         "a": [Option("n0", "bf16", 4, 0.0, None), Option("n1", "bf16", 4, 0.5, None)],
         "b": [Option("n1", "bf16", 4, 0.0, None), Option("n0", "bf16", 4, 0.5, None)],
         "x": [Option(NOWHERE, "", 0, 0.0, None), Option("n0", "bf16", 8, -3.0, None), Option("n1", "bf16", 8, -3.0, None)],
     }
     rooms = {"n0": 10, "n1": 10}
-    assert assign(options, ["a", "b", "x"], rooms, _no_moe)["x"].node == NOWHERE
-    chosen = assign(options, ["a", "b", "x"], rooms, _no_moe, evicting=["x"])
-    assert {m: o.node for m, o in chosen.items()} == {"a": "n1", "b": "n1", "x": "n0"}
+    for evicting in ([], ["x"]):
+        chosen = assign(options, ["a", "b", "x"], rooms, _no_moe, evicting)
+        assert {m: o.node for m, o in chosen.items()} == {"a": "n1", "b": "n1", "x": "n0"}
+
+
+def test_stepping_out_of_a_local_optimum_takes_a_costly_move_first() -> None:
+    # rooms 10, 10 and 6. a (4) takes n0 (0), b (6) n1 (0); x (7, kept warm on n0 saves 3) fits beside
+    # neither and stays off the GPUs: 0. No move or swap lowers that (a to n2 costs 1; x fits nowhere; a
+    # and b have no option on each other's node). Stepping out: a to n2 (+1), then x onto the n0 it left
+    # (-3): -2.
+    options = {
+        "a": [Option("n0", "bf16", 4, 0.0, None), Option("n2", "bf16", 4, 1.0, None)],
+        "b": [Option("n1", "bf16", 6, 0.0, None)],
+        "x": [Option(NOWHERE, "", 0, 0.0, None), Option("n0", "bf16", 7, -3.0, None)],
+    }
+    chosen = assign(options, ["a", "b", "x"], {"n0": 10, "n1": 10, "n2": 6}, _no_moe)
+    assert {m: o.node for m, o in chosen.items()} == {"a": "n2", "b": "n1", "x": "n0"}
 
 
 def _two_moes() -> dict:

@@ -124,7 +124,7 @@ class _Search:
         for model, current in self.chosen.items():
             node = option_of[current].node
             if touched and node not in touched:
-                moves = [bit for bit in self.bits[model] if option_of[bit].node in touched]
+                moves = [bit for to in touched for bit in on.get((model, to), ())]
             else:
                 moves = self.bits[model]
             here = held[node]
@@ -199,8 +199,8 @@ class _Search:
             here = self.option_of[current].node
             for bit in self.bits[model]:
                 there = self.option_of[bit].node
-                if there == here:
-                    continue
+                if there == here or math.isinf(self.cost.of(start_held.get(there, 0) | bit)):
+                    continue  # (a move that does not fit is no way out: one more move cannot make room)
                 self.chosen, self.held = dict(start_chosen), dict(start_held)
                 self._take(model)
                 self._put(model, bit)

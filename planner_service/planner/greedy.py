@@ -834,10 +834,10 @@ class GreedyPlanner:
     def _idle_options(self, model: ModelSpec, alike: Mapping[str, list[str]]) -> list[joint.Option]:
         """The idle model's options for `joint.assign`: staying cold (`joint.NOWHERE`) and each (node, precision)
         where keeping it warm pays, at minus what it saves (`_warm_value`, its cold load read from host DRAM
-        where the lower-tier step could stage it there: room is held only where it pays even then). A MoE's
-        options carry its experts to the node's curve, and its cold option costs its decode with no expert on
-        GPU; a dense model's cold option costs nothing. A node that looks like one priced from NVMe gets its
-        option (`_with_alike`)."""
+        where the lower-tier step could stage it there: room is held only where it pays even then). A MoE has
+        every (node, precision), each carrying its experts to the node's curve, where their worth is priced,
+        and its cold option costs its decode with no expert on GPU; a dense model's cold option costs
+        nothing. A node that looks like one priced from NVMe gets its option (`_with_alike`)."""
         best: dict[tuple[str, str], joint.Option] = {}
         for (_, rank, _, node_id, seconds), precision, gpus in self._group_options(model, 0, experts=False):
             cost = -self._warm_value(model, gpus, rank, seconds, staged=True)[0]

@@ -7,12 +7,15 @@ It rebuilds what the GPUs should hold, then settles the lower tiers:
    each (node, precision) is priced on the empty GPUs by the model's
    *estimated marginal objective* (`_group_cost`: load time for move_weight
    and the waiting requests, plus the SLO violations of those that wait past
-   their target; re-prefill of the predicted requests' history on the
-   group's summed FLOP/s; the degraded-precision cost of a less preferred
-   precision), a node holding several is priced with its MoE models sharing
-   its room for experts (the decode slowdown at the best expert fractions
-   that room allows, on each group's summed PCIe bandwidth), and a local
-   search moves and swaps models between options while the sum falls.
+   their target, their re-prefilled KV included where they move; re-prefill
+   of the predicted requests' history on the group's summed FLOP/s, and the
+   violations of those whose re-prefill alone passes their target; the
+   degraded-precision cost of a less preferred precision), a node holding
+   several is priced with its MoE models sharing its room for experts (the
+   decode slowdown at the best expert fractions that room allows, on each
+   group's summed PCIe bandwidth), and a local search moves and swaps models
+   between options while the sum falls, then steps out of that local optimum
+   once (the gap study's median ratio 1.046 -> 1.016).
    Served one at a time (most urgent SLO, then largest), the first models
    would take the best nodes: DeepSeek-V3, whose experts gain little per
    GiB, a node GLM-4.5-Air's experts would fill (the gap study's median
@@ -22,8 +25,10 @@ It rebuilds what the GPUs should hold, then settles the lower tiers:
    (`_warm_value`), but only room a node keeps free holds it, and the small
    models in flight would otherwise spread over every node that could (a
    Llama-3.3-70B left cold beside 36 GiB free on one node; the gap study's
-   p95 ratio 1.45 -> 1.16). Where the choice keeps it warm, its weights are
-   placed right after the models in flight. Then, in that order, each takes its best group on its node
+   p95 ratio 1.45 -> 1.16). So do the MoE models without a request in
+   flight, whose experts compete for the room of the nodes they would share.
+   Where the choice keeps an idle model warm, its weights are placed right
+   after the models in flight. Then, in that order, each takes its best group on its node
    (`_best_group`; per node the widest group that fits and the fewest-GPU
    one are priced, staying put or resharding on the current node included),
    or on any node if that one has no room left after all. Their sessions'

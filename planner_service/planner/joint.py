@@ -87,9 +87,8 @@ def assign(
             for _ in range(MAX_ROUNDS):
                 if not search.improve():
                     break
-    movers = [m for m in order if all(option.node != NOWHERE for option in options[m])]
     if sum(len(options[m]) for m in order) <= STEP_OUT_MAX_OPTIONS:
-        search.step_out(movers)
+        search.step_out([m for m in order if all(option.node != NOWHERE for option in options[m])])  # models in flight
     return {model: search.option_of[bit] for model, bit in search.chosen.items()}
 
 

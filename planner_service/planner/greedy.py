@@ -808,13 +808,13 @@ class GreedyPlanner:
             return set()
         rooms = {node_id: self.book.room(node_id) for node_id in self.p.nodes}
         dense, moes = self._idle_models()
-        for idle in [*dense, *moes]:  # they may be kept warm (last in the order: the models in flight pack first)
-            options[idle] = self._idle_options(self.p.models[idle], alike)
-            order = [*order, idle]
-        chosen = joint.assign(options, order, rooms, self._curve, dense)  # the options priced most single-MoE curves
-        for idle in [*dense, *moes]:
-            if chosen[idle].node == joint.NOWHERE:
-                del chosen[idle]
+        idle = [*dense, *moes]  # they may be kept warm (last in the order: the models in flight pack first)
+        for model_id in idle:
+            options[model_id] = self._idle_options(self.p.models[model_id], alike)
+        chosen = joint.assign(options, [*order, *idle], rooms, self._curve, dense)  # the options priced most single-MoE curves
+        for model_id in idle:
+            if chosen[model_id].node == joint.NOWHERE:
+                del chosen[model_id]
         self.nodes = {m: option.node for m, option in chosen.items()}
         self.precisions = {m: option.precision for m, option in chosen.items()}
         return set(chosen)
@@ -867,7 +867,7 @@ class GreedyPlanner:
         priced from NVMe gets its option (`_load_candidates` tries one node
         per look).
         """
-        sessions = self.active[model.id]
+        sessions = [(s, StateObject.kv(model.id, s.id)) for s in self.active[model.id]]  # made once, read per option
         current = self.now.serving.get(model.id)
         best: dict[tuple[str, str], joint.Option] = {}
         for (cost, _, _, node_id, seconds), precision, gpus in self._group_options(model, need, experts=False):
@@ -877,9 +877,9 @@ class GreedyPlanner:
                 nbytes = self.book.room(node_id)
             per_token = costs.prefill_seconds_per_token(model, gpus, self.c)
             stale = current is not None and current.precision != precision
-            for s in sessions:
+            for s, kv in sessions:
                 latency = seconds
-                if stale or (StateObject.kv(model.id, s.id), node_id) not in self._kv_held:
+                if stale or (kv, node_id) not in self._kv_held:
                     latency += per_token * s.context_tokens
                 if latency > self._slo_target[s.slo]:
                     cost += self.c.violation_penalty_seconds * self._slo_weight[s.slo]

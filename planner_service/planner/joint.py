@@ -50,6 +50,11 @@ STEP_OUT_MAX_OPTIONS = 64
 ExpertsCurve = Callable[[str, list[tuple[ModelSpec, float]]], tuple[list[int], list[float]]]
 
 
+Moves = tuple[tuple[str, int], ...]  # (model, the bit of its new option) per model moved
+_NO_MOVES: Moves = ()
+_NONE = (1e-9, _NO_MOVES)  # no improving move found yet
+
+
 class Option(NamedTuple):
     """One way to serve a model: on `node` at `precision`, taking `need` bytes of HBM (weights and active KV),
     at `cost` estimated objective seconds that do not depend on what else the node holds."""
@@ -98,14 +103,14 @@ class _Search:
     ) -> None:
         self.option_of: dict[int, Option] = {}  # bit -> option
         self.bits: dict[str, list[int]] = {}  # model -> the bits of its options
-        self._on: dict[tuple[str, str], list[int]] = {}  # (model, node) -> the bits of its options there
+        self._on: dict[str, dict[str, list[int]]] = {}  # model -> node -> the bits of its options there
         for model in order:
             self.bits[model] = []
             for option in options[model]:
                 bit = 1 << len(self.option_of)
                 self.option_of[bit] = option
                 self.bits[model].append(bit)
-                self._on.setdefault((model, option.node), []).append(bit)
+                self._on.setdefault(model, {}).setdefault(option.node, []).append(bit)
         self.chosen: dict[str, int] = {}  # model -> the bit of its option
         self.held: dict[str, int] = {}  # node -> the bits of the options it holds
         self.cost = _NodeCosts(self.option_of, rooms, experts_curve)  # the bits of a node's options -> its cost
@@ -121,23 +126,18 @@ class _Search:
                 best, best_delta = bit, delta
         self._put(model, best)
 
-    def improve(self, touched: tuple[str, ...] = ()) -> bool:
+    def improve(self) -> bool:
         """Take the best improving move (one model to another of its options) or swap (two models on different
-        nodes trade nodes, each at any of its precisions there); False where none improves. With `touched`,
-        only moves and swaps from or to those nodes are priced."""
+        nodes trade nodes, each at any of its precisions there); False where none improves."""
         cost, held, option_of, on = self.cost, self.held, self.option_of, self._on
         best_gain = 1e-9
-        best_move: tuple[tuple[str, int], ...] | None = None
+        best_move: Moves | None = None
         for model, current in self.chosen.items():
             node = option_of[current].node
-            if touched and node not in touched:
-                moves = [bit for to in touched for bit in on.get((model, to), ())]
-            else:
-                moves = self.bits[model]
             here = held[node]
             without = here ^ current
             freed = cost.of(here) - cost.of(without)
-            for bit in moves:
+            for bit in self.bits[model]:
                 to = option_of[bit].node
                 if to == node:
                     gain = cost.of(here) - cost.of(without | bit)
@@ -149,21 +149,18 @@ class _Search:
         for a, b in itertools.combinations(self.chosen, 2):
             bit_a, bit_b = self.chosen[a], self.chosen[b]
             node_a, node_b = option_of[bit_a].node, option_of[bit_b].node
-            if node_a == node_b or (touched and node_a not in touched and node_b not in touched):
+            if node_a == node_b:
                 continue
             rest_a, rest_b = held[node_a] ^ bit_a, held[node_b] ^ bit_b
             before = cost.of(held[node_a]) + cost.of(held[node_b])
-            for new_a in on.get((a, node_b), ()):
-                for new_b in on.get((b, node_a), ()):
+            for new_a in on[a].get(node_b, ()):
+                for new_b in on[b].get(node_a, ()):
                     gain = before - cost.of(rest_b | new_a) - cost.of(rest_a | new_b)
                     if gain > best_gain:
                         best_gain, best_move = gain, ((a, new_a), (b, new_b))
         if best_move is None:
             return False
-        for model, _ in best_move:
-            self._take(model)
-        for model, bit in best_move:
-            self._put(model, bit)
+        self._apply(best_move)
         return True
 
     def evict_for(self, model: str) -> bool:
@@ -195,33 +192,114 @@ class _Search:
         own) and the best improving move or swap after it, where the pair lowers the sum; then improve on.
 
         After the first move only the two nodes it changed can make a move or
-        swap improve (the rest was a local optimum), so only those are priced.
-        Such pairs reach rearrangements of three and more models (a MoE moving
-        to the node a dense model leaves, which takes the MoE's node) that the
-        gap study found the greedy missing. The caller's `movers` are the
-        models in flight: starting from the idle ones too found little more
-        on the gap study, at twice the time.
+        swap improve (the rest was a local optimum), so only moves and swaps
+        touching those are priced. Those touching the node the mover left
+        are the same for each of its destinations: they are priced once per
+        mover, by the node they touch besides (a destination's own are priced
+        afresh). Such pairs reach rearrangements of three and more models (a
+        MoE moving to the node a dense model leaves, which takes the MoE's
+        node) that the gap study found the greedy missing. The caller's
+        `movers` are the models in flight: starting from the idle ones too
+        found little more on the gap study, at twice the time.
         """
-        start_chosen, start_held = self.chosen, self.held
-        best_total, best = self._total() - 1e-9, None
+        cost, held, option_of = self.cost, self.held, self.option_of
+        members: dict[str, list[str]] = {}  # node -> its models
+        for model, bit in self.chosen.items():
+            members.setdefault(option_of[bit].node, []).append(model)
+        start_costs = {node: cost.of(bits) for node, bits in held.items()}
+        best_change, best = -1e-9, _NO_MOVES
         for model in movers:
-            here = self.option_of[start_chosen[model]].node
-            for bit in self.bits[model]:
-                there = self.option_of[bit].node
-                if there == here or math.isinf(self.cost.of(start_held.get(there, 0) | bit)):
-                    continue  # (a move that does not fit is no way out: one more move cannot make room)
-                self.chosen, self.held = dict(start_chosen), dict(start_held)
-                self._take(model)
-                self._put(model, bit)
-                self.improve((here, there))
-                total = self._total()
-                if total < best_total:
-                    best_total, best = total, (self.chosen, self.held)
-        self.chosen, self.held = best or (start_chosen, start_held)
-        if best is not None:
-            for _ in range(MAX_ROUNDS):
-                if not self.improve():
-                    break
+            current = self.chosen[model]
+            here = option_of[current].node
+            trials = [bit for bit in self.bits[model] if option_of[bit].node != here]
+            trials = [bit for bit in trials if not math.isinf(cost.of(held.get(option_of[bit].node, 0) | bit))]
+            if not trials:
+                continue  # (a move that does not fit is no way out: one more move cannot make room)
+            left = held[here] ^ current
+            state, costs = {**held, here: left}, {**start_costs, here: cost.of(left)}
+            others = {node: [m for m in ms if m != model] for node, ms in members.items()}
+            shared = self._follow_ups(here, state, costs, others, self.chosen)  # the mover off the GPUs meanwhile
+            for bit in trials:
+                there = option_of[bit].node
+                state[there] = held.get(there, 0) | bit
+                costs[there] = cost.of(state[there])
+                with_mover = {**others, there: [*others.get(there, ()), model]}
+                own = self._follow_ups(there, state, costs, with_mover, {**self.chosen, model: bit})
+                state[there], costs[there] = held.get(there, 0), start_costs.get(there, 0.0)
+                gain, follow_up = 0.0, _NO_MOVES
+                for node, (g, moves) in shared.items():  # (those touching the destination were priced before the move)
+                    if node != there and g > gain:
+                        gain, follow_up = g, moves
+                for g, moves in own.values():
+                    if g > gain:
+                        gain, follow_up = g, moves
+                change = cost.of(left) + cost.of(held.get(there, 0) | bit) - start_costs[here] - start_costs.get(there, 0.0) - gain
+                if change < best_change:
+                    best_change, best = change, ((model, bit), *follow_up)
+        if not best:
+            return
+        self._take(best[0][0])
+        self._put(*best[0])
+        self._apply(best[1:])
+        for _ in range(MAX_ROUNDS):
+            if not self.improve():
+                break
+
+    def _follow_ups(
+        self,
+        node: str,
+        state: Mapping[str, int],
+        costs: Mapping[str, float],
+        members: Mapping[str, list[str]],
+        chosen: Mapping[str, int],
+    ) -> dict[str, tuple[float, Moves]]:
+        """The best improving move or swap touching `node`, per the other node it touches (`node` itself for a
+        change of precision there), with the nodes holding `state` (at `costs`) and `members` at `chosen`."""
+        cost, option_of, on = self.cost, self.option_of, self._on
+        held, base = state[node], costs[node]
+        found: dict[str, tuple[float, Moves]] = {}
+        for other, models in members.items():
+            for model in models:
+                current = chosen[model]
+                if other == node:
+                    without = held ^ current
+                    freed = base - cost.of(without)
+                    for bit in self.bits[model]:
+                        to = option_of[bit].node
+                        if to == node:
+                            gain = base - cost.of(without | bit)
+                        else:
+                            gain = freed - cost.of(state.get(to, 0) | bit) + costs.get(to, 0.0)
+                        if gain > found.get(to, _NONE)[0]:
+                            found[to] = (gain, ((model, bit),))
+                elif node in on[model]:
+                    freed = costs[other] - cost.of(state[other] ^ current)
+                    for bit in on[model][node]:
+                        gain = freed - cost.of(held | bit) + base
+                        if gain > found.get(other, _NONE)[0]:
+                            found[other] = (gain, ((model, bit),))
+        for a in members.get(node, ()):
+            rest_a = held ^ chosen[a]
+            for other, models in members.items():
+                if other == node or other not in on[a]:
+                    continue
+                there = state[other]
+                for b in models:
+                    if node not in on[b]:
+                        continue
+                    # the two nodes' changes are independent: each side's best precision is taken on its own
+                    rest_b = there ^ chosen[b]
+                    gain_a, new_a = _cheapest(cost, rest_b, on[a][other], costs[other])
+                    gain_b, new_b = _cheapest(cost, rest_a, on[b][node], base)
+                    if gain_a + gain_b > found.get(other, _NONE)[0]:
+                        found[other] = (gain_a + gain_b, ((a, new_a), (b, new_b)))
+        return found
+
+    def _apply(self, moves: Moves) -> None:
+        for model, _ in moves:
+            self._take(model)
+        for model, bit in moves:
+            self._put(model, bit)
 
     def _total(self) -> float:
         return sum(map(self.cost.of, self.held.values()))
@@ -283,6 +361,16 @@ class _NodeCosts:
             moes = [moe for bit in _bits(moe_bits) if (moe := self._option_of[bit].moe) is not None]  # all are MoEs
             curve = self._curves[moe_bits] = self._experts_curve(node, moes)
         return curve
+
+
+def _cheapest(cost: _NodeCosts, rest: int, bits: Sequence[int], before: float) -> tuple[float, int]:
+    """The largest gain `before` - cost(rest + one of `bits`), and that bit (the first among equals)."""
+    best_gain, best = -math.inf, bits[0]
+    for bit in bits:
+        gain = before - cost.of(rest | bit)
+        if gain > best_gain:
+            best_gain, best = gain, bit
+    return best_gain, best
 
 
 def _bits(mask: int) -> Iterator[int]:

@@ -128,7 +128,8 @@ class _Search:
 
     def improve(self) -> bool:
         """Take the best improving move (one model to another of its options) or swap (two models on different
-        nodes trade nodes, each at any of its precisions there); False where none improves."""
+        nodes trade nodes, each at its best precision there: the two nodes' changes are independent); False
+        where none improves."""
         cost, held, option_of, on = self.cost, self.held, self.option_of, self._on
         best_gain = 1e-9
         best_move: Moves | None = None
@@ -149,15 +150,12 @@ class _Search:
         for a, b in itertools.combinations(self.chosen, 2):
             bit_a, bit_b = self.chosen[a], self.chosen[b]
             node_a, node_b = option_of[bit_a].node, option_of[bit_b].node
-            if node_a == node_b:
+            if node_a == node_b or node_b not in on[a] or node_a not in on[b]:
                 continue
-            rest_a, rest_b = held[node_a] ^ bit_a, held[node_b] ^ bit_b
-            before = cost.of(held[node_a]) + cost.of(held[node_b])
-            for new_a in on[a].get(node_b, ()):
-                for new_b in on[b].get(node_a, ()):
-                    gain = before - cost.of(rest_b | new_a) - cost.of(rest_a | new_b)
-                    if gain > best_gain:
-                        best_gain, best_move = gain, ((a, new_a), (b, new_b))
+            gain_a, new_a = _cheapest(cost, held[node_b] ^ bit_b, on[a][node_b], cost.of(held[node_b]))
+            gain_b, new_b = _cheapest(cost, held[node_a] ^ bit_a, on[b][node_a], cost.of(held[node_a]))
+            if gain_a + gain_b > best_gain:
+                best_gain, best_move = gain_a + gain_b, ((a, new_a), (b, new_b))
         if best_move is None:
             return False
         self._apply(best_move)
@@ -287,7 +285,6 @@ class _Search:
                 for b in models:
                     if node not in on[b]:
                         continue
-                    # the two nodes' changes are independent: each side's best precision is taken on its own
                     rest_b = there ^ chosen[b]
                     gain_a, new_a = _cheapest(cost, rest_b, on[a][other], costs[other])
                     gain_b, new_b = _cheapest(cost, rest_a, on[b][node], base)

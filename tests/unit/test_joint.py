@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import itertools
+import math
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from planner_service.domain.state import StateObject, Tier
 from planner_service.domain.units import GIB
 from planner_service.planner.greedy import plan_greedy
-from planner_service.planner.joint import NOWHERE, Option, assign
+from planner_service.planner.joint import NOWHERE, Option, _Search, assign
 from planner_service.planner.objective import evaluate
 from tiny_clusters import experts, gpu, held, model, node, on_nvme, plan_for, scenario, session, weights
 
@@ -100,3 +106,73 @@ def test_the_moe_whose_experts_then_fit_gets_the_roomier_node() -> None:
     assert plan.objective.total < in_turn_total - 4.0  # 56.2 against 60.8: air's decode slowdown
     air_experts = StateObject.experts("air")
     assert sum(b for (o, loc), b in plan.placement.items() if o == air_experts and loc.tier is Tier.GPU) == 28 * GIB
+
+
+@st.composite
+def _local_optima(draw: st.DrawFn) -> tuple[_Search, list[str]]:
+    """A search at a local optimum of improving moves and swaps: 2-4 nodes, 2-5 dense models with 1-4 options
+    at whole-second costs (exact sums), some of them idle (an option to stay off the GPUs)."""
+    nodes = [f"n{i}" for i in range(draw(st.integers(2, 4)))]
+    options: dict[str, list[Option]] = {}
+    for k in range(draw(st.integers(2, 5))):
+        idle = draw(st.booleans())
+        placed = draw(st.lists(st.tuples(st.sampled_from(nodes), st.sampled_from(["bf16", "fp8"])), min_size=1, max_size=4, unique=True))
+        options[f"m{k}"] = [Option(NOWHERE, "", 0, 0.0, None)] * idle + [
+            Option(n, p, draw(st.integers(1, 6)), float(draw(st.integers(-3, 5))), None) for n, p in placed
+        ]
+    rooms = {n: draw(st.integers(4, 12)) for n in nodes}
+    search = _Search(options, list(options), {**rooms, NOWHERE: 0}, _no_moe)
+    for m in options:
+        search.place_cheapest(m)
+    while search.improve():
+        pass
+    movers = [m for m, opts in options.items() if all(o.node != NOWHERE for o in opts)]
+    return search, movers
+
+
+def _best_pair_total(search: _Search, movers: list[str]) -> float:
+    """Brute force: the least total over every move of a mover to another node where it fits, alone or
+    followed by any one move or swap of any models (the step out prices only those touching the two nodes the
+    move changed: no other can improve at a local optimum)."""
+    start = (search.chosen, search.held)
+    node = {bit: option.node for bit, option in search.option_of.items()}
+
+    def total_after(moves: list[tuple[str, int]]) -> float:
+        search.chosen, search.held = dict(start[0]), dict(start[1])
+        for m, bit in moves:
+            search._take(m)
+            search._put(m, bit)
+        return search._total()
+
+    best = math.inf
+    for m in movers:
+        for bit in search.bits[m]:
+            if node[bit] == node[start[0][m]] or math.isinf(total_after([(m, bit)])):
+                continue
+            best = min(best, total_after([(m, bit)]))
+            after = dict(search.chosen)
+            for x in after:
+                for y in search.bits[x]:
+                    best = min(best, total_after([(m, bit), (x, y)]))
+            for x, z in itertools.combinations(after, 2):
+                if node[after[x]] == node[after[z]]:
+                    continue
+                for y in search.bits[x]:
+                    for w in search.bits[z]:
+                        if node[y] == node[after[z]] and node[w] == node[after[x]]:
+                            best = min(best, total_after([(m, bit), (x, y), (z, w)]))
+    search.chosen, search.held = start
+    return best
+
+
+@settings(max_examples=300, deadline=None)
+@given(_local_optima())
+def test_the_step_out_finds_the_best_move_and_follow_up(case: tuple[_Search, list[str]]) -> None:
+    search, movers = case
+    start = search._total()
+    best = _best_pair_total(search, movers)
+    search.step_out(movers)
+    if best < start:
+        assert search._total() <= best
+    else:
+        assert search._total() == start

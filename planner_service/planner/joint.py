@@ -231,7 +231,8 @@ class _Search:
                 for g, moves in own.values():
                     if g > gain:
                         gain, follow_up = g, moves
-                change = cost.of(left) + cost.of(held.get(there, 0) | bit) - start_costs[here] - start_costs.get(there, 0.0) - gain
+                change = costs[here] + cost.of(held.get(there, 0) | bit) - start_costs[here] - start_costs.get(there, 0.0)
+                change -= gain
                 if change < best_change:
                     best_change, best = change, ((model, bit), *follow_up)
         if not best:

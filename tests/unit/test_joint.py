@@ -116,7 +116,8 @@ def _local_optima(draw: st.DrawFn) -> tuple[_Search, list[str]]:
     options: dict[str, list[Option]] = {}
     for k in range(draw(st.integers(2, 5))):
         idle = draw(st.booleans())
-        placed = draw(st.lists(st.tuples(st.sampled_from(nodes), st.sampled_from(["bf16", "fp8"])), min_size=1, max_size=4, unique=True))
+        where = st.tuples(st.sampled_from(nodes), st.sampled_from(["bf16", "fp8"]))
+        placed = draw(st.lists(where, min_size=1, max_size=4, unique=True))
         options[f"m{k}"] = [Option(NOWHERE, "", 0, 0.0, None)] * idle + [
             Option(n, p, draw(st.integers(1, 6)), float(draw(st.integers(-3, 5))), None) for n, p in placed
         ]

@@ -111,6 +111,15 @@ class _Search:
                 self.option_of[bit] = option
                 self.bits[model].append(bit)
                 self._on.setdefault(model, {}).setdefault(option.node, []).append(bit)
+        self._twin: dict[tuple[int, str], int] = {}  # (bit, node) -> the bit of that model at that precision there
+        for model, bits in self.bits.items():
+            for bit in bits:
+                for other in bits:
+                    if self.option_of[other].precision == self.option_of[bit].precision:
+                        self._twin.setdefault((bit, self.option_of[other].node), other)
+        nodes = sorted(node for node in rooms if node != NOWHERE)
+        self._alike = [(a, b) for a, b in itertools.combinations(nodes, 2) if rooms[a] == rooms[b]]
+        self.model_of = {bit: model for model, bits in self.bits.items() for bit in bits}
         self.chosen: dict[str, int] = {}  # model -> the bit of its option
         self.held: dict[str, int] = {}  # node -> the bits of the options it holds
         self.cost = _NodeCosts(self.option_of, rooms, experts_curve)  # the bits of a node's options -> its cost
@@ -156,10 +165,30 @@ class _Search:
             gain_b, new_b = _cheapest(cost, held[node_a] ^ bit_a, on[b][node_a], cost.of(held[node_a]))
             if gain_a + gain_b > best_gain:
                 best_gain, best_move = gain_a + gain_b, ((a, new_a), (b, new_b))
+        for node_a, node_b in self._alike:  # two nodes of one room trade all their models
+            held_a, held_b = held.get(node_a, 0), held.get(node_b, 0)
+            if not (held_a or held_b):
+                continue
+            new_a, new_b = self._exchanged(held_b, node_a), self._exchanged(held_a, node_b)
+            if new_a < 0 or new_b < 0:
+                continue
+            gain = cost.of(held_a) + cost.of(held_b) - cost.of(new_a) - cost.of(new_b)
+            if gain > best_gain:
+                best_gain, best_move = gain, tuple((self.model_of[bit], bit) for bit in _bits(new_a | new_b))
         if best_move is None:
             return False
         self._apply(best_move)
         return True
+
+    def _exchanged(self, held: int, node: str) -> int:
+        """The options on `node` of the models `held` names, each at the same precision; -1 where one has none."""
+        out = 0
+        for bit in _bits(held):
+            twin = self._twin.get((bit, node))
+            if twin is None:
+                return -1
+            out |= twin
+        return out
 
     def evict_for(self, model: str) -> bool:
         """Take the best move of the model to another node that first clears that node of the other models
@@ -186,7 +215,7 @@ class _Search:
         return best is not None
 
     def step_out(self, movers: Sequence[str]) -> None:
-        """From a local optimum, take the best pair of a move of one of `movers` to another node (worse on its
+        """From a local optimum where all fits, take the best pair of a move of one of `movers` to another node (worse on its
         own) and the best improving move or swap after it, where the pair lowers the sum; then improve on.
 
         After the first move only the two nodes it changed can make a move or
@@ -205,6 +234,8 @@ class _Search:
         for model, bit in self.chosen.items():
             members.setdefault(option_of[bit].node, []).append(model)
         start_costs = {node: cost.of(bits) for node, bits in held.items()}
+        if math.isinf(sum(start_costs.values())):
+            return  # (the improving moves found no assignment that fits: there is no optimum to step out of)
         best_change, best = -1e-9, _NO_MOVES
         for model in movers:
             current = self.chosen[model]

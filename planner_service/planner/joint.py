@@ -9,15 +9,17 @@ MoE models among them lose sharing its room for experts (the caller's
 `experts_curve`), or infinity where their bytes exceed its room. Starting
 from each model taking its cheapest option beside those before it (in the
 caller's order, as the greedy would), a local search takes the best move of
-one model to another option, or swap of two models' nodes, while that
-lowers the summed estimate, at most `MAX_ROUNDS` times. A model that may
-stay off the GPUs has an option on `NOWHERE`; for such a large model
-(`evicting`) the search then tries moving it onto a node cleared of the
-others, each of them taking its cheapest option again: small models on
-the one node that could hold it each lose by a single move. Last, it steps
-out of the local optimum once (`_Search.step_out`): a move of a model in
-flight that costs on its own, followed by the best move or swap it makes
-possible.
+one model to another option, swap of two models' nodes, or trade of all
+models between two nodes of one room, while that lowers the summed
+estimate, at most `MAX_ROUNDS` times. (Trades: the MILP's plans trade whole
+nodes where the greedy's did not, four models on one gap-study seed, out of
+reach of moves and swaps.) A model that may stay off the GPUs has an option
+on `NOWHERE`; for such a large model (`evicting`) the search then tries
+moving it onto a node cleared of the others, each of them taking its
+cheapest option again: small models on the one node that could hold it
+each lose by a single move. Last, it steps out of the local optimum once
+(`_Search.step_out`): a move of a model in flight that costs on its own,
+followed by the best move or swap it makes possible.
 
 Speed: each option is one bit, a node's set is the OR of its options' bits
 (the bits name the node too), and each set is priced once.
@@ -111,15 +113,14 @@ class _Search:
                 self.option_of[bit] = option
                 self.bits[model].append(bit)
                 self._on.setdefault(model, {}).setdefault(option.node, []).append(bit)
-        self._twin: dict[tuple[int, str], int] = {}  # (bit, node) -> the bit of that model at that precision there
-        for model, bits in self.bits.items():
-            for bit in bits:
-                for other in bits:
-                    if self.option_of[other].precision == self.option_of[bit].precision:
-                        self._twin.setdefault((bit, self.option_of[other].node), other)
+        self._model_of = {bit: model for model, bits in self.bits.items() for bit in bits}
+        self._twin: dict[tuple[int, str], int] = {}  # (bit, node) -> its model's option there at its precision
+        for bits in self.bits.values():
+            for bit, other in itertools.product(bits, bits):
+                if self.option_of[other].precision == self.option_of[bit].precision:
+                    self._twin.setdefault((bit, self.option_of[other].node), other)
         nodes = sorted(node for node in rooms if node != NOWHERE)
         self._alike = [(a, b) for a, b in itertools.combinations(nodes, 2) if rooms[a] == rooms[b]]
-        self.model_of = {bit: model for model, bits in self.bits.items() for bit in bits}
         self.chosen: dict[str, int] = {}  # model -> the bit of its option
         self.held: dict[str, int] = {}  # node -> the bits of the options it holds
         self.cost = _NodeCosts(self.option_of, rooms, experts_curve)  # the bits of a node's options -> its cost
@@ -136,9 +137,9 @@ class _Search:
         self._put(model, best)
 
     def improve(self) -> bool:
-        """Take the best improving move (one model to another of its options) or swap (two models on different
-        nodes trade nodes, each at its best precision there: the two nodes' changes are independent); False
-        where none improves."""
+        """Take the best improving move (one model to another of its options), swap (two models on different
+        nodes trade nodes, each at its best precision there: the two nodes' changes are independent) or trade
+        (two nodes of one room trade all their models, each at its precision); False where none improves."""
         cost, held, option_of, on = self.cost, self.held, self.option_of, self._on
         best_gain = 1e-9
         best_move: Moves | None = None
@@ -165,7 +166,9 @@ class _Search:
             gain_b, new_b = _cheapest(cost, held[node_a] ^ bit_a, on[b][node_a], cost.of(held[node_a]))
             if gain_a + gain_b > best_gain:
                 best_gain, best_move = gain_a + gain_b, ((a, new_a), (b, new_b))
-        for node_a, node_b in self._alike:  # two nodes of one room trade all their models
+        # two nodes of one room trade all their models (nodes of different rooms: the estimates of what fits
+        # beside a large model's KV were found too coarse for that, a trade that left more sessions unserved)
+        for node_a, node_b in self._alike:
             held_a, held_b = held.get(node_a, 0), held.get(node_b, 0)
             if not (held_a or held_b):
                 continue
@@ -174,7 +177,7 @@ class _Search:
                 continue
             gain = cost.of(held_a) + cost.of(held_b) - cost.of(new_a) - cost.of(new_b)
             if gain > best_gain:
-                best_gain, best_move = gain, tuple((self.model_of[bit], bit) for bit in _bits(new_a | new_b))
+                best_gain, best_move = gain, tuple((self._model_of[bit], bit) for bit in _bits(new_a | new_b))
         if best_move is None:
             return False
         self._apply(best_move)

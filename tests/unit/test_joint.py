@@ -177,3 +177,18 @@ def test_the_step_out_finds_the_best_move_and_follow_up(case: tuple[_Search, lis
         assert search._total() <= best
     else:
         assert search._total() == start
+
+
+def test_two_nodes_of_one_room_trade_all_their_models() -> None:
+    # rooms 100 and 100. In turn: b (50) and c (50) take n1 (0 each); a (60) fits only on n0 (3): 3. No move
+    # fits (b beside a: 110; a beside b and c: 160), no swap (a beside c: 110), nor a step out's first move.
+    # Trading the nodes' models: a on n1 (0), b and c on n0 (1 each): 2. With n1's room 101 no trade is tried.
+    options = {
+        "b": [Option("n1", "bf16", 50, 0.0, None), Option("n0", "bf16", 50, 1.0, None)],
+        "c": [Option("n1", "bf16", 50, 0.0, None), Option("n0", "bf16", 50, 1.0, None)],
+        "a": [Option("n0", "bf16", 60, 3.0, None), Option("n1", "bf16", 60, 0.0, None)],
+    }
+    traded = assign(options, ["b", "c", "a"], {"n0": 100, "n1": 100}, _no_moe)
+    assert {m: o.node for m, o in traded.items()} == {"a": "n1", "b": "n0", "c": "n0"}
+    kept = assign(options, ["b", "c", "a"], {"n0": 100, "n1": 101}, _no_moe)
+    assert {m: o.node for m, o in kept.items()} == {"a": "n0", "b": "n1", "c": "n1"}

@@ -14,8 +14,9 @@ It rebuilds what the GPUs should hold, then settles the lower tiers:
    several is priced with its MoE models sharing its room for experts (the
    decode slowdown at the best expert fractions that room allows, on each
    group's summed PCIe bandwidth), and a local search moves and swaps models
-   between options while the sum falls, then steps out of that local optimum
-   once (the gap study's median ratio 1.046 -> 1.016).
+   between options (or trades two like nodes' models) while the sum falls,
+   then steps out of that local optimum once (the gap study's median ratio
+   1.046 -> 1.016; with the trades 1.009).
    Served one at a time (most urgent SLO, then largest), the first models
    would take the best nodes: DeepSeek-V3, whose experts gain little per
    GiB, a node GLM-4.5-Air's experts would fill (the gap study's median

@@ -43,7 +43,7 @@ NOWHERE = ""  # the node of an option that leaves a model off the GPUs (it takes
 MAX_ROUNDS = 3  # improving moves at most; on the 50-scenario gap study a third still pays (median 1.075 -> 1.049), a fourth not
 # The step out tries every option of the models in flight, each followed by a search round around it: it runs
 # where the choice's options number at most this (7 models on 4 nodes at up to 2 precisions, idle ones with
-# their option to stay cold: at most 63), costing ~2 ms of a compiled demo-sized plan; on 16 GPUs with 12
+# their option to stay cold: at most 63), costing ~1.5 ms of a compiled demo-sized plan; on 16 GPUs with 12
 # models it would double planning.
 STEP_OUT_MAX_OPTIONS = 64
 

@@ -218,8 +218,9 @@ class _Search:
         return best is not None
 
     def step_out(self, movers: Sequence[str]) -> None:
-        """From a local optimum where all fits, take the best pair of a move of one of `movers` to another node (worse on its
-        own) and the best improving move or swap after it, where the pair lowers the sum; then improve on.
+        """From a local optimum where all fits, take the best pair of a move of one of `movers` to another node
+        (worse on its own) and the best improving move or swap after it, where the pair lowers the sum; then
+        improve on.
 
         After the first move only the two nodes it changed can make a move or
         swap improve (the rest was a local optimum), so only moves and swaps
@@ -245,8 +246,8 @@ class _Search:
             here = option_of[current].node
             trials = [bit for bit in self.bits[model] if option_of[bit].node != here]
             trials = [bit for bit in trials if not math.isinf(cost.of(held.get(option_of[bit].node, 0) | bit))]
-            if not trials:
-                continue  # (a move that does not fit is no way out: one more move cannot make room)
+            if not trials:  # (moves that do not fit on their own, followed by one making room, found next to
+                continue  # nothing more on the gap study)
             left = held[here] ^ current
             state, costs = {**held, here: left}, {**start_costs, here: cost.of(left)}
             others = {node: [m for m in ms if m != model] for node, ms in members.items()}
@@ -254,7 +255,7 @@ class _Search:
             for bit in trials:
                 there = option_of[bit].node
                 state[there] = held.get(there, 0) | bit
-                costs[there] = cost.of(state[there])
+                arrived = costs[there] = cost.of(state[there])
                 with_mover = {**others, there: [*others.get(there, ()), model]}
                 own = self._follow_ups(there, state, costs, with_mover, {**self.chosen, model: bit})
                 state[there], costs[there] = held.get(there, 0), start_costs.get(there, 0.0)
@@ -265,8 +266,7 @@ class _Search:
                 for g, moves in own.values():
                     if g > gain:
                         gain, follow_up = g, moves
-                change = costs[here] + cost.of(held.get(there, 0) | bit) - start_costs[here] - start_costs.get(there, 0.0)
-                change -= gain
+                change = costs[here] + arrived - start_costs[here] - start_costs.get(there, 0.0) - gain
                 if change < best_change:
                     best_change, best = change, ((model, bit), *follow_up)
         if not best:

@@ -59,3 +59,12 @@ def test_search_steps_out_of_a_local_optimum() -> None:
     tabu = search_nodes(p)
     assert tabu.objective < descent.objective - 100.0
     assert tabu.plans <= 400
+
+
+def test_search_trades_the_models_of_two_nodes() -> None:
+    # demo-sized seed 50: the MILP's optimum, 4860.3, is the greedy's plan (4989.9) with the four models of two
+    # L40 nodes traded, which no swap or move of one model (with or without another precision) reaches
+    p = problem(50, gpus=16, models=7, sessions=100)
+    found = search_nodes(p)
+    assert found.greedy_objective == pytest.approx(4989.9, abs=0.1)
+    assert found.objective == pytest.approx(4860.3, abs=0.1)

@@ -244,8 +244,10 @@ class _Search:
         for model in movers:
             current = self.chosen[model]
             here = option_of[current].node
-            trials = [bit for bit in self.bits[model] if option_of[bit].node != here]
-            trials = [bit for bit in trials if not math.isinf(cost.of(held.get(option_of[bit].node, 0) | bit))]
+            trials = [
+                bit for bit in self.bits[model]
+                if (to := option_of[bit].node) != here and not math.isinf(cost.of(held.get(to, 0) | bit))
+            ]
             if not trials:  # (moves that do not fit on their own, followed by one making room, found next to
                 continue  # nothing more on the gap study)
             left = held[here] ^ current

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from planner_service.domain.problem import Session
 from planner_service.domain.scenario import Scenario, Slo, parse_scenario
 from planner_service.domain.state import Location, StateObject
 from planner_service.sim.engine import SessionState, Simulator, SimRequest
@@ -43,28 +42,6 @@ def arrive(sim: Simulator, policy: StatebudgetPolicy, t: float, session: str, mo
     state = sim.sessions.setdefault(session, SessionState(session, session, Slo.INTERACTIVE, history_tokens=context - 100))
     req = SimRequest(0, t, session, model, 50, 50, Slo.INTERACTIVE, False)
     policy.observe(sim, state, req)
-
-
-def test_expected_demand_spreads_the_seats_by_the_windows_request_share() -> None:
-    sim, policy = simulator(demand_seats=4, demand_window_seconds=100.0)
-    for i in range(6):
-        arrive(sim, policy, 10.0 + i, f"s{i}", "a", 1000)
-    for i in range(2):
-        arrive(sim, policy, 20.0 + i, f"t{i}", "b", 3000)
-    sim.now = 50.0
-    stand_ins = policy.expected_demand(sim, {})
-    # a has 6 of 8 requests: 3 seats; b 2 of 8: 1 seat; each at its model's mean context
-    assert sorted((s.model, s.context_tokens, s.active) for s in stand_ins) == [
-        ("a", 1000, True), ("a", 1000, True), ("a", 1000, True), ("b", 3000, True),
-    ]
-    # a session of a in flight takes one of a's seats
-    in_flight = {"s0": Session("s0", "u", Slo.INTERACTIVE, "a", True, 1000)}
-    assert [s.model for s in policy.expected_demand(sim, in_flight)].count("a") == 2
-    # requests older than the window no longer count
-    sim.now = 118.0
-    assert {s.model for s in policy.expected_demand(sim, {})} == {"b"}
-    sim.now = 500.0
-    assert policy.expected_demand(sim, {}) == []
 
 
 def test_the_planned_problem_carries_the_stand_ins_as_active_sessions() -> None:

@@ -7,27 +7,16 @@ arrived since the last plan. A turn ending does not trigger a plan: the KV it
 leaves is written through to host DRAM by the engine. Between plans, a
 request whose model is cold is loaded on demand (below), as `lru` would.
 
-What a plan sees. The policy builds a `Problem` from the simulated cluster:
-confirmed placement = simulated residency (copies still in flight count as
-there), sessions with their context and an active flag for requests waiting
-or running, and next-model probabilities from a `SwitchPredictor` fed the
-hand-offs observed so far. An instant holds few requests in flight, so a plan
-for it alone would give away the room the next ones need: the policy adds
-stand-in active sessions for the load of the last hour (`expected_demand`,
-the way `static` sizes its groups for the whole trace's average). It calls
-the greedy (`plan_greedy`) and prices its target and the current placement
-with `make_plan`.
+What a plan sees, and when it is adopted: as the service plans (`planner/online.py`). The policy builds
+a `Problem` from the simulated cluster: confirmed placement = simulated residency (copies still in flight
+count as there), sessions with their context and an active flag for requests waiting or running, and
+next-model probabilities from a `SwitchPredictor` fed the hand-offs observed so far; the online rules add
+stand-in sessions for the last hour's load (`RecentLoad`), pin the engines that served within the window
+unless their requests waited over `unpin_after_seconds` (`pins`), and adopt a plan only when it is worth
+its moves (`worth_adopting`). It calls the greedy (`plan_greedy`) and prices its target with `make_plan`.
 
-Hysteresis, so that replans do not reshuffle the cluster:
+Hysteresis in execution, so that the engines do not undo what plans just did:
 
-* **Pinned engines.** A model that served within the window keeps its node
-  and precision in the plan (the greedy's `nodes` / `precisions`); the plan
-  still chooses its GPUs on that node, its KV and its experts. A model whose
-  requests have waited longer than `unpin_after_seconds` is free to move.
-* **Benefit over cost.** A plan is adopted only when the objective it saves
-  over staying put exceeds the seconds its promotes take (the objective
-  charges only `move_weight` of those; here the whole), or when it serves
-  active requests that staying put leaves waiting.
 * **No undo within a window.** Weights or experts that arrived on a GPU less
   than `min_residency_seconds` ago are not dropped or moved off by a plan.
 * **Keep-warm.** Weights of a model that served a turn within the window are
@@ -56,22 +45,20 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections import defaultdict, deque
 from types import MappingProxyType
 from typing import TYPE_CHECKING
 
-from planner_service.domain.problem import Problem, Session
-from planner_service.domain.scenario import Slo
+from planner_service.domain.problem import Session
 from planner_service.domain.state import Kind, Location, StateObject, Tier
 from planner_service.planner.errors import PlanningError
-from planner_service.planner.greedy import TargetPlan, plan_greedy
-from planner_service.planner.objective import evaluate
+from planner_service.planner.greedy import plan_greedy
+from planner_service.planner.online import Engine, RecentLoad, pins, worth_adopting
 from planner_service.planner.operations import Action, Operation
 from planner_service.planner.plan import Plan, make_plan
 from planner_service.planner.predictor import SwitchPredictor
 from planner_service.planner.registry import SolverName
 from planner_service.sim.policies.base import Policy, PolicyName
-from planner_service.sim.policies.static import apply_placement, apportion, static_placement
+from planner_service.sim.policies.static import apply_placement, static_placement
 
 if TYPE_CHECKING:
     from planner_service.sim.engine import SessionState, Simulator, SimRequest
@@ -98,10 +85,8 @@ class StatebudgetPolicy(Policy):
         self.fallback_after_seconds = fallback_after_seconds
         self.min_residency_seconds = min_residency_seconds  # None: the planner's horizon
         self.warm_start = warm_start
-        self.demand_window_seconds = demand_window_seconds  # the load `expected_demand` averages over
-        self.demand_seats = demand_seats  # stand-in sessions spread over the models (a team's engineers)
         self.unpin_after_seconds = unpin_after_seconds
-        self.recent: deque[tuple[float, str, int]] = deque()  # (arrival, model, context) of the window's requests
+        self.load = RecentLoad(demand_window_seconds, demand_seats)  # the load stand-in sessions are made for
         self.predictor: SwitchPredictor | None = None
         self.ops: list[Operation] = []
         self.status: dict[str, str] = {}
@@ -129,7 +114,7 @@ class StatebudgetPolicy(Policy):
 
     def observe(self, sim: Simulator, session: SessionState, req: SimRequest) -> None:
         assert self.predictor is not None
-        self.recent.append((sim.now, req.model, session.history_tokens + req.input_tokens + req.output_tokens))
+        self.load.add(sim.now, req.model, session.history_tokens + req.input_tokens + req.output_tokens)
         if session.requested_model is not None:
             self.predictor.observe_handoff(req.t, session.requested_model, req.model)
             self.predictor.observe_turn_gap(req.t, max(0.0, req.t - session.last_t))
@@ -230,7 +215,7 @@ class StatebudgetPolicy(Policy):
                 residency[(obj, loc)] = min(nbytes, size)
                 if residency[(obj, loc)] <= 0:
                     del residency[(obj, loc)]
-        for stand_in in self.expected_demand(sim, sessions):
+        for stand_in in self.load.stand_ins(sim.now, sessions.values()):
             sessions[stand_in.id] = stand_in
         next_model = self.predictor.predict_sessions({s.id: s.model for s in sessions.values()}, sim.now)
         return dataclasses.replace(
@@ -240,45 +225,15 @@ class StatebudgetPolicy(Policy):
             next_model=MappingProxyType(next_model),
         )
 
-    def expected_demand(self, sim: Simulator, sessions: dict[str, Session]) -> list[Session]:
-        """Stand-in active sessions for the window's load beyond the requests in flight now.
-
-        `demand_seats` seats are spread over the models by their share of the window's requests
-        (largest remainder, as `static` does for the whole trace), each with the mean context its
-        model's requests arrived with; a model's sessions in flight take its seats first.
-        """
-        recent = self.recent
-        while recent and recent[0][0] < sim.now - self.demand_window_seconds:
-            recent.popleft()
-        if not recent:
-            return []
-        counts: dict[str, int] = defaultdict(int)
-        context: dict[str, int] = defaultdict(int)
-        for _, model, tokens in recent:
-            counts[model] += 1
-            context[model] += tokens
-        seats = apportion(counts, self.demand_seats)
-        in_flight: dict[str, int] = defaultdict(int)
-        for s in sessions.values():
-            in_flight[s.model] += s.active
-        return [
-            Session(f"expected-{m}-{k}", f"expected-{m}-{k}", Slo.INTERACTIVE, m, True, context[m] // counts[m])
-            for m in sorted(seats)
-            for k in range(in_flight[m], seats[m])
-        ]
-
     def pins(self, sim: Simulator) -> tuple[dict[str, str], dict[str, str]]:
         """Node and precision of every model that served within the window, unless its requests are stuck."""
-        window = self.min_residency_seconds or 0.0
         stuck = {r.model for r in sim.waiting if sim.now - r.admitted_at > self.unpin_after_seconds}
-        nodes: dict[str, str] = {}
-        precisions: dict[str, str] = {}
-        for model_id, state in sim.models.items():
-            used = sim.last_used.get(StateObject.weights(model_id, state.precision), float("-inf"))
-            if state.status == "ready" and model_id not in stuck and sim.now - used < window:
-                nodes[model_id] = state.node
-                precisions[model_id] = state.precision
-        return nodes, precisions
+        engines = {
+            model_id: Engine(state.node, state.precision, sim.last_used.get(StateObject.weights(model_id, state.precision), float("-inf")))
+            for model_id, state in sim.models.items()
+            if state.status == "ready"
+        }
+        return pins(engines, stuck, sim.now, self.min_residency_seconds or 0.0)
 
     def plan(self, sim: Simulator) -> None:
         started = time.perf_counter()
@@ -292,7 +247,7 @@ class StatebudgetPolicy(Policy):
             plan = make_plan(
                 problem, SolverName.GREEDY, target.placement, target.unserved, target.reasons, now=target.now, demand=target.demand
             )
-            adopt = self.worth_it(problem, plan, target)
+            adopt = worth_adopting(problem, plan, self._waiting_models, now=target.now, demand=target.demand)
         except (PlanningError, ValueError, KeyError) as error:
             self.failed_plans += 1
             if len(self.errors) < 5:
@@ -302,27 +257,6 @@ class StatebudgetPolicy(Policy):
         sim.planner_seconds.append(time.perf_counter() - started)
         if adopt:
             self.adopt(sim, plan)
-
-    def worth_it(self, problem: Problem, plan: Plan, target: TargetPlan) -> bool:
-        """Adopt a plan when what it saves over staying put exceeds the seconds its promotes take."""
-        if not plan.operations:
-            return False
-        if self._serves_waiting(plan):
-            return True  # it brings the model of a waiting request: staying put leaves it waiting
-        stay, stay_predicted = evaluate(problem, problem.residency, target.now, target.now, target.demand)
-        if len(plan.unserved) < len(stay_predicted.unserved_sessions):
-            return True  # it serves requests that staying put leaves waiting
-        move_weight = problem.constants.move_weight
-        promote_seconds = plan.objective.moves / move_weight if move_weight > 0 else 0.0
-        gain = stay.total - plan.objective.total
-        return gain > promote_seconds
-
-    def _serves_waiting(self, plan: Plan) -> bool:
-        wanted = self._waiting_models
-        return any(
-            op.object.kind is Kind.WEIGHTS and op.object.model in wanted and op.dest is not None
-            and op.dest.tier is Tier.GPU for op in plan.operations
-        )
 
     def adopt(self, sim: Simulator, plan: Plan) -> None:
         self.adopted += 1

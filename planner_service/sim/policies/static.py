@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter
-from collections.abc import Mapping
 from types import MappingProxyType
 from typing import TYPE_CHECKING
 
@@ -20,6 +19,7 @@ from planner_service.domain.scenario import Slo
 from planner_service.domain.problem import Session
 from planner_service.domain.state import Kind, Location, StateObject, Tier
 from planner_service.planner.greedy import plan_greedy
+from planner_service.planner.online import apportion
 from planner_service.sim.policies.base import Policy, PolicyName
 from planner_service.sim.trace import TraceRequest
 
@@ -50,16 +50,6 @@ def average_demand(sim: Simulator) -> list[Session]:
             sid = f"avg-{m}-{k}"
             sessions.append(Session(sid, sid, Slo.INTERACTIVE, m, True, context[m] // counts[m]))
     return sessions
-
-
-def apportion(counts: Mapping[str, int], seats: int) -> dict[str, int]:
-    """`seats` spread over the keys in proportion to their counts (largest remainder; ties by key)."""
-    total = sum(counts.values())
-    quota = {m: seats * n / total for m, n in counts.items()}
-    share = {m: int(q) for m, q in quota.items()}
-    for m in sorted(quota, key=lambda m: (-(quota[m] - share[m]), m))[: seats - sum(share.values())]:
-        share[m] += 1
-    return share
 
 
 def static_placement(sim: Simulator) -> dict[tuple[StateObject, Location], int]:

@@ -1,0 +1,145 @@
+"""Planning online: what a replan sees beyond its instant, which engines it leaves in place, and whether
+its moves are worth making.
+
+The service's planning loop and the simulator's `statebudget` policy both plan this way, so the trace
+replay measures the rules the service runs. Each rule answers a way a plan for one instant goes wrong:
+
+* **Stand-in sessions** (`RecentLoad`). An instant holds few requests in flight; a plan for them alone
+  gives away the room the next ones need. `seats` stand-in active sessions (a team's engineers) are
+  spread over the models by their share of the last `window_seconds`' requests (largest remainder),
+  each with the mean context its model's requests arrived with; a model's sessions in flight take its
+  seats first. Stand-ins only shape the placement: their KV is never planned for real (`without_stand_ins`).
+* **Pins** (`pins`). A model that served within the window keeps its node and precision (the plan still
+  chooses its GPUs on that node, its KV and its experts), unless its requests have waited longer than
+  the unpin delay: then it is free to move where it fits.
+* **Benefit over cost** (`worth_adopting`). A plan is adopted only when the objective it saves over
+  staying put exceeds the seconds its promotes take (the objective charges only `move_weight` of
+  those; here the whole), or when it serves requests that staying put leaves waiting.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Collection, Iterable, Mapping
+from dataclasses import dataclass
+
+from planner_service.domain.problem import Problem, Session
+from planner_service.domain.scenario import Slo
+from planner_service.domain.state import Kind, Location, StateObject, Tier
+from planner_service.planner.objective import Demand, evaluate
+from planner_service.planner.plan import Plan
+from planner_service.planner.residency import ResidencyIndex
+
+STAND_IN = "expected-"  # the id prefix of stand-in sessions
+
+
+def apportion(counts: Mapping[str, int], seats: int) -> dict[str, int]:
+    """`seats` spread over the keys in proportion to their counts (largest remainder; ties by key)."""
+    total = sum(counts.values())
+    quota = {m: seats * n / total for m, n in counts.items()}
+    share = {m: int(q) for m, q in quota.items()}
+    for m in sorted(quota, key=lambda m: (-(quota[m] - share[m]), m))[: seats - sum(share.values())]:
+        share[m] += 1
+    return share
+
+
+class RecentLoad:
+    """The requests of the last `window_seconds` (arrival, model, context tokens), and the stand-in
+    sessions they call for."""
+
+    def __init__(self, window_seconds: float = 3600.0, seats: int = 10) -> None:
+        self.window_seconds = window_seconds
+        self.seats = seats
+        self._requests: deque[tuple[float, str, int]] = deque()
+
+    def add(self, t: float, model: str, context_tokens: int) -> None:
+        """A request arrived at `t` (in time order) for `model`, with the session's context after its turn."""
+        self._requests.append((t, model, context_tokens))
+
+    def stand_ins(self, now: float, sessions: Iterable[Session]) -> list[Session]:
+        """Stand-in active sessions for the window's load beyond the requests in flight among `sessions`."""
+        requests = self._requests
+        while requests and requests[0][0] < now - self.window_seconds:
+            requests.popleft()
+        if not requests:
+            return []
+        counts: dict[str, int] = {}
+        context: dict[str, int] = {}
+        for _, model, tokens in requests:
+            counts[model] = counts.get(model, 0) + 1
+            context[model] = context.get(model, 0) + tokens
+        in_flight: dict[str, int] = {}
+        for s in sessions:
+            in_flight[s.model] = in_flight.get(s.model, 0) + s.active
+        seats = apportion(counts, self.seats)
+        return [
+            Session(f"{STAND_IN}{m}-{k}", f"{STAND_IN}{m}-{k}", Slo.INTERACTIVE, m, True, context[m] // counts[m])
+            for m in sorted(seats)
+            for k in range(in_flight.get(m, 0), seats[m])
+        ]
+
+
+def is_stand_in(session_id: str | None) -> bool:
+    return session_id is not None and session_id.startswith(STAND_IN)
+
+
+@dataclass(frozen=True)
+class Engine:
+    """Where a model serves now, and when it last served a request."""
+
+    node: str
+    precision: str
+    last_used: float
+
+
+def pins(
+    engines: Mapping[str, Engine], stuck: Collection[str], now: float, window_seconds: float
+) -> tuple[dict[str, str], dict[str, str]]:
+    """Node and precision (the greedy's `nodes`, `precisions`) of every model that served within the
+    window, unless it is in `stuck` (its requests waited past the unpin delay)."""
+    nodes: dict[str, str] = {}
+    precisions: dict[str, str] = {}
+    for model_id, engine in engines.items():
+        if model_id not in stuck and now - engine.last_used < window_seconds:
+            nodes[model_id] = engine.node
+            precisions[model_id] = engine.precision
+    return nodes, precisions
+
+
+def brings(plan: Plan, models: Collection[str]) -> bool:
+    """Whether the plan promotes the weights of one of `models` to a GPU."""
+    return any(
+        op.object.kind is Kind.WEIGHTS and op.object.model in models and op.dest is not None
+        and op.dest.tier is Tier.GPU for op in plan.operations
+    )  # fmt: skip
+
+
+def worth_adopting(
+    problem: Problem,
+    plan: Plan,
+    waiting_models: Collection[str] = (),
+    *,
+    now: ResidencyIndex | None = None,
+    demand: Demand | None = None,
+) -> bool:
+    """Whether to adopt `plan` rather than stay put: it brings a model that requests wait for (the
+    `waiting_models` not loaded), serves requests staying put leaves waiting, or saves more objective
+    than the seconds its promotes take. (`now` and `demand` as for `evaluate`, when the solver has them.)"""
+    if not plan.operations:
+        return False
+    if brings(plan, waiting_models):
+        return True
+    now = now or ResidencyIndex.build(problem, problem.residency)
+    stay, stay_predicted = evaluate(problem, problem.residency, now, now, demand)
+    if len(plan.unserved) < len(stay_predicted.unserved_sessions):
+        return True
+    move_weight = problem.constants.move_weight
+    promote_seconds = plan.objective.moves / move_weight if move_weight > 0 else 0.0
+    return stay.total - plan.objective.total > promote_seconds
+
+
+def without_stand_ins(
+    placement: Mapping[tuple[StateObject, Location], int],
+) -> dict[tuple[StateObject, Location], int]:
+    """The placement less the KV of stand-in sessions (room they held is simply left free)."""
+    return {key: nbytes for key, nbytes in placement.items() if not is_stand_in(key[0].session)}

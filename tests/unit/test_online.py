@@ -1,0 +1,77 @@
+"""The online rules the service and the replayed `statebudget` policy share: stand-ins, pins, adoption."""
+
+from __future__ import annotations
+
+from planner_service.domain.problem import Session
+from planner_service.domain.scenario import Slo, parse_scenario
+from planner_service.domain.state import Location, StateObject
+from planner_service.domain.units import GIB
+from planner_service.planner.online import Engine, RecentLoad, apportion, pins, without_stand_ins, worth_adopting
+from planner_service.planner.plan import make_plan
+from planner_service.planner.predictor import problem_from_scenario
+from planner_service.planner.registry import solve
+from tests.unit.tiny_clusters import gpu, held, model, node, on_gpu, on_nvme, scenario, session, weights
+
+
+def test_apportion_gives_the_largest_remainders_the_seats_left() -> None:
+    assert apportion({"a": 6, "b": 2}, 4) == {"a": 3, "b": 1}
+    assert apportion({"a": 1, "b": 1, "c": 1}, 2) == {"a": 1, "b": 1, "c": 0}  # ties go by key
+
+
+def test_stand_ins_spread_the_seats_by_the_windows_request_share() -> None:
+    load = RecentLoad(window_seconds=100.0, seats=4)
+    for i in range(6):
+        load.add(10.0 + i, "a", 1000)
+    for i in range(2):
+        load.add(20.0 + i, "b", 3000)
+    # a has 6 of 8 requests: 3 seats; b 2 of 8: 1 seat; each at its model's mean context
+    assert sorted((s.model, s.context_tokens, s.active) for s in load.stand_ins(50.0, [])) == [
+        ("a", 1000, True), ("a", 1000, True), ("a", 1000, True), ("b", 3000, True),
+    ]
+    # a session of a in flight takes one of a's seats; an idle one does not
+    in_flight = [Session("s0", "u", Slo.INTERACTIVE, "a", True, 1000), Session("s1", "u", Slo.INTERACTIVE, "a", False, 10)]
+    assert [s.model for s in load.stand_ins(50.0, in_flight)].count("a") == 2
+    # requests older than the window no longer count
+    assert {s.model for s in load.stand_ins(118.0, [])} == {"b"}
+    assert load.stand_ins(500.0, []) == []
+
+
+def test_a_model_that_served_within_the_window_keeps_its_node_until_it_is_stuck() -> None:
+    engines = {"a": Engine("n2", "bf16", last_used=990.0), "b": Engine("n1", "int4", last_used=100.0)}
+    assert pins(engines, set(), now=1000.0, window_seconds=300.0) == ({"a": "n2"}, {"a": "bf16"})  # b: idle too long
+    assert pins(engines, {"a"}, now=1000.0, window_seconds=300.0) == ({}, {})
+
+
+def two_gpus(sessions: list, on_gpus: tuple[str, ...] = ()) -> dict:
+    """One node of two 24 GiB GPUs; models a and b of 10 GiB, on NVMe (and a GPU for those in `on_gpus`)."""
+    residency = [held(weights(m), on_nvme("n1"), 10 * GIB) for m in ("a", "b")]
+    residency += [held(weights(m), on_gpu(f"g{i}"), 10 * GIB) for i, m in enumerate(on_gpus)]
+    return scenario([node("n1", gpu("g0", 24), gpu("g1", 24))], [model("a", 10), model("b", 10)], sessions, residency)
+
+
+def test_a_plan_is_adopted_when_it_serves_requests_staying_put_leaves_waiting() -> None:
+    problem = problem_from_scenario(parse_scenario(two_gpus([session("s1", "a", active=True)])))
+    plan = solve(problem)
+    assert plan.operations
+    assert worth_adopting(problem, plan)
+    assert worth_adopting(problem, plan, waiting_models={"a"})
+
+
+def test_a_plan_whose_moves_cost_more_than_they_save_is_not_adopted() -> None:
+    # b is warm on g0 and idle; a plan that also loads a, which nobody asks for, only costs
+    problem = problem_from_scenario(parse_scenario(two_gpus([session("s1", "b")], on_gpus=("b",))))
+    target = {**problem.residency, (StateObject.weights("a", "bf16"), Location.gpu("g1")): 10 * GIB}
+    speculative = make_plan(problem, "greedy", target, {})
+    assert speculative.operations
+    assert not worth_adopting(problem, speculative)
+    staying = make_plan(problem, "greedy", problem.residency, {})
+    assert not staying.operations and not worth_adopting(problem, staying)
+    # ... unless a request waits for a
+    assert worth_adopting(problem, speculative, waiting_models={"a"})
+
+
+def test_stand_in_kv_is_taken_out_of_a_placement() -> None:
+    weights_a = (StateObject.weights("a", "bf16"), Location.gpu("g0"))
+    real = (StateObject.kv("a", "s1"), Location.gpu("g0"))
+    stand_in = (StateObject.kv("a", "expected-a-0"), Location.gpu("g0"))
+    assert without_stand_ins({weights_a: 1, real: 2, stand_in: 3}) == {weights_a: 1, real: 2}

@@ -38,6 +38,15 @@ class Settings(BaseSettings):
         True, description="Run the planning loop thread (tests turn it off and replan with POST /v1/plan)."
     )
     solver: Literal["greedy", "search", "milp"] = Field("greedy", description="Solver of the online planning loop.")
+    demand_window_seconds: float = Field(
+        3600.0, gt=0, description="The planning loop keeps room for the load of this much recent time (stand-in sessions)."
+    )
+    demand_seats: int = Field(
+        10, ge=0, description="Stand-in sessions spread over the models by their share of the recent load (0: none)."
+    )
+    unpin_after_seconds: float = Field(
+        60.0, ge=0, description="A model that served recently stays on its node unless a request has waited this long for it."
+    )
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Log level.")
 
     @model_validator(mode="after")

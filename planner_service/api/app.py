@@ -59,6 +59,9 @@ def create_app(
         lease_seconds=settings.lease_seconds,
         event_retention_seconds=settings.event_retention_seconds,
         solver=settings.solver,
+        demand_window_seconds=settings.demand_window_seconds,
+        demand_seats=settings.demand_seats,
+        unpin_after_seconds=settings.unpin_after_seconds,
         clock=clock or time.time,
     )
     metrics.watch(service.metrics_snapshot)

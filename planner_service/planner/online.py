@@ -19,15 +19,17 @@ replay measures the rules the service runs. Each rule answers a way a plan for o
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 
 from planner_service.domain.problem import Problem, Session
 from planner_service.domain.scenario import Slo
 from planner_service.domain.state import Kind, Location, StateObject, Tier
 from planner_service.planner.objective import Demand, evaluate
-from planner_service.planner.plan import Plan
+from planner_service.planner.plan import Plan, PlanStatus
 from planner_service.planner.residency import ResidencyIndex
 
 STAND_IN = "expected-"  # the id prefix of stand-in sessions
@@ -56,8 +58,8 @@ class RecentLoad:
         """A request arrived at `t` (in time order) for `model`, with the session's context after its turn."""
         self._requests.append((t, model, context_tokens))
 
-    def stand_ins(self, now: float, sessions: Iterable[Session]) -> list[Session]:
-        """Stand-in active sessions for the window's load beyond the requests in flight among `sessions`."""
+    def stand_ins(self, now: float, in_flight: Mapping[str, int]) -> list[Session]:
+        """Stand-in active sessions for the window's load beyond the requests in flight (per model)."""
         requests = self._requests
         while requests and requests[0][0] < now - self.window_seconds:
             requests.popleft()
@@ -68,9 +70,6 @@ class RecentLoad:
         for _, model, tokens in requests:
             counts[model] = counts.get(model, 0) + 1
             context[model] = context.get(model, 0) + tokens
-        in_flight: dict[str, int] = {}
-        for s in sessions:
-            in_flight[s.model] = in_flight.get(s.model, 0) + s.active
         seats = apportion(counts, self.seats)
         return [
             Session(f"{STAND_IN}{m}-{k}", f"{STAND_IN}{m}-{k}", Slo.INTERACTIVE, m, True, context[m] // counts[m])
@@ -90,6 +89,25 @@ class Engine:
     node: str
     precision: str
     last_used: float
+
+
+def engines_in(problem: Problem, last_used: Mapping[str, float]) -> dict[str, Engine]:
+    """The engines of the confirmed placement: each model whose weights are complete on the GPUs of
+    exactly one node (a model complete on two has no one place to keep), with when it last served."""
+    held: dict[tuple[StateObject, str], int] = {}
+    for (obj, loc), nbytes in problem.residency.items():
+        if obj.kind is Kind.WEIGHTS and loc.tier is Tier.GPU:
+            key = (obj, problem.gpus[loc.id].node)
+            held[key] = held.get(key, 0) + nbytes
+    complete: dict[str, list[tuple[str, str]]] = {}
+    for (obj, node), nbytes in held.items():
+        if obj.precision is not None and nbytes >= problem.size_of(obj):
+            complete.setdefault(obj.model, []).append((node, obj.precision))
+    return {
+        model: Engine(*places[0], last_used.get(model, float("-inf")))
+        for model, places in complete.items()
+        if len(places) == 1
+    }
 
 
 def pins(
@@ -141,5 +159,31 @@ def worth_adopting(
 def without_stand_ins(
     placement: Mapping[tuple[StateObject, Location], int],
 ) -> dict[tuple[StateObject, Location], int]:
-    """The placement less the KV of stand-in sessions (room they held is simply left free)."""
+    """The placement less the KV of stand-in sessions (the room they held is left free)."""
     return {key: nbytes for key, nbytes in placement.items() if not is_stand_in(key[0].session)}
+
+
+def for_real(problem: Problem, plan: Plan) -> Plan:
+    """The plan, made on `problem` with stand-ins, for the real sessions alone: the stand-ins' KV and its
+    operations out (nothing depends on them: they only fill room), objective and predicted metrics
+    evaluated again without the stand-ins."""
+    real = dataclasses.replace(
+        problem,
+        sessions=MappingProxyType({sid: s for sid, s in problem.sessions.items() if not is_stand_in(sid)}),
+        next_model=MappingProxyType({sid: row for sid, row in problem.next_model.items() if not is_stand_in(sid)}),
+    )
+    placement = without_stand_ins(plan.placement)
+    dropped = {op.id for op in plan.operations if is_stand_in(op.object.session)}
+    operations = [
+        dataclasses.replace(op, depends_on=[d for d in op.depends_on if d not in dropped])
+        for op in plan.operations
+        if op.id not in dropped
+    ]
+    objective, predicted = evaluate(real, placement)
+    unserved = {sid: why for sid, why in plan.unserved.items() if not is_stand_in(sid)}
+    status = plan.status
+    if status in (PlanStatus.OK, PlanStatus.PARTIAL):
+        status = PlanStatus.PARTIAL if unserved else PlanStatus.OK
+    return dataclasses.replace(
+        plan, status=status, objective=objective, predicted=predicted, placement=placement, operations=operations, unserved=unserved
+    )

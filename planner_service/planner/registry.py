@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import gc
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from enum import StrEnum
 from typing import Protocol
@@ -47,10 +47,13 @@ def cycle_collection_paused() -> Iterator[None]:
             gc.enable()
 
 
-def _greedy(problem: Problem, **_: object) -> Plan:
+def _greedy(
+    problem: Problem, nodes: Mapping[str, str] | None = None, precisions: Mapping[str, str] | None = None, **_: object
+) -> Plan:
+    """The greedy plan; `nodes` / `precisions` pin models where they serve (`planner/online.py`)."""
     started = time.perf_counter()
     with cycle_collection_paused():
-        target = plan_greedy(problem)
+        target = plan_greedy(problem, nodes, precisions)
         plan = make_plan(
             problem, SolverName.GREEDY, target.placement, target.unserved, target.reasons, now=target.now, demand=target.demand
         )

@@ -46,6 +46,7 @@ from planner_service.domain.state import (
     placement_to_json,
 )
 from planner_service.metrics import Metrics, StateSnapshot
+from planner_service.planner.online import RecentLoad, engines_in, for_real, pins, worth_adopting
 from planner_service.planner.operations import PRIORITY_RANK, apply_operation, apply_operations
 from planner_service.planner.plan import Plan
 from planner_service.planner.predictor import SwitchPredictor
@@ -83,6 +84,16 @@ CALIBRATION_ALPHA = 0.3  # EWMA weight of a new bandwidth measurement
 GIB = 2**30
 
 
+@dataclasses.dataclass(frozen=True)
+class Usage:
+    """What the online rules read of the sessions, copied under the lock for a plan made outside it."""
+
+    now: float
+    last_used: dict[str, float]  # model -> when a request or turn last ran on it
+    stuck: set[str]  # models a request has waited for past the unpin delay
+    waiting: set[str]  # models a request waits for, served nowhere
+
+
 def iso(t: float | None) -> str | None:
     return None if t is None else datetime.fromtimestamp(t, UTC).isoformat().replace("+00:00", "Z")
 
@@ -104,6 +115,9 @@ class ClusterService:
         lease_seconds: float = 30.0,
         event_retention_seconds: float = 7 * 86400.0,
         solver: str = "greedy",
+        demand_window_seconds: float = 3600.0,
+        demand_seats: int = 10,
+        unpin_after_seconds: float = 60.0,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self._store = store
@@ -111,6 +125,9 @@ class ClusterService:
         self._lease_seconds = lease_seconds
         self._event_retention_seconds = event_retention_seconds
         self._solver = solver
+        self._load = RecentLoad(demand_window_seconds, demand_seats)  # the requests stand-in sessions stand for
+        self._unpin_after_seconds = unpin_after_seconds
+        self._last_used: dict[str, float] = {}  # model -> when a request or turn last ran on it
         self._clock = clock
         self._lock = threading.RLock()
         self._plan_lock = threading.Lock()
@@ -148,8 +165,9 @@ class ClusterService:
         with self._lock:
             now = self._clock()
             self._store.open()
-            self._store.prune(now - PREDICTOR_WINDOW_SECONDS, now - self._event_retention_seconds)
-            stored = self._store.load(now - PREDICTOR_WINDOW_SECONDS)
+            window = max(PREDICTOR_WINDOW_SECONDS, self._load.window_seconds)
+            self._store.prune(now - window, now - self._event_retention_seconds)
+            stored = self._store.load(now - window)
             seeded = stored.empty
             if seeded:
                 self._seed(seed(), now)
@@ -235,11 +253,15 @@ class ClusterService:
         self._ops = {k: OpRecord.from_json(v) for k, v in stored.operations.items()}
         self._open_ops = {k for k, r in self._ops.items() if r.state not in FINAL_STATES}
         self._predictor = self._new_predictor()
-        for t, kind, a, b, gap in stored.observations:
+        for t, kind, a, b, gap, tokens in stored.observations:
             if kind == "handoff" and a in self._predictor.models and b in self._predictor.models:
                 self._predictor.observe_handoff(t, a, b)
             elif kind == "gap" and gap is not None:
                 self._predictor.observe_turn_gap(t, gap)
+            elif kind == "request" and b is not None and tokens is not None:
+                self._load.add(t, b, tokens)
+        for session in self._sessions.values():
+            self._last_used[session.model] = max(self._last_used.get(session.model, session.last_activity), session.last_activity)
         self._refresh_live()
         log.info(
             "restored from the database: srv version %d, plan epoch %d, %d sessions, %d events, %d open operations",
@@ -328,15 +350,53 @@ class ClusterService:
 
     # -- planning ----------------------------------------------------------------
 
-    def _planning_snapshot(self) -> tuple[dict[str, Any], dict[str, dict[str, float]], list[OpRecord]]:
-        """Scenario JSON whose residency is the confirmed placement plus what leased operations will do."""
+    def _planning_snapshot(
+        self, *, stand_ins: bool = False
+    ) -> tuple[dict[str, Any], dict[str, dict[str, float]], list[OpRecord]]:
+        """Scenario JSON whose residency is the confirmed placement plus what leased operations will do
+        (and, for the planning loop, whose sessions include stand-ins for the recent load)."""
         inflight = sorted(
             (self._ops[i] for i in self._open_ops if self._ops[i].state is OpState.LEASED),
             key=lambda r: (r.epoch, r.seq),
         )
         residency = apply_operations(self._placement, [r.op for r in inflight])
         data = self._scenario_data(residency)
+        if stand_ins:
+            data["sessions"] += self._stand_ins(data)
         return data, self._next_model(data, self._clock()), inflight
+
+    def _stand_ins(self, data: Mapping[str, Any]) -> list[dict[str, Any]]:
+        """Stand-in active sessions for the recent load beyond the requests in flight (`online.RecentLoad`)."""
+        models = {m["id"] for m in data["models"]}
+        in_flight: dict[str, int] = defaultdict(int)
+        for session in data["sessions"]:
+            in_flight[session["model"]] += session["active"]
+        return [
+            {"id": s.id, "user": s.user, "slo": s.slo.value, "model": s.model, "active": True, "context_tokens": s.context_tokens}
+            for s in self._load.stand_ins(self._clock(), in_flight)
+            if s.model in models
+        ]
+
+    def _usage(self) -> Usage:
+        """When each model last ran, which wait past the unpin delay, which wait not served anywhere."""
+        now = self._clock()
+        waiting = [
+            (s.model, now - s.waiting_since) for s in self._sessions.values() if s.active and s.waiting_since is not None
+        ]
+        return Usage(
+            now,
+            dict(self._last_used),
+            {model for model, waited in waiting if waited > self._unpin_after_seconds},
+            {model for model, _ in waiting if model not in self._serving},
+        )
+
+    @staticmethod
+    def _pins(problem: Problem, usage: Usage) -> dict[str, dict[str, str]]:
+        """The greedy's `nodes` and `precisions`: engines that served within the planning horizon stay where
+        they are, unless a request has waited for its model past the unpin delay (`online.pins`)."""
+        engines = engines_in(problem, usage.last_used)
+        nodes, precisions = pins(engines, usage.stuck, usage.now, problem.constants.horizon_seconds)
+        return {"nodes": nodes, "precisions": precisions}
 
     def _solve(self, problem: Problem, solver: str, **options: object) -> Plan:
         started = time.perf_counter()
@@ -350,13 +410,16 @@ class ClusterService:
         return plan
 
     def replan(self, *, force: bool = False) -> dict[str, Any]:
-        """Plan from the live state; install a new epoch when the target changed (always when `force`)."""
+        """Plan from the live state as the online rules say (`planner/online.py`: stand-ins for the recent
+        load, pinned engines); install a new epoch when the target changed and is worth its moves, or
+        when there is no plan yet (always when `force`)."""
         self._require_ready()
         with self._plan_lock:
             for attempt in range(3):
                 with self._lock:
                     self._expire_and_write()
-                    data, next_model, inflight = self._planning_snapshot()
+                    data, next_model, inflight = self._planning_snapshot(stand_ins=True)
+                    usage = self._usage()
                     marker = self._marker()
                     force = force or self._force_replan
                     self.dirty.clear()
@@ -367,6 +430,7 @@ class ClusterService:
                     log.warning("planning from the confirmed placement only: %s", error)
                     with self._lock:
                         data = self._scenario_data(self._placement)
+                        data["sessions"] += self._stand_ins(data)
                         inflight = []
                     try:
                         problem = self._compile(data, next_model)
@@ -374,12 +438,16 @@ class ClusterService:
                         raise Conflict(f"the live state cannot be planned: {error}") from None
                 try:
                     try:
-                        plan = self._solve(problem, self._solver)
+                        pinned = self._pins(problem, usage) if self._solver == "greedy" else {}  # (others choose every node)
+                        plan = self._solve(problem, self._solver, **pinned)
                     except SolverUnavailable as error:
                         log.warning("%s; the planning loop falls back to greedy", error.message)
-                        plan = self._solve(problem, "greedy")
+                        plan = self._solve(problem, "greedy", **self._pins(problem, usage))
                 except ValueError as error:  # ScenarioError included: the live state itself cannot be planned
                     raise Conflict(f"the live state cannot be planned: {error}") from None
+                if not force and self._plan_doc is not None and not worth_adopting(problem, plan, usage.waiting):
+                    return {"epoch": self._epoch, "changed": False}  # staying put is the better deal
+                plan = for_real(problem, plan)
                 with self._lock:
                     if self._marker() != marker and attempt < 2:
                         continue  # the state moved while solving; plan again from the new one
@@ -697,16 +765,18 @@ class ClusterService:
                 self._sessions[s.id] = s
             else:
                 self._predictor.observe_handoff(t, s.model, ev.model)
-                batch.observations.append((t, "handoff", s.model, ev.model, None))
+                batch.observations.append((t, "handoff", s.model, ev.model, None, None))
                 if s.last_turn_end is not None and t >= s.last_turn_end:
                     self._predictor.observe_turn_gap(t, t - s.last_turn_end)
-                    batch.observations.append((t, "gap", None, None, t - s.last_turn_end))
+                    batch.observations.append((t, "gap", None, None, t - s.last_turn_end, None))
             s.model, s.active, s.ended = ev.model, True, False
             s.user = ev.user or s.user
             s.slo = ev.slo or s.slo
             s.requests += 1
             s.context_tokens += ev.input_tokens + ev.output_tokens
             s.cached_tokens[ev.model] = s.context_tokens
+            self._load.add(t, ev.model, s.context_tokens)
+            batch.observations.append((t, "request", None, ev.model, None, s.context_tokens))
             if ev.model in self._serving:
                 self._observe_switch(s, 0.0)
                 s.waiting_since = None
@@ -726,6 +796,8 @@ class ClusterService:
             elif isinstance(ev, SessionEndEvent):
                 s.active, s.in_tool_call, s.ended, s.waiting_since = False, False, True, None
         s.last_activity = t
+        if isinstance(ev, (RequestEvent, TurnEndEvent)):
+            self._last_used[s.model] = max(self._last_used.get(s.model, t), t)
         batch.sessions[s.id] = s.to_json()
 
     # -- topology and catalog ----------------------------------------------------

@@ -16,6 +16,11 @@ from pathlib import Path
 from typing import Any, Protocol
 
 
+# (t, kind, from model, to model, gap seconds, context tokens): kind "handoff" (from, to), "gap" (gap
+# seconds: a turn's tool and think time) or "request" (to: its model; the session's context after it)
+Observation = tuple[float, str, str | None, str | None, float | None, int | None]
+
+
 @dataclass
 class Batch:
     """Changes that commit together or not at all."""
@@ -24,7 +29,7 @@ class Batch:
     sessions: dict[str, dict[str, Any] | None] = field(default_factory=dict)  # id -> JSON, None deletes
     events: list[tuple[str, str, float]] = field(default_factory=list)  # (id, type, at)
     operations: dict[str, dict[str, Any]] = field(default_factory=dict)  # id -> JSON record
-    observations: list[tuple[float, str, str | None, str | None, float | None]] = field(default_factory=list)
+    observations: list[Observation] = field(default_factory=list)
 
     def __bool__(self) -> bool:
         return bool(self.meta or self.sessions or self.events or self.operations or self.observations)
@@ -45,8 +50,7 @@ class Stored:
     sessions: dict[str, dict[str, Any]]
     event_ids: set[str]
     operations: dict[str, dict[str, Any]]
-    # (t, kind "handoff"|"gap", from model, to model, gap seconds), oldest first
-    observations: list[tuple[float, str, str | None, str | None, float | None]]
+    observations: list[Observation]  # oldest first
 
     @property
     def empty(self) -> bool:
@@ -64,7 +68,7 @@ class Store(Protocol):
         """Commit `batch` atomically and durably before returning."""
 
     def prune(self, observations_before: float, events_before: float) -> None:
-        """Forget what no longer matters: old predictor observations and event ids, the oldest finished operations."""
+        """Forget what no longer matters: old observations and event ids, the oldest finished operations."""
 
 
 _SCHEMA = """
@@ -76,7 +80,7 @@ CREATE TABLE IF NOT EXISTS operations (
 );
 CREATE INDEX IF NOT EXISTS operations_state ON operations (state);
 CREATE TABLE IF NOT EXISTS observations (
-    t REAL NOT NULL, kind TEXT NOT NULL, from_model TEXT, to_model TEXT, gap_seconds REAL
+    t REAL NOT NULL, kind TEXT NOT NULL, from_model TEXT, to_model TEXT, gap_seconds REAL, tokens INTEGER
 );
 CREATE INDEX IF NOT EXISTS observations_t ON observations (t);
 """
@@ -98,6 +102,9 @@ class SqliteStore:
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=FULL")
         self._db.executescript(_SCHEMA)
+        columns = {row[1] for row in self._db.execute("PRAGMA table_info(observations)")}
+        if "tokens" not in columns:  # a database from before requests were observed
+            self._db.execute("ALTER TABLE observations ADD COLUMN tokens INTEGER")
 
     def close(self) -> None:
         if self._db is not None:
@@ -116,13 +123,12 @@ class SqliteStore:
         sessions = {k: json.loads(v) for k, v in db.execute("SELECT id, value FROM sessions")}
         event_ids = {row[0] for row in db.execute("SELECT id FROM events")}
         operations = {k: json.loads(v) for k, v in db.execute("SELECT id, value FROM operations ORDER BY rowid")}
-        observations = [
-            (t, kind, a, b, gap)
-            for t, kind, a, b, gap in db.execute(
-                "SELECT t, kind, from_model, to_model, gap_seconds FROM observations WHERE t >= ? ORDER BY t, rowid",
+        observations: list[Observation] = list(
+            db.execute(
+                "SELECT t, kind, from_model, to_model, gap_seconds, tokens FROM observations WHERE t >= ? ORDER BY t, rowid",
                 (observations_since,),
             )
-        ]
+        )
         return Stored(meta, sessions, event_ids, operations, observations)
 
     def write(self, batch: Batch) -> None:
@@ -147,7 +153,7 @@ class SqliteStore:
                 [(k, v["epoch"], v["node"], v["state"], json.dumps(v)) for k, v in batch.operations.items()],
             )
             db.executemany(
-                "INSERT INTO observations (t, kind, from_model, to_model, gap_seconds) VALUES (?, ?, ?, ?, ?)",
+                "INSERT INTO observations (t, kind, from_model, to_model, gap_seconds, tokens) VALUES (?, ?, ?, ?, ?, ?)",
                 batch.observations,
             )
             db.execute("COMMIT")
@@ -156,7 +162,7 @@ class SqliteStore:
             raise
 
     def prune(self, observations_before: float, events_before: float) -> None:
-        """Forget predictor observations that left the window, event ids past their retention, old finished operations."""
+        """Forget observations that left the window, event ids past their retention, old finished operations."""
         db = self.db
         db.execute("BEGIN IMMEDIATE")
         db.execute("DELETE FROM observations WHERE t < ?", (observations_before,))

@@ -29,6 +29,8 @@ def test_environment_with_json_lists_and_maps(monkeypatch):
         ({"operator_tokens": [""]}, "empty"),
         ({"lease_seconds": 0}, "lease_seconds"),
         ({"solver": "magic"}, "solver"),
+        ({"demand_seats": -1}, "demand_seats"),
+        ({"demand_window_seconds": 0}, "demand_window_seconds"),
     ],
 )
 def test_bad_settings_are_refused(kwargs, needle):

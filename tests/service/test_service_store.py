@@ -23,7 +23,9 @@ def test_roundtrip_after_reopen(tmp_path):
             sessions={"s1": {"id": "s1"}, "s2": {"id": "s2"}},
             events=[("e1", "request", 10.0)],
             operations={"3.op-1": op("3.op-1")},
-            observations=[(5.0, "handoff", "a", "b", None), (50.0, "gap", None, None, 2.5)],
+            observations=[
+                (5.0, "handoff", "a", "b", None, None), (50.0, "gap", None, None, 2.5, None), (60.0, "request", None, "b", None, 900)
+            ],
         )
     )
     store.write(
@@ -37,7 +39,7 @@ def test_roundtrip_after_reopen(tmp_path):
     assert loaded.sessions == {"s1": {"id": "s1"}}
     assert loaded.event_ids == {"e1"}
     assert loaded.operations["3.op-1"]["state"] == "done"
-    assert loaded.observations == [(50.0, "gap", None, None, 2.5)]
+    assert loaded.observations == [(50.0, "gap", None, None, 2.5, None), (60.0, "request", None, "b", None, 900)]
     mode = store.db.execute("PRAGMA journal_mode").fetchone()[0]
     assert mode == "wal"
     store.close()
@@ -57,11 +59,11 @@ def test_a_failing_batch_leaves_nothing(tmp_path):
 def test_prune_keeps_recent_observations_and_event_ids(tmp_path):
     store = SqliteStore(tmp_path / "s.db")
     store.open()
-    store.write(Batch(observations=[(1.0, "gap", None, None, 1.0), (100.0, "gap", None, None, 2.0)]))
+    store.write(Batch(observations=[(1.0, "gap", None, None, 1.0, None), (100.0, "gap", None, None, 2.0, None)]))
     store.write(Batch(events=[("old", "request", 10.0), ("new", "request", 90.0)]))
     store.prune(observations_before=50.0, events_before=50.0)
     loaded = store.load(0)
-    assert loaded.observations == [(100.0, "gap", None, None, 2.0)]
+    assert loaded.observations == [(100.0, "gap", None, None, 2.0, None)]
     assert loaded.event_ids == {"new"}
     store.close()
     with pytest.raises(RuntimeError):
@@ -75,3 +77,15 @@ def test_database_is_plain_sqlite(tmp_path):
     store.close()
     with sqlite3.connect(tmp_path / "s.db") as db:
         assert db.execute("SELECT value FROM meta WHERE key = 'k'").fetchone() == ("[1, 2]",)
+
+
+def test_a_database_from_before_request_observations_gains_their_column(tmp_path):
+    with sqlite3.connect(tmp_path / "s.db") as db:
+        db.execute("CREATE TABLE observations (t REAL NOT NULL, kind TEXT NOT NULL, from_model TEXT, to_model TEXT, gap_seconds REAL)")
+        db.execute("INSERT INTO observations VALUES (1.0, 'handoff', 'a', 'b', NULL)")
+    db.close()
+    store = SqliteStore(tmp_path / "s.db")
+    store.open()
+    store.write(Batch(observations=[(2.0, "request", None, "a", None, 1200)]))
+    assert store.load(0).observations == [(1.0, "handoff", "a", "b", None, None), (2.0, "request", None, "a", None, 1200)]
+    store.close()

@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
-from planner_service.domain.problem import Session
-from planner_service.domain.scenario import Slo, parse_scenario
+from planner_service.domain.scenario import parse_scenario
 from planner_service.domain.state import Location, StateObject
 from planner_service.domain.units import GIB
-from planner_service.planner.online import Engine, RecentLoad, apportion, pins, without_stand_ins, worth_adopting
+from planner_service.planner.online import (
+    Engine,
+    RecentLoad,
+    apportion,
+    engines_in,
+    for_real,
+    pins,
+    without_stand_ins,
+    worth_adopting,
+)
 from planner_service.planner.plan import make_plan
 from planner_service.planner.predictor import problem_from_scenario
 from planner_service.planner.registry import solve
@@ -25,15 +33,14 @@ def test_stand_ins_spread_the_seats_by_the_windows_request_share() -> None:
     for i in range(2):
         load.add(20.0 + i, "b", 3000)
     # a has 6 of 8 requests: 3 seats; b 2 of 8: 1 seat; each at its model's mean context
-    assert sorted((s.model, s.context_tokens, s.active) for s in load.stand_ins(50.0, [])) == [
+    assert sorted((s.model, s.context_tokens, s.active) for s in load.stand_ins(50.0, {})) == [
         ("a", 1000, True), ("a", 1000, True), ("a", 1000, True), ("b", 3000, True),
     ]
-    # a session of a in flight takes one of a's seats; an idle one does not
-    in_flight = [Session("s0", "u", Slo.INTERACTIVE, "a", True, 1000), Session("s1", "u", Slo.INTERACTIVE, "a", False, 10)]
-    assert [s.model for s in load.stand_ins(50.0, in_flight)].count("a") == 2
+    # a request of a in flight takes one of a's seats
+    assert [s.model for s in load.stand_ins(50.0, {"a": 1})].count("a") == 2
     # requests older than the window no longer count
-    assert {s.model for s in load.stand_ins(118.0, [])} == {"b"}
-    assert load.stand_ins(500.0, []) == []
+    assert {s.model for s in load.stand_ins(118.0, {})} == {"b"}
+    assert load.stand_ins(500.0, {}) == []
 
 
 def test_a_model_that_served_within_the_window_keeps_its_node_until_it_is_stuck() -> None:
@@ -75,3 +82,26 @@ def test_stand_in_kv_is_taken_out_of_a_placement() -> None:
     real = (StateObject.kv("a", "s1"), Location.gpu("g0"))
     stand_in = (StateObject.kv("a", "expected-a-0"), Location.gpu("g0"))
     assert without_stand_ins({weights_a: 1, real: 2, stand_in: 3}) == {weights_a: 1, real: 2}
+
+
+def test_an_engine_is_a_model_complete_on_the_gpus_of_one_node() -> None:
+    data = two_gpus([], on_gpus=("a", "b"))
+    data["cluster"]["nodes"].append(node("n2", gpu("h0", 24)))
+    data["residency"].append(held(weights("b"), on_gpu("h0"), 10 * GIB))  # b complete on both nodes
+    data["residency"].append(held(weights("a"), on_nvme("n2"), 10 * GIB))
+    problem = problem_from_scenario(parse_scenario(data))
+    assert engines_in(problem, {"a": 5.0}) == {"a": Engine("n1", "bf16", 5.0)}
+
+
+def test_a_plan_for_real_drops_the_stand_ins_and_is_priced_without_them() -> None:
+    data = two_gpus([session("s1", "a", active=True), session("expected-b-0", "b", active=True, tokens=20_000)])
+    problem = problem_from_scenario(parse_scenario(data))
+    planned = solve(problem)
+    assert any(key[0].session == "expected-b-0" for key in planned.placement)
+    real = for_real(problem, planned)
+    ids = {op.id for op in real.operations}
+    assert all(op.object.session != "expected-b-0" for op in real.operations)
+    assert all(d in ids for op in real.operations for d in op.depends_on)
+    assert real.placement == without_stand_ins(planned.placement)
+    alone = problem_from_scenario(parse_scenario(two_gpus([session("s1", "a", active=True)])))
+    assert real.objective.total == make_plan(alone, "greedy", real.placement, {}).objective.total

@@ -215,7 +215,10 @@ class StatebudgetPolicy(Policy):
                 residency[(obj, loc)] = min(nbytes, size)
                 if residency[(obj, loc)] <= 0:
                     del residency[(obj, loc)]
-        for stand_in in self.load.stand_ins(sim.now, sessions.values()):
+        in_flight: dict[str, int] = {}
+        for s in sessions.values():
+            in_flight[s.model] = in_flight.get(s.model, 0) + s.active
+        for stand_in in self.load.stand_ins(sim.now, in_flight):
             sessions[stand_in.id] = stand_in
         next_model = self.predictor.predict_sessions({s.id: s.model for s in sessions.values()}, sim.now)
         return dataclasses.replace(

@@ -20,6 +20,7 @@ from prometheus_client.registry import Collector
 LATENCY_BUCKETS = (0.0, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 SLO_CLASSES = ("blocking", "interactive", "background")
 EVENT_TYPES = ("request", "turn_end", "tool_call_start", "tool_call_end", "session_end")
+REPLAN_OUTCOMES = ("installed", "unchanged", "kept")
 PLAN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0, 60.0)
 
 
@@ -109,6 +110,13 @@ class Metrics:
             registry=registry,
         )
         self.events = Counter("statebudget_events", "Session events applied.", ["type"], registry=registry)
+        self.replans = Counter(
+            "statebudget_replans",
+            "Replans by outcome: installed (a new epoch), unchanged (the same target), kept (the plan was not worth "
+            "its moves: the current one stays).",
+            ["outcome"],
+            registry=registry,
+        )
         self.lease_expiries = Counter(
             "statebudget_lease_expiries",
             "Leases that expired and re-queued their operations.",
@@ -127,6 +135,8 @@ class Metrics:
             self.slo_violations.labels(slo)
         for event_type in EVENT_TYPES:
             self.events.labels(event_type)
+        for outcome in REPLAN_OUTCOMES:
+            self.replans.labels(outcome)
 
     def watch(self, source: Callable[[], StateSnapshot]) -> None:
         """Read the state gauges from `source` at every scrape."""

@@ -446,14 +446,17 @@ class ClusterService:
                 except ValueError as error:  # ScenarioError included: the live state itself cannot be planned
                     raise Conflict(f"the live state cannot be planned: {error}") from None
                 if not force and self._plan_doc is not None and not worth_adopting(problem, plan, usage.waiting):
+                    self._metrics.replans.labels("kept").inc()
                     return {"epoch": self._epoch, "changed": False}  # staying put is the better deal
                 plan = for_real(problem, plan)
                 with self._lock:
                     if self._marker() != marker and attempt < 2:
                         continue  # the state moved while solving; plan again from the new one
                     if not force and self._plan_doc is not None and plan.placement == self._plan_placement:
+                        self._metrics.replans.labels("unchanged").inc()
                         return {"epoch": self._epoch, "changed": False}
                     self._install(plan, inflight)
+                    self._metrics.replans.labels("installed").inc()
                     self._force_replan = False
                     epoch = self._epoch
                 break

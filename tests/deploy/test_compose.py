@@ -40,6 +40,7 @@ EXPORTED_METRICS = HISTOGRAMS | {
     "statebudget_predicted_switch_latency_p95_seconds",
     "statebudget_events_total",
     "statebudget_lease_expiries_total",
+    "statebudget_replans_total",
     "statebudget_slo_violations_total",
     "statebudget_unserved_sessions",
     "statebudget_plan_epoch",

@@ -95,6 +95,8 @@ def test_a_replan_that_is_not_worth_its_moves_keeps_the_current_plan(tmp_path):
     ])
     clock.t += 5.0
     assert service.replan() == {"epoch": 1, "changed": False}
+    kept = service._metrics.registry.get_sample_value("statebudget_replans_total", {"outcome": "kept"})
+    assert kept == 1
     # an operator's replan installs it all the same
     assert service.replan(force=True) == {"epoch": 2, "changed": True}
     assert ("promote", "beta") in {(o["action"], o["object"]["model"]) for o in service.plan_view()["operations"]}

@@ -12,6 +12,8 @@ from typing import Literal
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from planner_service.planner.online import DEBOUNCE_SECONDS, REPLAN_SECONDS
+
 
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="STATEBUDGET_", frozen=True, extra="forbid")
@@ -32,8 +34,14 @@ class Settings(BaseSettings):
         7 * 86400.0, gt=0, description="How long an event id is remembered, so a resend within it is ignored."
     )
     max_wait_seconds: float = Field(30.0, ge=0, description="Longest a lease long-poll may wait.")
-    replan_debounce_seconds: float = Field(0.2, ge=0, description="Quiet time after an event burst before replanning.")
-    replan_interval_seconds: float = Field(30.0, gt=0, description="Replan at least this often.")
+    replan_debounce_seconds: float = Field(
+        DEBOUNCE_SECONDS,
+        ge=0,
+        description="Quiet time before replanning for a request that waits for a model served nowhere (or a broken plan).",
+    )
+    replan_interval_seconds: float = Field(
+        REPLAN_SECONDS, gt=0, description="Replan this often; other changes wait for it (planner/online.py says why)."
+    )
     background_planning: bool = Field(
         True, description="Run the planning loop thread (tests turn it off and replan with POST /v1/plan)."
     )

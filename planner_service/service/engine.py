@@ -132,7 +132,7 @@ class ClusterService:
         self._lock = threading.RLock()
         self._plan_lock = threading.Lock()
         self._listeners: list[Callable[[], None]] = []
-        self.dirty = threading.Event()  # set when something planning depends on changed
+        self.urgent = threading.Event()  # set when a request waits for a model served nowhere, or the plan broke
         self._force_replan = False
         self._ready = False
         self._changes = 0
@@ -261,7 +261,8 @@ class ClusterService:
             elif kind == "request" and b is not None and tokens is not None:
                 self._load.add(t, b, tokens)
         for session in self._sessions.values():
-            self._last_used[session.model] = max(self._last_used.get(session.model, session.last_activity), session.last_activity)
+            last = self._last_used.get(session.model, session.last_activity)
+            self._last_used[session.model] = max(last, session.last_activity)
         self._refresh_live()
         log.info(
             "restored from the database: srv version %d, plan epoch %d, %d sessions, %d events, %d open operations",
@@ -372,7 +373,14 @@ class ClusterService:
         for session in data["sessions"]:
             in_flight[session["model"]] += session["active"]
         return [
-            {"id": s.id, "user": s.user, "slo": s.slo.value, "model": s.model, "active": True, "context_tokens": s.context_tokens}
+            {
+                "id": s.id,
+                "user": s.user,
+                "slo": s.slo.value,
+                "model": s.model,
+                "active": True,
+                "context_tokens": s.context_tokens,
+            }
             for s in self._load.stand_ins(self._clock(), in_flight)
             if s.model in models
         ]
@@ -381,7 +389,9 @@ class ClusterService:
         """When each model last ran, which wait past the unpin delay, which wait not served anywhere."""
         now = self._clock()
         waiting = [
-            (s.model, now - s.waiting_since) for s in self._sessions.values() if s.active and s.waiting_since is not None
+            (s.model, now - s.waiting_since)
+            for s in self._sessions.values()
+            if s.active and s.waiting_since is not None
         ]
         return Usage(
             now,
@@ -422,7 +432,7 @@ class ClusterService:
                     usage = self._usage()
                     marker = self._marker()
                     force = force or self._force_replan
-                    self.dirty.clear()
+                    self.urgent.clear()
                 try:
                     problem = self._compile(data, next_model)
                 except ScenarioError as error:
@@ -438,7 +448,8 @@ class ClusterService:
                         raise Conflict(f"the live state cannot be planned: {error}") from None
                 try:
                     try:
-                        pinned = self._pins(problem, usage) if self._solver == "greedy" else {}  # (others choose every node)
+                        # pins are the greedy's: the search and the MILP choose every node
+                        pinned = self._pins(problem, usage) if self._solver == "greedy" else {}
                         plan = self._solve(problem, self._solver, **pinned)
                     except SolverUnavailable as error:
                         log.warning("%s; the planning loop falls back to greedy", error.message)
@@ -462,6 +473,14 @@ class ClusterService:
                 break
         self._notify()
         return {"epoch": epoch, "changed": True}
+
+    def _wake(self, *, urgent: bool = False, force: bool = False) -> None:
+        """Tell the planning loop to replan at once (after its debounce) when a request waits for a model
+        served nowhere (`urgent`) or the plan broke (`force`); other changes wait for its periodic replan
+        (`planner/online.py` says why)."""
+        self._force_replan = self._force_replan or force
+        if urgent or force:
+            self.urgent.set()
 
     def _marker(self) -> tuple[int, frozenset[str], int]:
         """What a plan depends on: the confirmed placement, the operations in flight, everything else."""
@@ -523,8 +542,7 @@ class ClusterService:
                 if r.epoch < self._epoch:
                     r.state, r.superseded_by = OpState.SUPERSEDED, self._epoch
                     self._open_ops.discard(oid)
-                    self._force_replan = True
-                    self.dirty.set()
+                    self._wake(force=True)
                 else:
                     r.state = OpState.QUEUED
                 r.lease_id, r.lease_expires_at, r.updated_at = None, None, now
@@ -630,8 +648,7 @@ class ClusterService:
             if r.state is OpState.DONE:
                 self._confirm(r, now, batch)
             else:
-                self._force_replan = True
-                self.dirty.set()
+                self._wake(force=True)
                 log.warning("operation %s failed on %s: %s", op_id, r.node, body.error)
             self._store.write(batch)
             if body.measured_seconds is not None:
@@ -747,7 +764,7 @@ class ClusterService:
                 self._metrics.events.labels(ev.type).inc()
             if applied:
                 self._changes += 1
-                self.dirty.set()
+                self._wake(urgent=any(isinstance(ev, RequestEvent) and ev.model not in self._serving for ev in applied))
         return {
             "applied": len(applied),
             "duplicates": len(events) - len(applied),
@@ -831,8 +848,7 @@ class ClusterService:
         batch.meta.update({"placement": placement_to_json(self._placement), "srv": self._srv_doc})
         self._store.write(batch)
         self._changes += 1
-        self._force_replan = True
-        self.dirty.set()
+        self._wake(force=True)
 
     def put_cluster(self, cluster: ClusterIn) -> dict[str, Any]:
         self._require_ready()
@@ -885,8 +901,7 @@ class ClusterService:
                 node["capabilities"] = [c.value for c in body.capabilities]
                 batch.meta["base"] = self._base
                 self._changes += 1
-                self._force_replan = True
-                self.dirty.set()
+                self._wake(force=True)
             info = self._nodes_info.setdefault(node_id, {})
             info["registration"] = body.model_dump(mode="json")
             info["registered_at"] = iso(now)

@@ -1,4 +1,6 @@
-"""The planning loop: replan after event bursts (debounced) and periodically, off the event loop."""
+"""The planning loop, off the event loop: replan at once (debounced) when a request waits for a model served
+nowhere or the plan broke (the service's `urgent`), and otherwise every `interval_seconds`, so that
+changes the engines absorb on their own (turns on warm models, reports) do not reshuffle the cluster."""
 
 from __future__ import annotations
 
@@ -28,17 +30,18 @@ class PlanningLoop:
 
     def stop(self) -> None:
         self._stop.set()
-        self._service.dirty.set()  # wake the thread
+        self._service.urgent.set()  # wake the thread
         if self._thread is not None:
             self._thread.join(timeout=10)
 
     def _run(self) -> None:
         last_plan = time.monotonic()
         while not self._stop.is_set():
-            triggered = self._service.dirty.wait(timeout=TICK_SECONDS)
+            triggered = self._service.urgent.wait(timeout=TICK_SECONDS)
             if self._stop.is_set():
                 return
             self._service.tick()
+            triggered = triggered or self._service.urgent.is_set()  # (tick may have found the plan broken)
             due = time.monotonic() - last_plan >= self._interval
             if not (triggered or due):
                 continue
@@ -48,10 +51,10 @@ class PlanningLoop:
                 result = self._service.replan()
             except ServiceError as error:
                 log.warning("replan skipped: %s", error.message)
-                self._service.dirty.clear()
+                self._service.urgent.clear()
             except Exception:  # the loop must outlive one bad plan; the error is logged with its traceback
                 log.exception("replan failed")
-                self._service.dirty.clear()
+                self._service.urgent.clear()
             else:
                 log.debug("replan: %s", result)
             last_plan = time.monotonic()

@@ -197,8 +197,8 @@ def test_background_loop_replans_after_an_event_burst(make_app):
 
 def test_an_event_burst_is_planned_once(make_app):
     app = make_app(background_planning=True, replan_debounce_seconds=0.5)
-    for i in range(5):
-        app.events(request(f"e{i}", f"burst-{i}", "planner", input_tokens=1000))
+    for i in range(5):  # vision serves nowhere: the requests call for a plan at once
+        app.events(request(f"e{i}", f"burst-{i}", "vision", input_tokens=1000))
     deadline = time.monotonic() + 10
     while app.get("/v1/plan").json()["epoch"] == 1 and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -206,3 +206,18 @@ def test_an_event_burst_is_planned_once(make_app):
     plan = app.get("/v1/plan").json()
     assert plan["epoch"] == 2
     assert {f"burst-{i}" for i in range(5)} <= {o["object"].get("session") for o in plan["operations"]}
+
+
+def test_requests_for_a_warm_model_wait_for_the_periodic_replan(make_app):
+    app = make_app(background_planning=True, replan_debounce_seconds=0.05, replan_interval_seconds=5.0)
+    time.sleep(0.5)
+    epoch = app.get("/v1/plan").json()["epoch"]
+    app.events(request("e1", "warm", "planner", input_tokens=1000))  # planner serves on n3 from the start
+    time.sleep(1.0)
+    assert app.get("/v1/plan").json()["epoch"] == epoch  # its engine serves it: no plan at once
+    deadline = time.monotonic() + 15
+    while app.get("/v1/plan").json()["epoch"] == epoch and time.monotonic() < deadline:
+        time.sleep(0.05)
+    plan = app.get("/v1/plan").json()
+    assert plan["epoch"] > epoch  # the periodic replan takes it in
+    assert any(o["object"].get("session") == "warm" for o in plan["operations"])

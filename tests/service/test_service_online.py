@@ -57,10 +57,12 @@ def test_the_loop_plans_for_the_recent_load_and_installs_only_real_state(tmp_pat
     assert [model for _, model in stand_ins(service)] == ["alpha", "beta", "beta", "beta"]
     service.replan(force=True)
     plan = service.plan_view()
-    named = {e["object"].get("session") for e in plan["placement"]} | {o["object"].get("session") for o in plan["operations"]}
+    named = {e["object"].get("session") for e in plan["placement"]}
+    named |= {o["object"].get("session") for o in plan["operations"]}
     named |= {u["session"] for u in plan["unserved"]}
     assert not any(is_stand_in(s) for s in named)
-    assert {o["object"]["session"] for o in plan["operations"] if o["object"]["kind"] == "kv"} <= {f"s{i}" for i in range(5)} | {"s9"}
+    kv_sessions = {o["object"]["session"] for o in plan["operations"] if o["object"]["kind"] == "kv"}
+    assert kv_sessions <= {f"s{i}" for i in range(5)} | {"s9"}
     service.close()
 
 

@@ -1,11 +1,11 @@
 """`statebudget`: the real planner, called online with only what it could know at the time.
 
-When to plan. On a request whose model is not ready (debounced: at most one
-plan every `min_interval_seconds`) and otherwise at most every
-`replan_seconds` (the planner's 300 s horizon by default) when requests
-arrived since the last plan. A turn ending does not trigger a plan: the KV it
-leaves is written through to host DRAM by the engine. Between plans, a
-request whose model is cold is loaded on demand (below), as `lru` would.
+When to plan: as the service does (`planner/online.py`). On a request whose
+model is not ready (at most one plan every `min_interval_seconds`, the
+service's debounce) and otherwise every `replan_seconds` when requests arrived
+since the last plan. A turn ending does not trigger a plan: the KV it leaves
+is written through to host DRAM by the engine. Between plans, a request whose
+model is cold is loaded on demand (below), as `lru` would.
 
 What a plan sees, and when it is adopted: as the service plans (`planner/online.py`). The policy builds
 a `Problem` from the simulated cluster: confirmed placement = simulated residency (copies still in flight
@@ -52,7 +52,7 @@ from planner_service.domain.problem import Session
 from planner_service.domain.state import Kind, Location, StateObject, Tier
 from planner_service.planner.errors import PlanningError
 from planner_service.planner.greedy import plan_greedy
-from planner_service.planner.online import Engine, RecentLoad, pins, worth_adopting
+from planner_service.planner.online import DEBOUNCE_SECONDS, REPLAN_SECONDS, Engine, RecentLoad, pins, worth_adopting
 from planner_service.planner.operations import Action, Operation
 from planner_service.planner.plan import Plan, make_plan
 from planner_service.planner.predictor import SwitchPredictor
@@ -71,8 +71,8 @@ class StatebudgetPolicy(Policy):
 
     def __init__(
         self,
-        min_interval_seconds: float = 30.0,
-        replan_seconds: float = 300.0,
+        min_interval_seconds: float = DEBOUNCE_SECONDS,
+        replan_seconds: float = REPLAN_SECONDS,
         fallback_after_seconds: float = 10.0,
         min_residency_seconds: float | None = None,
         warm_start: bool = True,
@@ -232,7 +232,9 @@ class StatebudgetPolicy(Policy):
         """Node and precision of every model that served within the window, unless its requests are stuck."""
         stuck = {r.model for r in sim.waiting if sim.now - r.admitted_at > self.unpin_after_seconds}
         engines = {
-            model_id: Engine(state.node, state.precision, sim.last_used.get(StateObject.weights(model_id, state.precision), float("-inf")))
+            model_id: Engine(
+                state.node, state.precision, sim.last_used.get(StateObject.weights(model_id, state.precision), float("-inf"))
+            )
             for model_id, state in sim.models.items()
             if state.status == "ready"
         }

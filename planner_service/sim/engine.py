@@ -634,6 +634,8 @@ class Simulator:
                     del self.models[obj.model]
                     self._drop_experts(obj.model)
         self.operations += 1
+        if before:
+            self.policy.on_evicted(self, obj, loc)
         return before
 
     def _drop_experts(self, model_id: str) -> None:

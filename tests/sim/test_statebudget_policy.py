@@ -1,9 +1,10 @@
-"""What the `statebudget` policy adds around the planner: the load it plans for, its pins, its eviction order."""
+"""What the `statebudget` policy adds around the planner: the load it plans for, pins, eviction order, hysteresis."""
 
 from __future__ import annotations
 
 from planner_service.domain.scenario import Scenario, Slo, parse_scenario
 from planner_service.domain.state import Location, StateObject
+from planner_service.planner.operations import Action, Operation
 from planner_service.sim.engine import SessionState, Simulator, SimRequest
 from planner_service.sim.policies import create_policy
 from planner_service.sim.policies.statebudget import StatebudgetPolicy
@@ -101,3 +102,25 @@ def test_a_load_whose_working_set_fits_nowhere_still_leaves_room_for_the_waiting
     assert sim.load_model("a")
     # 4 GB of weights + 11 GB of the waiting request's KV need both GPUs of a node
     assert len(sim.models["a"].gpus) == 2
+
+
+def test_experts_the_engine_evicted_are_not_promoted_back_within_the_window() -> None:
+    data = two_node_scenario().model_dump(mode="json", exclude_none=True)
+    data["models"].append({
+        "id": "moe", "weights_bytes": {"bf16": 1 * GB}, "kv_bytes_per_token": 1000, "active_params": 250_000_000,
+        "experts_bytes": 4 * GB, "expert_bytes": GB // 8,
+    })
+    policy = create_policy("statebudget", warm_start=False)
+    assert isinstance(policy, StatebudgetPolicy)
+    trace = [TraceRequest(t=0.0, session="x", model="a", input_tokens=1, output_tokens=1)]
+    sim = Simulator(parse_scenario(data), trace, policy)
+    policy.setup(sim)
+    experts, gpu, host = StateObject.experts("moe"), Location.gpu("n1-g0"), Location.host("n1")
+    sim.cluster.add(experts, host, 4 * GB)
+    sim.cluster.add(experts, gpu, GB)
+    sim.now = 1000.0
+    assert sim.evict(experts, gpu) == GB  # the engine makes room: the policy hears of it
+    promote = Operation("op-1", Action.PROMOTE, experts, host, gpu, GB, True, node="n1")
+    assert policy._start(sim, promote) == "failed"  # a plan may not hand the room back within the window
+    sim.now = 1000.0 + 301.0
+    assert policy._start(sim, promote) == "started"

@@ -65,6 +65,9 @@ class Policy:
 
     def on_plan_event(self, sim: Simulator, payload: object) -> None: ...
 
+    def on_evicted(self, sim: Simulator, obj: StateObject, loc: Location) -> None:
+        """The engine evicted `obj` from the GPU `loc` to make room."""
+
     def on_model_ready(self, sim: Simulator, model: str) -> None:
         sim.fill_experts(model)
 

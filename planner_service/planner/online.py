@@ -89,6 +89,7 @@ class RecentLoad:
 
 
 def is_stand_in(session_id: str | None) -> bool:
+    """Whether a session id names a stand-in (the service refuses events for such ids)."""
     return session_id is not None and session_id.startswith(STAND_IN)
 
 

@@ -46,7 +46,15 @@ from planner_service.domain.state import (
     placement_to_json,
 )
 from planner_service.metrics import Metrics, StateSnapshot
-from planner_service.planner.online import RecentLoad, engines_in, for_real, pins, worth_adopting
+from planner_service.planner.online import (
+    STAND_IN,
+    RecentLoad,
+    engines_in,
+    for_real,
+    is_stand_in,
+    pins,
+    worth_adopting,
+)
 from planner_service.planner.operations import PRIORITY_RANK, apply_operation, apply_operations
 from planner_service.planner.plan import Plan
 from planner_service.planner.predictor import SwitchPredictor
@@ -735,6 +743,12 @@ class ClusterService:
                 if ev.id in self._event_ids or ev.id in seen:
                     continue
                 seen.add(ev.id)
+                if is_stand_in(ev.session):
+                    raise InvalidInput(
+                        f"events[{i}].session: ids beginning with {STAND_IN!r} are reserved for the planner's "
+                        "stand-in sessions",
+                        field=f"events.{i}.session",
+                    )
                 if isinstance(ev, RequestEvent):
                     if ev.model not in models:
                         raise InvalidInput(

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from prometheus_client import CollectorRegistry
 
 from planner_service.domain.scenario import load_scenario
 from planner_service.metrics import Metrics
 from planner_service.planner.online import is_stand_in
 from planner_service.service.engine import ClusterService
+from planner_service.service.errors import InvalidInput
 from planner_service.service.inputs import RequestEvent, TurnEndEvent
 from planner_service.service.store import SqliteStore
 
@@ -102,4 +104,11 @@ def test_a_replan_that_is_not_worth_its_moves_keeps_the_current_plan(tmp_path):
     # an operator's replan installs it all the same
     assert service.replan(force=True) == {"epoch": 2, "changed": True}
     assert ("promote", "beta") in {(o["action"], o["object"]["model"]) for o in service.plan_view()["operations"]}
+    service.close()
+
+
+def test_events_for_a_stand_in_id_are_refused(tmp_path):
+    service = open_service(tmp_path / "o.db", Clock())
+    with pytest.raises(InvalidInput, match=r"events\[0\]\.session: ids beginning with 'expected-' are reserved"):
+        service.apply_events([RequestEvent(id="e1", type="request", session="expected-beta-0", model="beta")])
     service.close()

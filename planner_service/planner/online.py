@@ -7,9 +7,9 @@ replay measures the rules the service runs. Each rule answers a way a plan for o
 * **When to plan.** At once (after a short debounce) when a request waits for a model served nowhere or
   the plan broke, otherwise every `REPLAN_SECONDS`. A turn on a warm model does not call for a plan: its
   engine serves it, and a plan per request reshuffles the cluster after every turn. (On the four 8-hour
-  synthetic seeds, hand-off P95 and mean GPU bytes: a plan after every request, at most one per 5 s,
-  12.8–17.7 s at 309–341 GiB; every 30 s 10.2–11.7 s at 281–297 GiB; every 300 s 9.6–15.1 s at 308–320
-  GiB.)
+  synthetic seeds, replayed without the no-return rule for evicted experts, hand-off P95 and mean GPU
+  bytes: a plan after every request, at most one per 5 s, 12.8–17.7 s at 309–341 GiB; every 30 s
+  10.2–11.7 s at 281–297 GiB; every 300 s 9.6–15.1 s at 308–320 GiB.)
 * **Stand-in sessions** (`RecentLoad`). An instant holds few requests in flight; a plan for them alone
   gives away the room the next ones need. `seats` stand-in active sessions (a team's engineers) are
   spread over the models by their share of the last `window_seconds`' requests (largest remainder),

@@ -9,9 +9,11 @@ capacities and last copies are checked at every step.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 from collections import defaultdict
+from types import MappingProxyType
 
 import numpy as np
 from hypothesis import HealthCheck, given, settings
@@ -22,6 +24,7 @@ from planner_service.domain.problem import Problem
 from planner_service.domain.scenario import Capability, Scenario, parse_scenario
 from planner_service.domain.state import Kind
 from planner_service.planner.invariants import check_plan
+from planner_service.planner.online import RecentLoad, engines_in, for_real, is_stand_in, pins
 from planner_service.planner.operations import Action, Operation
 from planner_service.planner.predictor import problem_from_scenario
 from planner_service.planner.registry import solve
@@ -126,3 +129,32 @@ def _complete_copies(problem: Problem, placement: dict) -> set:
         if obj.kind is not Kind.KV:
             per_tier[(obj, problem.node_of(loc), loc.tier)] += nbytes
     return {(obj, node) for (obj, node, _), nbytes in per_tier.items() if nbytes >= problem.size_of(obj) > 0}
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenarios(), st.lists(st.tuples(st.integers(0, 5), st.integers(1, 40_000)), max_size=12), st.integers(0, 10))
+def test_online_plans_for_the_real_sessions_pass_the_invariant_checker(
+    scenario: Scenario, requests: list[tuple[int, int]], seats: int
+) -> None:
+    """A plan made with stand-ins for a recent load and the serving engines pinned, taken for the real
+    sessions alone (`online.for_real`), is as sound as any plan on the real problem."""
+    real = problem_from_scenario(scenario)
+    models = sorted(real.models)
+    load = RecentLoad(window_seconds=3600.0, seats=seats)
+    for t, (index, tokens) in enumerate(requests):
+        load.add(float(t), models[index % len(models)], tokens)
+    in_flight: dict[str, int] = defaultdict(int)
+    for session in real.sessions.values():
+        in_flight[session.model] += session.active
+    stand_ins = {s.id: s for s in load.stand_ins(100.0, in_flight)}
+    sessions = {**real.sessions, **stand_ins}
+    online = dataclasses.replace(
+        real,
+        sessions=MappingProxyType(sessions),
+        next_model=MappingProxyType({**real.next_model, **{sid: {s.model: 1.0} for sid, s in stand_ins.items()}}),
+    )
+    nodes, precisions = pins(engines_in(online, {m: 90.0 for m in models}), set(), now=100.0, window_seconds=300.0)
+    plan = for_real(online, solve(online, nodes=nodes, precisions=precisions))
+    assert check_plan(real, plan.placement, plan.operations, plan.unserved) == []
+    assert not any(is_stand_in(key[0].session) for key in plan.placement)
+    assert set(plan.unserved) <= set(real.sessions)

@@ -18,7 +18,7 @@ from planner_service.planner.online import (
 from planner_service.planner.plan import make_plan
 from planner_service.planner.predictor import problem_from_scenario
 from planner_service.planner.registry import solve
-from tests.unit.tiny_clusters import gpu, held, model, node, on_gpu, on_nvme, scenario, session, weights
+from tiny_clusters import gpu, held, model, node, on_gpu, on_nvme, scenario, session, weights
 
 
 def test_apportion_gives_the_largest_remainders_the_seats_left() -> None:

@@ -83,11 +83,12 @@ from planner_service.service.inputs import (
 )
 from planner_service.service.questions import LiveView
 from planner_service.service.records import FINAL_STATES, OpRecord, OpState, SessionState
-from planner_service.service.store import Batch, Store, Stored
+from planner_service.service.store import FINAL_KEEP, Batch, Store, Stored
 
 log = logging.getLogger(__name__)
 
 PREDICTOR_WINDOW_SECONDS = 3600.0
+PRUNE_EVERY_SECONDS = 3600.0  # how often a running service forgets observations and event ids past their windows
 CALIBRATION_ALPHA = 0.3  # EWMA weight of a new bandwidth measurement
 GIB = 2**30
 
@@ -146,7 +147,8 @@ class ClusterService:
         self._changes = 0
         self._base: dict[str, Any] = {}
         self._sessions: dict[str, SessionState] = {}
-        self._event_ids: set[str] = set()
+        self._event_ids: dict[str, float] = {}  # applied event id -> when (a resend within retention is ignored)
+        self._pruned_at = float("-inf")
         self._placement: Placement = {}
         self._srv_version = 0
         self._srv_doc: dict[str, Any] = {}
@@ -173,9 +175,8 @@ class ClusterService:
         with self._lock:
             now = self._clock()
             self._store.open()
-            window = max(PREDICTOR_WINDOW_SECONDS, self._load.window_seconds)
-            self._store.prune(now - window, now - self._event_retention_seconds)
-            stored = self._store.load(now - window)
+            self._prune(now)
+            stored = self._store.load(now - self._observation_window())
             seeded = stored.empty
             if seeded:
                 self._seed(seed(), now)
@@ -257,7 +258,7 @@ class ClusterService:
         self._calibration = meta.get("calibration", {"gpus": {}, "nodes": {}})
         self._nodes_info = meta.get("nodes", {})
         self._sessions = {k: SessionState.from_json(v) for k, v in stored.sessions.items()}
-        self._event_ids = set(stored.event_ids)
+        self._event_ids = dict(stored.event_ids)
         self._ops = {k: OpRecord.from_json(v) for k, v in stored.operations.items()}
         self._open_ops = {k for k, r in self._ops.items() if r.state not in FINAL_STATES}
         self._predictor = self._new_predictor()
@@ -568,13 +569,31 @@ class ClusterService:
         return expired
 
     def tick(self) -> None:
-        """Expire leases (the planning loop calls this about every second)."""
+        """Expire leases, and hourly forget what left its window (the planning loop calls this about every
+        second)."""
         if not self._ready:
             return
         with self._lock:
             expired = self._expire_and_write()
+            now = self._clock()
+            if now - self._pruned_at >= PRUNE_EVERY_SECONDS:
+                self._prune(now)
         if expired:
             self._notify()
+
+    def _observation_window(self) -> float:
+        return max(PREDICTOR_WINDOW_SECONDS, self._load.window_seconds)
+
+    def _prune(self, now: float) -> None:
+        """Forget observations older than their window, event ids past their retention and all but the newest
+        finished operations, in the store and here, so that a long-running service holds a bounded state."""
+        retained_from = now - self._event_retention_seconds
+        self._store.prune(now - self._observation_window(), retained_from)
+        self._event_ids = {event_id: at for event_id, at in self._event_ids.items() if at >= retained_from}
+        finished = sorted((r for r in self._ops.values() if r.state in FINAL_STATES), key=lambda r: (r.epoch, r.seq))
+        for r in finished[: max(0, len(finished) - FINAL_KEEP)]:  # the newest stay, as in the store
+            del self._ops[r.id]
+        self._pruned_at = now
 
     def _deps_done(self, r: OpRecord) -> bool:
         return all(d not in self._ops or self._ops[d].state is OpState.DONE for d in r.op.depends_on)
@@ -768,7 +787,7 @@ class ClusterService:
                     results.append({"id": ev.id, "status": "duplicate"})
                     continue
                 self._apply_event(ev, ev.at if ev.at is not None else now, batch)
-                self._event_ids.add(ev.id)
+                self._event_ids[ev.id] = now
                 batch.events.append((ev.id, ev.type, now))
                 results.append({"id": ev.id, "status": "applied"})
             self._purge_ended_sessions(batch)

@@ -48,7 +48,7 @@ class Stored:
 
     meta: dict[str, Any]
     sessions: dict[str, dict[str, Any]]
-    event_ids: set[str]
+    event_ids: dict[str, float]  # id -> when it was applied
     operations: dict[str, dict[str, Any]]
     observations: list[Observation]  # oldest first
 
@@ -86,7 +86,7 @@ CREATE INDEX IF NOT EXISTS observations_t ON observations (t);
 """
 
 # operations in these states are history: kept for reports' idempotency, not loaded into the queues
-_FINAL_KEEP = 5000
+FINAL_KEEP = 5000
 
 
 class SqliteStore:
@@ -121,7 +121,7 @@ class SqliteStore:
         db = self.db
         meta = {k: json.loads(v) for k, v in db.execute("SELECT key, value FROM meta")}
         sessions = {k: json.loads(v) for k, v in db.execute("SELECT id, value FROM sessions")}
-        event_ids = {row[0] for row in db.execute("SELECT id FROM events")}
+        event_ids = {event_id: at for event_id, at in db.execute("SELECT id, at FROM events")}
         operations = {k: json.loads(v) for k, v in db.execute("SELECT id, value FROM operations ORDER BY rowid")}
         observations: list[Observation] = list(
             db.execute(
@@ -170,6 +170,6 @@ class SqliteStore:
         db.execute(
             "DELETE FROM operations WHERE state IN ('done', 'failed', 'superseded') AND rowid NOT IN "
             "(SELECT rowid FROM operations WHERE state IN ('done', 'failed', 'superseded') ORDER BY rowid DESC LIMIT ?)",
-            (_FINAL_KEEP,),
+            (FINAL_KEEP,),
         )
         db.execute("COMMIT")

@@ -111,3 +111,21 @@ def test_report_for_a_lease_that_expired_is_refused(service):
     service.clock.t += 11
     with pytest.raises(Conflict, match="re-queued"):
         service.report(lease["operations"][0]["id"], ReportIn(lease_id=lease["lease_id"], status="done"))
+
+
+def test_a_running_service_forgets_event_ids_past_their_retention(tmp_path):
+    clock = Clock()
+    svc = ClusterService(
+        SqliteStore(tmp_path / "p.db"), Metrics(CollectorRegistry()), event_retention_seconds=600.0, clock=clock
+    )
+    svc.start(lambda: load_scenario(TINY))
+    assert svc.apply_events([req("e1", "s1", "beta")])["applied"] == 1
+    clock.t += 300.0
+    svc.tick()
+    assert svc.apply_events([req("e1", "s1", "beta")])["duplicates"] == 1  # within retention: a resend is ignored
+    clock.t += 3600.0
+    svc.tick()  # an hour on, the hourly prune forgets it, in memory and in the database
+    assert "e1" not in svc._event_ids
+    assert svc._store.load(0).event_ids == {}
+    assert svc.apply_events([req("e1", "s1", "beta")])["applied"] == 1
+    svc.close()

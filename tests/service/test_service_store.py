@@ -37,7 +37,7 @@ def test_roundtrip_after_reopen(tmp_path):
     loaded = store.load(observations_since=10.0)
     assert loaded.meta == {"base": {"x": 1}, "epoch": 3}
     assert loaded.sessions == {"s1": {"id": "s1"}}
-    assert loaded.event_ids == {"e1"}
+    assert loaded.event_ids == {"e1": 10.0}
     assert loaded.operations["3.op-1"]["state"] == "done"
     assert loaded.observations == [(50.0, "gap", None, None, 2.5, None), (60.0, "request", None, "b", None, 900)]
     mode = store.db.execute("PRAGMA journal_mode").fetchone()[0]
@@ -64,7 +64,7 @@ def test_prune_keeps_recent_observations_and_event_ids(tmp_path):
     store.prune(observations_before=50.0, events_before=50.0)
     loaded = store.load(0)
     assert loaded.observations == [(100.0, "gap", None, None, 2.0, None)]
-    assert loaded.event_ids == {"new"}
+    assert loaded.event_ids == {"new": 90.0}
     store.close()
     with pytest.raises(RuntimeError):
         store.load(0)

@@ -144,6 +144,7 @@ class ClusterService:
         self.urgent = threading.Event()  # set when a request waits for a model served nowhere, or the plan broke
         self._force_replan = False
         self._ready = False
+        self.broken: str | None = None  # why the service stopped serving (a failed database write)
         self._changes = 0
         self._base: dict[str, Any] = {}
         self._sessions: dict[str, SessionState] = {}
@@ -192,7 +193,7 @@ class ClusterService:
 
     def status(self) -> dict[str, int | None]:
         with self._lock:
-            ready = self._ready and self._plan_doc is not None
+            ready = self._ready and self.broken is None and self._plan_doc is not None
             return {"epoch": self._epoch if ready else None, "srv_version": self._srv_version if ready else None}
 
     def add_listener(self, callback: Callable[[], None]) -> None:
@@ -204,8 +205,20 @@ class ClusterService:
             callback()
 
     def _require_ready(self) -> None:
+        if self.broken is not None:
+            raise NotReady(self.broken)
         if not self._ready:
             raise NotReady("the service is starting; retry shortly")
+
+    def _write(self, batch: Batch) -> None:
+        """Commit `batch`, or stop serving: memory already holds the change and the database does not, and
+        only a restart, which restores the last committed state, makes them agree again."""
+        try:
+            self._store.write(batch)
+        except Exception as error:
+            self.broken = f"a database write failed ({error}); restart the service: it restores the last committed state"
+            log.critical("%s", self.broken)
+            raise NotReady(self.broken) from None
 
     def _seed(self, scenario: Scenario, now: float) -> None:
         data = scenario.model_dump(mode="json")
@@ -238,7 +251,7 @@ class ClusterService:
             },
             sessions={s.id: s.to_json() for s in self._sessions.values()},
         )
-        self._store.write(batch)
+        self._write(batch)
         log.info(
             "seeded an empty database: %d nodes, %d models, %d sessions",
             len(self._base["cluster"]["nodes"]),
@@ -533,7 +546,7 @@ class ClusterService:
         doc["planned_at"] = iso(now)
         doc["based_on_srv_version"] = self._srv_version
         batch.meta.update({"epoch": epoch, "plan": doc})
-        self._store.write(batch)
+        self._write(batch)
         self._epoch, self._plan_doc, self._plan_placement = epoch, doc, dict(plan.placement)
         log.info(
             "plan epoch %d: %s, %d operations, %d unserved", epoch, doc["status"], len(records), len(plan.unserved)
@@ -565,13 +578,13 @@ class ClusterService:
     def _expire_and_write(self) -> bool:
         batch = Batch()
         expired = self._expire(batch)
-        self._store.write(batch)
+        self._write(batch)
         return expired
 
     def tick(self) -> None:
         """Expire leases, and hourly forget what left its window (the planning loop calls this about every
         second)."""
-        if not self._ready:
+        if not self._ready or self.broken is not None:
             return
         with self._lock:
             expired = self._expire_and_write()
@@ -628,7 +641,7 @@ class ClusterService:
                     r.state, r.lease_id, r.lease_expires_at, r.updated_at = OpState.LEASED, lease_id, expires, now
                     r.leases += 1
                     batch.operations[r.id] = r.to_json()
-            self._store.write(batch)
+            self._write(batch)
         if expired:
             self._notify()
         return {
@@ -677,7 +690,7 @@ class ClusterService:
             else:
                 self._wake(force=True)
                 log.warning("operation %s failed on %s: %s", op_id, r.node, body.error)
-            self._store.write(batch)
+            self._write(batch)
             if body.measured_seconds is not None:
                 self._metrics.operation_duration.labels(r.op.action.value, r.state.value).observe(body.measured_seconds)
             out = {"operation": r.to_json(), "srv_version": self._srv_version, "duplicate": False}
@@ -791,7 +804,7 @@ class ClusterService:
                 batch.events.append((ev.id, ev.type, now))
                 results.append({"id": ev.id, "status": "applied"})
             self._purge_ended_sessions(batch)
-            self._store.write(batch)
+            self._write(batch)
             applied = [ev for ev, res in zip(events, results, strict=True) if res["status"] == "applied"]
             for ev in applied:
                 self._metrics.events.labels(ev.type).inc()
@@ -879,7 +892,7 @@ class ClusterService:
         self._placement = placement
         self._publish_srv()
         batch.meta.update({"placement": placement_to_json(self._placement), "srv": self._srv_doc})
-        self._store.write(batch)
+        self._write(batch)
         self._changes += 1
         self._wake(force=True)
 
@@ -939,7 +952,7 @@ class ClusterService:
             info["registration"] = body.model_dump(mode="json")
             info["registered_at"] = iso(now)
             batch.meta["nodes"] = self._nodes_info
-            self._store.write(batch)
+            self._write(batch)
             return {
                 "node": node_id,
                 "registered_at": iso(now),
@@ -980,7 +993,7 @@ class ClusterService:
             info["telemetry"] = body.model_dump(mode="json")
             info["last_heartbeat"] = iso(now)
             batch.meta["nodes"] = self._nodes_info
-            self._store.write(batch)
+            self._write(batch)
             return {
                 "node": node_id,
                 "received_at": iso(now),
@@ -1115,7 +1128,7 @@ class ClusterService:
                 self._require_node(node)
             batch = Batch()
             self._expire(batch)
-            self._store.write(batch)
+            self._write(batch)
             ids = self._open_ops if state in (None, "queued", "leased") else self._ops.keys()
             rows = [self._ops[i] for i in ids]
             return [

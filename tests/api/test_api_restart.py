@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
-from api_helpers import FakeClock, request
+import sqlite3
+
+from api_helpers import TINY, FakeClock, request
+from fastapi.testclient import TestClient
+from prometheus_client import CollectorRegistry
+
+from planner_service.api.app import create_app
+from planner_service.service.store import Batch, SqliteStore
+from planner_service.settings import Settings
 
 
 def test_restart_restores_state(make_app):
@@ -23,3 +31,32 @@ def test_restart_restores_state(make_app):
         assert second.get(path).json() == before, path
     assert second.events(request("e1", "s1", "beta")).json()["duplicates"] == 1
     assert second.report(pending["operations"][0]["id"], pending["lease_id"]).status_code == 200
+
+
+class FailingStore(SqliteStore):
+    """A database whose writes start failing on demand (a full disk, a lost volume)."""
+
+    failing = False
+
+    def write(self, batch: Batch) -> None:
+        if self.failing and batch:
+            raise sqlite3.OperationalError("database or disk is full")
+        super().write(batch)
+
+
+def test_a_failed_database_write_stops_the_service_until_a_restart(tmp_path):
+    store = FailingStore(tmp_path / "f.db")
+    settings = Settings(db_path=tmp_path / "f.db", scenario_path=TINY, background_planning=False)
+    with TestClient(create_app(settings, registry=CollectorRegistry(), store=store)) as client:
+        assert client.post("/v1/events", json={"events": [request("e1", "s1", "beta")]}).status_code == 200
+        store.failing = True
+        refused = client.post("/v1/events", json={"events": [request("e2", "s2", "alpha")]})
+        assert refused.status_code == 503 and "restart the service" in refused.json()["detail"]
+        assert client.get("/livez").status_code == 503  # a liveness probe restarts it
+        assert client.get("/readyz").status_code == 503
+        assert client.get("/v1/sessions").status_code == 503  # memory no longer matches the database
+    store.failing = False
+    with TestClient(create_app(settings, registry=CollectorRegistry())) as client:  # the restart
+        assert client.get("/livez").status_code == 200
+        assert {s["id"] for s in client.get("/v1/sessions").json()} == {"s1"}  # e2 was never acknowledged
+        assert client.post("/v1/events", json={"events": [request("e2", "s2", "alpha")]}).json()["applied"] == 1

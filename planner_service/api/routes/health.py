@@ -11,15 +11,22 @@ from planner_service.api.schemas import Health
 router = APIRouter(tags=["health"])
 
 
-@router.get("/livez", response_model=Health, response_model_exclude_none=True)
-def livez() -> Health:
-    """The process answers."""
+@router.get(
+    "/livez", response_model=Health, response_model_exclude_none=True, responses={503: {"description": "restart me"}}
+)
+def livez(service: ServiceDep):
+    """The process answers, and its state still matches the database (after a failed write it does not:
+    a restart restores the last committed state)."""
+    if service.broken is not None:
+        return problem(503, "Not live", service.broken)
     return Health(status="ok")
 
 
-@router.get("/readyz", response_model=Health, responses={503: {"description": "still starting"}})
+@router.get("/readyz", response_model=Health, responses={503: {"description": "still starting, or broken"}})
 def readyz(service: ServiceDep):
     """The state is restored and a plan exists."""
+    if service.broken is not None:
+        return problem(503, "Not ready", service.broken)
     status = service.status()
     if status["epoch"] is None:
         return problem(503, "Not ready", "the service is restoring its state or computing its first plan")

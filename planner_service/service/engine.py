@@ -216,7 +216,9 @@ class ClusterService:
         try:
             self._store.write(batch)
         except Exception as error:
-            self.broken = f"a database write failed ({error}); restart the service: it restores the last committed state"
+            self.broken = (
+                f"a database write failed ({error}); restart the service: it restores the last committed state"
+            )
             log.critical("%s", self.broken)
             raise NotReady(self.broken) from None
 

@@ -20,9 +20,11 @@ replay measures the rules the service runs. Each rule answers a way a plan for o
   the unpin delay: then it is free to move where it fits.
 * **Benefit over cost** (`worth_adopting`). A plan is adopted only when the objective it saves over
   staying put exceeds the seconds its promotes take (the objective charges only `move_weight` of
-  those; here the whole), or when it brings a model that requests wait for. (A rule adopting any plan
-  that leaves fewer requests unserved, whatever its objective, changes no replay but the overloaded
-  Mooncake one, where it adopts swaps of two engines priced 33,000 and 63,000 s worse than staying put.)
+  those; here the whole), or when it brings a model that requests wait for; a plan with no operations,
+  when the current plan's are not all started (staying put then means cancelling them). (A rule
+  adopting any plan that leaves fewer requests unserved, whatever its objective, changes no replay but
+  the overloaded Mooncake one, where it adopts swaps of two engines priced 33,000 and 63,000 s worse
+  than staying put.)
 """
 
 from __future__ import annotations
@@ -148,15 +150,17 @@ def worth_adopting(
     plan: Plan,
     waiting_models: Collection[str] = (),
     *,
+    pending: bool = False,
     now: ResidencyIndex | None = None,
     demand: Demand | None = None,
 ) -> bool:
     """Whether to adopt `plan` rather than stay put: it brings a model that requests wait for (the
     `waiting_models` not loaded), or it saves more objective than the seconds its promotes take (the
-    objective prices requests left unserved too). (`now` and `demand` as for `evaluate`, when the solver
-    has them.)"""
+    objective prices requests left unserved too). A plan with no operations is adopted only where the
+    current plan has operations still `pending` (not started): the planner now finds the placement as it
+    is best, so they should not run. (`now` and `demand` as for `evaluate`, when the solver has them.)"""
     if not plan.operations:
-        return False
+        return pending
     if brings(plan, waiting_models):
         return True
     now = now or ResidencyIndex.build(problem, problem.residency)

@@ -101,6 +101,7 @@ class Usage:
     last_used: dict[str, float]  # model -> when a request or turn last ran on it
     stuck: set[str]  # models a request has waited for past the unpin delay
     waiting: set[str]  # models a request waits for, served nowhere
+    pending: bool  # the current plan has operations not leased yet
 
 
 def iso(t: float | None) -> str | None:
@@ -410,7 +411,8 @@ class ClusterService:
         ]
 
     def _usage(self) -> Usage:
-        """When each model last ran, which wait past the unpin delay, which wait not served anywhere."""
+        """When each model last ran, which wait past the unpin delay, which wait not served anywhere, and
+        whether the current plan has operations not leased yet."""
         now = self._clock()
         waiting = [
             (s.model, now - s.waiting_since)
@@ -422,6 +424,7 @@ class ClusterService:
             dict(self._last_used),
             {model for model, waited in waiting if waited > self._unpin_after_seconds},
             {model for model, _ in waiting if model not in self._serving},
+            any(self._ops[i].state is OpState.QUEUED for i in self._open_ops),
         )
 
     @staticmethod
@@ -480,7 +483,8 @@ class ClusterService:
                         plan = self._solve(problem, "greedy", **self._pins(problem, usage))
                 except ValueError as error:  # ScenarioError included: the live state itself cannot be planned
                     raise Conflict(f"the live state cannot be planned: {error}") from None
-                if not force and self._plan_doc is not None and not worth_adopting(problem, plan, usage.waiting):
+                adopt = worth_adopting(problem, plan, usage.waiting, pending=usage.pending)
+                if not force and self._plan_doc is not None and not adopt:
                     self._metrics.replans.labels("kept").inc()
                     return {"epoch": self._epoch, "changed": False}  # staying put is the better deal
                 plan = for_real(problem, plan)

@@ -73,6 +73,8 @@ def test_a_plan_whose_moves_cost_more_than_they_save_is_not_adopted() -> None:
     assert not worth_adopting(problem, speculative)
     staying = make_plan(problem, "greedy", problem.residency, {})
     assert not staying.operations and not worth_adopting(problem, staying)
+    # ... but where the current plan still has operations to start, staying put means cancelling them
+    assert worth_adopting(problem, staying, pending=True)
     # ... unless a request waits for a
     assert worth_adopting(problem, speculative, waiting_models={"a"})
 

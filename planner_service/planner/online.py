@@ -107,14 +107,9 @@ class Engine:
 def engines_in(problem: Problem, last_used: Mapping[str, float]) -> dict[str, Engine]:
     """The engines of the confirmed placement: each model whose weights are complete on the GPUs of
     exactly one node (a model complete on two has no one place to keep), with when it last served."""
-    held: dict[tuple[StateObject, str], int] = {}
-    for (obj, loc), nbytes in problem.residency.items():
-        if obj.kind is Kind.WEIGHTS and loc.tier is Tier.GPU:
-            key = (obj, problem.gpus[loc.id].node)
-            held[key] = held.get(key, 0) + nbytes
     complete: dict[str, list[tuple[str, str]]] = {}
-    for (obj, node), nbytes in held.items():
-        if obj.precision is not None and nbytes >= problem.size_of(obj):
+    for (obj, node), nbytes in ResidencyIndex.build(problem, problem.residency).gpu_bytes.items():
+        if obj.kind is Kind.WEIGHTS and obj.precision is not None and nbytes >= problem.size_of(obj):
             complete.setdefault(obj.model, []).append((node, obj.precision))
     return {
         model: Engine(*places[0], last_used.get(model, float("-inf")))

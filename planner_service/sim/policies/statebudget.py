@@ -261,9 +261,8 @@ class StatebudgetPolicy(Policy):
             plan = make_plan(
                 problem, SolverName.GREEDY, target.placement, target.unserved, target.reasons, now=target.now, demand=target.demand
             )
-            pending = any(self.status.get(op.id) == "queued" for op in self.ops)
             adopt = worth_adopting(
-                problem, plan, self._waiting_models, pending=pending, now=target.now, demand=target.demand
+                problem, plan, self._waiting_models, pending=bool(self.queued), now=target.now, demand=target.demand
             )
         except (PlanningError, ValueError, KeyError) as error:
             self.failed_plans += 1

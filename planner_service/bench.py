@@ -9,8 +9,11 @@ from the machine's.
 
 from __future__ import annotations
 
+import os
+import platform
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 
@@ -26,6 +29,28 @@ def reference_work() -> None:
         key = (i % 97, i % 89)
         table[key] = table.get(key, 0.0) + i * 0.5
     sorted(table.items())
+
+
+def machine() -> dict[str, object]:
+    """What the figures were measured on: a benchmark's numbers mean little without it."""
+    from planner_service.planner import greedy
+
+    return {
+        "cpu": _cpu_model(),
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "compiled": Path(greedy.__file__).suffix in (".so", ".pyd"),  # the mypyc build the Docker image ships
+    }
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def time_plans(solve: Callable[[Problem], object], problem: Problem, repeat: int, warmup: int) -> dict[str, float]:

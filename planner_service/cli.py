@@ -131,12 +131,12 @@ def bench_plan(
     ] = 1,
     as_json: JsonOpt = False,
 ) -> None:
-    """Time planning alone (no parsing), `repeat` times from scratch, and print p50/p99.
+    """Time planning alone (no parsing), `repeat` times from scratch, and print p50/p99 and the machine.
 
     `reference_p50_ms` / `reference_p99_ms` time a fixed pure-Python workload run right after each plan:
     when the machine slows down, its tail grows with the planner's.
     """
-    from planner_service.bench import time_plans
+    from planner_service.bench import machine, time_plans
     from planner_service.domain.generate import random_scenario
 
     parsed = read_scenario(scenario) if scenario else random_scenario(np.random.default_rng(seed), gpus, models, sessions)
@@ -148,6 +148,7 @@ def bench_plan(
         "sessions": len(problem.sessions),
         "repeat": repeat,
         **timings,
+        "machine": machine(),
     }
     if as_json:
         emit_json(result)

@@ -305,6 +305,7 @@ def test_bench_prints_the_size_and_percentiles_of_planning_time() -> None:
     assert (out["gpus"], out["models"], out["sessions"], out["repeat"]) == (8, 4, 12, 3)
     assert 0 < out["p50_ms"] <= out["p99_ms"]
     assert 0 < out["reference_p50_ms"] <= out["reference_p99_ms"]  # the machine's own tail, timed between plans
+    assert out["machine"]["cpus"] >= 1 and out["machine"]["cpu"] and isinstance(out["machine"]["compiled"], bool)
 
 
 def test_expert_chunks_go_only_where_a_copy_can_fill_them() -> None:

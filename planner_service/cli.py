@@ -424,6 +424,8 @@ def replay(
     for row in table_rows(result.report):
         table.add_row(*row)
     out.print(table)
+    floor = result.report["trace"]["handoff_reprefill_floor_seconds"]
+    out.print(f"hand-off re-prefill floor (no policy beats it on this cluster): P95 {floor['p95']:.2f} s", highlight=False)
     ratios = comparison(result.report)
     if ratios:
         out.print(", ".join(f"{k} {v:.2f}" for k, v in ratios.items()), highlight=False)

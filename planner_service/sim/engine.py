@@ -199,6 +199,8 @@ class Simulator:
         self.running_kv: set[StateObject] = set()  # KV of running requests: pinned
         self.gpu_tokens: dict[StateObject, int] = defaultdict(int)  # valid KV tokens on the serving GPUs
         self.host_tokens: dict[StateObject, int] = defaultdict(int)  # KV tokens in host DRAM
+        # the history up to each KV's model's last turn in its session: no copy of it covers more
+        self.computed_tokens: dict[StateObject, int] = defaultdict(int)
         self.compute_free_at: dict[str, float] = defaultdict(float)  # per model's serving group
         self.last_used: dict[StateObject, float] = {}
         self.operations = 0
@@ -478,11 +480,12 @@ class Simulator:
         self.touch(kv)
         self.policy.on_start(self, req)
         # make the uncovered history ready: restore from host or re-prefill, the cheaper
-        have = min(self.gpu_tokens[kv], history)
+        computed = min(self.computed_tokens[kv], history)
+        have = min(self.gpu_tokens[kv], computed)
         missing = history - have
         node = self.problem.nodes[state.node]
         per_token = costs.prefill_seconds_per_token(model, group, self.c)
-        host_tokens = min(self.host_tokens[kv], history) if self.cluster.bytes_of(kv, Location.host(state.node)) else 0
+        host_tokens = min(self.host_tokens[kv], computed) if self.cluster.bytes_of(kv, Location.host(state.node)) else 0
         restorable = max(0, host_tokens - have)
         if missing > 0 and restorable > 0 and kvpt > 0:
             shard = math.ceil(restorable * kvpt / len(group))
@@ -547,7 +550,7 @@ class Simulator:
         session.history_tokens = req.history_tokens + req.input_tokens + req.output_tokens
         session.model = req.model
         session.last_t = self.now
-        self.gpu_tokens[kv] = session.history_tokens
+        self.gpu_tokens[kv] = self.computed_tokens[kv] = session.history_tokens
         self.running_kv.discard(kv)
         self.demand[req.model] -= 1
         self.running[req.model] -= 1
@@ -594,6 +597,7 @@ class Simulator:
                 self.cluster.remove(obj, loc)
                 self.gpu_tokens.pop(obj, None)
                 self.host_tokens.pop(obj, None)
+                self.computed_tokens.pop(obj, None)
 
     def touch(self, obj: StateObject) -> None:
         self.last_used[obj] = self.now

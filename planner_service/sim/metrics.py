@@ -21,7 +21,8 @@ def _quantiles(values: Sequence[float], keys: Sequence[str] = ("p50", "p95", "p9
     return out
 
 
-def _latency(values: Sequence[float]) -> dict[str, float]:
+def latency_summary(values: Sequence[float]) -> dict[str, float]:
+    """p50 / p95 / p99 / mean seconds (zeros for none)."""
     out = _quantiles(values)
     out["mean"] = round(float(np.mean(values)), 6) if len(values) else 0.0
     return out
@@ -56,7 +57,7 @@ def summarize(result: SimResult, targets: SloClassConstants = DEFAULT_TTFT_TARGE
     return {
         "requests": len(requests),
         "handoffs": len(handoff),
-        "switch_latency_seconds": {"all": _latency(switch), "handoff": _latency(handoff)},
+        "switch_latency_seconds": {"all": latency_summary(switch), "handoff": latency_summary(handoff)},
         "ttft_seconds": _quantiles([r.ttft_seconds for r in requests]),
         # what the switch latency leaves out: decoding, where a MoE's experts off GPU slow every token
         "completion_seconds": _quantiles([r.done_at - r.admitted_at for r in requests]),

@@ -75,6 +75,9 @@ def comparison_bars(report: dict[str, Any], path: Path) -> Path:
         ax.bar(range(len(names)), values, color=[f"C{i}" for i in range(len(names))])
         if log and any(v > 0 for v in values):
             ax.set_yscale("log")
+        if title.startswith("hand-off") and (floor := report.get("trace", {}).get("handoff_reprefill_floor_seconds")):
+            ax.axhline(floor["p95"], color="black", linestyle="--", linewidth=1, label="re-prefill floor")
+            ax.legend(loc="upper left", fontsize=8)
         ax.set_xticks(range(len(names)), names, rotation=35, ha="right")
         ax.set_title(title)
         ax.grid(True, axis="y", alpha=0.3)

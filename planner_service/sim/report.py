@@ -7,10 +7,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from planner_service.domain.problem import Problem
 from planner_service.domain.scenario import Scenario, SloClassConstants
 from planner_service.domain.units import GIB
 from planner_service.sim.engine import SimResult, base_problem, simulate
-from planner_service.sim.metrics import DEFAULT_TTFT_TARGETS, summarize
+from planner_service.sim.floor import handoff_reprefill_floor
+from planner_service.sim.metrics import DEFAULT_TTFT_TARGETS, latency_summary, summarize
 from planner_service.sim.policies import create_policy
 from planner_service.sim.trace import TraceRecord, TraceRequest
 
@@ -21,13 +23,15 @@ class Replay:
     report: dict[str, Any]
 
 
-def trace_summary(records: Sequence[TraceRecord]) -> dict[str, Any]:
+def trace_summary(records: Sequence[TraceRecord], problem: Problem) -> dict[str, Any]:
+    """The trace's size, and the re-prefill floor of its hand-offs on the scenario's cluster (`floor.py`)."""
     requests = [r for r in records if isinstance(r, TraceRequest)]
     return {
         "requests": len(requests),
         "sessions": len({r.session for r in requests}),
         "models": sorted({r.model for r in requests}),
         "duration_seconds": round(max((r.t for r in records), default=0.0), 3),
+        "handoff_reprefill_floor_seconds": latency_summary(handoff_reprefill_floor(problem, records)),
     }
 
 
@@ -66,7 +70,7 @@ def replay(
         if on_progress:
             on_progress(name, results[name].duration_seconds)
     report = {
-        "trace": trace_summary(records),
+        "trace": trace_summary(records, base_problem(scenario)),
         "scenario": scenario_summary(scenario, scenario_name),
         "seed": seed,
         "expert_miss_decode": expert_miss_decode,

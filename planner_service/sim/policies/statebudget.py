@@ -350,6 +350,8 @@ class StatebudgetPolicy(Policy):
             return "failed"  # hysteresis: the engine gave this room to requests within the window
         if op.action is Action.DROP:
             return self._drop(sim, obj, op.source, op.bytes)
+        if self._stored_already(sim, obj, op):  # the write-through copy holds what this one covers
+            return "done" if op.keep_source else self._drop(sim, obj, op.source, op.bytes)
         have = c.bytes_of(obj, op.source)
         nbytes = min(op.bytes, have)
         if nbytes <= 0:
@@ -360,7 +362,8 @@ class StatebudgetPolicy(Policy):
             return None
         if c.free(op.dest) < nbytes:
             return None
-        c.start(sim.now, obj, op.source, op.dest, nbytes, op.keep_source, lambda t, op=op: self._done(sim, op, t))
+        tokens = self._valid_tokens(sim, obj, op.source)  # before the source copy leaves a GPU below
+        c.start(sim.now, obj, op.source, op.dest, nbytes, op.keep_source, lambda t, op=op: self._done(sim, op, t, tokens))
         sim.operations += 1
         if not op.keep_source and op.source.tier is Tier.GPU:
             self._left_gpu(sim, obj, op.source)
@@ -394,7 +397,22 @@ class StatebudgetPolicy(Policy):
                 if state.status == "ready" and not sim.running.get(obj.model):
                     del sim.models[obj.model]
 
-    def _done(self, sim: Simulator, op: Operation, transfer: Transfer) -> None:
+    def _stored_already(self, sim: Simulator, obj: StateObject, op: Operation) -> bool:
+        """Whether a KV copy to host DRAM would add nothing: the host copy covers what the source covers."""
+        if obj.kind is not Kind.KV or op.dest.tier is not Tier.HOST or not sim.cluster.bytes_of(obj, op.dest):
+            return False
+        return sim.host_tokens.get(obj, 0) >= self._valid_tokens(sim, obj, op.source)
+
+    @staticmethod
+    def _valid_tokens(sim: Simulator, obj: StateObject, loc: Location) -> int:
+        """The history tokens a KV copy covers (what a copy made from it covers at most; 0 for other kinds)."""
+        if obj.kind is not Kind.KV:
+            return 0
+        if loc.tier is Tier.GPU:
+            return sim.gpu_tokens.get(obj, 0)
+        return sim.host_tokens.get(obj, 0) if loc.tier is Tier.HOST else 0
+
+    def _done(self, sim: Simulator, op: Operation, transfer: Transfer, tokens: int) -> None:
         if self.status.get(op.id) in ("started", "superseded"):
             self.status[op.id] = "done"
         obj, c = op.object, sim.cluster
@@ -404,11 +422,15 @@ class StatebudgetPolicy(Policy):
             self._left_gpu(sim, obj, op.source)
         if obj.kind is Kind.KV:
             kvpt = sim.problem.models[obj.model].kv_bytes_per_token or 1
+            # a copy covers what its source covered, at most what its bytes hold (bytes are not tokens: a
+            # plan sizes KV for the whole history, the model's copy covers the history up to its last turn)
             if op.dest.tier is Tier.GPU:
                 on_gpu = c.node_bytes(obj, op.node, Tier.GPU) // kvpt
-                sim.gpu_tokens[obj] = min(sim.host_tokens[obj] or on_gpu, on_gpu)
+                sim.gpu_tokens[obj] = min(max(sim.gpu_tokens.get(obj, 0), tokens), on_gpu)
             elif op.dest.tier is Tier.HOST:
-                sim.host_tokens[obj] = max(sim.host_tokens[obj], c.bytes_of(obj, op.dest) // kvpt)
+                on_host = c.bytes_of(obj, op.dest) // kvpt
+                sim.host_tokens[obj] = min(max(sim.host_tokens.get(obj, 0), tokens), on_host)
+                c.remove(obj, op.dest, c.bytes_of(obj, op.dest) - sim.host_tokens[obj] * kvpt)  # one copy, no more
         elif obj.kind is Kind.WEIGHTS and op.dest.tier is Tier.GPU:
             self._serve_from_plan(sim, obj, op.node)
 

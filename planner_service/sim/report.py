@@ -81,7 +81,8 @@ def replay(
 
 
 def comparison(report: dict[str, Any], policy: str = "statebudget") -> dict[str, float]:
-    """The headline ratios against `static` and `lru`, and the share of the static -> oracle gap closed."""
+    """The headline ratios against `static` and `lru`, the share of the static -> oracle gap closed, and how
+    far the policy's hand-off P95 is above the trace's re-prefill floor (what no policy beats)."""
     pols = report["policies"]
     out: dict[str, float] = {}
     if policy not in pols:
@@ -99,6 +100,9 @@ def comparison(report: dict[str, Any], policy: str = "statebudget") -> dict[str,
         gap = p95("static") - p95("oracle")
         if gap > 0:
             out["static_oracle_gap_closed"] = round((p95("static") - p95(policy)) / gap, 4)
+    floor = report["trace"].get("handoff_reprefill_floor_seconds", {}).get("p95", 0.0)
+    if floor > 0:
+        out["handoff_p95_vs_floor"] = round(p95(policy) / floor, 4)
     return out
 
 

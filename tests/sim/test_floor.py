@@ -9,7 +9,7 @@ from planner_service.domain.demo import demo_scenario
 from planner_service.sim.engine import base_problem, simulate
 from planner_service.sim.floor import handoff_reprefill_floor
 from planner_service.sim.policies import create_policy
-from planner_service.sim.report import replay
+from planner_service.sim.report import comparison, replay
 
 
 def test_hand_checked_floor_of_the_tiny_trace() -> None:
@@ -39,8 +39,9 @@ def test_no_policy_makes_a_hand_off_ready_faster_than_its_floor(policy: str) -> 
 
 
 def test_the_replay_report_carries_the_floor() -> None:
-    report = replay(tiny_scenario(), tiny_trace(), ["static"]).report
+    report = replay(tiny_scenario(), tiny_trace(), ["statebudget", "static"]).report
     assert report["trace"]["handoff_reprefill_floor_seconds"] == pytest.approx(
         {"p50": 1.0, "p95": 1.0, "p99": 1.0, "mean": 1.0}
     )
     assert report["policies"]["static"]["switch_latency_seconds"]["handoff"]["p95"] == pytest.approx(1.0, abs=1e-3)
+    assert comparison(report)["handoff_p95_vs_floor"] == pytest.approx(1.0, abs=1e-3)  # both at the floor here

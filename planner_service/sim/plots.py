@@ -63,20 +63,21 @@ def gpu_memory_over_time(results: dict[str, SimResult], path: Path) -> Path:
 def comparison_bars(report: dict[str, Any], path: Path) -> Path:
     plt = _pyplot()
     names = list(report["policies"])
-    metrics = [  # (title, value, log scale: latencies of policies far apart stay readable)
-        ("hand-off switch P95 (s)", lambda m: m["switch_latency_seconds"]["handoff"]["p95"], True),
-        ("switch P50 (s)", lambda m: m["switch_latency_seconds"]["all"]["p50"], True),
-        ("TTFT P95 (s)", lambda m: m["ttft_seconds"]["p95"], True),
-        ("mean GPU GiB", lambda m: m["gpu_bytes"]["mean"] / GIB, False),
+    floor = report.get("trace", {}).get("handoff_reprefill_floor_seconds", {}).get("p95")
+    metrics = [  # (title, value, log scale: latencies of policies far apart stay readable, a floor to draw)
+        ("hand-off switch P95 (s)", lambda m: m["switch_latency_seconds"]["handoff"]["p95"], True, floor),
+        ("switch P50 (s)", lambda m: m["switch_latency_seconds"]["all"]["p50"], True, None),
+        ("TTFT P95 (s)", lambda m: m["ttft_seconds"]["p95"], True, None),
+        ("mean GPU GiB", lambda m: m["gpu_bytes"]["mean"] / GIB, False, None),
     ]
     fig, axes = plt.subplots(1, len(metrics), figsize=(4 * len(metrics), 4))
-    for ax, (title, get, log) in zip(axes, metrics, strict=True):
+    for ax, (title, get, log, line) in zip(axes, metrics, strict=True):
         values = [get(report["policies"][n]) for n in names]
         ax.bar(range(len(names)), values, color=[f"C{i}" for i in range(len(names))])
         if log and any(v > 0 for v in values):
             ax.set_yscale("log")
-        if title.startswith("hand-off") and (floor := report.get("trace", {}).get("handoff_reprefill_floor_seconds")):
-            ax.axhline(floor["p95"], color="black", linestyle="--", linewidth=1, label="re-prefill floor")
+        if line:
+            ax.axhline(line, color="black", linestyle="--", linewidth=1, label="re-prefill floor")
             ax.legend(loc="upper left", fontsize=8)
         ax.set_xticks(range(len(names)), names, rotation=35, ha="right")
         ax.set_title(title)

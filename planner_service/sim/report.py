@@ -35,8 +35,7 @@ def trace_summary(records: Sequence[TraceRecord], problem: Problem) -> dict[str,
     }
 
 
-def scenario_summary(scenario: Scenario, name: str) -> dict[str, Any]:
-    problem = base_problem(scenario)
+def scenario_summary(problem: Problem, name: str) -> dict[str, Any]:
     return {
         "name": name,
         "gpus": len(problem.gpus),
@@ -69,9 +68,10 @@ def replay(
         )
         if on_progress:
             on_progress(name, results[name].duration_seconds)
+    problem = base_problem(scenario)
     report = {
-        "trace": trace_summary(records, base_problem(scenario)),
-        "scenario": scenario_summary(scenario, scenario_name),
+        "trace": trace_summary(records, problem),
+        "scenario": scenario_summary(problem, scenario_name),
         "seed": seed,
         "expert_miss_decode": expert_miss_decode,
         "ttft_targets_seconds": targets.model_dump(),

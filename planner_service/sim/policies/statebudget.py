@@ -44,9 +44,10 @@ plan's operations on it are skipped, as are its prefill-from-nothing
 operations. A KV copy an operation makes covers what its source covered
 (the engine never lets a copy cover more than its model computed), and a
 copy to host DRAM that the write-through copy already holds frees the GPU
-copy at once instead of moving the bytes again. A waiting request whose model no operation brings is loaded on
-demand after `fallback_after_seconds`, evicting what the latest plan does not
-keep first (counted in `fallback_loads`), onto a group with room for the
+copy at once instead of moving the bytes again. A waiting request whose
+model no operation brings is loaded on demand after
+`fallback_after_seconds`, evicting what the latest plan does not keep first
+(counted in `fallback_loads`), onto a group with room for the
 model's working set: the KV of its waiting requests and of the sessions it
 served within the window. A model that becomes ready gets no expert fill of
 its own (other policies fill the free room): which expert chunks are worth

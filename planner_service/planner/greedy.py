@@ -89,7 +89,7 @@ from planner_service.domain.units import GIB
 from planner_service.planner import costs, joint
 from planner_service.planner.errors import PlanningError
 from planner_service.planner.lateness import Lateness
-from planner_service.planner.objective import ColdLoad, Demand, cold_load
+from planner_service.planner.objective import ColdLoad, Demand, cold_load, kv_ready
 from planner_service.planner.residency import ResidencyIndex, copy_placement
 
 SLO_RANK = {Slo.BLOCKING: 0, Slo.INTERACTIVE: 1, Slo.BACKGROUND: 2}
@@ -304,6 +304,12 @@ class GreedyPlanner:
         # (kv object, node) wherever KV sits now, and where it sits on the node's GPUs
         self._kv_held = {(obj, problem.node_of(loc)) for obj, loc in self.now.kv_entries}
         self._kv_on_gpus = {(obj, problem.gpus[loc.id].node) for obj, loc in self.now.kv_entries if loc.tier is _GPU}
+        self._kv_below: dict[tuple[str, str], set[str]] = defaultdict(set)  # (model, node) -> sessions with KV below GPU
+        for obj, loc in self.now.kv_entries:
+            if loc.tier is not _GPU:
+                assert obj.session is not None  # a KV object
+                self._kv_below[(obj.model, problem.node_of(loc))].add(obj.session)
+        self._savings: dict[tuple, float] = {}
         self._cold_groups: dict[tuple[str, str, str], tuple[Gpu, ...] | None] = {}
         self._uniform = {  # nodes whose cards are all alike
             n.id: len({(g.type, g.capacity_bytes, g.h2d_bytes_per_s, g.bf16_flops) for g in (problem.gpus[i] for i in n.gpus)}) <= 1
@@ -486,7 +492,9 @@ class GreedyPlanner:
 
         move_weight and the active requests wait for the load; predicted
         requests re-prefill their history on the group's FLOP/s, and pay the
-        violation penalty where that alone outlasts their target; a MoE's
+        violation penalty where that alone outlasts their target, less what
+        those whose KV sits below the node's GPUs save restoring it
+        (`_restore_saving`); a MoE's
         requests pay the decode slowdown left after the best expert fraction
         the node's remaining room can hold; and a MoE already on the node loses
         the expert room the group takes. Without `experts`, the last two are
@@ -497,6 +505,7 @@ class GreedyPlanner:
         cost = load_seconds * (c.move_weight + active_w)
         per_token = costs.prefill_seconds_per_token(model, gpus, c)
         cost += per_token * self._context_demand[model.id] + self._late_penalty(model.id, per_token)
+        cost -= self._restore_saving(model, node_id, gpus, per_token)
         if not experts:
             return cost
         others = [moe for m, moe in self._moe_on.get(node_id, {}).items() if m != model.id]
@@ -506,6 +515,31 @@ class GreedyPlanner:
             after = [*others, (model, sum(map(_H2D, gpus)))] if model.is_moe else others
             cost += self._experts_cost(node_id, after, max(0, room - need)) - self._experts_cost(node_id, others, room)
         return cost
+
+    def _restore_saving(self, model: ModelSpec, node_id: str, gpus: tuple[Gpu, ...], per_token: float) -> float:
+        """What the model's predicted requests save on the node where their sessions' KV sits below its GPUs:
+        restored (or partly) rather than re-prefilled, as the evaluator prices them, and the violation penalty
+        of those that are then in time."""
+        sessions = self._kv_below.get((model.id, node_id))
+        if not sessions:
+            return 0.0
+        key = (model.id, node_id, per_token, sum(map(_H2D, gpus)))
+        saving = self._savings.get(key)
+        if saving is None:
+            row, position, weighted, targets = self.row[model.id], self.position, self.weighted, self.slo_target
+            penalty = self.c.violation_penalty_seconds
+            saving = 0.0
+            for sid in sessions:
+                column = position[sid]
+                w = float(weighted[row, column])
+                if w > 0:
+                    full = per_token * self.p.sessions[sid].context_tokens
+                    ready = kv_ready(self.p, self.now, model, sid, node_id, gpus, 0)
+                    saving += w * (full - ready)
+                    if ready <= targets[column] < full:  # late re-prefilled (`_late_penalty`), in time restored
+                        saving += w * penalty
+            self._savings[key] = saving
+        return saving
 
     def _late_penalty(self, model_id: str, per_token: float) -> float:
         """The violation penalty of the model's predicted requests whose history's re-prefill alone, at
@@ -862,31 +896,59 @@ class GreedyPlanner:
 
         The cost is `_group_cost` without the experts' term (`joint.assign`
         prices it per node, for the MoE models the node holds together), plus
-        the violation penalty of every active request whose load, and the
-        re-prefill of its history where its KV is not on the node or is of
-        another precision, outlast its SLO target. A node that looks like one
-        priced from NVMe gets its option (`_load_candidates` tries one node
-        per look).
+        what the active requests pay to ready their KV there and the violation
+        penalty of those that then outlast their SLO target (`_arrivals_cost`).
+        A node that looks like one priced from NVMe gets its option
+        (`_load_candidates` tries one node per look), with its own price of
+        the active requests' KV: the sessions' KV in host DRAM is not alike
+        (on gap-study seed 50, a coder's six sessions held 22 GiB on one L40
+        node and 8 GiB on its look-alike, priced the same).
         """
-        sessions = [(s, StateObject.kv(model.id, s.id)) for s in self.active[model.id]]  # made once, read per option
         current = self.now.serving.get(model.id)
         best: dict[tuple[str, str], joint.Option] = {}
+        how: dict[tuple[str, str], tuple[tuple[Gpu, ...], float]] = {}  # (node, precision) -> its group, load seconds
         for (cost, _, _, node_id, seconds), precision, gpus in self._group_options(model, need, experts=False):
             nbytes = model.weights_bytes[precision] + need
             moe = (model, sum(map(_H2D, gpus))) if model.is_moe else None
             if whole:
                 nbytes = self.book.room(node_id)
-            per_token = costs.prefill_seconds_per_token(model, gpus, self.c)
-            stale = current is not None and current.precision != precision
-            for s, kv in sessions:
-                latency = seconds
-                if stale or (kv, node_id) not in self._kv_held:
-                    latency += per_token * s.context_tokens
-                if latency > self._slo_target[s.slo]:
-                    cost += self.c.violation_penalty_seconds * self._slo_weight[s.slo]
+            if current is not None and (current.precision != precision or current.node != node_id):
+                cost -= self._active_context_seconds(model)  # `_group_options`' rough price of what is priced below
             if (node_id, precision) not in best or cost < best[(node_id, precision)].cost:
                 best[(node_id, precision)] = joint.Option(node_id, precision, nbytes, cost, moe)
-        return self._with_alike(model, best, alike, current.node if current else None)
+                how[(node_id, precision)] = gpus, seconds
+        out = []
+        for option in self._with_alike(model, best, alike, current.node if current else None):
+            key = (option.node, option.precision)
+            if key not in how:  # a look-alike's copy: the same links and FLOP/s, its own lower tiers
+                key = next(k for n in alike[option.node] if (k := (n, option.precision)) in how)
+            gpus, seconds = how[key]
+            out.append(option._replace(cost=option.cost + self._arrivals_cost(model, option, gpus, seconds)))
+        return out
+
+    def _arrivals_cost(self, model: ModelSpec, option: joint.Option, gpus: tuple[Gpu, ...], load_seconds: float) -> float:
+        """What the model's active requests pay for their KV on the option's node, as the evaluator prices it
+        (restored from the node's lower tiers or re-prefilled on `gpus`, what its GPUs hold counting where the
+        model stays on them at its precision), plus the violation penalty of those whose KV and the weights'
+        `load_seconds` outlast their SLO target."""
+        current = self.now.serving.get(model.id)
+        node_id = option.node
+        staying = current is not None and current.node == node_id and current.precision == option.precision
+        per_token = costs.prefill_seconds_per_token(model, gpus, self.c)
+        held, weight, target, penalty = self._kv_held, self._slo_weight, self._slo_target, self.c.violation_penalty_seconds
+        cost = 0.0
+        for s in self.active[model.id]:
+            kv = StateObject.kv(model.id, s.id)
+            if (kv, node_id) in held:
+                on_gpus = self.now.on(kv, node_id, _GPU) if staying else 0
+                ready = kv_ready(self.p, self.now, model, s.id, node_id, gpus, on_gpus)
+            else:
+                ready = per_token * s.context_tokens
+            w = weight[s.slo]
+            cost += w * ready
+            if load_seconds + ready > target[s.slo]:
+                cost += penalty * w
+        return cost
 
     def _with_alike(
         self, model: ModelSpec, best: dict[tuple[str, str], joint.Option], alike: Mapping[str, list[str]], staying: str | None

@@ -188,7 +188,54 @@ def test_two_nodes_of_one_room_trade_all_their_models() -> None:
         "c": [Option("n1", "bf16", 50, 0.0, None), Option("n0", "bf16", 50, 1.0, None)],
         "a": [Option("n0", "bf16", 60, 3.0, None), Option("n1", "bf16", 60, 0.0, None)],
     }
-    traded = assign(options, ["b", "c", "a"], {"n0": 100, "n1": 100}, _no_moe)
-    assert {m: o.node for m, o in traded.items()} == {"a": "n1", "b": "n0", "c": "n0"}
-    kept = assign(options, ["b", "c", "a"], {"n0": 100, "n1": 101}, _no_moe)
-    assert {m: o.node for m, o in kept.items()} == {"a": "n0", "b": "n1", "c": "n1"}
+    for rooms, after in (({"n0": 100, "n1": 100}, {"a": "n1", "b": "n0", "c": "n0"}), ({"n0": 100, "n1": 101}, None)):
+        search = _Search(options, ["b", "c", "a"], {**rooms, NOWHERE: 0}, _no_moe)
+        for m in ["b", "c", "a"]:
+            search.place_cheapest(m)
+        assert search._total() == 3.0
+        traded = search.improve()
+        assert traded == (after is not None)
+        if traded:
+            assert {m: search.option_of[b].node for m, b in search.chosen.items()} == after
+    # the branch and bound after the local search reaches the trade on unlike nodes too
+    chosen = assign(options, ["b", "c", "a"], {"n0": 100, "n1": 101}, _no_moe)
+    assert {m: o.node for m, o in chosen.items()} == {"a": "n1", "b": "n0", "c": "n0"}
+
+
+def test_the_branch_and_bound_finds_a_rotation_of_three_models() -> None:
+    # rooms 10, 10 and 10; a (10), b (10) and c (10) fill a node each. From a on n0 (0), b on n1 (0) and c on
+    # n2 (5): 5, each model is cheaper on the next node (a on n1, b on n2, c on n0: -1 each), but no move fits
+    # (every node is full) and every swap or trade costs more (a and b trading: b on n0 costs 9). Only the
+    # rotation gets -3.
+    options = {
+        "a": [Option("n0", "bf16", 10, 0.0, None), Option("n1", "bf16", 10, -1.0, None), Option("n2", "bf16", 10, 9.0, None)],
+        "b": [Option("n1", "bf16", 10, 0.0, None), Option("n2", "bf16", 10, -1.0, None), Option("n0", "bf16", 10, 9.0, None)],
+        "c": [Option("n2", "bf16", 10, 5.0, None), Option("n0", "bf16", 10, -1.0, None), Option("n1", "bf16", 10, 9.0, None)],
+    }
+    search = _Search(options, ["a", "b", "c"], {"n0": 10, "n1": 10, "n2": 10, NOWHERE: 0}, _no_moe)
+    for m in options:
+        search._put(m, search.bits[m][0])
+    assert search._total() == 5.0 and not search.improve()
+    search.branch_and_bound(0)  # no step: nothing changes
+    assert search._total() == 5.0
+    search.branch_and_bound(100)
+    assert search._total() == -3.0
+    assert {m: search.option_of[b].node for m, b in search.chosen.items()} == {"a": "n1", "b": "n2", "c": "n0"}
+
+
+@settings(max_examples=300, deadline=None)
+@given(_local_optima(), st.integers(0, 40))
+def test_the_branch_and_bound_finds_the_least_sum_and_never_a_worse_one(case: tuple[_Search, list[str]], steps: int) -> None:
+    search, _ = case
+    start = search._total()
+    models = list(search.chosen)
+    least = math.inf  # brute force over every assignment
+    for bits in itertools.product(*(search.bits[m] for m in models)):
+        held: dict[str, int] = {}
+        for bit in bits:
+            held[search.option_of[bit].node] = held.get(search.option_of[bit].node, 0) | bit
+        least = min(least, sum(map(search.cost.of, held.values())))
+    search.branch_and_bound(steps)
+    assert least <= search._total() <= start
+    search.branch_and_bound(10**6)
+    assert search._total() == least or (math.isinf(start) and search._total() == start)

@@ -102,6 +102,7 @@ _OFFER_BYTES, _OFFER_CHANGE = operator.itemgetter(3), operator.itemgetter(4)  # 
 _GPU, _HOST, _NVME, _KV, _WEIGHTS = Tier.GPU, Tier.HOST, Tier.NVME, Kind.KV, Kind.WEIGHTS
 _KV_OFFLOAD, _WEIGHTS_OFFLOAD, _PARTIAL_EXPERTS = Capability.KV_OFFLOAD, Capability.WEIGHTS_OFFLOAD, Capability.PARTIAL_EXPERTS
 _UNKNOWN: Any = object()  # not looked up yet (None is an answer)
+_NO_SESSIONS: frozenset[str] = frozenset()
 NODE_SHORTLIST = 4  # past 2x this many candidate nodes, a group search prices the tightest and roomiest this many each
 
 
@@ -304,11 +305,12 @@ class GreedyPlanner:
         # (kv object, node) wherever KV sits now, and where it sits on the node's GPUs
         self._kv_held = {(obj, problem.node_of(loc)) for obj, loc in self.now.kv_entries}
         self._kv_on_gpus = {(obj, problem.gpus[loc.id].node) for obj, loc in self.now.kv_entries if loc.tier is _GPU}
-        self._kv_below: dict[tuple[str, str], set[str]] = defaultdict(set)  # (model, node) -> sessions with KV below GPU
+        # (model, node) -> sessions with KV below the node's GPUs, and on them
+        self._kv_below: dict[tuple[str, str], set[str]] = defaultdict(set)
+        self._kv_above: dict[tuple[str, str], set[str]] = defaultdict(set)
         for obj, loc in self.now.kv_entries:
-            if loc.tier is not _GPU:
-                assert obj.session is not None  # a KV object
-                self._kv_below[(obj.model, problem.node_of(loc))].add(obj.session)
+            assert obj.session is not None  # a KV object
+            (self._kv_above if loc.tier is _GPU else self._kv_below)[(obj.model, problem.node_of(loc))].add(obj.session)
         self._savings: dict[tuple, float] = {}
         self._cold_groups: dict[tuple[str, str, str], tuple[Gpu, ...] | None] = {}
         self._uniform = {  # nodes whose cards are all alike
@@ -394,7 +396,9 @@ class GreedyPlanner:
         key, precision, gpus = min(options, key=_COST_KEY)
         return key, Group(key[3], precision, gpus)
 
-    def _group_options(self, model: ModelSpec, extra_bytes: int, experts: bool = True) -> list[_GroupOption]:
+    def _group_options(
+        self, model: ModelSpec, extra_bytes: int, experts: bool = True, price_kv: bool = True
+    ) -> list[_GroupOption]:
         """The groups the model's weights plus `extra_bytes` of KV may take, as (cost key, precision, GPUs).
 
         The key (cost, precision rank, slack, node, load seconds) orders by the
@@ -407,6 +411,11 @@ class GreedyPlanner:
         prefills and fetches missed experts faster at the same bytes (the
         evaluator sums FLOP/s and PCIe bandwidth over it). Where a node's GPUs
         hold a copy besides the one serving, its cards copy only what they lack.
+        With `price_kv`, a group is priced with what the sessions' KV is worth
+        there: the re-prefill of the active sessions' KV a change of node or
+        precision leaves behind, and the predicted requests' restores
+        (`_restore_saving`); the joint choice prices both per node itself
+        (`_kv_cost`).
         """
         current = self.now.serving.get(model.id)
         options: list[_GroupOption] = []
@@ -417,8 +426,9 @@ class GreedyPlanner:
                 continue
             obj = StateObject.weights(model.id, precision)
             nbytes = model.weights_bytes[precision]
+            size = nbytes + extra_bytes
             penalty = degrade if rank else 0.0
-            if current and current.precision != precision:
+            if price_kv and current and current.precision != precision:
                 penalty += self._active_context_seconds(model)  # the active sessions' KV no longer matches
             stay_node = None
             if current and current.precision == precision:
@@ -426,7 +436,7 @@ class GreedyPlanner:
                 shards = [a + b for a, b in zip(split_evenly(nbytes, len(stay)), split_evenly(extra_bytes, len(stay)))]
                 stay_node = current.node
                 if self.book.fits(stay, shards):
-                    cost = penalty + self._group_cost(model, stay, current.node, 0.0, nbytes + extra_bytes, experts)
+                    cost = penalty + self._group_cost(model, stay, current.node, 0.0, size, experts, price_kv, True)
                     options.append(((cost, rank, 0, stay_node, 0.0), precision, stay))
                 # other groups on the same node: only the shards a card lacks now are copied
                 for gpus, free in self._fits_by_width(stay_node, model, nbytes + extra_bytes):
@@ -435,7 +445,7 @@ class GreedyPlanner:
                     seconds = self._regroup_seconds(obj, gpus, nbytes, stay_node)
                     if seconds is None:
                         continue
-                    cost = penalty + self._group_cost(model, gpus, stay_node, seconds, nbytes + extra_bytes, experts)
+                    cost = penalty + self._group_cost(model, gpus, stay_node, seconds, size, experts, price_kv, True)
                     options.append(((cost, rank, free - nbytes - extra_bytes, stay_node, seconds), precision, gpus))
             if model.id in self.nodes:
                 candidates = self._candidate_on(self.nodes[model.id], obj, nbytes + extra_bytes, skip=stay_node)
@@ -443,7 +453,9 @@ class GreedyPlanner:
                 candidates = self._load_candidates(obj, nbytes + extra_bytes, skip=stay_node)
             for node_id, source in candidates:
                 node = self.p.nodes[node_id]
-                moved = self._active_context_seconds(model) if current and current.node != node_id and not penalty else 0.0
+                moved = 0.0
+                if price_kv and current and current.node != node_id and not penalty:
+                    moved = self._active_context_seconds(model)
                 held = self.now.on(obj, node_id, _GPU)  # a copy there besides the one serving: cards copy what they lack
                 for gpus, free in self._fits_by_width(node_id, model, nbytes + extra_bytes):
                     if held:
@@ -452,7 +464,7 @@ class GreedyPlanner:
                         seconds = costs.weights_load_seconds(nbytes, gpus, source, node, self.c)
                     if seconds is None:
                         continue
-                    cost = penalty + moved + self._group_cost(model, gpus, node_id, seconds, nbytes + extra_bytes, experts)
+                    cost = penalty + moved + self._group_cost(model, gpus, node_id, seconds, size, experts, price_kv)
                     options.append(((cost, rank, free - nbytes - extra_bytes, node_id, seconds), precision, gpus))
         if model.id in self.nodes:
             options = [option for option in options if option[0][3] == self.nodes[model.id]]
@@ -486,15 +498,23 @@ class GreedyPlanner:
         return costs.copy_seconds(gains, gpus, source, self.p.nodes[node_id]) + self.c.engine_load_overhead_seconds
 
     def _group_cost(
-        self, model: ModelSpec, gpus: tuple[Gpu, ...], node_id: str, load_seconds: float, need: int, experts: bool = True
+        self,
+        model: ModelSpec,
+        gpus: tuple[Gpu, ...],
+        node_id: str,
+        load_seconds: float,
+        need: int,
+        experts: bool = True,
+        restores: bool = True,
+        staying: bool = False,
     ) -> float:
         """Estimated objective seconds of serving the model on `gpus` (what differs between groups).
 
         move_weight and the active requests wait for the load; predicted
         requests re-prefill their history on the group's FLOP/s, and pay the
         violation penalty where that alone outlasts their target, less what
-        those whose KV sits below the node's GPUs save restoring it
-        (`_restore_saving`); a MoE's
+        those whose KV sits below the node's GPUs save restoring it (with
+        `restores`: `_restore_saving`); a MoE's
         requests pay the decode slowdown left after the best expert fraction
         the node's remaining room can hold; and a MoE already on the node loses
         the expert room the group takes. Without `experts`, the last two are
@@ -505,7 +525,8 @@ class GreedyPlanner:
         cost = load_seconds * (c.move_weight + active_w)
         per_token = costs.prefill_seconds_per_token(model, gpus, c)
         cost += per_token * self._context_demand[model.id] + self._late_penalty(model.id, per_token)
-        cost -= self._restore_saving(model, node_id, gpus, per_token)
+        if restores:
+            cost -= self._restore_saving(model, node_id, gpus, per_token, staying)
         if not experts:
             return cost
         others = [moe for m, moe in self._moe_on.get(node_id, {}).items() if m != model.id]
@@ -516,14 +537,18 @@ class GreedyPlanner:
             cost += self._experts_cost(node_id, after, max(0, room - need)) - self._experts_cost(node_id, others, room)
         return cost
 
-    def _restore_saving(self, model: ModelSpec, node_id: str, gpus: tuple[Gpu, ...], per_token: float) -> float:
-        """What the model's predicted requests save on the node where their sessions' KV sits below its GPUs:
-        restored (or partly) rather than re-prefilled, as the evaluator prices them, and the violation penalty
-        of those that are then in time."""
-        sessions = self._kv_below.get((model.id, node_id))
+    def _restore_saving(
+        self, model: ModelSpec, node_id: str, gpus: tuple[Gpu, ...], per_token: float, staying: bool
+    ) -> float:
+        """What the model's predicted requests save on the node where their sessions' KV sits below its GPUs
+        (or, `staying` on the GPUs serving it at that precision, on them): restored (or partly) or ready rather
+        than re-prefilled, as the evaluator prices them, and the violation penalty of those then in time."""
+        sessions = self._kv_below.get((model.id, node_id), _NO_SESSIONS)
+        if staying:
+            sessions = sessions | self._kv_above.get((model.id, node_id), _NO_SESSIONS)
         if not sessions:
             return 0.0
-        key = (model.id, node_id, per_token, sum(map(_H2D, gpus)))
+        key = (model.id, node_id, per_token, sum(map(_H2D, gpus)), staying)
         saving = self._savings.get(key)
         if saving is None:
             row, position, weighted, targets = self.row[model.id], self.position, self.weighted, self.slo_target
@@ -534,7 +559,8 @@ class GreedyPlanner:
                 w = float(weighted[row, column])
                 if w > 0:
                     full = per_token * self.p.sessions[sid].context_tokens
-                    ready = kv_ready(self.p, self.now, model, sid, node_id, gpus, 0)
+                    on_gpus = self.now.on(StateObject.kv(model.id, sid), node_id, _GPU) if staying else 0
+                    ready = kv_ready(self.p, self.now, model, sid, node_id, gpus, on_gpus)
                     saving += w * (full - ready)
                     if ready <= targets[column] < full:  # late re-prefilled (`_late_penalty`), in time restored
                         saving += w * penalty
@@ -897,44 +923,53 @@ class GreedyPlanner:
         The cost is `_group_cost` without the experts' term (`joint.assign`
         prices it per node, for the MoE models the node holds together), plus
         what the active requests pay to ready their KV there and the violation
-        penalty of those that then outlast their SLO target (`_arrivals_cost`).
-        A node that looks like one priced from NVMe gets its option
-        (`_load_candidates` tries one node per look), with its own price of
-        the active requests' KV: the sessions' KV in host DRAM is not alike
+        penalty of those that then outlast their SLO target (`_arrivals_cost`),
+        less what the predicted requests save restoring KV the node holds below
+        its GPUs (`_restore_saving`). A node that looks like one priced from
+        NVMe gets its option (`_load_candidates` tries one node per look), with
+        its own price of that KV: the sessions' KV in host DRAM is not alike
         (on gap-study seed 50, a coder's six sessions held 22 GiB on one L40
         node and 8 GiB on its look-alike, priced the same).
         """
         current = self.now.serving.get(model.id)
         best: dict[tuple[str, str], joint.Option] = {}
-        how: dict[tuple[str, str], tuple[tuple[Gpu, ...], float]] = {}  # (node, precision) -> its group, load seconds
-        for (cost, _, _, node_id, seconds), precision, gpus in self._group_options(model, need, experts=False):
+        how: dict[tuple[str, str], tuple[tuple[Gpu, ...], float, float]] = {}  # (node, precision) -> group, load, `_kv_cost`
+        for (cost, _, _, node_id, seconds), precision, gpus in self._group_options(model, need, False, price_kv=False):
             nbytes = model.weights_bytes[precision] + need
             moe = (model, sum(map(_H2D, gpus))) if model.is_moe else None
             if whole:
                 nbytes = self.book.room(node_id)
-            if current is not None and (current.precision != precision or current.node != node_id):
-                cost -= self._active_context_seconds(model)  # `_group_options`' rough price of what is priced below
-            if (node_id, precision) not in best or cost < best[(node_id, precision)].cost:
-                best[(node_id, precision)] = joint.Option(node_id, precision, nbytes, cost, moe)
-                how[(node_id, precision)] = gpus, seconds
+            kv = self._kv_cost(model, node_id, precision, gpus, seconds)
+            if (node_id, precision) not in best or cost + kv < best[(node_id, precision)].cost:
+                best[(node_id, precision)] = joint.Option(node_id, precision, nbytes, cost + kv, moe)
+                how[(node_id, precision)] = gpus, seconds, kv
         out = []
         for option in self._with_alike(model, best, alike, current.node if current else None):
             key = (option.node, option.precision)
             if key not in how:  # a look-alike's copy: the same links and FLOP/s, its own lower tiers
-                key = next(k for n in alike[option.node] if (k := (n, option.precision)) in how)
-            gpus, seconds = how[key]
-            out.append(option._replace(cost=option.cost + self._arrivals_cost(model, option, gpus, seconds)))
+                gpus, seconds, kv = how[next(k for n in alike[option.node] if (k := (n, option.precision)) in how)]
+                option = option._replace(cost=option.cost - kv + self._kv_cost(model, *key, gpus, seconds))
+            out.append(option)
         return out
 
-    def _arrivals_cost(self, model: ModelSpec, option: joint.Option, gpus: tuple[Gpu, ...], load_seconds: float) -> float:
-        """What the model's active requests pay for their KV on the option's node, as the evaluator prices it
-        (restored from the node's lower tiers or re-prefilled on `gpus`, what its GPUs hold counting where the
-        model stays on them at its precision), plus the violation penalty of those whose KV and the weights'
-        `load_seconds` outlast their SLO target."""
-        current = self.now.serving.get(model.id)
-        node_id = option.node
-        staying = current is not None and current.node == node_id and current.precision == option.precision
+    def _kv_cost(self, model: ModelSpec, node_id: str, precision: str, gpus: tuple[Gpu, ...], load_seconds: float) -> float:
+        """The objective seconds that depend on where the model's sessions' KV sits, for serving it on the node
+        at `precision` on `gpus`: its active requests' (`_arrivals_cost`) less its predicted requests' restores."""
         per_token = costs.prefill_seconds_per_token(model, gpus, self.c)
+        arrivals = self._arrivals_cost(model, node_id, precision, per_token, load_seconds, gpus)
+        current = self.now.serving.get(model.id)
+        staying = current is not None and current.node == node_id and current.precision == precision
+        return arrivals - self._restore_saving(model, node_id, gpus, per_token, staying)
+
+    def _arrivals_cost(
+        self, model: ModelSpec, node_id: str, precision: str, per_token: float, load_seconds: float, gpus: tuple[Gpu, ...]
+    ) -> float:
+        """What the model's active requests pay for their KV served on the node at `precision`, as the evaluator
+        prices it (restored from the node's lower tiers or re-prefilled on `gpus` at `per_token` seconds, what
+        its GPUs hold counting where the model stays on them at its precision), plus the violation penalty of
+        those whose KV and the weights' `load_seconds` outlast their SLO target."""
+        current = self.now.serving.get(model.id)
+        staying = current is not None and current.node == node_id and current.precision == precision
         held, weight, target, penalty = self._kv_held, self._slo_weight, self._slo_target, self.c.violation_penalty_seconds
         cost = 0.0
         for s in self.active[model.id]:

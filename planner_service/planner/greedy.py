@@ -6,17 +6,20 @@ It rebuilds what the GPUs should hold, then settles the lower tiers:
    node's GPUs. Their nodes and precisions are chosen together (`joint.py`):
    each (node, precision) is priced on the empty GPUs by the model's
    *estimated marginal objective* (`_group_cost`: load time for move_weight
-   and the waiting requests, plus the SLO violations of those that wait past
-   their target, their re-prefilled KV included where they move; re-prefill
-   of the predicted requests' history on the group's summed FLOP/s, and the
-   violations of those whose re-prefill alone passes their target; the
-   degraded-precision cost of a less preferred precision), a node holding
-   several is priced with its MoE models sharing its room for experts (the
-   decode slowdown at the best expert fractions that room allows, on each
-   group's summed PCIe bandwidth), and a local search moves and swaps models
+   and the waiting requests; what readying their KV costs there, restored
+   from the node's lower tiers or re-prefilled, and the SLO violations of
+   those that wait past their target (`_kv_cost`); re-prefill of the
+   predicted requests' history on the group's summed FLOP/s, less what the
+   KV the node holds saves them, and the violations of those whose
+   re-prefill alone passes their target; the degraded-precision cost of a
+   less preferred precision), a node holding several is priced with its MoE
+   models sharing its room for experts (the decode slowdown at the best
+   expert fractions that room allows, on each group's summed PCIe
+   bandwidth), and a local search moves and swaps models
    between options (or trades two like nodes' models) while the sum falls,
    then steps out of that local optimum once (the gap study's median ratio
-   1.046 -> 1.016; with the trades 1.009).
+   1.046 -> 1.016; with the trades 1.009), and a budgeted branch and bound
+   looks for a lower sum over every assignment (rotations of three models).
    Served one at a time (most urgent SLO, then largest), the first models
    would take the best nodes: DeepSeek-V3, whose experts gain little per
    GiB, a node GLM-4.5-Air's experts would fill (the gap study's median
@@ -305,12 +308,13 @@ class GreedyPlanner:
         # (kv object, node) wherever KV sits now, and where it sits on the node's GPUs
         self._kv_held = {(obj, problem.node_of(loc)) for obj, loc in self.now.kv_entries}
         self._kv_on_gpus = {(obj, problem.gpus[loc.id].node) for obj, loc in self.now.kv_entries if loc.tier is _GPU}
-        # (model, node) -> sessions with KV below the node's GPUs, and on them
-        self._kv_below: dict[tuple[str, str], set[str]] = defaultdict(set)
-        self._kv_above: dict[tuple[str, str], set[str]] = defaultdict(set)
+        # (model, node) -> the sessions with KV below the node's GPUs, and on them
+        self._sessions_below: dict[tuple[str, str], set[str]] = defaultdict(set)
+        self._sessions_on_gpus: dict[tuple[str, str], set[str]] = defaultdict(set)
         for obj, loc in self.now.kv_entries:
             assert obj.session is not None  # a KV object
-            (self._kv_above if loc.tier is _GPU else self._kv_below)[(obj.model, problem.node_of(loc))].add(obj.session)
+            on_gpus = loc.tier is _GPU
+            (self._sessions_on_gpus if on_gpus else self._sessions_below)[(obj.model, problem.node_of(loc))].add(obj.session)
         self._savings: dict[tuple, float] = {}
         self._cold_groups: dict[tuple[str, str, str], tuple[Gpu, ...] | None] = {}
         self._uniform = {  # nodes whose cards are all alike
@@ -322,6 +326,7 @@ class GreedyPlanner:
         # SLO class -> its weight and target, read once (`CostConstants` looks them up by name, a Python call each)
         self._slo_weight = {slo: self.c.slo_weights.of(slo) for slo in Slo}
         self._slo_target = {slo: self.c.slo_targets_seconds.of(slo) for slo in Slo}
+        self._arriving = {m: frozenset(s.id for s in sessions) for m, sessions in self.active.items()}
         self._active_weight = {
             m: sum(self._slo_weight[s.slo] for s in sessions) for m, sessions in self.active.items()
         }
@@ -413,9 +418,9 @@ class GreedyPlanner:
         hold a copy besides the one serving, its cards copy only what they lack.
         With `price_kv`, a group is priced with what the sessions' KV is worth
         there: the re-prefill of the active sessions' KV a change of node or
-        precision leaves behind, and the predicted requests' restores
-        (`_restore_saving`); the joint choice prices both per node itself
-        (`_kv_cost`).
+        precision leaves behind, and what the predicted requests save where
+        their KV sits (`_restore_saving`); the joint choice prices the KV per
+        node itself (`_kv_cost`).
         """
         current = self.now.serving.get(model.id)
         options: list[_GroupOption] = []
@@ -513,8 +518,8 @@ class GreedyPlanner:
         move_weight and the active requests wait for the load; predicted
         requests re-prefill their history on the group's FLOP/s, and pay the
         violation penalty where that alone outlasts their target, less what
-        those whose KV sits below the node's GPUs save restoring it (with
-        `restores`: `_restore_saving`); a MoE's
+        those whose KV the node holds save (with `restores`: `_restore_saving`,
+        its GPUs' KV counting where the model is `staying`); a MoE's
         requests pay the decode slowdown left after the best expert fraction
         the node's remaining room can hold; and a MoE already on the node loses
         the expert room the group takes. Without `experts`, the last two are
@@ -540,12 +545,14 @@ class GreedyPlanner:
     def _restore_saving(
         self, model: ModelSpec, node_id: str, gpus: tuple[Gpu, ...], per_token: float, staying: bool
     ) -> float:
-        """What the model's predicted requests save on the node where their sessions' KV sits below its GPUs
-        (or, `staying` on the GPUs serving it at that precision, on them): restored (or partly) or ready rather
-        than re-prefilled, as the evaluator prices them, and the violation penalty of those then in time."""
-        sessions = self._kv_below.get((model.id, node_id), _NO_SESSIONS)
+        """What the model's predicted requests save on the node where their sessions' KV sits: restored from
+        below its GPUs (or, `staying` on the GPUs serving it at its precision, kept there) rather than
+        re-prefilled, as the evaluator prices them, and the violation penalty of those then in time."""
+        sessions = self._sessions_below.get((model.id, node_id), _NO_SESSIONS)
         if staying:
-            sessions = sessions | self._kv_above.get((model.id, node_id), _NO_SESSIONS)
+            sessions = sessions | self._sessions_on_gpus.get((model.id, node_id), _NO_SESSIONS)
+        arriving = self._arriving.get(model.id, _NO_SESSIONS)  # their KV comes onto the GPUs with the model
+        sessions = sessions | arriving
         if not sessions:
             return 0.0
         key = (model.id, node_id, per_token, sum(map(_H2D, gpus)), staying)
@@ -559,8 +566,11 @@ class GreedyPlanner:
                 w = float(weighted[row, column])
                 if w > 0:
                     full = per_token * self.p.sessions[sid].context_tokens
-                    on_gpus = self.now.on(StateObject.kv(model.id, sid), node_id, _GPU) if staying else 0
-                    ready = kv_ready(self.p, self.now, model, sid, node_id, gpus, on_gpus)
+                    if sid in arriving:
+                        ready = 0.0
+                    else:
+                        on_gpus = self.now.on(StateObject.kv(model.id, sid), node_id, _GPU) if staying else 0
+                        ready = kv_ready(self.p, self.now, model, sid, node_id, gpus, on_gpus)
                     saving += w * (full - ready)
                     if ready <= targets[column] < full:  # late re-prefilled (`_late_penalty`), in time restored
                         saving += w * penalty
@@ -924,8 +934,8 @@ class GreedyPlanner:
         prices it per node, for the MoE models the node holds together), plus
         what the active requests pay to ready their KV there and the violation
         penalty of those that then outlast their SLO target (`_arrivals_cost`),
-        less what the predicted requests save restoring KV the node holds below
-        its GPUs (`_restore_saving`). A node that looks like one priced from
+        less what the predicted requests save where the node holds their KV
+        (`_restore_saving`). A node that looks like one priced from
         NVMe gets its option (`_load_candidates` tries one node per look), with
         its own price of that KV: the sessions' KV in host DRAM is not alike
         (on gap-study seed 50, a coder's six sessions held 22 GiB on one L40
@@ -956,20 +966,18 @@ class GreedyPlanner:
         """The objective seconds that depend on where the model's sessions' KV sits, for serving it on the node
         at `precision` on `gpus`: its active requests' (`_arrivals_cost`) less its predicted requests' restores."""
         per_token = costs.prefill_seconds_per_token(model, gpus, self.c)
-        arrivals = self._arrivals_cost(model, node_id, precision, per_token, load_seconds, gpus)
         current = self.now.serving.get(model.id)
         staying = current is not None and current.node == node_id and current.precision == precision
+        arrivals = self._arrivals_cost(model, node_id, gpus, per_token, load_seconds, staying)
         return arrivals - self._restore_saving(model, node_id, gpus, per_token, staying)
 
     def _arrivals_cost(
-        self, model: ModelSpec, node_id: str, precision: str, per_token: float, load_seconds: float, gpus: tuple[Gpu, ...]
+        self, model: ModelSpec, node_id: str, gpus: tuple[Gpu, ...], per_token: float, load_seconds: float, staying: bool
     ) -> float:
-        """What the model's active requests pay for their KV served on the node at `precision`, as the evaluator
-        prices it (restored from the node's lower tiers or re-prefilled on `gpus` at `per_token` seconds, what
-        its GPUs hold counting where the model stays on them at its precision), plus the violation penalty of
+        """What the model's active requests pay for their KV served on `gpus` of the node, as the evaluator
+        prices it (restored from the node's lower tiers or re-prefilled at `per_token` seconds, what its GPUs
+        hold counting where the model is `staying` on them at its precision), plus the violation penalty of
         those whose KV and the weights' `load_seconds` outlast their SLO target."""
-        current = self.now.serving.get(model.id)
-        staying = current is not None and current.node == node_id and current.precision == precision
         held, weight, target, penalty = self._kv_held, self._slo_weight, self._slo_target, self.c.violation_penalty_seconds
         cost = 0.0
         for s in self.active[model.id]:

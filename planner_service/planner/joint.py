@@ -51,8 +51,8 @@ MAX_ROUNDS = 3  # improving moves at most; on the 50-scenario gap study a third 
 # models it would double planning.
 STEP_OUT_MAX_OPTIONS = 64
 # Node costs the branch and bound may price after the step out (where that runs). On the 50-scenario gap study
-# it used a median 922 (about 0.6 ms in pure Python) and stopped at the limit on 14; it beat the local search
-# on 17, each time within 1,851 steps (gap-study p95 ratio 1.12 -> 1.04). Past the limit it keeps the best found.
+# it used a median 766 (about 0.5 ms in pure Python) and stopped at the limit on 12; it beat the local search
+# on 16, each time within 2,012 steps (the study's p95 ratio 1.08 -> 1.03). Past the limit it keeps the best found.
 MAX_BOUND_STEPS = 3000
 
 # (node, MoE models with their groups' summed h2d) -> running totals of the expert bytes they take, best first,

@@ -303,12 +303,12 @@ class _Search:
         between nodes, one at another precision), it finds it.
         """
         cost = self.cost
-        start = self._total()
-        if math.isinf(start):
-            return
+        start = self._total()  # infinite where the local search left a node over its room: any fit beats it
         alone: dict[str, list[tuple[float, int]]] = {}
         for model in self.chosen:
             alone[model] = sorted((c, bit) for bit in self.bits[model] if not math.isinf(c := cost.of(bit)))
+            if not alone[model]:
+                return  # (no option of it fits even on an empty node)
         models = sorted(alone, key=lambda m: (-(alone[m][-1][0] - alone[m][0][0]), m))
         rest = [0.0] * (len(models) + 1)  # rest[i]: the bound of models[i:]
         for i in range(len(models) - 1, -1, -1):

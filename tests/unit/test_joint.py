@@ -13,7 +13,7 @@ from planner_service.domain.units import GIB
 from planner_service.planner.greedy import plan_greedy
 from planner_service.planner.joint import NOWHERE, Option, _Search, assign
 from planner_service.planner.objective import evaluate
-from tiny_clusters import experts, gpu, held, model, node, on_nvme, plan_for, scenario, session, weights
+from tiny_clusters import experts, gpu, held, kv, model, node, on_host, on_nvme, plan_for, scenario, session, weights
 
 
 def _no_moe(node: str, moes: list) -> tuple[list[int], list[float]]:
@@ -239,3 +239,25 @@ def test_the_branch_and_bound_finds_the_least_sum_and_never_a_worse_one(case: tu
     assert least <= search._total() <= start
     search.branch_and_bound(10**6)
     assert search._total() == least or (math.isinf(start) and search._total() == start)
+
+
+def test_look_alike_nodes_each_price_the_kv_they_hold() -> None:
+    # n0 and n1 alike (one 40 GiB card each, weights on both NVMe drives); a (16 GiB) and b (8 GiB) each have
+    # two sessions in flight of 8,192 tokens (1 GiB of KV each). a's sessions' KV sits in n1's host DRAM:
+    # restoring it there takes 1 GiB / 20 GB/s = 0.05 s a session, re-prefilling it anywhere else about 1.3 s
+    # (2 * 8.6e9 parameters * 8,192 tokens / 100 TFLOP/s). Priced once for both nodes (n0 first by id), a's
+    # options would tie and a would take n0; each node priced with the KV it holds, a takes n1.
+    caps = ["kv_offload", "weights_offload"]
+    data = scenario(
+        [node("n0", gpu("g0", 40), capabilities=caps), node("n1", gpu("g1", 40), capabilities=caps)],
+        [model("a", 16), model("b", 8)],
+        [session("s1", "a", active=True), session("s2", "a", active=True),
+         session("s3", "b", active=True), session("s4", "b", active=True)],
+        [held(weights(m), on_nvme(n), w * GIB) for m, w in (("a", 16), ("b", 8)) for n in ("n0", "n1")]
+        + [held(kv("a", s), on_host("n1"), GIB) for s in ("s1", "s2")],
+    )
+    problem, plan = plan_for(data)
+    chosen = plan_greedy(problem)
+    assert chosen.groups["a"].node == "n1"
+    elsewhere = plan_greedy(problem, {"a": "n0"})
+    assert plan.objective.total < evaluate(problem, elsewhere.placement, elsewhere.now, demand=elsewhere.demand)[0].total - 1.0

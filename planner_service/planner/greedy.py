@@ -305,16 +305,21 @@ class GreedyPlanner:
         self.lateness = Lateness(demand, self.weighted)
         self.active = self._active_sessions()
         self._host_copies = self._host_copies_by_object()
-        # (kv object, node) wherever KV sits now, and where it sits on the node's GPUs
-        self._kv_held = {(obj, problem.node_of(loc)) for obj, loc in self.now.kv_entries}
-        self._kv_on_gpus = {(obj, problem.gpus[loc.id].node) for obj, loc in self.now.kv_entries if loc.tier is _GPU}
-        # (model, node) -> the sessions with KV below the node's GPUs, and on them
+        # (kv object, node) wherever KV sits now, and where it sits on the node's GPUs; (model, node) -> the
+        # sessions with KV below the node's GPUs, and on them
+        self._kv_held: set[tuple[StateObject, str]] = set()
+        self._kv_on_gpus: set[tuple[StateObject, str]] = set()
         self._sessions_below: dict[tuple[str, str], set[str]] = defaultdict(set)
         self._sessions_on_gpus: dict[tuple[str, str], set[str]] = defaultdict(set)
         for obj, loc in self.now.kv_entries:
             assert obj.session is not None  # a KV object
-            on_gpus = loc.tier is _GPU
-            (self._sessions_on_gpus if on_gpus else self._sessions_below)[(obj.model, problem.node_of(loc))].add(obj.session)
+            node_id = problem.node_of(loc)
+            self._kv_held.add((obj, node_id))
+            if loc.tier is _GPU:
+                self._kv_on_gpus.add((obj, node_id))
+                self._sessions_on_gpus[(obj.model, node_id)].add(obj.session)
+            else:
+                self._sessions_below[(obj.model, node_id)].add(obj.session)
         self._savings: dict[tuple, float] = {}
         self._cold_groups: dict[tuple[str, str, str], tuple[Gpu, ...] | None] = {}
         self._uniform = {  # nodes whose cards are all alike
@@ -326,7 +331,6 @@ class GreedyPlanner:
         # SLO class -> its weight and target, read once (`CostConstants` looks them up by name, a Python call each)
         self._slo_weight = {slo: self.c.slo_weights.of(slo) for slo in Slo}
         self._slo_target = {slo: self.c.slo_targets_seconds.of(slo) for slo in Slo}
-        self._arriving = {m: frozenset(s.id for s in sessions) for m, sessions in self.active.items()}
         self._active_weight = {
             m: sum(self._slo_weight[s.slo] for s in sessions) for m, sessions in self.active.items()
         }
@@ -441,7 +445,8 @@ class GreedyPlanner:
                 shards = [a + b for a, b in zip(split_evenly(nbytes, len(stay)), split_evenly(extra_bytes, len(stay)))]
                 stay_node = current.node
                 if self.book.fits(stay, shards):
-                    cost = penalty + self._group_cost(model, stay, current.node, 0.0, size, experts, price_kv, True)
+                    cost = self._group_cost(model, stay, current.node, 0.0, size, experts, restores=price_kv, staying=True)
+                    cost += penalty
                     options.append(((cost, rank, 0, stay_node, 0.0), precision, stay))
                 # other groups on the same node: only the shards a card lacks now are copied
                 for gpus, free in self._fits_by_width(stay_node, model, nbytes + extra_bytes):
@@ -450,7 +455,8 @@ class GreedyPlanner:
                     seconds = self._regroup_seconds(obj, gpus, nbytes, stay_node)
                     if seconds is None:
                         continue
-                    cost = penalty + self._group_cost(model, gpus, stay_node, seconds, size, experts, price_kv, True)
+                    cost = self._group_cost(model, gpus, stay_node, seconds, size, experts, restores=price_kv, staying=True)
+                    cost += penalty
                     options.append(((cost, rank, free - nbytes - extra_bytes, stay_node, seconds), precision, gpus))
             if model.id in self.nodes:
                 candidates = self._candidate_on(self.nodes[model.id], obj, nbytes + extra_bytes, skip=stay_node)
@@ -469,7 +475,7 @@ class GreedyPlanner:
                         seconds = costs.weights_load_seconds(nbytes, gpus, source, node, self.c)
                     if seconds is None:
                         continue
-                    cost = penalty + moved + self._group_cost(model, gpus, node_id, seconds, size, experts, price_kv)
+                    cost = penalty + moved + self._group_cost(model, gpus, node_id, seconds, size, experts, restores=price_kv)
                     options.append(((cost, rank, free - nbytes - extra_bytes, node_id, seconds), precision, gpus))
         if model.id in self.nodes:
             options = [option for option in options if option[0][3] == self.nodes[model.id]]
@@ -548,16 +554,13 @@ class GreedyPlanner:
         """What the model's predicted requests save on the node where their sessions' KV sits: restored from
         below its GPUs (or, `staying` on the GPUs serving it at its precision, kept there) rather than
         re-prefilled, as the evaluator prices them, and the violation penalty of those then in time."""
-        sessions = self._sessions_below.get((model.id, node_id), _NO_SESSIONS)
-        if staying:
-            sessions = sessions | self._sessions_on_gpus.get((model.id, node_id), _NO_SESSIONS)
-        arriving = self._arriving.get(model.id, _NO_SESSIONS)  # their KV comes onto the GPUs with the model
-        sessions = sessions | arriving
-        if not sessions:
-            return 0.0
         key = (model.id, node_id, per_token, sum(map(_H2D, gpus)), staying)
         saving = self._savings.get(key)
         if saving is None:
+            arriving = {s.id for s in self.active.get(model.id, ())}  # their KV comes onto the GPUs with the model
+            sessions = arriving | self._sessions_below.get((model.id, node_id), _NO_SESSIONS)
+            if staying:
+                sessions |= self._sessions_on_gpus.get((model.id, node_id), _NO_SESSIONS)
             row, position, weighted, targets = self.row[model.id], self.position, self.weighted, self.slo_target
             penalty = self.c.violation_penalty_seconds
             saving = 0.0

@@ -147,6 +147,11 @@ def _tightest_group(
     return group, sum(free[start : start + k])
 
 
+def _spec(gpu: Gpu) -> tuple:
+    """What a GPU is, beside its room: its type and the speeds the cost model reads."""
+    return (gpu.type, gpu.bf16_flops, gpu.hbm_bytes_per_s, gpu.h2d_bytes_per_s, gpu.d2h_bytes_per_s)
+
+
 def split_evenly(nbytes: int, parts: int) -> list[int]:
     """Shard sizes for tensor parallelism: equal, the remainder on the first shards."""
     base, extra = divmod(nbytes, parts)
@@ -171,8 +176,8 @@ class _GpuBook:
         self._gpus = {n: [problem.gpus[g] for g in ids] for n, ids in self._gpu_ids.items()}  # node -> its GPUs, by id
         self._room = {n: sum(self.free[g] for g in ids) for n, ids in self._gpu_ids.items()}
         self._by_free: dict[str, tuple[list[Gpu], list[int]]] = {}  # node -> its GPUs by free bytes (see `by_free`)
-        self._hardware = {  # the part of a node's look that never changes
-            n.id: (n.nvme_read_bytes_per_s, tuple((problem.gpus[g].type, problem.gpus[g].h2d_bytes_per_s) for g in self._gpu_ids[n.id]))
+        self._hardware = {  # the part of a node's look that never changes (custom GPUs share one type name)
+            n.id: (n.nvme_read_bytes_per_s, tuple(_spec(problem.gpus[g]) for g in self._gpu_ids[n.id]))
             for n in problem.nodes.values()
         }
         self._look: dict[str, tuple] = {}

@@ -100,6 +100,7 @@ class SimRequest:
     started_at: float = math.nan  # when its model was ready and its KV had room
     prefill_queue_seconds: float = 0.0  # waited for the group's earlier prefills
     reprefill_tokens: int = 0  # uncovered history it prefilled again
+    degraded: bool = False  # served at a precision other than its model's preferred one
 
 
 @dataclass(slots=True)
@@ -522,6 +523,7 @@ class Simulator:
         start = max(self.now, self.compute_free_at[req.model])
         req.prefill_queue_seconds = start - self.now
         req.reprefill_tokens = reprefill_tokens
+        req.degraded = state.precision != model.preferred
         ready = start + reprefill_tokens * per_token
         first_token = ready + req.input_tokens * per_token
         self.compute_free_at[req.model] = first_token

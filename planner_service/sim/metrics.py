@@ -63,6 +63,8 @@ def summarize(result: SimResult, targets: SloClassConstants = DEFAULT_TTFT_TARGE
         "completion_seconds": _quantiles([r.done_at - r.admitted_at for r in requests]),
         "completion_seconds_by_model": completion_by_model(requests),
         "slo_violation_rate": slo_violation_rates(requests, targets),
+        # what the latency and memory figures leave out: requests served below their model's preferred precision
+        "degraded_precision_rate": round(sum(r.degraded for r in requests) / len(requests), 6) if requests else 0.0,
         "gpu_bytes": {"mean": int(result.gpu_byte_seconds / duration), "peak": int(result.peak_gpu_bytes)},
         "warm_idle_gpu_bytes": {"mean": int(result.warm_idle_byte_seconds / duration)},
         "bytes_moved": int(result.bytes_moved),

@@ -120,6 +120,7 @@ def table_rows(report: dict[str, Any]) -> list[list[str]]:
             f"{m['ttft_seconds']['p95']:.2f}",
             f"{m['completion_seconds']['p95']:.2f}",
             f"{m['slo_violation_rate']['all']:.1%}",
+            f"{m['degraded_precision_rate']:.1%}",
             f"{m['gpu_bytes']['mean'] / GIB:.0f} / {m['gpu_bytes']['peak'] / GIB:.0f}",
             f"{m['warm_idle_gpu_bytes']['mean'] / GIB:.0f}",
             f"{m['bytes_moved'] / GIB:.0f}",
@@ -132,7 +133,7 @@ def table_rows(report: dict[str, Any]) -> list[list[str]]:
 TABLE_COLUMNS = (
     "policy", "requests", "switch P50 s", "switch P95 s", "hand-off P95 s", "hand-off P99 s", "TTFT P95 s",
     "done P95 s",
-    "SLO miss", "GPU GiB mean / peak", "warm idle GiB", "moved GiB", "ops", "planner ms P50 / P99",
+    "SLO miss", "degraded", "GPU GiB mean / peak", "warm idle GiB", "moved GiB", "ops", "planner ms P50 / P99",
 )
 
 

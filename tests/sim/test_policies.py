@@ -6,6 +6,7 @@ import pytest
 
 from planner_service.domain.scenario import parse_scenario
 from planner_service.sim.engine import Simulator, simulate
+from planner_service.sim.metrics import summarize
 from planner_service.sim.policies import PolicyName, PolicyRegistry, create_policy, default_registry
 from planner_service.sim.policies.lru import LruPolicy
 from planner_service.sim.trace import TraceRequest
@@ -86,3 +87,18 @@ def test_statebudget_calls_the_planner_online() -> None:
     result = sim.run()
     assert result.planner_seconds and result.violations == 0
     assert all(r.state == "done" for r in result.requests)
+
+
+def test_the_report_counts_requests_served_below_their_models_preferred_precision() -> None:
+    # a's bf16 (8 GB) fits no 5 GB GPU, so every policy serves it at int4; b serves at its only precision
+    data = scenario(gpus=2, gpu_bytes=5 * GB).model_dump(mode="json", exclude_none=True)
+    a = next(m for m in data["models"] if m["id"] == "a")
+    a["precisions"], a["weights_bytes"] = ["bf16", "int4"], {"bf16": 8 * GB, "int4": 2 * GB}
+    data["residency"][0] = {"object": {"kind": "weights", "model": "a", "precision": "int4"},
+                            "location": {"tier": "nvme", "node": "n1"}, "bytes": 2 * GB}
+    records = [TraceRequest(t=float(i), session=f"s{i}", model="a" if i == 0 else "b", input_tokens=0, output_tokens=0)
+               for i in range(4)]
+    for policy in ("lru", "static", "statebudget"):
+        result = simulate(parse_scenario(data), records, create_policy(policy))
+        assert [r.degraded for r in result.requests] == [True, False, False, False], policy
+        assert summarize(result)["degraded_precision_rate"] == 0.25

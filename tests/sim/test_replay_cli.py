@@ -46,6 +46,7 @@ def test_replay_writes_json_and_plots(tmp_path: Path) -> None:
         assert m["completion_seconds"]["p95"] >= m["ttft_seconds"]["p95"]
         assert set(m["completion_seconds_by_model"]) <= {"planner", "coder", "reasoner", "air", "summarizer", "vision", "longctx"}
         assert set(m["slo_violation_rate"]) == {"blocking", "interactive", "background", "all"}
+        assert 0.0 <= m["degraded_precision_rate"] <= 1.0
         assert {"mean", "peak"} <= set(m["gpu_bytes"])
         assert "mean" in m["warm_idle_gpu_bytes"]
         assert {"bytes_moved", "operations", "planner_seconds"} <= set(m)

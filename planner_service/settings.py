@@ -49,6 +49,9 @@ class Settings(BaseSettings):
     demand_window_seconds: float = Field(
         3600.0, gt=0, description="The planning loop keeps room for the load of this much recent time (stand-in sessions)."
     )
+    demand_min_requests: int = Field(
+        1000, ge=0, description="Where that time holds fewer requests, reach back until it holds this many (at most a day)."
+    )
     demand_seats: int = Field(
         10, ge=0, description="Stand-in sessions spread over the models by their share of the recent load (0: none)."
     )

@@ -61,6 +61,7 @@ def create_app(
         solver=settings.solver,
         demand_window_seconds=settings.demand_window_seconds,
         demand_seats=settings.demand_seats,
+        demand_min_requests=settings.demand_min_requests,
         unpin_after_seconds=settings.unpin_after_seconds,
         clock=clock or time.time,
     )

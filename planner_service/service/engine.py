@@ -127,6 +127,7 @@ class ClusterService:
         solver: str = "greedy",
         demand_window_seconds: float = 3600.0,
         demand_seats: int = 10,
+        demand_min_requests: int = 1000,
         unpin_after_seconds: float = 60.0,
         clock: Callable[[], float] = time.time,
     ) -> None:
@@ -135,7 +136,7 @@ class ClusterService:
         self._lease_seconds = lease_seconds
         self._event_retention_seconds = event_retention_seconds
         self._solver = solver
-        self._load = RecentLoad(demand_window_seconds, demand_seats)  # the requests stand-in sessions stand for
+        self._load = RecentLoad(demand_window_seconds, demand_seats, demand_min_requests)  # the requests stand-in sessions stand for
         self._unpin_after_seconds = unpin_after_seconds
         self._last_used: dict[str, float] = {}  # model -> when a request or turn last ran on it
         self._clock = clock
@@ -601,7 +602,7 @@ class ClusterService:
             self._notify()
 
     def _observation_window(self) -> float:
-        return max(PREDICTOR_WINDOW_SECONDS, self._load.window_seconds)
+        return max(PREDICTOR_WINDOW_SECONDS, self._load.max_window_seconds)
 
     def _prune(self, now: float) -> None:
         """Forget observations older than their window, event ids past their retention and all but the newest

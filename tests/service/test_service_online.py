@@ -9,7 +9,7 @@ from prometheus_client import CollectorRegistry
 
 from planner_service.domain.scenario import load_scenario
 from planner_service.metrics import Metrics
-from planner_service.planner.online import is_stand_in
+from planner_service.planner.online import MAX_DEMAND_WINDOW_SECONDS, is_stand_in
 from planner_service.service.engine import ClusterService
 from planner_service.service.errors import InvalidInput
 from planner_service.service.inputs import RequestEvent, TurnEndEvent
@@ -68,7 +68,7 @@ def test_the_loop_plans_for_the_recent_load_and_installs_only_real_state(tmp_pat
     service.close()
 
 
-def test_the_recent_load_survives_a_restart_and_leaves_the_window(tmp_path):
+def test_the_recent_load_survives_a_restart_and_a_quiet_hour_and_leaves_after_a_day(tmp_path):
     clock = Clock()
     service = open_service(tmp_path / "o.db", clock, demand_seats=5)
     busy(service)
@@ -76,7 +76,12 @@ def test_the_recent_load_survives_a_restart_and_leaves_the_window(tmp_path):
     service.close()
     restarted = open_service(tmp_path / "o.db", clock, demand_seats=5)
     assert stand_ins(restarted) == before
-    clock.t += 3601.0  # an hour later the load is forgotten
+    clock.t += 3601.0  # a quiet hour later the window reaches back for the same requests
+    assert stand_ins(restarted) == before
+    restarted.close()
+    restarted = open_service(tmp_path / "o.db", clock, demand_seats=5)  # the store keeps them that long
+    assert stand_ins(restarted) == before
+    clock.t += MAX_DEMAND_WINDOW_SECONDS  # a day later the load is forgotten
     assert stand_ins(restarted) == []
     restarted.close()
 

@@ -6,6 +6,7 @@ from planner_service.domain.scenario import parse_scenario
 from planner_service.domain.state import Location, StateObject
 from planner_service.domain.units import GIB
 from planner_service.planner.online import (
+    MAX_DEMAND_WINDOW_SECONDS,
     Engine,
     RecentLoad,
     apportion,
@@ -27,7 +28,7 @@ def test_apportion_gives_the_largest_remainders_the_seats_left() -> None:
 
 
 def test_stand_ins_spread_the_seats_by_the_windows_request_share() -> None:
-    load = RecentLoad(window_seconds=100.0, seats=4)
+    load = RecentLoad(window_seconds=100.0, seats=4, min_requests=0)
     for i in range(6):
         load.add(10.0 + i, "a", 1000)
     for i in range(2):
@@ -41,6 +42,20 @@ def test_stand_ins_spread_the_seats_by_the_windows_request_share() -> None:
     # requests older than the window no longer count
     assert {s.model for s in load.stand_ins(118.0, {})} == {"b"}
     assert load.stand_ins(500.0, {}) == []
+
+
+def test_a_quiet_window_reaches_back_for_enough_requests_but_no_further_than_a_day() -> None:
+    load = RecentLoad(window_seconds=100.0, seats=4, min_requests=3)
+    for t, model in [(0.0, "a"), (10.0, "a"), (20.0, "b"), (900.0, "b")]:
+        load.add(t, model, 1000)
+    # the last 100 s hold one request: the window reaches back for the last three (a, b, b)
+    assert sorted(s.model for s in load.stand_ins(950.0, {})) == ["a", "b", "b", "b"]
+    # a busy window needs no reach-back: four requests in the last 100 s, all of b
+    for t in (901.0, 902.0, 903.0):
+        load.add(t, "b", 1000)
+    assert {s.model for s in load.stand_ins(950.0, {})} == {"b"}
+    # after a day's silence nothing is left to stand in for
+    assert load.stand_ins(950.0 + MAX_DEMAND_WINDOW_SECONDS, {}) == []
 
 
 def test_a_model_that_served_within_the_window_keeps_its_node_until_it_is_stuck() -> None:
@@ -107,3 +122,4 @@ def test_a_plan_for_real_drops_the_stand_ins_and_is_priced_without_them() -> Non
     assert real.placement == without_stand_ins(planned.placement)
     alone = problem_from_scenario(parse_scenario(two_gpus([session("s1", "a", active=True)])))
     assert real.objective.total == make_plan(alone, "greedy", real.placement, {}).objective.total
+

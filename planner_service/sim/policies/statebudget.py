@@ -92,6 +92,7 @@ class StatebudgetPolicy(Policy):
         warm_start: bool = True,
         demand_window_seconds: float = 3600.0,
         demand_seats: int = 10,
+        demand_min_requests: int = 1000,
         unpin_after_seconds: float = 60.0,
     ) -> None:
         self.min_interval_seconds = min_interval_seconds
@@ -100,7 +101,7 @@ class StatebudgetPolicy(Policy):
         self.min_residency_seconds = min_residency_seconds  # None: the planner's horizon
         self.warm_start = warm_start
         self.unpin_after_seconds = unpin_after_seconds
-        self.load = RecentLoad(demand_window_seconds, demand_seats)  # the load stand-in sessions are made for
+        self.load = RecentLoad(demand_window_seconds, demand_seats, demand_min_requests)  # the load stand-in sessions are made for
         self.predictor: SwitchPredictor | None = None
         self.ops: list[Operation] = []
         self.status: dict[str, str] = {}

@@ -194,27 +194,29 @@ def gap(
     if as_json:
         emit_json(summary)
         return
-    table = Table(title="greedy vs MILP")
-    for col in ("scenario", "greedy", "milp", "status", "gap", "seconds", "unavoidable", "ratio", "search ratio"):
-        table.add_column(col)
+    # objectives in seconds to 0.1 s, so that the whole table fits an 80-column terminal (the JSON has every digit)
+    table = Table(title="greedy vs MILP (objectives in seconds; search: the local search's ratio)", box=None)
+    table.add_column("scenario", no_wrap=True)
+    for col in ("greedy", "MILP", "status", "gap", "MILP s", "unavoidable", "ratio", "search"):
+        table.add_column(col, justify="right", no_wrap=True)
     for row in summary["per_scenario"]:
         table.add_row(
             row["scenario"],
-            f"{row['greedy_objective']:.2f}",
-            f"{row['milp_objective']:.2f}",
+            f"{row['greedy_objective']:.1f}",
+            f"{row['milp_objective']:.1f}",
             row["milp_status"],
             _percent(row["gap"]),
             f"{row['milp_seconds']:.1f}",
-            f"{row['unavoidable']:.2f}",
-            f"{row['ratio']:.4f}",
-            f"{row['search_ratio']:.4f}",
+            f"{row['unavoidable']:.1f}",
+            f"{row['ratio']:.3f}",
+            f"{row['search_ratio']:.3f}",
         )
     out.print(table)
     out.print({k: v for k, v in summary.items() if k != "per_scenario"})
 
 
 def _percent(value: float | None) -> str:
-    return "-" if value is None else f"{100 * value:.2f} %"
+    return "-" if value is None else f"{100 * value:.1f} %"
 
 
 @app.command("export-schemas")
@@ -418,11 +420,14 @@ def replay(
             )
         except (SimulationError, ValueError) as error:
             raise fail(str(error)) from None
+    # a row per metric and a column per policy: six policies still fit an 80-column terminal
+    rows = table_rows(result.report)
     table = Table(title=f"replay of {trace} ({result.report['trace']['requests']} requests)")
-    for col in TABLE_COLUMNS:
-        table.add_column(col)
-    for row in table_rows(result.report):
-        table.add_row(*row)
+    table.add_column(TABLE_COLUMNS[0], no_wrap=True)
+    for row in rows:
+        table.add_column(row[0], justify="right", overflow="fold")
+    for i, metric in enumerate(TABLE_COLUMNS[1:], start=1):
+        table.add_row(metric, *(row[i] for row in rows))
     out.print(table)
     floor = result.report["trace"]["handoff_reprefill_floor_seconds"]
     out.print(f"hand-off re-prefill floor (no policy beats it on this cluster): P95 {floor['p95']:.2f} s", highlight=False)
@@ -453,7 +458,7 @@ def _study(kind: str, scenario: Path | None, trace: Path, out_dir: Path, as_json
         return
     table = Table(title=result.title)
     for col in result.columns:
-        table.add_column(col)
+        table.add_column(col, overflow="fold")  # wrap a long name rather than cut it
     for row in result.rows:
         table.add_row(*row)
     out.print(table)

@@ -133,7 +133,7 @@ def table_rows(report: dict[str, Any]) -> list[list[str]]:
 TABLE_COLUMNS = (
     "policy", "requests", "switch P50 s", "switch P95 s", "hand-off P95 s", "hand-off P99 s", "TTFT P95 s",
     "done P95 s",
-    "SLO miss", "degraded", "GPU GiB mean / peak", "warm idle GiB", "moved GiB", "ops", "planner ms P50 / P99",
+    "SLO miss", "degraded precision", "GPU GiB mean / peak", "warm idle GiB", "moved GiB", "ops", "planner ms P50 / P99",
 )
 
 

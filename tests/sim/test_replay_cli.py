@@ -33,7 +33,11 @@ def test_replay_writes_json_and_plots(tmp_path: Path) -> None:
         "--json", str(out), "--plots", str(tmp_path / "plots"), "--seed", "3",
     ])
     assert result.exit_code == 0, result.output
-    assert "replay of" in result.output  # the table (columns wrap at the test terminal width)
+    # the table: a row per metric, a column per policy, whole at the test terminal's 80 columns
+    assert "replay of" in result.output and "…" not in result.output
+    assert "hand-off P95 s" in result.output and "degraded precision" in result.output
+    header = next(line for line in result.output.splitlines() if "policy" in line)
+    assert all(name in header for name in ("statebudget", "static", "lru", "oracle"))
     report = json.loads(out.read_text())
     assert report["trace"]["requests"] == 15 and report["trace"]["sessions"] == 3
     assert report["scenario"]["gpus"] == 16

@@ -288,6 +288,14 @@ def test_cli_plan_milp_and_gap_print_json() -> None:
     assert all({"milp_status", "gap", "milp_seconds", "milp_cpu_seconds"} <= set(row) for row in summary["per_scenario"])
 
 
+def test_gap_prints_its_table_whole_at_80_columns() -> None:
+    result = CliRunner().invoke(app, ["gap", "--scenarios", "1", "--seed", "3", "--gpus", "4", "--models", "3", "--sessions", "8", "--time-limit", "2"])
+    assert result.exit_code == 0, result.output
+    assert "…" not in result.output
+    header = next(line for line in result.output.splitlines() if "scenario" in line and "greedy" in line)
+    assert header.split() == ["scenario", "greedy", "MILP", "status", "gap", "MILP", "s", "unavoidable", "ratio", "search"]
+
+
 # -- the backends ------------------------------------------------------------------------
 
 

@@ -16,8 +16,9 @@ What is modelled (the same cost model as the planner, `planner/costs.py`):
   sleep-mode level-1 wake measured 0.1-0.4 s in the 2025-10-03 post, 0.1-6 s
   across models in the final one; perf_anchors.md section 1).
 * **Compute**: prefill is compute-bound (`costs.prefill_seconds_per_token`
-  on the serving group) and serialised per serving group (one prefill at a
-  time); decode is memory-bound: a step reads the active weights,
+  on the serving group) and serialised per GPU (one prefill at a time on a
+  card, which models sharing the card take in turn: a prefill starts when
+  every card of its group is free); decode is memory-bound: a step reads the active weights,
   `(weights + active expert bytes per token) / (0.8 * sum of HBM bandwidth)`
   (0.8: the HBM derating aiconfigurator and InferSim use), plus the MoE miss
   cost of `moe.miss_seconds_per_token`: a missed routed expert is streamed
@@ -202,7 +203,7 @@ class Simulator:
         self.host_tokens: dict[StateObject, int] = defaultdict(int)  # KV tokens in host DRAM
         # the history up to each KV's model's last turn in its session: no copy of it covers more
         self.computed_tokens: dict[StateObject, int] = defaultdict(int)
-        self.compute_free_at: dict[str, float] = defaultdict(float)  # per model's serving group
+        self.compute_free_at: dict[str, float] = defaultdict(float)  # per GPU: when its current prefill ends
         self.last_used: dict[StateObject, float] = {}
         self.operations = 0
         self.fallback_loads = 0
@@ -517,16 +518,18 @@ class Simulator:
         self._compute(req, state, rest)
 
     def _compute(self, req: SimRequest, state: ModelState, reprefill_tokens: int) -> None:
-        """Re-prefill the uncovered history, prefill the input, decode: on the group's prefill queue."""
+        """Re-prefill the uncovered history, prefill the input, decode: once every card of the group is free."""
         model = self.problem.models[req.model]
         per_token = costs.prefill_seconds_per_token(model, state.gpus, self.c)
-        start = max(self.now, self.compute_free_at[req.model])
+        free_at = self.compute_free_at
+        start = max(self.now, *(free_at[g.id] for g in state.gpus))
         req.prefill_queue_seconds = start - self.now
         req.reprefill_tokens = reprefill_tokens
         req.degraded = state.precision != model.preferred
         ready = start + reprefill_tokens * per_token
         first_token = ready + req.input_tokens * per_token
-        self.compute_free_at[req.model] = first_token
+        for g in state.gpus:
+            free_at[g.id] = first_token
         req.switch_seconds = ready - req.admitted_at
         req.ttft_seconds = first_token - req.admitted_at
         decode = req.output_tokens * self.decode_seconds_per_token(req.model, state)

@@ -213,3 +213,20 @@ def test_first_come_first_served_per_model() -> None:
     s1, s2, s3 = result.requests
     assert s2.started_at == pytest.approx(s1.done_at)
     assert s3.started_at == pytest.approx(s2.started_at)
+
+
+def test_models_sharing_a_gpu_take_its_prefill_in_turn() -> None:
+    """a and b both warm on the one GPU: b's prefill, arriving while a's runs, starts when a's ends."""
+    records = [
+        TraceRequest(t=0.0, session="s1", model="a", input_tokens=0, output_tokens=0),
+        TraceRequest(t=0.0, session="s2", model="b", input_tokens=0, output_tokens=0),
+        TraceRequest(t=100.0, session="s1", model="a", input_tokens=4000, output_tokens=0),
+        TraceRequest(t=101.0, session="s2", model="b", input_tokens=1000, output_tokens=0),
+    ]
+    result = simulate(tiny_scenario(), records, create_policy("lru"))
+    a, b = result.requests[2:]
+    # both weights fit the 10 GB card and stay warm; a prefills 4,000 tokens at 1 ms each from t=100 to 104
+    assert a.ttft_seconds == pytest.approx(4.0) and a.prefill_queue_seconds == 0.0
+    # b arrives at 101 with its model warm: it waits the 3 s left of a's prefill, then takes 1 s
+    assert b.prefill_queue_seconds == pytest.approx(3.0)
+    assert b.ttft_seconds == pytest.approx(4.0)

@@ -15,10 +15,11 @@ replay measures the rules the service runs. Each rule answers a way a plan for o
   spread over the models by their share of the last `window_seconds`' requests (largest remainder),
   each with the mean context its model's requests arrived with; a model's sessions in flight take its
   seats first. Where the window holds fewer than `min_requests` (a quiet hour), it reaches back until
-  it holds that many, at most a day (`MAX_DEMAND_WINDOW_SECONDS`): shares drawn from a handful of requests swing from
-  one plan to the next, and each swing moves engines. (On the Alibaba GenAI replay, about 50 requests an
-  hour, plans moved engines between nodes 629 times in 23 days, 27 times with the reach-back; hand-off
-  P95 0.32 -> 0.21 s.) Stand-ins only shape the placement: their KV is never planned for real (`without_stand_ins`).
+  it holds that many, at most a day (`MAX_DEMAND_WINDOW_SECONDS`): shares drawn from a handful of
+  requests swing from one plan to the next, and each swing moves engines. (On the Alibaba GenAI replay,
+  about 50 requests an hour, plans moved engines between nodes 629 times in 23 days, 27 times with the
+  reach-back; hand-off P95 0.32 -> 0.21 s.) Stand-ins only shape the placement: their KV is never
+  planned for real (`without_stand_ins`).
 * **Pins** (`pins`). A model that served within the window keeps its node and precision (the plan still
   chooses its GPUs on that node, its KV and its experts), unless its requests have waited longer than
   the unpin delay: then it is free to move where it fits.

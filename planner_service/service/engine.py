@@ -136,7 +136,8 @@ class ClusterService:
         self._lease_seconds = lease_seconds
         self._event_retention_seconds = event_retention_seconds
         self._solver = solver
-        self._load = RecentLoad(demand_window_seconds, demand_seats, demand_min_requests)  # the requests stand-in sessions stand for
+        # the requests stand-in sessions stand for
+        self._load = RecentLoad(demand_window_seconds, demand_seats, demand_min_requests)
         self._unpin_after_seconds = unpin_after_seconds
         self._last_used: dict[str, float] = {}  # model -> when a request or turn last ran on it
         self._clock = clock

@@ -18,13 +18,14 @@ What is modelled (the same cost model as the planner, `planner/costs.py`):
 * **Compute**: prefill is compute-bound (`costs.prefill_seconds_per_token`
   on the serving group) and serialised per GPU (one prefill at a time on a
   card, which models sharing the card take in turn: a prefill starts when
-  every card of its group is free); decode is memory-bound: a step reads the active weights,
-  `(weights + active expert bytes per token) / (0.8 * sum of HBM bandwidth)`
-  (0.8: the HBM derating aiconfigurator and InferSim use), plus the MoE miss
-  cost of `moe.miss_seconds_per_token`: a missed routed expert is streamed
-  over PCIe or computed by the CPU from host DRAM (KTransformers), the cheaper.
-  Concurrent requests of one model on its group share decode steps (a batch),
-  so decode does not slow down with the batch size.
+  every card of its group is free); decode is memory-bound: a step reads
+  the active weights, `(weights + active expert bytes per token) / (0.8 *
+  sum of HBM bandwidth)` (0.8: the HBM derating aiconfigurator and InferSim
+  use), plus the MoE miss cost of `moe.miss_seconds_per_token`: a missed
+  routed expert is streamed over PCIe or computed by the CPU from host DRAM
+  (KTransformers), the cheaper. Concurrent requests of one model on its
+  group share decode steps (a batch), so decode does not slow down with the
+  batch size.
 * **KV**: a session's history H grows by each turn's input + output tokens.
   Model M's KV for the session covers the history up to M's last turn in it
   while retained. A request allocates its whole KV footprint
@@ -99,7 +100,7 @@ class SimRequest:
     ttft_seconds: float = math.nan
     done_at: float = math.nan
     started_at: float = math.nan  # when its model was ready and its KV had room
-    prefill_queue_seconds: float = 0.0  # waited for the group's earlier prefills
+    prefill_queue_seconds: float = 0.0  # waited for earlier prefills on its group's cards
     reprefill_tokens: int = 0  # uncovered history it prefilled again
     degraded: bool = False  # served at a precision other than its model's preferred one
 

@@ -101,7 +101,8 @@ class StatebudgetPolicy(Policy):
         self.min_residency_seconds = min_residency_seconds  # None: the planner's horizon
         self.warm_start = warm_start
         self.unpin_after_seconds = unpin_after_seconds
-        self.load = RecentLoad(demand_window_seconds, demand_seats, demand_min_requests)  # the load stand-in sessions are made for
+        # the load stand-in sessions are made for
+        self.load = RecentLoad(demand_window_seconds, demand_seats, demand_min_requests)
         self.predictor: SwitchPredictor | None = None
         self.ops: list[Operation] = []
         self.status: dict[str, str] = {}

@@ -574,16 +574,18 @@ class GreedyPlanner:
                 w = float(weighted[row, column])
                 if w > 0:
                     full = per_token * self.p.sessions[sid].context_tokens
-                    if sid in arriving:
-                        ready = 0.0
-                    else:
-                        on_gpus = self.now.on(StateObject.kv(model.id, sid), node_id, _GPU) if staying else 0
-                        ready = kv_ready(self.p, self.now, model, sid, node_id, gpus, on_gpus)
+                    ready = 0.0 if sid in arriving else self._kv_ready_on(model, sid, node_id, gpus, staying)
                     saving += w * (full - ready)
                     if ready <= targets[column] < full:  # late re-prefilled (`_late_penalty`), in time restored
                         saving += w * penalty
             self._savings[key] = saving
         return saving
+
+    def _kv_ready_on(self, model: ModelSpec, session_id: str, node_id: str, gpus: tuple[Gpu, ...], staying: bool) -> float:
+        """Seconds to ready the session's KV for the model on `gpus` of the node, as the evaluator prices it:
+        restored from the node's lower tiers or re-prefilled, what its GPUs hold counting where `staying`."""
+        on_gpus = self.now.on(StateObject.kv(model.id, session_id), node_id, _GPU) if staying else 0
+        return kv_ready(self.p, self.now, model, session_id, node_id, gpus, on_gpus)
 
     def _late_penalty(self, model_id: str, per_token: float) -> float:
         """The violation penalty of the model's predicted requests whose history's re-prefill alone, at
@@ -991,8 +993,7 @@ class GreedyPlanner:
         for s in self.active[model.id]:
             kv = StateObject.kv(model.id, s.id)
             if (kv, node_id) in held:
-                on_gpus = self.now.on(kv, node_id, _GPU) if staying else 0
-                ready = kv_ready(self.p, self.now, model, s.id, node_id, gpus, on_gpus)
+                ready = self._kv_ready_on(model, s.id, node_id, gpus, staying)
             else:
                 ready = per_token * s.context_tokens
             w = weight[s.slo]

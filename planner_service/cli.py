@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -377,6 +378,32 @@ def read_trace_file(path: Path) -> list:
         raise fail(f"{path}: {error}") from None
 
 
+
+def replay_tables(metrics: Sequence[str], rows: list[list[str]], title: str, width: int) -> list[Table]:
+    """A row per metric and a column per policy (`rows`: a policy's name, then its figures), as many
+    tables as the width needs: no column narrower than its policy's name and figures (a number folded
+    in two reads as two numbers)."""
+    label = max(map(len, metrics)) + 3  # text, padding and border
+    groups: list[list[list[str]]] = [[]]
+    used = label + 1
+    for row in rows:
+        need = max(map(len, row)) + 3
+        if groups[-1] and used + need > width:
+            groups.append([])
+            used = label + 1
+        groups[-1].append(row)
+        used += need
+    tables = []
+    for group in groups:
+        table = Table(title=title if not tables else None)
+        table.add_column(metrics[0], no_wrap=True)
+        for row in group:
+            table.add_column(row[0], justify="right", no_wrap=True)
+        for i, metric in enumerate(metrics[1:], start=1):
+            table.add_row(metric, *(row[i] for row in group))
+        tables.append(table)
+    return tables
+
 @app.command()
 def replay(
     trace: TraceOpt,
@@ -420,15 +447,9 @@ def replay(
             )
         except (SimulationError, ValueError) as error:
             raise fail(str(error)) from None
-    # a row per metric and a column per policy: six policies still fit an 80-column terminal
-    rows = table_rows(result.report)
-    table = Table(title=f"replay of {trace} ({result.report['trace']['requests']} requests)")
-    table.add_column(TABLE_COLUMNS[0], no_wrap=True)
-    for row in rows:
-        table.add_column(row[0], justify="right", overflow="fold")
-    for i, metric in enumerate(TABLE_COLUMNS[1:], start=1):
-        table.add_row(metric, *(row[i] for row in rows))
-    out.print(table)
+    title = f"replay of {trace} ({result.report['trace']['requests']} requests)"
+    for table in replay_tables(TABLE_COLUMNS, table_rows(result.report), title, out.width):
+        out.print(table)
     floor = result.report["trace"]["handoff_reprefill_floor_seconds"]
     out.print(f"hand-off re-prefill floor (no policy beats it on this cluster): P95 {floor['p95']:.2f} s", highlight=False)
     ratios = comparison(result.report)

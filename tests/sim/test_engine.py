@@ -126,7 +126,7 @@ def test_handoffs_are_model_changes_within_a_session() -> None:
     assert [r.handoff for r in result.requests] == [False, True, True]
 
 
-@pytest.mark.parametrize("policy", ["statebudget", "static", "lru", "independent", "siloed", "oracle"])
+@pytest.mark.parametrize("policy", ["statebudget", "static", "lru", "independent", "siloed", "oracle", "clairvoyant"])
 def test_conservation_on_the_demo(policy: str) -> None:
     scenario = demo_scenario()
     records = random_trace([m.id for m in scenario.models], sessions=4, requests=40, seed=3)

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
 
 import numpy as np
+from rich.console import Console
 from typer.testing import CliRunner
 
-from planner_service.cli import app
+from planner_service.cli import app, replay_tables
 from planner_service.domain.demo import demo_scenario
+from planner_service.sim.report import TABLE_COLUMNS
 from planner_service.sim.trace import TraceRequest, write_trace
 
 
@@ -65,3 +68,17 @@ def test_replay_rejects_an_unknown_policy(tmp_path: Path) -> None:
     result = CliRunner().invoke(app, ["replay", "--trace", str(trace), "--policies", "lru,psychic"])
     assert result.exit_code == 2
     assert "choose one of" in result.output
+
+
+def test_the_replay_table_splits_by_width_and_never_folds_a_figure() -> None:
+    names = ["statebudget", "static", "lru", "independent", "siloed", "oracle", "clairvoyant"]
+    rows = [[name, *(f"{1000 + k}{i}.25" for k in range(len(TABLE_COLUMNS) - 1))] for i, name in enumerate(names)]
+    console = Console(width=80, file=io.StringIO(), record=True)
+    tables = replay_tables(TABLE_COLUMNS, rows, "replay", console.width)
+    for table in tables:
+        console.print(table)
+    text = console.export_text()
+    assert len(tables) > 1 and max(map(len, text.splitlines())) <= 80
+    assert "…" not in text
+    for row in rows:
+        assert row[0] in text and all(figure in text for figure in row[1:])

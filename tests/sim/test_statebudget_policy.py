@@ -7,6 +7,7 @@ from planner_service.domain.state import Location, StateObject
 from planner_service.planner.operations import Action, Operation
 from planner_service.sim.engine import SessionState, Simulator, SimRequest
 from planner_service.sim.policies import create_policy
+from planner_service.sim.policies.clairvoyant import ClairvoyantPolicy
 from planner_service.sim.policies.statebudget import StatebudgetPolicy
 from planner_service.sim.trace import TraceRequest
 
@@ -124,3 +125,23 @@ def test_experts_the_engine_evicted_are_not_promoted_back_within_the_window() ->
     assert policy._start(sim, promote) == "failed"  # a plan may not hand the room back within the window
     sim.now = 1000.0 + 301.0
     assert policy._start(sim, promote) == "started"
+
+
+def test_clairvoyant_predicts_each_session_s_real_next_model_and_nothing_after_its_last() -> None:
+    trace = [
+        TraceRequest(t=0.0, session="x", model="a", input_tokens=10, output_tokens=10),
+        TraceRequest(t=5.0, session="x", model="c", input_tokens=10, output_tokens=10),
+    ]
+    policy = create_policy("clairvoyant", warm_start=False, demand_seats=1)
+    assert isinstance(policy, ClairvoyantPolicy)
+    sim = Simulator(two_node_scenario(), trace, policy)
+    policy.setup(sim)
+    arrive(sim, policy, 0.0, "x", "a", 200)
+    sim.sessions["x"].model = "a"  # its turn on a served
+    problem = policy.problem(sim)
+    assert problem.next_model["x"] == {"c": 1.0}
+    stand_in = next(s for s in problem.sessions if s.startswith("expected-"))
+    assert problem.next_model[stand_in] == StatebudgetPolicy.next_models(policy, sim, problem.sessions)[stand_in]
+    arrive(sim, policy, 5.0, "x", "c", 300)
+    sim.sessions["x"].model = "c"
+    assert policy.problem(sim).next_model["x"] == {}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from planner_service.sim.policies.base import Policy, PolicyName, PolicyRegistry
+from planner_service.sim.policies.clairvoyant import ClairvoyantPolicy
 from planner_service.sim.policies.independent import IndependentPolicy
 from planner_service.sim.policies.lru import LruPolicy
 from planner_service.sim.policies.oracle import OraclePolicy
@@ -20,6 +21,7 @@ def default_registry() -> PolicyRegistry:
     registry.register(PolicyName.INDEPENDENT, IndependentPolicy)
     registry.register(PolicyName.SILOED, SiloedPolicy)
     registry.register(PolicyName.ORACLE, OraclePolicy)
+    registry.register(PolicyName.CLAIRVOYANT, ClairvoyantPolicy)
     return registry
 
 

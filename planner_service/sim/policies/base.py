@@ -25,6 +25,7 @@ class PolicyName(StrEnum):
     INDEPENDENT = "independent"
     SILOED = "siloed"
     ORACLE = "oracle"
+    CLAIRVOYANT = "clairvoyant"
 
 
 class Policy:

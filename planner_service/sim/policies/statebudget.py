@@ -59,6 +59,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+from collections.abc import Mapping
 from types import MappingProxyType
 from typing import TYPE_CHECKING
 
@@ -237,13 +238,17 @@ class StatebudgetPolicy(Policy):
             in_flight[s.model] = in_flight.get(s.model, 0) + s.active
         for stand_in in self.load.stand_ins(sim.now, in_flight):
             sessions[stand_in.id] = stand_in
-        next_model = self.predictor.predict_sessions({s.id: s.model for s in sessions.values()}, sim.now)
         return dataclasses.replace(
             sim.problem,
             sessions=MappingProxyType(sessions),
             residency=MappingProxyType(residency),
-            next_model=MappingProxyType(next_model),
+            next_model=MappingProxyType(self.next_models(sim, sessions)),
         )
+
+    def next_models(self, sim: Simulator, sessions: Mapping[str, Session]) -> dict[str, dict[str, float]]:
+        """Next-model probabilities of each session: the predictor's, fed the hand-offs observed so far."""
+        assert self.predictor is not None
+        return self.predictor.predict_sessions({s.id: s.model for s in sessions.values()}, sim.now)
 
     def pins(self, sim: Simulator) -> tuple[dict[str, str], dict[str, str]]:
         """Node and precision of every model that served within the window, unless its requests are stuck."""

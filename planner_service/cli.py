@@ -378,7 +378,6 @@ def read_trace_file(path: Path) -> list:
         raise fail(f"{path}: {error}") from None
 
 
-
 def replay_tables(metrics: Sequence[str], rows: list[list[str]], title: str, width: int) -> list[Table]:
     """A row per metric and a column per policy (`rows`: a policy's name, then its figures), as many
     tables as the width needs: no column narrower than its policy's name and figures (a number folded
@@ -403,6 +402,7 @@ def replay_tables(metrics: Sequence[str], rows: list[list[str]], title: str, wid
             table.add_row(metric, *(row[i] for row in group))
         tables.append(table)
     return tables
+
 
 @app.command()
 def replay(

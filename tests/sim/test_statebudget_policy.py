@@ -5,6 +5,8 @@ from __future__ import annotations
 from planner_service.domain.scenario import Scenario, Slo, parse_scenario
 from planner_service.domain.state import Location, StateObject
 from planner_service.planner.operations import Action, Operation
+from planner_service.planner.plan import make_plan
+from planner_service.planner.registry import SolverName
 from planner_service.sim.engine import SessionState, Simulator, SimRequest
 from planner_service.sim.policies import create_policy
 from planner_service.sim.policies.clairvoyant import ClairvoyantPolicy
@@ -125,6 +127,20 @@ def test_experts_the_engine_evicted_are_not_promoted_back_within_the_window() ->
     assert policy._start(sim, promote) == "failed"  # a plan may not hand the room back within the window
     sim.now = 1000.0 + 301.0
     assert policy._start(sim, promote) == "started"
+
+
+def test_a_plan_that_widens_a_group_onto_shards_already_there_serves_from_the_wider_group() -> None:
+    sim, policy = simulator()
+    g0, g1 = sim.problem.gpus["n1-g0"], sim.problem.gpus["n1-g1"]
+    weights = StateObject.weights("a", "bf16")
+    sim.place_now("a", "n1", "bf16", [g0])
+    sim.cluster.add(weights, Location.gpu("n1-g1"), 2 * GB)  # a shard an earlier two-GPU engine left
+    target = {(weights, Location.gpu("n1-g0")): 2 * GB, (weights, Location.gpu("n1-g1")): 2 * GB,
+              (weights, Location.nvme("n1")): 4 * GB}
+    plan = make_plan(policy.problem(sim), SolverName.GREEDY, target, {})
+    assert not any(op.action is Action.PROMOTE for op in plan.operations)  # nothing to copy: no copy would finish
+    policy.adopt(sim, plan)
+    assert sim.models["a"].gpus == (g0, g1)
 
 
 def test_clairvoyant_predicts_each_session_s_real_next_model_and_nothing_after_its_last() -> None:

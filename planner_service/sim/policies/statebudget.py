@@ -300,6 +300,10 @@ class StatebudgetPolicy(Policy):
         self.queued = list(self.ops)
         self.target = {key: nbytes for key, nbytes in plan.placement.items() if key[1].tier is Tier.GPU}
         self.keep = set(self.target)
+        # a group whose weights are complete already (shards left by an earlier engine) gets no promote:
+        # serve from it now, or the plan's regroup would wait for a copy that never comes
+        for obj in {o for o, _ in self.target if o.kind is Kind.WEIGHTS}:
+            self._serve_planned_group(sim, obj)
         self.on_dispatch(sim)
 
     def on_evicted(self, sim: Simulator, obj: StateObject, loc: Location) -> None:
@@ -451,16 +455,21 @@ class StatebudgetPolicy(Policy):
         Requests already running finish where they are; the next ones start on the new group.
         """
         c = sim.cluster
-        planned = [(loc, nbytes) for (o, loc), nbytes in self.target.items() if o == obj]
-        if planned and all(c.bytes_of(obj, loc) >= nbytes for loc, nbytes in planned):
-            gpus = tuple(sorted((sim.problem.gpus[loc.id] for loc, _ in planned), key=lambda g: g.id))
-            state = sim.models.get(obj.model)
-            if state is not None and state.precision == obj.precision and state.gpus == gpus:
-                return
-            if state is not None and state.status != "ready":
-                return  # another load of it is on the way
-            sim.models.pop(obj.model, None)
-            sim.adopt_weights(obj.model, sim.problem.gpus[planned[0][0].id].node, obj.precision, gpus)
-        elif obj.model not in sim.models and c.node_bytes(obj, node, Tier.GPU) >= c.full_size(obj):
+        if self._serve_planned_group(sim, obj):
+            return
+        if obj.model not in sim.models and c.node_bytes(obj, node, Tier.GPU) >= c.full_size(obj):
             gpus = tuple(sim.problem.gpus[g] for g in sim.problem.nodes[node].gpus if c.bytes_of(obj, Location.gpu(g)) > 0)
             sim.adopt_weights(obj.model, node, obj.precision, gpus)
+
+    def _serve_planned_group(self, sim: Simulator, obj: StateObject) -> bool:
+        """Serve `obj` from the GPUs the adopted plan puts it on, if every shard is there (True: it is or will be)."""
+        planned = [(loc, nbytes) for (o, loc), nbytes in self.target.items() if o == obj]
+        if not planned or any(sim.cluster.bytes_of(obj, loc) < nbytes for loc, nbytes in planned):
+            return False
+        gpus = tuple(sorted((sim.problem.gpus[loc.id] for loc, _ in planned), key=lambda g: g.id))
+        state = sim.models.get(obj.model)
+        if state is not None and (state.status != "ready" or state.precision == obj.precision and state.gpus == gpus):
+            return True  # served there already, or another load of it is on the way
+        sim.models.pop(obj.model, None)
+        sim.adopt_weights(obj.model, sim.problem.gpus[planned[0][0].id].node, obj.precision, gpus)
+        return True

@@ -103,6 +103,7 @@ class SimRequest:
     prefill_queue_seconds: float = 0.0  # waited for earlier prefills on its group's cards
     reprefill_tokens: int = 0  # uncovered history it prefilled again
     degraded: bool = False  # served at a precision other than its model's preferred one
+    engine: int = 0  # epoch of the engine that serves it (`ModelState.epoch`)
 
 
 @dataclass(slots=True)
@@ -196,6 +197,7 @@ class Simulator:
         self._epochs = itertools.count(1)
         self.demand: dict[str, int] = defaultdict(int)  # waiting + running requests per model
         self.running: dict[str, int] = defaultdict(int)  # running requests per model
+        self.running_on: dict[tuple[str, int], int] = {}  # running requests per (model, engine epoch)
         self.deadlock_breaks = 0
         self.needs_kv_room: set[str] = set()  # models whose last group could not hold a waiting request's KV
         self.loads = 0
@@ -477,7 +479,10 @@ class Simulator:
         req.started_at = self.now
         self.needs_kv_room.discard(req.model)
         req.history_tokens = history
+        req.engine = state.epoch
         self.running[req.model] += 1
+        engine = (req.model, state.epoch)
+        self.running_on[engine] = self.running_on.get(engine, 0) + 1
         self.running_kv.add(kv)
         self.touch(StateObject.weights(req.model, state.precision))
         self.touch(kv)
@@ -560,6 +565,10 @@ class Simulator:
         self.running_kv.discard(kv)
         self.demand[req.model] -= 1
         self.running[req.model] -= 1
+        engine = (req.model, req.engine)
+        self.running_on[engine] -= 1
+        if not self.running_on[engine]:
+            del self.running_on[engine]
         self.touch(kv)
         state = self.models.get(req.model)
         if state is not None:
@@ -619,6 +628,21 @@ class Simulator:
             busy = self.running.get(obj.model) if force else self.demand.get(obj.model)
             return state.status != "ready" or bool(busy)
         return False
+
+    def spare_weight_bytes(self, obj: StateObject, loc: Location) -> int:
+        """Bytes of `obj` (weights) at `loc` its model's engine does not read: beyond its shard there, all of them
+        off its GPUs. None while an earlier engine of the model still runs requests (they read the old copy)."""
+        state = self.models.get(obj.model)
+        have = self.cluster.bytes_of(obj, loc)
+        if state is None or state.precision != obj.precision:
+            return have
+        if any(model == obj.model and epoch != state.epoch for model, epoch in self.running_on):
+            return 0
+        ids = [g.id for g in state.gpus]
+        if loc.id not in ids:
+            return have
+        shard = split_evenly(self.problem.models[obj.model].weights_bytes[obj.precision], len(ids))[ids.index(loc.id)]
+        return max(0, have - shard)
 
     def evict(self, obj: StateObject, loc: Location, force: bool = False) -> int:
         """Drop an object from a GPU (all its shards for weights and KV); returns the bytes freed at `loc`.

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from planner_service.domain.scenario import Scenario, Slo, parse_scenario
 from planner_service.domain.state import Location, StateObject
 from planner_service.planner.operations import Action, Operation
@@ -129,18 +131,24 @@ def test_experts_the_engine_evicted_are_not_promoted_back_within_the_window() ->
     assert policy._start(sim, promote) == "started"
 
 
-def test_a_plan_that_widens_a_group_onto_shards_already_there_serves_from_the_wider_group() -> None:
+@pytest.mark.parametrize("old_engine_busy", [False, True])
+def test_a_plan_that_widens_a_group_onto_shards_already_there_serves_from_the_wider_group(old_engine_busy: bool) -> None:
     sim, policy = simulator()
     g0, g1 = sim.problem.gpus["n1-g0"], sim.problem.gpus["n1-g1"]
     weights = StateObject.weights("a", "bf16")
     sim.place_now("a", "n1", "bf16", [g0])
     sim.cluster.add(weights, Location.gpu("n1-g1"), 2 * GB)  # a shard an earlier two-GPU engine left
+    sim.demand["a"] = 1  # a request of a is in flight: its weights are pinned
+    if old_engine_busy:  # ... and runs on the one-GPU engine, which reads the whole copy on g0
+        sim.running_on[("a", sim.models["a"].epoch)] = 1
     target = {(weights, Location.gpu("n1-g0")): 2 * GB, (weights, Location.gpu("n1-g1")): 2 * GB,
               (weights, Location.nvme("n1")): 4 * GB}
     plan = make_plan(policy.problem(sim), SolverName.GREEDY, target, {})
     assert not any(op.action is Action.PROMOTE for op in plan.operations)  # nothing to copy: no copy would finish
     policy.adopt(sim, plan)
     assert sim.models["a"].gpus == (g0, g1)
+    # the plan's drop of the surplus on g0 waits for the old engine's requests, not for every request of a
+    assert sim.cluster.bytes_of(weights, Location.gpu("n1-g0")) == (4 if old_engine_busy else 2) * GB
 
 
 def test_clairvoyant_predicts_each_session_s_real_next_model_and_nothing_after_its_last() -> None:

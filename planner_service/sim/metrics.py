@@ -59,6 +59,14 @@ def summarize(result: SimResult, targets: SloClassConstants = DEFAULT_TTFT_TARGE
         "handoffs": len(handoff),
         "switch_latency_seconds": {"all": latency_summary(switch), "handoff": latency_summary(handoff)},
         "ttft_seconds": _quantiles([r.ttft_seconds for r in requests]),
+        # the part of the hand-offs' switch latency spent waiting for other prefills on their cards (the
+        # compute models sharing a group contend for), and what the switch latency would be without it
+        "handoff_prefill_wait_seconds": {
+            "wait": latency_summary([r.prefill_queue_seconds for r in requests if r.handoff]),
+            "switch_latency_without_wait": latency_summary(
+                [r.switch_seconds - r.prefill_queue_seconds for r in requests if r.handoff]
+            ),
+        },
         # what the switch latency leaves out: decoding, where a MoE's experts off GPU slow every token
         "completion_seconds": _quantiles([r.done_at - r.admitted_at for r in requests]),
         "completion_seconds_by_model": completion_by_model(requests),

@@ -230,3 +230,19 @@ def test_models_sharing_a_gpu_take_its_prefill_in_turn() -> None:
     # b arrives at 101 with its model warm: it waits the 3 s left of a's prefill, then takes 1 s
     assert b.prefill_queue_seconds == pytest.approx(3.0)
     assert b.ttft_seconds == pytest.approx(4.0)
+
+
+def test_the_report_parts_a_hand_off_s_wait_for_its_cards_from_its_switch_latency() -> None:
+    """s2 hands off from b to a while a prefills s1 on the one GPU: its switch latency is that wait alone."""
+    records = [
+        TraceRequest(t=0.0, session="s1", model="a", input_tokens=0, output_tokens=0),
+        TraceRequest(t=0.0, session="s2", model="b", input_tokens=0, output_tokens=0),
+        TraceRequest(t=100.0, session="s1", model="a", input_tokens=4000, output_tokens=0),
+        TraceRequest(t=101.0, session="s2", model="a", input_tokens=1000, output_tokens=0),
+    ]
+    result = simulate(tiny_scenario(), records, create_policy("lru"))
+    handoff = result.requests[3]
+    assert handoff.handoff and handoff.switch_seconds == pytest.approx(3.0)  # no history: nothing to re-prefill
+    waits = summarize(result)["handoff_prefill_wait_seconds"]
+    assert waits["wait"]["mean"] == pytest.approx(3.0)
+    assert waits["switch_latency_without_wait"]["p95"] == pytest.approx(0.0)

@@ -215,15 +215,19 @@ def test_first_come_first_served_per_model() -> None:
     assert s3.started_at == pytest.approx(s2.started_at)
 
 
-def test_models_sharing_a_gpu_take_its_prefill_in_turn() -> None:
-    """a and b both warm on the one GPU: b's prefill, arriving while a's runs, starts when a's ends."""
-    records = [
+def prefill_while_another_runs(second_model: str) -> list[TraceRequest]:
+    """a and b warm on the one GPU; s1 prefills 4,000 tokens on a at t=100, s2 asks `second_model` at t=101."""
+    return [
         TraceRequest(t=0.0, session="s1", model="a", input_tokens=0, output_tokens=0),
         TraceRequest(t=0.0, session="s2", model="b", input_tokens=0, output_tokens=0),
         TraceRequest(t=100.0, session="s1", model="a", input_tokens=4000, output_tokens=0),
-        TraceRequest(t=101.0, session="s2", model="b", input_tokens=1000, output_tokens=0),
+        TraceRequest(t=101.0, session="s2", model=second_model, input_tokens=1000, output_tokens=0),
     ]
-    result = simulate(tiny_scenario(), records, create_policy("lru"))
+
+
+def test_models_sharing_a_gpu_take_its_prefill_in_turn() -> None:
+    """a and b both warm on the one GPU: b's prefill, arriving while a's runs, starts when a's ends."""
+    result = simulate(tiny_scenario(), prefill_while_another_runs("b"), create_policy("lru"))
     a, b = result.requests[2:]
     # both weights fit the 10 GB card and stay warm; a prefills 4,000 tokens at 1 ms each from t=100 to 104
     assert a.ttft_seconds == pytest.approx(4.0) and a.prefill_queue_seconds == 0.0
@@ -234,13 +238,7 @@ def test_models_sharing_a_gpu_take_its_prefill_in_turn() -> None:
 
 def test_the_report_parts_a_hand_off_s_wait_for_its_cards_from_its_switch_latency() -> None:
     """s2 hands off from b to a while a prefills s1 on the one GPU: its switch latency is that wait alone."""
-    records = [
-        TraceRequest(t=0.0, session="s1", model="a", input_tokens=0, output_tokens=0),
-        TraceRequest(t=0.0, session="s2", model="b", input_tokens=0, output_tokens=0),
-        TraceRequest(t=100.0, session="s1", model="a", input_tokens=4000, output_tokens=0),
-        TraceRequest(t=101.0, session="s2", model="a", input_tokens=1000, output_tokens=0),
-    ]
-    result = simulate(tiny_scenario(), records, create_policy("lru"))
+    result = simulate(tiny_scenario(), prefill_while_another_runs("a"), create_policy("lru"))
     handoff = result.requests[3]
     assert handoff.handoff and handoff.switch_seconds == pytest.approx(3.0)  # no history: nothing to re-prefill
     waits = summarize(result)["handoff_prefill_wait_seconds"]

@@ -631,7 +631,7 @@ class Simulator:
 
     def spare_weight_bytes(self, obj: StateObject, loc: Location) -> int:
         """Bytes of `obj` (weights) at `loc` its model's engine does not read: beyond its shard there, all of them
-        off its GPUs. None while an earlier engine of the model still runs requests (they read the old copy)."""
+        off its GPUs; 0 while an earlier engine of the model still runs requests (they read the old copy)."""
         state = self.models.get(obj.model)
         have = self.cluster.bytes_of(obj, loc)
         if state is None or state.precision != obj.precision:

@@ -35,32 +35,33 @@ Hysteresis in execution, so that engines and plans do not undo what the other ju
   cost of slower MoE decode while the experts stay out: completion P95 on
   Mooncake 655 -> 1,026 s.)
 
-Executing. The adopted plan's operations run in simulated time, each as soon
-as its `depends_on` are done and its destination has room; a newly adopted
-plan supersedes operations not started yet. Copies share bandwidth with
-everything else. The KV of a request that is waiting or running is made
-ready by the engine (restore or re-prefill, whichever is cheaper), so the
-plan's operations on it are skipped, as are its prefill-from-nothing
-operations. A model whose planned weights are complete on their GPUs
-serves from there (a new engine on that group) as soon as they are, also
-when the plan copies nothing for it: a plan widening a group onto shards an
-earlier engine left only drops the surplus on the old GPU. (Before this
-rule, on 8-hour seed 2, DeepSeek-V3 stayed on one A100 for 50 minutes of
-plans that put it on four: hand-off P99 245 -> 50 s.) A plan may drop
-weights the model's engine does not read (beyond its shard on a GPU, or off
-its group) while the model is busy, once no request runs on an earlier
-engine of it; the rest of a busy model's weights stay (on Mooncake, weights
-no engine read held 42 GiB of GPU on average before this rule, 6 after). A KV copy an operation makes
-covers what its source covered (the engine never lets a copy cover more
-than its model computed), and a copy to host DRAM that the write-through copy already holds frees the GPU
-copy at once instead of moving the bytes again. A waiting request whose
-model no operation brings is loaded on demand after
-`fallback_after_seconds`, evicting what the latest plan does not keep first
-(counted in `fallback_loads`), onto a group with room for the
-model's working set: the KV of its waiting requests and of the sessions it
-served within the window. A model that becomes ready gets no expert fill of
-its own (other policies fill the free room): which expert chunks are worth
-their HBM is the plan's call, and its operations bring them.
+Executing. The adopted plan's operations run in simulated time, each as
+soon as its `depends_on` are done and its destination has room; a newly
+adopted plan supersedes operations not started yet. Copies share bandwidth
+with everything else. The KV of a request that is waiting or running is
+made ready by the engine (restore or re-prefill, whichever is cheaper), so
+the plan's operations on it are skipped, as are its prefill-from-nothing
+operations. A model whose planned weights are complete on their GPUs serves
+from there (a new engine on that group) as soon as they are, also when the
+plan copies nothing for it: a plan widening a group onto shards an earlier
+engine left only drops the surplus on the old GPU. (Before this rule, on
+8-hour seed 2, DeepSeek-V3 stayed on one A100 for 50 minutes of plans that
+put it on four: hand-off P99 245 -> 50 s.) A plan may drop weights the
+model's engine does not read (beyond its shard on a GPU, or off its group)
+while the model is busy, once no request runs on an earlier engine of it;
+the rest of a busy model's weights stay (on Mooncake, weights no engine
+read held 42 GiB of GPU on average before this rule, 6 after). A KV copy an
+operation makes covers what its source covered (the engine never lets a
+copy cover more than its model computed), and a copy to host DRAM that the
+write-through copy already holds frees the GPU copy at once instead of
+moving the bytes again. A waiting request whose model no operation brings
+is loaded on demand after `fallback_after_seconds`, evicting what the
+latest plan does not keep first (counted in `fallback_loads`), onto a group
+with room for the model's working set: the KV of its waiting requests and
+of the sessions it served within the window. A model that becomes ready
+gets no expert fill of its own (other policies fill the free room): which
+expert chunks are worth their HBM is the plan's call, and its operations
+bring them.
 """
 
 from __future__ import annotations
@@ -397,7 +398,7 @@ class StatebudgetPolicy(Policy):
         c = sim.cluster
         # weights a busy engine does not read (the surplus of a group it left for a wider one) may go
         spare = obj.kind is Kind.WEIGHTS and loc.tier is Tier.GPU and nbytes <= sim.spare_weight_bytes(obj, loc)
-        if sim.pinned(obj) and not spare or c.reading(obj, loc) or c.bytes_of(obj, loc) <= 0:
+        if (sim.pinned(obj) and not spare) or c.reading(obj, loc) or c.bytes_of(obj, loc) <= 0:
             return "failed"
         node = sim.problem.node_of(loc)
         if obj.kind is not Kind.KV:

@@ -117,6 +117,7 @@ def table_rows(report: dict[str, Any]) -> list[list[str]]:
             f"{sw['p95']:.2f}",
             f"{ho['p95']:.2f}",
             f"{ho['p99']:.2f}",
+            f"{m['handoff_prefill_wait_seconds']['wait']['p95']:.2f}",
             f"{m['ttft_seconds']['p95']:.2f}",
             f"{m['completion_seconds']['p95']:.2f}",
             f"{m['slo_violation_rate']['all']:.1%}",
@@ -131,7 +132,8 @@ def table_rows(report: dict[str, Any]) -> list[list[str]]:
 
 
 TABLE_COLUMNS = (
-    "policy", "requests", "switch P50 s", "switch P95 s", "hand-off P95 s", "hand-off P99 s", "TTFT P95 s",
+    "policy", "requests", "switch P50 s", "switch P95 s", "hand-off P95 s", "hand-off P99 s",
+    "hand-off card wait P95 s", "TTFT P95 s",
     "done P95 s",
     "SLO miss", "degraded precision", "GPU GiB mean / peak", "warm idle GiB", "moved GiB", "ops", "planner ms P50 / P99",
 )

@@ -39,6 +39,7 @@ def test_replay_writes_json_and_plots(tmp_path: Path) -> None:
     # the table: a row per metric, a column per policy, whole at the test terminal's 80 columns
     assert "replay of" in result.output and "…" not in result.output
     assert "hand-off P95 s" in result.output and "degraded precision" in result.output
+    assert "hand-off card wait P95 s" in result.output
     header = next(line for line in result.output.splitlines() if "policy" in line)
     assert all(name in header for name in ("statebudget", "static", "lru", "oracle"))
     report = json.loads(out.read_text())

@@ -197,7 +197,7 @@ class Simulator:
         self._epochs = itertools.count(1)
         self.demand: dict[str, int] = defaultdict(int)  # waiting + running requests per model
         self.running: dict[str, int] = defaultdict(int)  # running requests per model
-        self.running_on: dict[tuple[str, int], int] = {}  # running requests per (model, engine epoch)
+        self.running_on: dict[tuple[str, int], int] = defaultdict(int)  # running requests per (model, engine epoch)
         self.deadlock_breaks = 0
         self.needs_kv_room: set[str] = set()  # models whose last group could not hold a waiting request's KV
         self.loads = 0
@@ -481,8 +481,7 @@ class Simulator:
         req.history_tokens = history
         req.engine = state.epoch
         self.running[req.model] += 1
-        engine = (req.model, state.epoch)
-        self.running_on[engine] = self.running_on.get(engine, 0) + 1
+        self.running_on[(req.model, state.epoch)] += 1
         self.running_kv.add(kv)
         self.touch(StateObject.weights(req.model, state.precision))
         self.touch(kv)

@@ -52,7 +52,8 @@ def completion_by_model(requests: Sequence[SimRequest]) -> dict[str, dict[str, f
 def summarize(result: SimResult, targets: SloClassConstants = DEFAULT_TTFT_TARGETS) -> dict[str, Any]:
     requests = result.requests
     switch = [r.switch_seconds for r in requests]
-    handoff = [r.switch_seconds for r in requests if r.handoff]
+    handoffs = [r for r in requests if r.handoff]
+    handoff = [r.switch_seconds for r in handoffs]
     duration = result.duration_seconds or 1.0
     return {
         "requests": len(requests),
@@ -62,10 +63,8 @@ def summarize(result: SimResult, targets: SloClassConstants = DEFAULT_TTFT_TARGE
         # the part of the hand-offs' switch latency spent waiting for other prefills on their cards (the
         # compute models sharing a group contend for), and what the switch latency would be without it
         "handoff_prefill_wait_seconds": {
-            "wait": latency_summary([r.prefill_queue_seconds for r in requests if r.handoff]),
-            "switch_latency_without_wait": latency_summary(
-                [r.switch_seconds - r.prefill_queue_seconds for r in requests if r.handoff]
-            ),
+            "wait": latency_summary([r.prefill_queue_seconds for r in handoffs]),
+            "switch_latency_without_wait": latency_summary([r.switch_seconds - r.prefill_queue_seconds for r in handoffs]),
         },
         # what the switch latency leaves out: decoding, where a MoE's experts off GPU slow every token
         "completion_seconds": _quantiles([r.done_at - r.admitted_at for r in requests]),

@@ -9,6 +9,7 @@ nvme_dir: /var/lib/statebudget/nvme
 host_dir: /dev/shm/statebudget   # omit: an in-memory store
 gpus: [{id: n1-g0, type: l40, hbm_bytes: 48000000000, device: 0}]
 engines: {coder: http://127.0.0.1:8000}     # vllm / sglang: model -> engine URL
+engine_gpus: {coder: [n1-g0]}               # the GPUs each engine was launched on (its tensor-parallel group)
 lmcache: {url: http://127.0.0.1:9000, instance_id: lmcache_default_instance}
 """
 
@@ -62,6 +63,11 @@ class AgentConfig(_Frozen):
     seed_from_srv: bool = Field(True, description="Materialize this node's confirmed placement at start (local).")
     # engine executors
     engines: dict[str, str] = Field(default_factory=dict, description="Model id -> engine base URL.")
+    engine_gpus: dict[str, list[str]] = Field(
+        default_factory=dict,
+        description="Model id -> the cluster GPU ids its engine was launched on; declared at registration, so "
+        "that the planner serves the model on this node only from them (a vLLM or SGLang engine cannot move).",
+    )
     model_paths: dict[str, str] = Field(default_factory=dict, description="Model id -> weights path (SGLang reload).")
     lmcache: LMCacheConfig | None = None
     engine_timeout_seconds: float = Field(120.0, gt=0)
@@ -84,6 +90,19 @@ class AgentConfig(_Frozen):
         ids = [g.id for g in self.gpus]
         if len(set(ids)) != len(ids):
             raise ValueError("gpus: two GPUs share an id")
+        return self
+
+    @model_validator(mode="after")
+    def _engine_gpus_known(self) -> AgentConfig:
+        ids = {g.id for g in self.gpus}
+        for model, gpus in self.engine_gpus.items():
+            if model not in self.engines:
+                raise ValueError(f"engine_gpus.{model}: no engine configured for {model!r} in `engines`")
+            if not gpus:
+                raise ValueError(f"engine_gpus.{model}: name at least one GPU")
+            unknown = sorted(set(gpus) - ids) if ids else []
+            if unknown:
+                raise ValueError(f"engine_gpus.{model}: {unknown} not among `gpus` ({sorted(ids)})")
         return self
 
 

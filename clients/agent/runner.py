@@ -166,6 +166,7 @@ class Agent:
             c.value for c in (cfg.capabilities if cfg.capabilities is not None else self.executor.capabilities)
         ]
         gpus = [g.model_dump(exclude={"device"}, exclude_none=True) for g in cfg.gpus]
+        engines = [_with_gpus(engine, cfg.engine_gpus) for engine in self.executor.engines()]
         attempt = 0
         while not stop.is_set():
             try:
@@ -175,7 +176,7 @@ class Agent:
                     gpus=gpus or None,
                     host_dram_bytes=cfg.host_dram_bytes,
                     nvme_bytes=cfg.nvme_bytes,
-                    engines=self.executor.engines(),
+                    engines=engines,
                     agent_version=AGENT_VERSION,
                 )
             except (SdkConnectionError, ServerError) as error:
@@ -338,3 +339,9 @@ class Agent:
         if error:
             log.warning("%s failed: %s", op.label(), error)
         return outcome is not None
+
+
+def _with_gpus(engine: dict[str, Any], engine_gpus: dict[str, list[str]]) -> dict[str, Any]:
+    """An engine as registered, with the GPUs it was launched on where the configuration names them."""
+    gpus = sorted({g for model in engine.get("models", []) for g in engine_gpus.get(model, [])})
+    return {**engine, "gpus": gpus} if gpus else engine

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 
 class Health(BaseModel):
@@ -71,6 +71,7 @@ class RegisterOut(BaseModel):
     node: str
     registered_at: str | None
     capabilities: list[str]
+    engines: list[dict[str, Any]] = Field(description="The node's engines on fixed GPUs: {model, gpus}.")
     gpus: list[str]
     lease_seconds: float
     warnings: list[str]

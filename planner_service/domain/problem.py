@@ -45,6 +45,8 @@ class Node:
     nvme_write_bytes_per_s: float
     capabilities: frozenset[Capability]
     gpus: tuple[str, ...]
+    # model -> the GPU ids (sorted) of its engine here, where it runs on fixed GPUs (`NodeIn.engines`)
+    engine_gpus: Mapping[str, tuple[str, ...]] = field(default_factory=lambda: MappingProxyType({}))
 
 
 @dataclass(frozen=True, slots=True)
@@ -225,6 +227,7 @@ def compile_problem(scenario: Scenario, next_model: Mapping[str, Mapping[str, fl
             nvme_write_bytes_per_s=n.nvme_write_bytes_per_s or DEFAULT_NVME_WRITE_BYTES_PER_S,
             capabilities=frozenset(n.capabilities),
             gpus=tuple(g.id for g in n.gpus),
+            engine_gpus=MappingProxyType({e.model: tuple(sorted(e.gpus)) for e in n.engines}),
         )
         for n in scenario.cluster.nodes
     }

@@ -66,6 +66,14 @@ class GpuSpecIn(_Strict):
         return self
 
 
+class EngineGroupIn(_Strict):
+    """A model's engine launched on fixed GPUs of its node, as vLLM and SGLang engines are (tensor parallel):
+    it can wake, sleep or reload there, but not move to other cards."""
+
+    model: str
+    gpus: list[str] = Field(min_length=1, description="The GPU ids of the engine's tensor-parallel group.")
+
+
 class NodeIn(_Strict):
     id: str = Field(min_length=1)
     host_dram_bytes: NonNegInt | None = None
@@ -74,6 +82,22 @@ class NodeIn(_Strict):
     nvme_write_bytes_per_s: PosFloat | None = None
     capabilities: list[Capability] = Field(default_factory=lambda: list(ALL_CAPABILITIES))
     gpus: list[GpuSpecIn] = Field(default_factory=list)
+    engines: list[EngineGroupIn] = Field(
+        default_factory=list,
+        description="Models whose engine on this node runs on fixed GPUs: the planner serves each here only "
+        "from those GPUs. A model without an entry may take any group of the node's GPUs.",
+    )
+
+    @model_validator(mode="after")
+    def _engines_on_own_gpus(self) -> NodeIn:
+        own = {g.id for g in self.gpus}
+        _require_unique([e.model for e in self.engines], "engine model")
+        for i, engine in enumerate(self.engines):
+            _require_unique(engine.gpus, f"GPU in engines[{i}].gpus")
+            for j, gpu in enumerate(engine.gpus):
+                if gpu not in own:
+                    raise ValueError(f"engines[{i}].gpus[{j}]: {gpu!r} is not a GPU of node {self.id!r}; its GPUs: {sorted(own)}")
+        return self
 
 
 class ClusterIn(_Strict):
@@ -238,6 +262,12 @@ class Scenario(_Strict):
         sessions = {s.id: s for s in self.sessions}
         nodes = {n.id for n in self.cluster.nodes}
         gpus = {g.id for n in self.cluster.nodes for g in n.gpus}
+        for i, n in enumerate(self.cluster.nodes):
+            for j, engine in enumerate(n.engines):
+                if engine.model not in known_models:
+                    raise ValueError(
+                        f"cluster.nodes[{i}].engines[{j}].model: unknown model {engine.model!r}; known: {sorted(known_models)}"
+                    )
         for i, s in enumerate(self.sessions):
             if s.model not in known_models:
                 raise ValueError(f"sessions[{i}].model: unknown model {s.model!r}; known: {sorted(known_models)}")

@@ -174,13 +174,19 @@ def gpu_hold_cost(nbytes: int, constants: CostConstants) -> float:
 
 
 def cold_group(problem: Problem, model: ModelSpec, precision: str, node: Node) -> tuple[Gpu, ...] | None:
-    """The GPUs of `node` a cold load of the model would use: the fewest, largest cards that hold it."""
-    gpus = sorted((problem.gpus[g] for g in node.gpus), key=lambda g: (-g.capacity_bytes, g.id))
+    """The GPUs of `node` a cold load of the model would use: the fewest, largest cards that hold it, or its
+    engine's GPUs where it runs on fixed ones (None if they cannot hold it)."""
     nbytes = model.weights_bytes[precision]
-    for k in range(1, len(gpus) + 1):
-        group = gpus[:k]
-        if k < max(model.min_gpus.get(g.type, 1) for g in group):
-            continue
-        if all(math.ceil(nbytes / k) <= g.capacity_bytes for g in group):
-            return tuple(group)
-    return None
+    fixed = node.engine_gpus.get(model.id)
+    if fixed is not None:
+        group = tuple(problem.gpus[g] for g in fixed)
+        return group if holds_evenly(group, model, nbytes) else None
+    gpus = sorted((problem.gpus[g] for g in node.gpus), key=lambda g: (-g.capacity_bytes, g.id))
+    return next((tuple(gpus[:k]) for k in range(1, len(gpus) + 1) if holds_evenly(gpus[:k], model, nbytes)), None)
+
+
+def holds_evenly(group: Sequence[Gpu], model: ModelSpec, nbytes: int) -> bool:
+    """Whether each card of the group holds an even shard of `nbytes`, at the model's tensor-parallel minimum there."""
+    if len(group) < max(model.min_gpus.get(g.type, 1) for g in group):
+        return False
+    return all(math.ceil(nbytes / len(group)) <= g.capacity_bytes for g in group)

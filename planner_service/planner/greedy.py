@@ -85,7 +85,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from planner_service.domain.problem import Gpu, ModelSpec, Problem, Session
+from planner_service.domain.problem import Gpu, ModelSpec, Node, Problem, Session
 from planner_service.domain.scenario import Capability, Slo
 from planner_service.domain.state import Kind, Location, Placement, StateObject, Tier
 from planner_service.domain.units import GIB
@@ -152,6 +152,12 @@ def _spec(gpu: Gpu) -> tuple:
     return (gpu.type, gpu.bf16_flops, gpu.hbm_bytes_per_s, gpu.h2d_bytes_per_s, gpu.d2h_bytes_per_s)
 
 
+def _engine_shape(node: Node) -> tuple:
+    """The node's fixed engine groups as positions among its GPUs (by id): nodes alike must match in them too."""
+    position = {g: i for i, g in enumerate(sorted(node.gpus))}
+    return tuple(sorted((m, tuple(position[g] for g in gpus)) for m, gpus in node.engine_gpus.items()))
+
+
 def split_evenly(nbytes: int, parts: int) -> list[int]:
     """Shard sizes for tensor parallelism: equal, the remainder on the first shards."""
     base, extra = divmod(nbytes, parts)
@@ -177,7 +183,7 @@ class _GpuBook:
         self._room = {n: sum(self.free[g] for g in ids) for n, ids in self._gpu_ids.items()}
         self._by_free: dict[str, tuple[list[Gpu], list[int]]] = {}  # node -> its GPUs by free bytes (see `by_free`)
         self._hardware = {  # the part of a node's look that never changes (custom GPUs share one type name)
-            n.id: (n.nvme_read_bytes_per_s, tuple(_spec(problem.gpus[g]) for g in self._gpu_ids[n.id]))
+            n.id: (n.nvme_read_bytes_per_s, tuple(_spec(problem.gpus[g]) for g in self._gpu_ids[n.id]), _engine_shape(n))
             for n in problem.nodes.values()
         }
         self._look: dict[str, tuple] = {}
@@ -327,6 +333,10 @@ class GreedyPlanner:
                 self._sessions_below[(obj.model, node_id)].add(obj.session)
         self._savings: dict[tuple, float] = {}
         self._cold_groups: dict[tuple[str, str, str], tuple[Gpu, ...] | None] = {}
+        # node -> model -> the GPUs of its engine there, where it runs on fixed ones
+        self._fixed_groups = {
+            n.id: {m: tuple(problem.gpus[g] for g in gpus) for m, gpus in n.engine_gpus.items()} for n in problem.nodes.values()
+        }
         self._uniform = {  # nodes whose cards are all alike
             n.id: len({(g.type, g.capacity_bytes, g.h2d_bytes_per_s, g.bf16_flops) for g in (problem.gpus[i] for i in n.gpus)}) <= 1
             for n in problem.nodes.values()
@@ -394,6 +404,11 @@ class GreedyPlanner:
             self._sources[key] = tier
         return tier
 
+    def _may_serve_from(self, model: ModelSpec, node_id: str, gpus: tuple[Gpu, ...]) -> bool:
+        """A model whose engine runs on fixed GPUs of the node serves there only from them."""
+        fixed = self._fixed_groups[node_id].get(model.id)
+        return fixed is None or fixed == gpus
+
     def _cold_group(self, model: ModelSpec, precision: str, node: str) -> tuple[Gpu, ...] | None:
         key = (model.id, precision, node)
         if key not in self._cold_groups:
@@ -445,7 +460,7 @@ class GreedyPlanner:
             if price_kv and current and current.precision != precision:
                 penalty += self._active_context_seconds(model)  # the active sessions' KV no longer matches
             stay_node = None
-            if current and current.precision == precision:
+            if current and current.precision == precision and self._may_serve_from(model, current.node, current.gpus):
                 stay = current.gpus
                 shards = [a + b for a, b in zip(split_evenly(nbytes, len(stay)), split_evenly(extra_bytes, len(stay)))]
                 stay_node = current.node
@@ -776,8 +791,15 @@ class GreedyPlanner:
         the same bytes of the node as any other width, so it is the one that
         usually wins; the fewest GPUs (the tightest fit) stays on offer for
         nodes of unlike cards, where a wide group may leave a large card's room
-        in small pieces.
+        in small pieces. A model whose engine runs on fixed GPUs of the node
+        has that group alone, where it fits.
         """
+        fixed = self._fixed_groups[node_id].get(model.id)
+        if fixed is not None:
+            share = math.ceil(nbytes / len(fixed))
+            if not costs.holds_evenly(fixed, model, nbytes) or any(self.book.free[g.id] < share for g in fixed):
+                return []
+            return [(fixed, sum(self.book.free[g.id] for g in fixed))]
         gpus, free = self.book.by_free(node_id)
         # plain loops over a module function rather than a closure and generators: the hot loop of a group search
         wide = None
@@ -1271,7 +1293,8 @@ class GreedyPlanner:
         sourced = self.now.complete_source(obj, node) is not None
         free_of = self.book.free
         room: list[tuple[int, str]] = []
-        for g in self.book.gpu_ids(node):  # in card order: of two like cards the first holds at least as much
+        fixed = self.p.nodes[node].engine_gpus.get(obj.model)
+        for g in fixed or self.book.gpu_ids(node):  # in card order: of two like cards the first holds at least as much
             free = free_of[g]
             if not sourced:
                 key = (obj, self._at[g])

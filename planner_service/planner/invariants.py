@@ -11,7 +11,9 @@ is sound):
   * the operations replay from the confirmed placement to the target, stay
     inside one node, come in a topological order, and free a copy only after
     the operations reading it;
-  * nodes are only asked for moves their engines can carry out.
+  * nodes are only asked for moves their engines can carry out, and a model
+    whose engine runs on fixed GPUs gains no weights or experts on other
+    GPUs of that node.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ def check_plan(
     errors += _order_and_locality(problem, ops)
     errors += _every_order_safe(problem, ops)
     errors += _capabilities(problem, ops, target)
+    errors += _engine_groups(problem, target)
     return errors
 
 
@@ -216,4 +219,19 @@ def _capabilities(problem: Problem, ops: Sequence[Operation], target: Mapping[tu
         if obj.kind is Kind.EXPERTS and Capability.PARTIAL_EXPERTS not in problem.nodes[node].capabilities:
             if 0 < nbytes < problem.size_of(obj) and nbytes != now.on(obj, node, Tier.GPU):
                 errors.append(f"capability: node {node} cannot hold part of {obj.label()} on GPU")
+    return errors
+
+
+def _engine_groups(problem: Problem, target: Mapping[tuple[StateObject, Location], int]) -> list[str]:
+    errors = []
+    for (obj, loc), nbytes in sorted(target.items(), key=lambda item: (item[0][0].label(), item[0][1].label())):
+        if loc.tier is not Tier.GPU or obj.kind is Kind.KV:
+            continue
+        node = problem.nodes[problem.gpus[loc.id].node]
+        fixed = node.engine_gpus.get(obj.model)
+        if fixed is not None and loc.id not in fixed and nbytes > problem.residency.get((obj, loc), 0):
+            errors.append(
+                f"engine: {obj.label()} gains bytes on {loc.label()}, outside the GPUs of {obj.model}'s engine on node "
+                f"{node.id} ({', '.join(fixed)})"
+            )
     return errors

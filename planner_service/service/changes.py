@@ -45,6 +45,12 @@ def _drop_residency(data: ScenarioData, keep) -> None:
     data["residency"] = [r for r in data["residency"] if keep(r)]
 
 
+def _drop_engines(data: ScenarioData, keep) -> None:
+    """Forget the engines on fixed GPUs that lose their model or a GPU."""
+    for node in data["cluster"]["nodes"]:
+        node["engines"] = [e for e in node.get("engines", []) if keep(e)]
+
+
 def nvme_copies(data: ScenarioData, model: ModelIn, nodes: list[str] | None, where: str) -> None:
     """Declare full copies of the model's weights (every precision) and routed experts on the nodes' NVMe."""
     try:
@@ -127,6 +133,7 @@ def remove_model(data: ScenarioData, model_id: str, where: str) -> None:
     _drop_residency(
         data, lambda r: r["object"]["model"] != model_id and r["object"].get("session") not in gone_sessions
     )
+    _drop_engines(data, lambda e: e["model"] != model_id)
     handoff = data.get("predictor", {}).get("handoff", {})
     handoff.pop(model_id, None)
     for row in handoff.values():
@@ -145,6 +152,7 @@ def apply_change(data: ScenarioData, change: Change, where: str) -> None:
         for node in data["cluster"]["nodes"]:
             node["gpus"] = [g for g in node.get("gpus", []) if g["id"] != change.gpu]
         _drop_residency(data, lambda r: r["location"].get("gpu") != change.gpu)
+        _drop_engines(data, lambda e: change.gpu not in e["gpus"])
     elif isinstance(change, AddNode):
         if change.node.id in _node_ids(data):
             raise ChangeError(f"{where}.node.id: node {change.node.id!r} exists already")

@@ -950,9 +950,16 @@ class ClusterService:
                     warnings.append(f"gpus[{i}].type: {g.type!r}, the topology says {known[g.id]['type']!r}")
             if body.gpus:
                 warnings += [f"gpu {gid!r} of the topology was not reported" for gid in sorted(set(known) - seen)]
+            engines = self._fixed_engines(body, set(known))
             batch = Batch()
+            changed = False
             if body.capabilities is not None and sorted(body.capabilities) != sorted(node.get("capabilities", [])):
                 node["capabilities"] = [c.value for c in body.capabilities]
+                changed = True
+            if engines != node.get("engines", []):
+                node["engines"] = engines
+                changed = True
+            if changed:
                 batch.meta["base"] = self._base
                 self._changes += 1
                 self._wake(force=True)
@@ -965,10 +972,41 @@ class ClusterService:
                 "node": node_id,
                 "registered_at": iso(now),
                 "capabilities": node.get("capabilities", []),
+                "engines": node.get("engines", []),
                 "gpus": sorted(known),
                 "lease_seconds": self._lease_seconds,
                 "warnings": warnings,
             }
+
+    def _fixed_engines(self, body: RegisterIn, node_gpus: set[str]) -> list[dict[str, Any]]:
+        """The registration's engines on fixed GPUs as the node's `engines` (one entry per model), checked."""
+        models = {m["id"] for m in self._base["models"]}
+        out: dict[str, dict[str, Any]] = {}
+        for i, engine in enumerate(body.engines):
+            if not engine.gpus:
+                continue
+            for j, gpu in enumerate(engine.gpus):
+                if gpu not in node_gpus:
+                    raise InvalidInput(
+                        f"engines[{i}].gpus[{j}]: {gpu!r} is not a GPU of this node; its GPUs: {sorted(node_gpus)}",
+                        field=f"engines.{i}.gpus.{j}",
+                    )
+            if len(set(engine.gpus)) != len(engine.gpus):
+                raise InvalidInput(f"engines[{i}].gpus: a GPU is named twice", field=f"engines.{i}.gpus")
+            for j, model in enumerate(engine.models):
+                if model not in models:
+                    raise InvalidInput(
+                        f"engines[{i}].models[{j}]: unknown model {model!r}; known: {sorted(models)}",
+                        field=f"engines.{i}.models.{j}",
+                    )
+                if model in out and sorted(out[model]["gpus"]) != sorted(engine.gpus):
+                    raise InvalidInput(
+                        f"engines[{i}].models[{j}]: {model!r} already runs on {out[model]['gpus']} here; the planner "
+                        "serves a model from one group per node",
+                        field=f"engines.{i}.models.{j}",
+                    )
+                out[model] = {"model": model, "gpus": sorted(engine.gpus)}
+        return [out[m] for m in sorted(out)]
 
     def heartbeat(self, node_id: str, body: HeartbeatIn) -> dict[str, Any]:
         self._require_ready()
@@ -1053,6 +1091,7 @@ class ClusterService:
                         "nvme_read_bytes_per_s": n.nvme_read_bytes_per_s,
                         "nvme_write_bytes_per_s": n.nvme_write_bytes_per_s,
                         "capabilities": sorted(c.value for c in n.capabilities),
+                        "engines": [{"model": m, "gpus": list(gpus)} for m, gpus in sorted(n.engine_gpus.items())],
                         "calibrated": self._calibration["nodes"].get(n.id, {}),
                         "registered_at": info.get("registered_at"),
                         "last_heartbeat": info.get("last_heartbeat"),

@@ -84,6 +84,11 @@ class EngineIn(_In):
     kind: Literal["vllm", "sglang", "lmcache", "local", "other"] = "other"
     models: list[str] = Field(default_factory=list)
     url: str | None = None
+    gpus: list[Name] = Field(
+        default_factory=list,
+        description="The cluster GPU ids the engine was launched on (its tensor-parallel group): the planner "
+        "serves its models on this node only from these GPUs. Empty: the engine loads wherever the plan says.",
+    )
 
 
 class RegisterIn(_In):
@@ -93,7 +98,9 @@ class RegisterIn(_In):
     gpus: list[GpuInventoryIn] = Field(default_factory=list, description="GPUs the agent sees.")
     host_dram_bytes: NonNegInt | None = None
     nvme_bytes: NonNegInt | None = None
-    engines: list[EngineIn] = Field(default_factory=list)
+    engines: list[EngineIn] = Field(
+        default_factory=list, description="The node's engines; those on fixed GPUs replace the node's `engines`."
+    )
     agent_version: str | None = None
 
 

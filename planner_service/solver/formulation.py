@@ -335,12 +335,16 @@ class _Builder:
             nbytes = model.weights_bytes[precision]
             for node_id in sorted(self.p.nodes):
                 node = self.p.nodes[node_id]
-                gpus = sorted((self.p.gpus[g] for g in node.gpus), key=lambda g: g.id)
-                groups = list(_subsets(gpus))
-                if current and current.node == node_id and current.precision == precision:
-                    groups.append(tuple(current.gpus))
-                if extra and extra.node == node_id and extra.precision == precision:
-                    groups.append(tuple(extra.gpus))
+                fixed = node.engine_gpus.get(model.id)
+                if fixed is not None:  # its engine runs on fixed GPUs here: that group or none on this node
+                    groups = [tuple(self.p.gpus[g] for g in fixed)]
+                else:
+                    gpus = sorted((self.p.gpus[g] for g in node.gpus), key=lambda g: g.id)
+                    groups = list(_subsets(gpus))
+                    if current and current.node == node_id and current.precision == precision:
+                        groups.append(tuple(current.gpus))
+                    if extra and extra.node == node_id and extra.precision == precision:
+                        groups.append(tuple(extra.gpus))
                 has_source = _weights_source(self.p, self.now, obj, node_id) is not None
                 for group in groups:
                     key = (node_id, precision, _ids(group))
@@ -386,7 +390,7 @@ class _Builder:
     def _combo_terms(self, model: ModelSpec, node_id: str) -> list[tuple[int, int, int]]:
         """Every (regular, last, bytes) the node could hold: the fraction on GPU takes the exact hit rate there."""
         chunk, regular, tail = self._chunks(model, node_id)
-        room = sum(self.p.gpus[g].capacity_bytes for g in self.p.nodes[node_id].gpus)
+        room = sum(self.p.gpus[g].capacity_bytes for g in _expert_gpus(self.p, model.id, node_id))
         if not _experts_source(self.p, self.now, model.id, node_id):
             room = min(room, self.now.on(StateObject.experts(model.id), node_id, Tier.GPU))
         out = []
@@ -432,7 +436,7 @@ class _Builder:
             has_source = _experts_source(self.p, self.now, model.id, node_id)
             source = self.now.complete_source(obj, node_id) or Tier.NVME
             unit = self._unit(model, node_id)
-            for gpu_id in sorted(node.gpus):
+            for gpu_id in _expert_gpus(self.p, model.id, node_id):
                 g = self.p.gpus[gpu_id]
                 now = self.now.placement.get((obj, Location.gpu(gpu_id)), 0)
                 ub = g.capacity_bytes // unit if has_source else min(g.capacity_bytes, now) // unit
@@ -462,13 +466,20 @@ def _interchangeable_pairs(problem: Problem, now: ResidencyIndex) -> list[tuple[
         if len(node.gpus) > MAX_SUBSET_GPUS:
             continue
         cards = sorted((problem.gpus[g] for g in node.gpus), key=lambda g: g.id)
-        empty = [g for g in cards if now.used.get(Location.gpu(g.id), 0) == 0]
+        fixed = {g for gpus in node.engine_gpus.values() for g in gpus}  # an engine's cards are told apart
+        empty = [g for g in cards if now.used.get(Location.gpu(g.id), 0) == 0 and g.id not in fixed]
         for a, b in itertools.pairwise(empty):
             if (a.type, a.capacity_bytes, a.h2d_bytes_per_s, a.d2h_bytes_per_s, a.bf16_flops) == (
                 b.type, b.capacity_bytes, b.h2d_bytes_per_s, b.d2h_bytes_per_s, b.bf16_flops
             ):
                 pairs.append((a.id, b.id))
     return pairs
+
+
+def _expert_gpus(problem: Problem, model_id: str, node_id: str) -> list[str]:
+    """The GPUs of the node that may hold the model's routed experts: its engine's, where it runs on fixed ones."""
+    node = problem.nodes[node_id]
+    return sorted(node.engine_gpus.get(model_id, node.gpus))
 
 
 def _subsets(gpus: Sequence[Gpu]):

@@ -17,6 +17,7 @@ Sets
         ones), the group serving m now and the greedy's group, kept when
         |g_o| >= min_gpus, the even shard w_{m,p}/|g_o| fits each card, and
         the node holds a complete copy to load from (unless no shard grows).
+        Where m's engine runs on fixed GPUs E_{m,n} of n, g_o = E_{m,n} only.
     K_{m,o} sessions whose KV may sit on g_o: A_m, plus s in D_m whose KV for
         m exists on n_o now, when p_o does not invalidate it (a precision
         change drops KV, as the greedy does).
@@ -30,7 +31,8 @@ Variables
     k_{m,s,o} ∈ {0,1}      s's whole KV for m split evenly over g_o
     y_{m,n,c,r} ∈ {0,1}    fraction r of m's routed experts on n's GPUs, m served by a class-c group of n
     v_{m,g} ∈ Z>=0         m's routed experts on GPU g, in units e_{m,n} (gcd of the chunk sizes, whole
-                           experts; a chunk may spread over the node's GPUs, the greedy keeps it on one)
+                           experts; a chunk may spread over the node's GPUs, the greedy keeps it on one;
+                           g ∈ E_{m,n} where m's engine runs on fixed GPUs)
     u_{m,g} ∈ Z>=0         MiB of those promoted onto g (above what g holds now)
 
 Constraints (one family per comment in `formulation.py`)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from api_helpers import assert_problem, request
+from api_helpers import FakeClock, assert_problem, request
 
 
 def test_get_cluster_shape(demo):
@@ -124,3 +124,56 @@ def test_register_and_heartbeat(demo):
     )
     assert_problem(demo.post("/v1/nodes/n9/register", json={}), 404, "n9", "n1")
     assert_problem(demo.lease("n9"), 404, "n9")
+
+
+CODER_ENGINES = {  # node -> the GPUs of its vLLM engine for the coder (min_gpus 4 on RTX 3090s)
+    "n1": ["n1-g1"],
+    "n2": ["n2-g2", "n2-g3"],
+    "n3": ["n3-g0", "n3-g1", "n3-g2", "n3-g3"],
+    "n4": ["n4-g0", "n4-g1", "n4-g2", "n4-g3"],
+}
+
+
+def test_engines_on_fixed_gpus_are_planned_only_there_and_kept_across_a_restart(make_app):
+    clock = FakeClock()
+    demo = make_app(clock=clock)
+    for node, gpus in CODER_ENGINES.items():
+        engine = {"name": "vllm-coder", "kind": "vllm", "models": ["coder"], "gpus": gpus}
+        reg = demo.post(f"/v1/nodes/{node}/register", json={"engines": [engine]})
+        assert reg.status_code == 200, reg.text
+        assert reg.json()["engines"] == [{"model": "coder", "gpus": gpus}]
+    demo.events(request("e1", "s1", "coder", input_tokens=2000))
+    demo.post("/v1/plan")
+    on_gpus: dict[str, set[str]] = {}
+    for entry in demo.get("/v1/plan").json()["placement"]:
+        obj, loc = entry["object"], entry["location"]
+        if obj["model"] == "coder" and obj["kind"] == "weights" and loc["tier"] == "gpu":
+            on_gpus.setdefault(loc["gpu"].split("-")[0], set()).add(loc["gpu"])
+    assert on_gpus, "the coder is served somewhere"
+    assert all(gpus == set(CODER_ENGINES[node]) for node, gpus in on_gpus.items())
+    # a what-if without one of an engine's GPUs plans without that engine
+    whatif = demo.post("/v1/whatif", json={"changes": [{"type": "remove_gpu", "gpu": "n2-g3"}]})
+    assert whatif.status_code == 200, whatif.text
+    demo.client.__exit__(None, None, None)
+
+    again = make_app(clock=clock)
+    nodes = {n["id"]: n for n in again.get("/v1/cluster").json()["nodes"]}
+    assert all(nodes[node]["engines"] == [{"model": "coder", "gpus": gpus}] for node, gpus in CODER_ENGINES.items())
+    assert again.client.delete("/v1/models/coder").status_code == 204  # its engines go with it
+    assert all(n["engines"] == [] for n in again.get("/v1/cluster").json()["nodes"])
+
+
+def test_registration_rejects_engines_on_gpus_it_cannot_have(demo):
+    def register(*engines):
+        return demo.post("/v1/nodes/n2/register", json={"engines": list(engines)})
+
+    assert_problem(register({"name": "e", "models": ["coder"], "gpus": ["n1-g0"]}), 422, "engines[0].gpus[0]", "n1-g0")
+    assert_problem(register({"name": "e", "models": ["gpt-9"], "gpus": ["n2-g0"]}), 422, "engines[0].models[0]", "gpt-9")
+    assert_problem(register({"name": "e", "models": ["coder"], "gpus": ["n2-g0", "n2-g0"]}), 422, "engines[0].gpus")
+    assert_problem(
+        register({"name": "a", "models": ["coder"], "gpus": ["n2-g0"]}, {"name": "b", "models": ["coder"], "gpus": ["n2-g1"]}),
+        422,
+        "engines[1].models[0]",
+        "one group per node",
+    )
+    assert demo.get("/v1/cluster").json()["nodes"][1]["engines"] == []

@@ -293,6 +293,33 @@ async def test_sigterm_stops_the_agent(tmp_path):
         assert stop.is_set() and agent.stats["done"] >= 1
 
 
+class VllmCoder(Slow):
+    """A node whose only engine is a vLLM server for the coder (its operations wait for the test)."""
+
+    def engines(self):
+        return [{"name": "vllm-coder", "kind": "vllm", "models": ["coder"], "url": "http://127.0.0.1:9"}]
+
+
+async def test_the_agent_declares_the_gpus_its_engines_were_launched_on(tmp_path):
+    async with served(make_app(tmp_path)) as http:
+        sb = async_client(http)
+        config = agent_config(
+            tmp_path, node="n2", capabilities=[], engines={"coder": "http://127.0.0.1:9"}, engine_gpus={"coder": ["n2-g3", "n2-g2"]}
+        )
+        executor = VllmCoder()
+        executor.release.set()
+        stop = asyncio.Event()
+        task = asyncio.create_task(Agent(config, sb, executor).run(stop))
+        try:
+            async with asyncio.timeout(10):
+                while not (node := (await sb.get_cluster())["nodes"][1])["registered_at"]:
+                    await asyncio.sleep(0.05)
+        finally:
+            stop.set()
+            await asyncio.wait_for(task, timeout=10)
+        assert node["engines"] == [{"model": "coder", "gpus": ["n2-g2", "n2-g3"]}]
+
+
 async def test_with_a_node_token_state_is_materialized_on_first_use(tmp_path):
     app = make_app(tmp_path, auth=True)
     async with served(app) as http:

@@ -1,7 +1,7 @@
 """Property tests: every greedy plan over random scenarios is sound, and planning is deterministic.
 
 Scenarios come from `random_scenario` (sizes and seed drawn by hypothesis);
-some nodes lose capabilities. Besides `check_plan`, the operations are run
+some nodes lose capabilities, and on some a model's engine runs on fixed GPUs. Besides `check_plan`, the operations are run
 in random interleavings that respect `depends_on` (an operation occupies its
 destination when it starts and frees its source when it finishes), and
 capacities and last copies are checked at every step.
@@ -44,9 +44,13 @@ def scenarios(draw: st.DrawFn) -> Scenario:
     )
     node_caps = draw(st.lists(st.none() | capability_sets, min_size=-(-gpus // GPUS_PER_NODE), max_size=MAX_GPUS))
     data = scenario.model_dump(mode="json")
+    models = [m["id"] for m in data["models"]]
     for node, caps in zip(data["cluster"]["nodes"], node_caps):
         if caps is not None:  # None keeps every capability
             node["capabilities"] = caps
+        own = [g["id"] for g in node["gpus"]]
+        fixed = draw(st.lists(st.tuples(st.sampled_from(models), st.sets(st.sampled_from(own), min_size=1)), max_size=2))
+        node["engines"] = [{"model": m, "gpus": sorted(g)} for m, g in dict(fixed).items()]
     return parse_scenario(data)
 
 

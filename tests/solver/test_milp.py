@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import math
+from types import MappingProxyType
 
 import numpy as np
 import pytest
@@ -44,7 +46,7 @@ def brute_force(problem: Problem) -> float:
     """The best objective over every GPU-tier choice of a one-node cluster of dense models.
 
     Each model: off, or its weights split evenly over any subset of the node's GPUs at any precision (when
-    the node can load them). Each session's KV: on the serving GPUs or not (active sessions' KV always goes
+    the node can load them); a model whose engine runs on fixed GPUs, over those alone. Each session's KV: on the serving GPUs or not (active sessions' KV always goes
     with a served model when it fits; KV worth keeping must exist already at the serving precision). The
     lower tiers follow the greedy's rule; the evaluator prices the result.
     """
@@ -59,8 +61,11 @@ def brute_force(problem: Problem) -> float:
         for p in spec.precisions:
             obj = StateObject.weights(m, p)
             has_source = now.complete(obj, node_id, Tier.NVME) or now.complete(obj, node_id, Tier.HOST)
+            fixed = problem.nodes[node_id].engine_gpus.get(m)
             for k in range(1, len(cards) + 1):
                 for subset in itertools.combinations(cards, k):
+                    if fixed is not None and tuple(g.id for g in subset) != fixed:
+                        continue
                     shards = split_evenly(spec.weights_bytes[p], k)
                     grows = any(b > now.placement.get((obj, Location.gpu(g.id)), 0) for g, b in zip(subset, shards))
                     if all(b <= g.capacity_bytes for g, b in zip(subset, shards)) and (has_source or not grows):
@@ -231,6 +236,24 @@ def test_milp_matches_brute_force_on_tiny_random_scenarios(seed: int) -> None:
     # the model's value is what the evaluator says of the plan it decodes to
     assert details["milp_plan_objective"] == pytest.approx(details["model_objective"], rel=1e-9, abs=1e-9)
     assert plan.objective.total <= details["greedy_objective"] + 1e-6  # greedy_objective is rounded to 6 places
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_milp_matches_brute_force_with_an_engine_on_fixed_gpus(seed: int) -> None:
+    rng = np.random.default_rng(100 + seed)
+    base = random_tiny(rng, gpus=3, models=int(rng.integers(2, 4)), sessions=int(rng.integers(2, 5)))
+    model_id = sorted(base.models)[int(rng.integers(len(base.models)))]
+    cards = sorted(base.nodes["n0"].gpus)
+    fixed = tuple(sorted(rng.choice(cards, size=int(rng.integers(1, len(cards) + 1)), replace=False).tolist()))
+    node = dataclasses.replace(base.nodes["n0"], engine_gpus=MappingProxyType({model_id: fixed}))
+    problem = dataclasses.replace(base, nodes=MappingProxyType({"n0": node}))
+    best = brute_force(problem)
+    plan = solve_milp(problem, time_limit_seconds=LIMIT)
+    sound(problem, plan)
+    assert plan.status is PlanStatus.OPTIMAL
+    assert plan.extra["milp"]["model_objective"] == pytest.approx(best, rel=1e-6, abs=1e-6)
+    serving = ResidencyIndex.build(problem, plan.placement).serving.get(model_id)
+    assert serving is None or tuple(g.id for g in serving.gpus) == fixed
 
 
 def test_model_objective_is_the_evaluators_on_the_demo_hint() -> None:

@@ -434,3 +434,43 @@ def test_nodes_of_custom_gpus_that_differ_in_flops_do_not_look_alike() -> None:
     ))
     sound(problem, plan)
     assert set(gpu_bytes(plan, StateObject.weights("m", "bf16"))) == {"g2"}
+
+
+def _fixed_engine(engines: list[dict]) -> dict:
+    # the same node and model as the test above: without a fixed engine the weights spread over all four cards
+    data = scenario(
+        [{**node("n0", *(gpu(f"g{i}", 24) for i in range(4))), "engines": engines}],
+        [model("m", 8, active_params=8_000_000_000), model("other", 4)],
+        [session("s1", "m", active=True, tokens=4096), session("s2", "other", user="v", active=True)],
+        [held(weights("m"), on_nvme("n0"), 8 * GIB), held(weights("other"), on_nvme("n0"), 4 * GIB)],
+    )
+    return data
+
+
+def test_a_model_whose_engine_runs_on_fixed_gpus_is_served_only_from_them() -> None:
+    problem, plan = plan_for(_fixed_engine([{"model": "m", "gpus": ["g1", "g2"]}]))
+    sound(problem, plan)
+    assert gpu_bytes(plan, StateObject.weights("m", "bf16")) == {"g1": 4 * GIB, "g2": 4 * GIB}
+    assert set(gpu_bytes(plan, StateObject.kv("m", "s1"))) == {"g1", "g2"}
+    # a model without a fixed engine still takes the widest group
+    assert set(gpu_bytes(plan, StateObject.weights("other", "bf16"))) == {"g0", "g1", "g2", "g3"}
+
+
+def test_a_fixed_engine_too_small_for_its_model_leaves_it_unserved_there() -> None:
+    # 8 GiB of weights on one 24 GiB card fit, but not with a min_gpus of 2 on that card type
+    data = _fixed_engine([{"model": "m", "gpus": ["g3"]}])
+    data["cluster"]["nodes"][0]["gpus"] = [{**g, "type": None} for g in data["cluster"]["nodes"][0]["gpus"]]
+    data["models"][0]["min_gpus"] = {"custom": 2}
+    problem, plan = plan_for(data)
+    sound(problem, plan)
+    assert gpu_bytes(plan, StateObject.weights("m", "bf16")) == {}
+    assert "s1" in plan.unserved
+
+
+def test_the_checker_refuses_weights_moved_outside_an_engine_s_gpus() -> None:
+    problem, plan = plan_for(_fixed_engine([{"model": "m", "gpus": ["g1", "g2"]}]))
+    moved = dict(plan.placement)
+    del moved[(StateObject.weights("m", "bf16"), Location.gpu("g2"))]
+    moved[(StateObject.weights("m", "bf16"), Location.gpu("g3"))] = 4 * GIB
+    errors = check_plan(problem, moved, build_operations(problem, moved), plan.unserved)
+    assert any(e.startswith("engine: weights(m, bf16) gains bytes on gpu:g3") for e in errors)

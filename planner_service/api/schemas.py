@@ -71,7 +71,10 @@ class RegisterOut(BaseModel):
     node: str
     registered_at: str | None
     capabilities: list[str]
-    engines: list[dict[str, Any]] = Field(description="The node's engines on fixed GPUs: {model, gpus}.")
+    engines: list[dict[str, Any]] | None = Field(
+        description="The models the node serves through its engines, {model, gpus} (gpus: fixed ones, or empty); "
+        "null: any model, on any group."
+    )
     gpus: list[str]
     lease_seconds: float
     warnings: list[str]

@@ -45,8 +45,13 @@ class Node:
     nvme_write_bytes_per_s: float
     capabilities: frozenset[Capability]
     gpus: tuple[str, ...]
-    # model -> the GPU ids (sorted) of its engine here, where it runs on fixed GPUs (`NodeIn.engines`)
+    # the models it can serve, where it serves them only through its engines (None: any; `NodeIn.engines`)
+    serves: frozenset[str] | None = None
+    # model -> the GPU ids (sorted) of its engine here, where that runs on fixed GPUs
     engine_gpus: Mapping[str, tuple[str, ...]] = field(default_factory=lambda: MappingProxyType({}))
+
+    def can_serve(self, model_id: str) -> bool:
+        return self.serves is None or model_id in self.serves
 
 
 @dataclass(frozen=True, slots=True)
@@ -227,7 +232,8 @@ def compile_problem(scenario: Scenario, next_model: Mapping[str, Mapping[str, fl
             nvme_write_bytes_per_s=n.nvme_write_bytes_per_s or DEFAULT_NVME_WRITE_BYTES_PER_S,
             capabilities=frozenset(n.capabilities),
             gpus=tuple(g.id for g in n.gpus),
-            engine_gpus=MappingProxyType({e.model: tuple(sorted(e.gpus)) for e in n.engines}),
+            serves=None if n.engines is None else frozenset(e.model for e in n.engines),
+            engine_gpus=MappingProxyType({e.model: tuple(sorted(e.gpus)) for e in n.engines or [] if e.gpus}),
         )
         for n in scenario.cluster.nodes
     }

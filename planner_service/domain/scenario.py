@@ -66,12 +66,15 @@ class GpuSpecIn(_Strict):
         return self
 
 
-class EngineGroupIn(_Strict):
-    """A model's engine launched on fixed GPUs of its node, as vLLM and SGLang engines are (tensor parallel):
-    it can wake, sleep or reload there, but not move to other cards."""
+class NodeEngineIn(_Strict):
+    """An inference engine of the node and the model it serves, where models are served only through such
+    engines (vLLM, SGLang): launched with tensor parallelism on fixed GPUs, it can wake, sleep or reload
+    there, but not move to other cards."""
 
     model: str
-    gpus: list[str] = Field(min_length=1, description="The GPU ids of the engine's tensor-parallel group.")
+    gpus: list[str] = Field(
+        default_factory=list, description="The GPU ids it runs on (its tensor-parallel group); empty: any group."
+    )
 
 
 class NodeIn(_Strict):
@@ -82,17 +85,18 @@ class NodeIn(_Strict):
     nvme_write_bytes_per_s: PosFloat | None = None
     capabilities: list[Capability] = Field(default_factory=lambda: list(ALL_CAPABILITIES))
     gpus: list[GpuSpecIn] = Field(default_factory=list)
-    engines: list[EngineGroupIn] = Field(
-        default_factory=list,
-        description="Models whose engine on this node runs on fixed GPUs: the planner serves each here only "
-        "from those GPUs. A model without an entry may take any group of the node's GPUs.",
+    engines: list[NodeEngineIn] | None = Field(
+        None,
+        description="The node's engines, where it serves models only through them: only their models are "
+        "served here, each from its engine's GPUs where they are given. None: any model, on any group.",
     )
 
     @model_validator(mode="after")
     def _engines_on_own_gpus(self) -> NodeIn:
         own = {g.id for g in self.gpus}
-        _require_unique([e.model for e in self.engines], "engine model")
-        for i, engine in enumerate(self.engines):
+        engines = self.engines or []
+        _require_unique([e.model for e in engines], "engine model")
+        for i, engine in enumerate(engines):
             _require_unique(engine.gpus, f"GPU in engines[{i}].gpus")
             for j, gpu in enumerate(engine.gpus):
                 if gpu not in own:
@@ -263,7 +267,7 @@ class Scenario(_Strict):
         nodes = {n.id for n in self.cluster.nodes}
         gpus = {g.id for n in self.cluster.nodes for g in n.gpus}
         for i, n in enumerate(self.cluster.nodes):
-            for j, engine in enumerate(n.engines):
+            for j, engine in enumerate(n.engines or []):
                 if engine.model not in known_models:
                     raise ValueError(
                         f"cluster.nodes[{i}].engines[{j}].model: unknown model {engine.model!r}; known: {sorted(known_models)}"

@@ -175,7 +175,9 @@ def gpu_hold_cost(nbytes: int, constants: CostConstants) -> float:
 
 def cold_group(problem: Problem, model: ModelSpec, precision: str, node: Node) -> tuple[Gpu, ...] | None:
     """The GPUs of `node` a cold load of the model would use: the fewest, largest cards that hold it, or its
-    engine's GPUs where it runs on fixed ones (None if they cannot hold it)."""
+    engine's GPUs where it runs on fixed ones (None if they cannot hold it, or the node cannot serve it)."""
+    if not node.can_serve(model.id):
+        return None
     nbytes = model.weights_bytes[precision]
     fixed = node.engine_gpus.get(model.id)
     if fixed is not None:

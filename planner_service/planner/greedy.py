@@ -405,9 +405,9 @@ class GreedyPlanner:
         return tier
 
     def _may_serve_from(self, model: ModelSpec, node_id: str, gpus: tuple[Gpu, ...]) -> bool:
-        """A model whose engine runs on fixed GPUs of the node serves there only from them."""
+        """Whether the node serves the model, and from these GPUs (its engine's, where those are fixed)."""
         fixed = self._fixed_groups[node_id].get(model.id)
-        return fixed is None or fixed == gpus
+        return self.p.nodes[node_id].can_serve(model.id) and (fixed is None or fixed == gpus)
 
     def _cold_group(self, model: ModelSpec, precision: str, node: str) -> tuple[Gpu, ...] | None:
         key = (model.id, precision, node)
@@ -792,8 +792,11 @@ class GreedyPlanner:
         usually wins; the fewest GPUs (the tightest fit) stays on offer for
         nodes of unlike cards, where a wide group may leave a large card's room
         in small pieces. A model whose engine runs on fixed GPUs of the node
-        has that group alone, where it fits.
+        has that group alone, where it fits; a node serving through engines
+        none of which serves the model has none.
         """
+        if not self.p.nodes[node_id].can_serve(model.id):
+            return []
         fixed = self._fixed_groups[node_id].get(model.id)
         if fixed is not None:
             share = math.ceil(nbytes / len(fixed))
@@ -1075,6 +1078,8 @@ class GreedyPlanner:
         return served
 
     def _why_unplaceable(self, model: ModelSpec) -> str:
+        if not any(n.can_serve(model.id) for n in self.p.nodes.values()):
+            return f"no engine: every node serves through engines, and none has one for {model.id}"
         smallest = min(model.weights_bytes[p] for p in model.precisions)
         largest_group = max(
             (sum(self.p.gpus[g].capacity_bytes for g in n.gpus) for n in self.p.nodes.values()), default=0

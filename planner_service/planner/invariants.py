@@ -11,9 +11,9 @@ is sound):
   * the operations replay from the confirmed placement to the target, stay
     inside one node, come in a topological order, and free a copy only after
     the operations reading it;
-  * nodes are only asked for moves their engines can carry out, and a model
-    whose engine runs on fixed GPUs gains no weights or experts on other
-    GPUs of that node.
+  * nodes are only asked for moves their engines can carry out: a model
+    gains no weights or experts on the GPUs of a node that has no engine for
+    it, nor outside its engine's GPUs where those are fixed.
 """
 
 from __future__ import annotations
@@ -227,9 +227,13 @@ def _engine_groups(problem: Problem, target: Mapping[tuple[StateObject, Location
     for (obj, loc), nbytes in sorted(target.items(), key=lambda item: (item[0][0].label(), item[0][1].label())):
         if loc.tier is not Tier.GPU or obj.kind is Kind.KV:
             continue
+        if nbytes <= problem.residency.get((obj, loc), 0):
+            continue
         node = problem.nodes[problem.gpus[loc.id].node]
         fixed = node.engine_gpus.get(obj.model)
-        if fixed is not None and loc.id not in fixed and nbytes > problem.residency.get((obj, loc), 0):
+        if not node.can_serve(obj.model):
+            errors.append(f"engine: {obj.label()} gains bytes on {loc.label()}, but node {node.id} has no engine for {obj.model}")
+        elif fixed is not None and loc.id not in fixed:
             errors.append(
                 f"engine: {obj.label()} gains bytes on {loc.label()}, outside the GPUs of {obj.model}'s engine on node "
                 f"{node.id} ({', '.join(fixed)})"

@@ -46,9 +46,10 @@ def _drop_residency(data: ScenarioData, keep) -> None:
 
 
 def _drop_engines(data: ScenarioData, keep) -> None:
-    """Forget the engines on fixed GPUs that lose their model or a GPU."""
+    """Forget the engines that lose their model or a GPU (a node serving through its engines keeps the rest)."""
     for node in data["cluster"]["nodes"]:
-        node["engines"] = [e for e in node.get("engines", []) if keep(e)]
+        if node.get("engines") is not None:
+            node["engines"] = [e for e in node["engines"] if keep(e)]
 
 
 def nvme_copies(data: ScenarioData, model: ModelIn, nodes: list[str] | None, where: str) -> None:

@@ -950,13 +950,13 @@ class ClusterService:
                     warnings.append(f"gpus[{i}].type: {g.type!r}, the topology says {known[g.id]['type']!r}")
             if body.gpus:
                 warnings += [f"gpu {gid!r} of the topology was not reported" for gid in sorted(set(known) - seen)]
-            engines = self._fixed_engines(body, set(known))
+            engines = self._node_engines(body, set(known))
             batch = Batch()
             changed = False
             if body.capabilities is not None and sorted(body.capabilities) != sorted(node.get("capabilities", [])):
                 node["capabilities"] = [c.value for c in body.capabilities]
                 changed = True
-            if engines != node.get("engines", []):
+            if engines != node.get("engines"):
                 node["engines"] = engines
                 changed = True
             if changed:
@@ -972,19 +972,18 @@ class ClusterService:
                 "node": node_id,
                 "registered_at": iso(now),
                 "capabilities": node.get("capabilities", []),
-                "engines": node.get("engines", []),
+                "engines": node.get("engines"),
                 "gpus": sorted(known),
                 "lease_seconds": self._lease_seconds,
                 "warnings": warnings,
             }
 
-    def _fixed_engines(self, body: RegisterIn, node_gpus: set[str]) -> list[dict[str, Any]]:
-        """The registration's engines on fixed GPUs as the node's `engines` (one entry per model), checked."""
+    def _node_engines(self, body: RegisterIn, node_gpus: set[str]) -> list[dict[str, Any]] | None:
+        """The node's `engines` from a registration, checked: an entry per model its engines serve, with the
+        GPUs of an engine launched on fixed ones; None where no engine names a model (any model, any group)."""
         models = {m["id"] for m in self._base["models"]}
         out: dict[str, dict[str, Any]] = {}
         for i, engine in enumerate(body.engines):
-            if not engine.gpus:
-                continue
             for j, gpu in enumerate(engine.gpus):
                 if gpu not in node_gpus:
                     raise InvalidInput(
@@ -999,14 +998,14 @@ class ClusterService:
                         f"engines[{i}].models[{j}]: unknown model {model!r}; known: {sorted(models)}",
                         field=f"engines.{i}.models.{j}",
                     )
-                if model in out and sorted(out[model]["gpus"]) != sorted(engine.gpus):
+                if model in out and out[model]["gpus"] != sorted(engine.gpus):
                     raise InvalidInput(
-                        f"engines[{i}].models[{j}]: {model!r} already runs on {out[model]['gpus']} here; the planner "
-                        "serves a model from one group per node",
+                        f"engines[{i}].models[{j}]: {model!r} has another engine here, on {out[model]['gpus'] or 'any GPUs'}; "
+                        "the planner serves a model from one group per node",
                         field=f"engines.{i}.models.{j}",
                     )
                 out[model] = {"model": model, "gpus": sorted(engine.gpus)}
-        return [out[m] for m in sorted(out)]
+        return [out[m] for m in sorted(out)] if out else None
 
     def heartbeat(self, node_id: str, body: HeartbeatIn) -> dict[str, Any]:
         self._require_ready()
@@ -1091,7 +1090,9 @@ class ClusterService:
                         "nvme_read_bytes_per_s": n.nvme_read_bytes_per_s,
                         "nvme_write_bytes_per_s": n.nvme_write_bytes_per_s,
                         "capabilities": sorted(c.value for c in n.capabilities),
-                        "engines": [{"model": m, "gpus": list(gpus)} for m, gpus in sorted(n.engine_gpus.items())],
+                        "engines": None if n.serves is None else [
+                            {"model": m, "gpus": list(n.engine_gpus.get(m, ()))} for m in sorted(n.serves)
+                        ],
                         "calibrated": self._calibration["nodes"].get(n.id, {}),
                         "registered_at": info.get("registered_at"),
                         "last_heartbeat": info.get("last_heartbeat"),

@@ -99,7 +99,9 @@ class RegisterIn(_In):
     host_dram_bytes: NonNegInt | None = None
     nvme_bytes: NonNegInt | None = None
     engines: list[EngineIn] = Field(
-        default_factory=list, description="The node's engines; those on fixed GPUs replace the node's `engines`."
+        default_factory=list,
+        description="The node's engines. Where they name models, the node serves only those (each from its "
+        "engine's `gpus` where given); where none does, any model on any group.",
     )
     agent_version: str | None = None
 

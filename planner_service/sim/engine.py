@@ -172,10 +172,10 @@ class Simulator:
         expert_miss_decode: bool = True,
         closed_loop: bool = True,
     ) -> None:
-        fixed = [f"cluster.nodes[{i}].engines" for i, n in enumerate(scenario.cluster.nodes) if n.engines]
+        fixed = [f"cluster.nodes[{i}].engines" for i, n in enumerate(scenario.cluster.nodes) if n.engines is not None]
         if fixed:  # its policies start engines where they load a model, on groups of their choosing
-            raise ValueError(f"{', '.join(fixed)}: the simulator starts engines on the groups its policies choose; "
-                             "replay a scenario without engines on fixed GPUs")
+            raise ValueError(f"{', '.join(fixed)}: the simulator starts engines for any model on the groups its "
+                             "policies choose; replay a scenario whose nodes list no engines")
         self.scenario = scenario
         self.problem = base_problem(scenario)
         self.c = self.problem.constants

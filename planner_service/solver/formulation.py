@@ -335,6 +335,8 @@ class _Builder:
             nbytes = model.weights_bytes[precision]
             for node_id in sorted(self.p.nodes):
                 node = self.p.nodes[node_id]
+                if not node.can_serve(model.id):
+                    continue
                 fixed = node.engine_gpus.get(model.id)
                 if fixed is not None:  # its engine runs on fixed GPUs here: that group or none on this node
                     groups = [tuple(self.p.gpus[g] for g in fixed)]

@@ -17,7 +17,8 @@ Sets
         ones), the group serving m now and the greedy's group, kept when
         |g_o| >= min_gpus, the even shard w_{m,p}/|g_o| fits each card, and
         the node holds a complete copy to load from (unless no shard grows).
-        Where m's engine runs on fixed GPUs E_{m,n} of n, g_o = E_{m,n} only.
+        Where m's engine runs on fixed GPUs E_{m,n} of n, g_o = E_{m,n} only;
+        none on a node that serves through engines none of which serves m.
     K_{m,o} sessions whose KV may sit on g_o: A_m, plus s in D_m whose KV for
         m exists on n_o now, when p_o does not invalidate it (a precision
         change drops KV, as the greedy does).

@@ -1,7 +1,8 @@
 """Property tests: every greedy plan over random scenarios is sound, and planning is deterministic.
 
 Scenarios come from `random_scenario` (sizes and seed drawn by hypothesis);
-some nodes lose capabilities, and on some a model's engine runs on fixed GPUs. Besides `check_plan`, the operations are run
+some nodes lose capabilities, and some serve only the models of their engines, some of those on
+fixed GPUs. Besides `check_plan`, the operations are run
 in random interleavings that respect `depends_on` (an operation occupies its
 destination when it starts and frees its source when it finishes), and
 capacities and last copies are checked at every step.
@@ -48,9 +49,11 @@ def scenarios(draw: st.DrawFn) -> Scenario:
     for node, caps in zip(data["cluster"]["nodes"], node_caps):
         if caps is not None:  # None keeps every capability
             node["capabilities"] = caps
+        # engines: none listed (any model, any group), or the models it serves, each on fixed GPUs or any
         own = [g["id"] for g in node["gpus"]]
-        fixed = draw(st.lists(st.tuples(st.sampled_from(models), st.sets(st.sampled_from(own), min_size=1)), max_size=2))
-        node["engines"] = [{"model": m, "gpus": sorted(g)} for m, g in dict(fixed).items()]
+        engines = draw(st.none() | st.lists(st.tuples(st.sampled_from(models), st.sets(st.sampled_from(own))), max_size=3))
+        if engines is not None:
+            node["engines"] = [{"model": m, "gpus": sorted(g)} for m, g in dict(engines).items()]
     return parse_scenario(data)
 
 

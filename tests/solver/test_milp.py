@@ -46,7 +46,8 @@ def brute_force(problem: Problem) -> float:
     """The best objective over every GPU-tier choice of a one-node cluster of dense models.
 
     Each model: off, or its weights split evenly over any subset of the node's GPUs at any precision (when
-    the node can load them); a model whose engine runs on fixed GPUs, over those alone. Each session's KV: on the serving GPUs or not (active sessions' KV always goes
+    the node can load them); a model whose engine runs on fixed GPUs, over those alone; a model without an
+    engine on a node that serves only its engines' models, off. Each session's KV: on the serving GPUs or not (active sessions' KV always goes
     with a served model when it fits; KV worth keeping must exist already at the serving precision). The
     lower tiers follow the greedy's rule; the evaluator prices the result.
     """
@@ -62,6 +63,8 @@ def brute_force(problem: Problem) -> float:
             obj = StateObject.weights(m, p)
             has_source = now.complete(obj, node_id, Tier.NVME) or now.complete(obj, node_id, Tier.HOST)
             fixed = problem.nodes[node_id].engine_gpus.get(m)
+            if not problem.nodes[node_id].can_serve(m):
+                break  # no engine for it on the node: off
             for k in range(1, len(cards) + 1):
                 for subset in itertools.combinations(cards, k):
                     if fixed is not None and tuple(g.id for g in subset) != fixed:
@@ -240,20 +243,24 @@ def test_milp_matches_brute_force_on_tiny_random_scenarios(seed: int) -> None:
 
 @pytest.mark.parametrize("seed", range(4))
 def test_milp_matches_brute_force_with_an_engine_on_fixed_gpus(seed: int) -> None:
+    # the node serves through its engines: one model's on fixed GPUs, another model without one
     rng = np.random.default_rng(100 + seed)
-    base = random_tiny(rng, gpus=3, models=int(rng.integers(2, 4)), sessions=int(rng.integers(2, 5)))
-    model_id = sorted(base.models)[int(rng.integers(len(base.models)))]
+    base = random_tiny(rng, gpus=3, models=3, sessions=int(rng.integers(2, 5)))
+    model_id, other, _ = rng.permutation(sorted(base.models)).tolist()
     cards = sorted(base.nodes["n0"].gpus)
     fixed = tuple(sorted(rng.choice(cards, size=int(rng.integers(1, len(cards) + 1)), replace=False).tolist()))
-    node = dataclasses.replace(base.nodes["n0"], engine_gpus=MappingProxyType({model_id: fixed}))
+    node = dataclasses.replace(
+        base.nodes["n0"], serves=frozenset(base.models) - {other}, engine_gpus=MappingProxyType({model_id: fixed})
+    )
     problem = dataclasses.replace(base, nodes=MappingProxyType({"n0": node}))
     best = brute_force(problem)
     plan = solve_milp(problem, time_limit_seconds=LIMIT)
     sound(problem, plan)
     assert plan.status is PlanStatus.OPTIMAL
     assert plan.extra["milp"]["model_objective"] == pytest.approx(best, rel=1e-6, abs=1e-6)
-    serving = ResidencyIndex.build(problem, plan.placement).serving.get(model_id)
-    assert serving is None or tuple(g.id for g in serving.gpus) == fixed
+    serving = ResidencyIndex.build(problem, plan.placement).serving
+    assert model_id not in serving or tuple(g.id for g in serving[model_id].gpus) == fixed
+    assert other not in serving
 
 
 def test_model_objective_is_the_evaluators_on_the_demo_hint() -> None:

@@ -448,12 +448,20 @@ def _fixed_engine(engines: list[dict]) -> dict:
 
 
 def test_a_model_whose_engine_runs_on_fixed_gpus_is_served_only_from_them() -> None:
-    problem, plan = plan_for(_fixed_engine([{"model": "m", "gpus": ["g1", "g2"]}]))
+    problem, plan = plan_for(_fixed_engine([{"model": "m", "gpus": ["g1", "g2"]}, {"model": "other"}]))
     sound(problem, plan)
     assert gpu_bytes(plan, StateObject.weights("m", "bf16")) == {"g1": 4 * GIB, "g2": 4 * GIB}
     assert set(gpu_bytes(plan, StateObject.kv("m", "s1"))) == {"g1", "g2"}
-    # a model without a fixed engine still takes the widest group
+    # a model whose engine may take any GPUs still takes the widest group
     assert set(gpu_bytes(plan, StateObject.weights("other", "bf16"))) == {"g0", "g1", "g2", "g3"}
+
+
+def test_a_node_serving_through_engines_serves_no_model_without_one() -> None:
+    problem, plan = plan_for(_fixed_engine([{"model": "m", "gpus": ["g1", "g2"]}]))
+    sound(problem, plan)
+    assert gpu_bytes(plan, StateObject.weights("other", "bf16")) == {}
+    assert "s1" not in plan.unserved
+    assert plan.unserved["s2"].startswith("no engine: every node serves through engines, and none has one for other")
 
 
 def test_a_fixed_engine_too_small_for_its_model_leaves_it_unserved_there() -> None:
@@ -472,5 +480,7 @@ def test_the_checker_refuses_weights_moved_outside_an_engine_s_gpus() -> None:
     moved = dict(plan.placement)
     del moved[(StateObject.weights("m", "bf16"), Location.gpu("g2"))]
     moved[(StateObject.weights("m", "bf16"), Location.gpu("g3"))] = 4 * GIB
+    moved[(StateObject.weights("other", "bf16"), Location.gpu("g0"))] = 4 * GIB
     errors = check_plan(problem, moved, build_operations(problem, moved), plan.unserved)
-    assert any(e.startswith("engine: weights(m, bf16) gains bytes on gpu:g3") for e in errors)
+    assert any(e.startswith("engine: weights(m, bf16) gains bytes on gpu:g3, outside") for e in errors)
+    assert any(e.startswith("engine: weights(other, bf16) gains bytes on gpu:g0, but node n0 has no engine") for e in errors)

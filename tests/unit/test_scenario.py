@@ -68,7 +68,7 @@ def test_moe_preset_splits_dense_and_experts() -> None:
         (lambda d: d.update(residency=[{"object": {"kind": "experts", "model": "m"},
                                          "location": {"tier": "gpu", "gpu": "g9"}, "bytes": 1}]), "residency[0].location.gpu"),
         (lambda d: d["cluster"]["nodes"][0].update(engines=[{"model": "m", "gpus": ["g9"]}]), "engines[0].gpus[0]"),
-        (lambda d: d["cluster"]["nodes"][0].update(engines=[{"model": "m", "gpus": []}]), "cluster.nodes.0.engines.0.gpus"),
+        (lambda d: d["cluster"]["nodes"][0].update(engines=[{"model": "m", "gpus": "g1"}]), "cluster.nodes.0.engines.0.gpus"),
         (lambda d: d["cluster"]["nodes"][0].update(engines=[{"model": "nope", "gpus": ["g1"]}]), "cluster.nodes[0].engines[0].model"),
         (lambda d: d["cluster"]["nodes"][0].update(engines=[{"model": "m", "gpus": ["g1"]}] * 2), "duplicate engine model 'm'"),
     ],
@@ -117,9 +117,13 @@ def test_demo_is_the_target_cluster_under_memory_pressure() -> None:
     assert demo_scenario_json()["cluster"]["nodes"][0]["id"] == "n1"
 
 
-def test_an_engine_on_fixed_gpus_resolves_to_its_node() -> None:
+def test_a_node_s_engines_resolve_to_the_models_it_serves_and_their_gpus() -> None:
     data = minimal()
     data["cluster"]["nodes"][0]["gpus"].append({"id": "g0", "type": "l40"})
     data["cluster"]["nodes"][0]["engines"] = [{"model": "m", "gpus": ["g1", "g0"]}]
     node = compile_problem(parse_scenario(data), {}).nodes["n1"]
-    assert dict(node.engine_gpus) == {"m": ("g0", "g1")}
+    assert dict(node.engine_gpus) == {"m": ("g0", "g1")} and node.serves == {"m"}
+    assert node.can_serve("m") and not node.can_serve("other")
+    del data["cluster"]["nodes"][0]["engines"]  # no engines listed: any model, on any group
+    node = compile_problem(parse_scenario(data), {}).nodes["n1"]
+    assert node.serves is None and node.can_serve("other") and not node.engine_gpus

@@ -58,6 +58,13 @@ class Settings(BaseSettings):
     unpin_after_seconds: float = Field(
         60.0, ge=0, description="A model that served recently stays on its node unless a request has waited this long for it."
     )
+    failed_move_backoff_seconds: float = Field(
+        30.0, gt=0, description="A move a node reported failed waits this long before a plan queues it again; "
+        "each further failure doubles the wait."
+    )
+    failed_move_backoff_max_seconds: float = Field(
+        3600.0, gt=0, description="The longest a failed move waits before a plan queues it again."
+    )
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Log level.")
 
     @model_validator(mode="after")

@@ -63,6 +63,8 @@ def create_app(
         demand_seats=settings.demand_seats,
         demand_min_requests=settings.demand_min_requests,
         unpin_after_seconds=settings.unpin_after_seconds,
+        failed_move_backoff_seconds=settings.failed_move_backoff_seconds,
+        failed_move_backoff_max_seconds=settings.failed_move_backoff_max_seconds,
         clock=clock or time.time,
     )
     metrics.watch(service.metrics_snapshot)

@@ -62,6 +62,7 @@ from planner_service.planner.registry import solve
 from planner_service.planner.residency import ResidencyIndex
 from planner_service.planner.srv import srv_entries
 from planner_service.service import changes as edits
+from planner_service.service.backoff import FailedMoves
 from planner_service.service.errors import (
     Conflict,
     Forbidden,
@@ -129,6 +130,8 @@ class ClusterService:
         demand_seats: int = 10,
         demand_min_requests: int = 1000,
         unpin_after_seconds: float = 60.0,
+        failed_move_backoff_seconds: float = 30.0,
+        failed_move_backoff_max_seconds: float = 3600.0,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self._store = store
@@ -146,6 +149,8 @@ class ClusterService:
         self._listeners: list[Callable[[], None]] = []
         self.urgent = threading.Event()  # set when a request waits for a model served nowhere, or the plan broke
         self._force_replan = False
+        self._failed_moves = FailedMoves(failed_move_backoff_seconds, failed_move_backoff_max_seconds)
+        self._held_until: float | None = None  # when the first move the plan holds back may be queued again
         self._ready = False
         self.broken: str | None = None  # why the service stopped serving (a failed database write)
         self._changes = 0
@@ -273,6 +278,8 @@ class ClusterService:
         self._epoch = int(meta.get("epoch", 0))
         self._plan_doc = meta.get("plan")
         self._plan_placement = placement_from_json(self._plan_doc["placement"]) if self._plan_doc else {}
+        # the failures that held moves back are not kept: the first replan queues them once more
+        self._held_until = self._clock() if self._plan_doc and self._plan_doc.get("held_back") else None
         self._calibration = meta.get("calibration", {"gpus": {}, "nodes": {}})
         self._nodes_info = meta.get("nodes", {})
         self._sessions = {k: SessionState.from_json(v) for k, v in stored.sessions.items()}
@@ -460,7 +467,8 @@ class ClusterService:
                     data, next_model, inflight = self._planning_snapshot(stand_ins=True)
                     usage = self._usage()
                     marker = self._marker()
-                    force = force or self._force_replan
+                    held_due = self._held_until is not None and usage.now >= self._held_until
+                    force = force or self._force_replan or held_due
                     self.urgent.clear()
                 try:
                     problem = self._compile(data, next_model)
@@ -521,8 +529,11 @@ class ClusterService:
         now = self._clock()
         epoch = self._epoch + 1
         rename = {op.id: f"{epoch}.{op.id}" for op in plan.operations}
+        held = self._failed_moves.hold_back(plan.operations, now)
         records: list[OpRecord] = []
         for seq, op in enumerate(plan.operations):
+            if op.id in held:
+                continue
             deps = [rename[d] for d in op.depends_on]
             for r in inflight:  # a new operation must not race one still in flight
                 frees_dest = op.dest is not None and r.op.frees() == op.dest
@@ -550,6 +561,17 @@ class ClusterService:
             batch.operations[r.id] = r.to_json()
         doc = plan.to_json()
         doc["operations"] = [r.op.to_json() for r in records]
+        doc["held_back"] = [
+            {
+                "operation": dataclasses.replace(op, id=rename[op.id], depends_on=[rename[d] for d in op.depends_on]).to_json(),
+                "until": iso(held[op.id].until),
+                "failures": held[op.id].count,
+                "error": held[op.id].error,
+            }
+            for op in plan.operations
+            if op.id in held
+        ]
+        self._held_until = min((f.until for f in held.values()), default=None)
         doc["epoch"] = epoch
         doc["planned_at"] = iso(now)
         doc["based_on_srv_version"] = self._srv_version
@@ -694,10 +716,15 @@ class ClusterService:
             self._open_ops.discard(op_id)
             batch = Batch(operations={op_id: r.to_json()})
             if r.state is OpState.DONE:
+                self._failed_moves.succeeded(r.op)
                 self._confirm(r, now, batch)
             else:
-                self._wake(force=True)
-                log.warning("operation %s failed on %s: %s", op_id, r.node, body.error)
+                failures = self._failed_moves.failed(r.op, now, body.error)
+                self._wake(force=True)  # the next plan holds the move back until then
+                log.warning(
+                    "operation %s failed on %s (%d time(s); held back until %s): %s",
+                    op_id, r.node, failures.count, iso(failures.until), body.error,
+                )
             self._write(batch)
             if body.measured_seconds is not None:
                 self._metrics.operation_duration.labels(r.op.action.value, r.state.value).observe(body.measured_seconds)

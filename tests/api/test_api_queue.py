@@ -141,6 +141,48 @@ def test_failed_report_is_recorded_and_replanned(tiny):
     assert tiny.get("/v1/plan").json()["epoch"] == epoch + 1
 
 
+def _move(op):
+    return op["action"], json.dumps(op["object"], sort_keys=True), json.dumps(op["from"]), json.dumps(op["to"])
+
+
+def test_a_failed_move_is_held_back_with_its_dependents_and_queued_again_after_a_doubling_wait(make_app):
+    app = make_app(tiny=True)
+    service = app.client.app.state.service
+    busy_tiny(app)
+    lease = app.lease("n1").json()
+    drop = lease["operations"][0]
+    app.report(drop["id"], lease["lease_id"], status="failed", error="engine refused")
+    service.replan()  # what the loop does next: a failure forces a new epoch
+    plan = app.get("/v1/plan").json()
+    held = {_move(h["operation"]): h for h in plan["held_back"]}
+    assert _move(drop) in held and held[_move(drop)]["failures"] == 1 and held[_move(drop)]["error"] == "engine refused"
+    assert not any(_move(op) in held for op in plan["operations"])
+    # everything on n1 waited for that drop: nothing there to lease while it is held back
+    assert len(held) > 1 and all(h["operation"]["node"] == "n1" for h in held.values())
+    assert app.lease("n1").json()["operations"] == []
+    # no new epoch for the same plan while the move waits (no churn), one once the wait is over
+    app.clock.advance(29)
+    assert service.replan()["changed"] is False
+    app.clock.advance(2)
+    assert service.replan()["changed"] is True
+    plan = app.get("/v1/plan").json()
+    assert plan["held_back"] == [] and _move(drop) in {_move(op) for op in plan["operations"]}
+    # a second failure waits twice as long
+    lease = app.lease("n1").json()
+    again = next(op for op in lease["operations"] if _move(op) == _move(drop))
+    app.report(again["id"], lease["lease_id"], status="failed", error="engine refused")
+    service.replan()
+    (held,) = [h for h in app.get("/v1/plan").json()["held_back"] if _move(h["operation"]) == _move(drop)]
+    assert held["failures"] == 2
+    app.clock.advance(59)
+    assert service.replan()["changed"] is False
+    app.client.__exit__(None, None, None)
+
+    restarted = make_app(clock=app.clock)  # the failures are not kept: its first plan queues the move once more
+    plan = restarted.get("/v1/plan").json()
+    assert plan["held_back"] == [] and _move(drop) in {_move(op) for op in plan["operations"]}
+
+
 def test_long_poll_waits_and_wakes_when_work_becomes_ready(tiny):
     busy_tiny(tiny)
     lease = tiny.lease("n1").json()

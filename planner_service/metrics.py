@@ -31,7 +31,7 @@ class StateSnapshot:
     resident_bytes: dict[tuple[str, str, str], int] = field(default_factory=dict)  # (model, state, tier)
     gpu_used_bytes: dict[tuple[str, str], int] = field(default_factory=dict)  # (node, gpu)
     gpu_capacity_bytes: dict[tuple[str, str], int] = field(default_factory=dict)  # (node, gpu)
-    queue: dict[tuple[str, str, str], int] = field(default_factory=dict)  # (node, priority, state)
+    queue: dict[tuple[str, str, str], int] = field(default_factory=dict)  # (node, priority, state or held_back)
     predicted_p95_seconds: float = 0.0
     unserved_sessions: int = 0
     plan_epoch: int = 0
@@ -63,7 +63,7 @@ class _StateCollector(Collector):
             used.add_metric([node, gpu], snap.gpu_used_bytes.get((node, gpu), 0))
         queue = GaugeMetricFamily(
             "statebudget_queue_operations",
-            "Operations waiting (queued) or in flight (leased) per node and priority.",
+            "Operations waiting (queued), in flight (leased) or held back after a failure (held_back) per node and priority.",
             labels=["node", "priority", "state"],
         )
         for (node, priority, state), value in sorted(snap.queue.items()):

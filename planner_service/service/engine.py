@@ -1231,6 +1231,9 @@ class ClusterService:
                 key = (r.node, r.op.priority.value, r.state.value)
                 snap.queue[key] = snap.queue.get(key, 0) + 1
             if self._plan_doc is not None:
+                for held in self._plan_doc.get("held_back", []):
+                    key = (held["operation"]["node"], held["operation"]["priority"], "held_back")
+                    snap.queue[key] = snap.queue.get(key, 0) + 1
                 snap.predicted_p95_seconds = float(self._plan_doc["predicted"]["switch_latency_p95_seconds"])
                 snap.unserved_sessions = len(self._plan_doc["unserved"])
             snap.plan_epoch = self._epoch

@@ -160,6 +160,11 @@ def test_a_failed_move_is_held_back_with_its_dependents_and_queued_again_after_a
     # everything on n1 waited for that drop: nothing there to lease while it is held back
     assert len(held) > 1 and all(h["operation"]["node"] == "n1" for h in held.values())
     assert app.lease("n1").json()["operations"] == []
+    held_gauge = sum(
+        app.metric("statebudget_queue_operations", node="n1", priority=p, state="held_back") or 0
+        for p in ("blocking", "interactive", "background", "prefetch")
+    )
+    assert held_gauge == len(held)
     # no new epoch for the same plan while the move waits (no churn), one once the wait is over
     app.clock.advance(29)
     assert service.replan()["changed"] is False

@@ -1117,9 +1117,7 @@ class ClusterService:
                         "nvme_read_bytes_per_s": n.nvme_read_bytes_per_s,
                         "nvme_write_bytes_per_s": n.nvme_write_bytes_per_s,
                         "capabilities": sorted(c.value for c in n.capabilities),
-                        "engines": None if n.serves is None else [
-                            {"model": m, "gpus": list(n.engine_gpus.get(m, ()))} for m in sorted(n.serves)
-                        ],
+                        "engines": raw.get("engines"),
                         "calibrated": self._calibration["nodes"].get(n.id, {}),
                         "registered_at": info.get("registered_at"),
                         "last_heartbeat": info.get("last_heartbeat"),

@@ -5,14 +5,14 @@ STAMP := $(VENV)/.installed
 COMPILED_VENV ?= .venv-compiled
 COMPILED_STAMP := $(COMPILED_VENV)/.installed
 
-.PHONY: run test test-fast compiled bench schemas clean
+.PHONY: run test test-fast lint format compiled bench schemas clean
 
 $(PY):
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 
 $(STAMP): pyproject.toml | $(PY)
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e '.[test,lint]'
 	touch $(STAMP)
 
 run: $(STAMP)
@@ -23,6 +23,17 @@ test: $(STAMP)
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -m 'not slow'
+
+# the gates CI runs before the tests: lint, format, types, import layers
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports
+
+format: $(STAMP)
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
 
 $(COMPILED_STAMP): $(STAMP) setup.py $(shell find planner_service -name '*.py')
 	rm -rf dist

@@ -32,7 +32,9 @@ app.add_typer(bench_app, name="bench")
 out = Console()
 err = Console(stderr=True)
 
-ScenarioOpt = Annotated[Path | None, typer.Option("--scenario", help="Scenario file (JSON or YAML); default: the demo.")]
+ScenarioOpt = Annotated[
+    Path | None, typer.Option("--scenario", help="Scenario file (JSON or YAML); default: the demo.")
+]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")]
 
 
@@ -61,7 +63,8 @@ def plan(
     time_limit: Annotated[float, typer.Option("--time-limit", help="MILP time limit in seconds.")] = 60.0,
     seed: Annotated[int, typer.Option(help="MILP random seed.")] = 0,
     workers: Annotated[
-        int, typer.Option(help="MILP workers: CBC processes (one per model variant, first proof wins) or CP-SAT threads.")
+        int,
+        typer.Option(help="MILP workers: CBC processes (one per model variant, first proof wins) or CP-SAT threads."),
     ] = 2,
     as_json: JsonOpt = False,
 ) -> None:
@@ -100,7 +103,9 @@ def print_plan(result: Plan, problem) -> None:
             holdings[loc.id].append(f"{obj.label()} {nbytes / gib:.1f}")
             used[loc.id] += nbytes
     for gid, gpu in sorted(problem.gpus.items()):
-        table.add_row(gid, gpu.node, gpu.type, f"{used[gid] / gib:.1f} / {gpu.capacity_bytes / gib:.1f}", ", ".join(holdings[gid]))
+        table.add_row(
+            gid, gpu.node, gpu.type, f"{used[gid] / gib:.1f} / {gpu.capacity_bytes / gib:.1f}", ", ".join(holdings[gid])
+        )
     out.print(table)
     out.print(f"\n[bold]{len(result.operations)} operations[/] (run in parallel once their dependencies are done)")
     for op in result.operations:
@@ -140,7 +145,9 @@ def bench_plan(
     from planner_service.bench import machine, time_plans
     from planner_service.domain.generate import random_scenario
 
-    parsed = read_scenario(scenario) if scenario else random_scenario(np.random.default_rng(seed), gpus, models, sessions)
+    parsed = (
+        read_scenario(scenario) if scenario else random_scenario(np.random.default_rng(seed), gpus, models, sessions)
+    )
     problem = problem_from_scenario(parsed)
     timings = time_plans(default_registry().get(solver), problem, repeat, warmup)
     result = {
@@ -159,16 +166,23 @@ def bench_plan(
 
 @app.command()
 def gap(
-    scenarios: Annotated[int, typer.Option(help="Random scenarios to plan (or files to take from --scenario-dir).")] = 50,
-    seed: Annotated[int, typer.Option(help="Scenario i is random_scenario(default_rng(seed + i)); also the MILP seed.")] = 0,
+    scenarios: Annotated[
+        int, typer.Option(help="Random scenarios to plan (or files to take from --scenario-dir).")
+    ] = 50,
+    seed: Annotated[
+        int, typer.Option(help="Scenario i is random_scenario(default_rng(seed + i)); also the MILP seed.")
+    ] = 0,
     gpus: Annotated[int, typer.Option(help="GPUs of each random scenario.")] = 16,
     models: Annotated[int, typer.Option(help="Models of each random scenario.")] = 7,
     sessions: Annotated[int, typer.Option(help="Sessions of each random scenario.")] = 100,
     time_limit: Annotated[float, typer.Option("--time-limit", help="MILP time limit per scenario, seconds.")] = 20.0,
     workers: Annotated[
-        int, typer.Option(help="MILP workers: CBC processes (one per model variant, first proof wins) or CP-SAT threads.")
+        int,
+        typer.Option(help="MILP workers: CBC processes (one per model variant, first proof wins) or CP-SAT threads."),
     ] = 2,
-    scenario_dir: Annotated[Path | None, typer.Option("--scenario-dir", help="Plan these scenario files instead.")] = None,
+    scenario_dir: Annotated[
+        Path | None, typer.Option("--scenario-dir", help="Plan these scenario files instead.")
+    ] = None,
     as_json: JsonOpt = False,
 ) -> None:
     """The greedy's optimality gap: plan each scenario with greedy and MILP, print ratios on the avoidable objective."""
@@ -326,7 +340,9 @@ def serve(
     port: Annotated[int | None, typer.Option(help="TCP port (STATEBUDGET_PORT).")] = None,
     db: Annotated[
         Path | None,
-        typer.Option("--db", help="SQLite database (STATEBUDGET_DB_PATH); an existing one wins over --scenario/--demo."),
+        typer.Option(
+            "--db", help="SQLite database (STATEBUDGET_DB_PATH); an existing one wins over --scenario/--demo."
+        ),
     ] = None,
 ) -> None:
     """Run the planner service: HTTP API, planning loop, Prometheus metrics at /metrics."""
@@ -424,7 +440,8 @@ def replay(
 
     from planner_service.sim.engine import SimulationError
     from planner_service.sim.policies import default_registry as policy_registry
-    from planner_service.sim.report import TABLE_COLUMNS, comparison, replay as run_replay, table_rows, write_json
+    from planner_service.sim.report import TABLE_COLUMNS, comparison, table_rows, write_json
+    from planner_service.sim.report import replay as run_replay
 
     parsed = read_scenario(scenario)
     records = read_trace_file(trace)
@@ -442,7 +459,12 @@ def replay(
 
         try:
             result = run_replay(
-                parsed, records, names, scenario_name=str(scenario or "demo"), seed=seed, on_progress=advance,
+                parsed,
+                records,
+                names,
+                scenario_name=str(scenario or "demo"),
+                seed=seed,
+                on_progress=advance,
                 expert_miss_decode=expert_miss_decode,
             )
         except (SimulationError, ValueError) as error:
@@ -451,7 +473,9 @@ def replay(
     for table in replay_tables(TABLE_COLUMNS, table_rows(result.report), title, out.width):
         out.print(table)
     floor = result.report["trace"]["handoff_reprefill_floor_seconds"]
-    out.print(f"hand-off re-prefill floor (no policy beats it on this cluster): P95 {floor['p95']:.2f} s", highlight=False)
+    out.print(
+        f"hand-off re-prefill floor (no policy beats it on this cluster): P95 {floor['p95']:.2f} s", highlight=False
+    )
     ratios = comparison(result.report)
     if ratios:
         out.print(", ".join(f"{k} {v:.2f}" for k, v in ratios.items()), highlight=False)
@@ -492,13 +516,17 @@ StudyOutOpt = Annotated[Path, typer.Option("--out", help="Folder for the study's
 
 
 @study_app.command("h1")
-def study_h1(trace: TraceOpt, scenario: ScenarioOpt = None, out_dir: StudyOutOpt = Path("."), as_json: JsonOpt = False) -> None:
+def study_h1(
+    trace: TraceOpt, scenario: ScenarioOpt = None, out_dir: StudyOutOpt = Path("."), as_json: JsonOpt = False
+) -> None:
     """H1: CDF of concurrently active models and aggregate KV; KV capacity pooling gains over per-model pools."""
     _study("h1", scenario, trace, out_dir, as_json)
 
 
 @study_app.command("h3")
-def study_h3(trace: TraceOpt, scenario: ScenarioOpt = None, out_dir: StudyOutOpt = Path("."), as_json: JsonOpt = False) -> None:
+def study_h3(
+    trace: TraceOpt, scenario: ScenarioOpt = None, out_dir: StudyOutOpt = Path("."), as_json: JsonOpt = False
+) -> None:
     """H3: add warm models one by one; which runs out first (weights or KV), and the next model's cold load."""
     _study("h3", scenario, trace, out_dir, as_json)
 

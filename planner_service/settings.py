@@ -47,20 +47,28 @@ class Settings(BaseSettings):
     )
     solver: Literal["greedy", "search", "milp"] = Field("greedy", description="Solver of the online planning loop.")
     demand_window_seconds: float = Field(
-        3600.0, gt=0, description="The planning loop keeps room for the load of this much recent time (stand-in sessions)."
+        3600.0,
+        gt=0,
+        description="The planning loop keeps room for the load of this much recent time (stand-in sessions).",
     )
     demand_min_requests: int = Field(
-        1000, ge=0, description="Where that time holds fewer requests, reach back until it holds this many (at most a day)."
+        1000,
+        ge=0,
+        description="Where that time holds fewer requests, reach back until it holds this many (at most a day).",
     )
     demand_seats: int = Field(
         10, ge=0, description="Stand-in sessions spread over the models by their share of the recent load (0: none)."
     )
     unpin_after_seconds: float = Field(
-        60.0, ge=0, description="A model that served recently stays on its node unless a request has waited this long for it."
+        60.0,
+        ge=0,
+        description="A model that served recently stays on its node unless a request has waited this long for it.",
     )
     failed_move_backoff_seconds: float = Field(
-        30.0, gt=0, description="A move a node reported failed waits this long before a plan queues it again; "
-        "each further failure doubles the wait."
+        30.0,
+        gt=0,
+        description="A move a node reported failed waits this long before a plan queues it again; "
+        "each further failure doubles the wait.",
     )
     failed_move_backoff_max_seconds: float = Field(
         3600.0, gt=0, description="The longest a failed move waits before a plan queues it again."

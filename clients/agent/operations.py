@@ -10,6 +10,8 @@ from planner_service.domain.scenario import Capability
 from planner_service.domain.state import Kind, Tier
 from planner_service.planner.operations import Action
 
+__all__ = ["Action", "Capability", "Kind", "Location", "Operation", "Outcome", "StateObject", "Tier"]
+
 
 @dataclass(frozen=True, slots=True)
 class Location:

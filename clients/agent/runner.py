@@ -304,7 +304,7 @@ class Agent:
                     await self._sleep(delay)
                 except PermanentError as error:
                     return await self._report(op, lease_id, None, error.reason)
-                except Exception as error:  # noqa: BLE001 - a bug in one executor must not kill the agent
+                except Exception as error:
                     log.exception("%s: unexpected error", op.id)
                     return await self._report(op, lease_id, None, f"unexpected error: {type(error).__name__}: {error}")
                 else:

@@ -14,7 +14,6 @@ until the lease expires.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-
 from dataclasses import dataclass, field
 from typing import Any, Literal
 

@@ -32,7 +32,7 @@ class StateBudgetError(Exception):
     """Base of every error the SDK raises."""
 
 
-class ConnectionError(StateBudgetError, builtins.ConnectionError):  # noqa: A001 - the name callers expect
+class ConnectionError(StateBudgetError, builtins.ConnectionError):
     """The request never got an HTTP answer (refused, reset, timed out, DNS)."""
 
     def __init__(self, message: str, *, method: str = "", url: str = "") -> None:

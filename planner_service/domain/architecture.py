@@ -127,9 +127,7 @@ class Architecture:
         cfg = _language_config(config)
         model_type = cfg.get("model_type")
         if model_type not in _FAMILIES:
-            raise ValueError(
-                f"config field 'model_type' is {model_type!r}; supported: {', '.join(sorted(_FAMILIES))}"
-            )
+            raise ValueError(f"config field 'model_type' is {model_type!r}; supported: {', '.join(sorted(_FAMILIES))}")
         family = _FAMILIES[model_type]
         num_layers = _int(cfg, "num_hidden_layers")
         hidden_size = _int(cfg, "hidden_size")
@@ -173,9 +171,7 @@ class Architecture:
             ):
                 raise ValueError(f"config field 'mlp_only_layers' must list layer indices < {num_layers}")
             # Qwen3MoeDecoderLayer: routed unless listed in mlp_only_layers, every decoder_sparse_step-th layer.
-            moe_layers = tuple(
-                i for i in range(num_layers) if n_experts and i not in mlp_only and (i + 1) % step == 0
-            )
+            moe_layers = tuple(i for i in range(num_layers) if n_experts and i not in mlp_only and (i + 1) % step == 0)
             n_shared = 0
             correction_bias = False
         elif family in ("deepseek_v3", "glm4_moe"):
@@ -183,9 +179,7 @@ class Architecture:
             n_shared = _int(cfg, "n_shared_experts", default=0, minimum=0)
             first_dense = _int(cfg, "first_k_dense_replace", default=0, minimum=0)
             if first_dense > num_layers:
-                raise ValueError(
-                    f"config field 'first_k_dense_replace' ({first_dense}) exceeds {num_layers} layers"
-                )
+                raise ValueError(f"config field 'first_k_dense_replace' ({first_dense}) exceeds {num_layers} layers")
             freq = _int(cfg, "moe_layer_freq", default=1)
             moe_layers = tuple(i for i in range(num_layers) if i >= first_dense and i % freq == 0)
             # DeepSeek-V3's noaux_tc router and every GLM-4.5 router learn an E-vector score correction bias.
@@ -315,9 +309,7 @@ class Architecture:
         is then also the lm_head)."""
         embedding_gather_only = 0 if self.tie_word_embeddings else self.embedding_params
         return (
-            self.dense_params
-            + self.n_moe_layers * self.experts_per_token * self.expert_params
-            - embedding_gather_only
+            self.dense_params + self.n_moe_layers * self.experts_per_token * self.expert_params - embedding_gather_only
         )
 
     # --- bytes ------------------------------------------------------------------------------------------

@@ -75,7 +75,11 @@ def random_scenario(
     for n in nodes:
         for m in model_specs:
             for p in m.precisions:
-                put({"kind": "weights", "model": m.id, "precision": p}, {"tier": "nvme", "node": n["id"]}, m.weights_bytes[p])
+                put(
+                    {"kind": "weights", "model": m.id, "precision": p},
+                    {"tier": "nvme", "node": n["id"]},
+                    m.weights_bytes[p],
+                )
             if m.is_moe:
                 put({"kind": "experts", "model": m.id}, {"tier": "nvme", "node": n["id"]}, m.experts_bytes)
 

@@ -29,8 +29,10 @@ class ModelPreset:
     def __post_init__(self) -> None:
         unknown = [p for p in self.default_precisions if p not in PRECISION_BYTES]
         if not self.default_precisions or unknown:
-            raise ValueError(f"{self.id}: default_precisions {self.default_precisions!r} must be non-empty "
-                             f"and drawn from {', '.join(PRECISION_BYTES)}")
+            raise ValueError(
+                f"{self.id}: default_precisions {self.default_precisions!r} must be non-empty "
+                f"and drawn from {', '.join(PRECISION_BYTES)}"
+            )
 
     @property
     def native_precision(self) -> str:

@@ -238,9 +238,7 @@ def compile_problem(scenario: Scenario, next_model: Mapping[str, Mapping[str, fl
         for n in scenario.cluster.nodes
     }
     models = {m.id: resolve_model(m, f"models[{i}]") for i, m in enumerate(scenario.models)}
-    sessions = {
-        s.id: Session(s.id, s.user, s.slo, s.model, s.active, s.context_tokens) for s in scenario.sessions
-    }
+    sessions = {s.id: Session(s.id, s.user, s.slo, s.model, s.active, s.context_tokens) for s in scenario.sessions}
     residency: Placement = {}
     for i, r in enumerate(scenario.residency):
         obj = object_from_json(r.object.model_dump())

@@ -100,7 +100,9 @@ class NodeIn(_Strict):
             _require_unique(engine.gpus, f"GPU in engines[{i}].gpus")
             for j, gpu in enumerate(engine.gpus):
                 if gpu not in own:
-                    raise ValueError(f"engines[{i}].gpus[{j}]: {gpu!r} is not a GPU of node {self.id!r}; its GPUs: {sorted(own)}")
+                    raise ValueError(
+                        f"engines[{i}].gpus[{j}]: {gpu!r} is not a GPU of node {self.id!r}; its GPUs: {sorted(own)}"
+                    )
         return self
 
 

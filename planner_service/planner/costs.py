@@ -18,7 +18,6 @@ from planner_service.domain.scenario import CostConstants
 from planner_service.domain.state import Tier
 from planner_service.domain.units import GIB
 
-
 _NVME = Tier.NVME  # bound once: on Python 3.11 an `Enum.MEMBER` lookup costs about ten global reads
 _H2D = attrgetter("h2d_bytes_per_s")
 _FLOPS = attrgetter("bf16_flops")
@@ -59,9 +58,9 @@ def even_copy_seconds(shard: int, gpus: Sequence[Gpu], source: Tier, node: Node)
 def write_down_seconds(nbytes: int, gpu: Gpu | None, target: Tier, node: Node) -> float:
     """Time to demote `nbytes` to `target`: d2h over the GPU's link, then the NVMe write if bound there.
 
-        t = max(nbytes / d2h, nbytes / nvme_write)    (GPU -> NVMe)
-        t = nbytes / d2h                              (GPU -> host)
-        t = nbytes / nvme_write                       (host -> NVMe)
+    t = max(nbytes / d2h, nbytes / nvme_write)    (GPU -> NVMe)
+    t = nbytes / d2h                              (GPU -> host)
+    t = nbytes / nvme_write                       (host -> NVMe)
     """
     t = nbytes / gpu.d2h_bytes_per_s if gpu is not None else 0.0
     if target is Tier.NVME:
@@ -69,9 +68,7 @@ def write_down_seconds(nbytes: int, gpu: Gpu | None, target: Tier, node: Node) -
     return t
 
 
-def weights_load_seconds(
-    nbytes: int, gpus: Sequence[Gpu], source: Tier, node: Node, constants: CostConstants
-) -> float:
+def weights_load_seconds(nbytes: int, gpus: Sequence[Gpu], source: Tier, node: Node, constants: CostConstants) -> float:
     """Promote a model's weights (split evenly over its tensor-parallel group) plus the engine's load overhead."""
     if nbytes <= 0:
         return 0.0
@@ -141,7 +138,9 @@ def kv_ready_seconds_grouped(
     shard = np.ceil(restored * kv_bytes_per_token / group_size)
     restore = shard / slowest_h2d
     restore = np.where(from_host, restore, np.maximum(restore, shard * group_size / nvme_read))
-    return np.where(restorable_bytes > 0, np.minimum(prefill_all, restore + (missing - restored) * per_token), prefill_all)
+    return np.where(
+        restorable_bytes > 0, np.minimum(prefill_all, restore + (missing - restored) * per_token), prefill_all
+    )
 
 
 def expert_hit_rate(gpu_fraction: float, constants: CostConstants) -> float:
@@ -155,7 +154,9 @@ def expert_hit_rate(gpu_fraction: float, constants: CostConstants) -> float:
     return min(1.0, gpu_fraction) ** constants.expert_popularity_skew
 
 
-def decode_slowdown_seconds(model: ModelSpec, gpu_fraction: float, gpus: Sequence[Gpu], constants: CostConstants) -> float:
+def decode_slowdown_seconds(
+    model: ModelSpec, gpu_fraction: float, gpus: Sequence[Gpu], constants: CostConstants
+) -> float:
     """Extra decode time of one request when routed experts miss the GPU.
 
     A miss fetches the expert over PCIe (as MoE offload engines do):

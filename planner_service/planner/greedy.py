@@ -103,7 +103,11 @@ _COST_KEY = operator.itemgetter(0)
 _OFFER_BYTES, _OFFER_CHANGE = operator.itemgetter(3), operator.itemgetter(4)  # of `_ExpertTerms.offers`
 # bound once: on Python 3.11 an `Enum.MEMBER` lookup costs about ten global reads
 _GPU, _HOST, _NVME, _KV, _WEIGHTS = Tier.GPU, Tier.HOST, Tier.NVME, Kind.KV, Kind.WEIGHTS
-_KV_OFFLOAD, _WEIGHTS_OFFLOAD, _PARTIAL_EXPERTS = Capability.KV_OFFLOAD, Capability.WEIGHTS_OFFLOAD, Capability.PARTIAL_EXPERTS
+_KV_OFFLOAD, _WEIGHTS_OFFLOAD, _PARTIAL_EXPERTS = (
+    Capability.KV_OFFLOAD,
+    Capability.WEIGHTS_OFFLOAD,
+    Capability.PARTIAL_EXPERTS,
+)
 _UNKNOWN: Any = object()  # not looked up yet (None is an answer)
 _NO_SESSIONS: frozenset[str] = frozenset()
 NODE_SHORTLIST = 4  # past 2x this many candidate nodes, a group search prices the tightest and roomiest this many each
@@ -183,7 +187,11 @@ class _GpuBook:
         self._room = {n: sum(self.free[g] for g in ids) for n, ids in self._gpu_ids.items()}
         self._by_free: dict[str, tuple[list[Gpu], list[int]]] = {}  # node -> its GPUs by free bytes (see `by_free`)
         self._hardware = {  # the part of a node's look that never changes (custom GPUs share one type name)
-            n.id: (n.nvme_read_bytes_per_s, tuple(_spec(problem.gpus[g]) for g in self._gpu_ids[n.id]), _engine_shape(n))
+            n.id: (
+                n.nvme_read_bytes_per_s,
+                tuple(_spec(problem.gpus[g]) for g in self._gpu_ids[n.id]),
+                _engine_shape(n),
+            )
             for n in problem.nodes.values()
         }
         self._look: dict[str, tuple] = {}
@@ -335,20 +343,22 @@ class GreedyPlanner:
         self._cold_groups: dict[tuple[str, str, str], tuple[Gpu, ...] | None] = {}
         # node -> model -> the GPUs of its engine there, where it runs on fixed ones
         self._fixed_groups = {
-            n.id: {m: tuple(problem.gpus[g] for g in gpus) for m, gpus in n.engine_gpus.items()} for n in problem.nodes.values()
+            n.id: {m: tuple(problem.gpus[g] for g in gpus) for m, gpus in n.engine_gpus.items()}
+            for n in problem.nodes.values()
         }
         self._uniform = {  # nodes whose cards are all alike
-            n.id: len({(g.type, g.capacity_bytes, g.h2d_bytes_per_s, g.bf16_flops) for g in (problem.gpus[i] for i in n.gpus)}) <= 1
+            n.id: len(
+                {(g.type, g.capacity_bytes, g.h2d_bytes_per_s, g.bf16_flops) for g in (problem.gpus[i] for i in n.gpus)}
+            )
+            <= 1
             for n in problem.nodes.values()
         }
         # model -> SLO-weighted tokens a re-prefill would process (Python floats: they are read one at a time)
-        self._context_demand = dict(zip(self.row, (self.weighted @ demand.context).tolist()))
+        self._context_demand = dict(zip(self.row, (self.weighted @ demand.context).tolist(), strict=True))
         # SLO class -> its weight and target, read once (`CostConstants` looks them up by name, a Python call each)
         self._slo_weight = {slo: self.c.slo_weights.of(slo) for slo in Slo}
         self._slo_target = {slo: self.c.slo_targets_seconds.of(slo) for slo in Slo}
-        self._active_weight = {
-            m: sum(self._slo_weight[s.slo] for s in sessions) for m, sessions in self.active.items()
-        }
+        self._active_weight = {m: sum(self._slo_weight[s.slo] for s in sessions) for m, sessions in self.active.items()}
         # node -> {MoE model served there: (its spec, its group's summed host->GPU bandwidth, which its expert
         # fetches run on)}
         self._moe_on: dict[str, dict[str, tuple[ModelSpec, float]]] = defaultdict(dict)
@@ -366,7 +376,9 @@ class GreedyPlanner:
         self._limits: dict[tuple[str, str], int] = {}
         self._split_units: dict[tuple[str, bool], int] = {}
         self._refused_chunk: dict[StateObject, int] = {}  # experts -> the smallest chunk of them that found no room
-        self._placed_on: dict[str, int] = defaultdict(int)  # node -> weights placed there so far (offers older are stale)
+        self._placed_on: dict[str, int] = defaultdict(
+            int
+        )  # node -> weights placed there so far (offers older are stale)
         self._host_free: dict[str, int] = {}  # node -> host DRAM free now (`_host_room`)
         self._cold_loads: dict[str, ColdLoad] = {}  # model -> its cold load from the confirmed placement
 
@@ -462,10 +474,15 @@ class GreedyPlanner:
             stay_node = None
             if current and current.precision == precision and self._may_serve_from(model, current.node, current.gpus):
                 stay = current.gpus
-                shards = [a + b for a, b in zip(split_evenly(nbytes, len(stay)), split_evenly(extra_bytes, len(stay)))]
+                shards = [
+                    a + b
+                    for a, b in zip(split_evenly(nbytes, len(stay)), split_evenly(extra_bytes, len(stay)), strict=True)
+                ]
                 stay_node = current.node
                 if self.book.fits(stay, shards):
-                    cost = self._group_cost(model, stay, current.node, 0.0, size, experts, restores=price_kv, staying=True)
+                    cost = self._group_cost(
+                        model, stay, current.node, 0.0, size, experts, restores=price_kv, staying=True
+                    )
                     cost += penalty
                     options.append(((cost, rank, 0, stay_node, 0.0), precision, stay))
                 # other groups on the same node: only the shards a card lacks now are copied
@@ -475,7 +492,9 @@ class GreedyPlanner:
                     seconds = self._regroup_seconds(obj, gpus, nbytes, stay_node)
                     if seconds is None:
                         continue
-                    cost = self._group_cost(model, gpus, stay_node, seconds, size, experts, restores=price_kv, staying=True)
+                    cost = self._group_cost(
+                        model, gpus, stay_node, seconds, size, experts, restores=price_kv, staying=True
+                    )
                     cost += penalty
                     options.append(((cost, rank, free - nbytes - extra_bytes, stay_node, seconds), precision, gpus))
             if model.id in self.nodes:
@@ -487,7 +506,9 @@ class GreedyPlanner:
                 moved = 0.0
                 if price_kv and current and current.node != node_id and not penalty:
                     moved = self._active_context_seconds(model)
-                held = self.now.on(obj, node_id, _GPU)  # a copy there besides the one serving: cards copy what they lack
+                held = self.now.on(
+                    obj, node_id, _GPU
+                )  # a copy there besides the one serving: cards copy what they lack
                 for gpus, free in self._fits_by_width(node_id, model, nbytes + extra_bytes):
                     if held:
                         seconds = self._regroup_seconds(obj, gpus, nbytes, node_id)
@@ -495,7 +516,11 @@ class GreedyPlanner:
                         seconds = costs.weights_load_seconds(nbytes, gpus, source, node, self.c)
                     if seconds is None:
                         continue
-                    cost = penalty + moved + self._group_cost(model, gpus, node_id, seconds, size, experts, restores=price_kv)
+                    cost = (
+                        penalty
+                        + moved
+                        + self._group_cost(model, gpus, node_id, seconds, size, experts, restores=price_kv)
+                    )
                     options.append(((cost, rank, free - nbytes - extra_bytes, node_id, seconds), precision, gpus))
         if model.id in self.nodes:
             options = [option for option in options if option[0][3] == self.nodes[model.id]]
@@ -509,7 +534,9 @@ class GreedyPlanner:
             seconds = 0.0
             if current is not None and self.active.get(model.id):
                 per_token = costs.prefill_seconds_per_token(model, current.gpus, self.c)
-                held = [s for s in self.active[model.id] if (StateObject.kv(model.id, s.id), current.node) in self._kv_held]
+                held = [
+                    s for s in self.active[model.id] if (StateObject.kv(model.id, s.id), current.node) in self._kv_held
+                ]
                 seconds = sum(self._slo_weight[s.slo] * s.context_tokens for s in held) * per_token
             self._active_context[model.id] = seconds
         return seconds
@@ -520,7 +547,9 @@ class GreedyPlanner:
         None when a card must grow and the node has no complete copy below its GPUs to copy from.
         """
         shards = split_evenly(nbytes, len(gpus))
-        gains = [max(0, b - self.now.placement.get((obj, self._at[g.id]), 0)) for g, b in zip(gpus, shards, strict=True)]
+        gains = [
+            max(0, b - self.now.placement.get((obj, self._at[g.id]), 0)) for g, b in zip(gpus, shards, strict=True)
+        ]
         if not any(gains):
             return 0.0
         source = self._source(obj, node_id)
@@ -596,7 +625,9 @@ class GreedyPlanner:
             self._savings[key] = saving
         return saving
 
-    def _kv_ready_on(self, model: ModelSpec, session_id: str, node_id: str, gpus: tuple[Gpu, ...], staying: bool) -> float:
+    def _kv_ready_on(
+        self, model: ModelSpec, session_id: str, node_id: str, gpus: tuple[Gpu, ...], staying: bool
+    ) -> float:
         """Seconds to ready the session's KV for the model on `gpus` of the node, as the evaluator prices it:
         restored from the node's lower tiers or re-prefilled, what its GPUs hold counting where `staying`."""
         on_gpus = self.now.on(StateObject.kv(model.id, session_id), node_id, _GPU) if staying else 0
@@ -608,7 +639,9 @@ class GreedyPlanner:
         key = (model_id, per_token)
         late = self._late.get(key)
         if late is None:
-            late = self._late[key] = self.lateness.weight_late(self.row[model_id], per_token) * self.c.violation_penalty_seconds
+            late = self._late[key] = (
+                self.lateness.weight_late(self.row[model_id], per_token) * self.c.violation_penalty_seconds
+            )
         return late
 
     def _expert_steps(self, model: ModelSpec, node_id: str) -> list[int]:
@@ -618,7 +651,9 @@ class GreedyPlanner:
         steps = self._steps_cache.get(key)
         if steps is None:
             unit = model.expert_bytes if partial else model.experts_bytes
-            chunk_bytes = max(unit, (model.experts_bytes // EXPERT_CHUNKS) // unit * unit) if partial else model.experts_bytes
+            chunk_bytes = (
+                max(unit, (model.experts_bytes // EXPERT_CHUNKS) // unit * unit) if partial else model.experts_bytes
+            )
             steps, placed = [], 0
             while placed < model.experts_bytes:
                 placed = min(model.experts_bytes, placed + chunk_bytes)
@@ -632,7 +667,7 @@ class GreedyPlanner:
         unit = self._split_units.get(key)
         if unit is None:
             steps = self._expert_steps(model, node_id)
-            unit = self._split_units[key] = math.gcd(*(b - a for a, b in zip([0, *steps], steps)))
+            unit = self._split_units[key] = math.gcd(*(b - a for a, b in itertools.pairwise([0, *steps])))
         return unit
 
     def _expert_limit(self, model: ModelSpec, node_id: str) -> int:
@@ -676,7 +711,9 @@ class GreedyPlanner:
         slowdown plus the price of those bytes ([slowdown now, ...])."""
         placed = self._experts_placed
         chosen = [self._expert_terms(node_id, m, h2d, placed.get(m.id, 0)) for m, h2d in moes]
-        offers = chosen[0].offers if len(chosen) == 1 else sorted(itertools.chain.from_iterable(t.offers for t in chosen))
+        offers = (
+            chosen[0].offers if len(chosen) == 1 else sorted(itertools.chain.from_iterable(t.offers for t in chosen))
+        )
         taken = [0, *itertools.accumulate(map(_OFFER_BYTES, offers))]
         return taken, list(itertools.accumulate(map(_OFFER_CHANGE, offers), initial=sum(t.now for t in chosen)))
 
@@ -689,12 +726,19 @@ class GreedyPlanner:
         terms = self._expert_terms_memo.get(key)
         if terms is None:
             # served weight * decode slowdown with no expert on GPU (costs.decode_slowdown_seconds at f = 0)
-            scale = self._served_weight(model.id) * self.c.output_tokens_per_request * model.active_expert_bytes_per_token / h2d
+            scale = (
+                self._served_weight(model.id)
+                * self.c.output_tokens_per_request
+                * model.active_expert_bytes_per_token
+                / h2d
+            )
             steps, miss = shape.steps, shape.miss
             j = bisect.bisect_right(steps, placed) - 1  # `placed` is always a step
             best = max(j, shape.paying(scale, self._price))
             sizes = shape.sizes[j:best]
-            changes = [scale * gain + self._price * nbytes for gain, nbytes in zip(shape.gains[j:best], sizes)]
+            changes = [
+                scale * gain + self._price * nbytes for gain, nbytes in zip(shape.gains[j:best], sizes, strict=True)
+            ]
             order = [scale * o for o in shape.order[j:best]]
             offers = list(zip(order, itertools.repeat(model.id), range(j, best), sizes, changes))
             terms = _ExpertTerms(scale * miss[j], offers)
@@ -714,10 +758,12 @@ class GreedyPlanner:
             steps = [0] + [b for b in self._expert_steps(model, node_id) if b <= limit]
             skew = self.c.expert_popularity_skew
             miss = [1.0 - min(1.0, b / model.experts_bytes) ** skew for b in steps]  # 1 - costs.expert_hit_rate
-            sizes = [b - a for a, b in zip(steps, steps[1:])]
-            gains = [b - a for a, b in zip(miss, miss[1:])]
-            slope = [g / n for g, n in zip(gains, sizes)]
-            shape = self._shapes[key] = _ExpertShape(key, steps, miss, sizes, gains, list(itertools.accumulate(slope, max)))
+            sizes = [b - a for a, b in itertools.pairwise(steps)]
+            gains = [b - a for a, b in itertools.pairwise(miss)]
+            slope = [g / n for g, n in zip(gains, sizes, strict=True)]
+            shape = self._shapes[key] = _ExpertShape(
+                key, steps, miss, sizes, gains, list(itertools.accumulate(slope, max))
+            )
         self._shape_on[(model.id, node_id)] = shape
         return shape
 
@@ -849,7 +895,11 @@ class GreedyPlanner:
 
         def urgency(model_id: str) -> tuple:
             model = self.p.models[model_id]
-            return (min(SLO_RANK[s.slo] for s in self.active[model_id]), -model.weights_bytes[model.preferred], model_id)
+            return (
+                min(SLO_RANK[s.slo] for s in self.active[model_id]),
+                -model.weights_bytes[model.preferred],
+                model_id,
+            )
 
         return sorted(self.active, key=urgency)
 
@@ -891,7 +941,9 @@ class GreedyPlanner:
             value, saved = self._warm_value(model, group.gpus, rank, seconds)
             nbytes = model.weights_bytes[group.precision]
             # placed before `spend`, whose value per byte would let the served models' KV and experts fill its room
-            self._place_weights(model, group, _words((_KEPT_WARM, (self._demand(model_id), saved, value, nbytes / GIB))))
+            self._place_weights(
+                model, group, _words((_KEPT_WARM, (self._demand(model_id), saved, value, nbytes / GIB)))
+            )
 
     def _pin_joint_choice(self, order: list[str], needs: Mapping[str, int]) -> set[str]:
         """Fix each active model's node and precision as `joint.assign` chooses them together on the greedy's
@@ -901,9 +953,14 @@ class GreedyPlanner:
         (as `_roomiest_group` does). Past `joint.MAX_OPTIONS` nothing is fixed.
         The idle models the choice weighs (`_idle_models`) are fixed too where they are kept warm.
         """
-        if len(order) < 2 or sum(len(self.p.models[m].precisions) for m in order) * len(self.p.nodes) > joint.MAX_OPTIONS:
+        if (
+            len(order) < 2
+            or sum(len(self.p.models[m].precisions) for m in order) * len(self.p.nodes) > joint.MAX_OPTIONS
+        ):
             return set()  # nothing to choose together, or too large a choice to search online: served in turn
-        alike = {n: [m for m in nodes if m != n] for nodes in self.book.alike() for n in nodes}  # node -> its look-alikes
+        alike = {
+            n: [m for m in nodes if m != n] for nodes in self.book.alike() for n in nodes
+        }  # node -> its look-alikes
         options = {}
         for model_id in order:
             model = self.p.models[model_id]
@@ -917,7 +974,9 @@ class GreedyPlanner:
         idle = [*dense, *moes]  # they may be kept warm (last in the order: the models in flight pack first)
         for model_id in idle:
             options[model_id] = self._idle_options(self.p.models[model_id], alike)
-        chosen = joint.assign(options, [*order, *idle], rooms, self._curve, dense)  # the options priced most single-MoE curves
+        chosen = joint.assign(
+            options, [*order, *idle], rooms, self._curve, dense
+        )  # the options priced most single-MoE curves
         for model_id in idle:
             if chosen[model_id].node == joint.NOWHERE:
                 del chosen[model_id]
@@ -958,10 +1017,14 @@ class GreedyPlanner:
         cold = 0.0  # a MoE left cold decodes with no expert on GPU (warm, the node's experts curve prices that)
         if model.is_moe:
             gpus = self._cold_load(model).gpus
-            cold = self._served_weight(model.id) * costs.decode_slowdown_seconds(model, 0.0, gpus, self.c) if gpus else 0.0
+            cold = (
+                self._served_weight(model.id) * costs.decode_slowdown_seconds(model, 0.0, gpus, self.c) if gpus else 0.0
+            )
         return [joint.Option(joint.NOWHERE, "", 0, cold, None), *self._with_alike(model, best, alike, None)]
 
-    def _serve_options(self, model: ModelSpec, need: int, alike: Mapping[str, list[str]], whole: bool) -> list[joint.Option]:
+    def _serve_options(
+        self, model: ModelSpec, need: int, alike: Mapping[str, list[str]], whole: bool
+    ) -> list[joint.Option]:
         """The model's (node, precision) options for its weights and `need` bytes of KV on the empty GPUs, each
         at its best width, for `joint.assign`; `whole`: each takes its node's room whole.
 
@@ -978,7 +1041,9 @@ class GreedyPlanner:
         """
         current = self.now.serving.get(model.id)
         best: dict[tuple[str, str], joint.Option] = {}
-        how: dict[tuple[str, str], tuple[tuple[Gpu, ...], float, float]] = {}  # (node, precision) -> group, load, `_kv_cost`
+        how: dict[
+            tuple[str, str], tuple[tuple[Gpu, ...], float, float]
+        ] = {}  # (node, precision) -> group, load, `_kv_cost`
         for (cost, _, _, node_id, seconds), precision, gpus in self._group_options(model, need, False, price_kv=False):
             nbytes = model.weights_bytes[precision] + need
             moe = (model, sum(map(_H2D, gpus))) if model.is_moe else None
@@ -997,7 +1062,9 @@ class GreedyPlanner:
             out.append(option)
         return out
 
-    def _kv_cost(self, model: ModelSpec, node_id: str, precision: str, gpus: tuple[Gpu, ...], load_seconds: float) -> float:
+    def _kv_cost(
+        self, model: ModelSpec, node_id: str, precision: str, gpus: tuple[Gpu, ...], load_seconds: float
+    ) -> float:
         """The objective seconds that depend on where the model's sessions' KV sits, for serving it on the node
         at `precision` on `gpus`: its active requests' (`_arrivals_cost`) less its predicted requests' restores."""
         per_token = costs.prefill_seconds_per_token(model, gpus, self.c)
@@ -1007,13 +1074,24 @@ class GreedyPlanner:
         return arrivals - self._restore_saving(model, node_id, gpus, per_token, staying)
 
     def _arrivals_cost(
-        self, model: ModelSpec, node_id: str, gpus: tuple[Gpu, ...], per_token: float, load_seconds: float, staying: bool
+        self,
+        model: ModelSpec,
+        node_id: str,
+        gpus: tuple[Gpu, ...],
+        per_token: float,
+        load_seconds: float,
+        staying: bool,
     ) -> float:
         """What the model's active requests pay for their KV served on `gpus` of the node, as the evaluator
         prices it (restored from the node's lower tiers or re-prefilled at `per_token` seconds, what its GPUs
         hold counting where the model is `staying` on them at its precision), plus the violation penalty of
         those whose KV and the weights' `load_seconds` outlast their SLO target."""
-        held, weight, target, penalty = self._kv_held, self._slo_weight, self._slo_target, self.c.violation_penalty_seconds
+        held, weight, target, penalty = (
+            self._kv_held,
+            self._slo_weight,
+            self._slo_target,
+            self.c.violation_penalty_seconds,
+        )
         cost = 0.0
         for s in self.active[model.id]:
             kv = StateObject.kv(model.id, s.id)
@@ -1028,7 +1106,11 @@ class GreedyPlanner:
         return cost
 
     def _with_alike(
-        self, model: ModelSpec, best: dict[tuple[str, str], joint.Option], alike: Mapping[str, list[str]], staying: str | None
+        self,
+        model: ModelSpec,
+        best: dict[tuple[str, str], joint.Option],
+        alike: Mapping[str, list[str]],
+        staying: str | None,
     ) -> list[joint.Option]:
         """The options per (node, precision), each one priced on a node that loads from NVMe copied to that
         node's look-alikes that load from NVMe too (`_load_candidates` tries one node per look), never to or
@@ -1198,7 +1280,9 @@ class GreedyPlanner:
         # its predicted requests re-prefill their history on `gpus`, not on the cold load's group; those that
         # miss their target cold (load and re-prefill) but not warm save the violation penalty too
         value -= (per_token - cold_per_token) * self._context_demand[model.id]
-        late_cold = self.lateness.weight_late(self.row[model.id], cold_per_token, saved) * self.c.violation_penalty_seconds
+        late_cold = (
+            self.lateness.weight_late(self.row[model.id], cold_per_token, saved) * self.c.violation_penalty_seconds
+        )
         value += late_cold - self._late_penalty(model.id, per_token)
         return value, saved
 
@@ -1232,7 +1316,9 @@ class GreedyPlanner:
         if model.is_moe:
             self._push_expert_chunks(model, group, push)
 
-    def _kv_without_seconds(self, obj: StateObject, session: Session, model: ModelSpec, group: Group, kv_ok_below: bool) -> float:
+    def _kv_without_seconds(
+        self, obj: StateObject, session: Session, model: ModelSpec, group: Group, kv_ok_below: bool
+    ) -> float:
         """Seconds to ready the session's KV if it is not kept on GPU: restore it from below, or re-prefill.
 
         KV leaving this node's GPUs is parked in host DRAM by the lower-tier
@@ -1370,10 +1456,18 @@ class GreedyPlanner:
                 continue
             if self._complete_below(obj, node_id):
                 continue
-            if obj.model in self.groups and self.groups[obj.model].node == node_id and self._on_node_gpus(obj, node_id) >= self.p.size_of(obj):
+            if (
+                obj.model in self.groups
+                and self.groups[obj.model].node == node_id
+                and self._on_node_gpus(obj, node_id) >= self.p.size_of(obj)
+            ):
                 continue
             # the GPU copy is the node's last complete one: move it down
-            to = host if (_WEIGHTS_OFFLOAD in node.capabilities and node.host_bytes - host_used[node_id] >= nbytes) else nvme
+            to = (
+                host
+                if (_WEIGHTS_OFFLOAD in node.capabilities and node.host_bytes - host_used[node_id] >= nbytes)
+                else nvme
+            )
             if to.tier is _HOST:
                 used = host_used
             else:

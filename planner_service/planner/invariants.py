@@ -59,7 +59,9 @@ def _target_capacity(problem: Problem, target: Mapping[tuple[StateObject, Locati
     return errors
 
 
-def _active_served(problem: Problem, target: Mapping[tuple[StateObject, Location], int], unserved: Collection[str]) -> list[str]:
+def _active_served(
+    problem: Problem, target: Mapping[tuple[StateObject, Location], int], unserved: Collection[str]
+) -> list[str]:
     errors = []
     index = ResidencyIndex.build(problem, target)
     for s in problem.sessions.values():
@@ -76,7 +78,9 @@ def _active_served(problem: Problem, target: Mapping[tuple[StateObject, Location
     return errors
 
 
-def _complete_tiers(problem: Problem, placement: Mapping[tuple[StateObject, Location], int]) -> dict[tuple[StateObject, str], set[Tier]]:
+def _complete_tiers(
+    problem: Problem, placement: Mapping[tuple[StateObject, Location], int]
+) -> dict[tuple[StateObject, str], set[Tier]]:
     index = ResidencyIndex.build(problem, placement)
     out: dict[tuple[StateObject, str], set[Tier]] = defaultdict(set)
     for (obj, node, tier), nbytes in index.by_tier.items():
@@ -95,7 +99,9 @@ def _last_copies_kept(problem: Problem, target: Mapping[tuple[StateObject, Locat
     ]
 
 
-def _replay(problem: Problem, target: Mapping[tuple[StateObject, Location], int], ops: Sequence[Operation]) -> list[str]:
+def _replay(
+    problem: Problem, target: Mapping[tuple[StateObject, Location], int], ops: Sequence[Operation]
+) -> list[str]:
     replayed = {k: v for k, v in apply_operations(problem.residency, ops).items() if v > 0}
     wanted = {k: v for k, v in target.items() if v > 0}
     if replayed == wanted:
@@ -171,10 +177,14 @@ def _every_order_safe(problem: Problem, ops: Sequence[Operation]) -> list[str]:
             continue
         early = [r.id for r in readers[(op.object, op.source)] if r.id not in anc[op.id]]
         if early:
-            errors.append(f"source freed early: {op.id} may free {op.object.label()} at {op.source.label()} before {early} read it")
+            errors.append(
+                f"source freed early: {op.id} may free {op.object.label()} at {op.source.label()} before {early} read it"
+            )
         if op.action is Action.DROP and op.object.kind is not Kind.KV:
             if not _other_copy_guaranteed(problem, op, anc, reducers, adders):
-                errors.append(f"last copy in some order: {op.id} may drop the node's last complete copy of {op.object.label()}")
+                errors.append(
+                    f"last copy in some order: {op.id} may drop the node's last complete copy of {op.object.label()}"
+                )
     return errors
 
 
@@ -186,7 +196,9 @@ def _other_copy_guaranteed(problem, op: Operation, anc, reducers, adders) -> boo
         return True
     if op.source.tier is Tier.GPU:
         gpu_total = sum(
-            b for (o, l), b in problem.residency.items() if o == op.object and l.tier is Tier.GPU and problem.node_of(l) == node
+            b
+            for (o, l), b in problem.residency.items()
+            if o == op.object and l.tier is Tier.GPU and problem.node_of(l) == node
         )
         if gpu_total < size:
             return True  # the GPU tier held no complete copy to lose
@@ -201,13 +213,17 @@ def _other_copy_guaranteed(problem, op: Operation, anc, reducers, adders) -> boo
     return False
 
 
-def _capabilities(problem: Problem, ops: Sequence[Operation], target: Mapping[tuple[StateObject, Location], int]) -> list[str]:
+def _capabilities(
+    problem: Problem, ops: Sequence[Operation], target: Mapping[tuple[StateObject, Location], int]
+) -> list[str]:
     errors = []
     for op in ops:
         caps = problem.nodes[op.node].capabilities
         below = op.dest is not None and op.dest.tier is not Tier.GPU
         if op.object.kind is Kind.WEIGHTS and Capability.WEIGHTS_OFFLOAD not in caps:
-            if (below and op.dest.tier is Tier.HOST) or (op.source is not None and op.source.tier is Tier.HOST and op.dest and op.dest.tier is Tier.GPU):
+            if (below and op.dest.tier is Tier.HOST) or (
+                op.source is not None and op.source.tier is Tier.HOST and op.dest and op.dest.tier is Tier.GPU
+            ):
                 errors.append(f"capability: {op.id} moves weights through host DRAM on node {op.node}, which cannot")
         if op.object.kind is Kind.KV and Capability.KV_OFFLOAD not in caps:
             # dropping KV that sits below GPU only frees memory; moving it between tiers needs the engine
@@ -232,7 +248,9 @@ def _engine_groups(problem: Problem, target: Mapping[tuple[StateObject, Location
         node = problem.nodes[problem.gpus[loc.id].node]
         fixed = node.engine_gpus.get(obj.model)
         if not node.can_serve(obj.model):
-            errors.append(f"engine: {obj.label()} gains bytes on {loc.label()}, but node {node.id} has no engine for {obj.model}")
+            errors.append(
+                f"engine: {obj.label()} gains bytes on {loc.label()}, but node {node.id} has no engine for {obj.model}"
+            )
         elif fixed is not None and loc.id not in fixed:
             errors.append(
                 f"engine: {obj.label()} gains bytes on {loc.label()}, outside the GPUs of {obj.model}'s engine on node "

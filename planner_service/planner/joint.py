@@ -44,7 +44,9 @@ from planner_service.domain.problem import ModelSpec
 # larger clusters (64 GPUs x 16 models: 512) it would add a third to planning, at 1,000 GPUs 30 times as much.
 MAX_OPTIONS = 128
 NOWHERE = ""  # the node of an option that leaves a model off the GPUs (it takes no room; see `assign`)
-MAX_ROUNDS = 3  # improving moves at most; on the 50-scenario gap study a third still pays (median 1.075 -> 1.049), a fourth not
+MAX_ROUNDS = (
+    3  # improving moves at most; on the 50-scenario gap study a third still pays (median 1.075 -> 1.049), a fourth not
+)
 # The step out tries every option of the models in flight, each followed by a search round around it: it runs
 # where the choice's options number at most this (7 models on 4 nodes at up to 2 precisions, idle ones with
 # their option to stay cold: at most 63), costing ~1.5 ms of a compiled demo-sized plan; on 16 GPUs with 12
@@ -110,7 +112,11 @@ def assign(
 
 class _Search:
     def __init__(
-        self, options: Mapping[str, Sequence[Option]], order: Sequence[str], rooms: Mapping[str, int], experts_curve: ExpertsCurve
+        self,
+        options: Mapping[str, Sequence[Option]],
+        order: Sequence[str],
+        rooms: Mapping[str, int],
+        experts_curve: ExpertsCurve,
     ) -> None:
         self.option_of: dict[int, Option] = {}  # bit -> option
         self.bits: dict[str, list[int]] = {}  # model -> the bits of its options
@@ -254,7 +260,8 @@ class _Search:
             current = self.chosen[model]
             here = option_of[current].node
             trials = [
-                bit for bit in self.bits[model]
+                bit
+                for bit in self.bits[model]
                 if (to := option_of[bit].node) != here and not math.isinf(cost.of(held.get(to, 0) | bit))
             ]
             if not trials:  # (moves that do not fit on their own, followed by one making room, found next to

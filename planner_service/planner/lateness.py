@@ -41,7 +41,7 @@ class Lateness:
                 tail[:, :-1] = self._weighted[:, order[::-1]].cumsum(axis=1)[:, ::-1]
                 self._tails.append(tail)
         late = 0.0
-        for (target, _, contexts), tail in zip(self._classes, self._tails):
+        for (target, _, contexts), tail in zip(self._classes, self._tails, strict=True):
             if per_token > 0:
                 late += float(tail[row, bisect.bisect_right(contexts, (target - delay) / per_token)])
             elif delay > target:

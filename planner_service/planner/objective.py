@@ -103,7 +103,7 @@ class Demand:
         vector_of: dict[int, int] = {}
         probs_of = list(map(problem.next_model.get, problem.sessions))
         ids = list(map(id, probs_of))
-        for key, probs in dict(zip(ids, probs_of)).items():
+        for key, probs in dict(zip(ids, probs_of, strict=True)).items():
             if not probs:
                 vector_of[key] = 0
                 continue
@@ -117,7 +117,7 @@ class Demand:
         slos = [s.slo for s in sessions]
         return cls(
             sessions=sessions,
-            position=dict(zip(problem.sessions, range(len(sessions)))),
+            position=dict(zip(problem.sessions, range(len(sessions)), strict=True)),
             row=row,
             q=np.array(vectors).T.take(np.array(which, dtype=np.intp), axis=1),  # a fresh array, rows contiguous
             slo_weight=np.array(list(map(weight.__getitem__, slos))),
@@ -230,7 +230,9 @@ def _kv_ready_of(
     host_bytes, nvme_bytes = np.maximum(np.array(host), 0), np.maximum(np.array(nvme), 0)
     from_host = host_bytes >= nvme_bytes
     restorable = np.where(from_host, host_bytes, nvme_bytes)
-    seconds = costs.kv_ready_seconds_grouped(missing, restorable, from_host, kv_per_token, group_size, slowest_h2d, nvme_read, per_token)
+    seconds = costs.kv_ready_seconds_grouped(
+        missing, restorable, from_host, kv_per_token, group_size, slowest_h2d, nvme_read, per_token
+    )
     return rows, columns, np.where(missing > 0, seconds, 0.0)
 
 
@@ -334,7 +336,7 @@ def evaluate(
         slowdowns.append(slowdown)
         degrades.append(degrade)
     at, columns, kv_seconds = _kv_ready_of(problem, position, held) if held else ([], [], np.zeros(0))
-    kv_arrival = dict(zip(columns[:arrivals], kv_seconds[:arrivals].tolist()))  # session column -> seconds
+    kv_arrival = dict(zip(columns[:arrivals], kv_seconds[:arrivals].tolist(), strict=True))  # session column -> seconds
     for s, model, serving, w, target_s in arriving:
         latency = weights_arrival[s.model] + kv_arrival[position[s.id]]
         switch += w * latency
@@ -357,7 +359,9 @@ def evaluate(
         wq = slo_weight * q
         weights = wq.sum(axis=1).tolist()  # each row summed on its own, as `wq[k].sum()` would
         # model by model, in problem order: the sums add up as they always have
-        for wq_k, latency_k, late_k, weight, slowdown, degrade in zip(wq, latency, late, weights, slowdowns, degrades):
+        for wq_k, latency_k, late_k, weight, slowdown, degrade in zip(
+            wq, latency, late, weights, slowdowns, degrades, strict=True
+        ):
             switch += float(wq_k @ latency_k)
             violations += float(wq_k @ late_k) * c.violation_penalty_seconds
             decode += weight * slowdown
@@ -388,7 +392,9 @@ def _arrival_latency(
     return _weights_arrival(problem, now, then, model, serving) + _kv_arrival(problem, now, model, session, serving)
 
 
-def _weights_arrival(problem: Problem, now: ResidencyIndex, then: ResidencyIndex, model: ModelSpec, serving: Serving) -> float:
+def _weights_arrival(
+    problem: Problem, now: ResidencyIndex, then: ResidencyIndex, model: ModelSpec, serving: Serving
+) -> float:
     """Seconds to copy the shards of the model's weights that `serving`'s GPUs lack now."""
     obj = StateObject.weights(model.id, serving.precision)
     node = problem.nodes[serving.node]
@@ -420,9 +426,7 @@ def _kv_arrival(problem: Problem, now: ResidencyIndex, model: ModelSpec, session
     return kv_ready(problem, now, model, session, serving.node, serving.gpus, kv_now)
 
 
-def promote_seconds(
-    problem: Problem, now: ResidencyIndex, target: Mapping[tuple[StateObject, Location], int]
-) -> float:
+def promote_seconds(problem: Problem, now: ResidencyIndex, target: Mapping[tuple[StateObject, Location], int]) -> float:
     """Seconds of transfer the plan spends bringing state up to GPUs (each GPU's link on its own)."""
     total = 0.0
     kv_kind, before, gpus, nodes = Kind.KV, now.placement, problem.gpus, problem.nodes

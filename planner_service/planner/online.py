@@ -81,8 +81,10 @@ class RecentLoad:
     def stand_ins(self, now: float, in_flight: Mapping[str, int]) -> list[Session]:
         """Stand-in active sessions for the window's load beyond the requests in flight (per model)."""
         requests = self._requests
-        while requests and requests[0][0] < now - self.window_seconds and (
-            len(requests) > self.min_requests or requests[0][0] < now - self.max_window_seconds
+        while (
+            requests
+            and requests[0][0] < now - self.window_seconds
+            and (len(requests) > self.min_requests or requests[0][0] < now - self.max_window_seconds)
         ):
             requests.popleft()
         if not requests:

@@ -54,7 +54,11 @@ class Priority(StrEnum):
 
 
 PRIORITY_RANK = {Priority.BLOCKING: 0, Priority.INTERACTIVE: 1, Priority.BACKGROUND: 2, Priority.PREFETCH: 3}
-SLO_PRIORITY = {Slo.BLOCKING: Priority.BLOCKING, Slo.INTERACTIVE: Priority.INTERACTIVE, Slo.BACKGROUND: Priority.BACKGROUND}
+SLO_PRIORITY = {
+    Slo.BLOCKING: Priority.BLOCKING,
+    Slo.INTERACTIVE: Priority.INTERACTIVE,
+    Slo.BACKGROUND: Priority.BACKGROUND,
+}
 _URGENCY = {slo: rank for rank, slo in enumerate(Slo)}  # most urgent first
 
 
@@ -206,7 +210,14 @@ class _Builder:
         return out
 
     def _new(
-        self, action: Action, obj: StateObject, source: Location | None, dest: Location | None, nbytes: int, keep: bool, node: str
+        self,
+        action: Action,
+        obj: StateObject,
+        source: Location | None,
+        dest: Location | None,
+        nbytes: int,
+        keep: bool,
+        node: str,
     ) -> Operation:
         nbytes = int(nbytes)
         op = Operation(
@@ -393,9 +404,7 @@ class _Builder:
 
     def _complete_copies_in_target(self, obj: StateObject, node: str) -> list[Location]:
         size = self.p.size_of(obj)
-        return [
-            Location(t, node) for t in (_HOST, _NVME) if self.target.get((obj, Location(t, node)), 0) >= size
-        ]
+        return [Location(t, node) for t in (_HOST, _NVME) if self.target.get((obj, Location(t, node)), 0) >= size]
 
     def _inherit_priority(self) -> None:
         """What an urgent operation waits on is as urgent as it is."""
@@ -427,7 +436,13 @@ class _Builder:
         return _BACKGROUND
 
     def _seconds(
-        self, action: Action, obj: StateObject, source: Location | None, dest: Location | None, nbytes: int, node_id: str
+        self,
+        action: Action,
+        obj: StateObject,
+        source: Location | None,
+        dest: Location | None,
+        nbytes: int,
+        node_id: str,
     ) -> float:
         if action is _DROP:
             return 0.0
@@ -483,7 +498,7 @@ def kahn_order(ops: list[Operation], deps: Mapping[int, set[int]], children: Map
     order = list(map(ops.__getitem__, sequence))
     for k, op in enumerate(order, 1):
         op.id = f"op-{k}"  # an f-string formats in about half the time `str.format` takes
-    place = dict(zip(sequence, range(n)))  # position in `ops` -> in the order
+    place = dict(zip(sequence, range(n), strict=True))  # position in `ops` -> in the order
     for i, ds in deps.items():
         ops[i].depends_on = [ops[d].id for d in sorted(ds, key=place.__getitem__)]
     return order

@@ -72,7 +72,9 @@ def make_plan(
 
     `now` (the confirmed placement's index) and `demand` may come from the solver, which built them already.
     """
-    placement = copy_placement(target) if min(target.values(), default=1) > 0 else {k: v for k, v in target.items() if v > 0}
+    placement = (
+        copy_placement(target) if min(target.values(), default=1) > 0 else {k: v for k, v in target.items() if v > 0}
+    )
     now = now or ResidencyIndex.build(problem, problem.residency)
     then = ResidencyIndex.build(problem, placement)
     operations = build_operations(problem, placement, reasons, now, then.serving)

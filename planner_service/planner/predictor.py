@@ -102,9 +102,7 @@ class SwitchPredictor:
         n_from = self._from_counts[current]
         w, alpha = self._prior_weight, self._alpha
         denominator = n_from + w + alpha * len(self._models)
-        return {
-            m: (self._counts[(current, m)] + w * prior.get(m, 0.0) + alpha) / denominator for m in self._models
-        }
+        return {m: (self._counts[(current, m)] + w * prior.get(m, 0.0) + alpha) / denominator for m in self._models}
 
     def predict_sessions(self, current: Mapping[str, str], now: float | None = None) -> dict[str, dict[str, float]]:
         """Next-model probabilities for each session, given the model it is on now."""

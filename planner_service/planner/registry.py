@@ -55,7 +55,13 @@ def _greedy(
     with cycle_collection_paused():
         target = plan_greedy(problem, nodes, precisions)
         plan = make_plan(
-            problem, SolverName.GREEDY, target.placement, target.unserved, target.reasons, now=target.now, demand=target.demand
+            problem,
+            SolverName.GREEDY,
+            target.placement,
+            target.unserved,
+            target.reasons,
+            now=target.now,
+            demand=target.demand,
         )
     plan.solve_seconds = time.perf_counter() - started
     return plan
@@ -67,10 +73,20 @@ def _search(problem: Problem, max_plans: int = MAX_PLANS, **_: object) -> Plan:
         found = search_nodes(problem, max_plans)
         target = found.target
         plan = make_plan(
-            problem, SolverName.SEARCH, target.placement, target.unserved, target.reasons, now=target.now, demand=target.demand
+            problem,
+            SolverName.SEARCH,
+            target.placement,
+            target.unserved,
+            target.reasons,
+            now=target.now,
+            demand=target.demand,
         )
     plan.solve_seconds = time.perf_counter() - started
-    plan.extra["search"] = {"greedy_objective": round(found.greedy_objective, 6), "plans": found.plans, "moves": found.moves}
+    plan.extra["search"] = {
+        "greedy_objective": round(found.greedy_objective, 6),
+        "plans": found.plans,
+        "moves": found.moves,
+    }
     return plan
 
 

@@ -22,7 +22,6 @@ from typing import Any
 from planner_service.domain.problem import Gpu, Problem
 from planner_service.domain.state import Kind, Location, Placement, StateObject, Tier
 
-
 _GPU = Tier.GPU  # bound once: on Python 3.11 an `Enum.MEMBER` lookup costs about ten global reads
 _BELOW_GPU = (Tier.HOST, Tier.NVME)  # fastest first
 _UNKNOWN: Any = object()  # not looked up yet (None is an answer)
@@ -107,7 +106,7 @@ class ResidencyIndex:
         if tier is _GPU:
             return self.gpu_bytes.get((obj, node), 0)
         nbytes = self.placement.get((obj, self._location(tier, node)), 0)
-        return nbytes if nbytes > 0 else 0
+        return max(0, nbytes)
 
     def _location(self, tier: Tier, node: str) -> Location:
         """A node's host DRAM or NVMe location (made once per index)."""
@@ -172,7 +171,9 @@ def copy_placement(placement: Mapping[tuple[StateObject, Location], int]) -> Pla
 
 
 def _serving(
-    problem: Problem, holders: Mapping[tuple[StateObject, str], list[Gpu]], gpu_bytes: Mapping[tuple[StateObject, str], int]
+    problem: Problem,
+    holders: Mapping[tuple[StateObject, str], list[Gpu]],
+    gpu_bytes: Mapping[tuple[StateObject, str], int],
 ) -> dict[str, Serving]:
     """Who serves each model: the node whose GPUs hold its weights complete, preferred precision first."""
     serving: dict[str, Serving] = {}

@@ -223,7 +223,7 @@ class ClusterService:
         only a restart, which restores the last committed state, makes them agree again."""
         try:
             self._store.write(batch)
-        except Exception as error:
+        except Exception as error:  # noqa: BLE001 -- any failed write must stop serving, whatever raised it
             self.broken = (
                 f"a database write failed ({error}); restart the service: it restores the last committed state"
             )
@@ -563,7 +563,9 @@ class ClusterService:
         doc["operations"] = [r.op.to_json() for r in records]
         doc["held_back"] = [
             {
-                "operation": dataclasses.replace(op, id=rename[op.id], depends_on=[rename[d] for d in op.depends_on]).to_json(),
+                "operation": dataclasses.replace(
+                    op, id=rename[op.id], depends_on=[rename[d] for d in op.depends_on]
+                ).to_json(),
                 "until": iso(held[op.id].until),
                 "failures": held[op.id].count,
                 "error": held[op.id].error,
@@ -723,7 +725,11 @@ class ClusterService:
                 self._wake(force=True)  # the next plan holds the move back until then
                 log.warning(
                     "operation %s failed on %s (%d time(s); held back until %s): %s",
-                    op_id, r.node, failures.count, iso(failures.until), body.error,
+                    op_id,
+                    r.node,
+                    failures.count,
+                    iso(failures.until),
+                    body.error,
                 )
             self._write(batch)
             if body.measured_seconds is not None:

@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-
 # (t, kind, from model, to model, gap seconds, context tokens): kind "handoff" (from, to), "gap" (gap
 # seconds: a turn's tool and think time) or "request" (to: its model; the session's context after it)
 Observation = tuple[float, str, str | None, str | None, float | None, int | None]

@@ -219,7 +219,7 @@ class SimCluster:
     def _rerate(self) -> None:
         for t in self.transfers.values():
             t.rate_bytes_per_s = min(self.links[l].bandwidth_bytes_per_s / len(self.links[l].active) for l in t.links)
-        for key, link in self.links.items():
+        for link in self.links.values():
             if link.active:
                 total = sum(self.transfers[i].rate_bytes_per_s for i in link.active)
                 link.peak_rate_bytes_per_s = max(link.peak_rate_bytes_per_s, total)

@@ -153,9 +153,7 @@ def base_problem(scenario: Scenario) -> Problem:
     """The scenario's cluster and catalog, with only the copies below GPU and no sessions."""
     data = scenario.model_dump(mode="json")
     data["sessions"] = []
-    data["residency"] = [
-        r for r in data["residency"] if r["location"]["tier"] != "gpu" and r["object"]["kind"] != "kv"
-    ]
+    data["residency"] = [r for r in data["residency"] if r["location"]["tier"] != "gpu" and r["object"]["kind"] != "kv"]
     return problem_from_scenario(Scenario.model_validate(data))
 
 
@@ -174,8 +172,10 @@ class Simulator:
     ) -> None:
         fixed = [f"cluster.nodes[{i}].engines" for i, n in enumerate(scenario.cluster.nodes) if n.engines is not None]
         if fixed:  # its policies start engines where they load a model, on groups of their choosing
-            raise ValueError(f"{', '.join(fixed)}: the simulator starts engines for any model on the groups its "
-                             "policies choose; replay a scenario whose nodes list no engines")
+            raise ValueError(
+                f"{', '.join(fixed)}: the simulator starts engines for any model on the groups its "
+                "policies choose; replay a scenario whose nodes list no engines"
+            )
         self.scenario = scenario
         self.problem = base_problem(scenario)
         self.c = self.problem.constants
@@ -359,7 +359,9 @@ class Simulator:
         if session is None:
             session = self.sessions[rec.session] = SessionState(rec.session, rec.user or rec.session, rec.slo)
         handoff = session.requested_model is not None and session.requested_model != rec.model
-        req = SimRequest(len(self.requests), rec.t, rec.session, rec.model, rec.input_tokens, rec.output_tokens, rec.slo, handoff)
+        req = SimRequest(
+            len(self.requests), rec.t, rec.session, rec.model, rec.input_tokens, rec.output_tokens, rec.slo, handoff
+        )
         self.requests.append(req)
         self.policy.observe(self, session, req)
         session.requested_model = rec.model
@@ -439,9 +441,7 @@ class Simulator:
         group = {g.id for g in state.gpus}
         if any(t.dest.tier is Tier.GPU and t.dest.id in group for t in self.cluster.transfers.values()):
             return False
-        return not any(
-            self.running.get(m) and {g.id for g in st.gpus} & group for m, st in self.models.items()
-        )
+        return not any(self.running.get(m) and {g.id for g in st.gpus} & group for m, st in self.models.items())
 
     def kv_footprint(self, req: SimRequest) -> int:
         history = self.sessions[req.session].history_tokens
@@ -577,7 +577,9 @@ class Simulator:
         if state is not None:
             self.touch(StateObject.weights(req.model, state.precision))
         if self.kv_offload and state is not None:
-            self._write_through(kv, state.node, session.history_tokens * model.kv_bytes_per_token, session.history_tokens)
+            self._write_through(
+                kv, state.node, session.history_tokens * model.kv_bytes_per_token, session.history_tokens
+            )
         session.request = None
         if self.closed_loop:
             session.lag_seconds = max(0.0, self.now - req.t)
@@ -600,7 +602,9 @@ class Simulator:
 
     def _free_host(self, host: Location, nbytes: int) -> None:
         victims = sorted(
-            (self.last_used.get(o, 0.0), o) for o in self.cluster.objects_at(host) if o.kind is Kind.KV and o not in self.running_kv
+            (self.last_used.get(o, 0.0), o)
+            for o in self.cluster.objects_at(host)
+            if o.kind is Kind.KV and o not in self.running_kv
         )
         for _, o in victims:
             if nbytes <= 0:
@@ -688,7 +692,9 @@ class Simulator:
         protect = set(protect)
         out = []
         for obj in self.cluster.objects_at(loc):
-            if obj.model in protect and obj.kind is Kind.WEIGHTS or self.pinned(obj):  # experts are a cache: they give way
+            if (
+                obj.model in protect and obj.kind is Kind.WEIGHTS or self.pinned(obj)
+            ):  # experts are a cache: they give way
                 continue
             key = self.policy.victim_key(self, obj, loc)
             if key is not None:
@@ -775,7 +781,9 @@ class Simulator:
             return False
         self.loads += 1
         if self.loads > 50 * len(self.requests) + 1000:
-            raise SimulationError(f"policy {self.policy.name} thrashes: {self.loads} loads for {len(self.requests)} requests")
+            raise SimulationError(
+                f"policy {self.policy.name} thrashes: {self.loads} loads for {len(self.requests)} requests"
+            )
         node_id, precision, group = choice
         model = self.problem.models[model_id]
         obj = StateObject.weights(model_id, precision)
@@ -803,7 +811,9 @@ class Simulator:
             need = b - self.cluster.bytes_of(obj, Location.gpu(g.id))
             if need > 0:
                 state.pending += 1
-                self.cluster.start(self.now, obj, source, Location.gpu(g.id), need, True, lambda t, s=state: self._shard_done(s, t))
+                self.cluster.start(
+                    self.now, obj, source, Location.gpu(g.id), need, True, lambda t, s=state: self._shard_done(s, t)
+                )
         self.operations += 1
         if state.pending == 0:
             self._weights_complete(state, model_id)
@@ -825,7 +835,9 @@ class Simulator:
         obj = StateObject.weights(model_id, state.precision)
         host = Location.host(state.node)
         nbytes = self.cluster.full_size(obj)
-        if self.cluster.complete_below(obj, state.node) is Tier.NVME and self.cluster.free(host) >= nbytes - self.cluster.bytes_of(obj, host):
+        if self.cluster.complete_below(obj, state.node) is Tier.NVME and self.cluster.free(
+            host
+        ) >= nbytes - self.cluster.bytes_of(obj, host):
             # the load staged through pinned host buffers; the copy stays in DRAM
             if Capability.WEIGHTS_OFFLOAD in self.problem.nodes[state.node].capabilities:
                 self.cluster.add(obj, host, nbytes - self.cluster.bytes_of(obj, host))

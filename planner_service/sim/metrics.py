@@ -64,7 +64,9 @@ def summarize(result: SimResult, targets: SloClassConstants = DEFAULT_TTFT_TARGE
         # compute models sharing a group contend for), and what the switch latency would be without it
         "handoff_prefill_wait_seconds": {
             "wait": latency_summary([r.prefill_queue_seconds for r in handoffs]),
-            "switch_latency_without_wait": latency_summary([r.switch_seconds - r.prefill_queue_seconds for r in handoffs]),
+            "switch_latency_without_wait": latency_summary(
+                [r.switch_seconds - r.prefill_queue_seconds for r in handoffs]
+            ),
         },
         # what the switch latency leaves out: decoding, where a MoE's experts off GPU slow every token
         "completion_seconds": _quantiles([r.done_at - r.admitted_at for r in requests]),

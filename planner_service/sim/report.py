@@ -95,7 +95,9 @@ def comparison(report: dict[str, Any], policy: str = "statebudget") -> dict[str,
         if base in pols and p95(base) > 0:
             out[f"handoff_p95_vs_{base}"] = round(p95(policy) / p95(base), 4)
     if "static" in pols and pols["static"]["gpu_bytes"]["mean"]:
-        out["gpu_bytes_mean_vs_static"] = round(pols[policy]["gpu_bytes"]["mean"] / pols["static"]["gpu_bytes"]["mean"], 4)
+        out["gpu_bytes_mean_vs_static"] = round(
+            pols[policy]["gpu_bytes"]["mean"] / pols["static"]["gpu_bytes"]["mean"], 4
+        )
     if "static" in pols and "oracle" in pols:
         gap = p95("static") - p95("oracle")
         if gap > 0:
@@ -110,32 +112,46 @@ def table_rows(report: dict[str, Any]) -> list[list[str]]:
     rows = []
     for name, m in report["policies"].items():
         sw, ho = m["switch_latency_seconds"]["all"], m["switch_latency_seconds"]["handoff"]
-        rows.append([
-            name,
-            str(m["requests"]),
-            f"{sw['p50']:.2f}",
-            f"{sw['p95']:.2f}",
-            f"{ho['p95']:.2f}",
-            f"{ho['p99']:.2f}",
-            f"{m['handoff_prefill_wait_seconds']['wait']['p95']:.2f}",
-            f"{m['ttft_seconds']['p95']:.2f}",
-            f"{m['completion_seconds']['p95']:.2f}",
-            f"{m['slo_violation_rate']['all']:.1%}",
-            f"{m['degraded_precision_rate']:.1%}",
-            f"{m['gpu_bytes']['mean'] / GIB:.0f} / {m['gpu_bytes']['peak'] / GIB:.0f}",
-            f"{m['warm_idle_gpu_bytes']['mean'] / GIB:.0f}",
-            f"{m['bytes_moved'] / GIB:.0f}",
-            str(m["operations"]),
-            f"{m['planner_seconds']['p50'] * 1000:.1f} / {m['planner_seconds']['p99'] * 1000:.1f}",
-        ])
+        rows.append(
+            [
+                name,
+                str(m["requests"]),
+                f"{sw['p50']:.2f}",
+                f"{sw['p95']:.2f}",
+                f"{ho['p95']:.2f}",
+                f"{ho['p99']:.2f}",
+                f"{m['handoff_prefill_wait_seconds']['wait']['p95']:.2f}",
+                f"{m['ttft_seconds']['p95']:.2f}",
+                f"{m['completion_seconds']['p95']:.2f}",
+                f"{m['slo_violation_rate']['all']:.1%}",
+                f"{m['degraded_precision_rate']:.1%}",
+                f"{m['gpu_bytes']['mean'] / GIB:.0f} / {m['gpu_bytes']['peak'] / GIB:.0f}",
+                f"{m['warm_idle_gpu_bytes']['mean'] / GIB:.0f}",
+                f"{m['bytes_moved'] / GIB:.0f}",
+                str(m["operations"]),
+                f"{m['planner_seconds']['p50'] * 1000:.1f} / {m['planner_seconds']['p99'] * 1000:.1f}",
+            ]
+        )
     return rows
 
 
 TABLE_COLUMNS = (
-    "policy", "requests", "switch P50 s", "switch P95 s", "hand-off P95 s", "hand-off P99 s",
-    "hand-off card wait P95 s", "TTFT P95 s",
+    "policy",
+    "requests",
+    "switch P50 s",
+    "switch P95 s",
+    "hand-off P95 s",
+    "hand-off P99 s",
+    "hand-off card wait P95 s",
+    "TTFT P95 s",
     "done P95 s",
-    "SLO miss", "degraded precision", "GPU GiB mean / peak", "warm idle GiB", "moved GiB", "ops", "planner ms P50 / P99",
+    "SLO miss",
+    "degraded precision",
+    "GPU GiB mean / peak",
+    "warm idle GiB",
+    "moved GiB",
+    "ops",
+    "planner ms P50 / P99",
 )
 
 

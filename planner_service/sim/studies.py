@@ -49,7 +49,9 @@ def _pyplot():
     return plt
 
 
-def occupancy(scenario: Scenario, records: Sequence[TraceRecord]) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]]:
+def occupancy(
+    scenario: Scenario, records: Sequence[TraceRecord]
+) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]]:
     """Step series at every trace event: (times, active model count, KV bytes per model)."""
     problem = base_problem(scenario)
     on: dict[str, tuple[str, int]] = {}  # session -> (model, KV bytes)
@@ -113,9 +115,11 @@ def study_h1(scenario: Scenario, records: Sequence[TraceRecord], out_dir: Path) 
         k = k_v[min(np.searchsorted(k_w, q / 100), k_v.size - 1)]
         rows.append([f"P{q}", f"{c:.0f}", f"{k / GIB:.2f}"])
     notes = [
-        f"per-model KV pools must each hold their own peak: {sum_of_peaks / GIB:.1f} GiB in all; a pooled "
-        f"allocation needs only the peak of the sum, {pooled_peak / GIB:.1f} GiB: pooling gains {gain:.2f}x "
-        f"KV capacity ({(sum_of_peaks - pooled_peak) / GIB:.1f} GiB)"
+        (
+            f"per-model KV pools must each hold their own peak: {sum_of_peaks / GIB:.1f} GiB in all; a pooled "
+            f"allocation needs only the peak of the sum, {pooled_peak / GIB:.1f} GiB: pooling gains {gain:.2f}x "
+            f"KV capacity ({(sum_of_peaks - pooled_peak) / GIB:.1f} GiB)"
+        )
     ]
     plt = _pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
@@ -140,7 +144,14 @@ def study_h1(scenario: Scenario, records: Sequence[TraceRecord], out_dir: Path) 
         "pooled_peak_bytes": pooled_peak,
         "pooling_gain": round(gain, 4),
     }
-    return StudyResult("H1: concurrently active models and aggregate KV", ["quantile", "active models", "aggregate KV GiB"], rows, path, notes, data)
+    return StudyResult(
+        "H1: concurrently active models and aggregate KV",
+        ["quantile", "active models", "aggregate KV GiB"],
+        rows,
+        path,
+        notes,
+        data,
+    )
 
 
 def study_h3(scenario: Scenario, records: Sequence[TraceRecord], out_dir: Path) -> StudyResult:
@@ -167,14 +178,28 @@ def study_h3(scenario: Scenario, records: Sequence[TraceRecord], out_dir: Path) 
             killer = ("weights", k)
         elif killer is None and free < 0:
             killer = ("kv", k)
-        rows.append([
-            str(k), model_id, f"{weights_total / GIB:.0f}", f"{peak_kv / GIB:.1f}", f"{free / GIB:.0f}",
-            nxt or "-", f"{cold:.1f}" if nxt else "-",
-        ])
-        data_rows.append({
-            "warm_models": k, "added": model_id, "weights_bytes": weights_total, "peak_kv_bytes": peak_kv,
-            "free_bytes": free, "next_model": nxt, "next_cold_load_seconds": None if not nxt else round(cold, 3),
-        })
+        rows.append(
+            [
+                str(k),
+                model_id,
+                f"{weights_total / GIB:.0f}",
+                f"{peak_kv / GIB:.1f}",
+                f"{free / GIB:.0f}",
+                nxt or "-",
+                f"{cold:.1f}" if nxt else "-",
+            ]
+        )
+        data_rows.append(
+            {
+                "warm_models": k,
+                "added": model_id,
+                "weights_bytes": weights_total,
+                "peak_kv_bytes": peak_kv,
+                "free_bytes": free,
+                "next_model": nxt,
+                "next_cold_load_seconds": None if not nxt else round(cold, 3),
+            }
+        )
     notes = [f"cluster HBM {hbm / GIB:.0f} GiB (weights include routed experts)"]
     if killer:
         notes.append(f"first to run out: {killer[0]} when warm model {killer[1]} ({order[killer[1] - 1]}) is added")
@@ -188,7 +213,7 @@ def study_h3(scenario: Scenario, records: Sequence[TraceRecord], out_dir: Path) 
     ax.bar(ks, w, label="weights + experts")
     ax.bar(ks, p, bottom=w, label="peak KV")
     ax.axhline(hbm / GIB, color="k", linestyle="--", label="cluster HBM")
-    ax.set_xticks(ks, [f"{k}\n{m}" for k, m in zip(ks, order, strict=False)], fontsize=8)
+    ax.set_xticks(ks, [f"{k}\n{m}" for k, m in zip(ks, order, strict=True)], fontsize=8)
     ax.set_ylabel("GiB")
     ax.set_title("H3: warm models added one by one")
     ax.legend()
@@ -197,7 +222,10 @@ def study_h3(scenario: Scenario, records: Sequence[TraceRecord], out_dir: Path) 
     return StudyResult(
         "H3: which runs out first as warm models are added",
         ["warm", "added", "weights GiB", "peak KV GiB", "free GiB", "next model", "its cold load s"],
-        rows, path, notes, data,
+        rows,
+        path,
+        notes,
+        data,
     )
 
 
@@ -209,7 +237,10 @@ def _cold_load_seconds(problem, model_id: str) -> float:
         group = costs.cold_group(problem, model, model.preferred, node)
         if group is None:
             continue
-        best = min(best, costs.weights_load_seconds(model.weights_bytes[model.preferred], group, Tier.NVME, node, problem.constants))
+        best = min(
+            best,
+            costs.weights_load_seconds(model.weights_bytes[model.preferred], group, Tier.NVME, node, problem.constants),
+        )
     return best
 
 
@@ -227,7 +258,14 @@ def study_pareto(
         p95 = summary["switch_latency_seconds"]["all"]["p95"]
         h95 = summary["switch_latency_seconds"]["handoff"]["p95"]
         gib = summary["gpu_bytes"]["mean"] / GIB
-        points.append({"gpu_price_seconds_per_gib": price, "switch_p95_seconds": p95, "handoff_p95_seconds": h95, "gpu_bytes_mean": summary["gpu_bytes"]["mean"]})
+        points.append(
+            {
+                "gpu_price_seconds_per_gib": price,
+                "switch_p95_seconds": p95,
+                "handoff_p95_seconds": h95,
+                "gpu_bytes_mean": summary["gpu_bytes"]["mean"],
+            }
+        )
         rows.append([f"{price:g}", f"{gib:.0f}", f"{p95:.2f}", f"{h95:.2f}"])
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
@@ -244,7 +282,11 @@ def study_pareto(
     path = _save(plt, fig, out_dir / "pareto.png")
     return StudyResult(
         "Pareto: P95 switch latency against GPU bytes kept warm (statebudget, varying the warm-memory price)",
-        ["price s/GiB", "mean GPU GiB", "P95 switch s", "P95 hand-off s"], rows, path, [], {"points": points},
+        ["price s/GiB", "mean GPU GiB", "P95 switch s", "P95 hand-off s"],
+        rows,
+        path,
+        [],
+        {"points": points},
     )
 
 

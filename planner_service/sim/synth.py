@@ -217,7 +217,7 @@ class _Generator:
         return max(gap, p.min_gap_seconds)
 
     def _tokens(self, median: float, sigma: float, cap: int | None = None) -> int:
-        value = max(1, int(round(self._lognormal(median, sigma))))
+        value = max(1, round(self._lognormal(median, sigma)))
         return min(value, cap) if cap else value
 
     def _owner(self, t: float) -> str:
@@ -251,8 +251,13 @@ class _Generator:
                 break  # the agent compacts its context into a fresh session
             self.records.append(
                 TraceRequest(
-                    t=round(t, 3), session=sid, model=self.models[model], input_tokens=new_input,
-                    output_tokens=output, slo=slo, user=user,
+                    t=round(t, 3),
+                    session=sid,
+                    model=self.models[model],
+                    input_tokens=new_input,
+                    output_tokens=output,
+                    slo=slo,
+                    user=user,
                 )
             )
             history += new_input + output

@@ -29,7 +29,9 @@ DECODE_RESERVE_SECONDS = 0.25  # of the wall-clock limit, kept for turning the s
 MIP_GAP = 1e-4  # relative gap at which CBC and SCIP call a solution optimal (OR-Tools' default)
 CBC_VARIANTS = ("tightened", "plain")  # worker i runs variant i: the model with / without its optional rows
 CBC_COMMAND = ("-m", "planner_service.solver.backends")  # the interpreter's arguments that start a CBC process
-CBC_CPU_SHARE = 0.9  # CBC's own limit counts CPU seconds: stop itself (and keep its incumbent) before the wall clock does
+CBC_CPU_SHARE = (
+    0.9  # CBC's own limit counts CPU seconds: stop itself (and keep its incumbent) before the wall clock does
+)
 
 
 @dataclass
@@ -58,7 +60,9 @@ class IntModel:
             self.cost[index] += cost
         return index
 
-    def row(self, coeffs: Mapping[int, int], lo: float = -math.inf, hi: float = math.inf, *, optional: bool = False) -> None:
+    def row(
+        self, coeffs: Mapping[int, int], lo: float = -math.inf, hi: float = math.inf, *, optional: bool = False
+    ) -> None:
         terms = {i: int(a) for i, a in coeffs.items() if a}
         if terms:
             if optional:
@@ -183,7 +187,7 @@ def _solve_mpsolver(
     code = solver.Solve(parameters)
     seconds = time.perf_counter() - started
     found = code in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE)
-    values = [int(round(x.solution_value())) for x in xs] if found else None
+    values = [round(x.solution_value()) for x in xs] if found else None
     bound = solver.Objective().BestBound() if found else None
     if code == pywraplp.Solver.OPTIMAL:
         status = "optimal"
@@ -224,7 +228,9 @@ def _solve_cbc(ilp: IntModel, limit: float, seed: int, workers: int) -> SolveRes
         except queue.Empty:
             break  # the wall-clock limit: children still running are stopped below
         if code != 0 or not out:
-            failures.append(f"{variant}: exit {code}: {' / '.join(errors.decode(errors='replace').strip().splitlines()[-2:])}")
+            failures.append(
+                f"{variant}: exit {code}: {' / '.join(errors.decode(errors='replace').strip().splitlines()[-2:])}"
+            )
             continue
         results[variant] = SolveResult(**pickle.loads(out))
         if results[variant].status in ("optimal", "infeasible"):
@@ -253,7 +259,9 @@ def _solve_cbc(ilp: IntModel, limit: float, seed: int, workers: int) -> SolveRes
     info["cpu_seconds"] = round(resource.getrusage(resource.RUSAGE_CHILDREN).ru_utime - cpu_before, 3)
     if best is None:
         return SolveResult("timeout", None, None, bound, seconds, info)
-    stopped = "stopped" in info or any(r.status == "timeout" for r in results.values())  # by the clock or CBC's own limit
+    stopped = "stopped" in info or any(
+        r.status == "timeout" for r in results.values()
+    )  # by the clock or CBC's own limit
     status = best.status if proved else ("timeout" if stopped else "feasible")
     return SolveResult(status, best.values, best.objective, bound, seconds, info)
 
@@ -303,6 +311,6 @@ def lp_bound(ilp: IntModel) -> float | None:
 
 
 if __name__ == "__main__":
-    from planner_service.solver import backends  # by its module name, so the pickles name the right classes
+    from planner_service.solver import backends  # noqa: PLW0406 -- by its module name, so the pickles name the right classes
 
     backends._child_main()

@@ -97,7 +97,11 @@ class Formulation:
         for model_id, options in self.options.items():
             group = target.groups.get(model_id)
             match = next(
-                (o for o in options if group and (o.node, o.precision, _ids(o.gpus)) == (group.node, group.precision, _ids(group.gpus))),
+                (
+                    o
+                    for o in options
+                    if group and (o.node, o.precision, _ids(o.gpus)) == (group.node, group.precision, _ids(group.gpus))
+                ),
                 None,
             )
             if match is None:
@@ -113,7 +117,9 @@ class Formulation:
             for choice in choices:
                 if chosen.get(model_id) is choice.option:
                     obj = StateObject.kv(model_id, sid)
-                    values[choice.var] = int(sum(gpu_bytes.get((obj, g.id), 0) for g in choice.option.gpus) >= choice.nbytes)
+                    values[choice.var] = int(
+                        sum(gpu_bytes.get((obj, g.id), 0) for g in choice.option.gpus) >= choice.nbytes
+                    )
         for (model_id, gpu_id), (var, unit) in self.expert_vars.items():
             values[var] = min(gpu_bytes.get((StateObject.experts(model_id), gpu_id), 0) // unit, self.ilp.ub[var])
             now = self.problem.residency.get((StateObject.experts(model_id), Location.gpu(gpu_id)), 0)
@@ -122,7 +128,9 @@ class Formulation:
             option = chosen.get(combo.model)
             if option is None or option.node != combo.node or option.decode_class != combo.decode_class:
                 continue
-            held = sum(gpu_bytes.get((StateObject.experts(combo.model), g), 0) for g in self.problem.nodes[combo.node].gpus)
+            held = sum(
+                gpu_bytes.get((StateObject.experts(combo.model), g), 0) for g in self.problem.nodes[combo.node].gpus
+            )
             values[combo.var] = int(held == combo.nbytes)
         return values
 
@@ -134,7 +142,9 @@ def _ids(gpus: Sequence[Gpu]) -> tuple[str, ...]:
 # -- building ---------------------------------------------------------------
 
 
-def build_formulation(problem: Problem, extra_groups: Mapping[str, Group] | None = None, *, symmetry: bool = True) -> Formulation:
+def build_formulation(
+    problem: Problem, extra_groups: Mapping[str, Group] | None = None, *, symmetry: bool = True
+) -> Formulation:
     """The model over every candidate group (plus `extra_groups`, e.g. the greedy's, so its plan is a solution)."""
     return _Builder(problem, extra_groups or {}, symmetry).build()
 
@@ -199,7 +209,16 @@ class _Builder:
                     difference[i] -= c
                 self.ilp.row(difference, lo=0)
         return Formulation(
-            self.p, self.ilp, self.options, self.off, self.kv, self.combos, self.expert_vars, self.gain_vars, self.lower, self.unavoidable
+            self.p,
+            self.ilp,
+            self.options,
+            self.off,
+            self.kv,
+            self.combos,
+            self.expert_vars,
+            self.gain_vars,
+            self.lower,
+            self.unavoidable,
         )
 
     # -- one model ------------------------------------------------------------
@@ -266,13 +285,17 @@ class _Builder:
                     self.model_gpu_terms[(model.id, g.id)][o.var] += shard
             # requests in flight: the time to bring their state from C to T, charged on k below (without
             # its KV beside the weights the request waits instead)
-            then = ResidencyIndex(self.p, {(obj, Location.gpu(g.id)): b for g, b in zip(o.gpus, o.shards, strict=True) if b})
+            then = ResidencyIndex(
+                self.p, {(obj, Location.gpu(g.id)): b for g, b in zip(o.gpus, o.shards, strict=True) if b}
+            )
             serving = Serving(o.node, o.precision, o.gpus)
             arrival_cost = {}
             for s in active:
                 w = c.slo_weights.of(s.slo)
                 arrival = _arrival_latency(self.p, self.now, then, model, s.id, serving)
-                arrival_cost[s.id] = w * (arrival + c.violation_penalty_seconds * (arrival > c.slo_targets_seconds.of(s.slo)) + degraded)
+                arrival_cost[s.id] = w * (
+                    arrival + c.violation_penalty_seconds * (arrival > c.slo_targets_seconds.of(s.slo)) + degraded
+                )
             # predicted requests: weights ready; KV ready from the lower tiers unless k puts it on GPU
             invalidated = current is not None and current.precision != o.precision
             kv = context * costs.prefill_seconds_per_token(model, o.gpus, c)
@@ -289,7 +312,10 @@ class _Builder:
             candidates = [(s, True) for s in active] + [
                 (s, False)
                 for s in sessions
-                if s.id in holders_now and not (s.active and s.model == model.id) and not invalidated and self._kv_on_node(model.id, s.id, o.node)
+                if s.id in holders_now
+                and not (s.active and s.model == model.id)
+                and not invalidated
+                and self._kv_on_node(model.id, s.id, o.node)
             ]
             for s, is_active in candidates:
                 nbytes = s.context_tokens * model.kv_bytes_per_token
@@ -357,7 +383,10 @@ class _Builder:
                     shards = tuple(split_evenly(nbytes, len(group)))
                     if any(b > g.capacity_bytes for g, b in zip(group, shards, strict=True)):
                         continue
-                    moves = any(b > self.now.placement.get((obj, Location.gpu(g.id)), 0) for g, b in zip(group, shards, strict=True))
+                    moves = any(
+                        b > self.now.placement.get((obj, Location.gpu(g.id)), 0)
+                        for g, b in zip(group, shards, strict=True)
+                    )
                     if moves and not has_source:
                         continue  # nothing on the node to load the shards from
                     seen.add(key)
@@ -406,14 +435,20 @@ class _Builder:
     def _combo_cost(self, model: ModelSpec, gpus: Sequence[Gpu], nbytes: int, served_weight: float) -> float:
         c = self.c
         fraction = nbytes / model.experts_bytes
-        saved = costs.decode_slowdown_seconds(model, 0.0, gpus, c) - costs.decode_slowdown_seconds(model, fraction, gpus, c)
+        saved = costs.decode_slowdown_seconds(model, 0.0, gpus, c) - costs.decode_slowdown_seconds(
+            model, fraction, gpus, c
+        )
         return costs.gpu_hold_cost(nbytes, c) - served_weight * saved
 
     def _best_combo_cost(self, model: ModelSpec, option: Option, served_weight: float) -> float:
-        costs_ = [self._combo_cost(model, option.gpus, n, served_weight) for _, _, n in self._combo_terms(model, option.node)]
+        costs_ = [
+            self._combo_cost(model, option.gpus, n, served_weight) for _, _, n in self._combo_terms(model, option.node)
+        ]
         return min([0.0, *costs_])
 
-    def _experts(self, model: ModelSpec, by_class: Mapping[tuple[str, int], list[Option]], served_weight: float) -> None:
+    def _experts(
+        self, model: ModelSpec, by_class: Mapping[tuple[str, int], list[Option]], served_weight: float
+    ) -> None:
         obj = StateObject.experts(model.id)
         nodes = sorted({node for node, _ in by_class})
         for node_id in nodes:
@@ -428,7 +463,8 @@ class _Builder:
                 chosen = []
                 for r, last, nbytes in terms:
                     var = self.ilp.var(
-                        f"y[{model.id},{node_id},{cls},{r},{last}]", cost=self._combo_cost(model, options[0].gpus, nbytes, served_weight)
+                        f"y[{model.id},{node_id},{cls},{r},{last}]",
+                        cost=self._combo_cost(model, options[0].gpus, nbytes, served_weight),
                     )
                     self.combos.append(ExpertCombo(var, model.id, node_id, cls, r, last, nbytes))
                     chosen.append(var)
@@ -472,7 +508,11 @@ def _interchangeable_pairs(problem: Problem, now: ResidencyIndex) -> list[tuple[
         empty = [g for g in cards if now.used.get(Location.gpu(g.id), 0) == 0 and g.id not in fixed]
         for a, b in itertools.pairwise(empty):
             if (a.type, a.capacity_bytes, a.h2d_bytes_per_s, a.d2h_bytes_per_s, a.bf16_flops) == (
-                b.type, b.capacity_bytes, b.h2d_bytes_per_s, b.d2h_bytes_per_s, b.bf16_flops
+                b.type,
+                b.capacity_bytes,
+                b.h2d_bytes_per_s,
+                b.d2h_bytes_per_s,
+                b.bf16_flops,
             ):
                 pairs.append((a.id, b.id))
     return pairs
@@ -493,7 +533,7 @@ def _subsets(gpus: Sequence[Gpu]):
     by_size = sorted(gpus, key=lambda g: (-g.capacity_bytes, g.id))
     for k in range(1, len(gpus) + 1):
         yield tuple(sorted(by_size[:k], key=lambda g: g.id))
-        for start in range(0, len(gpus) - k + 1):
+        for start in range(len(gpus) - k + 1):
             yield tuple(gpus[start : start + k])
 
 
@@ -579,5 +619,7 @@ def decode(form: Formulation, values: Sequence[int]) -> TargetPlan:
         if group is None:
             unserved[s.id] = f"gpu capacity: the MILP found no group for {s.model} among the active models' needs"
         elif not any(values[c.var] for c in form.kv.get((s.model, s.id), [])):
-            unserved[s.id] = f"kv capacity: the KV of session {s.id} does not fit on node {group.node}'s GPUs beside {s.model}'s weights"
+            unserved[s.id] = (
+                f"kv capacity: the KV of session {s.id} does not fit on node {group.node}'s GPUs beside {s.model}'s weights"
+            )
     return settle(p, dict(gpu_target), groups, unserved, reasons)

@@ -197,7 +197,9 @@ def solve_milp(
         if not errors and (greedy is None or candidate.objective.total <= greedy.objective.total):
             plan, source = candidate, "milp"
     if plan is None:
-        raise ValueError(f"the MILP found no sound plan ({result.status}; {'; '.join(errors[:3])}) and the greedy's is unreachable")
+        raise ValueError(
+            f"the MILP found no sound plan ({result.status}; {'; '.join(errors[:3])}) and the greedy's is unreachable"
+        )
     plan.solver = "milp"
     plan.status = _STATUS[result.status]
     plan.solve_seconds = time.perf_counter() - started

@@ -6,7 +6,7 @@ from typing import Any
 
 from fastapi.testclient import TestClient
 from prometheus_client import CollectorRegistry
-from support import TINY_SCENARIO, FakeClock  # noqa: F401 - re-exported to the tests
+from support import TINY_SCENARIO, FakeClock
 
 TINY = TINY_SCENARIO
 OPERATOR = {"Authorization": "Bearer op-token"}

@@ -168,10 +168,14 @@ def test_registration_rejects_engines_on_gpus_it_cannot_have(demo):
         return demo.post("/v1/nodes/n2/register", json={"engines": list(engines)})
 
     assert_problem(register({"name": "e", "models": ["coder"], "gpus": ["n1-g0"]}), 422, "engines[0].gpus[0]", "n1-g0")
-    assert_problem(register({"name": "e", "models": ["gpt-9"], "gpus": ["n2-g0"]}), 422, "engines[0].models[0]", "gpt-9")
+    assert_problem(
+        register({"name": "e", "models": ["gpt-9"], "gpus": ["n2-g0"]}), 422, "engines[0].models[0]", "gpt-9"
+    )
     assert_problem(register({"name": "e", "models": ["coder"], "gpus": ["n2-g0", "n2-g0"]}), 422, "engines[0].gpus")
     assert_problem(
-        register({"name": "a", "models": ["coder"], "gpus": ["n2-g0"]}, {"name": "b", "models": ["coder"], "gpus": ["n2-g1"]}),
+        register(
+            {"name": "a", "models": ["coder"], "gpus": ["n2-g0"]}, {"name": "b", "models": ["coder"], "gpus": ["n2-g1"]}
+        ),
         422,
         "engines[1].models[0]",
         "one group per node",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import itertools
 
 from api_helpers import assert_problem, request
 
@@ -89,7 +90,7 @@ def test_pareto_curve(demo):
     points, frontier = body["points"], body["frontier"]
     assert len(points) >= 5 and frontier
     assert all(p["gpu_bytes"] >= 0 and p["switch_latency_p95_seconds"] >= 0 for p in points)
-    for a, b in zip(frontier, frontier[1:], strict=False):  # more warm bytes buy a lower P95
+    for a, b in itertools.pairwise(frontier):  # more warm bytes buy a lower P95
         assert b["gpu_bytes"] > a["gpu_bytes"] and b["switch_latency_p95_seconds"] < a["switch_latency_p95_seconds"]
 
 

@@ -10,7 +10,7 @@ from typing import Any
 import httpx
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
-from support import TINY_SCENARIO, FakeClock  # noqa: F401 - re-exported to the tests
+from support import TINY_SCENARIO, FakeClock
 
 from clients.sdk import AsyncStateBudgetClient, RetryPolicy
 from planner_service.api.app import create_app
@@ -43,9 +43,11 @@ def make_app(
 @contextlib.asynccontextmanager
 async def served(app: FastAPI) -> AsyncIterator[httpx.AsyncClient]:
     """The app's lifespan in this event loop, and an httpx client that talks to it in-process."""
-    async with app.router.lifespan_context(app):
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://statebudget") as http:
-            yield http
+    async with (
+        app.router.lifespan_context(app),
+        httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://statebudget") as http,
+    ):
+        yield http
 
 
 def async_client(http: httpx.AsyncClient, token: str | None = None) -> AsyncStateBudgetClient:

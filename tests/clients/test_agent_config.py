@@ -43,7 +43,9 @@ def test_engine_gpus_name_a_configured_engine_and_gpus():
     with pytest.raises(ValueError, match="engine_gpus.coder: no engine configured"):
         AgentConfig(node_id="n1", engine_gpus={"coder": ["n1-g0"]})
     with pytest.raises(ValueError, match=r"engine_gpus.coder: \['n1-g9'\] not among `gpus`"):
-        AgentConfig(node_id="n1", engines={"coder": "http://e"}, gpus=[{"id": "n1-g0"}], engine_gpus={"coder": ["n1-g9"]})
+        AgentConfig(
+            node_id="n1", engines={"coder": "http://e"}, gpus=[{"id": "n1-g0"}], engine_gpus={"coder": ["n1-g9"]}
+        )
 
 
 def test_registry_lists_the_choices_and_refuses_a_second_registration():

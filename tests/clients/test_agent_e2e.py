@@ -138,7 +138,7 @@ async def test_dependencies_wait_for_the_room_they_need(tmp_path):
         executor = LocalExecutor.from_config(config)
         agent = Agent(config, sb, executor)
         await run_until_idle(agent, sb, "n1")
-        assert [r["op"] for r in agent.reports][0] == drop["id"]
+        assert agent.reports[0]["op"] == drop["id"]
         after = await sb.get_srv()
         assert Counter({_key(r, "location"): r["bytes"] for r in after["placement"]}) == apply(
             before["placement"], plan
@@ -304,7 +304,11 @@ async def test_the_agent_declares_the_gpus_its_engines_were_launched_on(tmp_path
     async with served(make_app(tmp_path)) as http:
         sb = async_client(http)
         config = agent_config(
-            tmp_path, node="n2", capabilities=[], engines={"coder": "http://127.0.0.1:9"}, engine_gpus={"coder": ["n2-g3", "n2-g2"]}
+            tmp_path,
+            node="n2",
+            capabilities=[],
+            engines={"coder": "http://127.0.0.1:9"},
+            engine_gpus={"coder": ["n2-g3", "n2-g2"]},
         )
         executor = VllmCoder()
         executor.release.set()

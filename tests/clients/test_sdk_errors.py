@@ -48,7 +48,7 @@ def test_unknown_event_model_is_a_bad_request(sync_client):
 
 
 def test_tokens(sync_client):
-    anonymous, http, clock = sync_client(auth=True)
+    anonymous, http, _clock = sync_client(auth=True)
     with pytest.raises(AuthenticationError) as info:
         anonymous.get_srv()
     assert info.value.status == 401 and "Bearer" in info.value.detail

@@ -62,7 +62,13 @@ for scenario in scenarios:
 def _plans(python_path: Path) -> list[str]:
     env = {**os.environ, "PYTHONPATH": str(python_path)}
     done = subprocess.run(
-        [sys.executable, "-c", PLANS, *COMPILED], env=env, cwd=python_path, capture_output=True, text=True, timeout=300
+        [sys.executable, "-c", PLANS, *COMPILED],
+        env=env,
+        cwd=python_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
     )
     assert done.returncode == 0, done.stderr
     return done.stdout.splitlines()
@@ -78,8 +84,24 @@ def test_compiled_wheel_makes_the_same_plans(tmp_path: Path) -> None:
         shutil.copytree(REPO / package, source / package, ignore=shutil.ignore_patterns("__pycache__", "*.so"))
     env = {**os.environ, "STATEBUDGET_COMPILE": "1"}
     build = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "-q", "--no-build-isolation", "--no-deps", "-w", str(tmp_path / "dist"), "."],
-        cwd=source, env=env, capture_output=True, text=True, timeout=900,
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "-q",
+            "--no-build-isolation",
+            "--no-deps",
+            "-w",
+            str(tmp_path / "dist"),
+            ".",
+        ],
+        cwd=source,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
     )
     assert build.returncode == 0, build.stdout + build.stderr
     (wheel,) = (tmp_path / "dist").glob("statebudget-*.whl")

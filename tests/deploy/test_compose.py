@@ -27,11 +27,13 @@ KUBERNETES = DEPLOY / "kubernetes" / "statebudget.yaml"
 METRICS_MODULE = REPO / "planner_service" / "metrics.py"
 
 # The service's Prometheus metrics (issue 4), as scraped: counters with `_total`.
-HISTOGRAMS = frozenset({
-    "statebudget_operation_duration_seconds",
-    "statebudget_plan_duration_seconds",
-    "statebudget_switch_latency_seconds",
-})
+HISTOGRAMS = frozenset(
+    {
+        "statebudget_operation_duration_seconds",
+        "statebudget_plan_duration_seconds",
+        "statebudget_switch_latency_seconds",
+    }
+)
 EXPORTED_METRICS = HISTOGRAMS | {
     "statebudget_resident_bytes",
     "statebudget_gpu_hbm_used_bytes",
@@ -211,8 +213,11 @@ def test_alert_rules_are_complete_and_use_exported_metrics() -> None:
         assert not unknown, f"{rule['alert']} reads metrics the service does not export: {sorted(unknown)}"
     exprs = " ".join(rule["expr"] for rule in rules)
     assert 'up{job="statebudget"} == 0' in exprs, "an alert for the planner being down"
-    for required in ("statebudget_unserved_sessions", "statebudget_lease_expiries_total",
-                     "statebudget_predicted_switch_latency_p95_seconds"):
+    for required in (
+        "statebudget_unserved_sessions",
+        "statebudget_lease_expiries_total",
+        "statebudget_predicted_switch_latency_p95_seconds",
+    ):
         assert required in exprs, f"an alert on {required}"
 
 
@@ -300,8 +305,11 @@ def test_dashboard_panels_do_not_overlap(dashboard: dict[str, Any]) -> None:
 
 
 def string_constants(path: Path) -> set[str]:
-    return {node.value for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
-            if isinstance(node, ast.Constant) and isinstance(node.value, str)}
+    return {
+        node.value
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+        if isinstance(node, ast.Constant) and isinstance(node.value, str)
+    }
 
 
 def test_dashboard_metrics_are_defined_in_the_metrics_module() -> None:
@@ -335,9 +343,14 @@ def compose_and_kubernetes_env_names(compose: dict[str, Any]) -> set[str]:
 def test_deployment_env_variables_are_settings(compose: dict[str, Any]) -> None:
     from planner_service import settings as settings_module
 
-    settings_classes = [obj for obj in vars(settings_module).values()
-                        if isinstance(obj, type) and obj.__module__ == settings_module.__name__
-                        and hasattr(obj, "model_fields") and "env_prefix" in getattr(obj, "model_config", {})]
+    settings_classes = [
+        obj
+        for obj in vars(settings_module).values()
+        if isinstance(obj, type)
+        and obj.__module__ == settings_module.__name__
+        and hasattr(obj, "model_fields")
+        and "env_prefix" in getattr(obj, "model_config", {})
+    ]
     assert settings_classes, "no pydantic-settings class in planner_service/settings.py"
     known = set()
     for cls in settings_classes:
@@ -381,8 +394,9 @@ def test_kubernetes_runs_one_writer_with_probes_and_a_volume() -> None:
         assert container[probe]["httpGet"]["port"] in ports
     assert {"cpu", "memory"} <= container["resources"]["requests"].keys()
 
-    claims = {v["name"]: v["persistentVolumeClaim"]["claimName"] for v in pod["volumes"]
-              if "persistentVolumeClaim" in v}
+    claims = {
+        v["name"]: v["persistentVolumeClaim"]["claimName"] for v in pod["volumes"] if "persistentVolumeClaim" in v
+    }
     (data_mount,) = [m for m in container["volumeMounts"] if m["mountPath"] == "/data"]
     assert claims[data_mount["name"]] == objects["PersistentVolumeClaim"]["metadata"]["name"]
 

@@ -113,8 +113,10 @@ def test_build_is_multi_stage_on_python_slim(build: list[Stage], final: Stage) -
     named = {stage.name for stage in build[:-1]}
     sources = [
         word.removeprefix("--from=")
-        for instruction in final.instructions if instruction.keyword == "COPY"
-        for word in instruction.arguments.split() if word.startswith("--from=")
+        for instruction in final.instructions
+        if instruction.keyword == "COPY"
+        for word in instruction.arguments.split()
+        if word.startswith("--from=")
     ]
     assert sources and set(sources) <= named, "the runtime stage copies its environment from an earlier stage"
 
@@ -127,7 +129,7 @@ def test_final_stage_runs_as_a_non_root_user(final: Stage) -> None:
 def test_health_check_asks_livez_on_the_exposed_port(final: Stage) -> None:
     health = last(final, "HEALTHCHECK")
     assert health.arguments.upper() != "NONE"
-    command = Instruction("CMD", health.arguments[health.arguments.index("CMD") + 3:].strip())
+    command = Instruction("CMD", health.arguments[health.arguments.index("CMD") + 3 :].strip())
     words = exec_form(command)
     assert words[:2] == ["python", "-c"], "slim images have no curl: the check uses python's urllib"
     exposed = last(final, "EXPOSE").arguments.split()
@@ -138,7 +140,7 @@ def test_health_check_asks_livez_on_the_exposed_port(final: Stage) -> None:
 class HealthServer(BaseHTTPRequestHandler):
     status = 200
 
-    def do_GET(self) -> None:  # noqa: N802 (the stdlib's name)
+    def do_GET(self) -> None:
         self.send_response(self.status if self.path == "/livez" else 404)
         self.end_headers()
 
@@ -149,14 +151,14 @@ class HealthServer(BaseHTTPRequestHandler):
 @pytest.mark.parametrize(("status", "healthy"), [(200, True), (503, False)])
 def test_health_check_command_tells_healthy_from_unhealthy(final: Stage, status: int, healthy: bool) -> None:
     health = last(final, "HEALTHCHECK")
-    code = exec_form(Instruction("CMD", health.arguments[health.arguments.index("CMD") + 3:].strip()))[2]
+    code = exec_form(Instruction("CMD", health.arguments[health.arguments.index("CMD") + 3 :].strip()))[2]
     handler = type("Handler", (HealthServer,), {"status": status})
     server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
         probe = code.replace("127.0.0.1:8000", f"127.0.0.1:{server.server_address[1]}")
-        result = subprocess.run([sys.executable, "-c", probe], capture_output=True, timeout=30)
+        result = subprocess.run([sys.executable, "-c", probe], capture_output=True, timeout=30, check=False)
     finally:
         server.shutdown()
         server.server_close()
@@ -217,8 +219,11 @@ def test_compose_and_kubernetes_run_the_image_command(final: Stage) -> None:
 
 
 def test_build_context_carries_what_the_wheel_needs() -> None:
-    patterns = [line.strip() for line in DOCKERIGNORE.read_text(encoding="utf-8").splitlines()
-                if line.strip() and not line.startswith("#")]
+    patterns = [
+        line.strip()
+        for line in DOCKERIGNORE.read_text(encoding="utf-8").splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
     assert patterns[0] == "*", "exclude everything, then allow what the build needs"
     allowed = {p[1:].rstrip("/") for p in patterns if p.startswith("!")}
     project = tomllib.loads(PYPROJECT.read_text(encoding="utf-8"))["project"]

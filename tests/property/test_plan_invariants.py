@@ -40,18 +40,19 @@ capability_sets = st.sets(st.sampled_from(list(Capability))).map(lambda caps: so
 def scenarios(draw: st.DrawFn) -> Scenario:
     seed = draw(st.integers(0, 2**32 - 1))
     gpus = draw(st.integers(1, MAX_GPUS))
-    scenario = random_scenario(
-        np.random.default_rng(seed), gpus, draw(st.integers(1, 6)), draw(st.integers(0, 30))
-    )
+    scenario = random_scenario(np.random.default_rng(seed), gpus, draw(st.integers(1, 6)), draw(st.integers(0, 30)))
     node_caps = draw(st.lists(st.none() | capability_sets, min_size=-(-gpus // GPUS_PER_NODE), max_size=MAX_GPUS))
     data = scenario.model_dump(mode="json")
     models = [m["id"] for m in data["models"]]
-    for node, caps in zip(data["cluster"]["nodes"], node_caps):
+    # more capability draws than nodes: the extra ones go unused
+    for node, caps in zip(data["cluster"]["nodes"], node_caps, strict=False):
         if caps is not None:  # None keeps every capability
             node["capabilities"] = caps
         # engines: none listed (any model, any group), or the models it serves, each on fixed GPUs or any
         own = [g["id"] for g in node["gpus"]]
-        engines = draw(st.none() | st.lists(st.tuples(st.sampled_from(models), st.sets(st.sampled_from(own))), max_size=3))
+        engines = draw(
+            st.none() | st.lists(st.tuples(st.sampled_from(models), st.sets(st.sampled_from(own))), max_size=3)
+        )
         if engines is not None:
             node["engines"] = [{"model": m, "gpus": sorted(g)} for m, g in dict(engines).items()]
     return parse_scenario(data)
@@ -124,7 +125,9 @@ def _run_interleaved(problem: Problem, ops: list[Operation], rng: random.Random)
         if op.action is Action.DROP:
             key = (op.object, problem.node_of(op.source))
             if key in had_copy:
-                assert key in _complete_copies(problem, placement), f"{op.id} drops the last copy of {op.object.label()}"
+                assert key in _complete_copies(problem, placement), (
+                    f"{op.id} drops the last copy of {op.object.label()}"
+                )
     assert len(done) == len(by_id)
     assert {k: v for k, v in placement.items() if v} == {k: v for k, v in solve(problem).placement.items() if v}
 

@@ -9,8 +9,15 @@ from planner_service.service.backoff import FailedMoves
 
 def op(op_id: str, model: str, *depends_on: str) -> Operation:
     return Operation(
-        op_id, Action.PROMOTE, StateObject.weights(model, "bf16"), Location.host("n1"), Location.gpu("g0"),
-        bytes=1, keep_source=True, depends_on=list(depends_on), node="n1",
+        op_id,
+        Action.PROMOTE,
+        StateObject.weights(model, "bf16"),
+        Location.host("n1"),
+        Location.gpu("g0"),
+        bytes=1,
+        keep_source=True,
+        depends_on=list(depends_on),
+        node="n1",
     )
 
 

@@ -98,10 +98,12 @@ def test_a_replan_that_is_not_worth_its_moves_keeps_the_current_plan(tmp_path):
     service = open_service(tmp_path / "o.db", clock, demand_seats=0)
     assert service.replan()["changed"]  # the first plan is always installed
     # a background session's turn on beta ended: loading beta for its next turn saves less than the load takes
-    service.apply_events([
-        RequestEvent(id="e1", type="request", session="s1", model="beta", input_tokens=100, slo="background"),
-        TurnEndEvent(id="e2", type="turn_end", session="s1", output_tokens=10),
-    ])
+    service.apply_events(
+        [
+            RequestEvent(id="e1", type="request", session="s1", model="beta", input_tokens=100, slo="background"),
+            TurnEndEvent(id="e2", type="turn_end", session="s1", output_tokens=10),
+        ]
+    )
     clock.t += 5.0
     assert service.replan() == {"epoch": 1, "changed": False}
     kept = service._metrics.registry.get_sample_value("statebudget_replans_total", {"outcome": "kept"})

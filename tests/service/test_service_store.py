@@ -24,7 +24,9 @@ def test_roundtrip_after_reopen(tmp_path):
             events=[("e1", "request", 10.0)],
             operations={"3.op-1": op("3.op-1")},
             observations=[
-                (5.0, "handoff", "a", "b", None, None), (50.0, "gap", None, None, 2.5, None), (60.0, "request", None, "b", None, 900)
+                (5.0, "handoff", "a", "b", None, None),
+                (50.0, "gap", None, None, 2.5, None),
+                (60.0, "request", None, "b", None, 900),
             ],
         )
     )
@@ -81,11 +83,16 @@ def test_database_is_plain_sqlite(tmp_path):
 
 def test_a_database_from_before_request_observations_gains_their_column(tmp_path):
     with sqlite3.connect(tmp_path / "s.db") as db:
-        db.execute("CREATE TABLE observations (t REAL NOT NULL, kind TEXT NOT NULL, from_model TEXT, to_model TEXT, gap_seconds REAL)")
+        db.execute(
+            "CREATE TABLE observations (t REAL NOT NULL, kind TEXT NOT NULL, from_model TEXT, to_model TEXT, gap_seconds REAL)"
+        )
         db.execute("INSERT INTO observations VALUES (1.0, 'handoff', 'a', 'b', NULL)")
     db.close()
     store = SqliteStore(tmp_path / "s.db")
     store.open()
     store.write(Batch(observations=[(2.0, "request", None, "a", None, 1200)]))
-    assert store.load(0).observations == [(1.0, "handoff", "a", "b", None, None), (2.0, "request", None, "a", None, 1200)]
+    assert store.load(0).observations == [
+        (1.0, "handoff", "a", "b", None, None),
+        (2.0, "request", None, "a", None, 1200),
+    ]
     store.close()

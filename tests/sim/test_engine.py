@@ -25,20 +25,41 @@ def tiny_scenario(gpu_bytes: int = 10 * GB) -> Scenario:
     Weights of each model 4 GB: from NVMe max(4/1, 4/0.5) = 8 s, from host 4 s; +0.5 s engine overhead.
     """
     model = {"weights_bytes": {"bf16": 4 * GB}, "kv_bytes_per_token": 1000, "active_params": 250_000_000}
-    return parse_scenario({
-        "cluster": {"nodes": [{
-            "id": "n1", "host_dram_bytes": 100 * GB, "nvme_bytes": 1000 * GB,
-            "nvme_read_bytes_per_s": 0.5 * GB, "nvme_write_bytes_per_s": 0.5 * GB,
-            "gpus": [{"id": "g0", "hbm_bytes": gpu_bytes, "hbm_bytes_per_s": 1000 * GB, "bf16_flops": 1e12,
-                      "h2d_bytes_per_s": 1 * GB, "d2h_bytes_per_s": 1 * GB}],
-        }]},
-        "models": [{"id": "a", **model}, {"id": "b", **model}],
-        "residency": [
-            {"object": {"kind": "weights", "model": m, "precision": "bf16"}, "location": {"tier": "nvme", "node": "n1"},
-             "bytes": 4 * GB} for m in ("a", "b")
-        ],
-        "constants": {"engine_load_overhead_seconds": 0.5},
-    })
+    return parse_scenario(
+        {
+            "cluster": {
+                "nodes": [
+                    {
+                        "id": "n1",
+                        "host_dram_bytes": 100 * GB,
+                        "nvme_bytes": 1000 * GB,
+                        "nvme_read_bytes_per_s": 0.5 * GB,
+                        "nvme_write_bytes_per_s": 0.5 * GB,
+                        "gpus": [
+                            {
+                                "id": "g0",
+                                "hbm_bytes": gpu_bytes,
+                                "hbm_bytes_per_s": 1000 * GB,
+                                "bf16_flops": 1e12,
+                                "h2d_bytes_per_s": 1 * GB,
+                                "d2h_bytes_per_s": 1 * GB,
+                            }
+                        ],
+                    }
+                ]
+            },
+            "models": [{"id": "a", **model}, {"id": "b", **model}],
+            "residency": [
+                {
+                    "object": {"kind": "weights", "model": m, "precision": "bf16"},
+                    "location": {"tier": "nvme", "node": "n1"},
+                    "bytes": 4 * GB,
+                }
+                for m in ("a", "b")
+            ],
+            "constants": {"engine_load_overhead_seconds": 0.5},
+        }
+    )
 
 
 def tiny_trace() -> list[TraceRecord]:
@@ -54,11 +75,18 @@ def random_trace(models: list[str], sessions: int, requests: int, seed: int) -> 
     rng = np.random.default_rng(seed)
     out: list[TraceRecord] = []
     t = 0.0
-    for i in range(requests):
+    for _ in range(requests):
         t += float(rng.exponential(4.0))
         s = f"s{int(rng.integers(sessions))}"
-        out.append(TraceRequest(t=round(t, 3), session=s, model=str(rng.choice(models)),
-                                input_tokens=int(rng.integers(50, 3000)), output_tokens=int(rng.integers(0, 300))))
+        out.append(
+            TraceRequest(
+                t=round(t, 3),
+                session=s,
+                model=str(rng.choice(models)),
+                input_tokens=int(rng.integers(50, 3000)),
+                output_tokens=int(rng.integers(0, 300)),
+            )
+        )
     out.append(TraceEnd(t=round(t + 1, 3), session="s0", event="end"))
     return out
 

@@ -162,7 +162,7 @@ def test_mooncake_sessions_from_shared_leading_blocks(tmp_path: Path) -> None:
         (900.0, "mc-3", m3, 600, 10),
         (1500.0, "mc-3", "end"),
     ]
-    assert len(set(model_of(f"mc-{i}", MODELS) for i in range(1, 200))) == len(MODELS)  # spread over the catalogue
+    assert len({model_of(f"mc-{i}", MODELS) for i in range(1, 200)}) == len(MODELS)  # spread over the catalogue
 
 
 def test_handoffs_follow_the_scenario_chain_deterministically(tmp_path: Path) -> None:
@@ -199,12 +199,15 @@ ALIBABA_HEADER = (
     "gmt_create,predict_type,predict_status,exec_time_seconds,groupId,prompt_length,negative_prompt_length,"
     "num_images_per_prompt,num_inference_steps,checkpoint_model_version_id,num_lora"
 )
-ALIBABA = ALIBABA_HEADER + """
+ALIBABA = (
+    ALIBABA_HEADER
+    + """
 2024-11-15 16:00:00,TXT_2_IMG,SUCCEED,32.0,G1,63.0,26.0,1.0,30.0,M9,0
 2024-11-15 16:00:10,TXT_2_IMG,SUCCEED,20.0,G2,10.0,,4.0,30.0,M5,0
 2024-11-15 16:01:00,TXT_2_IMG,FAILED,1.0,G1,,,1.0,20.0,M5,0
 2024-11-15 17:00:00,IMG_2_IMG,SUCCEED,9.0,G1,4.0,4.0,2.0,25.0,M5,1
 """
+)
 ALIBABA_EXPECTED = [
     (0.0, "G1/1", "coder", 23, 30),  # M9, second most requested -> the second model; ceil(89 chars / 4)
     (10.0, "G2/1", "planner", 3, 120),  # M5, most requested -> the first model; 4 images x 30 steps

@@ -2,8 +2,8 @@
 
 import pytest
 
-from planner_service.domain.problem import Gpu
 from planner_service.domain.demo import demo_scenario
+from planner_service.domain.problem import Gpu
 from planner_service.sim.engine import base_problem
 from planner_service.sim.moe import CPU_EXPERT_BYTES_PER_S, miss_seconds_per_token
 
@@ -23,8 +23,19 @@ def test_the_cheaper_path_is_charged() -> None:
     assert miss_seconds_per_token(reasoner, 0.0, one, c, cpu_experts=False) == pytest.approx(miss / gpu.h2d_bytes_per_s)
     assert miss_seconds_per_token(reasoner, 0.0, one, c) == pytest.approx(miss / CPU_EXPERT_BYTES_PER_S)
     # many wide links beat the CPU: PCIe is charged
-    wide = tuple(Gpu(f"g{i}", gpu.node, gpu.type, gpu.capacity_bytes, gpu.hbm_bytes_per_s, gpu.bf16_flops,
-                     200e9, gpu.d2h_bytes_per_s) for i in range(4))
+    wide = tuple(
+        Gpu(
+            f"g{i}",
+            gpu.node,
+            gpu.type,
+            gpu.capacity_bytes,
+            gpu.hbm_bytes_per_s,
+            gpu.bf16_flops,
+            200e9,
+            gpu.d2h_bytes_per_s,
+        )
+        for i in range(4)
+    )
     assert miss_seconds_per_token(reasoner, 0.0, wide, c) == pytest.approx(miss / 800e9)
     assert miss_seconds_per_token(reasoner, 1.0, one, c) == 0.0
     assert miss_seconds_per_token(problem.models["planner"], 0.0, one, c) == 0.0

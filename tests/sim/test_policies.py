@@ -16,19 +16,38 @@ GB = 10**9
 
 def scenario(gpus: int = 1, gpu_bytes: int = 10 * GB):
     model = {"weights_bytes": {"bf16": 4 * GB}, "kv_bytes_per_token": 1000, "active_params": 250_000_000}
-    return parse_scenario({
-        "cluster": {"nodes": [{
-            "id": "n1", "nvme_read_bytes_per_s": 0.5 * GB,
-            "gpus": [{"id": f"g{i}", "hbm_bytes": gpu_bytes, "hbm_bytes_per_s": 1000 * GB, "bf16_flops": 1e12,
-                      "h2d_bytes_per_s": 1 * GB} for i in range(gpus)],
-        }]},
-        "models": [{"id": m, **model} for m in ("a", "b", "c")],
-        "residency": [
-            {"object": {"kind": "weights", "model": m, "precision": "bf16"}, "location": {"tier": "nvme", "node": "n1"},
-             "bytes": 4 * GB} for m in ("a", "b", "c")
-        ],
-        "constants": {"engine_load_overhead_seconds": 0.5},
-    })
+    return parse_scenario(
+        {
+            "cluster": {
+                "nodes": [
+                    {
+                        "id": "n1",
+                        "nvme_read_bytes_per_s": 0.5 * GB,
+                        "gpus": [
+                            {
+                                "id": f"g{i}",
+                                "hbm_bytes": gpu_bytes,
+                                "hbm_bytes_per_s": 1000 * GB,
+                                "bf16_flops": 1e12,
+                                "h2d_bytes_per_s": 1 * GB,
+                            }
+                            for i in range(gpus)
+                        ],
+                    }
+                ]
+            },
+            "models": [{"id": m, **model} for m in ("a", "b", "c")],
+            "residency": [
+                {
+                    "object": {"kind": "weights", "model": m, "precision": "bf16"},
+                    "location": {"tier": "nvme", "node": "n1"},
+                    "bytes": 4 * GB,
+                }
+                for m in ("a", "b", "c")
+            ],
+            "constants": {"engine_load_overhead_seconds": 0.5},
+        }
+    )
 
 
 def test_every_policy_is_registered_under_its_name() -> None:
@@ -63,8 +82,10 @@ def test_lru_unloads_after_the_keep_alive() -> None:
 
 def test_static_keeps_its_fixed_models_and_loads_the_rest_into_the_room_left() -> None:
     # a and b fill two 5 GB GPUs (4 GB each); c is asked for rarely and has no room left: the fixed ones stay
-    records = [TraceRequest(t=float(i), session=f"s{i}", model="a" if i % 2 else "b", input_tokens=0, output_tokens=0)
-               for i in range(8)]
+    records = [
+        TraceRequest(t=float(i), session=f"s{i}", model="a" if i % 2 else "b", input_tokens=0, output_tokens=0)
+        for i in range(8)
+    ]
     sim = Simulator(scenario(gpus=2, gpu_bytes=5 * GB), records, create_policy("static"))
     result = sim.run()
     assert set(sim.models) == {"a", "b"}
@@ -72,8 +93,9 @@ def test_static_keeps_its_fixed_models_and_loads_the_rest_into_the_room_left() -
 
 
 def test_independent_partitions_gpus_between_models() -> None:
-    records = [TraceRequest(t=float(i), session="s", model=m, input_tokens=0, output_tokens=0)
-               for i, m in enumerate("aab")]
+    records = [
+        TraceRequest(t=float(i), session="s", model=m, input_tokens=0, output_tokens=0) for i, m in enumerate("aab")
+    ]
     sim = Simulator(scenario(gpus=2), records, create_policy("independent"))
     sim.run()
     parts = sim.policy.partition
@@ -81,8 +103,9 @@ def test_independent_partitions_gpus_between_models() -> None:
 
 
 def test_statebudget_calls_the_planner_online() -> None:
-    records = [TraceRequest(t=10.0 * i, session="s1", model="abc"[i % 3], input_tokens=500, output_tokens=10)
-               for i in range(9)]
+    records = [
+        TraceRequest(t=10.0 * i, session="s1", model="abc"[i % 3], input_tokens=500, output_tokens=10) for i in range(9)
+    ]
     sim = Simulator(scenario(gpu_bytes=6 * GB), records, create_policy("statebudget"))
     result = sim.run()
     assert result.planner_seconds and result.violations == 0
@@ -94,10 +117,15 @@ def test_the_report_counts_requests_served_below_their_models_preferred_precisio
     data = scenario(gpus=2, gpu_bytes=5 * GB).model_dump(mode="json", exclude_none=True)
     a = next(m for m in data["models"] if m["id"] == "a")
     a["precisions"], a["weights_bytes"] = ["bf16", "int4"], {"bf16": 8 * GB, "int4": 2 * GB}
-    data["residency"][0] = {"object": {"kind": "weights", "model": "a", "precision": "int4"},
-                            "location": {"tier": "nvme", "node": "n1"}, "bytes": 2 * GB}
-    records = [TraceRequest(t=float(i), session=f"s{i}", model="a" if i == 0 else "b", input_tokens=0, output_tokens=0)
-               for i in range(4)]
+    data["residency"][0] = {
+        "object": {"kind": "weights", "model": "a", "precision": "int4"},
+        "location": {"tier": "nvme", "node": "n1"},
+        "bytes": 2 * GB,
+    }
+    records = [
+        TraceRequest(t=float(i), session=f"s{i}", model="a" if i == 0 else "b", input_tokens=0, output_tokens=0)
+        for i in range(4)
+    ]
     for policy in ("lru", "static", "statebudget"):
         result = simulate(parse_scenario(data), records, create_policy(policy))
         assert [r.degraded for r in result.requests] == [True, False, False, False], policy

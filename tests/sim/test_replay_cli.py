@@ -20,8 +20,13 @@ def small_trace(path: Path) -> Path:
     rng = np.random.default_rng(7)
     models = [m.id for m in demo_scenario().models]
     records = [
-        TraceRequest(t=float(8 * i), session=f"s{i % 3}", model=str(rng.choice(models)),
-                     input_tokens=int(rng.integers(100, 2000)), output_tokens=int(rng.integers(0, 100)))
+        TraceRequest(
+            t=float(8 * i),
+            session=f"s{i % 3}",
+            model=str(rng.choice(models)),
+            input_tokens=int(rng.integers(100, 2000)),
+            output_tokens=int(rng.integers(0, 100)),
+        )
         for i in range(15)
     ]
     write_trace(path, records)
@@ -31,10 +36,22 @@ def small_trace(path: Path) -> Path:
 def test_replay_writes_json_and_plots(tmp_path: Path) -> None:
     trace = small_trace(tmp_path / "t.jsonl")
     out = tmp_path / "r.json"
-    result = CliRunner().invoke(app, [
-        "replay", "--trace", str(trace), "--policies", "statebudget,static,lru,oracle",
-        "--json", str(out), "--plots", str(tmp_path / "plots"), "--seed", "3",
-    ])
+    result = CliRunner().invoke(
+        app,
+        [
+            "replay",
+            "--trace",
+            str(trace),
+            "--policies",
+            "statebudget,static,lru,oracle",
+            "--json",
+            str(out),
+            "--plots",
+            str(tmp_path / "plots"),
+            "--seed",
+            "3",
+        ],
+    )
     assert result.exit_code == 0, result.output
     # the table: a row per metric, a column per policy, whole at the test terminal's 80 columns
     assert "replay of" in result.output and "…" not in result.output
@@ -52,7 +69,15 @@ def test_replay_writes_json_and_plots(tmp_path: Path) -> None:
         assert set(m["switch_latency_seconds"]["handoff"]) == {"p50", "p95", "p99", "mean"}
         assert set(m["ttft_seconds"]) == {"p50", "p95", "p99"}
         assert m["completion_seconds"]["p95"] >= m["ttft_seconds"]["p95"]
-        assert set(m["completion_seconds_by_model"]) <= {"planner", "coder", "reasoner", "air", "summarizer", "vision", "longctx"}
+        assert set(m["completion_seconds_by_model"]) <= {
+            "planner",
+            "coder",
+            "reasoner",
+            "air",
+            "summarizer",
+            "vision",
+            "longctx",
+        }
         assert set(m["slo_violation_rate"]) == {"blocking", "interactive", "background", "all"}
         assert 0.0 <= m["degraded_precision_rate"] <= 1.0
         assert {"mean", "peak"} <= set(m["gpu_bytes"])
@@ -77,7 +102,9 @@ def test_replay_refuses_engines_on_fixed_gpus_naming_the_field(tmp_path: Path) -
     data["cluster"]["nodes"][1]["engines"] = [{"model": "coder", "gpus": ["n2-g0", "n2-g1"]}]
     scenario = tmp_path / "fixed.json"
     scenario.write_text(json.dumps(data))
-    result = CliRunner().invoke(app, ["replay", "--trace", str(trace), "--scenario", str(scenario), "--policies", "lru"])
+    result = CliRunner().invoke(
+        app, ["replay", "--trace", str(trace), "--scenario", str(scenario), "--policies", "lru"]
+    )
     assert result.exit_code == 2
     assert "cluster.nodes[1].engines" in result.output and "Traceback" not in result.output
 

@@ -9,7 +9,7 @@ from planner_service.domain.state import Location, StateObject
 from planner_service.planner.operations import Action, Operation
 from planner_service.planner.plan import make_plan
 from planner_service.planner.registry import SolverName
-from planner_service.sim.engine import SessionState, Simulator, SimRequest
+from planner_service.sim.engine import SessionState, SimRequest, Simulator
 from planner_service.sim.policies import create_policy
 from planner_service.sim.policies.clairvoyant import ClairvoyantPolicy
 from planner_service.sim.policies.statebudget import StatebudgetPolicy
@@ -21,31 +21,56 @@ GB = 10**9
 def two_node_scenario() -> Scenario:
     """Two nodes of two 10 GB GPUs; models a, b, c of 4 GB weights and 1,000 bytes of KV per token."""
     model = {"weights_bytes": {"bf16": 4 * GB}, "kv_bytes_per_token": 1000, "active_params": 250_000_000}
-    return parse_scenario({
-        "cluster": {"nodes": [{
-            "id": n, "nvme_read_bytes_per_s": 0.5 * GB,
-            "gpus": [{"id": f"{n}-g{i}", "hbm_bytes": 10 * GB, "hbm_bytes_per_s": 1000 * GB, "bf16_flops": 1e12,
-                      "h2d_bytes_per_s": 1 * GB} for i in range(2)],
-        } for n in ("n1", "n2")]},
-        "models": [{"id": m, **model} for m in ("a", "b", "c")],
-        "residency": [
-            {"object": {"kind": "weights", "model": m, "precision": "bf16"}, "location": {"tier": "nvme", "node": n},
-             "bytes": 4 * GB} for m in ("a", "b", "c") for n in ("n1", "n2")
-        ],
-    })
+    return parse_scenario(
+        {
+            "cluster": {
+                "nodes": [
+                    {
+                        "id": n,
+                        "nvme_read_bytes_per_s": 0.5 * GB,
+                        "gpus": [
+                            {
+                                "id": f"{n}-g{i}",
+                                "hbm_bytes": 10 * GB,
+                                "hbm_bytes_per_s": 1000 * GB,
+                                "bf16_flops": 1e12,
+                                "h2d_bytes_per_s": 1 * GB,
+                            }
+                            for i in range(2)
+                        ],
+                    }
+                    for n in ("n1", "n2")
+                ]
+            },
+            "models": [{"id": m, **model} for m in ("a", "b", "c")],
+            "residency": [
+                {
+                    "object": {"kind": "weights", "model": m, "precision": "bf16"},
+                    "location": {"tier": "nvme", "node": n},
+                    "bytes": 4 * GB,
+                }
+                for m in ("a", "b", "c")
+                for n in ("n1", "n2")
+            ],
+        }
+    )
 
 
 def simulator(**options: object) -> tuple[Simulator, StatebudgetPolicy]:
     policy = create_policy("statebudget", warm_start=False, **options)
     assert isinstance(policy, StatebudgetPolicy)
-    sim = Simulator(two_node_scenario(), [TraceRequest(t=0.0, session="x", model="a", input_tokens=1, output_tokens=1)], policy)
+    sim = Simulator(
+        two_node_scenario(), [TraceRequest(t=0.0, session="x", model="a", input_tokens=1, output_tokens=1)], policy
+    )
     policy.setup(sim)
     return sim, policy
 
 
 def arrive(sim: Simulator, policy: StatebudgetPolicy, t: float, session: str, model: str, context: int) -> None:
     sim.now = t
-    state = sim.sessions.setdefault(session, SessionState(session, session, Slo.INTERACTIVE, history_tokens=context - 100))
+    state = sim.sessions.setdefault(
+        session, SessionState(session, session, Slo.INTERACTIVE, history_tokens=context - 100)
+    )
     req = SimRequest(0, t, session, model, 50, 50, Slo.INTERACTIVE, False)
     policy.observe(sim, state, req)
 
@@ -97,10 +122,12 @@ def test_an_on_demand_load_reserves_the_models_working_set() -> None:
 
 
 def test_a_load_whose_working_set_fits_nowhere_still_leaves_room_for_the_waiting_request() -> None:
-    sim, policy = simulator()
+    sim, _policy = simulator()
     sim.now = 10.0
     for i in range(4):  # 4 x 8 GB of recent sessions on a: more than any node's two GPUs hold beside the weights
-        sim.sessions[f"s{i}"] = SessionState(f"s{i}", "u", Slo.INTERACTIVE, history_tokens=8_000_000, model="a", last_t=5.0)
+        sim.sessions[f"s{i}"] = SessionState(
+            f"s{i}", "u", Slo.INTERACTIVE, history_tokens=8_000_000, model="a", last_t=5.0
+        )
     waiting = SimRequest(0, 9.0, "w", "a", 100, 100, Slo.INTERACTIVE, False, admitted_at=9.0)
     sim.sessions["w"] = SessionState("w", "w", Slo.INTERACTIVE, history_tokens=11_000_000, request=waiting)
     sim.waiting.append(waiting)
@@ -111,10 +138,16 @@ def test_a_load_whose_working_set_fits_nowhere_still_leaves_room_for_the_waiting
 
 def test_experts_the_engine_evicted_are_not_promoted_back_within_the_window() -> None:
     data = two_node_scenario().model_dump(mode="json", exclude_none=True)
-    data["models"].append({
-        "id": "moe", "weights_bytes": {"bf16": 1 * GB}, "kv_bytes_per_token": 1000, "active_params": 250_000_000,
-        "experts_bytes": 4 * GB, "expert_bytes": GB // 8,
-    })
+    data["models"].append(
+        {
+            "id": "moe",
+            "weights_bytes": {"bf16": 1 * GB},
+            "kv_bytes_per_token": 1000,
+            "active_params": 250_000_000,
+            "experts_bytes": 4 * GB,
+            "expert_bytes": GB // 8,
+        }
+    )
     policy = create_policy("statebudget", warm_start=False)
     assert isinstance(policy, StatebudgetPolicy)
     trace = [TraceRequest(t=0.0, session="x", model="a", input_tokens=1, output_tokens=1)]
@@ -132,7 +165,9 @@ def test_experts_the_engine_evicted_are_not_promoted_back_within_the_window() ->
 
 
 @pytest.mark.parametrize("old_engine_busy", [False, True])
-def test_a_plan_that_widens_a_group_onto_shards_already_there_serves_from_the_wider_group(old_engine_busy: bool) -> None:
+def test_a_plan_that_widens_a_group_onto_shards_already_there_serves_from_the_wider_group(
+    old_engine_busy: bool,
+) -> None:
     sim, policy = simulator()
     g0, g1 = sim.problem.gpus["n1-g0"], sim.problem.gpus["n1-g1"]
     weights = StateObject.weights("a", "bf16")
@@ -141,8 +176,11 @@ def test_a_plan_that_widens_a_group_onto_shards_already_there_serves_from_the_wi
     sim.demand["a"] = 1  # a request of a is in flight: its weights are pinned
     if old_engine_busy:  # ... and runs on the one-GPU engine, which reads the whole copy on g0
         sim.running_on[("a", sim.models["a"].epoch)] = 1
-    target = {(weights, Location.gpu("n1-g0")): 2 * GB, (weights, Location.gpu("n1-g1")): 2 * GB,
-              (weights, Location.nvme("n1")): 4 * GB}
+    target = {
+        (weights, Location.gpu("n1-g0")): 2 * GB,
+        (weights, Location.gpu("n1-g1")): 2 * GB,
+        (weights, Location.nvme("n1")): 4 * GB,
+    }
     plan = make_plan(policy.problem(sim), SolverName.GREEDY, target, {})
     assert not any(op.action is Action.PROMOTE for op in plan.operations)  # nothing to copy: no copy would finish
     policy.adopt(sim, plan)

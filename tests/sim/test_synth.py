@@ -1,5 +1,6 @@
 """Synthetic agent traces: deterministic, valid, about `sessions` alive, drifting, heavy-tailed, growing."""
 
+import itertools
 from collections import Counter, defaultdict
 from pathlib import Path
 
@@ -84,7 +85,7 @@ def test_handoffs_happen_and_follow_the_chain(trace) -> None:
     by_session: dict[str, list[str]] = defaultdict(list)
     for r in requests(trace):
         by_session[r.session].append(r.model)
-    pairs = Counter((a, b) for chain in by_session.values() for a, b in zip(chain, chain[1:]))
+    pairs = Counter((a, b) for chain in by_session.values() for a, b in itertools.pairwise(chain))
     handoffs = sum(n for (a, b), n in pairs.items() if a != b)
     assert 0.2 < handoffs / sum(pairs.values()) < 0.8
     # the prior never sends the summarizer to the coder; the drift adds a little of every model
@@ -141,7 +142,8 @@ def test_scenario_without_priors_or_focus_models() -> None:
     data["models"] = [m for m in data["models"] if m["id"] in keep]
     data["sessions"] = [s for s in data["sessions"] if s["model"] in keep]
     data["residency"] = [
-        r for r in data["residency"]
+        r
+        for r in data["residency"]
         if r["object"]["model"] in keep and r["object"].get("session") in {None, *(s["id"] for s in data["sessions"])}
     ]
     scenario = parse_scenario(data)

@@ -45,7 +45,11 @@ def test_stream_writer_counts_and_refuses_going_back(tmp_path: Path) -> None:
     ordered = sorted(records(), key=lambda r: r.t)
     summary = write_trace_stream(tmp_path / "t.jsonl", ordered)
     assert summary.to_json() == {
-        "requests": 2, "sessions": 2, "ends": 1, "models": {"coder": 1, "planner": 1}, "duration_seconds": 9.0,
+        "requests": 2,
+        "sessions": 2,
+        "ends": 1,
+        "models": {"coder": 1, "planner": 1},
+        "duration_seconds": 9.0,
     }
     with pytest.raises(TraceError, match="record 2: t=0.5 goes back"):
         write_trace_stream(tmp_path / "u.jsonl", records())

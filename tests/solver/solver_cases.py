@@ -19,7 +19,13 @@ KV_BYTES_PER_TOKEN = 128 * KIB  # 8,192 tokens = 1 GiB of KV
 
 
 def gpu(gpu_id: str, hbm_gib: float) -> dict[str, Any]:
-    return {"id": gpu_id, "hbm_bytes": int(hbm_gib * GIB), "hbm_bytes_per_s": 1e12, "bf16_flops": 100e12, "h2d_bytes_per_s": 20e9}
+    return {
+        "id": gpu_id,
+        "hbm_bytes": int(hbm_gib * GIB),
+        "hbm_bytes_per_s": 1e12,
+        "bf16_flops": 100e12,
+        "h2d_bytes_per_s": 20e9,
+    }
 
 
 def node(node_id: str, *gpus: dict[str, Any], host_gib: float = 256) -> dict[str, Any]:
@@ -36,7 +42,9 @@ def model(model_id: str, sizes_gib: dict[str, float], **extra: Any) -> dict[str,
     }
 
 
-def session(sid: str, model_id: str, *, slo: str = "interactive", active: bool = False, tokens: int = 8192, user: str = "u") -> dict[str, Any]:
+def session(
+    sid: str, model_id: str, *, slo: str = "interactive", active: bool = False, tokens: int = 8192, user: str = "u"
+) -> dict[str, Any]:
     return {"id": sid, "user": user, "slo": slo, "model": model_id, "active": active, "context_tokens": tokens}
 
 
@@ -92,7 +100,14 @@ def random_tiny(rng: np.random.Generator, *, gpus: int = 2, models: int = 3, ses
         tokens = int(rng.choice([2048, 8192, 24576]))
         sid = f"s{s}"
         session_list.append(
-            session(sid, m["id"], slo=str(rng.choice(["blocking", "interactive", "background"])), active=bool(rng.random() < 0.4), tokens=tokens, user=f"u{s % 2}")
+            session(
+                sid,
+                m["id"],
+                slo=str(rng.choice(["blocking", "interactive", "background"])),
+                active=bool(rng.random() < 0.4),
+                tokens=tokens,
+                user=f"u{s % 2}",
+            )
         )
         nbytes = tokens * KV_BYTES_PER_TOKEN
         roll = rng.random()

@@ -10,6 +10,7 @@ from types import MappingProxyType
 
 import numpy as np
 import pytest
+from solver_cases import experts, gpu, held, model, node, problem_of, random_tiny, session, weights
 from typer.testing import CliRunner
 
 from planner_service.cli import app
@@ -30,7 +31,6 @@ from planner_service.solver.backends import lp_bound, solve_model
 from planner_service.solver.formulation import build_formulation, settle
 from planner_service.solver.gap import ratio
 from planner_service.solver.milp import solve_milp
-from solver_cases import experts, gpu, held, model, node, problem_of, random_tiny, session, weights
 
 STATUSES = {PlanStatus.OPTIMAL, PlanStatus.FEASIBLE, PlanStatus.TIMEOUT}
 # Wall-clock limit for the tiny models: CBC proves them in well under a second of CPU, but the limit is wall
@@ -70,19 +70,25 @@ def brute_force(problem: Problem) -> float:
                     if fixed is not None and tuple(g.id for g in subset) != fixed:
                         continue
                     shards = split_evenly(spec.weights_bytes[p], k)
-                    grows = any(b > now.placement.get((obj, Location.gpu(g.id)), 0) for g, b in zip(subset, shards))
-                    if all(b <= g.capacity_bytes for g, b in zip(subset, shards)) and (has_source or not grows):
+                    grows = any(
+                        b > now.placement.get((obj, Location.gpu(g.id)), 0) for g, b in zip(subset, shards, strict=True)
+                    )
+                    if all(b <= g.capacity_bytes for g, b in zip(subset, shards, strict=True)) and (
+                        has_source or not grows
+                    ):
                         options.append(Group(node_id, p, subset))
         choices.append(options)
     best = math.inf
     for pick in itertools.product(*choices):
         gpu_target: dict = {}
         groups = {}
-        for m, group in zip(models, pick):
+        for m, group in zip(models, pick, strict=True):
             if group is None:
                 continue
             groups[m] = group
-            for g, b in zip(group.gpus, split_evenly(problem.models[m].weights_bytes[group.precision], len(group.gpus))):
+            for g, b in zip(
+                group.gpus, split_evenly(problem.models[m].weights_bytes[group.precision], len(group.gpus)), strict=True
+            ):
                 gpu_target[(StateObject.weights(m, group.precision), Location.gpu(g.id))] = b
         used = {g.id: 0 for g in cards}
         for (_, loc), b in gpu_target.items():
@@ -97,15 +103,17 @@ def brute_force(problem: Problem) -> float:
                     continue
                 obj = StateObject.kv(m, s.id)
                 current = now.serving.get(m)
-                exists = s.id in now.kv_sessions.get(m, set()) and (current is None or current.precision == group.precision)
+                exists = s.id in now.kv_sessions.get(m, set()) and (
+                    current is None or current.precision == group.precision
+                )
                 if (s.active and s.model == m) or exists:
                     kv_options.append((obj, group))
         for on in itertools.product((False, True), repeat=len(kv_options)):
             target = dict(gpu_target)
             load = dict(used)
-            for flag, (obj, group) in zip(on, kv_options):
+            for flag, (obj, group) in zip(on, kv_options, strict=True):
                 if flag:
-                    for g, b in zip(group.gpus, split_evenly(problem.size_of(obj), len(group.gpus))):
+                    for g, b in zip(group.gpus, split_evenly(problem.size_of(obj), len(group.gpus)), strict=True):
                         target[(obj, Location.gpu(g.id))] = b
                         load[g.id] += b
             if any(load[g.id] > g.capacity_bytes for g in cards):
@@ -178,7 +186,9 @@ def test_falls_back_to_the_degraded_precision_when_the_preferred_one_cannot_fit(
 def test_moe_expert_fraction_is_the_best_breakpoint() -> None:
     # A MoE with 64 GiB of routed experts in 16 chunks of 4 GiB, served on a 48 GiB card beside 8 GiB of
     # weights and 1 GiB of KV: at most 9 chunks fit. The oracle's fraction is the best over 0..9 chunks.
-    moe = model("moe", {"bf16": 8}, experts_bytes=64 * GIB, expert_bytes=GIB // 4, active_expert_bytes_per_token=2 * GIB)
+    moe = model(
+        "moe", {"bf16": 8}, experts_bytes=64 * GIB, expert_bytes=GIB // 4, active_expert_bytes_per_token=2 * GIB
+    )
     problem = problem_of(
         [{**node("n0", gpu("g0", 48)), "capabilities": ["partial_experts", "kv_offload", "weights_offload"]}],
         [moe],
@@ -208,7 +218,9 @@ def test_moe_expert_fraction_is_the_best_breakpoint() -> None:
 def test_neither_solver_puts_experts_where_no_copy_can_fill_them() -> None:
     # The MoE's routed experts sit only on n1's NVMe; its weights only on n0's. Serving it on n0, no operation
     # could fill expert chunks there (no copy on n0): the greedy (fixed) and the oracle both keep experts off n0.
-    moe = model("moe", {"bf16": 8}, experts_bytes=64 * GIB, expert_bytes=GIB // 4, active_expert_bytes_per_token=2 * GIB)
+    moe = model(
+        "moe", {"bf16": 8}, experts_bytes=64 * GIB, expert_bytes=GIB // 4, active_expert_bytes_per_token=2 * GIB
+    )
     caps = ["partial_experts", "kv_offload", "weights_offload"]
     problem = problem_of(
         [{**node("n0", gpu("g0", 48)), "capabilities": caps}, {**node("n1", gpu("h0", 24)), "capabilities": caps}],
@@ -309,21 +321,76 @@ def test_cli_plan_milp_and_gap_print_json() -> None:
     data = json.loads(result.stdout)
     assert data["solver"] == "milp" and data["status"] in {s.value for s in STATUSES}
     assert {"bound", "gap", "solve_seconds", "objective", "operations", "placement"} <= set(data)
-    result = runner.invoke(app, ["gap", "--scenarios", "2", "--seed", "3", "--gpus", "4", "--models", "3", "--sessions", "8", "--time-limit", "2", "--json"])
+    result = runner.invoke(
+        app,
+        [
+            "gap",
+            "--scenarios",
+            "2",
+            "--seed",
+            "3",
+            "--gpus",
+            "4",
+            "--models",
+            "3",
+            "--sessions",
+            "8",
+            "--time-limit",
+            "2",
+            "--json",
+        ],
+    )
     assert result.exit_code == 0, result.output
     summary = json.loads(result.stdout)
     assert summary["scenarios"] == 2 and len(summary["per_scenario"]) == 2
-    assert {"median_ratio", "p95_ratio", "max_ratio", "milp_optimal_fraction", "milp_gap_within_1pct_fraction", "milp_max_seconds"} <= set(summary)
+    assert {
+        "median_ratio",
+        "p95_ratio",
+        "max_ratio",
+        "milp_optimal_fraction",
+        "milp_gap_within_1pct_fraction",
+        "milp_max_seconds",
+    } <= set(summary)
     assert all(row["ratio"] >= 1.0 - 1e-9 for row in summary["per_scenario"])
-    assert all({"milp_status", "gap", "milp_seconds", "milp_cpu_seconds"} <= set(row) for row in summary["per_scenario"])
+    assert all(
+        {"milp_status", "gap", "milp_seconds", "milp_cpu_seconds"} <= set(row) for row in summary["per_scenario"]
+    )
 
 
 def test_gap_prints_its_table_whole_at_80_columns() -> None:
-    result = CliRunner().invoke(app, ["gap", "--scenarios", "1", "--seed", "3", "--gpus", "4", "--models", "3", "--sessions", "8", "--time-limit", "2"])
+    result = CliRunner().invoke(
+        app,
+        [
+            "gap",
+            "--scenarios",
+            "1",
+            "--seed",
+            "3",
+            "--gpus",
+            "4",
+            "--models",
+            "3",
+            "--sessions",
+            "8",
+            "--time-limit",
+            "2",
+        ],
+    )
     assert result.exit_code == 0, result.output
     assert "…" not in result.output
     header = next(line for line in result.output.splitlines() if "scenario" in line and "greedy" in line)
-    assert header.split() == ["scenario", "greedy", "MILP", "status", "gap", "MILP", "s", "unavoidable", "ratio", "search"]
+    assert header.split() == [
+        "scenario",
+        "greedy",
+        "MILP",
+        "status",
+        "gap",
+        "MILP",
+        "s",
+        "unavoidable",
+        "ratio",
+        "search",
+    ]
 
 
 # -- the backends ------------------------------------------------------------------------

@@ -30,5 +30,10 @@ def test_core_module_imports_no_web_or_metrics(path: Path) -> None:
 def test_domain_does_not_import_upper_layers() -> None:
     for path in sorted((PACKAGE / "domain").rglob("*.py")):
         text = path.read_text()
-        for layer in ("planner_service.planner", "planner_service.service", "planner_service.api", "planner_service.sim"):
+        for layer in (
+            "planner_service.planner",
+            "planner_service.service",
+            "planner_service.api",
+            "planner_service.sim",
+        ):
             assert layer not in text, f"{path.name} imports {layer}"

@@ -25,7 +25,9 @@ def node(*gpu_ids: str, nvme_read: float = 5 * GB, nvme_write: float = 2 * GB) -
 
 
 def dense(weights_bytes: int = 20 * GB, active_params: int = 10 * 10**9, kv: int = 100_000) -> ModelSpec:
-    return ModelSpec("m", ("bf16",), MappingProxyType({"bf16": weights_bytes}), kv, 0, 0, active_params, 0, MappingProxyType({}))
+    return ModelSpec(
+        "m", ("bf16",), MappingProxyType({"bf16": weights_bytes}), kv, 0, 0, active_params, 0, MappingProxyType({})
+    )
 
 
 def test_copy_seconds_is_bound_by_nvme_when_the_drive_is_slower_than_the_links() -> None:
@@ -95,7 +97,9 @@ def test_expert_hit_rate_is_concave_in_the_fraction_on_gpu() -> None:
 
 
 def test_decode_slowdown_fetches_missed_experts_over_pcie() -> None:
-    moe = ModelSpec("moe", ("bf16",), MappingProxyType({"bf16": GB}), 0, 64 * GB, GB // 64, 10**9, GB // 100, MappingProxyType({}))
+    moe = ModelSpec(
+        "moe", ("bf16",), MappingProxyType({"bf16": GB}), 0, 64 * GB, GB // 64, 10**9, GB // 100, MappingProxyType({})
+    )
     g = [gpu("a"), gpu("b")]  # 40 GB/s together
     # 256 tokens * (1 - 0.5) * 0.01 GB / 40 GB/s at f = 0.25
     assert costs.decode_slowdown_seconds(moe, 0.25, g, C) == pytest.approx(256 * 0.5 * 0.01 / 40)
@@ -126,4 +130,6 @@ def test_kv_ready_for_many_sessions_matches_one_at_a_time() -> None:
     )  # fmt: skip
     for (missing, restorable, host), seconds in zip(cases, many, strict=True):
         tier = Tier.HOST if host else Tier.NVME
-        assert seconds == pytest.approx(costs.kv_ready_seconds(missing, restorable, model, group, tier, where, C), rel=1e-12)
+        assert seconds == pytest.approx(
+            costs.kv_ready_seconds(missing, restorable, model, group, tier, where, C), rel=1e-12
+        )

@@ -29,7 +29,11 @@ def model(kv: int) -> ModelSpec:
 
 
 def test_even_copy_seconds_equals_copy_seconds_of_equal_shards() -> None:
-    groups = [[gpu("a", 20 * GB)], [gpu("a", 20 * GB), gpu("b", 12 * GB)], [gpu("a", 7e9), gpu("b", 13 * GB), gpu("c", 9e9)]]
+    groups = [
+        [gpu("a", 20 * GB)],
+        [gpu("a", 20 * GB), gpu("b", 12 * GB)],
+        [gpu("a", 7e9), gpu("b", 13 * GB), gpu("c", 9e9)],
+    ]
     for gpus in groups:
         for nvme_read in (1e9, 5 * GB, 100 * GB):
             where = node(*(g.id for g in gpus), nvme_read=nvme_read)
@@ -44,7 +48,11 @@ def test_kv_ready_for_several_groups_at_once_matches_each_group_alone() -> None:
     groups = [  # (model, GPUs, node)
         (model(100_000), [gpu("a", 20 * GB), gpu("b", 12 * GB)], node("a", "b", nvme_read=5 * GB)),
         (model(327_680), [gpu("a", 9.6e9)], node("a", nvme_read=3e9)),
-        (model(57_344), [gpu("a", 20 * GB), gpu("b", 20 * GB), gpu("c", 11e9), gpu("d", 20 * GB)], node("a", "b", "c", "d", nvme_read=7e9)),
+        (
+            model(57_344),
+            [gpu("a", 20 * GB), gpu("b", 20 * GB), gpu("c", 11e9), gpu("d", 20 * GB)],
+            node("a", "b", "c", "d", nvme_read=7e9),
+        ),
     ]
     columns: list[list[np.ndarray]] = [[] for _ in range(8)]
     expected = []
@@ -57,7 +65,20 @@ def test_kv_ready_for_several_groups_at_once_matches_each_group_alone() -> None:
         expected.append(costs.kv_ready_seconds_grouped(
             missing, restorable, from_host, m.kv_bytes_per_token, len(gpus), slowest, where.nvme_read_bytes_per_s, per_token
         ))  # fmt: skip
-        for values, value in zip(columns, (missing, restorable, from_host, m.kv_bytes_per_token, len(gpus), slowest, where.nvme_read_bytes_per_s, per_token)):
+        for values, value in zip(
+            columns,
+            (
+                missing,
+                restorable,
+                from_host,
+                m.kv_bytes_per_token,
+                len(gpus),
+                slowest,
+                where.nvme_read_bytes_per_s,
+                per_token,
+            ),
+            strict=True,
+        ):
             values.append(value if isinstance(value, np.ndarray) else np.full(9, value))
         # and one session alone agrees with the scalar formula
         tier = Tier.HOST if from_host[0] else Tier.NVME

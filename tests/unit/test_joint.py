@@ -7,13 +7,13 @@ import math
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tiny_clusters import experts, gpu, held, kv, model, node, on_host, on_nvme, plan_for, scenario, session, weights
 
 from planner_service.domain.state import StateObject, Tier
 from planner_service.domain.units import GIB
 from planner_service.planner.greedy import plan_greedy
 from planner_service.planner.joint import NOWHERE, Option, _Search, assign
 from planner_service.planner.objective import evaluate
-from tiny_clusters import experts, gpu, held, kv, model, node, on_host, on_nvme, plan_for, scenario, session, weights
 
 
 def _no_moe(node: str, moes: list) -> tuple[list[int], list[float]]:
@@ -50,7 +50,11 @@ def test_a_large_idle_model_takes_a_node_cleared_of_a_small_one() -> None:
     options = {
         "a": [Option("n0", "bf16", 4, 0.0, None), Option("n1", "bf16", 4, 0.5, None)],
         "b": [Option("n1", "bf16", 4, 0.0, None), Option("n0", "bf16", 4, 0.5, None)],
-        "x": [Option(NOWHERE, "", 0, 0.0, None), Option("n0", "bf16", 8, -3.0, None), Option("n1", "bf16", 8, -3.0, None)],
+        "x": [
+            Option(NOWHERE, "", 0, 0.0, None),
+            Option("n0", "bf16", 8, -3.0, None),
+            Option("n1", "bf16", 8, -3.0, None),
+        ],
     }
     rooms = {"n0": 10, "n1": 10}
     for evicting in ([], ["x"]):
@@ -208,9 +212,21 @@ def test_the_branch_and_bound_finds_a_rotation_of_three_models() -> None:
     # (every node is full) and every swap or trade costs more (a and b trading: b on n0 costs 9). Only the
     # rotation gets -3.
     options = {
-        "a": [Option("n0", "bf16", 10, 0.0, None), Option("n1", "bf16", 10, -1.0, None), Option("n2", "bf16", 10, 9.0, None)],
-        "b": [Option("n1", "bf16", 10, 0.0, None), Option("n2", "bf16", 10, -1.0, None), Option("n0", "bf16", 10, 9.0, None)],
-        "c": [Option("n2", "bf16", 10, 5.0, None), Option("n0", "bf16", 10, -1.0, None), Option("n1", "bf16", 10, 9.0, None)],
+        "a": [
+            Option("n0", "bf16", 10, 0.0, None),
+            Option("n1", "bf16", 10, -1.0, None),
+            Option("n2", "bf16", 10, 9.0, None),
+        ],
+        "b": [
+            Option("n1", "bf16", 10, 0.0, None),
+            Option("n2", "bf16", 10, -1.0, None),
+            Option("n0", "bf16", 10, 9.0, None),
+        ],
+        "c": [
+            Option("n2", "bf16", 10, 5.0, None),
+            Option("n0", "bf16", 10, -1.0, None),
+            Option("n1", "bf16", 10, 9.0, None),
+        ],
     }
     search = _Search(options, ["a", "b", "c"], {"n0": 10, "n1": 10, "n2": 10, NOWHERE: 0}, _no_moe)
     for m in options:
@@ -225,7 +241,9 @@ def test_the_branch_and_bound_finds_a_rotation_of_three_models() -> None:
 
 @settings(max_examples=300, deadline=None)
 @given(_local_optima(), st.integers(0, 40))
-def test_the_branch_and_bound_finds_the_least_sum_and_never_a_worse_one(case: tuple[_Search, list[str]], steps: int) -> None:
+def test_the_branch_and_bound_finds_the_least_sum_and_never_a_worse_one(
+    case: tuple[_Search, list[str]], steps: int
+) -> None:
     search, _ = case
     start = search._total()
     models = list(search.chosen)
@@ -251,8 +269,12 @@ def test_look_alike_nodes_each_price_the_kv_they_hold() -> None:
     data = scenario(
         [node("n0", gpu("g0", 40), capabilities=caps), node("n1", gpu("g1", 40), capabilities=caps)],
         [model("a", 16), model("b", 8)],
-        [session("s1", "a", active=True), session("s2", "a", active=True),
-         session("s3", "b", active=True), session("s4", "b", active=True)],
+        [
+            session("s1", "a", active=True),
+            session("s2", "a", active=True),
+            session("s3", "b", active=True),
+            session("s4", "b", active=True),
+        ],
         [held(weights(m), on_nvme(n), w * GIB) for m, w in (("a", 16), ("b", 8)) for n in ("n0", "n1")]
         + [held(kv("a", s), on_host("n1"), GIB) for s in ("s1", "s2")],
     )
@@ -260,4 +282,7 @@ def test_look_alike_nodes_each_price_the_kv_they_hold() -> None:
     chosen = plan_greedy(problem)
     assert chosen.groups["a"].node == "n1"
     elsewhere = plan_greedy(problem, {"a": "n0"})
-    assert plan.objective.total < evaluate(problem, elsewhere.placement, elsewhere.now, demand=elsewhere.demand)[0].total - 1.0
+    assert (
+        plan.objective.total
+        < evaluate(problem, elsewhere.placement, elsewhere.now, demand=elsewhere.demand)[0].total - 1.0
+    )

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from tiny_clusters import gpu, held, model, node, on_gpu, on_nvme, scenario, session, weights
+
 from planner_service.domain.scenario import parse_scenario
 from planner_service.domain.state import Location, StateObject
 from planner_service.domain.units import GIB
@@ -19,7 +21,6 @@ from planner_service.planner.online import (
 from planner_service.planner.plan import make_plan
 from planner_service.planner.predictor import problem_from_scenario
 from planner_service.planner.registry import solve
-from tiny_clusters import gpu, held, model, node, on_gpu, on_nvme, scenario, session, weights
 
 
 def test_apportion_gives_the_largest_remainders_the_seats_left() -> None:
@@ -35,7 +36,10 @@ def test_stand_ins_spread_the_seats_by_the_windows_request_share() -> None:
         load.add(20.0 + i, "b", 3000)
     # a has 6 of 8 requests: 3 seats; b 2 of 8: 1 seat; each at its model's mean context
     assert sorted((s.model, s.context_tokens, s.active) for s in load.stand_ins(50.0, {})) == [
-        ("a", 1000, True), ("a", 1000, True), ("a", 1000, True), ("b", 3000, True),
+        ("a", 1000, True),
+        ("a", 1000, True),
+        ("a", 1000, True),
+        ("b", 3000, True),
     ]
     # a request of a in flight takes one of a's seats
     assert [s.model for s in load.stand_ins(50.0, {"a": 1})].count("a") == 2
@@ -46,8 +50,8 @@ def test_stand_ins_spread_the_seats_by_the_windows_request_share() -> None:
 
 def test_a_quiet_window_reaches_back_for_enough_requests_but_no_further_than_a_day() -> None:
     load = RecentLoad(window_seconds=100.0, seats=4, min_requests=3)
-    for t, model in [(0.0, "a"), (10.0, "a"), (20.0, "b"), (900.0, "b")]:
-        load.add(t, model, 1000)
+    for t, name in [(0.0, "a"), (10.0, "a"), (20.0, "b"), (900.0, "b")]:
+        load.add(t, name, 1000)
     # the last 100 s hold one request: the window reaches back for the last three (a, b, b)
     assert sorted(s.model for s in load.stand_ins(950.0, {})) == ["a", "b", "b", "b"]
     # a busy window needs no reach-back: four requests in the last 100 s, all of b
@@ -122,4 +126,3 @@ def test_a_plan_for_real_drops_the_stand_ins_and_is_priced_without_them() -> Non
     assert real.placement == without_stand_ins(planned.placement)
     alone = problem_from_scenario(parse_scenario(two_gpus([session("s1", "a", active=True)])))
     assert real.objective.total == make_plan(alone, "greedy", real.placement, {}).objective.total
-

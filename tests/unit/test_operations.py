@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+from tiny_clusters import gpu, held, kv, model, node, on_gpu, on_host, on_nvme, scenario, session, weights
+
 from planner_service.domain.scenario import parse_scenario
 from planner_service.domain.state import Location, StateObject
 from planner_service.domain.units import GIB
 from planner_service.planner.invariants import check_plan
 from planner_service.planner.operations import Action, apply_operations, build_operations
 from planner_service.planner.predictor import problem_from_scenario
-from tiny_clusters import gpu, held, kv, model, node, on_gpu, on_host, on_nvme, scenario, session, weights
 
 A = StateObject.weights("a", "bf16")
 B = StateObject.weights("b", "bf16")
@@ -57,7 +58,9 @@ def test_gpu_copy_is_dropped_when_nvme_has_one() -> None:
 
 def test_a_full_gpu_is_freed_before_it_is_filled() -> None:
     problem = problem_with(
-        held(weights("a"), on_gpu("g0"), 8 * GIB), held(weights("a"), on_nvme("n0"), 8 * GIB), held(weights("b"), on_nvme("n0"), 8 * GIB)
+        held(weights("a"), on_gpu("g0"), 8 * GIB),
+        held(weights("a"), on_nvme("n0"), 8 * GIB),
+        held(weights("b"), on_nvme("n0"), 8 * GIB),
     )
     drop, load = ops_to(problem, {(A, NVME): 8 * GIB, (B, NVME): 8 * GIB, (B, G0): 8 * GIB})
     assert (drop.action, drop.object, load.action, load.object) == (Action.DROP, A, Action.PROMOTE, B)
@@ -84,7 +87,9 @@ def test_kv_is_prefilled_from_nothing() -> None:
 
 def test_ids_are_renumbered_in_topological_order() -> None:
     problem = problem_with(
-        held(weights("a"), on_gpu("g0"), 8 * GIB), held(weights("a"), on_nvme("n0"), 8 * GIB), held(weights("b"), on_nvme("n0"), 8 * GIB)
+        held(weights("a"), on_gpu("g0"), 8 * GIB),
+        held(weights("a"), on_nvme("n0"), 8 * GIB),
+        held(weights("b"), on_nvme("n0"), 8 * GIB),
     )
     ops = ops_to(problem, {(A, NVME): 8 * GIB, (B, NVME): 8 * GIB, (B, G0): 8 * GIB})
     assert [op.id for op in ops] == ["op-1", "op-2"]

@@ -58,9 +58,11 @@ def test_active_requests_kv_in_one_batch_equals_each_alone() -> None:
                 by_model.setdefault(s.model, []).append(s.id)
         if not by_model:
             continue
-        groups = [_arrival_kv(now, problem.models[m], then.serving[m], ids, problem.constants) for m, ids in by_model.items()]
+        groups = [
+            _arrival_kv(now, problem.models[m], then.serving[m], ids, problem.constants) for m, ids in by_model.items()
+        ]
         _, columns, seconds = _kv_ready_of(problem, position, groups)
-        batched = dict(zip(columns, seconds.tolist()))
+        batched = dict(zip(columns, seconds.tolist(), strict=True))
         for model_id, ids in by_model.items():
             for sid in ids:
                 alone = _kv_arrival(problem, now, problem.models[model_id], sid, then.serving[model_id])
@@ -97,7 +99,7 @@ def test_predicted_kv_in_one_batch_equals_each_alone() -> None:
         if not groups:
             continue
         rows, columns, seconds = _kv_ready_of(problem, position, groups)
-        batched = dict(zip(zip(rows, columns), seconds.tolist()))
+        batched = dict(zip(zip(rows, columns, strict=True), seconds.tolist(), strict=True))
         for row, (_, _, model, node, gpus, _, _, holders) in enumerate(groups):
             for sid in holders:
                 gpu_kv = then.on(StateObject.kv(model.id, sid), node, Tier.GPU)
@@ -151,7 +153,11 @@ def test_operations_come_in_kahns_most_urgent_first_order() -> None:
     for n in (1, 2, 5, 30, 120):
         for _ in range(20):
             ranks = rng.integers(0, len(priorities), n).tolist()
-            deps = {i: {int(d) for d in rng.choice(i, size=min(i, 3), replace=False)} for i in range(n) if i and rng.random() < 0.2}
+            deps = {
+                i: {int(d) for d in rng.choice(i, size=min(i, 3), replace=False)}
+                for i in range(n)
+                if i and rng.random() < 0.2
+            }
             ops = [Operation("", Action.DROP, kv, None, None, 1, False, priorities[r]) for r in ranks]
             waiting: defaultdict[int, set[int]] = defaultdict(set)
             for i, ds in deps.items():

@@ -5,15 +5,6 @@ from __future__ import annotations
 import json
 from collections import defaultdict
 
-from typer.testing import CliRunner
-
-from planner_service.cli import app
-from planner_service.domain.state import Kind, Location, StateObject, Tier
-from planner_service.domain.units import GIB
-from planner_service.planner import costs
-from planner_service.planner.invariants import check_plan
-from planner_service.planner.objective import evaluate
-from planner_service.planner.operations import Action, build_operations
 from tiny_clusters import (
     experts,
     gpu,
@@ -29,6 +20,15 @@ from tiny_clusters import (
     session,
     weights,
 )
+from typer.testing import CliRunner
+
+from planner_service.cli import app
+from planner_service.domain.state import Kind, Location, StateObject, Tier
+from planner_service.domain.units import GIB
+from planner_service.planner import costs
+from planner_service.planner.invariants import check_plan
+from planner_service.planner.objective import evaluate
+from planner_service.planner.operations import Action, build_operations
 
 
 def gpu_bytes(plan, obj: StateObject) -> dict[str, int]:
@@ -176,7 +176,9 @@ def test_fairness_holds_with_three_users_and_unequal_histories() -> None:
     sessions = [session(f"a{i}", "m", user="alice", active=True, tokens=4096) for i in range(6)]
     sessions += [session("b0", "m", user="bob", active=True, tokens=16384)]
     sessions += [session(f"c{i}", "m", user="carol", active=True, tokens=8192) for i in range(3)]
-    data = scenario([node("n0", gpu("g0", 10))], [model("m", 4)], sessions, [held(weights("m"), on_nvme("n0"), 4 * GIB)])
+    data = scenario(
+        [node("n0", gpu("g0", 10))], [model("m", 4)], sessions, [held(weights("m"), on_nvme("n0"), 4 * GIB)]
+    )
     problem, plan = plan_for(data)
     sound(problem, plan)
     assert plan.unserved
@@ -299,7 +301,9 @@ def test_cli_prints_one_plan_object_for_a_feasible_scenario(tmp_path) -> None:
 
 
 def test_bench_prints_the_size_and_percentiles_of_planning_time() -> None:
-    result = CliRunner().invoke(app, ["bench", "plan", "--gpus", "8", "--models", "4", "--sessions", "12", "--repeat", "3", "--json"])
+    result = CliRunner().invoke(
+        app, ["bench", "plan", "--gpus", "8", "--models", "4", "--sessions", "12", "--repeat", "3", "--json"]
+    )
     assert result.exit_code == 0, result.stderr
     out = json.loads(result.stdout)
     assert (out["gpus"], out["models"], out["sessions"], out["repeat"]) == (8, 4, 12, 3)
@@ -411,7 +415,11 @@ def test_where_all_active_kv_fits_nowhere_the_model_goes_where_most_of_it_fits()
         [node("n0", gpu("g0", 24)), node("n1", gpu("h0", 24), gpu("h1", 24))],
         [model("m", 10)],
         [session(f"s{i}", "m", user=f"u{i}", active=True, tokens=5 * 8192) for i in range(8)],
-        [held(weights("m"), on_gpu("g0"), 10 * GIB), held(weights("m"), on_nvme("n0"), 10 * GIB), held(weights("m"), on_nvme("n1"), 10 * GIB)],
+        [
+            held(weights("m"), on_gpu("g0"), 10 * GIB),
+            held(weights("m"), on_nvme("n0"), 10 * GIB),
+            held(weights("m"), on_nvme("n1"), 10 * GIB),
+        ],
     )
     problem, plan = plan_for(data)
     sound(problem, plan)
@@ -426,12 +434,14 @@ def test_nodes_of_custom_gpus_that_differ_in_flops_do_not_look_alike() -> None:
     def card(gpu_id: str, flops: float) -> dict:
         return {**gpu(gpu_id, 24), "bf16_flops": flops}
 
-    problem, plan = plan_for(scenario(
-        [node("n1", card("g1", 10e12)), node("n2", card("g2", 100e12))],
-        [model("m", 8, active_params=10**9)],
-        [session("s1", "m", tokens=20000, active=True)],
-        [held(weights("m"), on_nvme(n), 8 * GIB) for n in ("n1", "n2")],
-    ))
+    problem, plan = plan_for(
+        scenario(
+            [node("n1", card("g1", 10e12)), node("n2", card("g2", 100e12))],
+            [model("m", 8, active_params=10**9)],
+            [session("s1", "m", tokens=20000, active=True)],
+            [held(weights("m"), on_nvme(n), 8 * GIB) for n in ("n1", "n2")],
+        )
+    )
     sound(problem, plan)
     assert set(gpu_bytes(plan, StateObject.weights("m", "bf16"))) == {"g2"}
 
@@ -483,4 +493,6 @@ def test_the_checker_refuses_weights_moved_outside_an_engine_s_gpus() -> None:
     moved[(StateObject.weights("other", "bf16"), Location.gpu("g0"))] = 4 * GIB
     errors = check_plan(problem, moved, build_operations(problem, moved), plan.unserved)
     assert any(e.startswith("engine: weights(m, bf16) gains bytes on gpu:g3, outside") for e in errors)
-    assert any(e.startswith("engine: weights(other, bf16) gains bytes on gpu:g0, but node n0 has no engine") for e in errors)
+    assert any(
+        e.startswith("engine: weights(other, bf16) gains bytes on gpu:g0, but node n0 has no engine") for e in errors
+    )

@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from planner_service.domain.hardware import gpu_preset
 from planner_service.domain.demo import demo_scenario, demo_scenario_json
+from planner_service.domain.hardware import gpu_preset
 from planner_service.domain.model_presets import model_preset
 from planner_service.domain.problem import compile_problem
 from planner_service.domain.scenario import ScenarioError, load_scenario, parse_scenario
@@ -32,8 +32,11 @@ def test_minimal_scenario_resolves_preset_sizes() -> None:
 
 
 def test_explicit_values_override_preset() -> None:
-    data = minimal(models=[{"id": "m", "preset": "qwen2.5-7b-instruct", "kv_bytes_per_token": 1000,
-                            "weights_bytes": {"bf16": 123}}])
+    data = minimal(
+        models=[
+            {"id": "m", "preset": "qwen2.5-7b-instruct", "kv_bytes_per_token": 1000, "weights_bytes": {"bf16": 123}}
+        ]
+    )
     model = compile_problem(parse_scenario(data), {}).models["m"]
     assert model.kv_bytes_per_token == 1000
     assert model.weights_bytes["bf16"] == 123
@@ -59,18 +62,42 @@ def test_moe_preset_splits_dense_and_experts() -> None:
     "mutate, field",
     [
         (lambda d: d["cluster"]["nodes"][0]["gpus"][0].update(type=None), "cluster.nodes.0.gpus.0"),
-        (lambda d: d["cluster"]["nodes"][0]["gpus"][0].update(reserved_bytes=-1), "cluster.nodes.0.gpus.0.reserved_bytes"),
+        (
+            lambda d: d["cluster"]["nodes"][0]["gpus"][0].update(reserved_bytes=-1),
+            "cluster.nodes.0.gpus.0.reserved_bytes",
+        ),
         (lambda d: d.update(sessions=[{"id": "s", "model": "nope"}]), "sessions[0].model"),
         (lambda d: d.update(sessions=[{"id": "s", "model": "m", "slo": "urgent"}]), "sessions.0.slo"),
         (lambda d: d["models"][0].update(precisions=["fp16"]), "models.0.precisions.0"),
-        (lambda d: d.update(residency=[{"object": {"kind": "weights", "model": "m"},
-                                         "location": {"tier": "gpu", "gpu": "g1"}, "bytes": 1}]), "residency.0.object"),
-        (lambda d: d.update(residency=[{"object": {"kind": "experts", "model": "m"},
-                                         "location": {"tier": "gpu", "gpu": "g9"}, "bytes": 1}]), "residency[0].location.gpu"),
+        (
+            lambda d: d.update(
+                residency=[
+                    {"object": {"kind": "weights", "model": "m"}, "location": {"tier": "gpu", "gpu": "g1"}, "bytes": 1}
+                ]
+            ),
+            "residency.0.object",
+        ),
+        (
+            lambda d: d.update(
+                residency=[
+                    {"object": {"kind": "experts", "model": "m"}, "location": {"tier": "gpu", "gpu": "g9"}, "bytes": 1}
+                ]
+            ),
+            "residency[0].location.gpu",
+        ),
         (lambda d: d["cluster"]["nodes"][0].update(engines=[{"model": "m", "gpus": ["g9"]}]), "engines[0].gpus[0]"),
-        (lambda d: d["cluster"]["nodes"][0].update(engines=[{"model": "m", "gpus": "g1"}]), "cluster.nodes.0.engines.0.gpus"),
-        (lambda d: d["cluster"]["nodes"][0].update(engines=[{"model": "nope", "gpus": ["g1"]}]), "cluster.nodes[0].engines[0].model"),
-        (lambda d: d["cluster"]["nodes"][0].update(engines=[{"model": "m", "gpus": ["g1"]}] * 2), "duplicate engine model 'm'"),
+        (
+            lambda d: d["cluster"]["nodes"][0].update(engines=[{"model": "m", "gpus": "g1"}]),
+            "cluster.nodes.0.engines.0.gpus",
+        ),
+        (
+            lambda d: d["cluster"]["nodes"][0].update(engines=[{"model": "nope", "gpus": ["g1"]}]),
+            "cluster.nodes[0].engines[0].model",
+        ),
+        (
+            lambda d: d["cluster"]["nodes"][0].update(engines=[{"model": "m", "gpus": ["g1"]}] * 2),
+            "duplicate engine model 'm'",
+        ),
     ],
 )
 def test_malformed_scenario_names_the_field(mutate, field) -> None:
@@ -87,8 +114,15 @@ def test_unknown_preset_lists_choices() -> None:
 
 
 def test_residency_over_capacity_is_rejected() -> None:
-    data = minimal(residency=[{"object": {"kind": "weights", "model": "m", "precision": "bf16"},
-                               "location": {"tier": "gpu", "gpu": "g1"}, "bytes": 10**15}])
+    data = minimal(
+        residency=[
+            {
+                "object": {"kind": "weights", "model": "m", "precision": "bf16"},
+                "location": {"tier": "gpu", "gpu": "g1"},
+                "bytes": 10**15,
+            }
+        ]
+    )
     with pytest.raises(ScenarioError, match="more than its full size"):
         compile_problem(parse_scenario(data), {})
 

@@ -8,9 +8,9 @@ import pytest
 from planner_service.domain.generate import random_scenario
 from planner_service.planner.greedy import plan_greedy
 from planner_service.planner.invariants import check_plan
+from planner_service.planner.objective import evaluate
 from planner_service.planner.predictor import problem_from_scenario
 from planner_service.planner.registry import solve
-from planner_service.planner.objective import evaluate
 from planner_service.planner.search import _neighbours, search_nodes
 
 
@@ -68,8 +68,15 @@ def test_search_trades_the_models_of_two_nodes() -> None:
     # n0 (4989.9) with the two L40 nodes' models traded, which no swap or move of one model (with or without
     # another precision) reaches
     p = problem(50, gpus=16, models=7, sessions=100)
-    nodes = {"m0-deepseek-v3": "n3", "m1-glm-4.5-air": "n2", "m2-glm-4.5v": "n1", "m3-llama-3.1-8b-instruct": "n0",
-             "m4-llama-3.3-70b-instruct": "n0", "m5-qwen2.5-7b-instruct": "n1", "m6-qwen2.5-coder-32b-instruct": "n0"}
+    nodes = {
+        "m0-deepseek-v3": "n3",
+        "m1-glm-4.5-air": "n2",
+        "m2-glm-4.5v": "n1",
+        "m3-llama-3.1-8b-instruct": "n0",
+        "m4-llama-3.3-70b-instruct": "n0",
+        "m5-qwen2.5-7b-instruct": "n1",
+        "m6-qwen2.5-coder-32b-instruct": "n0",
+    }
     start = plan_greedy(p, nodes)
     assert _objective(p, start) == pytest.approx(4989.9, abs=0.1)
     traded = {m: {"n0": "n2", "n2": "n0"}.get(n, n) for m, n in nodes.items()}

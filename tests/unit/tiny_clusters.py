@@ -31,8 +31,15 @@ def gpu(gpu_id: str, hbm_gib: float) -> dict[str, Any]:
     }
 
 
-def node(node_id: str, *gpus: dict[str, Any], host_gib: float = 256, capabilities: list[str] | None = None) -> dict[str, Any]:
-    out: dict[str, Any] = {"id": node_id, "host_dram_bytes": int(host_gib * GIB), "nvme_bytes": 4096 * GIB, "gpus": list(gpus)}
+def node(
+    node_id: str, *gpus: dict[str, Any], host_gib: float = 256, capabilities: list[str] | None = None
+) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "id": node_id,
+        "host_dram_bytes": int(host_gib * GIB),
+        "nvme_bytes": 4096 * GIB,
+        "gpus": list(gpus),
+    }
     if capabilities is not None:
         out["capabilities"] = capabilities
     return out
@@ -50,7 +57,15 @@ def model(model_id: str, weights_gib: float | dict[str, float], **extra: Any) ->
     }
 
 
-def session(session_id: str, model_id: str, *, user: str = "u", slo: str = "interactive", active: bool = False, tokens: int = 8192) -> dict[str, Any]:
+def session(
+    session_id: str,
+    model_id: str,
+    *,
+    user: str = "u",
+    slo: str = "interactive",
+    active: bool = False,
+    tokens: int = 8192,
+) -> dict[str, Any]:
     return {"id": session_id, "user": user, "slo": slo, "model": model_id, "active": active, "context_tokens": tokens}
 
 
@@ -83,7 +98,13 @@ def held(obj: dict[str, Any], location: dict[str, str], nbytes: int) -> dict[str
 
 
 def scenario(nodes: list, models: list, sessions: list = (), residency: list = (), **extra: Any) -> dict[str, Any]:
-    return {"cluster": {"nodes": list(nodes)}, "models": list(models), "sessions": list(sessions), "residency": list(residency), **extra}
+    return {
+        "cluster": {"nodes": list(nodes)},
+        "models": list(models),
+        "sessions": list(sessions),
+        "residency": list(residency),
+        **extra,
+    }
 
 
 def plan_for(data: dict[str, Any]) -> tuple[Problem, Plan]:

@@ -123,7 +123,7 @@ class AlibabaImporter:
                 session=session,
                 model=models[rank[row["checkpoint_model_version_id"]] % len(models)],
                 input_tokens=math.ceil(chars / CHARS_PER_TOKEN),
-                output_tokens=int(round(steps)),
+                output_tokens=round(steps),
                 slo=Slo.INTERACTIVE,
                 user=group,
             )

@@ -37,7 +37,14 @@ from itertools import islice
 from pathlib import Path
 
 from planner_service.domain.scenario import Scenario, Slo
-from planner_service.sim.importers.common import HandoffChain, IdleSessions, ImportOptions, check_order, new_input_tokens, pick_models
+from planner_service.sim.importers.common import (
+    HandoffChain,
+    IdleSessions,
+    ImportOptions,
+    check_order,
+    new_input_tokens,
+    pick_models,
+)
 from planner_service.sim.trace import TraceError, TraceRecord, TraceRequest
 
 SERVICES = ("code", "conv")
@@ -116,7 +123,7 @@ class _Service:
 
 class AzureImporter:
     def records(self, source: Path, scenario: Scenario, options: ImportOptions) -> Iterator[TraceRecord]:
-        models = dict(zip(SERVICES, pick_models(scenario, options.models, default_models(scenario)), strict=False))
+        models = dict(zip(SERVICES, pick_models(scenario, options.models, default_models(scenario)), strict=True))
         if len(models) < 2:
             models["conv"] = models["code"]
         paths = _sources(source)
@@ -145,7 +152,11 @@ class AzureImporter:
             state.update(session, history + new_input + output)
             sessions.touch(session, t)
             yield TraceRequest(
-                t=t, session=session, model=chain.model(session, state.model) if chain else state.model,
-                input_tokens=new_input, output_tokens=output, slo=SLOS[service],
+                t=t,
+                session=session,
+                model=chain.model(session, state.model) if chain else state.model,
+                input_tokens=new_input,
+                output_tokens=output,
+                slo=SLOS[service],
             )
         yield from sessions.close_all()

@@ -29,7 +29,14 @@ from itertools import islice
 from pathlib import Path
 
 from planner_service.domain.scenario import Scenario, Slo
-from planner_service.sim.importers.common import HandoffChain, IdleSessions, ImportOptions, check_order, new_input_tokens, pick_models
+from planner_service.sim.importers.common import (
+    HandoffChain,
+    IdleSessions,
+    ImportOptions,
+    check_order,
+    new_input_tokens,
+    pick_models,
+)
 from planner_service.sim.trace import TraceError, TraceRecord, TraceRequest
 
 FILE = "conversation_trace.jsonl"
@@ -115,7 +122,11 @@ class MooncakeImporter:
             sessions.touch(session, t)
             model = model_of(session, models)
             yield TraceRequest(
-                t=t, session=session, model=chain.model(session, model) if chain else model, input_tokens=new_input,
-                output_tokens=output, slo=Slo.INTERACTIVE,
+                t=t,
+                session=session,
+                model=chain.model(session, model) if chain else model,
+                input_tokens=new_input,
+                output_tokens=output,
+                slo=Slo.INTERACTIVE,
             )
         yield from sessions.close_all()

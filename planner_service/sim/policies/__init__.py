@@ -7,10 +7,10 @@ from planner_service.sim.policies.clairvoyant import ClairvoyantPolicy
 from planner_service.sim.policies.independent import IndependentPolicy
 from planner_service.sim.policies.lru import LruPolicy
 from planner_service.sim.policies.oracle import OraclePolicy
-from planner_service.sim.policies.static import SiloedPolicy, StaticPolicy
 from planner_service.sim.policies.statebudget import StatebudgetPolicy
+from planner_service.sim.policies.static import SiloedPolicy, StaticPolicy
 
-__all__ = ["Policy", "PolicyName", "PolicyRegistry", "default_registry", "create_policy"]
+__all__ = ["Policy", "PolicyName", "PolicyRegistry", "create_policy", "default_registry"]
 
 
 def default_registry() -> PolicyRegistry:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, ClassVar
 from planner_service.domain.state import Kind, Location, StateObject
 
 if TYPE_CHECKING:
-    from planner_service.sim.engine import SessionState, Simulator, SimRequest
+    from planner_service.sim.engine import SessionState, SimRequest, Simulator
 
 
 class PolicyName(StrEnum):

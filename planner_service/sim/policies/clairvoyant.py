@@ -19,7 +19,7 @@ from planner_service.sim.trace import TraceRequest
 
 if TYPE_CHECKING:
     from planner_service.domain.problem import Session
-    from planner_service.sim.engine import SessionState, Simulator, SimRequest
+    from planner_service.sim.engine import SessionState, SimRequest, Simulator
 
 
 class ClairvoyantPolicy(StatebudgetPolicy):

@@ -22,7 +22,7 @@ from planner_service.sim.policies.base import Policy, PolicyName
 from planner_service.sim.trace import TraceRequest
 
 if TYPE_CHECKING:
-    from planner_service.sim.engine import Simulator, SimRequest
+    from planner_service.sim.engine import SimRequest, Simulator
 
 
 class IndependentPolicy(Policy):
@@ -94,12 +94,14 @@ class IndependentPolicy(Policy):
         if sim.load_model(req.model, self.allowed(sim, req.model)):
             return
         mine = self.partition.get(req.model, set())
-        busy = any(
-            sim.running.get(m) and {g.id for g in st.gpus} & mine for m, st in sim.models.items()
-        ) or any(t.dest.id in mine for t in sim.cluster.transfers.values())
+        busy = any(sim.running.get(m) and {g.id for g in st.gpus} & mine for m, st in sim.models.items()) or any(
+            t.dest.id in mine for t in sim.cluster.transfers.values()
+        )
         if not busy and sim.load_model(req.model):
             sim.fallback_loads += 1  # the partition is too small for this request: borrow GPUs
 
     def on_model_ready(self, sim: Simulator, model: str) -> None:
         state = sim.models[model]
-        sim.fill_experts(model, gpu_ids=sorted(g for g in self.partition.get(model, ()) if sim.problem.gpus[g].node == state.node))
+        sim.fill_experts(
+            model, gpu_ids=sorted(g for g in self.partition.get(model, ()) if sim.problem.gpus[g].node == state.node)
+        )

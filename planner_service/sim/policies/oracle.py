@@ -31,7 +31,7 @@ from planner_service.sim.policies.static import apply_placement, static_placemen
 from planner_service.sim.trace import TraceRequest
 
 if TYPE_CHECKING:
-    from planner_service.sim.engine import Simulator, SimRequest
+    from planner_service.sim.engine import SimRequest, Simulator
 
 NEVER = float("inf")
 
@@ -58,7 +58,9 @@ class OraclePolicy(Policy):
             i = len(self.requests)
             self.requests.append(rec)
             self.model_times[rec.model].append(rec.t)
-            kv = (history[rec.session] + rec.input_tokens + rec.output_tokens) * sim.problem.models[rec.model].kv_bytes_per_token
+            kv = (history[rec.session] + rec.input_tokens + rec.output_tokens) * sim.problem.models[
+                rec.model
+            ].kv_bytes_per_token
             sums = self.model_kv[rec.model]
             sums.append((sums[-1] if sums else 0) + kv)
             history[rec.session] += rec.input_tokens + rec.output_tokens

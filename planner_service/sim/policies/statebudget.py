@@ -86,8 +86,8 @@ from planner_service.sim.policies.base import Policy, PolicyName
 from planner_service.sim.policies.static import apply_placement, static_placement
 
 if TYPE_CHECKING:
-    from planner_service.sim.engine import SessionState, Simulator, SimRequest
     from planner_service.sim.cluster import Transfer
+    from planner_service.sim.engine import SessionState, SimRequest, Simulator
 
 
 class StatebudgetPolicy(Policy):
@@ -186,8 +186,11 @@ class StatebudgetPolicy(Policy):
 
     def _brings(self, model: str) -> bool:
         return any(
-            op.object.kind is Kind.WEIGHTS and op.object.model == model and op.dest is not None
-            and op.dest.tier is Tier.GPU and self.status.get(op.id) in ("queued", "started")
+            op.object.kind is Kind.WEIGHTS
+            and op.object.model == model
+            and op.dest is not None
+            and op.dest.tier is Tier.GPU
+            and self.status.get(op.id) in ("queued", "started")
             for op in self.ops
         )
 
@@ -280,7 +283,13 @@ class StatebudgetPolicy(Policy):
             self._waiting_models = {r.model for r in sim.waiting if r.model not in sim.models}
             target = plan_greedy(problem, *self.pins(sim))
             plan = make_plan(
-                problem, SolverName.GREEDY, target.placement, target.unserved, target.reasons, now=target.now, demand=target.demand
+                problem,
+                SolverName.GREEDY,
+                target.placement,
+                target.unserved,
+                target.reasons,
+                now=target.now,
+                demand=target.demand,
             )
             adopt = worth_adopting(
                 problem, plan, self._waiting_models, pending=bool(self.queued), now=target.now, demand=target.demand
@@ -388,7 +397,9 @@ class StatebudgetPolicy(Policy):
         if c.free(op.dest) < nbytes:
             return None
         tokens = self._valid_tokens(sim, obj, op.source)  # before the source copy leaves a GPU below
-        c.start(sim.now, obj, op.source, op.dest, nbytes, op.keep_source, lambda t, op=op: self._done(sim, op, t, tokens))
+        c.start(
+            sim.now, obj, op.source, op.dest, nbytes, op.keep_source, lambda t, op=op: self._done(sim, op, t, tokens)
+        )
         sim.operations += 1
         if not op.keep_source and op.source.tier is Tier.GPU:
             self._left_gpu(sim, obj, op.source)
@@ -470,7 +481,9 @@ class StatebudgetPolicy(Policy):
         if self._serve_planned_group(sim, obj):
             return
         if obj.model not in sim.models and c.node_bytes(obj, node, Tier.GPU) >= c.full_size(obj):
-            gpus = tuple(sim.problem.gpus[g] for g in sim.problem.nodes[node].gpus if c.bytes_of(obj, Location.gpu(g)) > 0)
+            gpus = tuple(
+                sim.problem.gpus[g] for g in sim.problem.nodes[node].gpus if c.bytes_of(obj, Location.gpu(g)) > 0
+            )
             sim.adopt_weights(obj.model, node, obj.precision, gpus)
 
     def _serve_planned_group(self, sim: Simulator, obj: StateObject) -> bool:

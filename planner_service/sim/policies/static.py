@@ -15,8 +15,8 @@ from collections import Counter
 from types import MappingProxyType
 from typing import TYPE_CHECKING
 
-from planner_service.domain.scenario import Slo
 from planner_service.domain.problem import Session
+from planner_service.domain.scenario import Slo
 from planner_service.domain.state import Kind, Location, StateObject, Tier
 from planner_service.planner.greedy import plan_greedy
 from planner_service.planner.online import apportion
@@ -69,11 +69,9 @@ def static_placement(sim: Simulator) -> dict[tuple[StateObject, Location], int]:
 def apply_placement(sim: Simulator, placement: dict[tuple[StateObject, Location], int]) -> set[str]:
     """Put a placement's weights (ready) and experts on the GPUs at t=0; returns the models placed."""
     models: set[str] = set()
-    for (obj, loc), nbytes in sorted(placement.items()):
+    for obj, loc in sorted(placement):
         if obj.kind is Kind.WEIGHTS:
-            gpus = tuple(
-                sim.problem.gpus[l.id] for (o, l) in sorted(placement) if o == obj and l.tier is Tier.GPU
-            )
+            gpus = tuple(sim.problem.gpus[l.id] for (o, l) in sorted(placement) if o == obj and l.tier is Tier.GPU)
             if obj.model not in models:
                 sim.place_now(obj.model, sim.problem.gpus[loc.id].node, obj.precision, gpus)
                 models.add(obj.model)

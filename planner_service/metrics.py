@@ -20,7 +20,7 @@ from prometheus_client.registry import Collector
 LATENCY_BUCKETS = (0.0, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 SLO_CLASSES = ("blocking", "interactive", "background")
 EVENT_TYPES = ("request", "turn_end", "tool_call_start", "tool_call_end", "session_end")
-REPLAN_OUTCOMES = ("installed", "unchanged", "kept")
+REPLAN_OUTCOMES = ("installed", "unchanged", "kept", "stale")
 PLAN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0, 60.0)
 
 
@@ -113,13 +113,20 @@ class Metrics:
         self.replans = Counter(
             "statebudget_replans",
             "Replans by outcome: installed (a new epoch), unchanged (the same target), kept (the plan was not worth "
-            "its moves: the current one stays).",
+            "its moves: the current one stays), stale (operations moved during every solve: the loop tries again).",
             ["outcome"],
             registry=registry,
         )
         self.lease_expiries = Counter(
             "statebudget_lease_expiries",
             "Leases that expired and re-queued their operations.",
+            ["node"],
+            registry=registry,
+        )
+        self.report_conflicts = Counter(
+            "statebudget_report_conflicts",
+            "Operations a node reported done that the confirmed state could not take (a source without the "
+            "bytes, a destination without room, an object over its size): recorded, not applied.",
             ["node"],
             registry=registry,
         )

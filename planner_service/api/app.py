@@ -25,6 +25,7 @@ from planner_service.domain.demo import demo_scenario
 from planner_service.domain.scenario import Scenario, load_scenario
 from planner_service.metrics import Metrics
 from planner_service.service.engine import ClusterService
+from planner_service.service.errors import ServiceError
 from planner_service.service.loop import PlanningLoop
 from planner_service.service.store import SqliteStore, Store
 from planner_service.settings import Settings
@@ -88,7 +89,10 @@ def create_app(
                 loop.call_soon_threadsafe(signal.bump)
 
         service.add_listener(wake)
-        await run_in_threadpool(service.replan)
+        try:
+            await run_in_threadpool(service.replan)
+        except ServiceError as error:  # a start never fails on a plan: the planning loop tries again
+            log.warning("first plan skipped: %s", error.message)
         planner = None
         if settings.background_planning:
             planner = PlanningLoop(

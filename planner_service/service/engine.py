@@ -39,7 +39,9 @@ from planner_service.domain.scenario import (
 )
 from planner_service.domain.state import (
     Kind,
+    Location,
     Placement,
+    StateObject,
     Tier,
     location_from_json,
     object_from_json,
@@ -55,7 +57,7 @@ from planner_service.planner.online import (
     pins,
     worth_adopting,
 )
-from planner_service.planner.operations import PRIORITY_RANK, apply_operation, apply_operations
+from planner_service.planner.operations import PRIORITY_RANK, Operation, apply_operation, apply_operations
 from planner_service.planner.plan import Plan
 from planner_service.planner.predictor import SwitchPredictor
 from planner_service.planner.registry import solve
@@ -92,6 +94,7 @@ PREDICTOR_WINDOW_SECONDS = 3600.0
 PRUNE_EVERY_SECONDS = 3600.0  # how often a running service forgets observations and event ids past their windows
 CALIBRATION_ALPHA = 0.3  # EWMA weight of a new bandwidth measurement
 GIB = 2**30
+PLAN_ATTEMPTS = 4  # solves per replan before it yields to the agents whose operations keep moving the state
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,7 +156,7 @@ class ClusterService:
         self._held_until: float | None = None  # when the first move the plan holds back may be queued again
         self._ready = False
         self.broken: str | None = None  # why the service stopped serving (a failed database write)
-        self._changes = 0
+        self._topology_changes = 0  # hardware, catalog or registration edits: a plan made before is void
         self._base: dict[str, Any] = {}
         self._sessions: dict[str, SessionState] = {}
         self._event_ids: dict[str, float] = {}  # applied event id -> when (a resend within retention is ignored)
@@ -168,6 +171,7 @@ class ClusterService:
         self._open_ops: set[str] = set()  # queued or leased
         self._calibration: dict[str, dict[str, dict[str, dict[str, float]]]] = {"gpus": {}, "nodes": {}}
         self._nodes_info: dict[str, dict[str, Any]] = {}
+        self._quarantine: list[dict[str, Any]] = []  # placement entries a start took out: they broke an invariant
         self._predictor = SwitchPredictor([])
         self._sizes: Problem | None = None  # the live problem without residency: sizes, capacities, bandwidths
         self._serving: set[str] = set()
@@ -282,6 +286,7 @@ class ClusterService:
         self._held_until = self._clock() if self._plan_doc and self._plan_doc.get("held_back") else None
         self._calibration = meta.get("calibration", {"gpus": {}, "nodes": {}})
         self._nodes_info = meta.get("nodes", {})
+        self._quarantine = list(meta.get("quarantine", []))
         self._sessions = {k: SessionState.from_json(v) for k, v in stored.sessions.items()}
         self._event_ids = dict(stored.event_ids)
         self._ops = {k: OpRecord.from_json(v) for k, v in stored.operations.items()}
@@ -298,6 +303,7 @@ class ClusterService:
             last = self._last_used.get(session.model, session.last_activity)
             self._last_used[session.model] = max(last, session.last_activity)
         self._refresh_live()
+        self._repair_placement()
         log.info(
             "restored from the database: srv version %d, plan epoch %d, %d sessions, %d events, %d open operations",
             self._srv_version,
@@ -306,6 +312,73 @@ class ClusterService:
             len(self._event_ids),
             len(self._open_ops),
         )
+
+    def _repair_placement(self) -> None:
+        """Bring a stored placement that breaks a physical invariant back within them, so that a start never
+        fails on a database this service wrote: an object over its full size at a location keeps its full size,
+        and a location over its capacity sheds what it can best lose (KV first, then what has a complete copy
+        elsewhere on its node, the largest first). What was taken out is kept under `quarantine` and logged;
+        the nodes' next reports and the plans after them rebuild it."""
+        p = self._sizes
+        assert p is not None
+        removed: list[dict[str, Any]] = []
+
+        def quarantine(obj: StateObject, loc: Location, nbytes: int, why: str) -> None:
+            removed.append({"object": obj.to_json(), "location": loc.to_json(), "bytes": nbytes, "why": why})
+
+        placement = dict(self._placement)
+        live = self._valid_placement(placement)
+        for (obj, loc), n in live.items():
+            if obj.kind is not Kind.KV and n > p.size_of(obj):
+                quarantine(obj, loc, n - p.size_of(obj), f"more than the full size {p.size_of(obj)}")
+                placement[(obj, loc)] = p.size_of(obj)
+        used: dict[Location, int] = defaultdict(int)
+        for (_, loc), n in self._valid_placement(placement).items():
+            used[loc] += n
+
+        def complete_elsewhere(obj: StateObject, loc: Location) -> bool:
+            node = p.node_of(loc)
+            return any(
+                o == obj
+                and other != loc
+                and p.node_of(other) == node
+                and other.tier is not Tier.GPU
+                and n >= p.size_of(o)
+                for (o, other), n in placement.items()
+            )
+
+        for loc, total in sorted(used.items()):
+            over = total - p.capacity_of(loc)
+            if over <= 0:
+                continue
+            here = [(obj, n) for (obj, l), n in self._valid_placement(placement).items() if l == loc]
+            here.sort(key=lambda e: (e[0].kind is not Kind.KV, not complete_elsewhere(e[0], loc), -e[1]))
+            for obj, n in here:
+                if over <= 0:
+                    break
+                quarantine(
+                    obj, loc, n, f"{loc.label()} held {total} bytes, more than its capacity {p.capacity_of(loc)}"
+                )
+                del placement[(obj, loc)]
+                over -= n
+        if not removed:
+            return
+        for entry in removed:
+            log.error("the stored placement broke an invariant; quarantined: %s", entry)
+        self._placement = placement
+        self._publish_srv()
+        quarantined = [*self._quarantine, *removed]
+        self._write(
+            Batch(
+                meta={
+                    "placement": placement_to_json(self._placement),
+                    "srv": self._srv_doc,
+                    "quarantine": quarantined,
+                }
+            )
+        )
+        self._quarantine = quarantined
+        self._force_replan = True
 
     def _new_predictor(self) -> SwitchPredictor:
         priors = PredictorIn.model_validate(self._base.get("predictor", {}))
@@ -385,15 +458,19 @@ class ClusterService:
 
     # -- planning ----------------------------------------------------------------
 
+    def _inflight(self) -> list[OpRecord]:
+        """The leased operations, in the order their plans meant them."""
+        return sorted(
+            (self._ops[i] for i in self._open_ops if self._ops[i].state is OpState.LEASED),
+            key=lambda r: (r.epoch, r.seq),
+        )
+
     def _planning_snapshot(
         self, *, stand_ins: bool = False
     ) -> tuple[dict[str, Any], dict[str, dict[str, float]], list[OpRecord]]:
         """Scenario JSON whose residency is the confirmed placement plus what leased operations will do
         (and, for the planning loop, whose sessions include stand-ins for the recent load)."""
-        inflight = sorted(
-            (self._ops[i] for i in self._open_ops if self._ops[i].state is OpState.LEASED),
-            key=lambda r: (r.epoch, r.seq),
-        )
+        inflight = self._inflight()
         residency = apply_operations(self._placement, [r.op for r in inflight])
         data = self._scenario_data(residency)
         if stand_ins:
@@ -461,28 +538,22 @@ class ClusterService:
         when there is no plan yet (always when `force`)."""
         self._require_ready()
         with self._plan_lock:
-            for attempt in range(3):
+            for _ in range(PLAN_ATTEMPTS):
                 with self._lock:
                     self._expire_and_write()
-                    data, next_model, inflight = self._planning_snapshot(stand_ins=True)
+                    data, next_model, _ = self._planning_snapshot(stand_ins=True)
                     usage = self._usage()
-                    marker = self._marker()
+                    basis = self._basis()
                     held_due = self._held_until is not None and usage.now >= self._held_until
                     force = force or self._force_replan or held_due
                     self.urgent.clear()
                 try:
                     problem = self._compile(data, next_model)
                 except ScenarioError as error:
-                    # in-flight operations would overfill a location: plan from the confirmed placement alone
-                    log.warning("planning from the confirmed placement only: %s", error)
-                    with self._lock:
-                        data = self._scenario_data(self._placement)
-                        data["sessions"] += self._stand_ins(data)
-                        inflight = []
-                    try:
-                        problem = self._compile(data, next_model)
-                    except ScenarioError as error:
-                        raise Conflict(f"the live state cannot be planned: {error}") from None
+                    # the operations in flight would overfill a location: nothing may be planned on top of
+                    # them (a plan from the confirmed placement alone would repeat their moves); they finish,
+                    # fail or expire, and the replan that follows sees where they left the cluster
+                    raise Conflict(f"the state in flight cannot be planned until it lands: {error}") from None
                 try:
                     try:
                         # pins are the greedy's: the search and the MILP choose every node
@@ -499,16 +570,22 @@ class ClusterService:
                     return {"epoch": self._epoch, "changed": False}  # staying put is the better deal
                 plan = for_real(problem, plan)
                 with self._lock:
-                    if self._marker() != marker and attempt < 2:
-                        continue  # the state moved while solving; plan again from the new one
+                    if self._basis() != basis:
+                        continue  # operations went in flight, landed elsewhere or failed while solving: again
                     if not force and self._plan_doc is not None and plan.placement == self._plan_placement:
                         self._metrics.replans.labels("unchanged").inc()
                         return {"epoch": self._epoch, "changed": False}
-                    self._install(plan, inflight)
+                    self._install(plan, self._inflight())  # the same landing place, maybe other operations
                     self._metrics.replans.labels("installed").inc()
                     self._force_replan = False
                     epoch = self._epoch
                 break
+            else:
+                # never installed over a state it was not planned from: the planning loop tries again soon
+                self._metrics.replans.labels("stale").inc()
+                log.info("the state moved during each of %d solves; replanning after the debounce", PLAN_ATTEMPTS)
+                self._wake(force=force)
+                return {"epoch": self._epoch, "changed": False}
         self._notify()
         return {"epoch": epoch, "changed": True}
 
@@ -520,10 +597,12 @@ class ClusterService:
         if urgent or force:
             self.urgent.set()
 
-    def _marker(self) -> tuple[int, frozenset[str], int]:
-        """What a plan depends on: the confirmed placement, the operations in flight, everything else."""
-        leased = frozenset(i for i in self._open_ops if self._ops[i].state is OpState.LEASED)
-        return self._srv_version, leased, self._changes
+    def _basis(self) -> tuple[frozenset[tuple[tuple[StateObject, Location], int]], int]:
+        """What a plan is safe against: where the confirmed placement will be once the operations in flight
+        land (an operation that lands changes nothing here; one leased, failed or expired since does), and
+        the hardware and catalog. Sessions and demand may move on: the next replan catches up with them."""
+        landing = apply_operations(self._placement, [r.op for r in self._inflight()])
+        return frozenset(landing.items()), self._topology_changes
 
     def _install(self, plan: Plan, inflight: list[OpRecord]) -> None:
         now = self._clock()
@@ -743,10 +822,17 @@ class ClusterService:
         op = r.op
         self._refresh_live()  # sizes must know the sessions that events created since
         touched = {(op.object, loc): 1 for loc in (op.source, op.dest) if loc is not None}
-        if len(self._valid_placement(touched)) == len(touched):
-            apply_operation(self._placement, op)
-        else:
+        if len(self._valid_placement(touched)) != len(touched):
             log.warning("operation %s refers to state or hardware no longer in the cluster; placement unchanged", r.id)
+        elif (conflict := self._landing_conflict(op)) is not None:
+            # the node says it did what the confirmed state says cannot be: trust neither, plan again from what
+            # is known, and let the node's next report of its memory settle who was right
+            r.conflict = conflict
+            self._metrics.report_conflicts.labels(r.node).inc()
+            self._wake(force=True)
+            log.error("operation %s reported done but not applied: %s", r.id, conflict)
+        else:
+            apply_operation(self._placement, op)
         self._purge_ended_sessions(batch)
         self._publish_srv()
         self._calibrate_from(r, batch)
@@ -756,6 +842,24 @@ class ClusterService:
                 s.waiting_since = None
                 batch.sessions[s.id] = s.to_json()
         batch.meta.update({"placement": placement_to_json(self._placement), "srv": self._srv_doc})
+
+    def _landing_conflict(self, op: Operation) -> str | None:
+        """Why applying `op` to the confirmed placement would break a physical invariant, if it would: the
+        source must hold what it gives, the destination must have room, and no location may hold more of
+        weights or experts than their full size."""
+        p = self._sizes
+        assert p is not None
+        if op.source is not None and (held := self._placement.get((op.object, op.source), 0)) < op.bytes:
+            return f"{op.source.label()} holds {held} bytes of {op.object.label()}, not the {op.bytes} it gives"
+        if op.dest is None:
+            return None
+        after = self._placement.get((op.object, op.dest), 0) + op.bytes
+        if op.object.kind is not Kind.KV and after > p.size_of(op.object):
+            return f"{op.dest.label()} would hold {after} bytes of {op.object.label()}, more than its {p.size_of(op.object)}"
+        used = sum(n for (_, loc), n in self._placement.items() if loc == op.dest) + op.bytes
+        if used > p.capacity_of(op.dest):
+            return f"{op.dest.label()} would hold {used} bytes, more than its capacity {p.capacity_of(op.dest)}"
+        return None
 
     def _purge_ended_sessions(self, batch: Batch) -> None:
         with_kv = {obj.session for obj, _ in self._placement if obj.kind is Kind.KV}
@@ -783,7 +887,6 @@ class ClusterService:
         value = (1 - CALIBRATION_ALPHA) * before + CALIBRATION_ALPHA * measured
         self._calibration[scope][key][field] = {"value": value, "samples": samples + 1, "last_measured": measured}
         batch.meta["calibration"] = self._calibration
-        self._changes += 1
 
     def _calibrate_from(self, r: OpRecord, batch: Batch) -> None:
         """Measured bytes / seconds of a copy updates the bandwidth of the link it crossed."""
@@ -850,7 +953,6 @@ class ClusterService:
             for ev in applied:
                 self._metrics.events.labels(ev.type).inc()
             if applied:
-                self._changes += 1
                 self._wake(urgent=any(isinstance(ev, RequestEvent) and ev.model not in self._serving for ev in applied))
         return {
             "applied": len(applied),
@@ -934,7 +1036,7 @@ class ClusterService:
         self._publish_srv()
         batch.meta.update({"placement": placement_to_json(self._placement), "srv": self._srv_doc})
         self._write(batch)
-        self._changes += 1
+        self._topology_changes += 1
         self._wake(force=True)
 
     def put_cluster(self, cluster: ClusterIn) -> dict[str, Any]:
@@ -994,7 +1096,7 @@ class ClusterService:
                 changed = True
             if changed:
                 batch.meta["base"] = self._base
-                self._changes += 1
+                self._topology_changes += 1
                 self._wake(force=True)
             info = self._nodes_info.setdefault(node_id, {})
             info["registration"] = body.model_dump(mode="json")
@@ -1131,7 +1233,7 @@ class ClusterService:
                         "gpus": gpus,
                     }
                 )
-            return {"nodes": nodes}
+            return {"nodes": nodes, "quarantine": copy.deepcopy(self._quarantine)}
 
     def _model_view(self, model_id: str) -> dict[str, Any]:
         raw = next(m for m in self._base["models"] if m["id"] == model_id)

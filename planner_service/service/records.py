@@ -56,6 +56,7 @@ class OpRecord:
     measured_bytes: int | None = None
     error: str | None = None
     superseded_by: int | None = None
+    conflict: str | None = None  # why a `done` report was not applied: it would break a physical invariant
 
     @property
     def id(self) -> str:
@@ -80,6 +81,7 @@ class OpRecord:
             "measured_bytes": self.measured_bytes,
             "error": self.error,
             "superseded_by": self.superseded_by,
+            "conflict": self.conflict,
         }
 
     @classmethod
@@ -98,6 +100,7 @@ class OpRecord:
             measured_bytes=data.get("measured_bytes"),
             error=data.get("error"),
             superseded_by=data.get("superseded_by"),
+            conflict=data.get("conflict"),
         )
 
 

@@ -123,6 +123,13 @@ class Metrics:
             ["node"],
             registry=registry,
         )
+        self.calibration_samples = Counter(
+            "statebudget_calibration_samples",
+            "Measured copies offered to bandwidth calibration, by outcome: accepted, or refused (bytes not the "
+            "planned copy's, outside the link's plausible range, or an outlier against the estimate).",
+            ["outcome"],
+            registry=registry,
+        )
         self.report_conflicts = Counter(
             "statebudget_report_conflicts",
             "Operations a node reported done that the confirmed state could not take (a source without the "

@@ -63,6 +63,7 @@ from planner_service.planner.predictor import SwitchPredictor
 from planner_service.planner.registry import solve
 from planner_service.planner.residency import ResidencyIndex
 from planner_service.planner.srv import srv_entries
+from planner_service.service import calibration
 from planner_service.service import changes as edits
 from planner_service.service.backoff import FailedMoves
 from planner_service.service.errors import (
@@ -92,7 +93,6 @@ log = logging.getLogger(__name__)
 
 PREDICTOR_WINDOW_SECONDS = 3600.0
 PRUNE_EVERY_SECONDS = 3600.0  # how often a running service forgets observations and event ids past their windows
-CALIBRATION_ALPHA = 0.3  # EWMA weight of a new bandwidth measurement
 GIB = 2**30
 PLAN_ATTEMPTS = 4  # solves per replan before it yields to the agents whose operations keep moving the state
 
@@ -876,35 +876,35 @@ class ClusterService:
 
     # -- calibration -------------------------------------------------------------
 
-    def _calibrate(self, scope: str, key: str, field: str, measured: float, batch: Batch) -> None:
-        entry = self._calibration[scope].setdefault(key, {}).get(field)
-        if entry is None:
-            assert self._sizes is not None
-            spec = self._sizes.gpus[key] if scope == "gpus" else self._sizes.nodes[key]
-            before, samples = float(getattr(spec, field)), 0
-        else:
-            before, samples = entry["value"], int(entry["samples"])
-        value = (1 - CALIBRATION_ALPHA) * before + CALIBRATION_ALPHA * measured
-        self._calibration[scope][key][field] = {"value": value, "samples": samples + 1, "last_measured": measured}
-        batch.meta["calibration"] = self._calibration
-
     def _calibrate_from(self, r: OpRecord, batch: Batch) -> None:
-        """Measured bytes / seconds of a copy updates the bandwidth of the link it crossed."""
-        op = r.op
-        seconds = r.measured_seconds
-        nbytes = r.measured_bytes if r.measured_bytes else op.bytes
-        if not seconds or seconds <= 0 or nbytes <= 0 or op.source is None or op.dest is None or self._sizes is None:
+        """A measured copy is a sample of the bandwidth of the link it crossed."""
+        op, seconds = r.op, r.measured_seconds
+        if not seconds or seconds <= 0 or op.source is None or op.dest is None:
             return
-        rate = nbytes / seconds
-        src, dst = op.source, op.dest
-        if src.tier is Tier.NVME and src.id in self._sizes.nodes:
-            self._calibrate("nodes", src.id, "nvme_read_bytes_per_s", rate, batch)
-        elif src.tier is Tier.HOST and dst.tier is Tier.GPU and dst.id in self._sizes.gpus:
-            self._calibrate("gpus", dst.id, "h2d_bytes_per_s", rate, batch)
-        elif dst.tier is Tier.NVME and dst.id in self._sizes.nodes:
-            self._calibrate("nodes", dst.id, "nvme_write_bytes_per_s", rate, batch)
-        elif src.tier is Tier.GPU and dst.tier is Tier.HOST and src.id in self._sizes.gpus:
-            self._calibrate("gpus", src.id, "d2h_bytes_per_s", rate, batch)
+        link = calibration.link_of(op.source, op.dest)
+        nbytes = r.measured_bytes if r.measured_bytes else op.bytes
+        if link is not None:
+            self._calibrate(link, nbytes / seconds, calibration.Copy(op.bytes, nbytes), batch, r.id)
+
+    def _calibrate(
+        self, link: calibration.Link, rate: float, copied: calibration.Copy | None, batch: Batch, source: str
+    ) -> None:
+        """Fold one bandwidth sample into the link's estimate, unless `calibration.refusal` says no."""
+        assert self._sizes is not None
+        specs = self._sizes.nodes if link.scope == "nodes" else self._sizes.gpus
+        if link.key not in specs:
+            return
+        entries = self._calibration[link.scope].setdefault(link.key, {})
+        entry = entries.get(link.field)
+        estimate = float(getattr(specs[link.key], link.field))  # the calibrated value where an entry exists
+        catalog = float(entry.get("catalog", estimate)) if entry is not None else estimate
+        folded, why = calibration.fold(entry, catalog, estimate, rate, copied)
+        self._metrics.calibration_samples.labels("refused" if why else "accepted").inc()
+        if why is not None:
+            log.warning("calibration of %s %s: the sample from %s is refused: %s", link.key, link.field, source, why)
+        if folded is not None and folded is not entry:
+            entries[link.field] = {**folded, "catalog": catalog}
+        batch.meta["calibration"] = self._calibration
 
     # -- events ------------------------------------------------------------------
 
@@ -1023,7 +1023,7 @@ class ClusterService:
             raise InvalidInput(str(error)) from None
         new = scenario.model_dump(mode="json")
         self._base = {k: new[k] for k in ("cluster", "models", "predictor", "constants")}
-        batch = Batch(meta={"base": self._base})
+        batch = Batch(meta={"base": self._base, "calibration": self._calibration})
         for sid in before - {s.id for s in scenario.sessions}:
             self._sessions.pop(sid, None)
             batch.sessions[sid] = None
@@ -1042,6 +1042,18 @@ class ClusterService:
     def put_cluster(self, cluster: ClusterIn) -> dict[str, Any]:
         self._require_ready()
         with self._lock:
+            explicit = [
+                *((n.id, "nodes", f) for n in cluster.nodes for f in calibration.NODE_FIELDS if getattr(n, f)),
+                *(
+                    (g.id, "gpus", f)
+                    for n in cluster.nodes
+                    for g in n.gpus
+                    for f in calibration.GPU_FIELDS
+                    if getattr(g, f)
+                ),
+            ]
+            for key, scope, field in explicit:  # the operator's figure wins over what was learned
+                self._calibration[scope].get(key, {}).pop(field, None)
             self._admin_edit(lambda data: edits.replace_cluster(data, cluster))
             return self.cluster_view()
 
@@ -1162,13 +1174,14 @@ class ClusterService:
                 )
             now = self._clock()
             batch = Batch()
+            heard = f"the heartbeat of {node_id}"
             for g in body.gpus:
-                for field in ("h2d_bytes_per_s", "d2h_bytes_per_s"):
+                for field in calibration.GPU_FIELDS:
                     if getattr(g, field) is not None:
-                        self._calibrate("gpus", g.id, field, getattr(g, field), batch)
-            for field in ("nvme_read_bytes_per_s", "nvme_write_bytes_per_s"):
+                        self._calibrate(calibration.Link("gpus", g.id, field), getattr(g, field), None, batch, heard)
+            for field in calibration.NODE_FIELDS:
                 if getattr(body, field) is not None:
-                    self._calibrate("nodes", node_id, field, getattr(body, field), batch)
+                    self._calibrate(calibration.Link("nodes", node_id, field), getattr(body, field), None, batch, heard)
             info = self._nodes_info.setdefault(node_id, {})
             info["telemetry"] = body.model_dump(mode="json")
             info["last_heartbeat"] = iso(now)

@@ -1,0 +1,97 @@
+"""Link bandwidths learned from measured copies, guarded so that no report can poison them.
+
+A node reports how long a copy took and how many bytes it moved; bytes / seconds is a sample of the link
+it crossed (NVMe read or write, host -> GPU, GPU -> host). The estimate is an exponentially weighted mean
+of accepted samples, each weighted by its bytes: a small copy's time is mostly fixed overhead (opening
+files, allocating, an engine call), not bandwidth, so it moves the estimate little. A sample is refused:
+
+- when its bytes are not the planned copy's (more than `BYTES_TOLERANCE` times off): the report does not
+  describe this copy, whatever it measured;
+- outside the link's physical range, `SPEC_FLOOR` to `SPEC_CEILING` times the catalog figure: a link runs
+  at most somewhat above its specification, and a reading far below it is a stalled or throttled copy
+  (or a test run at a scale), not the link;
+- as an outlier, more than `OUTLIER_FACTOR` times off the running estimate, unless it is the
+  `OUTLIER_PERSISTENCE`-th such sample in a row on the same side: a link that really changed (a disk
+  replaced, a card moved to another slot) gets there, one report alone does not.
+
+An operator's explicit bandwidth (`PUT /v1/cluster`) resets the estimate for that link: it wins.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from planner_service.domain.state import Location, Tier
+from planner_service.domain.units import GIB
+
+ALPHA = 0.3  # weight of a full-sized sample in the running estimate
+FULL_WEIGHT_BYTES = GIB  # a copy this large or larger weighs the full ALPHA; a smaller one its share of it
+BYTES_TOLERANCE = 2.0  # measured bytes within this factor of the planned copy's
+SPEC_FLOOR = 1 / 20  # slowest plausible reading of a link, as a share of its catalog bandwidth
+SPEC_CEILING = 4.0  # fastest plausible reading (page-cache hits make an NVMe read look a few times faster)
+OUTLIER_PERSISTENCE = 3  # outliers in a row on one side that count as a real change of the link
+OUTLIER_FACTOR = 10.0  # a sample this many times off the running estimate is refused (real disks run well below spec)
+
+NODE_FIELDS = ("nvme_read_bytes_per_s", "nvme_write_bytes_per_s")
+GPU_FIELDS = ("h2d_bytes_per_s", "d2h_bytes_per_s")
+
+
+@dataclass(frozen=True, slots=True)
+class Copy:
+    """What a node reported of one planned copy."""
+
+    planned_bytes: int
+    measured_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class Link:
+    """The calibrated field a copy's bandwidth sample belongs to."""
+
+    scope: str  # "nodes" or "gpus"
+    key: str  # node or GPU id
+    field: str
+
+
+def link_of(source: Location, dest: Location) -> Link | None:
+    """The link whose bandwidth bounds a copy from `source` to `dest` (the NVMe end when there is one)."""
+    if source.tier is Tier.NVME:
+        return Link("nodes", source.id, "nvme_read_bytes_per_s")
+    if dest.tier is Tier.NVME:
+        return Link("nodes", dest.id, "nvme_write_bytes_per_s")
+    if source.tier is Tier.HOST and dest.tier is Tier.GPU:
+        return Link("gpus", dest.id, "h2d_bytes_per_s")
+    if source.tier is Tier.GPU and dest.tier is Tier.HOST:
+        return Link("gpus", source.id, "d2h_bytes_per_s")
+    return None
+
+
+def fold(
+    entry: dict[str, Any] | None, catalog: float, estimate: float, rate: float, copied: Copy | None
+) -> tuple[dict[str, Any] | None, str | None]:
+    """The link's entry after a sample of `rate` B/s (`copied`: the copy it was measured on; a heartbeat's own
+    reading of a link has none), and why the sample was refused, if it was."""
+    if not (math.isfinite(rate) and rate > 0):
+        return entry, "no usable rate"
+    if (
+        copied is not None
+        and not 1 / BYTES_TOLERANCE <= copied.measured_bytes / copied.planned_bytes <= BYTES_TOLERANCE
+    ):
+        return entry, f"{copied.measured_bytes} bytes measured for a copy of {copied.planned_bytes}"
+    if not SPEC_FLOOR * catalog <= rate <= SPEC_CEILING * catalog:
+        return entry, f"{rate:.3g} B/s is outside the link's plausible range around its catalog {catalog:.3g} B/s"
+    before = entry or {"value": estimate, "samples": 0}
+    side = 0 if estimate / OUTLIER_FACTOR <= rate <= estimate * OUTLIER_FACTOR else (1 if rate > estimate else -1)
+    if side:
+        streak = before.get("outliers", 0)  # signed: consecutive outliers above (+) or below (-) the estimate
+        streak = streak + side if streak * side > 0 else side
+        if abs(streak) < OUTLIER_PERSISTENCE:
+            return {**before, "outliers": streak}, (
+                f"{rate:.3g} B/s is an outlier against the running estimate {estimate:.3g} B/s "
+                f"({abs(streak)} of {OUTLIER_PERSISTENCE} in a row before the link counts as changed)"
+            )
+    weight = ALPHA * min(1.0, (copied.measured_bytes if copied else FULL_WEIGHT_BYTES) / FULL_WEIGHT_BYTES)
+    value = (1 - weight) * estimate + weight * rate
+    return {"value": value, "samples": int(before["samples"]) + 1, "last_measured": rate, "outliers": 0}, None

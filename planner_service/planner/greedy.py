@@ -17,20 +17,18 @@ It rebuilds what the GPUs should hold, then settles the lower tiers:
    expert fractions that room allows, on each group's summed PCIe
    bandwidth), and a local search moves and swaps models
    between options (or trades two like nodes' models) while the sum falls,
-   then steps out of that local optimum once (the gap study's median ratio
-   1.046 -> 1.016; with the trades 1.009), and a budgeted branch and bound
-   looks for a lower sum over every assignment (rotations of three models).
-   Served one at a time (most urgent SLO, then largest), the first models
-   would take the best nodes: DeepSeek-V3, whose experts gain little per
-   GiB, a node GLM-4.5-Air's experts would fill (the gap study's median
-   ratio to the MILP: 1.19 that way, 1.05 chosen together). The largest
-   dense model without a request in flight joins that choice, as one that
-   may stay cold: kept warm, it saves its predicted requests a cold load
-   (`_warm_value`), but only room a node keeps free holds it, and the small
-   models in flight would otherwise spread over every node that could (a
-   Llama-3.3-70B left cold beside 36 GiB free on one node; the gap study's
-   p95 ratio 1.45 -> 1.16). So do the MoE models without a request in
-   flight, whose experts compete for the room of the nodes they would share.
+   then steps out of that local optimum once, and a budgeted branch and
+   bound looks for a lower sum over every assignment (rotations of three
+   models). Served one at a time (most urgent SLO, then largest), the first
+   models would take the best nodes: DeepSeek-V3, whose experts gain little
+   per GiB, a node GLM-4.5-Air's experts would fill. The largest dense model
+   without a request in flight joins that choice, as one that may stay cold:
+   kept warm, it saves its predicted requests a cold load (`_warm_value`),
+   but only room a node keeps free holds it, and the small models in flight
+   would otherwise spread over every node that could. So do the MoE models
+   without a request in flight, whose experts compete for the room of the
+   nodes they would share. (What each of these steps bought against the
+   MILP: docs/studies/gap.md.)
    Where the choice keeps an idle model warm, its weights are placed right
    after the models in flight. Then, in that order, each takes its best group on its node
    (`_best_group`; per node the widest group that fits and the fewest-GPU

@@ -6,30 +6,26 @@ replay measures the rules the service runs. Each rule answers a way a plan for o
 
 * **When to plan.** At once (after a short debounce) when a request waits for a model served nowhere or
   the plan broke, otherwise every `REPLAN_SECONDS`. A turn on a warm model does not call for a plan: its
-  engine serves it, and a plan per request reshuffles the cluster after every turn. (On the four 8-hour
-  synthetic seeds, replayed without the no-return rule for evicted experts, hand-off P95 and mean GPU
-  bytes: a plan after every request, at most one per 5 s, 12.8–17.7 s at 309–341 GiB; every 30 s
-  10.2–11.7 s at 281–297 GiB; every 300 s 9.6–15.1 s at 308–320 GiB.)
+  engine serves it, and a plan per request reshuffles the cluster after every turn.
 * **Stand-in sessions** (`RecentLoad`). An instant holds few requests in flight; a plan for them alone
   gives away the room the next ones need. `seats` stand-in active sessions (a team's engineers) are
   spread over the models by their share of the last `window_seconds`' requests (largest remainder),
   each with the mean context its model's requests arrived with; a model's sessions in flight take its
   seats first. Where the window holds fewer than `min_requests` (a quiet hour), it reaches back until
   it holds that many, at most a day (`MAX_DEMAND_WINDOW_SECONDS`): shares drawn from a handful of
-  requests swing from one plan to the next, and each swing moves engines. (On the Alibaba GenAI replay,
-  about 50 requests an hour, plans moved engines between nodes 629 times in 23 days, 27 times with the
-  reach-back; hand-off P95 0.32 -> 0.21 s.) Stand-ins only shape the placement: their KV is never
-  planned for real (`without_stand_ins`).
+  requests swing from one plan to the next, and each swing moves engines. Stand-ins only shape the
+  placement: their KV is never planned for real (`without_stand_ins`).
 * **Pins** (`pins`). A model that served within the window keeps its node and precision (the plan still
   chooses its GPUs on that node, its KV and its experts), unless its requests have waited longer than
   the unpin delay: then it is free to move where it fits.
 * **Benefit over cost** (`worth_adopting`). A plan is adopted only when the objective it saves over
   staying put exceeds the seconds its promotes take (the objective charges only `move_weight` of
   those; here the whole), or when it brings a model that requests wait for; a plan with no operations,
-  when the current plan's are not all started (staying put then means cancelling them). (A rule
-  adopting any plan that leaves fewer requests unserved, whatever its objective, changes no replay but
-  the overloaded Mooncake one, where it adopts swaps of two engines priced 33,000 and 63,000 s worse
-  than staying put.)
+  when the current plan's are not all started (staying put then means cancelling them). Leaving fewer
+  requests unserved is not reason enough on its own: under overload it adopts swaps of engines that the
+  objective prices far worse than staying put.
+
+What each rule bought in the replays: docs/studies/ablations.md.
 """
 
 from __future__ import annotations

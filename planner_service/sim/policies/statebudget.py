@@ -28,12 +28,8 @@ Hysteresis in execution, so that engines and plans do not undo what the other ju
 * **No return within a window.** Experts the engine evicted from a GPU to
   make room are not promoted back there by a plan for `min_residency_seconds`:
   the room went to KV or weights that requests needed, and a plan priced on
-  its instant would hand it back to the experts, to be evicted again. (Without
-  this rule, on the Azure replay, 9.4 of the 13.8 TiB moved were expert
-  chunks promoted and evicted again; with it, hand-off P95 0.70 -> 0.54 s at
-  289 -> 211 GiB, and 6 to 16 % fewer GPU bytes on the 8-hour seeds, at the
-  cost of slower MoE decode while the experts stay out: completion P95 on
-  Mooncake 655 -> 1,026 s.)
+  its instant would hand it back to the experts, to be evicted again. The
+  price is slower MoE decode while the experts stay out.
 
 Executing. The adopted plan's operations run in simulated time, each as
 soon as its `depends_on` are done and its destination has room; a newly
@@ -44,13 +40,12 @@ the plan's operations on it are skipped, as are its prefill-from-nothing
 operations. A model whose planned weights are complete on their GPUs serves
 from there (a new engine on that group) as soon as they are, also when the
 plan copies nothing for it: a plan widening a group onto shards an earlier
-engine left only drops the surplus on the old GPU. (Before this rule, on
-8-hour seed 2, DeepSeek-V3 stayed on one A100 for 50 minutes of plans that
-put it on four: hand-off P99 245 -> 50 s.) A plan may drop weights the
-model's engine does not read (beyond its shard on a GPU, or off its group)
-while the model is busy, once no request runs on an earlier engine of it;
-the rest of a busy model's weights stay (on Mooncake, weights no engine
-read held 42 GiB of GPU on average before this rule, 6 after). A KV copy an
+engine left only drops the surplus on the old GPU, and without this rule the
+model would keep serving from the narrower group, plan after plan. A plan may
+drop weights the model's engine does not read (beyond its shard on a GPU, or
+off its group) while the model is busy, once no request runs on an earlier
+engine of it: otherwise they would hold GPU memory for as long as the model
+stays busy. The rest of a busy model's weights stay. A KV copy an
 operation makes covers what its source covered (the engine never lets a
 copy cover more than its model computed), and a copy to host DRAM that the
 write-through copy already holds frees the GPU copy at once instead of
@@ -62,6 +57,8 @@ of the sessions it served within the window. A model that becomes ready
 gets no expert fill of its own (other policies fill the free room): which
 expert chunks are worth their HBM is the plan's call, and its operations
 bring them.
+
+What each of these rules bought in the replays: docs/studies/ablations.md.
 """
 
 from __future__ import annotations

@@ -67,7 +67,7 @@ from planner_service.domain.scenario import Capability, Scenario, Slo
 from planner_service.domain.state import Kind, Location, StateObject, Tier
 from planner_service.planner import costs
 from planner_service.planner.greedy import split_evenly
-from planner_service.planner.predictor import problem_from_scenario
+from planner_service.domain.predictions import problem_from_scenario
 from planner_service.sim import moe
 from planner_service.sim.cluster import SimCluster, Transfer
 from planner_service.sim.trace import TraceEnd, TraceRecord, TraceRequest

@@ -19,11 +19,11 @@ from rich.console import Console
 from rich.table import Table
 
 from planner_service.domain.demo import demo_scenario
+from planner_service.domain.predictions import problem_from_scenario
 from planner_service.domain.scenario import Scenario, ScenarioError, load_scenario
 from planner_service.domain.state import Tier
 from planner_service.planner.plan import Plan
-from planner_service.planner.predictor import problem_from_scenario
-from planner_service.planner.registry import default_registry
+from planner_service.solver.registry import default_registry
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="StateBudget: plan where LLM state lives.")
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks that print figures.")

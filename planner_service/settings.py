@@ -12,8 +12,6 @@ from typing import Literal
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from planner_service.planner.online import DEBOUNCE_SECONDS, REPLAN_SECONDS
-
 
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="STATEBUDGET_", frozen=True, extra="forbid")
@@ -34,13 +32,15 @@ class Settings(BaseSettings):
         7 * 86400.0, gt=0, description="How long an event id is remembered, so a resend within it is ignored."
     )
     max_wait_seconds: float = Field(30.0, ge=0, description="Longest a lease long-poll may wait.")
+    # the planning rules' defaults are those of the simulator's `statebudget` policy (planner/online.py), so a
+    # replay measures what the service runs; tests/unit/test_settings_defaults.py keeps them equal
     replan_debounce_seconds: float = Field(
-        DEBOUNCE_SECONDS,
+        0.2,
         ge=0,
         description="Quiet time before replanning for a request that waits for a model served nowhere (or a broken plan).",
     )
     replan_interval_seconds: float = Field(
-        REPLAN_SECONDS, gt=0, description="Replan this often; other changes wait for it (planner/online.py says why)."
+        30.0, gt=0, description="Replan this often; other changes wait for it (planner/online.py says why)."
     )
     background_planning: bool = Field(
         True, description="Run the planning loop thread (tests turn it off and replan with POST /v1/plan)."

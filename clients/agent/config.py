@@ -16,14 +16,23 @@ lmcache: {url: http://127.0.0.1:9000, instance_id: lmcache_default_instance}
 from __future__ import annotations
 
 import json
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from clients.agent.executors.names import ExecutorName
 from clients.agent.operations import Capability
+
+
+class ExecutorName(StrEnum):
+    """The executors the agent can run (`executors/registry.py` builds each by this name)."""
+
+    LOCAL = "local"
+    VLLM = "vllm"
+    SGLANG = "sglang"
+    LMCACHE = "lmcache"
 
 
 class _Frozen(BaseModel):

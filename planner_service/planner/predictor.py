@@ -2,14 +2,10 @@
 
 A first-order Markov model of hand-offs over a sliding time window, so it
 follows hour-scale drift (coder-heavy mornings, reasoner-heavy afternoons).
-Counts in the window are smoothed with pseudo-counts from the priors:
+Counts in the window are smoothed with pseudo-counts from the priors
+(`domain/predictions.py` writes the formula out and holds the priors' part):
 
     P(next = b | current = a) = (n_ab + w * prior_ab + alpha) / (n_a + w + alpha * |M|)
-
-where n_ab counts hand-offs a -> b observed in the window (staying on the
-same model counts as a -> a), prior_ab is the prior row (normalized), w the
-prior's weight in pseudo-observations and alpha a Laplace term, so the model
-answers sensibly from zero observations and never rules a model out.
 """
 
 from __future__ import annotations
@@ -19,8 +15,8 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 
-from planner_service.domain.problem import Problem, compile_problem
-from planner_service.domain.scenario import PredictorIn, Scenario
+from planner_service.domain.predictions import ALPHA, PRIOR_WEIGHT, prior_row, smoothed_row
+from planner_service.domain.scenario import PredictorIn
 
 
 class SwitchPredictor:
@@ -30,8 +26,8 @@ class SwitchPredictor:
         priors: PredictorIn | None = None,
         *,
         window_seconds: float = 3600.0,
-        prior_weight: float = 10.0,
-        alpha: float = 0.1,
+        prior_weight: float = PRIOR_WEIGHT,
+        alpha: float = ALPHA,
     ) -> None:
         self._models = list(dict.fromkeys(models))
         self._priors = priors or PredictorIn()
@@ -83,26 +79,17 @@ class SwitchPredictor:
 
     # -- predictions -------------------------------------------------------
 
-    def _prior_row(self, current: str) -> dict[str, float]:
-        row = {m: w for m, w in self._priors.handoff.get(current, {}).items() if m in self._models}
-        total = sum(row.values())
-        if total > 0:
-            return {m: w / total for m, w in row.items()}
-        others = [m for m in self._models if m != current]
-        stay = self._priors.stay_probability if others else 1.0
-        prior = {m: (1.0 - stay) / len(others) for m in others}
-        if current in self._models:
-            prior[current] = stay
-        return prior
-
     def next_model_probs(self, current: str, now: float | None = None) -> dict[str, float]:
         if now is not None:
             self._expire(now)
-        prior = self._prior_row(current)
-        n_from = self._from_counts[current]
-        w, alpha = self._prior_weight, self._alpha
-        denominator = n_from + w + alpha * len(self._models)
-        return {m: (self._counts[(current, m)] + w * prior.get(m, 0.0) + alpha) / denominator for m in self._models}
+        return smoothed_row(
+            prior_row(self._priors, self._models, current),
+            self._models,
+            lambda m: self._counts[(current, m)],
+            self._from_counts[current],
+            self._prior_weight,
+            self._alpha,
+        )
 
     def predict_sessions(self, current: Mapping[str, str], now: float | None = None) -> dict[str, dict[str, float]]:
         """Next-model probabilities for each session, given the model it is on now."""
@@ -117,12 +104,6 @@ class SwitchPredictor:
 
     def observations(self) -> int:
         return len(self._handoffs)
-
-
-def problem_from_scenario(scenario: Scenario, predictor: SwitchPredictor | None = None) -> Problem:
-    """Compile a scenario with next-model predictions from `predictor` (default: the scenario's priors)."""
-    predictor = predictor or SwitchPredictor.from_priors(scenario.predictor, [m.id for m in scenario.models])
-    return compile_problem(scenario, predictor.predict_sessions({s.id: s.model for s in scenario.sessions}))
 
 
 def handoffs_from_history(history: Iterable[tuple[float, str]]) -> list[tuple[float, str, str]]:

@@ -1,7 +1,8 @@
-"""Solvers behind one protocol, registered by name.
+"""Solvers behind one protocol, registered by name, and the planner's own: the greedy and its search.
 
-A solver takes a compiled `Problem` and returns a `Plan`. The MILP oracle
-registers itself lazily so that OR-Tools is imported only when asked for.
+A solver takes a compiled `Problem` and returns a `Plan`. The MILP oracle sits
+a layer up and registers itself there (`solver/registry.py` builds the
+registry of all of them), so the planner never imports the solver.
 """
 
 from __future__ import annotations
@@ -90,12 +91,6 @@ def _search(problem: Problem, max_plans: int = MAX_PLANS, **_: object) -> Plan:
     return plan
 
 
-def _milp(problem: Problem, **options: object) -> Plan:
-    from planner_service.solver.milp import solve_milp  # OR-Tools loads only when the oracle is used
-
-    return solve_milp(problem, **options)
-
-
 class SolverRegistry:
     def __init__(self) -> None:
         self._solvers: dict[str, Callable[..., Plan]] = {}
@@ -115,13 +110,9 @@ class SolverRegistry:
         return sorted(self._solvers)
 
 
-def default_registry() -> SolverRegistry:
+def planner_registry() -> SolverRegistry:
+    """The planner's solvers; `planner_service.solver.registry.default_registry()` adds the MILP oracle."""
     registry = SolverRegistry()
     registry.register(SolverName.GREEDY, _greedy)
     registry.register(SolverName.SEARCH, _search)
-    registry.register(SolverName.MILP, _milp)
     return registry
-
-
-def solve(problem: Problem, solver: str = SolverName.GREEDY, **options: object) -> Plan:
-    return default_registry().get(solver)(problem, **options)

@@ -60,7 +60,6 @@ from planner_service.planner.online import (
 from planner_service.planner.operations import PRIORITY_RANK, Operation, apply_operation, apply_operations
 from planner_service.planner.plan import Plan
 from planner_service.planner.predictor import SwitchPredictor
-from planner_service.planner.registry import solve
 from planner_service.planner.residency import ResidencyIndex
 from planner_service.planner.srv import srv_entries
 from planner_service.service import calibration
@@ -88,6 +87,7 @@ from planner_service.service.inputs import (
 from planner_service.service.questions import LiveView
 from planner_service.service.records import FINAL_STATES, OpRecord, OpState, SessionState
 from planner_service.service.store import FINAL_KEEP, Batch, Store, Stored
+from planner_service.solver.registry import solve
 
 log = logging.getLogger(__name__)
 

@@ -60,23 +60,66 @@ import time
 from collections import defaultdict, deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
+from planner_service.domain.predictions import problem_from_scenario
 from planner_service.domain.problem import Gpu, Problem
 from planner_service.domain.scenario import Capability, Scenario, Slo
 from planner_service.domain.state import Kind, Location, StateObject, Tier
 from planner_service.planner import costs
 from planner_service.planner.greedy import split_evenly
-from planner_service.planner.predictor import problem_from_scenario
 from planner_service.sim import moe
 from planner_service.sim.cluster import SimCluster, Transfer
 from planner_service.sim.trace import TraceEnd, TraceRecord, TraceRequest
 
-if TYPE_CHECKING:
-    from planner_service.sim.policies.base import Policy
-
 HBM_EFFICIENCY = 0.8  # achieved / spec HBM bandwidth (aiconfigurator, InferSim; perf_anchors.md section 6)
 KV_HEADROOM = 0.10  # share of each GPU a baseline's expert fill leaves free for KV
+
+
+class PolicyHooks(Protocol):
+    """What the engine asks of a policy (`policies/base.py` holds the defaults every policy builds on).
+
+    The engine calls these hooks and applies what they decide; it knows no policy class, so the
+    policies depend on the engine and not the other way round.
+    """
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def kv_offload(self) -> bool:
+        """Keep a write-through copy of every turn's KV in host DRAM."""
+        ...
+
+    def setup(self, sim: Simulator) -> None: ...
+
+    def observe(self, sim: Simulator, session: SessionState, req: SimRequest) -> None: ...
+
+    def on_arrival(self, sim: Simulator, req: SimRequest) -> None: ...
+
+    def on_waiting(self, sim: Simulator, req: SimRequest) -> None: ...
+
+    def on_start(self, sim: Simulator, req: SimRequest) -> None: ...
+
+    def on_done(self, sim: Simulator, req: SimRequest) -> None: ...
+
+    def on_tick(self, sim: Simulator) -> None: ...
+
+    def on_session_end(self, sim: Simulator, session: SessionState) -> None: ...
+
+    def on_dispatch(self, sim: Simulator) -> None: ...
+
+    def on_plan_event(self, sim: Simulator, payload: object) -> None: ...
+
+    def on_evicted(self, sim: Simulator, obj: StateObject, loc: Location) -> None: ...
+
+    def on_model_ready(self, sim: Simulator, model: str) -> None: ...
+
+    def on_stuck(self, sim: Simulator, req: SimRequest) -> None: ...
+
+    def kv_reserve(self, sim: Simulator, model: str) -> int: ...
+
+    def victim_key(self, sim: Simulator, obj: StateObject, loc: Location) -> tuple | None: ...
 
 
 class SimulationError(RuntimeError):
@@ -162,7 +205,7 @@ class Simulator:
         self,
         scenario: Scenario,
         records: Sequence[TraceRecord],
-        policy: Policy,
+        policy: PolicyHooks,
         *,
         seed: int = 0,
         tick_seconds: float = 60.0,
@@ -889,7 +932,7 @@ class Simulator:
             want -= nbytes
 
 
-def simulate(scenario: Scenario, records: Sequence[TraceRecord], policy: Policy, **options: object) -> SimResult:
+def simulate(scenario: Scenario, records: Sequence[TraceRecord], policy: PolicyHooks, **options: object) -> SimResult:
     started = time.perf_counter()
     result = Simulator(scenario, records, policy, **options).run()  # type: ignore[arg-type]
     result.extra["wall_seconds"] = time.perf_counter() - started

@@ -26,10 +26,10 @@ from typing import Any
 import numpy as np
 
 from planner_service.domain.generate import random_scenario
+from planner_service.domain.predictions import problem_from_scenario
 from planner_service.domain.scenario import Scenario, load_scenario
 from planner_service.planner.greedy import plan_greedy
 from planner_service.planner.plan import PlanStatus, make_plan
-from planner_service.planner.predictor import problem_from_scenario
 from planner_service.planner.search import search_nodes
 from planner_service.solver.milp import solve_milp
 

@@ -36,8 +36,8 @@ import numpy as np
 from planner_service.domain.demo import demo_scenario
 from planner_service.domain.generate import random_scenario
 from planner_service.domain.state import placement_to_json
-from planner_service.planner.predictor import problem_from_scenario
-from planner_service.planner.registry import default_registry
+from planner_service.domain.predictions import problem_from_scenario
+from planner_service.solver.registry import default_registry
 
 modules = [path[:-3].replace("/", ".") for path in sys.argv[1:]]
 print(sorted(importlib.import_module(m).__file__.rsplit(".", 1)[-1] for m in modules))

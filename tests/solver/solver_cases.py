@@ -10,10 +10,10 @@ from typing import Any
 
 import numpy as np
 
+from planner_service.domain.predictions import problem_from_scenario
 from planner_service.domain.problem import Problem
 from planner_service.domain.scenario import parse_scenario
 from planner_service.domain.units import GIB, KIB
-from planner_service.planner.predictor import problem_from_scenario
 
 KV_BYTES_PER_TOKEN = 128 * KIB  # 8,192 tokens = 1 GiB of KV
 

@@ -16,6 +16,7 @@ from typer.testing import CliRunner
 from planner_service.cli import app
 from planner_service.domain.demo import demo_scenario
 from planner_service.domain.generate import random_scenario
+from planner_service.domain.predictions import problem_from_scenario
 from planner_service.domain.problem import Problem
 from planner_service.domain.state import Location, StateObject, Tier
 from planner_service.domain.units import GIB
@@ -23,14 +24,13 @@ from planner_service.planner.greedy import Group, plan_greedy, split_evenly
 from planner_service.planner.invariants import check_plan
 from planner_service.planner.objective import evaluate
 from planner_service.planner.plan import PlanStatus, make_plan
-from planner_service.planner.predictor import problem_from_scenario
-from planner_service.planner.registry import solve
 from planner_service.planner.residency import ResidencyIndex
 from planner_service.solver import backends
 from planner_service.solver.backends import lp_bound, solve_model
 from planner_service.solver.formulation import build_formulation, settle
 from planner_service.solver.gap import ratio
 from planner_service.solver.milp import solve_milp
+from planner_service.solver.registry import solve
 
 STATUSES = {PlanStatus.OPTIMAL, PlanStatus.FEASIBLE, PlanStatus.TIMEOUT}
 # Wall-clock limit for the tiny models: CBC proves them in well under a second of CPU, but the limit is wall

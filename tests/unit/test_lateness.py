@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 from planner_service.domain.generate import random_scenario
+from planner_service.domain.predictions import problem_from_scenario
 from planner_service.planner.lateness import Lateness
 from planner_service.planner.objective import Demand
-from planner_service.planner.predictor import problem_from_scenario
 
 
 def _demand(context: list[float], target: list[float]) -> Demand:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from tiny_clusters import gpu, held, model, node, on_gpu, on_nvme, scenario, session, weights
 
+from planner_service.domain.predictions import problem_from_scenario
 from planner_service.domain.scenario import parse_scenario
 from planner_service.domain.state import Location, StateObject
 from planner_service.domain.units import GIB
@@ -19,8 +20,7 @@ from planner_service.planner.online import (
     worth_adopting,
 )
 from planner_service.planner.plan import make_plan
-from planner_service.planner.predictor import problem_from_scenario
-from planner_service.planner.registry import solve
+from planner_service.solver.registry import solve
 
 
 def test_apportion_gives_the_largest_remainders_the_seats_left() -> None:

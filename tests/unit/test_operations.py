@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from tiny_clusters import gpu, held, kv, model, node, on_gpu, on_host, on_nvme, scenario, session, weights
 
+from planner_service.domain.predictions import problem_from_scenario
 from planner_service.domain.scenario import parse_scenario
 from planner_service.domain.state import Location, StateObject
 from planner_service.domain.units import GIB
 from planner_service.planner.invariants import check_plan
 from planner_service.planner.operations import Action, apply_operations, build_operations
-from planner_service.planner.predictor import problem_from_scenario
 
 A = StateObject.weights("a", "bf16")
 B = StateObject.weights("b", "bf16")

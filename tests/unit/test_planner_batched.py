@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from planner_service.domain.generate import random_scenario
+from planner_service.domain.predictions import problem_from_scenario
 from planner_service.domain.state import Kind, Location, StateObject, Tier
 from planner_service.planner import costs
 from planner_service.planner.greedy import GreedyPlanner
@@ -25,7 +26,6 @@ from planner_service.planner.operations import (
     Operation,
     kahn_order,
 )
-from planner_service.planner.predictor import problem_from_scenario
 from planner_service.planner.residency import ResidencyIndex
 
 SIZES = [(8, 5, 20), (16, 7, 100), (24, 9, 101)]

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 
 from planner_service.domain.demo import demo_scenario
+from planner_service.domain.predictions import PriorPredictor, problem_from_scenario
 from planner_service.domain.scenario import PredictorIn
-from planner_service.planner.predictor import SwitchPredictor, handoffs_from_history, problem_from_scenario
+from planner_service.planner.predictor import SwitchPredictor, handoffs_from_history
 
 MODELS = ["a", "b", "c"]
 
@@ -79,3 +80,15 @@ def test_problem_from_scenario_predicts_every_session() -> None:
     assert set(problem.next_model) == {s.id for s in scenario.sessions}
     for row in problem.next_model.values():
         assert sum(row.values()) == pytest.approx(1.0)
+
+
+def test_scenario_priors_are_the_predictors_answer_before_it_observes() -> None:
+    scenario = demo_scenario()
+    models = [m.id for m in scenario.models]
+    current = {s.id: s.model for s in scenario.sessions}
+    switch = SwitchPredictor.from_priors(scenario.predictor, models)
+    assert PriorPredictor(scenario.predictor, models).predict_sessions(current) == switch.predict_sessions(current)
+    assert problem_from_scenario(scenario).next_model == switch.predict_sessions(current)
+    switch.observe_handoff(0.0, models[0], models[-1])
+    assert problem_from_scenario(scenario, switch).next_model == switch.predict_sessions(current)
+    assert problem_from_scenario(scenario).next_model != switch.predict_sessions(current)

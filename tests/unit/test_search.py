@@ -6,12 +6,12 @@ import numpy as np
 import pytest
 
 from planner_service.domain.generate import random_scenario
+from planner_service.domain.predictions import problem_from_scenario
 from planner_service.planner.greedy import plan_greedy
 from planner_service.planner.invariants import check_plan
 from planner_service.planner.objective import evaluate
-from planner_service.planner.predictor import problem_from_scenario
-from planner_service.planner.registry import solve
 from planner_service.planner.search import _neighbours, search_nodes
+from planner_service.solver.registry import solve
 
 
 def problem(seed: int, gpus: int = 8, models: int = 5, sessions: int = 24):

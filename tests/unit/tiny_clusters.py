@@ -9,12 +9,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from planner_service.domain.predictions import problem_from_scenario
 from planner_service.domain.problem import Problem
 from planner_service.domain.scenario import parse_scenario
 from planner_service.domain.units import GIB, KIB
 from planner_service.planner.plan import Plan
-from planner_service.planner.predictor import problem_from_scenario
-from planner_service.planner.registry import solve
+from planner_service.solver.registry import solve
 
 H2D_BYTES_PER_S = 20e9
 BF16_FLOPS = 100e12

@@ -1,15 +1,8 @@
 """Executors behind one Protocol, named by `ExecutorName`: local, vllm, sglang, lmcache."""
 
-from clients.agent.executors.base import (
-    Executor,
-    ExecutorRegistry,
-    GpuUsage,
-    Seedable,
-    Telemetry,
-    UnknownExecutor,
-    default_registry,
-)
-from clients.agent.executors.names import ExecutorName
+from clients.agent.config import ExecutorName
+from clients.agent.executors.base import Executor, GpuUsage, Seedable, Telemetry
+from clients.agent.executors.registry import ExecutorRegistry, UnknownExecutor, default_registry
 
 __all__ = [
     "Executor",

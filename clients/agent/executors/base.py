@@ -1,16 +1,11 @@
-"""The one interface every executor implements, and the registry that names them."""
+"""The one interface every executor implements, and what it reports (the registry is in `registry.py`)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
-from clients.agent.executors.names import ExecutorName
 from clients.agent.operations import Capability, Operation, Outcome
-
-if TYPE_CHECKING:
-    from clients.agent.config import AgentConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,47 +44,3 @@ class Seedable(Protocol):
     """An executor that can materialize state the service says is already there (the local one)."""
 
     def seed(self, placement: list[dict[str, Any]], node_id: str, gpu_ids: set[str]) -> int: ...
-
-
-ExecutorFactory = Callable[["AgentConfig"], Executor]
-
-
-class UnknownExecutor(ValueError):
-    pass
-
-
-class ExecutorRegistry:
-    """Executor factories keyed by `ExecutorName`; no global instance (build one with `default_registry()`)."""
-
-    def __init__(self) -> None:
-        self._factories: dict[ExecutorName, ExecutorFactory] = {}
-
-    def register(self, name: ExecutorName, factory: ExecutorFactory) -> None:
-        if name in self._factories:
-            raise ValueError(f"executor {name.value!r} is already registered")
-        self._factories[name] = factory
-
-    def names(self) -> list[str]:
-        return sorted(n.value for n in self._factories)
-
-    def create(self, name: str, config: AgentConfig) -> Executor:
-        try:
-            factory = self._factories[ExecutorName(name)]
-        except (ValueError, KeyError):
-            raise UnknownExecutor(f"unknown executor {name!r}; choices: {', '.join(self.names())}") from None
-        return factory(config)
-
-
-def default_registry() -> ExecutorRegistry:
-    # imported here: an engine executor's module is only loaded when a registry is built
-    from clients.agent.executors.lmcache import LMCacheExecutor
-    from clients.agent.executors.local import LocalExecutor
-    from clients.agent.executors.sglang import SGLangExecutor
-    from clients.agent.executors.vllm import VLLMExecutor
-
-    registry = ExecutorRegistry()
-    registry.register(ExecutorName.LOCAL, LocalExecutor.from_config)
-    registry.register(ExecutorName.VLLM, VLLMExecutor.from_config)
-    registry.register(ExecutorName.SGLANG, SGLangExecutor.from_config)
-    registry.register(ExecutorName.LMCACHE, LMCacheExecutor.from_config)
-    return registry

@@ -2,8 +2,9 @@
 
 A policy decides what the simulated cluster keeps warm and what it evicts;
 the engine (`sim/engine.py`) owns the mechanism: memory, transfers, compute,
-requests. Every hook has a do-nothing (or load-on-demand) default, so each
-policy is a small class that overrides what makes it different.
+requests, and names the hooks it calls (`PolicyHooks`). Every hook has a
+do-nothing (or load-on-demand) default here, so each policy is a small class
+that overrides what makes it different.
 """
 
 from __future__ import annotations

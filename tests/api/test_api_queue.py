@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 
+import pytest
 from api_helpers import assert_problem, request
+from support import CallLog, after_last
+
+from planner_service.service import loop as planning_loop
 
 
 def busy_tiny(app):
@@ -188,33 +191,32 @@ def test_a_failed_move_is_held_back_with_its_dependents_and_queued_again_after_a
     assert plan["held_back"] == [] and _move(drop) in {_move(op) for op in plan["operations"]}
 
 
-def test_long_poll_waits_and_wakes_when_work_becomes_ready(tiny):
-    busy_tiny(tiny)
-    lease = tiny.lease("n1").json()
+def test_long_poll_waits_and_wakes_when_work_becomes_ready(make_app):
+    app = make_app(tiny=True, max_wait_seconds=60.0)
+    busy_tiny(app)
+    lease = app.lease("n1").json()
+    leases = CallLog(app.client.app.state.service, "lease")
     result: dict = {}
-
-    def poll() -> None:
-        started = time.monotonic()
-        result["body"] = tiny.lease("n1", wait=10).json()
-        result["seconds"] = time.monotonic() - started
-
-    thread = threading.Thread(target=poll)
+    thread = threading.Thread(target=lambda: result.update(body=app.lease("n1", wait=60).json()))
     thread.start()
-    time.sleep(0.3)
-    assert thread.is_alive()  # nothing is ready: it waits
-    tiny.report(lease["operations"][0]["id"], lease["lease_id"])
-    thread.join(timeout=5)
-    assert len(result["body"]["operations"]) == 2 and result["seconds"] < 5
+    leases.wait_for(lambda calls: len(calls) == 1, what="the long-poll's first look at the queue")
+    assert leases.calls[0][1]["operations"] == [] and thread.is_alive()  # nothing is ready: it waits
+    app.report(lease["operations"][0]["id"], lease["lease_id"])
+    thread.join(timeout=20)
+    assert not thread.is_alive(), "the report did not wake the long-poll, which would have waited its 60 s"
+    assert [o["action"] for o in result["body"]["operations"]] == ["promote", "promote"]
+    assert len(leases.calls) == 2  # one look before waiting, one when the report woke it
 
 
 def test_long_poll_times_out_empty(demo):
-    started = time.monotonic()
-    body = demo.lease("n3", wait=0.3).json()
-    body = demo.lease("n3", wait=0.3).json() if body["operations"] else body
-    while body["operations"]:
-        body = demo.lease("n3", wait=0.3).json()
-    assert body == {"lease_id": None, "expires_at": None, "expires_in_seconds": None, "operations": []}
-    assert time.monotonic() - started >= 0.3
+    while demo.lease("n3").json()["operations"]:
+        pass  # take whatever n3 can run now; the rest waits for reports that never come
+    leases = CallLog(demo.client.app.state.service, "lease")
+    empty = {"lease_id": None, "expires_at": None, "expires_in_seconds": None, "operations": []}
+    assert demo.lease("n3", wait=0.2).json() == empty
+    assert len(leases.calls) == 2  # it looked, waited out its deadline, and looked once more
+    assert demo.lease("n3", wait=0).json() == empty
+    assert len(leases.calls) == 3  # without a wait it looks once
 
 
 def test_calibration_from_measured_durations(tiny):
@@ -231,40 +233,66 @@ def test_calibration_from_measured_durations(tiny):
     assert node["nvme_read_bytes_per_s"] == 0.7 * before + 0.3 * measured
 
 
-def test_background_loop_replans_after_an_event_burst(make_app):
-    app = make_app(background_planning=True, replan_debounce_seconds=0.05)
-    app.events(request("e1", "fresh", "vision", slo="blocking", input_tokens=5000))
-    deadline = time.monotonic() + 10
-    while app.get("/v1/plan").json()["epoch"] == 1 and time.monotonic() < deadline:
-        time.sleep(0.05)
+@pytest.fixture
+def fast_ticks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The planning loop goes round every 10 ms instead of every 0.5 s, so that waiting for a few of its turns
+    is quick."""
+    monkeypatch.setattr(planning_loop, "TICK_SECONDS", 0.01)
+
+
+def _ticks_after_last_replan(calls) -> int:
+    return sum(name == "tick" for name, _ in after_last(calls, "replan"))
+
+
+def test_background_loop_replans_after_an_event_burst(make_app, fast_ticks):
+    app = make_app(background_planning=True, replan_debounce_seconds=0.0, replan_interval_seconds=3600.0)
+    service = app.client.app.state.service
+    replans = CallLog(service, "replan")
+    epoch = app.get("/v1/plan").json()["epoch"]
+    app.events(request("e1", "fresh", "vision", slo="blocking", input_tokens=5000))  # vision serves nowhere
+    replans.wait_for(lambda calls: any(r["changed"] for _, r in calls), what="a replan that installs a plan")
     plan = app.get("/v1/plan").json()
-    assert plan["epoch"] >= 2
+    assert plan["epoch"] == epoch + 1
     assert any(o["object"].get("session") == "fresh" for o in plan["operations"]), json.dumps(plan["operations"])[:500]
 
 
-def test_an_event_burst_is_planned_once(make_app):
-    app = make_app(background_planning=True, replan_debounce_seconds=0.5)
+def test_an_event_burst_is_planned_once(make_app, fast_ticks):
+    app = make_app(background_planning=True, replan_debounce_seconds=0.5, replan_interval_seconds=3600.0)
+    service = app.client.app.state.service
+    log = CallLog(service, "replan", "tick")
     for i in range(5):  # vision serves nowhere: the requests call for a plan at once
         app.events(request(f"e{i}", f"burst-{i}", "vision", input_tokens=1000))
-    deadline = time.monotonic() + 10
-    while app.get("/v1/plan").json()["epoch"] == 1 and time.monotonic() < deadline:
-        time.sleep(0.05)
-    time.sleep(0.7)  # a second replan would have happened by now
+    calls = log.wait_for(
+        lambda calls: any(n == "replan" for n, _ in calls) and _ticks_after_last_replan(calls) >= 3,
+        what="a replan followed by three quiet turns of the planning loop",
+    )
+    assert [r for n, r in calls if n == "replan"] == [{"epoch": 2, "changed": True}]  # one plan for the burst
     plan = app.get("/v1/plan").json()
     assert plan["epoch"] == 2
     assert {f"burst-{i}" for i in range(5)} <= {o["object"].get("session") for o in plan["operations"]}
 
 
-def test_requests_for_a_warm_model_wait_for_the_periodic_replan(make_app):
-    app = make_app(background_planning=True, replan_debounce_seconds=0.05, replan_interval_seconds=5.0)
-    time.sleep(0.5)
+def test_a_request_for_a_warm_model_does_not_call_for_a_plan_at_once(make_app, fast_ticks):
+    app = make_app(background_planning=True, replan_debounce_seconds=0.0, replan_interval_seconds=3600.0)
+    service = app.client.app.state.service
+    log = CallLog(service, "replan", "tick")
     epoch = app.get("/v1/plan").json()["epoch"]
     app.events(request("e1", "warm", "planner", input_tokens=1000))  # planner serves on n3 from the start
-    time.sleep(1.0)
-    assert app.get("/v1/plan").json()["epoch"] == epoch  # its engine serves it: no plan at once
-    deadline = time.monotonic() + 15
-    while app.get("/v1/plan").json()["epoch"] == epoch and time.monotonic() < deadline:
-        time.sleep(0.05)
+    assert not service.urgent.is_set()
+    seen = len(log.calls)
+    log.wait_for(lambda calls: sum(n == "tick" for n, _ in calls[seen:]) >= 3, what="three turns of the planning loop")
+    assert "replan" not in log.names() and app.get("/v1/plan").json()["epoch"] == epoch  # its engine serves it
+    app.events(request("e2", "cold", "vision", input_tokens=1000))  # the same loop plans at once for this one
+    log.wait_for(lambda calls: any(n == "replan" for n, _ in calls), what="the replan a cold model calls for")
+
+
+def test_the_periodic_replan_takes_in_requests_for_warm_models(make_app, fast_ticks):
+    app = make_app(background_planning=True, replan_debounce_seconds=0.0, replan_interval_seconds=0.001)
+    service = app.client.app.state.service
+    epoch = app.get("/v1/plan").json()["epoch"]
+    replans = CallLog(service, "replan")
+    app.events(request("e1", "warm", "planner", input_tokens=1000))
+    replans.wait_for(lambda calls: any(r["changed"] for _, r in calls), what="a periodic replan that installs a plan")
     plan = app.get("/v1/plan").json()
-    assert plan["epoch"] > epoch  # the periodic replan takes it in
+    assert plan["epoch"] > epoch
     assert any(o["object"].get("session") == "warm" for o in plan["operations"])

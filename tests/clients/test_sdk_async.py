@@ -6,6 +6,7 @@ import asyncio
 
 import pytest
 from clients_helpers import NODE_TOKENS, OPERATOR_TOKEN, async_client, make_app, served
+from support import CallLog
 
 from clients.sdk import ConflictError, PermissionDeniedError, events
 
@@ -66,7 +67,7 @@ async def test_every_method_async(tmp_path):
 
 
 async def test_long_poll_wakes_when_work_becomes_ready(tmp_path):
-    app = make_app(tmp_path, tiny=True)
+    app = make_app(tmp_path, tiny=True, max_wait_seconds=60.0)
     async with served(app) as http:
         sb = async_client(http)
         await sb.post_events(
@@ -76,12 +77,15 @@ async def test_long_poll_wakes_when_work_becomes_ready(tmp_path):
         await sb.replan()
         first = await sb.lease("n1")
         assert [o["action"] for o in first["operations"]] == ["drop"]
-        waiting = asyncio.create_task(sb.lease("n1", wait_seconds=5))
-        await asyncio.sleep(0.2)
-        assert not waiting.done()
+        leases = CallLog(app.state.service, "lease")
+        waiting = asyncio.create_task(sb.lease("n1", wait_seconds=60))
+        # the wait runs in a thread, not in this event loop, which serves the long-poll meanwhile
+        await asyncio.to_thread(leases.wait_for, lambda calls: len(calls) == 1, what="the long-poll's first look")
+        assert leases.calls[0][1]["operations"] == [] and not waiting.done()  # nothing is ready: it waits
         await sb.report(first["operations"][0]["id"], lease_id=first["lease_id"], status="done")
-        second = await asyncio.wait_for(waiting, timeout=5)
-        assert {o["action"] for o in second["operations"]} == {"promote"}
+        second = await asyncio.wait_for(waiting, timeout=20)  # well before its 60 s deadline: the report woke it
+        assert [o["action"] for o in second["operations"]] == ["promote", "promote"]
+        assert len(leases.calls) == 2  # one look before waiting, one when woken
 
 
 async def test_node_tokens_async(tmp_path):

@@ -9,7 +9,6 @@ from these classes.
 
 from __future__ import annotations
 
-from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -17,21 +16,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from planner_service.domain.architecture import Precision
-
-
-class Slo(StrEnum):
-    BLOCKING = "blocking"
-    INTERACTIVE = "interactive"
-    BACKGROUND = "background"
-
-
-class Capability(StrEnum):
-    """Moves a node's engines can carry out (DESIGN.md §5)."""
-
-    WEIGHTS_OFFLOAD = "weights_offload"  # whole-model weights GPU <-> host (vLLM sleep level 1)
-    PARTIAL_EXPERTS = "partial_experts"  # some routed experts on GPU, the rest off GPU
-    KV_OFFLOAD = "kv_offload"  # KV GPU <-> host / NVMe (LMCache, HiCache)
-
+from planner_service.wire.enums import Capability as Capability  # noqa: PLC0414 -- re-exported: it was defined here
+from planner_service.wire.enums import Slo as Slo  # noqa: PLC0414 -- re-exported: it was defined here
 
 ALL_CAPABILITIES = tuple(Capability)
 

@@ -9,21 +9,10 @@ deterministically, which keeps plans reproducible.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from enum import StrEnum
 from typing import Any, NamedTuple
 
-
-class Kind(StrEnum):
-    WEIGHTS = "weights"
-    KV = "kv"
-    EXPERTS = "experts"
-
-
-class Tier(StrEnum):
-    GPU = "gpu"
-    HOST = "host"
-    NVME = "nvme"
-
+from planner_service.wire.enums import Kind as Kind  # noqa: PLC0414 -- re-exported: it was defined here
+from planner_service.wire.enums import Tier as Tier  # noqa: PLC0414 -- re-exported: it was defined here
 
 # Faster tiers first: promote moves towards 0, demote away from it.
 TIER_RANK = {Tier.GPU: 0, Tier.HOST: 1, Tier.NVME: 2}

@@ -28,7 +28,6 @@ import math
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from enum import StrEnum
 from itertools import filterfalse
 from operator import itemgetter
 from typing import Any
@@ -38,20 +37,8 @@ from planner_service.domain.scenario import Capability, Slo
 from planner_service.domain.state import TIER_RANK, Kind, Location, Placement, StateObject, Tier
 from planner_service.planner import costs
 from planner_service.planner.residency import ResidencyIndex, Serving, copy_placement
-
-
-class Action(StrEnum):
-    PROMOTE = "promote"
-    DEMOTE = "demote"
-    DROP = "drop"
-
-
-class Priority(StrEnum):
-    BLOCKING = "blocking"
-    INTERACTIVE = "interactive"
-    BACKGROUND = "background"
-    PREFETCH = "prefetch"
-
+from planner_service.wire.enums import Action as Action  # noqa: PLC0414 -- re-exported: it was defined here
+from planner_service.wire.enums import Priority as Priority  # noqa: PLC0414 -- re-exported: it was defined here
 
 PRIORITY_RANK = {Priority.BLOCKING: 0, Priority.INTERACTIVE: 1, Priority.BACKGROUND: 2, Priority.PREFETCH: 3}
 SLO_PRIORITY = {

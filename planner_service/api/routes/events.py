@@ -3,8 +3,8 @@ from __future__ import annotations
 from fastapi import APIRouter
 
 from planner_service.api.deps import OperatorDep, ServiceDep
-from planner_service.api.schemas import EventsOut
 from planner_service.service.inputs import EventsIn
+from planner_service.wire.sessions import EventsOut
 
 router = APIRouter(prefix="/v1/events", tags=["events"])
 

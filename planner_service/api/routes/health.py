@@ -6,7 +6,8 @@ from starlette.requests import Request
 
 from planner_service.api.deps import ServiceDep
 from planner_service.api.errors import problem
-from planner_service.api.schemas import Health
+from planner_service.wire.enums import HealthStatus
+from planner_service.wire.health import Health
 
 router = APIRouter(tags=["health"])
 
@@ -19,7 +20,7 @@ def livez(service: ServiceDep):
     a restart restores the last committed state)."""
     if service.broken is not None:
         return problem(503, "Not live", service.broken)
-    return Health(status="ok")
+    return Health(status=HealthStatus.OK)
 
 
 @router.get("/readyz", response_model=Health, responses={503: {"description": "still starting, or broken"}})
@@ -30,7 +31,7 @@ def readyz(service: ServiceDep):
     status = service.status()
     if status["epoch"] is None:
         return problem(503, "Not ready", "the service is restoring its state or computing its first plan")
-    return Health(status="ok", **status)
+    return Health(status=HealthStatus.OK, **status)
 
 
 @router.get("/metrics", response_class=Response)

@@ -6,17 +6,23 @@ from fastapi import APIRouter, Response
 
 from planner_service.api.deps import OperatorDep, ServiceDep
 from planner_service.service.inputs import ModelPutIn
+from planner_service.wire.cluster import ModelOut
 
 router = APIRouter(prefix="/v1/models", tags=["models"])
 
 
-@router.get("")
+@router.get("", response_model=list[ModelOut], response_model_exclude_unset=True)
 def list_models(service: ServiceDep, _: OperatorDep) -> list[dict[str, Any]]:
     """The catalog, with the sizes each model resolves to."""
     return service.models_view()
 
 
-@router.put("/{model_id}", responses={201: {"description": "created"}})
+@router.put(
+    "/{model_id}",
+    response_model=ModelOut,
+    response_model_exclude_unset=True,
+    responses={201: {"description": "created", "model": ModelOut}},
+)
 def put_model(
     model_id: str, body: ModelPutIn, service: ServiceDep, _: OperatorDep, response: Response
 ) -> dict[str, Any]:

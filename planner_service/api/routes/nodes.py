@@ -8,13 +8,14 @@ from fastapi import APIRouter
 from starlette.concurrency import run_in_threadpool
 
 from planner_service.api.deps import NodeAccessDep, ServiceDep, SettingsDep, SignalDep
-from planner_service.api.schemas import HeartbeatOut, LeaseOut, RegisterOut
 from planner_service.service.inputs import HeartbeatIn, LeaseIn, RegisterIn
+from planner_service.wire.nodes import HeartbeatOut, RegisterOut
+from planner_service.wire.operations import LeaseOut
 
 router = APIRouter(prefix="/v1/nodes/{node_id}", tags=["nodes"])
 
 
-@router.post("/register", response_model=RegisterOut)
+@router.post("/register", response_model=RegisterOut, response_model_exclude_unset=True)
 def register(node_id: str, body: RegisterIn, service: ServiceDep, _: NodeAccessDep) -> dict[str, Any]:
     """A node agent announces its inventory and the moves its engines can carry out."""
     return service.register_node(node_id, body)
@@ -26,7 +27,7 @@ def heartbeat(node_id: str, body: HeartbeatIn, service: ServiceDep, _: NodeAcces
     return service.heartbeat(node_id, body)
 
 
-@router.post("/lease", response_model=LeaseOut)
+@router.post("/lease", response_model=LeaseOut, response_model_exclude_unset=True)
 async def lease(
     node_id: str, body: LeaseIn, service: ServiceDep, settings: SettingsDep, signal: SignalDep, _: NodeAccessDep
 ) -> dict[str, Any]:

@@ -6,30 +6,31 @@ from fastapi import APIRouter, Query
 
 from planner_service.api.deps import OperatorDep, ServiceDep
 from planner_service.service import questions
+from planner_service.wire.plan import CurrentPlanOut, ExplainOut, ParetoOut, ReplanOut
 
 router = APIRouter(tags=["plan"])
 
 
-@router.get("/v1/plan")
+@router.get("/v1/plan", response_model=CurrentPlanOut, response_model_exclude_unset=True)
 def get_plan(service: ServiceDep, _: OperatorDep) -> dict[str, Any]:
     """The current plan (as `statebudget plan --json`) with its `epoch`."""
     return service.plan_view()
 
 
-@router.post("/v1/plan")
+@router.post("/v1/plan", response_model=ReplanOut, response_model_exclude_unset=True)
 def replan(service: ServiceDep, _: OperatorDep) -> dict[str, Any]:
     """Replan now: a new epoch supersedes the operations not yet leased. Returns the new plan, as GET does."""
     changed = service.replan(force=True)["changed"]
     return {**service.plan_view(), "changed": changed}
 
 
-@router.get("/v1/pareto")
+@router.get("/v1/pareto", response_model=ParetoOut, response_model_exclude_unset=True)
 def get_pareto(service: ServiceDep, _: OperatorDep) -> dict[str, Any]:
     """Predicted P95 switch latency against warm GPU bytes for the current workload."""
     return questions.pareto(service.live_view(), service.solve)
 
 
-@router.get("/v1/explain")
+@router.get("/v1/explain", response_model=ExplainOut, response_model_exclude_unset=True)
 def explain(
     service: ServiceDep,
     _: OperatorDep,

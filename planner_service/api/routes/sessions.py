@@ -3,7 +3,7 @@ from __future__ import annotations
 from fastapi import APIRouter
 
 from planner_service.api.deps import OperatorDep, ServiceDep
-from planner_service.api.schemas import SessionOut
+from planner_service.wire.sessions import SessionOut
 
 router = APIRouter(prefix="/v1/sessions", tags=["sessions"])
 

@@ -1,0 +1,109 @@
+"""The cluster and the model catalog as the service shows them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import Field
+
+from planner_service.wire.base import WireModel
+from planner_service.wire.enums import Capability
+
+
+class Calibrated(WireModel):
+    """A bandwidth recalibrated from measurements: the moving average, its sample count, the newest sample."""
+
+    value: float
+    samples: int
+    last_measured: float
+
+
+class NodeEngine(WireModel):
+    """A model the node serves through one of its engines, and the GPUs that engine runs on."""
+
+    model: str
+    gpus: list[str] = Field(description="The engine's fixed GPUs; empty: any group.")
+
+
+class GpuTelemetryOut(WireModel):
+    id: str
+    used_bytes: int | None = None
+    free_bytes: int | None = None
+    h2d_bytes_per_s: float | None = None
+    d2h_bytes_per_s: float | None = None
+
+
+class TelemetryOut(WireModel):
+    """A node's latest heartbeat, as sent."""
+
+    gpus: list[GpuTelemetryOut] = Field(default_factory=list)
+    nvme_read_bytes_per_s: float | None = None
+    nvme_write_bytes_per_s: float | None = None
+    engines: dict[str, str] = Field(default_factory=dict, description="Engine name -> its state, as reported.")
+    expert_hit_rates: dict[str, float] = Field(default_factory=dict)
+
+
+class GpuOut(WireModel):
+    """A GPU with its effective (calibrated) bandwidths and its confirmed and planned HBM use."""
+
+    id: str
+    type: str | None
+    capacity_bytes: int
+    reserved_bytes: int
+    hbm_bytes_per_s: float
+    bf16_flops: float
+    h2d_bytes_per_s: float
+    d2h_bytes_per_s: float
+    used_bytes: int = Field(description="HBM the confirmed placement holds.")
+    planned_bytes: int = Field(description="HBM the plan holds.")
+    calibrated: dict[str, Calibrated] = Field(description="Bandwidth field -> its calibration.")
+
+
+class NodeOut(WireModel):
+    id: str
+    host_dram_bytes: int
+    nvme_bytes: int
+    nvme_read_bytes_per_s: float
+    nvme_write_bytes_per_s: float
+    capabilities: list[Capability]
+    engines: list[NodeEngine] | None = Field(description="null: any model, on any group.")
+    calibrated: dict[str, Calibrated]
+    registered_at: str | None = Field(description="ISO 8601, UTC; null: no agent registered yet.")
+    last_heartbeat: str | None = Field(description="ISO 8601, UTC.")
+    telemetry: TelemetryOut | None
+    gpus: list[GpuOut]
+
+
+class ClusterOut(WireModel):
+    nodes: list[NodeOut]
+
+
+class ResolvedModel(WireModel):
+    """The sizes a model resolves to (from its preset, its config.json, or explicit values)."""
+
+    precisions: list[str]
+    weights_bytes: dict[str, int] = Field(description="Precision -> bytes (a MoE's non-expert part).")
+    kv_bytes_per_token: int
+    experts_bytes: int
+    expert_bytes: int
+    is_moe: bool
+    active_params: int
+
+
+class ModelOut(WireModel):
+    """A model of the catalog as declared (fields left unset are absent), what it resolves to, and whether
+    the confirmed placement serves it."""
+
+    id: str
+    preset: str | None = None
+    config: dict[str, Any] | None = None
+    precisions: list[str] | None = None
+    weights_bytes: dict[str, int] | None = None
+    kv_bytes_per_token: int | None = None
+    experts_bytes: int | None = None
+    expert_bytes: int | None = None
+    active_params: int | None = None
+    active_expert_bytes_per_token: int | None = None
+    min_gpus: dict[str, int] = Field(default_factory=dict)
+    resolved: ResolvedModel
+    serving: bool

@@ -1,0 +1,130 @@
+"""The API's vocabulary: every string with a fixed set of values that crosses the wire.
+
+The domain, the planner and the clients import these; nothing here imports the
+rest of `planner_service`, so the wire package is the bottom layer.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class Kind(StrEnum):
+    """The three kinds of LLM state."""
+
+    WEIGHTS = "weights"
+    KV = "kv"
+    EXPERTS = "experts"
+
+
+class Tier(StrEnum):
+    """Where state can live: a GPU's HBM, a node's host DRAM, a node's NVMe."""
+
+    GPU = "gpu"
+    HOST = "host"
+    NVME = "nvme"
+
+
+class Slo(StrEnum):
+    BLOCKING = "blocking"
+    INTERACTIVE = "interactive"
+    BACKGROUND = "background"
+
+
+class Capability(StrEnum):
+    """Moves a node's engines can carry out (DESIGN.md §5)."""
+
+    WEIGHTS_OFFLOAD = "weights_offload"  # whole-model weights GPU <-> host (vLLM sleep level 1)
+    PARTIAL_EXPERTS = "partial_experts"  # some routed experts on GPU, the rest off GPU
+    KV_OFFLOAD = "kv_offload"  # KV GPU <-> host / NVMe (LMCache, HiCache)
+
+
+class Action(StrEnum):
+    """What an operation does to one state object on one node."""
+
+    PROMOTE = "promote"  # copy towards a faster tier (the source stays), or create KV by prefill
+    DEMOTE = "demote"  # move towards a slower tier
+    DROP = "drop"  # free the bytes
+
+
+class Priority(StrEnum):
+    """How urgent an operation is: the SLO of the request waiting for it, else prefetch or background."""
+
+    BLOCKING = "blocking"
+    INTERACTIVE = "interactive"
+    BACKGROUND = "background"
+    PREFETCH = "prefetch"
+
+
+class OperationState(StrEnum):
+    """Where a queued operation is in its lifecycle: `queued -> leased -> done | failed`, or `superseded`
+    when a newer plan epoch replaces it before it is leased.
+
+    `held_back` is never a stored operation's state: it counts (in the plan's `held_back` and in
+    `statebudget_queue_operations`) the moves of the current plan kept out of the queue because the same
+    move failed on the node recently.
+    """
+
+    QUEUED = "queued"
+    LEASED = "leased"
+    DONE = "done"
+    FAILED = "failed"
+    SUPERSEDED = "superseded"
+    HELD_BACK = "held_back"
+
+
+class ReportStatus(StrEnum):
+    """A node agent's outcome for a leased operation."""
+
+    DONE = "done"
+    FAILED = "failed"
+
+
+class PlanStatus(StrEnum):
+    OK = "ok"  # every active request is served
+    PARTIAL = "partial"  # some active requests wait for room (named in `unserved`)
+    OPTIMAL = "optimal"  # proved optimal by an exact solver
+    FEASIBLE = "feasible"  # an exact solver's incumbent, optimality not proved
+    TIMEOUT = "timeout"  # the exact solver ran out of time; the best plan known is returned
+    INFEASIBLE = "infeasible"
+
+
+class HealthStatus(StrEnum):
+    OK = "ok"
+    STARTING = "starting"
+
+
+class EventStatus(StrEnum):
+    """What the service did with one session event."""
+
+    APPLIED = "applied"
+    DUPLICATE = "duplicate"  # its id was seen before: acknowledged and ignored
+
+
+class EventType(StrEnum):
+    REQUEST = "request"
+    TURN_END = "turn_end"
+    TOOL_CALL_START = "tool_call_start"
+    TOOL_CALL_END = "tool_call_end"
+    SESSION_END = "session_end"
+
+
+class EngineKind(StrEnum):
+    """The inference engine (or cache) a node agent drives."""
+
+    VLLM = "vllm"
+    SGLANG = "sglang"
+    LMCACHE = "lmcache"
+    LOCAL = "local"
+    OTHER = "other"
+
+
+class EngineStatus(StrEnum):
+    """An engine's state as a node agent reports it in its heartbeat, and a simulated model's as it loads."""
+
+    CONFIGURED = "configured"  # known to the agent by its URL; not probed
+    LOADING = "loading"  # weights on their way to the GPUs
+    WARMING = "warming"  # weights in place, the engine warming up (CUDA graphs, caches)
+    READY = "ready"  # serves requests
+    AWAKE = "awake"
+    SLEEPING = "sleeping"  # weights offloaded or discarded (vLLM sleep mode, SGLang release)

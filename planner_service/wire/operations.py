@@ -1,0 +1,85 @@
+"""Operations as the planner emits them, as a node leases them, and as the queues record them."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from planner_service.wire.base import WireModel
+from planner_service.wire.enums import Action, OperationState, Priority
+from planner_service.wire.state import Location, StateObject
+
+
+class Operation(WireModel):
+    """`promote` / `demote` / `drop` of one state object between tiers of one node.
+
+    `from` is null for KV created by prefill; `to` is null for a drop. With `keep_source` the source keeps
+    its copy (a promotion copies). An operation may run once every id in `depends_on` is done.
+    """
+
+    id: str
+    action: Action
+    object: StateObject
+    source: Location | None = Field(alias="from", description="Where the bytes come from; null: made by prefill.")
+    dest: Location | None = Field(alias="to", description="Where the bytes go; null: dropped.")
+    bytes: int
+    keep_source: bool
+    priority: Priority
+    depends_on: list[str]
+    estimated_seconds: float
+    reason: str = Field(description="What the planner expects the operation to buy, in words.")
+    node: str = Field(description="The node it runs on: a move never leaves its node.")
+
+    @property
+    def frees(self) -> Location | None:
+        """The location this operation takes bytes from, if any."""
+        return None if self.keep_source else self.source
+
+    def label(self) -> str:
+        src = self.source.label() if self.source else "prefill"
+        dst = self.dest.label() if self.dest else "nothing"
+        return f"{self.id} {self.action.value} {self.object.label()} {src} -> {dst} ({self.bytes} B)"
+
+
+class LeasedOperation(Operation):
+    epoch: int = Field(description="The plan epoch that made it.")
+
+
+class OperationRecord(Operation):
+    """An operation of one plan epoch and where it is in its lifecycle."""
+
+    epoch: int
+    seq: int = Field(description="Its position in its plan's topological order.")
+    state: OperationState
+    created_at: float = Field(description="Unix seconds.")
+    updated_at: float = Field(description="Unix seconds.")
+    lease_id: str | None
+    lease_expires_at: float | None = Field(description="Unix seconds.")
+    leases: int = Field(description="Times leased (a lease that expired counts too).")
+    measured_seconds: float | None
+    measured_bytes: int | None
+    error: str | None
+    superseded_by: int | None = Field(description="The plan epoch that superseded it.")
+
+
+class LeaseOut(WireModel):
+    """Operations leased to a node; none when nothing was ready within the wait."""
+
+    lease_id: str | None
+    expires_at: str | None = Field(description="ISO 8601, UTC.")
+    expires_in_seconds: float | None
+    operations: list[LeasedOperation]
+
+
+class ReportOut(WireModel):
+    operation: OperationRecord
+    srv_version: int
+    duplicate: bool = Field(description="The same report was received before; nothing changed.")
+
+
+class HeldBack(WireModel):
+    """A move of the plan kept out of the queue until `until`: the same move failed on the node recently."""
+
+    operation: Operation
+    until: str | None = Field(description="ISO 8601, UTC.")
+    failures: int
+    error: str | None

@@ -88,7 +88,7 @@ def fold(
         streak = before.get("outliers", 0)  # signed: consecutive outliers above (+) or below (-) the estimate
         streak = streak + side if streak * side > 0 else side
         if abs(streak) < OUTLIER_PERSISTENCE:
-            return {**before, "outliers": streak}, (
+            return {**before, "last_measured": rate, "outliers": streak}, (
                 f"{rate:.3g} B/s is an outlier against the running estimate {estimate:.3g} B/s "
                 f"({abs(streak)} of {OUTLIER_PERSISTENCE} in a row before the link counts as changed)"
             )

@@ -8,14 +8,19 @@ from pydantic import Field
 
 from planner_service.wire.base import WireModel
 from planner_service.wire.enums import Capability
+from planner_service.wire.state import Location, StateObject
 
 
 class Calibrated(WireModel):
     """A bandwidth recalibrated from measurements: the moving average, its sample count, the newest sample."""
 
     value: float
-    samples: int
-    last_measured: float
+    samples: int = Field(description="Samples accepted into the average.")
+    last_measured: float = Field(description="The newest sample that passed the link's plausible range (B/s).")
+    outliers: int = Field(
+        0, description="Outliers in a row against the average: above (+) or below (-); three count as a change."
+    )
+    catalog: float | None = Field(None, description="The catalog bandwidth the plausible range is drawn around.")
 
 
 class NodeEngine(WireModel):
@@ -74,8 +79,21 @@ class NodeOut(WireModel):
     gpus: list[GpuOut]
 
 
+class QuarantinedEntry(WireModel):
+    """A placement entry a start took out of the stored state because it broke a physical invariant."""
+
+    object: StateObject
+    location: Location
+    bytes: int
+    why: str
+
+
 class ClusterOut(WireModel):
     nodes: list[NodeOut]
+    quarantine: list[QuarantinedEntry] = Field(
+        description="What starts took out of a stored placement that broke an invariant (the nodes' reports "
+        "rebuild it); empty on a healthy state."
+    )
 
 
 class ResolvedModel(WireModel):

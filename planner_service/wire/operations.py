@@ -59,6 +59,11 @@ class OperationRecord(Operation):
     measured_bytes: int | None
     error: str | None
     superseded_by: int | None = Field(description="The plan epoch that superseded it.")
+    conflict: str | None = Field(
+        None,
+        description="Why a `done` report was recorded but not applied: it would break a physical invariant "
+        "(the source without the bytes, the destination without room, an object over its size).",
+    )
 
 
 class LeaseOut(WireModel):

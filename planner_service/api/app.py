@@ -55,18 +55,7 @@ def create_app(
     registry = registry if registry is not None else CollectorRegistry()
     metrics = Metrics(registry)
     service = ClusterService(
-        store if store is not None else SqliteStore(settings.db_path),
-        metrics,
-        lease_seconds=settings.lease_seconds,
-        event_retention_seconds=settings.event_retention_seconds,
-        solver=settings.solver,
-        demand_window_seconds=settings.demand_window_seconds,
-        demand_seats=settings.demand_seats,
-        demand_min_requests=settings.demand_min_requests,
-        unpin_after_seconds=settings.unpin_after_seconds,
-        failed_move_backoff_seconds=settings.failed_move_backoff_seconds,
-        failed_move_backoff_max_seconds=settings.failed_move_backoff_max_seconds,
-        clock=clock or time.time,
+        store if store is not None else SqliteStore(settings.db_path), metrics, settings, clock=clock or time.time
     )
     metrics.watch(service.metrics_snapshot)
 

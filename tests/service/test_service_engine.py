@@ -13,6 +13,7 @@ from planner_service.service.engine import ClusterService
 from planner_service.service.errors import Conflict, InvalidInput, NotReady
 from planner_service.service.inputs import ReportIn, RequestEvent, SessionEndEvent
 from planner_service.service.store import SqliteStore
+from planner_service.settings import Settings
 
 TINY = Path(__file__).parent / "tiny_scenario.json"
 
@@ -27,7 +28,9 @@ class Clock:
 @pytest.fixture
 def service(tmp_path):
     clock = Clock()
-    svc = ClusterService(SqliteStore(tmp_path / "e.db"), Metrics(CollectorRegistry()), lease_seconds=10, clock=clock)
+    svc = ClusterService(
+        SqliteStore(tmp_path / "e.db"), Metrics(CollectorRegistry()), Settings(lease_seconds=10), clock=clock
+    )
     svc.clock = clock
     svc.start(lambda: load_scenario(TINY))
     yield svc
@@ -76,7 +79,7 @@ def test_switch_latency_is_observed_when_the_model_lands(service):
     second = service.lease("n1", 10)
     for op in second["operations"]:
         service.report(op["id"], ReportIn(lease_id=second["lease_id"], status="done", measured_seconds=0.5))
-    registry = service._metrics.registry
+    registry = service.live.metrics.registry
     assert registry.get_sample_value("statebudget_switch_latency_seconds_sum", {"slo": "blocking"}) == 4.0
     assert registry.get_sample_value("statebudget_slo_violations_total", {"slo": "blocking"}) == 1.0  # 4 s > 2 s target
 
@@ -116,7 +119,10 @@ def test_report_for_a_lease_that_expired_is_refused(service):
 def test_a_running_service_forgets_event_ids_past_their_retention(tmp_path):
     clock = Clock()
     svc = ClusterService(
-        SqliteStore(tmp_path / "p.db"), Metrics(CollectorRegistry()), event_retention_seconds=600.0, clock=clock
+        SqliteStore(tmp_path / "p.db"),
+        Metrics(CollectorRegistry()),
+        Settings(event_retention_seconds=600.0),
+        clock=clock,
     )
     svc.start(lambda: load_scenario(TINY))
     assert svc.apply_events([req("e1", "s1", "beta")])["applied"] == 1
@@ -125,7 +131,7 @@ def test_a_running_service_forgets_event_ids_past_their_retention(tmp_path):
     assert svc.apply_events([req("e1", "s1", "beta")])["duplicates"] == 1  # within retention: a resend is ignored
     clock.t += 3600.0
     svc.tick()  # an hour on, the hourly prune forgets it, in memory and in the database
-    assert "e1" not in svc._event_ids
-    assert svc._store.load(0).event_ids == {}
+    assert "e1" not in svc.live.event_ids
+    assert svc.live.store.load(0).event_ids == {}
     assert svc.apply_events([req("e1", "s1", "beta")])["applied"] == 1
     svc.close()

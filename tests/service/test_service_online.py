@@ -14,6 +14,7 @@ from planner_service.service.engine import ClusterService
 from planner_service.service.errors import InvalidInput
 from planner_service.service.inputs import RequestEvent, TurnEndEvent
 from planner_service.service.store import SqliteStore
+from planner_service.settings import Settings
 
 TINY = Path(__file__).parent / "tiny_scenario.json"
 
@@ -26,13 +27,13 @@ class Clock:
 
 
 def open_service(db: Path, clock: Clock, **options: object) -> ClusterService:
-    service = ClusterService(SqliteStore(db), Metrics(CollectorRegistry()), clock=clock, **options)
+    service = ClusterService(SqliteStore(db), Metrics(CollectorRegistry()), Settings(**options), clock=clock)
     service.start(lambda: load_scenario(TINY))
     return service
 
 
 def stand_ins(service: ClusterService) -> list[tuple[str, str]]:
-    data, _, _ = service._planning_snapshot(stand_ins=True)
+    data, _, _ = service.planning.planning_snapshot(stand_ins=True)
     return sorted((s["id"], s["model"]) for s in data["sessions"] if is_stand_in(s["id"]))
 
 
@@ -106,7 +107,7 @@ def test_a_replan_that_is_not_worth_its_moves_keeps_the_current_plan(tmp_path):
     )
     clock.t += 5.0
     assert service.replan() == {"epoch": 1, "changed": False}
-    kept = service._metrics.registry.get_sample_value("statebudget_replans_total", {"outcome": "kept"})
+    kept = service.live.metrics.registry.get_sample_value("statebudget_replans_total", {"outcome": "kept"})
     assert kept == 1
     # an operator's replan installs it all the same
     assert service.replan(force=True) == {"epoch": 2, "changed": True}

@@ -16,6 +16,7 @@ from planner_service.metrics import Metrics
 from planner_service.service.engine import ClusterService
 from planner_service.service.inputs import ReportIn, RequestEvent
 from planner_service.service.store import Batch, SqliteStore
+from planner_service.settings import Settings
 
 
 class Clock:
@@ -26,7 +27,7 @@ class Clock:
 
 
 def new_service(path, clock: Clock) -> ClusterService:
-    svc = ClusterService(SqliteStore(path), Metrics(CollectorRegistry()), lease_seconds=60, clock=clock)
+    svc = ClusterService(SqliteStore(path), Metrics(CollectorRegistry()), Settings(lease_seconds=60), clock=clock)
     svc.start(demo_scenario)
     return svc
 
@@ -69,7 +70,7 @@ def test_a_move_leased_while_the_planner_solves_is_never_planned_again(demo: Clu
     repeat a move that went in flight after its snapshot was taken."""
     demo.apply_events([RequestEvent(id="e1", type="request", session="s1", model="reasoner", input_tokens=2000)])
     demo.replan(force=True)
-    solve = demo._solve
+    solve = demo.planning._solve
 
     def solve_while_agents_work(*args: Any, **kwargs: Any) -> Any:
         for node in nodes(demo):  # each agent finishes what it holds and leases what became eligible
@@ -78,11 +79,11 @@ def test_a_move_leased_while_the_planner_solves_is_never_planned_again(demo: Clu
             demo.lease(node, 1)
         return solve(*args, **kwargs)
 
-    demo._solve = solve_while_agents_work  # type: ignore[method-assign]  # the agents' timing, made certain
+    demo.planning._solve = solve_while_agents_work  # type: ignore[method-assign]  # the agents' timing, made certain
     for i in range(6):
         demo.apply_events([RequestEvent(id=f"x{i}", type="request", session=f"t{i}", model="coder")])
         demo.replan(force=True)
-    demo._solve = solve  # type: ignore[method-assign]  # the agents now drain the queues undisturbed
+    demo.planning._solve = solve  # type: ignore[method-assign]  # the agents now drain the queues undisturbed
     for _ in range(50):
         leases = [demo.lease(node, 100) for node in nodes(demo)]
         if not any(lease["operations"] for lease in leases):
@@ -104,29 +105,31 @@ def test_a_done_report_the_confirmed_state_cannot_take_is_a_conflict_not_a_chang
     node, lease, op = promote
     # the source no longer holds what the promote reads (say, a double-applied drop removed it)
     source = next(
-        (obj, loc) for (obj, loc) in demo._placement if obj.to_json() == op["object"] and loc.to_json() == op["from"]
+        (obj, loc)
+        for (obj, loc) in demo.live.placement
+        if obj.to_json() == op["object"] and loc.to_json() == op["from"]
     )
-    demo._placement[source] = 1
-    before = dict(demo._placement)
+    demo.live.placement[source] = 1
+    before = dict(demo.live.placement)
     answer = demo.report(op["id"], ReportIn(lease_id=lease["lease_id"], status="done"))
     assert answer["operation"]["state"] == "done"
     assert "holds 1 bytes" in answer["operation"]["conflict"]
-    assert demo._placement == before
-    assert demo._metrics.report_conflicts.labels(node)._value.get() == 1
+    assert demo.live.placement == before
+    assert demo.live.metrics.report_conflicts.labels(node)._value.get() == 1
     assert demo.urgent.is_set()  # a replan is due
 
 
 def test_a_start_repairs_a_stored_placement_over_capacity_and_says_what_it_took_out(tmp_path) -> None:
     clock = Clock()
     svc = new_service(tmp_path / "over.db", clock)
-    (obj, loc), n = next(((o, l), n) for (o, l), n in svc._placement.items() if l.tier is Tier.GPU)
+    (obj, loc), n = next(((o, l), n) for (o, l), n in svc.live.placement.items() if l.tier is Tier.GPU)
     capacity = next(
         g["capacity_bytes"] for node in svc.cluster_view()["nodes"] for g in node["gpus"] if g["id"] == loc.id
     )
     tripled = {**svc.srv_view(), "placement": []}
-    broken = dict(svc._placement)
+    broken = dict(svc.live.placement)
     broken[(obj, loc)] = 3 * n  # the same promote applied three times
-    svc._store.write(Batch(meta={"placement": placement_to_json(broken), "srv": tripled}))
+    svc.live.store.write(Batch(meta={"placement": placement_to_json(broken), "srv": tripled}))
     svc.close()
 
     again = new_service(tmp_path / "over.db", clock)  # starts: no exception

@@ -1,0 +1,232 @@
+"""Operator edits (cluster, models) and node registration and heartbeats."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from planner_service.domain.problem import compile_problem
+from planner_service.domain.scenario import (
+    ClusterIn,
+    ModelIn,
+    ScenarioError,
+    parse_scenario,
+)
+from planner_service.domain.state import (
+    placement_to_json,
+)
+from planner_service.service import calibration
+from planner_service.service import changes as edits
+from planner_service.service.confirmed import Confirmed
+from planner_service.service.errors import (
+    InvalidInput,
+    NotFound,
+)
+from planner_service.service.inputs import (
+    HeartbeatIn,
+    RegisterIn,
+)
+from planner_service.service.live import (
+    Live,
+    iso,
+)
+from planner_service.service.store import Batch
+from planner_service.service.views import Views
+
+log = logging.getLogger(__name__)
+
+
+class Admin:
+    """Operator edits (cluster, models) and node registration and heartbeats."""
+
+    def __init__(self, live: Live, confirmed: Confirmed, views: Views) -> None:
+        self.live = live
+        self.confirmed = confirmed
+        self.views = views
+
+    def _admin_edit(self, edit: Callable[[dict[str, Any]], None]) -> None:
+        """Apply an operator's edit to the live scenario; state at removed hardware or models is forgotten."""
+        data = self.live.scenario_data(self.live.placement, calibrated=False)
+        before = {s["id"] for s in data["sessions"]}
+        try:
+            edit(data)
+            scenario = parse_scenario(data)
+            problem = compile_problem(scenario, {})
+        except (edits.ChangeError, ScenarioError) as error:
+            raise InvalidInput(str(error)) from None
+        new = scenario.model_dump(mode="json")
+        self.live.base = {k: new[k] for k in ("cluster", "models", "predictor", "constants")}
+        batch = Batch(meta={"base": self.live.base, "calibration": self.live.calibration})
+        for sid in before - {s.id for s in scenario.sessions}:
+            self.live.sessions.pop(sid, None)
+            batch.sessions[sid] = None
+        placement = dict(problem.residency)
+        for model in [m.id for m in scenario.models]:
+            self.live.predictor.add_model(model)
+        for model in set(self.live.predictor.models) - {m.id for m in scenario.models}:
+            self.live.predictor.remove_model(model)
+        self.live.placement = placement
+        self.live.publish_srv()
+        batch.meta.update({"placement": placement_to_json(self.live.placement), "srv": self.live.srv_doc})
+        self.live.write(batch)
+        self.live.topology_changes += 1
+        self.live.wake(force=True)
+
+    def put_cluster(self, cluster: ClusterIn) -> dict[str, Any]:
+        self.live.require_ready()
+        with self.live.lock:
+            explicit = [
+                *((n.id, "nodes", f) for n in cluster.nodes for f in calibration.NODE_FIELDS if getattr(n, f)),
+                *(
+                    (g.id, "gpus", f)
+                    for n in cluster.nodes
+                    for g in n.gpus
+                    for f in calibration.GPU_FIELDS
+                    if getattr(g, f)
+                ),
+            ]
+            for key, scope, field in explicit:  # the operator's figure wins over what was learned
+                self.live.calibration[scope].get(key, {}).pop(field, None)
+            self._admin_edit(lambda data: edits.replace_cluster(data, cluster))
+            return self.views.cluster_view()
+
+    def put_model(
+        self, model_id: str, spec: dict[str, Any], nvme_nodes: list[str] | None
+    ) -> tuple[dict[str, Any], bool]:
+        self.live.require_ready()
+        if "id" in spec and spec["id"] != model_id:
+            raise InvalidInput(f"model.id: {spec['id']!r} differs from the path's {model_id!r}", field="model.id")
+        try:
+            model = ModelIn.model_validate({**spec, "id": model_id})
+        except ValueError as error:
+            raise InvalidInput(f"model: {error}", field="model") from None
+        with self.live.lock:
+            created = model_id not in {m["id"] for m in self.live.base["models"]}
+            self._admin_edit(lambda data: edits.put_model(data, model, nvme_nodes, "model"))
+            return self.views.model_view(model_id), created
+
+    def delete_model(self, model_id: str) -> None:
+        self.live.require_ready()
+        with self.live.lock:
+            if model_id not in {m["id"] for m in self.live.base["models"]}:
+                raise NotFound(
+                    f"unknown model {model_id!r}; known: {sorted(m['id'] for m in self.live.base['models'])}"
+                )
+            self._admin_edit(lambda data: edits.remove_model(data, model_id, "model"))
+
+    def register_node(self, node_id: str, body: RegisterIn) -> dict[str, Any]:
+        self.live.require_ready()
+        with self.live.lock:
+            self.live.require_node(node_id)
+            now = self.live.clock()
+            node = next(n for n in self.live.base["cluster"]["nodes"] if n["id"] == node_id)
+            known = {g["id"]: g for g in node.get("gpus", [])}
+            warnings = []
+            seen = {g.id for g in body.gpus}
+            for i, g in enumerate(body.gpus):
+                if g.id not in known:
+                    warnings.append(f"gpus[{i}].id: {g.id!r} is not in the cluster topology; PUT /v1/cluster to add it")
+                elif g.type and known[g.id].get("type") and g.type != known[g.id]["type"]:
+                    warnings.append(f"gpus[{i}].type: {g.type!r}, the topology says {known[g.id]['type']!r}")
+            if body.gpus:
+                warnings += [f"gpu {gid!r} of the topology was not reported" for gid in sorted(set(known) - seen)]
+            engines = self._node_engines(body, set(known))
+            batch = Batch()
+            changed = False
+            if body.capabilities is not None and sorted(body.capabilities) != sorted(node.get("capabilities", [])):
+                node["capabilities"] = [c.value for c in body.capabilities]
+                changed = True
+            if engines != node.get("engines"):
+                node["engines"] = engines
+                changed = True
+            if changed:
+                batch.meta["base"] = self.live.base
+                self.live.topology_changes += 1
+                self.live.wake(force=True)
+            info = self.live.nodes_info.setdefault(node_id, {})
+            info["registration"] = body.model_dump(mode="json")
+            info["registered_at"] = iso(now)
+            batch.meta["nodes"] = self.live.nodes_info
+            self.live.write(batch)
+            return {
+                "node": node_id,
+                "registered_at": iso(now),
+                "capabilities": node.get("capabilities", []),
+                "engines": node.get("engines"),
+                "gpus": sorted(known),
+                "lease_seconds": self.live.settings.lease_seconds,
+                "warnings": warnings,
+            }
+
+    def _node_engines(self, body: RegisterIn, node_gpus: set[str]) -> list[dict[str, Any]] | None:
+        """The node's `engines` from a registration, checked: an entry per model its engines serve, with the
+        GPUs of an engine launched on fixed ones; None where no engine names a model (any model, any group)."""
+        models = {m["id"] for m in self.live.base["models"]}
+        out: dict[str, dict[str, Any]] = {}
+        for i, engine in enumerate(body.engines):
+            for j, gpu in enumerate(engine.gpus):
+                if gpu not in node_gpus:
+                    raise InvalidInput(
+                        f"engines[{i}].gpus[{j}]: {gpu!r} is not a GPU of this node; its GPUs: {sorted(node_gpus)}",
+                        field=f"engines.{i}.gpus.{j}",
+                    )
+            if len(set(engine.gpus)) != len(engine.gpus):
+                raise InvalidInput(f"engines[{i}].gpus: a GPU is named twice", field=f"engines.{i}.gpus")
+            for j, model in enumerate(engine.models):
+                if model not in models:
+                    raise InvalidInput(
+                        f"engines[{i}].models[{j}]: unknown model {model!r}; known: {sorted(models)}",
+                        field=f"engines.{i}.models.{j}",
+                    )
+                if model in out and out[model]["gpus"] != sorted(engine.gpus):
+                    raise InvalidInput(
+                        f"engines[{i}].models[{j}]: {model!r} has another engine here, on {out[model]['gpus'] or 'any GPUs'}; "
+                        "the planner serves a model from one group per node",
+                        field=f"engines.{i}.models.{j}",
+                    )
+                out[model] = {"model": model, "gpus": sorted(engine.gpus)}
+        return [out[m] for m in sorted(out)] if out else None
+
+    def heartbeat(self, node_id: str, body: HeartbeatIn) -> dict[str, Any]:
+        self.live.require_ready()
+        with self.live.lock:
+            self.live.require_node(node_id)
+            assert self.live.sizes is not None
+            node_gpus = set(self.live.sizes.nodes[node_id].gpus)
+            for i, g in enumerate(body.gpus):
+                if g.id not in node_gpus:
+                    raise InvalidInput(
+                        f"gpus[{i}].id: {g.id!r} is not a GPU of node {node_id!r}; its GPUs: {sorted(node_gpus)}",
+                        field=f"gpus.{i}.id",
+                    )
+            unknown_models = sorted(set(body.expert_hit_rates) - set(self.live.sizes.models))
+            if unknown_models:
+                raise InvalidInput(
+                    f"expert_hit_rates: unknown model(s) {unknown_models}; known: {sorted(self.live.sizes.models)}",
+                    field="expert_hit_rates",
+                )
+            now = self.live.clock()
+            batch = Batch()
+            heard = f"the heartbeat of {node_id}"
+            for g in body.gpus:
+                for field in calibration.GPU_FIELDS:
+                    if getattr(g, field) is not None:
+                        self.confirmed.calibrate(
+                            calibration.Link("gpus", g.id, field), getattr(g, field), None, batch, heard
+                        )
+            for field in calibration.NODE_FIELDS:
+                if getattr(body, field) is not None:
+                    self.confirmed.calibrate(
+                        calibration.Link("nodes", node_id, field), getattr(body, field), None, batch, heard
+                    )
+            info = self.live.nodes_info.setdefault(node_id, {})
+            info["telemetry"] = body.model_dump(mode="json")
+            info["last_heartbeat"] = iso(now)
+            batch.meta["nodes"] = self.live.nodes_info
+            self.live.write(batch)
+            return {
+                "node": node_id,
+                "received_at": iso(now),
+                "calibration": self.live.calibration["nodes"].get(node_id, {}),
+            }

@@ -1,0 +1,173 @@
+"""Confirmed placement: done operations checked and applied, bandwidths learned from them, a stored
+placement repaired at start."""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from typing import Any
+
+from planner_service.domain.state import (
+    Kind,
+    Location,
+    StateObject,
+    Tier,
+    placement_to_json,
+)
+from planner_service.planner.operations import Operation, apply_operation
+from planner_service.service import calibration
+from planner_service.service.live import (
+    Live,
+)
+from planner_service.service.records import OpRecord
+from planner_service.service.store import Batch
+
+log = logging.getLogger(__name__)
+
+
+class Confirmed:
+    """Confirmed placement: done operations checked and applied, bandwidths learned from them, a stored"""
+
+    def __init__(self, live: Live) -> None:
+        self.live = live
+
+    def confirm(self, r: OpRecord, now: float, batch: Batch) -> None:
+        """Apply a done operation to the confirmed placement and learn from its measured duration."""
+        op = r.op
+        self.live.refresh_live()  # sizes must know the sessions that events created since
+        touched = {(op.object, loc): 1 for loc in (op.source, op.dest) if loc is not None}
+        if len(self.live.valid_placement(touched)) != len(touched):
+            log.warning("operation %s refers to state or hardware no longer in the cluster; placement unchanged", r.id)
+        elif (conflict := self._landing_conflict(op)) is not None:
+            # the node says it did what the confirmed state says cannot be: trust neither, plan again from what
+            # is known, and let the node's next report of its memory settle who was right
+            r.conflict = conflict
+            self.live.metrics.report_conflicts.labels(r.node).inc()
+            self.live.wake(force=True)
+            log.error("operation %s reported done but not applied: %s", r.id, conflict)
+        else:
+            apply_operation(self.live.placement, op)
+        self.live.purge_ended_sessions(batch)
+        self.live.publish_srv()
+        self._calibrate_from(r, batch)
+        for s in self.live.sessions.values():
+            if s.waiting_since is not None and s.model in self.live.serving:
+                self.live.observe_switch(s, now - s.waiting_since)
+                s.waiting_since = None
+                batch.sessions[s.id] = s.to_json()
+        batch.meta.update({"placement": placement_to_json(self.live.placement), "srv": self.live.srv_doc})
+
+    def _landing_conflict(self, op: Operation) -> str | None:
+        """Why applying `op` to the confirmed placement would break a physical invariant, if it would: the
+        source must hold what it gives, the destination must have room, and no location may hold more of
+        weights or experts than their full size."""
+        p = self.live.sizes
+        assert p is not None
+        if op.source is not None and (held := self.live.placement.get((op.object, op.source), 0)) < op.bytes:
+            return f"{op.source.label()} holds {held} bytes of {op.object.label()}, not the {op.bytes} it gives"
+        if op.dest is None:
+            return None
+        after = self.live.placement.get((op.object, op.dest), 0) + op.bytes
+        if op.object.kind is not Kind.KV and after > p.size_of(op.object):
+            return f"{op.dest.label()} would hold {after} bytes of {op.object.label()}, more than its {p.size_of(op.object)}"
+        used = sum(n for (_, loc), n in self.live.placement.items() if loc == op.dest) + op.bytes
+        if used > p.capacity_of(op.dest):
+            return f"{op.dest.label()} would hold {used} bytes, more than its capacity {p.capacity_of(op.dest)}"
+        return None
+
+    def repair_placement(self) -> None:
+        """Bring a stored placement that breaks a physical invariant back within them, so that a start never
+        fails on a database this service wrote: an object over its full size at a location keeps its full size,
+        and a location over its capacity sheds what it can best lose (KV first, then what has a complete copy
+        elsewhere on its node, the largest first). What was taken out is kept under `quarantine` and logged;
+        the nodes' next reports and the plans after them rebuild it."""
+        p = self.live.sizes
+        assert p is not None
+        removed: list[dict[str, Any]] = []
+
+        def quarantine(obj: StateObject, loc: Location, nbytes: int, why: str) -> None:
+            removed.append({"object": obj.to_json(), "location": loc.to_json(), "bytes": nbytes, "why": why})
+
+        placement = dict(self.live.placement)
+        live = self.live.valid_placement(placement)
+        for (obj, loc), n in live.items():
+            if obj.kind is not Kind.KV and n > p.size_of(obj):
+                quarantine(obj, loc, n - p.size_of(obj), f"more than the full size {p.size_of(obj)}")
+                placement[(obj, loc)] = p.size_of(obj)
+        used: dict[Location, int] = defaultdict(int)
+        for (_, loc), n in self.live.valid_placement(placement).items():
+            used[loc] += n
+
+        def complete_elsewhere(obj: StateObject, loc: Location) -> bool:
+            node = p.node_of(loc)
+            return any(
+                o == obj
+                and other != loc
+                and p.node_of(other) == node
+                and other.tier is not Tier.GPU
+                and n >= p.size_of(o)
+                for (o, other), n in placement.items()
+            )
+
+        for loc, total in sorted(used.items()):
+            over = total - p.capacity_of(loc)
+            if over <= 0:
+                continue
+            here = [(obj, n) for (obj, l), n in self.live.valid_placement(placement).items() if l == loc]
+            here.sort(key=lambda e: (e[0].kind is not Kind.KV, not complete_elsewhere(e[0], loc), -e[1]))
+            for obj, n in here:
+                if over <= 0:
+                    break
+                quarantine(
+                    obj, loc, n, f"{loc.label()} held {total} bytes, more than its capacity {p.capacity_of(loc)}"
+                )
+                del placement[(obj, loc)]
+                over -= n
+        if not removed:
+            return
+        for entry in removed:
+            log.error("the stored placement broke an invariant; quarantined: %s", entry)
+        self.live.placement = placement
+        self.live.publish_srv()
+        quarantined = [*self.live.quarantine, *removed]
+        self.live.write(
+            Batch(
+                meta={
+                    "placement": placement_to_json(self.live.placement),
+                    "srv": self.live.srv_doc,
+                    "quarantine": quarantined,
+                }
+            )
+        )
+        self.live.quarantine = quarantined
+        self.live.force_replan = True
+
+    def _calibrate_from(self, r: OpRecord, batch: Batch) -> None:
+        """A measured copy is a sample of the bandwidth of the link it crossed."""
+        op, seconds = r.op, r.measured_seconds
+        if not seconds or seconds <= 0 or op.source is None or op.dest is None:
+            return
+        link = calibration.link_of(op.source, op.dest)
+        nbytes = r.measured_bytes if r.measured_bytes else op.bytes
+        if link is not None:
+            self.calibrate(link, nbytes / seconds, calibration.Copy(op.bytes, nbytes), batch, r.id)
+
+    def calibrate(
+        self, link: calibration.Link, rate: float, copied: calibration.Copy | None, batch: Batch, source: str
+    ) -> None:
+        """Fold one bandwidth sample into the link's estimate, unless `calibration.refusal` says no."""
+        assert self.live.sizes is not None
+        specs = self.live.sizes.nodes if link.scope == "nodes" else self.live.sizes.gpus
+        if link.key not in specs:
+            return
+        entries = self.live.calibration[link.scope].setdefault(link.key, {})
+        entry = entries.get(link.field)
+        estimate = float(getattr(specs[link.key], link.field))  # the calibrated value where an entry exists
+        catalog = float(entry.get("catalog", estimate)) if entry is not None else estimate
+        folded, why = calibration.fold(entry, catalog, estimate, rate, copied)
+        self.live.metrics.calibration_samples.labels("refused" if why else "accepted").inc()
+        if why is not None:
+            log.warning("calibration of %s %s: the sample from %s is refused: %s", link.key, link.field, source, why)
+        if folded is not None and folded is not entry:
+            entries[link.field] = {**folded, "catalog": catalog}
+        batch.meta["calibration"] = self.live.calibration

@@ -1,0 +1,265 @@
+"""The service's live state and what every part of it shares: the lock, the store, the clock, the
+derived sizes of the live problem and the SRV published from the confirmed placement."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+import threading
+from collections.abc import Callable, Mapping
+from datetime import UTC, datetime
+from typing import Any
+
+from planner_service.domain.problem import Problem, compile_problem
+from planner_service.domain.scenario import (
+    PredictorIn,
+    parse_scenario,
+)
+from planner_service.domain.state import (
+    Kind,
+    Placement,
+    Tier,
+    location_from_json,
+    object_from_json,
+    placement_to_json,
+)
+from planner_service.metrics import Metrics
+from planner_service.planner.online import (
+    RecentLoad,
+)
+from planner_service.planner.predictor import SwitchPredictor
+from planner_service.planner.residency import ResidencyIndex
+from planner_service.planner.srv import srv_entries
+from planner_service.service.backoff import FailedMoves
+from planner_service.service.errors import (
+    NotFound,
+    NotReady,
+)
+from planner_service.service.records import FINAL_STATES, OpRecord, OpState, SessionState
+from planner_service.service.store import FINAL_KEEP, Batch, Store
+from planner_service.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+PREDICTOR_WINDOW_SECONDS = 3600.0
+PRUNE_EVERY_SECONDS = 3600.0  # how often a running service forgets observations and event ids past their windows
+GIB = 2**30
+PLAN_ATTEMPTS = 4  # solves per replan before it yields to the agents whose operations keep moving the state
+
+
+@dataclasses.dataclass(frozen=True)
+class Usage:
+    """What the online rules read of the sessions, copied under the lock for a plan made outside it."""
+
+    now: float
+    last_used: dict[str, float]  # model -> when a request or turn last ran on it
+    stuck: set[str]  # models a request has waited for past the unpin delay
+    waiting: set[str]  # models a request waits for, served nowhere
+    pending: bool  # the current plan has operations not leased yet
+
+
+def iso(t: float | None) -> str | None:
+    return None if t is None else datetime.fromtimestamp(t, UTC).isoformat().replace("+00:00", "Z")
+
+
+def placement_from_json(entries: list[dict[str, Any]]) -> Placement:
+    return {
+        (object_from_json(e["object"]), location_from_json(e["location"])): int(e["bytes"])
+        for e in entries
+        if int(e["bytes"]) > 0
+    }
+
+
+class Live:
+    """The one authoritative state in memory, with the helpers that read it the same way everywhere."""
+
+    def __init__(self, store: Store, metrics: Metrics, settings: Settings, clock: Callable[[], float]) -> None:
+        self.store = store
+        self.metrics = metrics
+        self.settings = settings
+        self.clock = clock
+        self.lock = threading.RLock()
+        self.plan_lock = threading.Lock()  # one replan at a time
+        self.listeners: list[Callable[[], None]] = []
+        self.urgent = threading.Event()  # set when a request waits for a model served nowhere, or the plan broke
+        self.ready = False
+        self.broken: str | None = None  # why the service stopped serving (a failed database write)
+        # the requests stand-in sessions stand for
+        self.load = RecentLoad(settings.demand_window_seconds, settings.demand_seats, settings.demand_min_requests)
+        self.last_used: dict[str, float] = {}  # model -> when a request or turn last ran on it
+        self.force_replan = False
+        self.failed_moves = FailedMoves(settings.failed_move_backoff_seconds, settings.failed_move_backoff_max_seconds)
+        self.held_until: float | None = None  # when the first move the plan holds back may be queued again
+        self.topology_changes = 0  # hardware, catalog or registration edits: a plan made before is void
+        self.base: dict[str, Any] = {}
+        self.sessions: dict[str, SessionState] = {}
+        self.event_ids: dict[str, float] = {}  # applied event id -> when (a resend within retention is ignored)
+        self.pruned_at = float("-inf")
+        self.placement: Placement = {}
+        self.srv_version = 0
+        self.srv_doc: dict[str, Any] = {}
+        self.epoch = 0
+        self.plan_doc: dict[str, Any] | None = None
+        self.plan_placement: Placement = {}
+        self.ops: dict[str, OpRecord] = {}
+        self.open_ops: set[str] = set()  # queued or leased
+        self.calibration: dict[str, dict[str, dict[str, dict[str, Any]]]] = {"gpus": {}, "nodes": {}}
+        self.nodes_info: dict[str, dict[str, Any]] = {}
+        self.quarantine: list[dict[str, Any]] = []  # placement entries a start took out: they broke an invariant
+        self.predictor = SwitchPredictor([])
+        self.sizes: Problem | None = None  # the live problem without residency: sizes, capacities, bandwidths
+        self.serving: set[str] = set()
+
+    def require_ready(self) -> None:
+        if self.broken is not None:
+            raise NotReady(self.broken)
+        if not self.ready:
+            raise NotReady("the service is starting; retry shortly")
+
+    def write(self, batch: Batch) -> None:
+        """Commit `batch`, or stop serving: memory already holds the change and the database does not, and
+        only a restart, which restores the last committed state, makes them agree again."""
+        try:
+            self.store.write(batch)
+        except Exception as error:  # noqa: BLE001 -- any failed write must stop serving, whatever raised it
+            self.broken = (
+                f"a database write failed ({error}); restart the service: it restores the last committed state"
+            )
+            log.critical("%s", self.broken)
+            raise NotReady(self.broken) from None
+
+    def notify(self) -> None:
+        for callback in list(self.listeners):
+            callback()
+
+    def add_listener(self, callback: Callable[[], None]) -> None:
+        """`callback()` runs (from any thread) whenever the queues may have changed."""
+        self.listeners.append(callback)
+
+    def wake(self, *, urgent: bool = False, force: bool = False) -> None:
+        """Tell the planning loop to replan at once (after its debounce) when a request waits for a model
+        served nowhere (`urgent`) or the plan broke (`force`); other changes wait for its periodic replan
+        (`planner/online.py` says why)."""
+        self.force_replan = self.force_replan or force
+        if urgent or force:
+            self.urgent.set()
+
+    def new_predictor(self) -> SwitchPredictor:
+        priors = PredictorIn.model_validate(self.base.get("predictor", {}))
+        return SwitchPredictor([m["id"] for m in self.base["models"]], priors, window_seconds=PREDICTOR_WINDOW_SECONDS)
+
+    def scenario_data(self, residency: Placement, *, calibrated: bool = True) -> dict[str, Any]:
+        """The live state as scenario JSON: base + sessions + `residency` (+ bandwidth calibration)."""
+        data = copy.deepcopy(self.base)
+        if calibrated:
+            for node in data["cluster"]["nodes"]:
+                node.update({k: v["value"] for k, v in self.calibration["nodes"].get(node["id"], {}).items()})
+                for gpu in node.get("gpus", []):
+                    gpu.update({k: v["value"] for k, v in self.calibration["gpus"].get(gpu["id"], {}).items()})
+        models = {m["id"] for m in data["models"]}
+        with_kv = {obj.session for obj, _ in residency if obj.kind is Kind.KV}
+        sessions = [s for s in self.sessions.values() if s.model in models and (not s.ended or s.id in with_kv)]
+        included = {s.id for s in sessions}
+        data["sessions"] = [
+            {
+                "id": s.id,
+                "user": s.user,
+                "slo": s.slo.value,
+                "model": s.model,
+                "active": s.active and not s.ended,
+                "context_tokens": s.context_tokens,
+            }
+            for s in sorted(sessions, key=lambda s: s.id)
+        ]
+        data["residency"] = [
+            e
+            for e in placement_to_json(residency)
+            if e["object"]["model"] in models and (e["object"]["kind"] != "kv" or e["object"]["session"] in included)
+        ]
+        return data
+
+    def next_model(self, data: Mapping[str, Any], now: float) -> dict[str, dict[str, float]]:
+        current = {
+            s["id"]: s["model"]
+            for s in data["sessions"]
+            if not (s["id"] in self.sessions and self.sessions[s["id"]].ended)
+        }
+        return self.predictor.predict_sessions(current, now)
+
+    def compile(self, data: dict[str, Any], next_model: Mapping[str, Mapping[str, float]]) -> Problem:
+        return compile_problem(parse_scenario(data), next_model)
+
+    def refresh_live(self) -> None:
+        """Recompute sizes (sessions, calibration) and the served models from the confirmed placement."""
+        data = self.scenario_data(self.placement)
+        data["residency"] = []
+        self.sizes = self.compile(data, {})
+        self.serving = set(ResidencyIndex.build(self.sizes, self.valid_placement(self.placement)).serving)
+
+    def publish_srv(self) -> None:
+        """Snapshot the SRV of the confirmed placement; `version` moves exactly when the snapshot does."""
+        self.refresh_live()
+        assert self.sizes is not None
+        rows = srv_entries(self.sizes, self.valid_placement(self.placement))
+        placement = placement_to_json(self.placement)
+        if self.srv_doc and (rows, placement) == (self.srv_doc["srv"], self.srv_doc["placement"]):
+            return
+        self.srv_version = self.srv_version + 1 if self.srv_doc else 1
+        self.srv_doc = {"version": self.srv_version, "srv": rows, "placement": placement}
+
+    def valid_placement(self, placement: Placement) -> Placement:
+        p = self.sizes
+        assert p is not None
+        return {
+            (obj, loc): n
+            for (obj, loc), n in placement.items()
+            if obj.model in p.models
+            and (obj.kind is not Kind.KV or obj.session in p.sessions)
+            and (loc.id in p.gpus if loc.tier is Tier.GPU else loc.id in p.nodes)
+        }
+
+    def inflight(self) -> list[OpRecord]:
+        """The leased operations, in the order their plans meant them."""
+        return sorted(
+            (self.ops[i] for i in self.open_ops if self.ops[i].state is OpState.LEASED),
+            key=lambda r: (r.epoch, r.seq),
+        )
+
+    def require_node(self, node_id: str) -> None:
+        nodes = [n["id"] for n in self.base["cluster"]["nodes"]]
+        if node_id not in nodes:
+            raise NotFound(f"unknown node {node_id!r}; known: {sorted(nodes)}")
+
+    def observation_window(self) -> float:
+        return max(PREDICTOR_WINDOW_SECONDS, self.load.max_window_seconds)
+
+    def prune(self, now: float) -> None:
+        """Forget observations older than their window, event ids past their retention and all but the newest
+        finished operations, in the store and here, so that a long-running service holds a bounded state."""
+        retained_from = now - self.settings.event_retention_seconds
+        self.store.prune(now - self.observation_window(), retained_from)
+        self.event_ids = {event_id: at for event_id, at in self.event_ids.items() if at >= retained_from}
+        finished = sorted((r for r in self.ops.values() if r.state in FINAL_STATES), key=lambda r: (r.epoch, r.seq))
+        for r in finished[: max(0, len(finished) - FINAL_KEEP)]:  # the newest stay, as in the store
+            del self.ops[r.id]
+        self.pruned_at = now
+
+    def status(self) -> dict[str, int | None]:
+        with self.lock:
+            ready = self.ready and self.broken is None and self.plan_doc is not None
+            return {"epoch": self.epoch if ready else None, "srv_version": self.srv_version if ready else None}
+
+    def purge_ended_sessions(self, batch: Batch) -> None:
+        with_kv = {obj.session for obj, _ in self.placement if obj.kind is Kind.KV}
+        busy = {self.ops[i].op.object.session for i in self.open_ops if self.ops[i].op.object.kind is Kind.KV}
+        for sid in [s.id for s in self.sessions.values() if s.ended and s.id not in with_kv | busy]:
+            del self.sessions[sid]
+            batch.sessions[sid] = None
+
+    def observe_switch(self, s: SessionState, seconds: float) -> None:
+        self.metrics.switch_latency.labels(s.slo.value).observe(seconds)
+        targets = self.sizes.constants.slo_targets_seconds if self.sizes else None
+        if targets is not None and seconds > targets.of(s.slo):
+            self.metrics.slo_violations.labels(s.slo.value).inc()

@@ -1,0 +1,231 @@
+"""Operation queues and leases: plans installed as epochs of operations, leased to nodes, reported."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import uuid
+from typing import Any
+
+from planner_service.planner.operations import PRIORITY_RANK
+from planner_service.planner.plan import Plan
+from planner_service.service.confirmed import Confirmed
+from planner_service.service.errors import (
+    Conflict,
+    Forbidden,
+    NotFound,
+)
+from planner_service.service.inputs import (
+    ReportIn,
+)
+from planner_service.service.live import (
+    PRUNE_EVERY_SECONDS,
+    Live,
+    iso,
+)
+from planner_service.service.records import OpRecord, OpState
+from planner_service.service.store import Batch
+
+log = logging.getLogger(__name__)
+
+
+class Queues:
+    """Operation queues and leases: plans installed as epochs of operations, leased to nodes, reported."""
+
+    def __init__(self, live: Live, confirmed: Confirmed) -> None:
+        self.live = live
+        self.confirmed = confirmed
+
+    def install(self, plan: Plan, inflight: list[OpRecord]) -> None:
+        now = self.live.clock()
+        epoch = self.live.epoch + 1
+        rename = {op.id: f"{epoch}.{op.id}" for op in plan.operations}
+        held = self.live.failed_moves.hold_back(plan.operations, now)
+        records: list[OpRecord] = []
+        for seq, op in enumerate(plan.operations):
+            if op.id in held:
+                continue
+            deps = [rename[d] for d in op.depends_on]
+            for r in inflight:  # a new operation must not race one still in flight
+                frees_dest = op.dest is not None and r.op.frees() == op.dest
+                reads_its_output = op.source is not None and r.op.dest == op.source and r.op.object == op.object
+                drops_its_source = (
+                    op.frees() is not None
+                    and r.op.keep_source
+                    and r.op.source == op.frees()
+                    and r.op.object == op.object
+                )
+                if frees_dest or reads_its_output or drops_its_source:
+                    deps.append(r.id)
+            new = dataclasses.replace(op, id=rename[op.id], depends_on=deps)
+            records.append(OpRecord(new, epoch, seq, OpState.QUEUED, now, now))
+        batch = Batch()
+        for oid in list(self.live.open_ops):
+            r = self.live.ops[oid]
+            if r.state is OpState.QUEUED:
+                r.state, r.superseded_by, r.updated_at = OpState.SUPERSEDED, epoch, now
+                self.live.open_ops.discard(oid)
+                batch.operations[oid] = r.to_json()
+        for r in records:
+            self.live.ops[r.id] = r
+            self.live.open_ops.add(r.id)
+            batch.operations[r.id] = r.to_json()
+        doc = plan.to_json()
+        doc["operations"] = [r.op.to_json() for r in records]
+        doc["held_back"] = [
+            {
+                "operation": dataclasses.replace(
+                    op, id=rename[op.id], depends_on=[rename[d] for d in op.depends_on]
+                ).to_json(),
+                "until": iso(held[op.id].until),
+                "failures": held[op.id].count,
+                "error": held[op.id].error,
+            }
+            for op in plan.operations
+            if op.id in held
+        ]
+        self.live.held_until = min((f.until for f in held.values()), default=None)
+        doc["epoch"] = epoch
+        doc["planned_at"] = iso(now)
+        doc["based_on_srv_version"] = self.live.srv_version
+        batch.meta.update({"epoch": epoch, "plan": doc})
+        self.live.write(batch)
+        self.live.epoch, self.live.plan_doc, self.live.plan_placement = epoch, doc, dict(plan.placement)
+        log.info(
+            "plan epoch %d: %s, %d operations, %d unserved", epoch, doc["status"], len(records), len(plan.unserved)
+        )
+
+    def expire(self, batch: Batch) -> bool:
+        now = self.live.clock()
+        expired_leases: dict[str, str] = {}
+        for oid in list(self.live.open_ops):
+            r = self.live.ops[oid]
+            if r.state is OpState.LEASED and r.lease_expires_at is not None and r.lease_expires_at <= now:
+                expired_leases[r.lease_id or ""] = r.node
+                if r.epoch < self.live.epoch:
+                    r.state, r.superseded_by = OpState.SUPERSEDED, self.live.epoch
+                    self.live.open_ops.discard(oid)
+                    self.live.wake(force=True)
+                else:
+                    r.state = OpState.QUEUED
+                r.lease_id, r.lease_expires_at, r.updated_at = None, None, now
+                batch.operations[oid] = r.to_json()
+        for node in expired_leases.values():
+            self.live.metrics.lease_expiries.labels(node).inc()
+        if expired_leases:
+            log.info("%d lease(s) expired; their operations were re-queued", len(expired_leases))
+        return bool(expired_leases)
+
+    def expire_and_write(self) -> bool:
+        batch = Batch()
+        expired = self.expire(batch)
+        self.live.write(batch)
+        return expired
+
+    def tick(self) -> None:
+        """Expire leases, and hourly forget what left its window (the planning loop calls this about every
+        second)."""
+        if not self.live.ready or self.live.broken is not None:
+            return
+        with self.live.lock:
+            expired = self.expire_and_write()
+            now = self.live.clock()
+            if now - self.live.pruned_at >= PRUNE_EVERY_SECONDS:
+                self.live.prune(now)
+        if expired:
+            self.live.notify()
+
+    def _deps_done(self, r: OpRecord) -> bool:
+        return all(d not in self.live.ops or self.live.ops[d].state is OpState.DONE for d in r.op.depends_on)
+
+    def lease(self, node_id: str, max_operations: int) -> dict[str, Any]:
+        """Lease up to `max_operations` of the node's queued operations whose dependencies are done."""
+        self.live.require_ready()
+        with self.live.lock:
+            self.live.require_node(node_id)
+            now = self.live.clock()
+            batch = Batch()
+            expired = self.expire(batch)
+            eligible = sorted(
+                (
+                    self.live.ops[i]
+                    for i in self.live.open_ops
+                    if self.live.ops[i].state is OpState.QUEUED
+                    and self.live.ops[i].node == node_id
+                    and self._deps_done(self.live.ops[i])
+                ),
+                key=lambda r: (PRIORITY_RANK[r.op.priority], r.epoch, r.seq),
+            )[:max_operations]
+            lease_id = expires = None
+            if eligible:
+                lease_id, expires = uuid.uuid4().hex, now + self.live.settings.lease_seconds
+                for r in eligible:
+                    r.state, r.lease_id, r.lease_expires_at, r.updated_at = OpState.LEASED, lease_id, expires, now
+                    r.leases += 1
+                    batch.operations[r.id] = r.to_json()
+            self.live.write(batch)
+        if expired:
+            self.live.notify()
+        return {
+            "lease_id": lease_id,
+            "expires_at": iso(expires),
+            "expires_in_seconds": self.live.settings.lease_seconds if lease_id else None,
+            "operations": [{**r.op.to_json(), "epoch": r.epoch} for r in eligible],
+        }
+
+    def report(self, op_id: str, body: ReportIn, *, node_scope: str | None = None) -> dict[str, Any]:
+        """A node's outcome for a leased operation. Idempotent: the same report again answers the same."""
+        self.live.require_ready()
+        with self.live.lock:
+            self.expire_and_write()
+            r = self.live.ops.get(op_id)
+            if r is None:
+                raise NotFound(f"unknown operation {op_id!r}")
+            if node_scope is not None and r.node != node_scope:
+                raise Forbidden(f"operation {op_id} belongs to node {r.node!r}, not to {node_scope!r}")
+            if r.state in (OpState.DONE, OpState.FAILED):
+                if r.lease_id == body.lease_id and r.state.value == body.status:
+                    return {"operation": r.to_json(), "srv_version": self.live.srv_version, "duplicate": True}
+                raise Conflict(f"operation {op_id} is already {r.state.value} under another report")
+            if r.state is OpState.SUPERSEDED:
+                raise Conflict(
+                    f"operation {op_id} was superseded by plan epoch {r.superseded_by}; lease the node's queue again"
+                )
+            if r.state is OpState.QUEUED:
+                raise Conflict(
+                    f"operation {op_id} is not leased (its lease expired and it was re-queued); lease it again"
+                )
+            if r.lease_id != body.lease_id:
+                raise Conflict(f"operation {op_id} is held by another lease, not {body.lease_id!r}")
+            now = self.live.clock()
+            r.state = OpState.DONE if body.status == "done" else OpState.FAILED
+            r.measured_seconds, r.measured_bytes, r.error, r.updated_at = (
+                body.measured_seconds,
+                body.measured_bytes,
+                body.error,
+                now,
+            )
+            self.live.open_ops.discard(op_id)
+            batch = Batch(operations={op_id: r.to_json()})
+            if r.state is OpState.DONE:
+                self.live.failed_moves.succeeded(r.op)
+                self.confirmed.confirm(r, now, batch)
+            else:
+                failures = self.live.failed_moves.failed(r.op, now, body.error)
+                self.live.wake(force=True)  # the next plan holds the move back until then
+                log.warning(
+                    "operation %s failed on %s (%d time(s); held back until %s): %s",
+                    op_id,
+                    r.node,
+                    failures.count,
+                    iso(failures.until),
+                    body.error,
+                )
+            self.live.write(batch)
+            if body.measured_seconds is not None:
+                self.live.metrics.operation_duration.labels(r.op.action.value, r.state.value).observe(
+                    body.measured_seconds
+                )
+            out = {"operation": r.to_json(), "srv_version": self.live.srv_version, "duplicate": False}
+        self.live.notify()
+        return out

@@ -1,0 +1,230 @@
+"""Read views of the live state, as the API answers them."""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections import defaultdict
+from typing import Any
+
+from planner_service.domain.problem import resolve_model
+from planner_service.domain.scenario import (
+    ModelIn,
+)
+from planner_service.domain.state import (
+    Kind,
+    Tier,
+)
+from planner_service.metrics import StateSnapshot
+from planner_service.service.errors import (
+    NotFound,
+)
+from planner_service.service.live import (
+    Live,
+    iso,
+)
+from planner_service.service.planning import Planning
+from planner_service.service.questions import LiveView
+from planner_service.service.queues import Queues
+from planner_service.service.records import SessionState
+from planner_service.service.store import Batch
+
+log = logging.getLogger(__name__)
+
+
+class Views:
+    """Read views of the live state, as the API answers them."""
+
+    def __init__(self, live: Live, planning: Planning, queues: Queues) -> None:
+        self.live = live
+        self.planning = planning
+        self.queues = queues
+
+    def cluster_view(self) -> dict[str, Any]:
+        self.live.require_ready()
+        with self.live.lock:
+            data = self.live.scenario_data({})
+            problem = self.live.compile(data, {})
+            used: dict[str, int] = defaultdict(int)
+            planned: dict[str, int] = defaultdict(int)
+            for (_, loc), n in self.live.placement.items():
+                if loc.tier is Tier.GPU:
+                    used[loc.id] += n
+            for (_, loc), n in self.live.plan_placement.items():
+                if loc.tier is Tier.GPU:
+                    planned[loc.id] += n
+            nodes = []
+            for raw in self.live.base["cluster"]["nodes"]:
+                n = problem.nodes[raw["id"]]
+                info = self.live.nodes_info.get(n.id, {})
+                gpus = []
+                for graw in raw.get("gpus", []):
+                    g = problem.gpus[graw["id"]]
+                    gpus.append(
+                        {
+                            "id": g.id,
+                            "type": g.type,
+                            "capacity_bytes": g.capacity_bytes,
+                            "reserved_bytes": graw.get("reserved_bytes", 0),
+                            "hbm_bytes_per_s": g.hbm_bytes_per_s,
+                            "bf16_flops": g.bf16_flops,
+                            "h2d_bytes_per_s": g.h2d_bytes_per_s,
+                            "d2h_bytes_per_s": g.d2h_bytes_per_s,
+                            "used_bytes": used[g.id],
+                            "planned_bytes": planned[g.id],
+                            "calibrated": self.live.calibration["gpus"].get(g.id, {}),
+                        }
+                    )
+                nodes.append(
+                    {
+                        "id": n.id,
+                        "host_dram_bytes": n.host_bytes,
+                        "nvme_bytes": n.nvme_bytes,
+                        "nvme_read_bytes_per_s": n.nvme_read_bytes_per_s,
+                        "nvme_write_bytes_per_s": n.nvme_write_bytes_per_s,
+                        "capabilities": sorted(c.value for c in n.capabilities),
+                        "engines": raw.get("engines"),
+                        "calibrated": self.live.calibration["nodes"].get(n.id, {}),
+                        "registered_at": info.get("registered_at"),
+                        "last_heartbeat": info.get("last_heartbeat"),
+                        "telemetry": info.get("telemetry"),
+                        "gpus": gpus,
+                    }
+                )
+            return {"nodes": nodes, "quarantine": copy.deepcopy(self.live.quarantine)}
+
+    def model_view(self, model_id: str) -> dict[str, Any]:
+        raw = next(m for m in self.live.base["models"] if m["id"] == model_id)
+        spec = resolve_model(ModelIn.model_validate(raw), "model")
+        return {
+            **{k: v for k, v in raw.items() if v is not None},
+            "resolved": {
+                "precisions": list(spec.precisions),
+                "weights_bytes": dict(spec.weights_bytes),
+                "kv_bytes_per_token": spec.kv_bytes_per_token,
+                "experts_bytes": spec.experts_bytes,
+                "expert_bytes": spec.expert_bytes,
+                "is_moe": spec.is_moe,
+                "active_params": spec.active_params,
+            },
+            "serving": model_id in self.live.serving,
+        }
+
+    def models_view(self) -> list[dict[str, Any]]:
+        self.live.require_ready()
+        with self.live.lock:
+            return [self.model_view(m["id"]) for m in self.live.base["models"]]
+
+    def _session_view(self, s: SessionState) -> dict[str, Any]:
+        kv: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+        for (obj, loc), n in self.live.placement.items():
+            if obj.kind is Kind.KV and obj.session == s.id:
+                kv[obj.model][loc.tier.value] += n
+        return {
+            "id": s.id,
+            "user": s.user,
+            "slo": s.slo.value,
+            "model": s.model,
+            "active": s.active,
+            "ended": s.ended,
+            "in_tool_call": s.in_tool_call,
+            "context_tokens": s.context_tokens,
+            "cached_tokens": dict(s.cached_tokens),
+            "requests": s.requests,
+            "tool_calls": s.tool_calls,
+            "kv_bytes": {m: dict(t) for m, t in sorted(kv.items())},
+            "last_activity": iso(s.last_activity),
+        }
+
+    def sessions_view(self) -> list[dict[str, Any]]:
+        self.live.require_ready()
+        with self.live.lock:
+            return [self._session_view(s) for _, s in sorted(self.live.sessions.items())]
+
+    def session_view(self, session_id: str) -> dict[str, Any]:
+        self.live.require_ready()
+        with self.live.lock:
+            if session_id not in self.live.sessions:
+                raise NotFound(f"unknown session {session_id!r}")
+            return self._session_view(self.live.sessions[session_id])
+
+    def srv_view(self) -> dict[str, Any]:
+        self.live.require_ready()
+        with self.live.lock:
+            return copy.deepcopy(self.live.srv_doc)
+
+    def plan_view(self) -> dict[str, Any]:
+        self.live.require_ready()
+        with self.live.lock:
+            if self.live.plan_doc is None:
+                raise NotFound("no plan yet; POST /v1/plan to plan now")
+            return copy.deepcopy(self.live.plan_doc)
+
+    def operations_view(self, node: str | None = None, state: str | None = None) -> list[dict[str, Any]]:
+        self.live.require_ready()
+        with self.live.lock:
+            if node is not None:
+                self.live.require_node(node)
+            batch = Batch()
+            self.queues.expire(batch)
+            self.live.write(batch)
+            ids = self.live.open_ops if state in (None, "queued", "leased") else self.live.ops.keys()
+            rows = [self.live.ops[i] for i in ids]
+            return [
+                r.to_json()
+                for r in sorted(rows, key=lambda r: (r.epoch, r.seq))
+                if (node is None or r.node == node) and (state is None or r.state.value == state)
+            ]
+
+    def metrics_snapshot(self) -> StateSnapshot:
+        snap = StateSnapshot()
+        with self.live.lock:
+            if not self.live.ready or self.live.sizes is None:
+                return snap
+            for (obj, loc), n in self.live.placement.items():
+                key = (obj.model, obj.kind.value, loc.tier.value)
+                snap.resident_bytes[key] = snap.resident_bytes.get(key, 0) + n
+            for g in self.live.sizes.gpus.values():
+                snap.gpu_capacity_bytes[(g.node, g.id)] = g.capacity_bytes
+                snap.gpu_used_bytes[(g.node, g.id)] = 0
+            for (_, loc), n in self.live.placement.items():
+                if loc.tier is Tier.GPU and loc.id in self.live.sizes.gpus:
+                    snap.gpu_used_bytes[(self.live.sizes.gpus[loc.id].node, loc.id)] += n
+            for i in self.live.open_ops:
+                r = self.live.ops[i]
+                key = (r.node, r.op.priority.value, r.state.value)
+                snap.queue[key] = snap.queue.get(key, 0) + 1
+            if self.live.plan_doc is not None:
+                for held in self.live.plan_doc.get("held_back", []):
+                    key = (held["operation"]["node"], held["operation"]["priority"], "held_back")
+                    snap.queue[key] = snap.queue.get(key, 0) + 1
+                snap.predicted_p95_seconds = float(self.live.plan_doc["predicted"]["switch_latency_p95_seconds"])
+                snap.unserved_sessions = len(self.live.plan_doc["unserved"])
+            snap.plan_epoch = self.live.epoch
+        return snap
+
+    def live_view(self) -> LiveView:
+        """A consistent copy of what questions about the live state need (what-if, Pareto, explain)."""
+        self.live.require_ready()
+        with self.live.lock:
+            assert self.live.sizes is not None
+            data, next_model, _ = self.planning.planning_snapshot()
+            return LiveView(
+                data=data,
+                next_model=next_model,
+                predictor=copy.deepcopy(self.live.predictor),
+                ended=frozenset(sid for sid, s in self.live.sessions.items() if s.ended),
+                now=self.live.clock(),
+                epoch=self.live.epoch,
+                srv_version=self.live.srv_version,
+                plan_doc=copy.deepcopy(self.live.plan_doc),
+                sizes=self.live.sizes,
+                placement=dict(self.live.placement),
+                plan_placement=dict(self.live.plan_placement),
+                plan_ops=[
+                    copy.deepcopy(r)
+                    for r in self.live.ops.values()
+                    if r.epoch == self.live.epoch or r.id in self.live.open_ops
+                ],
+                sessions={sid: copy.deepcopy(s) for sid, s in self.live.sessions.items()},
+            )

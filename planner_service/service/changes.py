@@ -7,7 +7,8 @@ live one. Every error names the field it is about.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, cast
 
 from planner_service.domain.problem import resolve_model
 from planner_service.domain.scenario import ClusterIn, ModelIn, ScenarioError
@@ -37,15 +38,15 @@ def _node_ids(data: ScenarioData) -> list[str]:
 def _find_node(data: ScenarioData, node_id: str, where: str) -> dict[str, Any]:
     for node in data["cluster"]["nodes"]:
         if node["id"] == node_id:
-            return node
+            return cast(dict[str, Any], node)
     raise ChangeError(f"{where}: unknown node {node_id!r}; known: {sorted(_node_ids(data))}")
 
 
-def _drop_residency(data: ScenarioData, keep) -> None:
+def _drop_residency(data: ScenarioData, keep: Callable[[dict[str, Any]], bool]) -> None:
     data["residency"] = [r for r in data["residency"] if keep(r)]
 
 
-def _drop_engines(data: ScenarioData, keep) -> None:
+def _drop_engines(data: ScenarioData, keep: Callable[[dict[str, Any]], bool]) -> None:
     """Forget the engines that lose their model or a GPU (a node serving through its engines keeps the rest)."""
     for node in data["cluster"]["nodes"]:
         if node.get("engines") is not None:
@@ -69,11 +70,14 @@ def nvme_copies(data: ScenarioData, model: ModelIn, nodes: list[str] | None, whe
     for node_id in targets:
         for obj, nbytes in objects:
             location = {"tier": "nvme", "node": node_id}
-            _drop_residency(
-                data, lambda r, o=obj, l=location: not (_same_object(r["object"], o) and r["location"] == l)
-            )
+            _drop_residency(data, _not_at(obj, location))
             if nbytes > 0:
                 data["residency"].append({"object": obj, "location": location, "bytes": nbytes})
+
+
+def _not_at(obj: dict[str, Any], location: dict[str, Any]) -> Callable[[dict[str, Any]], bool]:
+    """Keeps the residency entries other than `obj` at `location`."""
+    return lambda r: not (_same_object(r["object"], obj) and r["location"] == location)
 
 
 def _same_object(a: dict[str, Any], b: dict[str, Any]) -> bool:
@@ -147,9 +151,9 @@ def apply_change(data: ScenarioData, change: Change, where: str) -> None:
         node = _find_node(data, change.node, f"{where}.node")
         node.setdefault("gpus", []).append(change.gpu.model_dump(mode="json", exclude_none=True))
     elif isinstance(change, RemoveGpu):
-        gpus = [g["id"] for n in data["cluster"]["nodes"] for g in n.get("gpus", [])]
-        if change.gpu not in gpus:
-            raise ChangeError(f"{where}.gpu: unknown gpu {change.gpu!r}; known: {sorted(gpus)}")
+        known = [g["id"] for n in data["cluster"]["nodes"] for g in n.get("gpus", [])]
+        if change.gpu not in known:
+            raise ChangeError(f"{where}.gpu: unknown gpu {change.gpu!r}; known: {sorted(known)}")
         for node in data["cluster"]["nodes"]:
             node["gpus"] = [g for g in node.get("gpus", []) if g["id"] != change.gpu]
         _drop_residency(data, lambda r: r["location"].get("gpu") != change.gpu)

@@ -17,6 +17,7 @@ the SRV and its `version`, change only when an operation is reported `done`
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -66,7 +67,7 @@ class ClusterService:
         return self.live.ready
 
     @property
-    def urgent(self):  # the planning loop waits on it
+    def urgent(self) -> threading.Event:  # the planning loop waits on it
         return self.live.urgent
 
     @property

@@ -89,7 +89,7 @@ def pareto(view: LiveView, solve: Solve) -> dict[str, Any]:
         problem = compile_problem(parse_scenario(view.data), view.next_model)
     except ScenarioError as error:
         raise Conflict(f"the live state cannot be planned: {error}") from None
-    points = []
+    points: list[dict[str, Any]] = []
 
     def point(knob: str, value: float, variant: Problem) -> None:
         plan = solve(variant, "greedy")
@@ -140,7 +140,9 @@ def explain(view: LiveView, *, model: str | None = None, session: str | None = N
         objects = [StateObject.weights(model, p) for p in spec.precisions]
         if spec.is_moe:
             objects.append(StateObject.experts(model))
-        kv_sessions = {o.session for pl in both for o, _ in pl if o.kind is Kind.KV and o.model == model}
+        kv_sessions = {
+            o.session for pl in both for o, _ in pl if o.kind is Kind.KV and o.model == model and o.session is not None
+        }
         objects += [StateObject.kv(model, s) for s in sorted(kv_sessions)]
         subject: dict[str, Any] = {"model": model}
         models = [model]
@@ -190,7 +192,9 @@ def _explain_object(view: LiveView, obj: StateObject, active: list[str], unserve
         for r in sorted(view.plan_ops, key=lambda r: (r.epoch, r.seq))
         if r.op.object == obj
     ]
-    if obj.kind is Kind.KV:  # the session's whole history, from the live record (the sizes may predate it)
+    if (
+        obj.kind is Kind.KV and obj.session is not None
+    ):  # the whole history, from the live record (sizes may predate it)
         session = view.sessions.get(obj.session)
         size = session.context_tokens * sizes.models[obj.model].kv_bytes_per_token if session else 0
     else:

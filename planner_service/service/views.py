@@ -47,12 +47,12 @@ class Views:
             problem = self.live.compile(data, {})
             used: dict[str, int] = defaultdict(int)
             planned: dict[str, int] = defaultdict(int)
-            for (_, loc), n in self.live.placement.items():
+            for (_, loc), nbytes in self.live.placement.items():
                 if loc.tier is Tier.GPU:
-                    used[loc.id] += n
-            for (_, loc), n in self.live.plan_placement.items():
+                    used[loc.id] += nbytes
+            for (_, loc), nbytes in self.live.plan_placement.items():
                 if loc.tier is Tier.GPU:
-                    planned[loc.id] += n
+                    planned[loc.id] += nbytes
             nodes = []
             for raw in self.live.base["cluster"]["nodes"]:
                 n = problem.nodes[raw["id"]]

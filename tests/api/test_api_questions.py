@@ -27,17 +27,56 @@ CHANGES = [
 ]
 
 
+def places(plan) -> set[str]:
+    """The GPUs and nodes a plan's placement uses."""
+    return {e["location"].get("gpu") or e["location"]["node"] for e in plan["placement"]}
+
+
+def models(plan) -> set[str]:
+    return {e["object"]["model"] for e in plan["placement"]}
+
+
+def kv_sessions(plan, model: str) -> set[str]:
+    return {
+        e["object"]["session"]
+        for e in plan["placement"]
+        if e["object"]["kind"] == "kv" and e["object"]["model"] == model
+    }
+
+
+N3 = {"n3", "n3-g0", "n3-g1", "n3-g2", "n3-g3"}
+ADDED = {f"whatif-{i}" for i in range(5)}  # the ids add_sessions gives its sessions
+# what each change must do to the plan (set_slo changes weights, not where things go)
+EFFECTS = {
+    "add_gpu": lambda plan: "n1-extra" in places(plan),
+    "remove_gpu": lambda plan: "n2-g0" not in places(plan),
+    "add_node": lambda plan: "n5" in places(plan),
+    "remove_node": lambda plan: not places(plan) & N3,
+    "add_model": lambda plan: "extra" in models(plan),
+    "remove_model": lambda plan: "vision" not in models(plan),
+    "add_sessions": lambda plan: ADDED <= kv_sessions(plan, "reasoner"),
+    "set_slo": lambda plan: True,
+}
+
+
 def test_whatif_answers_without_touching_live_state(demo):
     demo.events(request("e1", "a", "coder", input_tokens=2000))
+    live = demo.get("/v1/plan").json()
     before = fingerprint(demo)
     for change in CHANGES:
+        if change["type"] != "set_slo":  # the live plan does not already show the change
+            assert not EFFECTS[change["type"]](live), change
         out = demo.post("/v1/whatif", json={"changes": [change]})
         assert out.status_code == 200, (change, out.text)
         body = out.json()
-        assert body["plan"]["status"] in ("ok", "partial") and "switch_latency_p95_seconds" in body["predicted"]
-        assert body["baseline_predicted"] is not None
+        assert (body["changes"], body["based_on_epoch"]) == (1, live["epoch"])
+        assert body["baseline_predicted"] == live["predicted"]  # compared with the plan in force
+        assert body["predicted"] == body["plan"]["predicted"] and body["plan"]["unserved"] == []
+        assert EFFECTS[change["type"]](body["plan"]), change
     combined = demo.post("/v1/whatif", json={"changes": CHANGES}).json()
-    assert any(e["location"].get("gpu") == "n1-extra" or True for e in combined["plan"]["placement"])
+    assert combined["changes"] == len(CHANGES)
+    for kind in ("remove_gpu", "remove_node", "remove_model", "add_model", "add_sessions"):
+        assert EFFECTS[kind](combined["plan"]), kind
     assert fingerprint(demo) == before
 
 

@@ -228,11 +228,16 @@ def test_neither_solver_puts_experts_where_no_copy_can_fill_them() -> None:
         [session("s1", "moe", active=True)],
         [held(weights("moe"), "nvme", "n0", 8 * GIB), held(experts("moe"), "nvme", "n1", 64 * GIB)],
     )
+    target = plan_greedy(problem)
+    greedy = make_plan(problem, "greedy", target.placement, target.unserved, target.reasons)
+    sound(problem, greedy)
     plan = solve_milp(problem, time_limit_seconds=LIMIT)
     sound(problem, plan)
-    assert plan.extra["milp"]["greedy_objective"] is not None
-    assert plan.unserved == {}
-    assert not any(obj.kind == "experts" and loc.tier is Tier.GPU for obj, loc in plan.placement)
+    assert plan.extra["milp"]["greedy_objective"] == round(greedy.objective.total, 6)  # its warm start, reachable
+    assert plan.objective.total <= greedy.objective.total + 1e-9
+    assert plan.unserved == {} and greedy.unserved == {}
+    for placed in (greedy.placement, plan.placement):
+        assert not any(obj.kind == "experts" and loc.tier is Tier.GPU for obj, loc in placed)
 
 
 # -- brute force on tiny random scenarios -------------------------------------------

@@ -140,7 +140,14 @@ def test_explain_model_and_session(demo):
     assert all(o["why"] for o in body["objects"])
     assert body["active_sessions"] == {"coder": ["s01"]} and body["predicted_requests"]["coder"] > 0
     off = demo.get("/v1/explain", params={"model": "longctx"}).json()
-    assert any("kept off GPU" in o["why"] or "on GPU" in o["why"] for o in off["objects"])
+    assert off["objects"]
+    for o in off["objects"]:  # each says how much of it the plan keeps on GPU, or that it keeps it off
+        on_gpu = sum(p["bytes"] for p in o["planned"] if p["location"]["tier"] == "gpu")
+        if on_gpu:
+            assert o["why"].startswith(f"{on_gpu / 2**30:.2f} of {o['size_bytes'] / 2**30:.2f} GiB on GPU in the plan")
+        else:
+            assert o["why"].startswith("kept off GPU"), o["why"]
+        assert f"{off['predicted_requests']['longctx']:.2f} predicted requests" in o["why"]
     moe = demo.get("/v1/explain", params={"model": "reasoner"}).json()
     assert any(o["object"]["kind"] == "experts" and o["operations"] for o in moe["objects"])
     session = demo.get("/v1/explain", params={"session": "s03"}).json()

@@ -34,7 +34,7 @@ def test_h1_pooling_never_needs_more_than_per_model_pools(tmp_path: Path) -> Non
     # coder at 40 s: 11000 + 1000 + 1000 tokens * 262144 B; planner: 4000 * 131072 B
     assert data["per_model_peak_kv_bytes"]["coder"] == 13_000 * 262_144
     assert data["per_model_peak_kv_bytes"]["planner"] == 4000 * 131_072
-    assert result.plot.exists()
+    assert result.plot.read_bytes()[:4] == b"\x89PNG"
 
 
 GB = 10**9
@@ -129,7 +129,7 @@ def test_pareto_trades_gpu_bytes_for_latency(tmp_path: Path) -> None:
     result = study_pareto(demo_scenario(), trace(), tmp_path, prices=(0.0, 5.0))
     cheap, dear = result.data["points"]
     assert cheap["gpu_bytes_mean"] >= dear["gpu_bytes_mean"]
-    assert result.plot.exists()
+    assert result.plot.read_bytes()[:4] == b"\x89PNG"
 
 
 def test_study_cli_prints_the_study_as_json_and_as_a_table(tmp_path: Path) -> None:

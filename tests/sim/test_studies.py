@@ -72,10 +72,10 @@ def tiny_trace():
 
 
 def h3_rows(hbm: int) -> list[dict]:
-    """By hand: weights 4, 8, 12 GB as a, b, c are warmed; peak KV of the warm models 2.6 GB (a alone, at
-    t=4) then 2.6 GB (a + b: 1.6 GB at t=2, 2.6 GB at t=4); the next model's cold load is 4 GB over the
-    0.5 GB/s NVMe (below the 1 GB/s PCIe) + 0.5 s."""
-    peaks = [int(2.6 * GB), int(2.6 * GB), int(2.6 * GB)]
+    """By hand: weights 4, 8, 12 GB as a, b, c are warmed; the warm models' peak KV is 2.6 GB each time (a
+    alone: s2 + s3 + s4 at t=4; a + b: 1.6 GB at t=2 but 2.6 GB at t=4, s1 gone; c adds none); the next
+    model's cold load is 4 GB over the 0.5 GB/s NVMe (below the 1 GB/s PCIe) + 0.5 s overhead = 8.5 s."""
+    peaks = [int(2.6 * GB)] * 3
     return [
         {
             "warm_models": k,

@@ -4,14 +4,21 @@ from __future__ import annotations
 
 from api_helpers import FakeClock, assert_problem, request
 
+from planner_service.domain.hardware import DEFAULT_NVME_READ_BYTES_PER_S, gpu_preset
+
 
 def test_get_cluster_shape(demo):
     nodes = demo.get("/v1/cluster").json()["nodes"]
     assert [n["id"] for n in nodes] == ["n1", "n2", "n3", "n4"]
     gpu = nodes[0]["gpus"][0]
-    for key in ("id", "type", "capacity_bytes", "h2d_bytes_per_s", "used_bytes", "planned_bytes", "calibrated"):
-        assert key in gpu
-    assert nodes[0]["capabilities"] and nodes[0]["nvme_read_bytes_per_s"] > 0
+    preset = gpu_preset("l40")  # the demo's n1 holds L40s, with 2 GiB held back for the engine
+    assert (gpu["id"], gpu["type"], gpu["reserved_bytes"]) == ("n1-g0", "l40", 2 * 2**30)
+    assert gpu["capacity_bytes"] == preset.hbm_bytes - gpu["reserved_bytes"]
+    assert (gpu["h2d_bytes_per_s"], gpu["hbm_bytes_per_s"]) == (preset.h2d_bytes_per_s, preset.hbm_bytes_per_s)
+    assert gpu["calibrated"] == {}  # nothing measured yet
+    assert 0 < gpu["used_bytes"] <= gpu["capacity_bytes"] and 0 < gpu["planned_bytes"] <= gpu["capacity_bytes"]
+    assert nodes[0]["capabilities"] == ["kv_offload", "partial_experts", "weights_offload"]
+    assert nodes[0]["nvme_read_bytes_per_s"] == DEFAULT_NVME_READ_BYTES_PER_S
 
 
 def test_put_cluster_replaces_topology_and_forgets_state_on_removed_hardware(demo):

@@ -61,5 +61,6 @@ def test_metrics_exposes_every_metric(demo):
     assert demo.metric("statebudget_operation_duration_seconds_count", action=op["action"], outcome="done") == 1
     assert demo.metric("statebudget_lease_expiries_total", node="n2") == 1
     assert demo.metric("statebudget_plan_duration_seconds_count", solver="greedy") >= 2
-    assert demo.metric("statebudget_gpu_hbm_capacity_bytes", node="n1", gpu="n1-g0") > 0
+    n1_g0 = demo.get("/v1/cluster").json()["nodes"][0]["gpus"][0]
+    assert demo.metric("statebudget_gpu_hbm_capacity_bytes", node="n1", gpu="n1-g0") == n1_g0["capacity_bytes"]
     assert demo.metric("statebudget_switch_latency_seconds_count", slo="blocking") == 1  # coder is resident: 0 s

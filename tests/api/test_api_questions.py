@@ -27,17 +27,56 @@ CHANGES = [
 ]
 
 
+def places(plan) -> set[str]:
+    """The GPUs and nodes a plan's placement uses."""
+    return {e["location"].get("gpu") or e["location"]["node"] for e in plan["placement"]}
+
+
+def models(plan) -> set[str]:
+    return {e["object"]["model"] for e in plan["placement"]}
+
+
+def kv_sessions(plan, model: str) -> set[str]:
+    return {
+        e["object"]["session"]
+        for e in plan["placement"]
+        if e["object"]["kind"] == "kv" and e["object"]["model"] == model
+    }
+
+
+N3 = {"n3", "n3-g0", "n3-g1", "n3-g2", "n3-g3"}
+ADDED = {f"whatif-{i}" for i in range(5)}  # the ids add_sessions gives its sessions
+# what each change must do to the plan (set_slo changes weights, not where things go)
+EFFECTS = {
+    "add_gpu": lambda plan: "n1-extra" in places(plan),
+    "remove_gpu": lambda plan: "n2-g0" not in places(plan),
+    "add_node": lambda plan: "n5" in places(plan),
+    "remove_node": lambda plan: not places(plan) & N3,
+    "add_model": lambda plan: "extra" in models(plan),
+    "remove_model": lambda plan: "vision" not in models(plan),
+    "add_sessions": lambda plan: ADDED <= kv_sessions(plan, "reasoner"),
+    "set_slo": lambda plan: True,
+}
+
+
 def test_whatif_answers_without_touching_live_state(demo):
     demo.events(request("e1", "a", "coder", input_tokens=2000))
+    live = demo.get("/v1/plan").json()
     before = fingerprint(demo)
     for change in CHANGES:
+        if change["type"] != "set_slo":  # the live plan does not already show the change
+            assert not EFFECTS[change["type"]](live), change
         out = demo.post("/v1/whatif", json={"changes": [change]})
         assert out.status_code == 200, (change, out.text)
         body = out.json()
-        assert body["plan"]["status"] in ("ok", "partial") and "switch_latency_p95_seconds" in body["predicted"]
-        assert body["baseline_predicted"] is not None
+        assert (body["changes"], body["based_on_epoch"]) == (1, live["epoch"])
+        assert body["baseline_predicted"] == live["predicted"]  # compared with the plan in force
+        assert body["predicted"] == body["plan"]["predicted"] and body["plan"]["unserved"] == []
+        assert EFFECTS[change["type"]](body["plan"]), change
     combined = demo.post("/v1/whatif", json={"changes": CHANGES}).json()
-    assert any(e["location"].get("gpu") == "n1-extra" or True for e in combined["plan"]["placement"])
+    assert combined["changes"] == len(CHANGES)
+    for kind in ("remove_gpu", "remove_node", "remove_model", "add_model", "add_sessions"):
+        assert EFFECTS[kind](combined["plan"]), kind
     assert fingerprint(demo) == before
 
 
@@ -101,7 +140,14 @@ def test_explain_model_and_session(demo):
     assert all(o["why"] for o in body["objects"])
     assert body["active_sessions"] == {"coder": ["s01"]} and body["predicted_requests"]["coder"] > 0
     off = demo.get("/v1/explain", params={"model": "longctx"}).json()
-    assert any("kept off GPU" in o["why"] or "on GPU" in o["why"] for o in off["objects"])
+    assert off["objects"]
+    for o in off["objects"]:  # each says how much of it the plan keeps on GPU, or that it keeps it off
+        on_gpu = sum(p["bytes"] for p in o["planned"] if p["location"]["tier"] == "gpu")
+        if on_gpu:
+            assert o["why"].startswith(f"{on_gpu / 2**30:.2f} of {o['size_bytes'] / 2**30:.2f} GiB on GPU in the plan")
+        else:
+            assert o["why"].startswith("kept off GPU"), o["why"]
+        assert f"{off['predicted_requests']['longctx']:.2f} predicted requests" in o["why"]
     moe = demo.get("/v1/explain", params={"model": "reasoner"}).json()
     assert any(o["object"]["kind"] == "experts" and o["operations"] for o in moe["objects"])
     session = demo.get("/v1/explain", params={"session": "s03"}).json()

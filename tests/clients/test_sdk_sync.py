@@ -120,7 +120,7 @@ def test_sync_client_over_real_http(tmp_path):
             time.sleep(0.02)
         with StateBudgetClient(f"http://127.0.0.1:{port}", retry=FAST_RETRY) as sb:
             assert sb.readyz()["status"] == "ok"
-            assert sb.get_srv()["version"] >= 1
+            assert sb.get_srv()["version"] == 1 and sb.readyz()["epoch"] == 1  # seeded, planned once
     finally:
         server.should_exit = True
         thread.join(timeout=10)

@@ -1,4 +1,5 @@
-"""Trace importers: the registry, small inline sources with known answers, the real public traces, the CLI."""
+"""Trace importers: the registry, small inline sources with known answers, synthetic traces in the real formats
+(tests/fixtures/make_traces.py) whose sessions are known, the real public traces when ../shared has them, the CLI."""
 
 import json
 import tarfile
@@ -6,6 +7,7 @@ from collections import Counter, defaultdict
 from pathlib import Path
 
 import pytest
+from fixtures.make_traces import Session
 from typer.testing import CliRunner
 
 from planner_service.cli import app
@@ -251,7 +253,125 @@ def test_alibaba_missing_columns(tmp_path: Path) -> None:
         run("alibaba", source, tmp_path)
 
 
-# --- the real public traces (skipped when ../shared/traces is absent) ------------------------------
+# --- synthetic traces in the real formats (tests/fixtures/make_traces.py), with the sessions they hold --------
+
+
+def observed(records) -> dict[str, tuple[list[tuple], list[float]]]:
+    """session -> (its requests as (t, model, input, output, slo, user), the times of its end records)."""
+    sessions: dict[str, tuple[list[tuple], list[float]]] = defaultdict(lambda: ([], []))
+    for r in records:
+        if isinstance(r, TraceEnd):
+            sessions[r.session][1].append(r.t)
+        else:
+            sessions[r.session][0].append((r.t, r.model, r.input_tokens, r.output_tokens, r.slo, r.user))
+    return dict(sessions)
+
+
+def expected(truth: list[Session], model, slo, user=lambda session: None, limit: int | None = None):
+    """What `observed` must give for the generated sessions, over the first `limit` source rows."""
+    out = {}
+    for session in truth:
+        turns = [turn for turn in session.turns if limit is None or turn.row < limit]
+        if turns:
+            last = round(turns[-1].t + session.timeout_seconds, 3)
+            rows = [
+                (t.t, model(session, t), t.input_tokens, t.output_tokens, slo(session), user(session)) for t in turns
+            ]
+            out[session.id] = (rows, [last])
+    return out
+
+
+def check_time_order(records) -> None:
+    times = [r.t for r in records]
+    assert times == sorted(times)
+
+
+AZURE_MODELS = {"code": "coder", "conv": "planner"}
+AZURE_SLOS = {"code": Slo.BLOCKING, "conv": Slo.INTERACTIVE}
+
+
+def service(session: Session) -> str:
+    return session.id.split("-")[0]
+
+
+@pytest.mark.parametrize("limit", [None, 100])
+def test_synthetic_azure_sessions_are_recovered_by_containment(synthetic_traces, tmp_path: Path, limit) -> None:
+    folder, truth = synthetic_traces
+    records = run("azure", folder / "azure_llm_2023", tmp_path, limit=limit)
+    check_time_order(records)
+    check_sessions_end_once(records)
+    want = expected(truth.azure, lambda s, _: AZURE_MODELS[service(s)], lambda s: AZURE_SLOS[service(s)], limit=limit)
+    assert observed(records) == want
+    assert len(requests(records)) == (limit or truth.azure_rows)
+    multi_turn = [s for s in truth.azure if len(s.turns) > 1]
+    assert len(multi_turn) > len(truth.azure) / 2  # the fixture exercises containment, not only first turns
+
+
+@pytest.mark.parametrize("limit", [None, 200])
+def test_synthetic_mooncake_sessions_follow_shared_leading_blocks(synthetic_traces, tmp_path: Path, limit) -> None:
+    folder, truth = synthetic_traces
+    records = run("mooncake", folder / "mooncake_fast25", tmp_path, limit=limit)
+    check_time_order(records)
+    check_sessions_end_once(records)
+    want = expected(truth.mooncake, lambda s, _: model_of(s.id, MODELS), lambda _: Slo.INTERACTIVE, limit=limit)
+    assert observed(records) == want
+    assert {r.model for r in requests(records)} == set(MODELS)  # the sessions spread over the whole catalogue
+
+
+def test_synthetic_mooncake_handoffs_keep_times_and_tokens(synthetic_traces, tmp_path: Path) -> None:
+    folder, _ = synthetic_traces
+    plain = requests(run("mooncake", folder / "mooncake_fast25", tmp_path))
+    chained = requests(run("mooncake", folder / "mooncake_fast25", tmp_path, handoffs=True))
+    assert [(r.t, r.session, r.input_tokens, r.output_tokens) for r in chained] == [
+        (r.t, r.session, r.input_tokens, r.output_tokens) for r in plain
+    ]
+    prior = SCENARIO.predictor.handoff
+    previous: dict[str, str] = {}
+    for p, c in zip(plain, chained, strict=True):
+        if c.session not in previous:
+            assert c.model == p.model  # a session's first turn keeps the importer's model
+        elif previous[c.session] in prior:
+            assert c.model in prior[previous[c.session]]  # every move is one the scenario's prior allows
+        previous[c.session] = c.model
+    assert sum(p.model != c.model for p, c in zip(plain, chained, strict=True)) > 0  # some turns hand off
+
+
+def want_rows(want: dict, group: str) -> list[tuple]:
+    return [row for sid, (rows, _) in want.items() if sid.split("/")[0] == group for row in rows]
+
+
+def checkpoint_models(truth: list[Session], limit: int | None = None) -> dict[str, str]:
+    """Checkpoints ranked by their requests in the rows read (ties by id), folded onto the catalogue."""
+    counts = Counter(t.checkpoint for s in truth for t in s.turns if limit is None or t.row < limit)
+    ranked = sorted(counts, key=lambda ckpt: (-counts[ckpt], ckpt))
+    return {ckpt: MODELS[rank % len(MODELS)] for rank, ckpt in enumerate(ranked)}
+
+
+@pytest.mark.parametrize("limit", [None, 150])
+def test_synthetic_alibaba_groups_visits_and_checkpoints(synthetic_traces, tmp_path: Path, limit) -> None:
+    folder, truth = synthetic_traces
+    source = folder / "alibaba_genai_2026"
+    records = run("alibaba", source, tmp_path, limit=limit)
+    check_time_order(records)
+    check_sessions_end_once(records)
+    models = checkpoint_models(truth.alibaba, limit)
+    assert len(models) > len(MODELS)  # more checkpoints than models: the tail folds
+    want = expected(
+        truth.alibaba,
+        lambda _, turn: models[turn.checkpoint],
+        lambda _: Slo.INTERACTIVE,
+        user=lambda s: s.id.split("/")[0],
+        limit=limit,
+    )
+    assert observed(records) == want
+    assert popularity(source, limit) == list(models)  # most requested first
+    switching = [
+        g for g in {s.id.split("/")[0] for s in truth.alibaba} if len({m for _, m, *_ in want_rows(want, g)}) > 1
+    ]
+    assert switching  # some groups switch models: the fixture exercises the per-request mapping
+
+
+# --- extra checks on the real public traces (skipped when ../shared/traces is absent) ---------------------
 
 
 def real(folder: str) -> Path:

@@ -228,11 +228,16 @@ def test_neither_solver_puts_experts_where_no_copy_can_fill_them() -> None:
         [session("s1", "moe", active=True)],
         [held(weights("moe"), "nvme", "n0", 8 * GIB), held(experts("moe"), "nvme", "n1", 64 * GIB)],
     )
+    target = plan_greedy(problem)
+    greedy = make_plan(problem, "greedy", target.placement, target.unserved, target.reasons)
+    sound(problem, greedy)
     plan = solve_milp(problem, time_limit_seconds=LIMIT)
     sound(problem, plan)
-    assert plan.extra["milp"]["greedy_objective"] is not None
-    assert plan.unserved == {}
-    assert not any(obj.kind == "experts" and loc.tier is Tier.GPU for obj, loc in plan.placement)
+    assert plan.extra["milp"]["greedy_objective"] == round(greedy.objective.total, 6)  # its warm start, reachable
+    assert plan.objective.total <= greedy.objective.total + 1e-9
+    assert plan.unserved == {} and greedy.unserved == {}
+    for placed in (greedy.placement, plan.placement):
+        assert not any(obj.kind == "experts" and loc.tier is Tier.GPU for obj, loc in placed)
 
 
 # -- brute force on tiny random scenarios -------------------------------------------
@@ -320,7 +325,12 @@ def test_cli_plan_milp_and_gap_print_json() -> None:
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
     assert data["solver"] == "milp" and data["status"] in {s.value for s in STATUSES}
-    assert {"bound", "gap", "solve_seconds", "objective", "operations", "placement"} <= set(data)
+    greedy = json.loads(runner.invoke(app, ["plan", "--json"]).stdout)
+    assert data["objective"] <= greedy["objective"] + 1e-6  # warm-started from the greedy: never worse
+    if data["bound"] is not None:
+        assert data["bound"] <= data["objective"] + 1e-6
+        expected_gap = max(0.0, data["objective"] - data["bound"]) / max(abs(data["objective"]), 1e-9)
+        assert data["gap"] == pytest.approx(expected_gap, abs=1e-5)
     result = runner.invoke(
         app,
         [

@@ -5,6 +5,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from fixtures.make_hf_configs import write_hf_configs
 
 from planner_service.domain.architecture import PRECISION_BYTES, Architecture, AttentionKind, Precision
 from planner_service.domain.model_presets import MODEL_PRESETS, model_preset
@@ -184,7 +185,15 @@ HF_CONFIG_TOTALS = {
 }
 
 
+def test_parses_config_files_to_their_hand_worked_sizes(tmp_path: Path) -> None:
+    for path, sizes in write_hf_configs(tmp_path).items():
+        arch = Architecture.from_hf_config(json.loads(path.read_text()))
+        got = (arch.total_params, arch.dense_params, arch.active_params, arch.kv_bytes_per_token())
+        assert got == sizes, path.name
+
+
 def test_parses_shared_hf_configs() -> None:
+    """The verbatim configs of ../shared, when they are there (an extra check on real files)."""
     if not HF_CONFIGS.is_dir():
         pytest.skip(f"{HF_CONFIGS} absent")
     paths = sorted(HF_CONFIGS.glob("*.json"))

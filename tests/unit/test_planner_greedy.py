@@ -297,7 +297,17 @@ def test_cli_prints_one_plan_object_for_a_feasible_scenario(tmp_path) -> None:
     result = CliRunner().invoke(app, ["plan", "--scenario", str(path), "--json"])
     assert result.exit_code == 0, result.stderr
     out = json.loads(result.stdout)
-    assert {"solver", "status", "objective", "solve_seconds", "placement", "operations", "predicted"} <= set(out)
+    _, plan = plan_for(data)  # the same plan as the library's, down to every byte and operation
+    expected = json.loads(json.dumps(plan.to_json()))
+    assert out["solve_seconds"] >= 0 and out["solver"] == "greedy"
+    assert {k: v for k, v in out.items() if k != "solve_seconds"} == {
+        k: v for k, v in expected.items() if k != "solve_seconds"
+    }
+    # by hand: old's last copy leaves the card for the host, then new is loaded onto it
+    assert [(op["action"], op["object"]["model"], op["to"]["tier"]) for op in out["operations"]] == [
+        ("demote", "old", "host"),
+        ("promote", "new", "gpu"),
+    ]
 
 
 def test_bench_prints_the_size_and_percentiles_of_planning_time() -> None:

@@ -75,7 +75,7 @@ class Admin:
 
     def put_cluster(self, cluster: ClusterIn) -> dict[str, Any]:
         self.live.require_ready()
-        with self.live.lock:
+        with self.live.change():
             explicit = [
                 *((n.id, "nodes", f) for n in cluster.nodes for f in calibration.NODE_FIELDS if getattr(n, f)),
                 *(
@@ -101,14 +101,14 @@ class Admin:
             model = ModelIn.model_validate({**spec, "id": model_id})
         except ValueError as error:
             raise InvalidInput(f"model: {error}", field="model") from None
-        with self.live.lock:
+        with self.live.change():
             created = model_id not in {m["id"] for m in self.live.base["models"]}
             self._admin_edit(lambda data: edits.put_model(data, model, nvme_nodes, "model"))
             return self.views.model_view(model_id), created
 
     def delete_model(self, model_id: str) -> None:
         self.live.require_ready()
-        with self.live.lock:
+        with self.live.change():
             if model_id not in {m["id"] for m in self.live.base["models"]}:
                 raise NotFound(
                     f"unknown model {model_id!r}; known: {sorted(m['id'] for m in self.live.base['models'])}"
@@ -117,7 +117,7 @@ class Admin:
 
     def register_node(self, node_id: str, body: RegisterIn) -> dict[str, Any]:
         self.live.require_ready()
-        with self.live.lock:
+        with self.live.change():
             self.live.require_node(node_id)
             now = self.live.clock()
             node = next(n for n in self.live.base["cluster"]["nodes"] if n["id"] == node_id)
@@ -190,7 +190,7 @@ class Admin:
 
     def heartbeat(self, node_id: str, body: HeartbeatIn) -> dict[str, Any]:
         self.live.require_ready()
-        with self.live.lock:
+        with self.live.change():
             self.live.require_node(node_id)
             assert self.live.sizes is not None
             node_gpus = set(self.live.sizes.nodes[node_id].gpus)

@@ -61,6 +61,7 @@ class ClusterService:
         self.sessions = Sessions(self.live)
         self.views = Views(self.live, self.planning, self.queues)
         self.admin = Admin(self.live, self.confirmed, self.views)
+        self.live.reloader = self._reload
 
     @property
     def ready(self) -> bool:
@@ -88,6 +89,14 @@ class ClusterService:
                 self._restore(stored)
             self.live.ready = True
             return seeded
+
+    def _reload(self) -> None:
+        """Memory from the database alone, as a restart would have it (what only memory held is forgotten:
+        the failures holding moves back); the next replan plans from it."""
+        stored = self.live.store.load(self.live.clock() - self.live.observation_window())
+        self.live.reset_state()
+        self._restore(stored)
+        self.live.force_replan = True
 
     def close(self) -> None:
         with self.live.lock:

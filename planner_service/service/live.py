@@ -7,7 +7,8 @@ import copy
 import dataclasses
 import logging
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from datetime import UTC, datetime
 from typing import Any
 
@@ -32,10 +33,7 @@ from planner_service.planner.predictor import SwitchPredictor
 from planner_service.planner.residency import ResidencyIndex
 from planner_service.planner.srv import srv_entries
 from planner_service.service.backoff import FailedMoves
-from planner_service.service.errors import (
-    NotFound,
-    NotReady,
-)
+from planner_service.service.errors import NotFound, NotReady, ServiceError
 from planner_service.service.records import FINAL_STATES, OpRecord, OpState, SessionState
 from planner_service.service.store import FINAL_KEEP, Batch, Store
 from planner_service.settings import Settings
@@ -86,11 +84,20 @@ class Live:
         self.urgent = threading.Event()  # set when a request waits for a model served nowhere, or the plan broke
         self.ready = False
         self.broken: str | None = None  # why the service stopped serving (a failed database write)
+        self.reloader: Callable[[], None] | None = None  # restores memory from the store (set by the service)
+        self.reset_state()
+
+    def reset_state(self) -> None:
+        """Empty memory, as before a start."""
         # the requests stand-in sessions stand for
-        self.load = RecentLoad(settings.demand_window_seconds, settings.demand_seats, settings.demand_min_requests)
+        self.load = RecentLoad(
+            self.settings.demand_window_seconds, self.settings.demand_seats, self.settings.demand_min_requests
+        )
         self.last_used: dict[str, float] = {}  # model -> when a request or turn last ran on it
         self.force_replan = False
-        self.failed_moves = FailedMoves(settings.failed_move_backoff_seconds, settings.failed_move_backoff_max_seconds)
+        self.failed_moves = FailedMoves(
+            self.settings.failed_move_backoff_seconds, self.settings.failed_move_backoff_max_seconds
+        )
         self.held_until: float | None = None  # when the first move the plan holds back may be queued again
         self.topology_changes = 0  # hardware, catalog or registration edits: a plan made before is void
         self.base: dict[str, Any] = {}
@@ -119,16 +126,37 @@ class Live:
             raise NotReady("the service is starting; retry shortly")
 
     def write(self, batch: Batch) -> None:
-        """Commit `batch`, or stop serving: memory already holds the change and the database does not, and
-        only a restart, which restores the last committed state, makes them agree again."""
+        """Commit `batch`. When that fails, memory already holds a change the database does not: memory goes
+        back to what the database holds, and the caller is told nothing happened."""
         try:
             self.store.write(batch)
-        except Exception as error:  # noqa: BLE001 -- any failed write must stop serving, whatever raised it
-            self.broken = (
-                f"a database write failed ({error}); restart the service: it restores the last committed state"
-            )
+        except Exception as error:  # noqa: BLE001 -- whatever a write raises, memory must not stay ahead
+            self.recover(f"a database write failed ({error})")
+            raise NotReady(f"a database write failed ({error}); nothing changed, retry") from None
+
+    @contextmanager
+    def change(self) -> Iterator[None]:
+        """Hold the state lock for a change. Refusals (`ServiceError`) are raised before anything changes;
+        any other exception may leave memory half changed and uncommitted, so memory is reloaded from the
+        database before it propagates: nothing the service publishes was not committed."""
+        with self.lock:
+            try:
+                yield
+            except ServiceError:
+                raise
+            except Exception as error:
+                self.recover(f"{type(error).__name__}: {error}")
+                raise
+
+    def recover(self, why: str) -> None:
+        """Make memory the database's state again, or stop serving when even that fails."""
+        log.error("%s: the change is undone, memory is reloaded from the database", why)
+        try:
+            assert self.reloader is not None
+            self.reloader()
+        except Exception as error:  # noqa: BLE001 -- a reload that fails for any reason must stop serving
+            self.broken = f"{why}; reloading from the database failed too ({error}): restart the service"
             log.critical("%s", self.broken)
-            raise NotReady(self.broken) from None
 
     def notify(self) -> None:
         for callback in list(self.listeners):

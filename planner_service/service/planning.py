@@ -121,7 +121,7 @@ class Planning:
         self.live.require_ready()
         with self.live.plan_lock:
             for _ in range(PLAN_ATTEMPTS):
-                with self.live.lock:
+                with self.live.change():
                     self.queues.expire_and_write()
                     data, next_model, _ = self.planning_snapshot(stand_ins=True)
                     usage = self._usage()
@@ -151,7 +151,7 @@ class Planning:
                     self.live.metrics.replans.labels("kept").inc()
                     return {"epoch": self.live.epoch, "changed": False}  # staying put is the better deal
                 plan = for_real(problem, plan)
-                with self.live.lock:
+                with self.live.change():
                     if self._basis() != basis:
                         continue  # operations went in flight, landed elsewhere or failed while solving: again
                     if not force and self.live.plan_doc is not None and plan.placement == self.live.plan_placement:

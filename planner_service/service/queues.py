@@ -127,7 +127,7 @@ class Queues:
         second)."""
         if not self.live.ready or self.live.broken is not None:
             return
-        with self.live.lock:
+        with self.live.change():
             expired = self.expire_and_write()
             now = self.live.clock()
             if now - self.live.pruned_at >= PRUNE_EVERY_SECONDS:
@@ -141,7 +141,7 @@ class Queues:
     def lease(self, node_id: str, max_operations: int) -> dict[str, Any]:
         """Lease up to `max_operations` of the node's queued operations whose dependencies are done."""
         self.live.require_ready()
-        with self.live.lock:
+        with self.live.change():
             self.live.require_node(node_id)
             now = self.live.clock()
             batch = Batch()
@@ -176,7 +176,7 @@ class Queues:
     def report(self, op_id: str, body: ReportIn, *, node_scope: str | None = None) -> dict[str, Any]:
         """A node's outcome for a leased operation. Idempotent: the same report again answers the same."""
         self.live.require_ready()
-        with self.live.lock:
+        with self.live.change():
             self.expire_and_write()
             r = self.live.ops.get(op_id)
             if r is None:

@@ -41,7 +41,7 @@ class Sessions:
     def apply_events(self, events: list[Event]) -> dict[str, Any]:
         """Apply a batch atomically: all new events apply, or none when one refers to something unknown."""
         self.live.require_ready()
-        with self.live.lock:
+        with self.live.change():
             models = sorted(m["id"] for m in self.live.base["models"])
             known_sessions = {sid for sid, s in self.live.sessions.items()}
             seen: set[str] = set()

@@ -42,7 +42,7 @@ class Views:
 
     def cluster_view(self) -> dict[str, Any]:
         self.live.require_ready()
-        with self.live.lock:
+        with self.live.change():
             data = self.live.scenario_data({})
             problem = self.live.compile(data, {})
             used: dict[str, int] = defaultdict(int)
@@ -112,7 +112,7 @@ class Views:
 
     def models_view(self) -> list[dict[str, Any]]:
         self.live.require_ready()
-        with self.live.lock:
+        with self.live.change():
             return [self.model_view(m["id"]) for m in self.live.base["models"]]
 
     def _session_view(self, s: SessionState) -> dict[str, Any]:
@@ -138,31 +138,31 @@ class Views:
 
     def sessions_view(self) -> list[dict[str, Any]]:
         self.live.require_ready()
-        with self.live.lock:
+        with self.live.change():
             return [self._session_view(s) for _, s in sorted(self.live.sessions.items())]
 
     def session_view(self, session_id: str) -> dict[str, Any]:
         self.live.require_ready()
-        with self.live.lock:
+        with self.live.change():
             if session_id not in self.live.sessions:
                 raise NotFound(f"unknown session {session_id!r}")
             return self._session_view(self.live.sessions[session_id])
 
     def srv_view(self) -> dict[str, Any]:
         self.live.require_ready()
-        with self.live.lock:
+        with self.live.change():
             return copy.deepcopy(self.live.srv_doc)
 
     def plan_view(self) -> dict[str, Any]:
         self.live.require_ready()
-        with self.live.lock:
+        with self.live.change():
             if self.live.plan_doc is None:
                 raise NotFound("no plan yet; POST /v1/plan to plan now")
             return copy.deepcopy(self.live.plan_doc)
 
     def operations_view(self, node: str | None = None, state: str | None = None) -> list[dict[str, Any]]:
         self.live.require_ready()
-        with self.live.lock:
+        with self.live.change():
             if node is not None:
                 self.live.require_node(node)
             batch = Batch()
@@ -178,7 +178,7 @@ class Views:
 
     def metrics_snapshot(self) -> StateSnapshot:
         snap = StateSnapshot()
-        with self.live.lock:
+        with self.live.change():
             if not self.live.ready or self.live.sizes is None:
                 return snap
             for (obj, loc), n in self.live.placement.items():
@@ -206,7 +206,7 @@ class Views:
     def live_view(self) -> LiveView:
         """A consistent copy of what questions about the live state need (what-if, Pareto, explain)."""
         self.live.require_ready()
-        with self.live.lock:
+        with self.live.change():
             assert self.live.sizes is not None
             data, next_model, _ = self.planning.planning_snapshot()
             return LiveView(

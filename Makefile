@@ -5,7 +5,7 @@ STAMP := $(VENV)/.installed
 COMPILED_VENV ?= .venv-compiled
 COMPILED_STAMP := $(COMPILED_VENV)/.installed
 
-.PHONY: run test test-fast lint format compiled bench schemas clean
+.PHONY: run test test-fast lint format import-graph compiled bench schemas clean
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -34,6 +34,18 @@ lint: $(STAMP)
 format: $(STAMP)
 	$(VENV)/bin/ruff check --fix .
 	$(VENV)/bin/ruff format .
+
+# docs/images/imports.svg, the picture in docs/architecture.md: which package imports which (an arrow points at
+# what a package imports), clustered by root package, no externals. pydeps follows imports from a file that
+# imports every module; it needs graphviz's `dot` (Debian: apt-get install graphviz).
+import-graph: $(STAMP)
+	@tmp=$$(mktemp -d) && trap 'rm -rf "$$tmp"' EXIT && \
+	find planner_service clients -name '*.py' ! -name '__init__.py' | sort \
+		| sed 's|\.py$$||; s|/|.|g; s|^|import |' > "$$tmp/statebudget_modules.py" && \
+	PYTHONPATH=$(CURDIR) $(VENV)/bin/pydeps "$$tmp/statebudget_modules.py" --no-config --noshow \
+		--only planner_service clients -xx planner_service clients --max-bacon 0 --max-module-depth 2 \
+		--cluster --max-cluster-size 1000 --reverse --rankdir BT --rmprefix planner_service. clients. \
+		-o $(CURDIR)/docs/images/imports.svg
 
 $(COMPILED_STAMP): $(STAMP) setup.py $(shell find planner_service -name '*.py')
 	rm -rf dist

@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from clients.agent.executors.names import ExecutorName
 from clients.agent.operations import Capability, Operation, Outcome
+from planner_service.wire.enums import EngineStatus
+from planner_service.wire.state import PlacementEntry
 
 if TYPE_CHECKING:
     from clients.agent.config import AgentConfig
@@ -23,7 +25,7 @@ class GpuUsage:
 @dataclass(frozen=True, slots=True)
 class Telemetry:
     gpus: list[GpuUsage] = field(default_factory=list)
-    engines: dict[str, str] = field(default_factory=dict)  # engine name -> state
+    engines: dict[str, EngineStatus] = field(default_factory=dict)  # engine name -> state
 
 
 @runtime_checkable
@@ -48,7 +50,7 @@ class Executor(Protocol):
 class Seedable(Protocol):
     """An executor that can materialize state the service says is already there (the local one)."""
 
-    def seed(self, placement: list[dict[str, Any]], node_id: str, gpu_ids: set[str]) -> int: ...
+    def seed(self, placement: list[PlacementEntry], node_id: str, gpu_ids: set[str]) -> int: ...
 
 
 ExecutorFactory = Callable[["AgentConfig"], Executor]

@@ -23,7 +23,10 @@ from planner_service.domain.predictions import problem_from_scenario
 from planner_service.domain.scenario import Scenario, ScenarioError, load_scenario
 from planner_service.domain.state import Tier
 from planner_service.planner.plan import Plan
+from planner_service.sim.importers import TraceFormat
+from planner_service.sim.policies.base import PolicyName
 from planner_service.solver.registry import default_registry
+from planner_service.wire.enums import SolverName
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="StateBudget: plan where LLM state lives.")
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks that print figures.")
@@ -59,7 +62,10 @@ def emit_json(data: Any) -> None:
 @app.command()
 def plan(
     scenario: ScenarioOpt = None,
-    solver: Annotated[str, typer.Option(help="greedy (online default) or milp (exact oracle).")] = "greedy",
+    solver: Annotated[
+        SolverName,
+        typer.Option(help="greedy (the online default), search (greedy + local search) or milp (exact oracle)."),
+    ] = SolverName.GREEDY,
     time_limit: Annotated[float, typer.Option("--time-limit", help="MILP time limit in seconds.")] = 60.0,
     seed: Annotated[int, typer.Option(help="MILP random seed.")] = 0,
     workers: Annotated[
@@ -73,7 +79,8 @@ def plan(
     try:
         problem = problem_from_scenario(parsed)
         solve = default_registry().get(solver)
-        options = {"time_limit_seconds": time_limit, "seed": seed, "workers": workers} if solver == "milp" else {}
+        milp = solver is SolverName.MILP
+        options = {"time_limit_seconds": time_limit, "seed": seed, "workers": workers} if milp else {}
         result = solve(problem, **options)
     except (ScenarioError, ValueError) as error:
         raise fail(str(error)) from None
@@ -127,7 +134,7 @@ def bench_plan(
     sessions: Annotated[int, typer.Option(help="Sessions of a random scenario.")] = 100,
     repeat: Annotated[int, typer.Option(help="Plans from scratch to time.")] = 100,
     seed: Annotated[int, typer.Option(help="Seed of the random scenario.")] = 0,
-    solver: Annotated[str, typer.Option(help="Solver to time.")] = "greedy",
+    solver: Annotated[SolverName, typer.Option(help="Solver to time.")] = SolverName.GREEDY,
     warmup: Annotated[
         int,
         typer.Option(
@@ -288,7 +295,7 @@ def trace_synth(
 
 @trace_app.command("import")
 def trace_import(
-    fmt: Annotated[str, typer.Option("--format", help="Source format: alibaba, azure or mooncake.")],
+    fmt: Annotated[TraceFormat, typer.Option("--format", help="Source format.")],
     input_path: Annotated[Path, typer.Option("--input", help="The source file or its folder.")],
     out_path: OutOpt,
     scenario: ScenarioOpt = None,
@@ -424,9 +431,9 @@ def replay_tables(metrics: Sequence[str], rows: list[list[str]], title: str, wid
 def replay(
     trace: TraceOpt,
     scenario: ScenarioOpt = None,
-    policies: Annotated[str, typer.Option(help="Comma-separated policies to compare.")] = (
-        "statebudget,static,lru,independent,siloed,oracle"
-    ),
+    policies: Annotated[
+        str, typer.Option(help=f"Comma-separated policies to compare, of: {', '.join(PolicyName)}.")
+    ] = "statebudget,static,lru,independent,siloed,oracle",
     json_out: Annotated[Path | None, typer.Option("--json", help="Write the report (JSON) here.")] = None,
     plots: Annotated[Path | None, typer.Option("--plots", help="Write the PNG plots into this folder.")] = None,
     seed: Annotated[int, typer.Option(help="Seed of the replay (same seed, same report).")] = 0,

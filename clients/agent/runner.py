@@ -27,7 +27,7 @@ from typing import Any
 from clients.agent.config import AgentConfig
 from clients.agent.errors import PermanentError, TemporaryError
 from clients.agent.executors.base import Executor, Seedable
-from clients.agent.operations import Operation, Outcome, Tier
+from clients.agent.operations import LeasedOperation, Operation, Outcome, Tier
 from clients.sdk import (
     APIError,
     AsyncStateBudgetClient,
@@ -37,6 +37,8 @@ from clients.sdk import (
     ServerError,
 )
 from clients.sdk import ConnectionError as SdkConnectionError
+from planner_service.wire.enums import ReportStatus
+from planner_service.wire.operations import LeaseOut
 
 log = logging.getLogger("statebudget.agent")
 
@@ -162,9 +164,7 @@ class Agent:
 
     async def _register(self, stop: asyncio.Event) -> bool:
         cfg = self.config
-        capabilities = [
-            c.value for c in (cfg.capabilities if cfg.capabilities is not None else self.executor.capabilities)
-        ]
+        capabilities = list(cfg.capabilities if cfg.capabilities is not None else self.executor.capabilities)
         gpus = [g.model_dump(exclude={"device"}, exclude_none=True) for g in cfg.gpus]
         engines = [_with_gpus(engine, cfg.engine_gpus) for engine in self.executor.engines()]
         attempt = 0
@@ -184,10 +184,11 @@ class Agent:
                 await self._backoff(stop, attempt)
                 attempt += 1
                 continue
-            self.gpu_ids |= set(out.get("gpus", []))
-            for warning in out.get("warnings", []):
+            self.gpu_ids |= set(out.gpus)
+            for warning in out.warnings:
                 log.warning("register: %s", warning)
-            log.info("registered node %s: capabilities %s, GPUs %s", cfg.node_id, out["capabilities"], out["gpus"])
+            capabilities = [c.value for c in out.capabilities]
+            log.info("registered node %s: capabilities %s, GPUs %s", cfg.node_id, capabilities, out.gpus)
             return True
         return False
 
@@ -199,8 +200,8 @@ class Agent:
         except (PermissionDeniedError, AuthenticationError):
             log.info("this token cannot read /v1/srv: existing state is materialized when first used")
             return
-        count = await asyncio.to_thread(self.executor.seed, srv["placement"], self.config.node_id, set(self.gpu_ids))
-        log.info("materialized %d state object(s) of the confirmed placement (srv version %s)", count, srv["version"])
+        count = await asyncio.to_thread(self.executor.seed, srv.placement, self.config.node_id, set(self.gpu_ids))
+        log.info("materialized %d state object(s) of the confirmed placement (srv version %s)", count, srv.version)
 
     def heartbeat_body(self) -> dict[str, Any]:
         telemetry = self.executor.telemetry()
@@ -228,7 +229,7 @@ class Agent:
 
     # -- leases ------------------------------------------------------------------
 
-    async def _lease(self, stop: asyncio.Event, max_operations: int) -> dict[str, Any] | None:
+    async def _lease(self, stop: asyncio.Event, max_operations: int) -> LeaseOut | None:
         """One long-poll, abandoned if `stop` is set first (operations it leased then expire and re-queue)."""
         cfg = self.config
         poll = asyncio.create_task(
@@ -245,19 +246,20 @@ class Agent:
                 await poll
             return None
         try:
-            lease = poll.result()
+            lease: LeaseOut = poll.result()
         except (SdkConnectionError, ServerError) as error:
             log.warning("lease failed (%s); retrying", error)
             self.stats["lease_errors"] += 1
             await self._backoff(stop, min(self.stats["lease_errors"], 5))
             return None
         self.stats["lease_errors"] = 0
-        return lease if lease.get("operations") else None
+        return lease if lease.operations else None
 
-    def _start(self, lease: dict[str, Any]) -> None:
-        lease_id = lease["lease_id"]
-        deadline = self._monotonic() + float(lease.get("expires_in_seconds") or 30.0)
-        ops = [Operation.from_json(o) for o in lease["operations"]]
+    def _start(self, lease: LeaseOut) -> None:
+        lease_id = lease.lease_id
+        assert lease_id is not None  # a lease with operations has an id
+        deadline = self._monotonic() + (lease.expires_in_seconds or 30.0)
+        ops: list[LeasedOperation] = lease.operations
         loop = asyncio.get_running_loop()
         for op in ops:  # every op of the lease is known before any starts, so order within the lease holds
             self._results[op.id] = loop.create_future()
@@ -319,8 +321,8 @@ class Agent:
         return False  # pragma: no cover - the loop always returns
 
     async def _report(self, op: Operation, lease_id: str, outcome: Outcome | None, error: str | None) -> bool:
-        status = "done" if outcome is not None else "failed"
-        body: dict[str, Any] = {"lease_id": lease_id, "status": status, "error": error}
+        status = ReportStatus.DONE if outcome is not None else ReportStatus.FAILED
+        body: dict[str, Any] = {"lease_id": lease_id, "status": status.value, "error": error}
         if outcome is not None:
             body["measured_seconds"] = round(outcome.measured_seconds, 6)
             body["measured_bytes"] = outcome.measured_bytes
@@ -334,7 +336,7 @@ class Agent:
             log.error("%s: report not delivered (%s); the lease will expire and re-queue it", op.id, failure)
             self.stats["unreported"] += 1
             return False
-        self.stats[status] += 1
+        self.stats[status.value] += 1
         self.reports.append({"op": op.id, **body})
         if error:
             log.warning("%s failed: %s", op.label(), error)

@@ -1,9 +1,11 @@
 """What the sync and async clients share: building a call, retrying it, reading the answer.
 
-A `Call` is a plain description of one HTTP request; `Endpoints` turns every
-method of the API into a `Call` and hands it to `_send`, which the sync client
-implements with `httpx.Client` and the async client with `httpx.AsyncClient`.
-Neither client knows an endpoint; neither endpoint knows the transport.
+A `Call` is a plain description of one HTTP request and of the type its answer
+has; `Endpoints` turns every method of the API into a `Call` and hands it to
+`_send`, which the sync client implements with `httpx.Client` and the async
+client with `httpx.AsyncClient`. Neither client knows an endpoint; neither
+endpoint knows the transport. Answers come back as the API's own types
+(`planner_service.wire`), validated on arrival.
 
 Retries (stamina, exponential backoff with jitter) apply only to calls that are
 safe to repeat (`idempotent`), and only on transport errors and 5xx answers.
@@ -15,14 +17,23 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from functools import cache
 from typing import Any, Literal
 
 import httpx
+from pydantic import TypeAdapter
 
 from clients.sdk.errors import ConnectionError, ServerError, error_from_response
+from planner_service.wire.cluster import ClusterOut, ModelOut
+from planner_service.wire.enums import Capability, OperationState, ReportStatus, SolverName
+from planner_service.wire.health import Health
+from planner_service.wire.nodes import HeartbeatOut, RegisterOut
+from planner_service.wire.operations import LeaseOut, OperationRecord, ReportOut
+from planner_service.wire.plan import CurrentPlanOut, ExplainOut, ParetoOut, ReplanOut, WhatIfOut
+from planner_service.wire.sessions import EventsOut, SessionOut
+from planner_service.wire.state import SrvOut
 
 Method = Literal["GET", "POST", "PUT", "DELETE"]
-OpState = Literal["queued", "leased", "done", "failed", "superseded"]
 DEFAULT_TIMEOUT_SECONDS = 30.0
 LONG_POLL_MARGIN_SECONDS = 10.0  # a lease long-poll may hold the request this much past its wait
 
@@ -36,6 +47,7 @@ class Call:
     idempotent: bool = True
     timeout_seconds: float | None = None  # overrides the client's timeout (long polls)
     expect: Literal["json", "text", "none"] = "json"
+    answer: Any = None  # the type a JSON answer is validated into (a wire model, or a list of them)
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,19 +113,30 @@ def transport_error(error: httpx.TransportError, call: Call) -> ConnectionError:
     )
 
 
+@cache
+def _adapter(answer: Any) -> TypeAdapter[Any]:
+    return TypeAdapter(answer)
+
+
 def parse(call: Call, response: httpx.Response) -> Any:
-    """The body of a successful answer, or the typed error of a failed one."""
+    """The body of a successful answer (as `call.answer`, where given), or the typed error of a failed one."""
     if response.status_code >= 400:
         raise error_from_response(response)
     if call.expect == "none" or response.status_code == 204 or not response.content:
         return None
     if call.expect == "text":
         return response.text
-    return response.json()
+    if call.answer is None:
+        return response.json()
+    return _adapter(call.answer).validate_json(response.content)
 
 
 class Endpoints(ABC):
-    """Every endpoint of the StateBudget API, once. `_send` is the transport (sync or async)."""
+    """Every endpoint of the StateBudget API, once. `_send` is the transport (sync or async).
+
+    Each method's docstring names what it answers: the sync client returns it, the async client an
+    awaitable of it (so the methods are annotated `Any`: one definition serves both).
+    """
 
     @abstractmethod
     def _send(self, call: Call) -> Any:
@@ -122,11 +145,12 @@ class Endpoints(ABC):
     # -- health ------------------------------------------------------------------
 
     def livez(self) -> Any:
-        return self._send(Call("GET", "/livez"))
+        """`Health`."""
+        return self._send(Call("GET", "/livez", answer=Health))
 
     def readyz(self) -> Any:
-        """`{"status": "ok", "epoch", "srv_version"}`; a service still starting answers 503 (`ServerError`)."""
-        return self._send(Call("GET", "/readyz"))
+        """`Health` with the plan's `epoch` and `srv_version`; a service still starting answers 503 (`ServerError`)."""
+        return self._send(Call("GET", "/readyz", answer=Health))
 
     def metrics(self) -> Any:
         """The Prometheus exposition text."""
@@ -135,19 +159,21 @@ class Endpoints(ABC):
     # -- cluster and catalog -----------------------------------------------------
 
     def get_cluster(self) -> Any:
-        return self._send(Call("GET", "/v1/cluster"))
+        """`ClusterOut`: nodes and GPUs with calibrated bandwidths, HBM use and telemetry."""
+        return self._send(Call("GET", "/v1/cluster", answer=ClusterOut))
 
     def put_cluster(self, cluster: dict[str, Any]) -> Any:
-        """Replace the topology (`{"nodes": [...]}` as in a scenario file's `cluster`)."""
-        return self._send(Call("PUT", "/v1/cluster", json=cluster))
+        """Replace the topology (`{"nodes": [...]}` as in a scenario file's `cluster`): `ClusterOut`."""
+        return self._send(Call("PUT", "/v1/cluster", json=cluster, answer=ClusterOut))
 
     def list_models(self) -> Any:
-        return self._send(Call("GET", "/v1/models"))
+        """`list[ModelOut]`."""
+        return self._send(Call("GET", "/v1/models", answer=list[ModelOut]))
 
     def put_model(self, model_id: str, model: dict[str, Any], *, nvme_nodes: list[str] | None = None) -> Any:
-        """Add or replace a model (as in a scenario's `models[]`, without `id`)."""
+        """Add or replace a model (as in a scenario's `models[]`, without `id`): `ModelOut`."""
         body = _compact({"model": model, "nvme_nodes": nvme_nodes})
-        return self._send(Call("PUT", f"/v1/models/{model_id}", json=body))
+        return self._send(Call("PUT", f"/v1/models/{model_id}", json=body, answer=ModelOut))
 
     def delete_model(self, model_id: str) -> Any:
         return self._send(Call("DELETE", f"/v1/models/{model_id}", expect="none"))
@@ -155,37 +181,48 @@ class Endpoints(ABC):
     # -- events and sessions -----------------------------------------------------
 
     def post_events(self, *events: dict[str, Any]) -> Any:
-        """Session events (build them with `clients.sdk.events`); event ids make a resend harmless."""
-        return self._send(Call("POST", "/v1/events", json={"events": list(events)}))
+        """Session events (build them with `clients.sdk.events`); event ids make a resend harmless: `EventsOut`."""
+        return self._send(Call("POST", "/v1/events", json={"events": list(events)}, answer=EventsOut))
 
     def list_sessions(self) -> Any:
-        return self._send(Call("GET", "/v1/sessions"))
+        """`list[SessionOut]`."""
+        return self._send(Call("GET", "/v1/sessions", answer=list[SessionOut]))
 
     def get_session(self, session_id: str) -> Any:
-        return self._send(Call("GET", f"/v1/sessions/{session_id}"))
+        """`SessionOut`."""
+        return self._send(Call("GET", f"/v1/sessions/{session_id}", answer=SessionOut))
 
     # -- state and plan ----------------------------------------------------------
 
     def get_srv(self) -> Any:
-        """The State Residency Vector and the confirmed placement, with its `version`."""
-        return self._send(Call("GET", "/v1/srv"))
+        """The State Residency Vector and the confirmed placement, with its `version`: `SrvOut`."""
+        return self._send(Call("GET", "/v1/srv", answer=SrvOut))
 
     def get_plan(self) -> Any:
-        return self._send(Call("GET", "/v1/plan"))
+        """`CurrentPlanOut`."""
+        return self._send(Call("GET", "/v1/plan", answer=CurrentPlanOut))
 
     def replan(self) -> Any:
-        """Plan now (a new epoch supersedes the operations not yet leased). Not retried: each call is an epoch."""
-        return self._send(Call("POST", "/v1/plan", idempotent=False))
+        """Plan now (a new epoch supersedes the operations not yet leased). Not retried: each call is an epoch.
+        `ReplanOut`."""
+        return self._send(Call("POST", "/v1/plan", idempotent=False, answer=ReplanOut))
 
-    def whatif(self, changes: list[dict[str, Any]], *, solver: str = "greedy", time_limit_seconds: float = 10.0) -> Any:
+    def whatif(
+        self, changes: list[dict[str, Any]], *, solver: SolverName = SolverName.GREEDY, time_limit_seconds: float = 10.0
+    ) -> Any:
+        """Plan hypothetical changes on a copy of the live state: `WhatIfOut`."""
         body = {"changes": changes, "solver": solver, "time_limit_seconds": time_limit_seconds}
-        return self._send(Call("POST", "/v1/whatif", json=body, timeout_seconds=time_limit_seconds + 30.0))
+        return self._send(
+            Call("POST", "/v1/whatif", json=body, timeout_seconds=time_limit_seconds + 30.0, answer=WhatIfOut)
+        )
 
     def pareto(self) -> Any:
-        return self._send(Call("GET", "/v1/pareto"))
+        """`ParetoOut`."""
+        return self._send(Call("GET", "/v1/pareto", answer=ParetoOut))
 
     def explain(self, *, model: str | None = None, session: str | None = None) -> Any:
-        return self._send(Call("GET", "/v1/explain", params={"model": model, "session": session}))
+        """`ExplainOut`."""
+        return self._send(Call("GET", "/v1/explain", params={"model": model, "session": session}, answer=ExplainOut))
 
     # -- nodes and queues --------------------------------------------------------
 
@@ -193,13 +230,14 @@ class Endpoints(ABC):
         self,
         node_id: str,
         *,
-        capabilities: list[str] | None = None,
+        capabilities: list[Capability] | None = None,
         gpus: list[dict[str, Any]] | None = None,
         host_dram_bytes: int | None = None,
         nvme_bytes: int | None = None,
         engines: list[dict[str, Any]] | None = None,
         agent_version: str | None = None,
     ) -> Any:
+        """`RegisterOut`."""
         body = _compact(
             {
                 "capabilities": capabilities,
@@ -210,7 +248,7 @@ class Endpoints(ABC):
                 "agent_version": agent_version,
             }
         )
-        return self._send(Call("POST", f"/v1/nodes/{node_id}/register", json=body))
+        return self._send(Call("POST", f"/v1/nodes/{node_id}/register", json=body, answer=RegisterOut))
 
     def heartbeat(
         self,
@@ -222,6 +260,7 @@ class Endpoints(ABC):
         engines: dict[str, str] | None = None,
         expert_hit_rates: dict[str, float] | None = None,
     ) -> Any:
+        """`HeartbeatOut`."""
         body = _compact(
             {
                 "gpus": [_compact(g) for g in gpus] if gpus is not None else None,
@@ -231,14 +270,21 @@ class Endpoints(ABC):
                 "expert_hit_rates": expert_hit_rates,
             }
         )
-        return self._send(Call("POST", f"/v1/nodes/{node_id}/heartbeat", json=body))
+        return self._send(Call("POST", f"/v1/nodes/{node_id}/heartbeat", json=body, answer=HeartbeatOut))
 
     def lease(self, node_id: str, *, max_operations: int = 8, wait_seconds: float = 0.0) -> Any:
-        """Long-poll the node's ready operations. Never retried (see the module docstring)."""
+        """Long-poll the node's ready operations: `LeaseOut`. Never retried (see the module docstring)."""
         body = {"max_operations": max_operations, "wait_seconds": wait_seconds}
         timeout = max(wait_seconds + LONG_POLL_MARGIN_SECONDS, DEFAULT_TIMEOUT_SECONDS)
         return self._send(
-            Call("POST", f"/v1/nodes/{node_id}/lease", json=body, idempotent=False, timeout_seconds=timeout)
+            Call(
+                "POST",
+                f"/v1/nodes/{node_id}/lease",
+                json=body,
+                idempotent=False,
+                timeout_seconds=timeout,
+                answer=LeaseOut,
+            )
         )
 
     def report(
@@ -246,12 +292,13 @@ class Endpoints(ABC):
         op_id: str,
         *,
         lease_id: str,
-        status: Literal["done", "failed"],
+        status: ReportStatus,
         measured_seconds: float | None = None,
         measured_bytes: int | None = None,
         error: str | None = None,
     ) -> Any:
-        """`done` or `failed` for a leased operation; the service answers a repeat the same way, so it is retried."""
+        """`done` or `failed` for a leased operation: `ReportOut`. The service answers a repeat the same way, so
+        it is retried."""
         body = _compact(
             {
                 "lease_id": lease_id,
@@ -261,7 +308,10 @@ class Endpoints(ABC):
                 "error": error[:2000] if error else None,
             }
         )
-        return self._send(Call("POST", f"/v1/operations/{op_id}/report", json=body))
+        return self._send(Call("POST", f"/v1/operations/{op_id}/report", json=body, answer=ReportOut))
 
-    def list_operations(self, *, node: str | None = None, state: OpState | None = None) -> Any:
-        return self._send(Call("GET", "/v1/operations", params={"node": node, "state": state}))
+    def list_operations(self, *, node: str | None = None, state: OperationState | None = None) -> Any:
+        """`list[OperationRecord]`: the open operations, or those in `state`."""
+        return self._send(
+            Call("GET", "/v1/operations", params={"node": node, "state": state}, answer=list[OperationRecord])
+        )

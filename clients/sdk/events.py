@@ -8,13 +8,15 @@ sb.post_events(
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
-Slo = Literal["blocking", "interactive", "background"]
+from planner_service.wire.enums import EventType, Slo
+
+__all__ = ["Slo", "request", "session_end", "tool_call_end", "tool_call_start", "turn_end"]
 
 
-def _event(kind: str, event_id: str, session: str, at: float | None, **fields: Any) -> dict[str, Any]:
-    event = {"id": event_id, "type": kind, "session": session, "at": at, **fields}
+def _event(kind: EventType, event_id: str, session: str, at: float | None, **fields: Any) -> dict[str, Any]:
+    event = {"id": event_id, "type": kind.value, "session": session, "at": at, **fields}
     return {k: v for k, v in event.items() if v is not None}
 
 
@@ -31,7 +33,7 @@ def request(
 ) -> dict[str, Any]:
     """The session hands off to (or keeps using) `model`: the planner wants it ready to prefill."""
     return _event(
-        "request",
+        EventType.REQUEST,
         event_id,
         session,
         at,
@@ -44,16 +46,16 @@ def request(
 
 
 def turn_end(event_id: str, *, session: str, output_tokens: int = 0, at: float | None = None) -> dict[str, Any]:
-    return _event("turn_end", event_id, session, at, output_tokens=output_tokens)
+    return _event(EventType.TURN_END, event_id, session, at, output_tokens=output_tokens)
 
 
 def tool_call_start(event_id: str, *, session: str, tool: str | None = None, at: float | None = None) -> dict[str, Any]:
-    return _event("tool_call_start", event_id, session, at, tool=tool)
+    return _event(EventType.TOOL_CALL_START, event_id, session, at, tool=tool)
 
 
 def tool_call_end(event_id: str, *, session: str, tool: str | None = None, at: float | None = None) -> dict[str, Any]:
-    return _event("tool_call_end", event_id, session, at, tool=tool)
+    return _event(EventType.TOOL_CALL_END, event_id, session, at, tool=tool)
 
 
 def session_end(event_id: str, *, session: str, at: float | None = None) -> dict[str, Any]:
-    return _event("session_end", event_id, session, at)
+    return _event(EventType.SESSION_END, event_id, session, at)

@@ -89,6 +89,14 @@ class PlanStatus(StrEnum):
     INFEASIBLE = "infeasible"
 
 
+class SolverName(StrEnum):
+    """The planners a plan or a what-if can ask for."""
+
+    GREEDY = "greedy"
+    SEARCH = "search"  # the greedy plus a local search over the nodes of models in flight
+    MILP = "milp"  # the exact oracle (OR-Tools)
+
+
 class HealthStatus(StrEnum):
     OK = "ok"
     STARTING = "starting"

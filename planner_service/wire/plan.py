@@ -5,7 +5,7 @@ from __future__ import annotations
 from pydantic import Field
 
 from planner_service.wire.base import WireModel
-from planner_service.wire.enums import Action, OperationState, PlanStatus
+from planner_service.wire.enums import Action, OperationState, PlanStatus, SolverName
 from planner_service.wire.operations import HeldBack, Operation
 from planner_service.wire.state import Location, PlacementEntry, StateObject
 
@@ -52,7 +52,7 @@ class MilpInfo(WireModel):
 
     backend: str | None
     solver_status: str | int | None = Field(description="The backend's own status: a name (CP-SAT) or a code.")
-    plan_from: str = Field(description="milp, or greedy when the greedy plan evaluates no worse.")
+    plan_from: SolverName = Field(description="milp, or greedy when the greedy plan evaluates no worse.")
     model_objective: float | None
     milp_plan_objective: float | None
     greedy_objective: float | None
@@ -71,7 +71,7 @@ class PlanOut(WireModel):
     Solver `search` adds `search`; solver `milp` adds `bound`, `gap` and `milp`.
     """
 
-    solver: str
+    solver: SolverName
     status: PlanStatus
     objective: float
     objective_terms: ObjectiveTerms
@@ -100,7 +100,7 @@ class ReplanOut(CurrentPlanOut):
 
 
 class WhatIfOut(WireModel):
-    solver: str
+    solver: SolverName
     changes: int = Field(description="How many changes were applied.")
     based_on_epoch: int
     predicted: Predicted

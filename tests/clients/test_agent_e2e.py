@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 from collections import Counter
-from dataclasses import replace
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
@@ -20,6 +19,7 @@ from clients.agent.executors.local import LocalExecutor
 from clients.agent.operations import Kind, Location, Operation, Outcome, StateObject
 from clients.agent.runner import Agent
 from clients.sdk import NotFoundError
+from planner_service.wire.state import PlacementEntry
 
 pytestmark = pytest.mark.anyio
 SCALE = 1e-6
@@ -41,19 +41,23 @@ def agent_config(tmp_path, node: str = "n1", **overrides: Any) -> AgentConfig:
     return AgentConfig.model_validate(settings)
 
 
-def _key(row: dict[str, Any], where: str) -> tuple[str, str]:
-    return json.dumps(row["object"], sort_keys=True), json.dumps(row[where], sort_keys=True)
+def _key(obj: StateObject, loc: Location) -> tuple[str, str]:
+    return obj.key(), loc.label()
 
 
-def apply(placement: list[dict[str, Any]], ops: list[dict[str, Any]]) -> Counter:
+def placed(placement: Sequence[PlacementEntry]) -> Counter:
+    return Counter({_key(e.object, e.location): e.bytes for e in placement})
+
+
+def apply(placement: Sequence[PlacementEntry], ops: Sequence[Operation]) -> Counter:
     """The confirmed placement after the operations, as the service's `apply_operation` defines it."""
-    out: Counter = Counter({_key(r, "location"): r["bytes"] for r in placement})
+    out = placed(placement)
     for op in ops:
-        if op["to"] is not None:
-            out[_key({"object": op["object"], "location": op["to"]}, "location")] += op["bytes"]
-        if op["from"] is not None and not op["keep_source"]:
-            key = _key({"object": op["object"], "location": op["from"]}, "location")
-            out[key] -= op["bytes"]
+        if op.dest is not None:
+            out[_key(op.object, op.dest)] += op.bytes
+        if op.source is not None and not op.keep_source:
+            key = _key(op.object, op.source)
+            out[key] -= op.bytes
             if out[key] <= 0:
                 del out[key]
     return out
@@ -69,7 +73,7 @@ async def run_until_idle(agent: Agent, sb, node: str, timeout: float = 15.0, ope
                 await asyncio.sleep(0.05)
                 assert not task.done(), task.exception() if task.done() else None
                 ops = await sb.list_operations(node=node)
-                if agent.stats["done"] + agent.stats["failed"] and not [o for o in ops if o["state"] in open_states]:
+                if agent.stats["done"] + agent.stats["failed"] and not [o for o in ops if o.state in open_states]:
                     break
     finally:
         stop.set()
@@ -82,7 +86,7 @@ async def test_demo_operations_are_carried_out_and_confirmed(tmp_path):
         sb = async_client(http)
         before = await sb.get_srv()
         plan = await sb.get_plan()
-        mine = [o for o in plan["operations"] if o["node"] == "n1"]
+        mine = [o for o in plan.operations if o.node == "n1"]
         assert len(mine) >= 3
         config = agent_config(tmp_path)
         executor = LocalExecutor.from_config(config)
@@ -91,34 +95,30 @@ async def test_demo_operations_are_carried_out_and_confirmed(tmp_path):
 
         assert agent.stats["done"] == len(mine) and agent.stats["failed"] == 0
         after = await sb.get_srv()
-        assert after["version"] == before["version"] + len(mine)
-        assert Counter({_key(r, "location"): r["bytes"] for r in after["placement"]}) == apply(
-            before["placement"], mine
-        )
-        done = {o["id"]: o for o in await sb.list_operations(node="n1", state="done")}
-        assert set(done) == {o["id"] for o in mine}
+        assert after.version == before.version + len(mine)
+        assert placed(after.placement) == apply(before.placement, mine)
+        done = {o.id: o for o in await sb.list_operations(node="n1", state="done")}
+        assert set(done) == {o.id for o in mine}
         for op in mine:  # reported what was measured, scaled back to planned bytes
-            assert done[op["id"]]["measured_bytes"] == pytest.approx(
-                op["bytes"], abs=1 / SCALE
-            )  # rounding of the scaled copy
-            assert done[op["id"]]["measured_seconds"] > 0
+            assert done[op.id].measured_bytes == pytest.approx(op.bytes, abs=1 / SCALE)  # rounding of the scaled copy
+            assert (done[op.id].measured_seconds or 0) > 0
 
         # the bytes really are where the confirmed placement says, at 1 byte per million
-        for row in after["placement"]:
-            loc = row["location"]
-            if loc.get("gpu", "").startswith("n1-") or loc.get("node") == "n1":
-                key = StateObject.from_json(row["object"]).key()
-                store = executor.store(Location.from_json(loc))
-                assert store.size(key) == pytest.approx(row["bytes"] * SCALE, abs=3), (key, loc)
+        for entry in after.placement:
+            loc = entry.location
+            if (loc.gpu or "").startswith("n1-") or loc.node == "n1":
+                key = entry.object.key()
+                assert executor.store(loc).size(key) == pytest.approx(entry.bytes * SCALE, abs=3), (key, loc)
         assert any(p.name.startswith("experts__") for p in (tmp_path / "n1" / "nvme").iterdir())
 
         # registration and heartbeats reached the service
-        node = next(n for n in (await sb.get_cluster())["nodes"] if n["id"] == "n1")
-        assert node["registered_at"] and node["last_heartbeat"] and agent.stats["heartbeats"] >= 1
-        used = {g["id"]: g.get("used_bytes") for g in node["telemetry"]["gpus"]}
+        node = next(n for n in (await sb.get_cluster()).nodes if n.id == "n1")
+        assert node.registered_at and node.last_heartbeat and agent.stats["heartbeats"] >= 1
+        assert node.telemetry is not None and node.telemetry.engines == {"local": "ready"}
+        used = {g.id: g.used_bytes for g in node.telemetry.gpus}
         assert used and all(v is not None for v in used.values())
         # nothing was leased for other nodes
-        assert all(o["node"] == "n1" for o in await sb.list_operations(state="done"))
+        assert all(o.node == "n1" for o in await sb.list_operations(state="done"))
 
 
 async def test_dependencies_wait_for_the_room_they_need(tmp_path):
@@ -130,19 +130,17 @@ async def test_dependencies_wait_for_the_room_they_need(tmp_path):
             request_event("e2", "s2", "alpha", input_tokens=1000),
         )
         await sb.replan()
-        plan = [o for o in (await sb.get_plan())["operations"] if o["node"] == "n1"]
-        drop = next(o for o in plan if o["action"] == "drop")
-        assert all(drop["id"] in o["depends_on"] for o in plan if o["action"] == "promote")
+        plan = [o for o in (await sb.get_plan()).operations if o.node == "n1"]
+        drop = next(o for o in plan if o.action == "drop")
+        assert all(drop.id in o.depends_on for o in plan if o.action == "promote")
         before = await sb.get_srv()
         config = agent_config(tmp_path)
         executor = LocalExecutor.from_config(config)
         agent = Agent(config, sb, executor)
         await run_until_idle(agent, sb, "n1")
-        assert agent.reports[0]["op"] == drop["id"]
+        assert agent.reports[0]["op"] == drop.id
         after = await sb.get_srv()
-        assert Counter({_key(r, "location"): r["bytes"] for r in after["placement"]}) == apply(
-            before["placement"], plan
-        )
+        assert placed(after.placement) == apply(before.placement, plan)
         gpu = executor.gpu("n1-g0")
         assert gpu.keys() == sorted(["weights__beta__bf16", "kv__beta__s1"])
         assert gpu.size("weights__beta__bf16") == round(12884901888 * SCALE)
@@ -179,19 +177,19 @@ async def test_a_failing_operation_is_reported_failed_with_its_reason(tmp_path):
     app = make_app(tmp_path)
     async with served(app) as http:
         sb = async_client(http)
-        mine = [o for o in (await sb.get_plan())["operations"] if o["node"] == "n1"]
+        mine = [o for o in (await sb.get_plan()).operations if o.node == "n1"]
         before = await sb.get_srv()
         config = agent_config(tmp_path)
         executor = Scripted(LocalExecutor.from_config(config), permanent={Kind.KV})
         agent = Agent(config, sb, executor)
         await run_until_idle(agent, sb, "n1")
-        kv_ops = {o["id"] for o in mine if o["object"]["kind"] == "kv"}
+        kv_ops = {o.id for o in mine if o.object.kind is Kind.KV}
         assert kv_ops and agent.stats["failed"] == len(kv_ops) and agent.stats["done"] == len(mine) - len(kv_ops)
         failed = await sb.list_operations(node="n1", state="failed")
-        assert {o["id"] for o in failed} == kv_ops
-        assert all("engine cannot move kv(" in o["error"] for o in failed)
+        assert {o.id for o in failed} == kv_ops
+        assert all("engine cannot move kv(" in (o.error or "") for o in failed)
         assert executor.calls.count(next(iter(kv_ops))) == 1  # permanent: tried once
-        assert (await sb.get_srv())["version"] == before["version"] + len(mine) - len(kv_ops)
+        assert (await sb.get_srv()).version == before.version + len(mine) - len(kv_ops)
 
 
 async def test_temporary_errors_are_retried(tmp_path):
@@ -219,10 +217,10 @@ async def test_temporary_errors_give_up_after_the_attempts(tmp_path):
         agent = Agent(config, sb, stubborn)
         await run_until_idle(agent, sb, "n1", open_states=("leased",))
         failed = await sb.list_operations(node="n1", state="failed")
-        assert [o["action"] for o in failed] == ["drop"] and len(stubborn.calls) == 3
-        assert "gave up after 3 attempt(s): engine busy" in failed[0]["error"]
+        assert [o.action for o in failed] == ["drop"] and len(stubborn.calls) == 3
+        assert "gave up after 3 attempt(s): engine busy" in (failed[0].error or "")
         # its dependents never ran: they are not leased while the drop is not done
-        assert {o["state"] for o in await sb.list_operations(node="n1")} == {"queued"}
+        assert {o.state for o in await sb.list_operations(node="n1")} == {"queued"}
 
 
 class Slow:
@@ -257,7 +255,7 @@ async def test_stop_finishes_running_work_and_leases_no_more(tmp_path):
     app = make_app(tmp_path)
     async with served(app) as http:
         sb = async_client(http)
-        mine = [o for o in (await sb.get_plan())["operations"] if o["node"] == "n1"]
+        mine = [o for o in (await sb.get_plan()).operations if o.node == "n1"]
         executor = Slow()
         agent = Agent(agent_config(tmp_path, max_parallel=1, capabilities=[]), sb, executor)
         stop = asyncio.Event()
@@ -268,8 +266,8 @@ async def test_stop_finishes_running_work_and_leases_no_more(tmp_path):
         assert not task.done()  # it waits for the operation in flight
         executor.release.set()
         await asyncio.wait_for(task, timeout=5)
-        assert executor.ran == [mine[0]["id"]] and agent.stats["done"] == 1
-        states = Counter(o["state"] for o in await sb.list_operations(node="n1"))
+        assert executor.ran == [mine[0].id] and agent.stats["done"] == 1
+        states = Counter(o.state for o in await sb.list_operations(node="n1"))
         assert states == {"queued": len(mine) - 1}
 
 
@@ -316,19 +314,19 @@ async def test_the_agent_declares_the_gpus_its_engines_were_launched_on(tmp_path
         task = asyncio.create_task(Agent(config, sb, executor).run(stop))
         try:
             async with asyncio.timeout(10):
-                while not (node := (await sb.get_cluster())["nodes"][1])["registered_at"]:
+                while not (node := (await sb.get_cluster()).nodes[1]).registered_at:
                     await asyncio.sleep(0.05)
         finally:
             stop.set()
             await asyncio.wait_for(task, timeout=10)
-        assert node["engines"] == [{"model": "coder", "gpus": ["n2-g2", "n2-g3"]}]
+        assert [e.model_dump() for e in node.engines or []] == [{"model": "coder", "gpus": ["n2-g2", "n2-g3"]}]
 
 
 async def test_with_a_node_token_state_is_materialized_on_first_use(tmp_path):
     app = make_app(tmp_path, auth=True)
     async with served(app) as http:
         operator, node1 = async_client(http, OPERATOR_TOKEN), async_client(http, NODE_TOKENS["n1"])
-        mine = [o for o in (await operator.get_plan())["operations"] if o["node"] == "n1"]
+        mine = [o for o in (await operator.get_plan()).operations if o.node == "n1"]
         config = agent_config(tmp_path, token=NODE_TOKENS["n1"])
         agent = Agent(config, node1, LocalExecutor.from_config(config))  # cannot read /v1/srv: no seeding
         await run_until_idle(agent, operator, "n1")
@@ -347,7 +345,7 @@ def test_heartbeats_send_each_measured_rate_once(tmp_path):
     config = agent_config(tmp_path, gpus=[{"id": "n1-g0", "hbm_bytes": 10**10}])
     executor = LocalExecutor.from_config(config)
     agent = Agent(config, None, executor)  # type: ignore[arg-type]  # no service needed to build a heartbeat
-    promote = Operation.from_json(
+    promote = Operation.model_validate(
         {
             "id": "1",
             "action": "promote",
@@ -357,6 +355,10 @@ def test_heartbeats_send_each_measured_rate_once(tmp_path):
             "bytes": 10**9,
             "keep_source": True,
             "node": "n1",
+            "priority": "prefetch",
+            "depends_on": [],
+            "estimated_seconds": 0.5,
+            "reason": "",
         }
     )
     agent.meter.observe(promote, Outcome(measured_seconds=0.5, measured_bytes=10**9))
@@ -372,4 +374,4 @@ def test_heartbeats_send_each_measured_rate_once(tmp_path):
 
 
 def replace_source(op: Operation, tier: str) -> Operation:
-    return replace(op, source=Location.from_json({"tier": tier, "node": "n1"}))
+    return op.model_copy(update={"source": Location.model_validate({"tier": tier, "node": "n1"})})

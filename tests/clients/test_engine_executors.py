@@ -71,7 +71,7 @@ def http_for(**fakes: FakeEngine) -> EngineHttp:
 
 
 def op(action: str, obj: dict[str, Any], src: dict | None, dst: dict | None, keep: bool = False) -> Operation:
-    return Operation.from_json(
+    return Operation.model_validate(
         {
             "id": "1.op-1",
             "action": action,
@@ -81,6 +81,10 @@ def op(action: str, obj: dict[str, Any], src: dict | None, dst: dict | None, kee
             "bytes": 1000,
             "keep_source": keep,
             "node": "n1",
+            "priority": "background",
+            "depends_on": [],
+            "estimated_seconds": 0.0,
+            "reason": "",
         }
     )
 
@@ -282,7 +286,7 @@ async def test_agent_with_the_vllm_executor_end_to_end(tmp_path):
             request_event("e2", "s2", "alpha", input_tokens=1000),
         )
         await sb.replan()
-        before = (await sb.get_srv())["version"]
+        before = (await sb.get_srv()).version
         agent = Agent(config, sb, executor)
         stop = asyncio.Event()
         task = asyncio.create_task(agent.run(stop))
@@ -294,9 +298,9 @@ async def test_agent_with_the_vllm_executor_end_to_end(tmp_path):
         assert alpha.calls == [("POST", "/sleep", {"level": "2"}, None)]
         assert [c[1] for c in beta.calls] == ["/wake_up", "/collective_rpc", "/wake_up"]
         assert lmcache.calls == []  # the KV is prefilled by the engine on the next request
-        assert (await sb.get_srv())["version"] == before + 3
+        assert (await sb.get_srv()).version == before + 3
         cluster = await sb.get_cluster()
-        assert next(n for n in cluster["nodes"] if n["id"] == "n1")["capabilities"] == ["kv_offload", "weights_offload"]
+        assert next(n for n in cluster.nodes if n.id == "n1").capabilities == ["kv_offload", "weights_offload"]
 
 
 class ScriptedProbe:

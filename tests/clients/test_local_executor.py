@@ -8,6 +8,7 @@ from clients.agent.errors import PermanentError
 from clients.agent.executors.local import LocalExecutor
 from clients.agent.operations import Operation
 from clients.agent.stores import DirStore, MemoryStore
+from planner_service.wire.state import PlacementEntry
 
 SCALE = 1e-6
 GB = 10**9
@@ -28,7 +29,7 @@ def executor(tmp_path, **kw) -> LocalExecutor:
 
 
 def op(action, obj, src, dst, nbytes, keep=False, op_id="1.op-1") -> Operation:
-    return Operation.from_json(
+    return Operation.model_validate(
         {
             "id": op_id,
             "action": action,
@@ -38,8 +39,16 @@ def op(action, obj, src, dst, nbytes, keep=False, op_id="1.op-1") -> Operation:
             "bytes": nbytes,
             "keep_source": keep,
             "node": "n1",
+            "priority": "background",
+            "depends_on": [],
+            "estimated_seconds": 0.0,
+            "reason": "",
         }
     )
+
+
+def entry(obj: dict, loc: dict, nbytes: int) -> PlacementEntry:
+    return PlacementEntry.model_validate({"object": obj, "location": loc, "bytes": nbytes})
 
 
 WEIGHTS = {"kind": "weights", "model": "coder", "precision": "bf16"}
@@ -51,7 +60,7 @@ GPU = {"tier": "gpu", "gpu": "n1-g0"}
 @pytest.mark.anyio
 async def test_promote_demote_drop_move_real_bytes(tmp_path):
     ex = executor(tmp_path)
-    ex.seed([{"object": WEIGHTS, "location": NVME, "bytes": 60 * GB}], "n1", {"n1-g0"})
+    ex.seed([entry(WEIGHTS, NVME, 60 * GB)], "n1", {"n1-g0"})
     nvme_file = tmp_path / "nvme" / "weights__coder__bf16.bin"
     assert nvme_file.stat().st_size == 60_000  # 60 GB at 1e-6
 
@@ -99,7 +108,7 @@ async def test_a_store_that_does_not_give_memory_back_fails_the_operation(tmp_pa
     ex = LocalExecutor(
         "n1", nvme=DirStore(tmp_path / "nvme"), host=Leaky("host"), gpu_store=lambda g: MemoryStore(), scale=SCALE
     )
-    ex.seed([{"object": WEIGHTS, "location": HOST, "bytes": GB}], "n1", set())
+    ex.seed([entry(WEIGHTS, HOST, GB)], "n1", set())
     with pytest.raises(PermanentError, match="reclaimed 0 of 1000 bytes"):
         await ex.execute(op("drop", WEIGHTS, HOST, None, GB))
 

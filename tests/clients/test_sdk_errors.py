@@ -18,6 +18,7 @@ from clients.sdk import (
     StateBudgetClient,
     UnexpectedStatusError,
 )
+from planner_service.wire.enums import ReportStatus
 
 # the SDK passes a per-call timeout on long polls; starlette's TestClient warns that it ignores it
 pytestmark = pytest.mark.filterwarnings("ignore:You should not use the 'timeout' argument")
@@ -61,30 +62,32 @@ def test_tokens(sync_client):
     assert denied.value.status == 403 and denied.value.title == "Forbidden" and "operator token" in denied.value.detail
     with pytest.raises(PermissionDeniedError, match="n2"):
         node1.lease("n2")
-    assert node1.register_node("n1")["node"] == "n1"
+    assert node1.register_node("n1").node == "n1"
     operator = StateBudgetClient(token=OPERATOR_TOKEN, http_client=http, retry=FAST_RETRY)
-    assert operator.get_srv()["version"] >= 1
-    assert anonymous.livez() == {"status": "ok"}  # open endpoints need no token
+    assert operator.get_srv().version >= 1
+    assert anonymous.livez().status == "ok"  # open endpoints need no token
 
 
 def test_not_found_and_conflicts(sync_client):
     sb, _, _ = sync_client()
     mine = sb.lease("n1", max_operations=1)
-    op = mine["operations"][0]
+    op, lease_id = mine.operations[0], mine.lease_id
+    assert lease_id is not None
     with pytest.raises(NotFoundError, match="99.op-1"):
-        sb.report("99.op-1", lease_id=mine["lease_id"], status="done")
+        sb.report("99.op-1", lease_id=lease_id, status=ReportStatus.DONE)
     with pytest.raises(NotFoundError, match="nx"):
         sb.lease("nx")
     with pytest.raises(ConflictError) as info:
-        sb.report(op["id"], lease_id="someone-elses-lease", status="done")
+        sb.report(op.id, lease_id="someone-elses-lease", status=ReportStatus.DONE)
     assert info.value.status == 409 and "another lease" in info.value.detail
-    other = sb.lease("n2", max_operations=1)
+    other = sb.lease("n2", max_operations=1).lease_id
+    assert other is not None
     with pytest.raises(ConflictError):
-        sb.report(op["id"], lease_id=other["lease_id"], status="done")
-    assert sb.report(op["id"], lease_id=mine["lease_id"], status="done")["duplicate"] is False
-    assert sb.report(op["id"], lease_id=mine["lease_id"], status="done")["duplicate"] is True
+        sb.report(op.id, lease_id=other, status=ReportStatus.DONE)
+    assert sb.report(op.id, lease_id=lease_id, status=ReportStatus.DONE).duplicate is False
+    assert sb.report(op.id, lease_id=lease_id, status=ReportStatus.DONE).duplicate is True
     with pytest.raises(ConflictError, match="already done"):
-        sb.report(op["id"], lease_id=mine["lease_id"], status="failed", error="x")
+        sb.report(op.id, lease_id=lease_id, status=ReportStatus.FAILED, error="x")
 
 
 def _scripted(statuses: list[int], seen: list[str]) -> httpx.MockTransport:
@@ -92,7 +95,7 @@ def _scripted(statuses: list[int], seen: list[str]) -> httpx.MockTransport:
         seen.append(f"{request.method} {request.url.path}")
         status = statuses.pop(0) if statuses else 200
         if status == 200:
-            return httpx.Response(200, json={"lease_id": None, "operations": [], "version": 1})
+            return httpx.Response(200, json={"version": 1, "srv": [], "placement": []})  # an SRV
         return httpx.Response(
             status,
             json={"type": "about:blank", "title": "Not ready", "status": status, "detail": "starting"},
@@ -107,7 +110,7 @@ def test_idempotent_calls_retry_5xx_then_succeed():
     sb = StateBudgetClient(
         retry=FAST_RETRY, http_client=httpx.Client(transport=_scripted([503, 502], seen), base_url="http://x")
     )
-    assert sb.get_srv()["version"] == 1
+    assert sb.get_srv().version == 1
     assert seen == ["GET /v1/srv"] * 3
 
 

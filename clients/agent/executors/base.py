@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from clients.agent.operations import Capability, Operation, Outcome
+from planner_service.wire.enums import EngineStatus
+from planner_service.wire.state import PlacementEntry
 
 
 @dataclass(frozen=True, slots=True)
@@ -18,7 +20,7 @@ class GpuUsage:
 @dataclass(frozen=True, slots=True)
 class Telemetry:
     gpus: list[GpuUsage] = field(default_factory=list)
-    engines: dict[str, str] = field(default_factory=dict)  # engine name -> state
+    engines: dict[str, EngineStatus] = field(default_factory=dict)  # engine name -> state
 
 
 @runtime_checkable
@@ -43,4 +45,4 @@ class Executor(Protocol):
 class Seedable(Protocol):
     """An executor that can materialize state the service says is already there (the local one)."""
 
-    def seed(self, placement: list[dict[str, Any]], node_id: str, gpu_ids: set[str]) -> int: ...
+    def seed(self, placement: list[PlacementEntry], node_id: str, gpu_ids: set[str]) -> int: ...

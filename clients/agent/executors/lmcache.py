@@ -31,6 +31,7 @@ from clients.agent.errors import CapabilityError
 from clients.agent.executors.base import Telemetry
 from clients.agent.executors.engine_http import EngineHttp, EngineRequest
 from clients.agent.operations import Action, Capability, Kind, Operation, Outcome, StateObject, Tier
+from planner_service.wire.enums import EngineKind, EngineStatus
 
 if TYPE_CHECKING:
     from clients.agent.config import AgentConfig, LMCacheConfig
@@ -111,10 +112,10 @@ class LMCacheExecutor:
         return await self._http.run("lmcache", self.config.url, self.requests_for(op))
 
     def telemetry(self) -> Telemetry:
-        return Telemetry(engines={"lmcache": "ready"})
+        return Telemetry(engines={"lmcache": EngineStatus.READY})
 
     def engines(self) -> list[dict[str, Any]]:
-        return [{"name": "lmcache", "kind": "lmcache", "url": self.config.url}]
+        return [{"name": "lmcache", "kind": EngineKind.LMCACHE, "url": self.config.url}]
 
     async def aclose(self) -> None:
         await self._http.aclose()

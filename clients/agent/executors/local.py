@@ -26,8 +26,10 @@ from typing import TYPE_CHECKING, Any
 
 from clients.agent.errors import PermanentError
 from clients.agent.executors.base import GpuUsage, Telemetry
-from clients.agent.operations import Action, Capability, Location, Operation, Outcome, StateObject, Tier
+from clients.agent.operations import Action, Capability, Location, Operation, Outcome, Tier
 from clients.agent.stores import ByteStore, CudaStore, DirStore, MemoryStore, cuda_available
+from planner_service.wire.enums import EngineKind, EngineStatus
+from planner_service.wire.state import PlacementEntry
 
 if TYPE_CHECKING:
     from clients.agent.config import AgentConfig
@@ -123,16 +125,14 @@ class LocalExecutor:
         if have < nbytes:
             store.append(key, _filler(nbytes - have, self.chunk_bytes))
 
-    def seed(self, placement: list[dict[str, Any]], node_id: str, gpu_ids: set[str]) -> int:
+    def seed(self, placement: list[PlacementEntry], node_id: str, gpu_ids: set[str]) -> int:
         """Materialize this node's share of a confirmed placement (`GET /v1/srv`'s `placement`)."""
         count = 0
-        for row in placement:
-            loc = Location.from_json(row["location"])
-            assert loc is not None
+        for entry in placement:
+            loc = entry.location
             if loc.id not in (gpu_ids if loc.tier is Tier.GPU else {node_id}):
                 continue
-            key = StateObject.from_json(row["object"]).key()
-            self._ensure(self.store(loc), key, self.scaled(int(row["bytes"])))
+            self._ensure(self.store(loc), entry.object.key(), self.scaled(entry.bytes))
             count += 1
         return count
 
@@ -199,10 +199,10 @@ class LocalExecutor:
             used = self.unscaled(store.total_bytes())
             capacity = self._capacity.get(gpu_id)
             gpus.append(GpuUsage(gpu_id, used, max(capacity - used, 0) if capacity is not None else None))
-        return Telemetry(gpus=gpus, engines={"local": "ready"})
+        return Telemetry(gpus=gpus, engines={"local": EngineStatus.READY})
 
     def engines(self) -> list[dict[str, Any]]:
-        return [{"name": "local", "kind": "local"}]
+        return [{"name": "local", "kind": EngineKind.LOCAL}]
 
     async def aclose(self) -> None:
         return None

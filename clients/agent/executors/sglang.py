@@ -27,6 +27,7 @@ from clients.agent.executors.base import Telemetry
 from clients.agent.executors.engine_http import EngineHttp, EngineRequest
 from clients.agent.operations import Action, Capability, Kind, Operation, Outcome, Tier
 from clients.agent.probes import GpuProbe, NullProbe, default_probe
+from planner_service.wire.enums import EngineKind, EngineStatus
 
 if TYPE_CHECKING:
     from clients.agent.config import AgentConfig
@@ -93,11 +94,11 @@ class SGLangExecutor:
         return await self._http.run(f"sglang[{op.object.model}]", url, requests, op=op, probe=self.probe)
 
     def telemetry(self) -> Telemetry:
-        return Telemetry(engines={f"sglang-{m}": "configured" for m in self.engine_urls})
+        return Telemetry(engines={f"sglang-{m}": EngineStatus.CONFIGURED for m in self.engine_urls})
 
     def engines(self) -> list[dict[str, Any]]:
         return [
-            {"name": f"sglang-{m}", "kind": "sglang", "models": [m], "url": u}
+            {"name": f"sglang-{m}", "kind": EngineKind.SGLANG, "models": [m], "url": u}
             for m, u in sorted(self.engine_urls.items())
         ]
 

@@ -31,6 +31,7 @@ from clients.agent.executors.engine_http import EngineHttp, EngineRequest
 from clients.agent.executors.lmcache import LMCacheExecutor
 from clients.agent.operations import Action, Capability, Kind, Operation, Outcome, Tier
 from clients.agent.probes import GpuProbe, NullProbe, default_probe
+from planner_service.wire.enums import EngineKind, EngineStatus
 
 if TYPE_CHECKING:
     from clients.agent.config import AgentConfig
@@ -103,11 +104,12 @@ class VLLMExecutor:
         return await self._http.run(f"vllm[{op.object.model}]", url, requests, op=op, probe=self.probe)
 
     def telemetry(self) -> Telemetry:
-        return Telemetry(engines={f"vllm-{m}": "configured" for m in self.engine_urls})
+        return Telemetry(engines={f"vllm-{m}": EngineStatus.CONFIGURED for m in self.engine_urls})
 
     def engines(self) -> list[dict[str, Any]]:
         return [
-            {"name": f"vllm-{m}", "kind": "vllm", "models": [m], "url": u} for m, u in sorted(self.engine_urls.items())
+            {"name": f"vllm-{m}", "kind": EngineKind.VLLM, "models": [m], "url": u}
+            for m, u in sorted(self.engine_urls.items())
         ]
 
     async def aclose(self) -> None:

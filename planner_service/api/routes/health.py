@@ -15,7 +15,7 @@ router = APIRouter(tags=["health"])
 @router.get(
     "/livez", response_model=Health, response_model_exclude_none=True, responses={503: {"description": "restart me"}}
 )
-def livez(service: ServiceDep):
+def livez(service: ServiceDep) -> Health | Response:
     """The process answers, and its state still matches the database (after a failed write it does not:
     a restart restores the last committed state)."""
     if service.broken is not None:
@@ -24,7 +24,7 @@ def livez(service: ServiceDep):
 
 
 @router.get("/readyz", response_model=Health, responses={503: {"description": "still starting, or broken"}})
-def readyz(service: ServiceDep):
+def readyz(service: ServiceDep) -> Health | Response:
     """The state is restored and a plan exists."""
     if service.broken is not None:
         return problem(503, "Not ready", service.broken)

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from typing import Any
+
 from fastapi import APIRouter
 
 from planner_service.api.deps import OperatorDep, ServiceDep
@@ -9,12 +11,12 @@ router = APIRouter(prefix="/v1/sessions", tags=["sessions"])
 
 
 @router.get("", response_model=list[SessionOut])
-def list_sessions(service: ServiceDep, _: OperatorDep) -> list[dict]:
+def list_sessions(service: ServiceDep, _: OperatorDep) -> list[dict[str, Any]]:
     """Every session the service knows."""
     return service.sessions_view()
 
 
 @router.get("/{session_id}", response_model=SessionOut)
-def get_session(session_id: str, service: ServiceDep, _: OperatorDep) -> dict:
+def get_session(session_id: str, service: ServiceDep, _: OperatorDep) -> dict[str, Any]:
     """Current model, context tokens, per-model cached tokens and the number of requests applied."""
     return service.session_view(session_id)

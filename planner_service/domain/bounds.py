@@ -47,6 +47,10 @@ MAX_FLOPS = 10**16  # 10 PFLOP/s
 MAX_TOKENS = 100_000_000
 """Tokens of one request or context: a hundred times the longest context windows (1M tokens)."""
 
+MAX_CONTEXT_TOKENS = 10**15
+"""Tokens a session has accumulated over all its turns, as the service counts them: far above what a session can
+reach (at 100,000 tokens/s, three centuries), so the service's own count never crosses it in earnest."""
+
 MAX_PARAMS = 10**14
 """Parameters of one model: a hundred times the largest open models (about 1T)."""
 
@@ -76,6 +80,7 @@ Seconds = Annotated[float, Field(ge=0, le=MAX_SECONDS, allow_inf_nan=False)]
 PositiveSeconds = Annotated[float, Field(gt=0, le=MAX_SECONDS, allow_inf_nan=False)]
 FlopsPerSecond = Annotated[float, Field(ge=MIN_FLOPS, le=MAX_FLOPS, allow_inf_nan=False)]
 Tokens = Annotated[int, Field(ge=0, le=MAX_TOKENS, description="Tokens (at most 100 million).")]
+ContextTokens = Annotated[int, Field(ge=0, le=MAX_CONTEXT_TOKENS)]
 ParamCount = Annotated[int, Field(ge=0, le=MAX_PARAMS)]
 Fraction = Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)]
 Weight = Annotated[float, Field(ge=0, le=MAX_WEIGHT, allow_inf_nan=False)]

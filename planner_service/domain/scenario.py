@@ -22,6 +22,7 @@ from planner_service.domain.bounds import (
     MAX_TENSOR_PARALLEL,
     ByteCount,
     BytesPerSecond,
+    ContextTokens,
     FlopsPerSecond,
     Fraction,
     GpuByteCount,
@@ -172,7 +173,7 @@ class SessionIn(_Strict):
     slo: Slo = Slo.INTERACTIVE
     model: str
     active: bool = False
-    context_tokens: Tokens = 0
+    context_tokens: ContextTokens = 0
 
 
 class ObjectIn(_Strict):

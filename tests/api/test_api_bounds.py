@@ -178,3 +178,16 @@ def test_whatif_and_model_numbers_must_be_finite(tiny):
     text = '{"model": {"preset": "qwen2.5-7b-instruct", "config": {"num_hidden_layers": Infinity}}}'
     response = post_raw(tiny, "/v1/models/m", text, method="PUT")
     assert_problem(response, 422, "num_hidden_layers")
+
+
+def test_a_session_may_grow_past_the_bound_of_one_request_and_still_be_planned(tiny):
+    """Bounds on one event must not become bounds on what the service adds up from many: the live state is
+    re-validated as a scenario on every plan, and a refused one would stop planning."""
+    big = 100_000_000  # the most tokens one event may carry
+    for i in range(3):
+        response = tiny.events(request(f"e{i}", "s1", "alpha", input_tokens=big, output_tokens=big))
+        assert response.status_code == 200, response.text
+    assert tiny.get("/v1/sessions/s1").json()["context_tokens"] == 6 * big
+    plan = tiny.post("/v1/plan")
+    assert plan.status_code == 200, plan.text
+    assert tiny.get("/readyz").status_code == 200

@@ -329,7 +329,7 @@ def _require_bounded_numbers(value: Any, where: str) -> None:
     if isinstance(value, dict):
         for key, item in value.items():
             _require_bounded_numbers(item, f"{where}.{key}")
-    elif isinstance(value, list):
+    elif isinstance(value, list | tuple):
         for i, item in enumerate(value):
             _require_bounded_numbers(item, f"{where}[{i}]")
     elif isinstance(value, int | float) and not isinstance(value, bool) and not abs(value) <= MAX_CONFIG_MAGNITUDE:

@@ -7,11 +7,15 @@ malformed scenario, or a constraint that cannot hold): the message names it.
 
 from __future__ import annotations
 
+import copy
 import json
+import logging
+import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
+from urllib.parse import quote, quote_plus, unquote_plus
 
 import numpy as np
 import typer
@@ -27,6 +31,9 @@ from planner_service.sim.importers import TraceFormat
 from planner_service.sim.policies.base import PolicyName
 from planner_service.solver.registry import default_registry
 from planner_service.wire.enums import SolverName
+
+if TYPE_CHECKING:
+    from planner_service.settings import Settings
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="StateBudget: plan where LLM state lives.")
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks that print figures.")
@@ -329,6 +336,55 @@ def trace_import(
     report_trace(out_path, summary, as_json)
 
 
+REDACTED = "[redacted]"
+CREDENTIAL_PARAMETER = re.compile(r"token|api[-_]?key|secret|passw|auth|credential", re.IGNORECASE)
+"""Query parameters whose values the access log blanks (`token`, `access_token`, `api_key`, ...)."""
+
+
+class RedactCredentials(logging.Filter):
+    """Blanks credentials in the access log's request line: the value of every query parameter named like one,
+    and each configured token wherever it appears (raw or percent-encoded).
+
+    Tokens belong in the `Authorization` header, which is never logged; a client that puts one in the URL
+    (`?token=...`) must not leave it in the log as well, where anyone who reads the logs could reuse it.
+    """
+
+    def __init__(self, tokens: Sequence[str] = ()) -> None:
+        super().__init__()
+        forms = {form for t in tokens if t for form in (t, quote(t, safe=""), quote_plus(t))}
+        self._tokens = sorted(forms, key=len, reverse=True)  # longest first: no token is a prefix left behind
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.args, tuple):
+            record.args = tuple(self.redact(a) if isinstance(a, str) else a for a in record.args)
+        return True
+
+    def redact(self, text: str) -> str:
+        for token in self._tokens:
+            text = text.replace(token, REDACTED)
+        path, sep, query = text.partition("?")
+        if not sep:
+            return text
+        pairs = []
+        for pair in query.split("&"):
+            name, eq, value = pair.partition("=")
+            secret = bool(eq and value and CREDENTIAL_PARAMETER.search(unquote_plus(name)))
+            pairs.append(f"{name}={REDACTED}" if secret else pair)
+        return f"{path}?{'&'.join(pairs)}"
+
+
+def serve_log_config(settings: Settings) -> dict[str, Any]:
+    """uvicorn's own logging configuration, with `RedactCredentials` on its access log."""
+    from uvicorn.config import LOGGING_CONFIG
+
+    config = copy.deepcopy(LOGGING_CONFIG)
+    tokens = [*settings.operator_tokens, *settings.node_tokens.values()]
+    config.setdefault("filters", {})["redact_credentials"] = {"()": RedactCredentials, "tokens": tokens}
+    access = config["handlers"]["access"]
+    access["filters"] = [*access.get("filters", []), "redact_credentials"]
+    return config
+
+
 def _serve_epilog() -> str:
     from planner_service.settings import env_help
 
@@ -353,10 +409,9 @@ def serve(
     ] = None,
 ) -> None:
     """Run the planner service: HTTP API, planning loop, Prometheus metrics at /metrics."""
-    import logging
-
     import uvicorn
     from pydantic import ValidationError
+    from pydantic_settings import SettingsError
 
     from planner_service.api.app import create_app
     from planner_service.settings import Settings
@@ -368,8 +423,8 @@ def serve(
     if demo:
         overrides["demo"] = True
     try:
-        settings = Settings(**overrides)
-    except ValidationError as error:
+        settings = Settings(**overrides)  # its errors never echo the values given (the tokens are secrets)
+    except (ValidationError, SettingsError) as error:
         raise fail(f"invalid settings\n{error}") from None
     if settings.scenario_path is not None:
         read_scenario(settings.scenario_path)  # a bad seed fails here, with its field, before listening
@@ -381,6 +436,7 @@ def serve(
         host=settings.host,
         port=settings.port,
         log_level=settings.log_level,
+        log_config=serve_log_config(settings),
         timeout_graceful_shutdown=5,  # lease long-polls must not hold a shutdown for their whole wait
     )
 

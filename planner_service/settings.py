@@ -12,9 +12,12 @@ from typing import Literal
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from planner_service.domain.bounds import DEFAULT_MAX_CLOCK_SKEW_SECONDS, MAX_SECONDS
+
 
 class Settings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="STATEBUDGET_", frozen=True, extra="forbid")
+    # hide_input_in_errors: a refused setting must not print what it was given (the token lists are secrets)
+    model_config = SettingsConfigDict(env_prefix="STATEBUDGET_", frozen=True, extra="forbid", hide_input_in_errors=True)
 
     host: str = Field("127.0.0.1", description="Address to listen on.")
     port: int = Field(8080, ge=0, le=65535, description="TCP port to listen on.")
@@ -22,10 +25,12 @@ class Settings(BaseSettings):
     scenario_path: Path | None = Field(None, description="Scenario file that seeds an empty database.")
     demo: bool = Field(False, description="Seed an empty database with the embedded demo scenario.")
     operator_tokens: list[str] = Field(
-        default_factory=list, description="Bearer tokens that reach every endpoint (JSON list)."
+        default_factory=list, repr=False, description="Bearer tokens that reach every endpoint (JSON list)."
     )
     node_tokens: dict[str, str] = Field(
-        default_factory=dict, description="Node id -> bearer token reaching only that node's endpoints (JSON map)."
+        default_factory=dict,
+        repr=False,
+        description="Node id -> bearer token reaching only that node's endpoints (JSON map).",
     )
     lease_seconds: float = Field(30.0, gt=0, description="How long a node's lease on operations lasts.")
     event_retention_seconds: float = Field(
@@ -72,6 +77,13 @@ class Settings(BaseSettings):
     )
     failed_move_backoff_max_seconds: float = Field(
         3600.0, gt=0, description="The longest a failed move waits before a plan queues it again."
+    )
+    max_clock_skew_seconds: float = Field(
+        DEFAULT_MAX_CLOCK_SKEW_SECONDS,
+        gt=0,
+        le=365 * MAX_SECONDS,
+        description="A client's timestamp (an event's `at`) may be this far from the server's clock; "
+        "further is refused with a 422 naming the field.",
     )
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Log level.")
 

@@ -16,28 +16,41 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from planner_service.domain.architecture import Precision
+from planner_service.domain.bounds import (
+    MAX_CONFIG_MAGNITUDE,
+    MAX_TENSOR_PARALLEL,
+    ByteCount,
+    BytesPerSecond,
+    ContextTokens,
+    FlopsPerSecond,
+    Fraction,
+    GpuByteCount,
+    ParamCount,
+    PositiveSeconds,
+    PositiveWeight,
+    Seconds,
+    Tokens,
+    Weight,
+)
 from planner_service.wire.enums import Capability as Capability  # noqa: PLC0414 -- re-exported: it was defined here
 from planner_service.wire.enums import Slo as Slo  # noqa: PLC0414 -- re-exported: it was defined here
 
 ALL_CAPABILITIES = tuple(Capability)
 
-NonNegInt = Annotated[int, Field(ge=0)]
-PosFloat = Annotated[float, Field(gt=0)]
-
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class GpuSpecIn(_Strict):
     id: str = Field(min_length=1, description="Unique in the whole cluster.")
     type: str | None = Field(None, description="A GPU preset name, e.g. 'l40' or 'a100-40gb-pcie'.")
-    hbm_bytes: NonNegInt | None = None
-    reserved_bytes: NonNegInt = Field(0, description="Workspace the planner must leave free.")
-    hbm_bytes_per_s: PosFloat | None = None
-    bf16_flops: PosFloat | None = None
-    h2d_bytes_per_s: PosFloat | None = None
-    d2h_bytes_per_s: PosFloat | None = None
+    hbm_bytes: GpuByteCount | None = None
+    reserved_bytes: GpuByteCount = Field(0, description="Workspace the planner must leave free.")
+    hbm_bytes_per_s: BytesPerSecond | None = None
+    bf16_flops: FlopsPerSecond | None = None
+    h2d_bytes_per_s: BytesPerSecond | None = None
+    d2h_bytes_per_s: BytesPerSecond | None = None
 
     @model_validator(mode="after")
     def _type_or_explicit(self) -> GpuSpecIn:
@@ -49,6 +62,8 @@ class GpuSpecIn(_Strict):
             ]
             if missing:
                 raise ValueError(f"without a 'type' preset, give {', '.join(missing)}")
+        if self.hbm_bytes is not None and self.reserved_bytes > self.hbm_bytes:
+            raise ValueError(f"reserved_bytes: {self.reserved_bytes} is more than the GPU's hbm_bytes {self.hbm_bytes}")
         return self
 
 
@@ -65,10 +80,10 @@ class NodeEngineIn(_Strict):
 
 class NodeIn(_Strict):
     id: str = Field(min_length=1)
-    host_dram_bytes: NonNegInt | None = None
-    nvme_bytes: NonNegInt | None = None
-    nvme_read_bytes_per_s: PosFloat | None = None
-    nvme_write_bytes_per_s: PosFloat | None = None
+    host_dram_bytes: ByteCount | None = None
+    nvme_bytes: ByteCount | None = None
+    nvme_read_bytes_per_s: BytesPerSecond | None = None
+    nvme_write_bytes_per_s: BytesPerSecond | None = None
     capabilities: list[Capability] = Field(default_factory=lambda: list(ALL_CAPABILITIES))
     gpus: list[GpuSpecIn] = Field(default_factory=list)
     engines: list[NodeEngineIn] | None = Field(
@@ -109,17 +124,17 @@ class ModelIn(_Strict):
     precisions: list[Precision] | None = Field(
         None, min_length=1, description="Allowed serving precisions, preferred first."
     )
-    weights_bytes: dict[Precision, NonNegInt] | None = Field(
+    weights_bytes: dict[Precision, ByteCount] | None = Field(
         None, description="Per precision; for a MoE, the non-expert part only."
     )
-    kv_bytes_per_token: NonNegInt | None = None
-    experts_bytes: NonNegInt | None = Field(None, description="All routed experts of all layers.")
-    expert_bytes: NonNegInt | None = Field(None, description="One routed expert of one layer.")
-    active_params: NonNegInt | None = Field(None, description="Parameters read per token.")
-    active_expert_bytes_per_token: NonNegInt | None = Field(
+    kv_bytes_per_token: ByteCount | None = None
+    experts_bytes: ByteCount | None = Field(None, description="All routed experts of all layers.")
+    expert_bytes: ByteCount | None = Field(None, description="One routed expert of one layer.")
+    active_params: ParamCount | None = Field(None, description="Parameters read per token.")
+    active_expert_bytes_per_token: ByteCount | None = Field(
         None, description="Routed-expert bytes one token reads (top-k experts of every MoE layer)."
     )
-    min_gpus: dict[str, Annotated[int, Field(ge=1)]] = Field(
+    min_gpus: dict[str, Annotated[int, Field(ge=1, le=MAX_TENSOR_PARALLEL)]] = Field(
         default_factory=dict, description="Minimum tensor-parallel degree per GPU type."
     )
 
@@ -130,6 +145,13 @@ class ModelIn(_Strict):
             _require_unique([str(p) for p in value], "precision")
         return value
 
+    @field_validator("config")
+    @classmethod
+    def _finite_config(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value is not None:
+            _require_bounded_numbers(value, "config")
+        return value
+
 
 class SessionIn(_Strict):
     id: str = Field(min_length=1)
@@ -137,7 +159,7 @@ class SessionIn(_Strict):
     slo: Slo = Slo.INTERACTIVE
     model: str
     active: bool = False
-    context_tokens: NonNegInt = 0
+    context_tokens: ContextTokens = 0
 
 
 class ObjectIn(_Strict):
@@ -172,26 +194,28 @@ class LocationIn(_Strict):
 class ResidencyIn(_Strict):
     object: ObjectIn
     location: LocationIn
-    bytes: NonNegInt
+    bytes: ByteCount
 
 
 class PredictorIn(_Strict):
     """Priors for the switch predictor; observations refine them online."""
 
-    handoff: dict[str, dict[str, Annotated[float, Field(ge=0)]]] = Field(
+    handoff: dict[str, dict[str, Weight]] = Field(
         default_factory=dict,
         description="Model -> next model -> relative frequency of a session's next request.",
     )
-    stay_probability: float = Field(
-        0.6, ge=0, le=1, description="Without priors or observations: chance the next request stays on the same model."
+    stay_probability: Fraction = Field(
+        0.6, description="Without priors or observations: chance the next request stays on the same model."
     )
-    turn_gap_seconds: PosFloat = Field(30.0, description="Mean gap between a session's turns (tool calls).")
+    turn_gap_seconds: PositiveSeconds = Field(30.0, description="Mean gap between a session's turns (tool calls).")
 
 
 class SloClassConstants(_Strict):
-    blocking: PosFloat
-    interactive: PosFloat
-    background: PosFloat
+    """A figure per SLO class: a weight, or a target in seconds."""
+
+    blocking: PositiveWeight
+    interactive: PositiveWeight
+    background: PositiveWeight
 
     def of(self, slo: Slo) -> float:
         return float(getattr(self, slo.value))
@@ -204,19 +228,19 @@ class CostConstants(_Strict):
     bytes into that unit.
     """
 
-    gpu_price_seconds_per_gib: Annotated[float, Field(ge=0)] = Field(
+    gpu_price_seconds_per_gib: Seconds = Field(
         0.02, description="Objective cost of holding one GiB of HBM over the horizon (the warm memory tax)."
     )
     slo_weights: SloClassConstants = SloClassConstants(blocking=4.0, interactive=2.0, background=1.0)
     slo_targets_seconds: SloClassConstants = SloClassConstants(blocking=2.0, interactive=5.0, background=30.0)
-    violation_penalty_seconds: Annotated[float, Field(ge=0)] = Field(
+    violation_penalty_seconds: Seconds = Field(
         10.0, description="Added per predicted request whose switch latency exceeds its SLO target."
     )
-    unserved_penalty_seconds: Annotated[float, Field(ge=0)] = Field(
+    unserved_penalty_seconds: Seconds = Field(
         600.0, description="Charged per active request the plan cannot serve (it waits)."
     )
-    horizon_seconds: PosFloat = Field(300.0, description="How far ahead the predicted requests reach.")
-    engine_load_overhead_seconds: Annotated[float, Field(ge=0)] = Field(
+    horizon_seconds: PositiveSeconds = Field(300.0, description="How far ahead the predicted requests reach.")
+    engine_load_overhead_seconds: Seconds = Field(
         0.3, description="Per weight load, on top of the copy (vLLM sleep-mode wake, perf_anchors.md §1)."
     )
     prefill_efficiency: float = Field(
@@ -228,11 +252,11 @@ class CostConstants(_Strict):
         le=1,
         description="Hit rate of the hottest fraction f of routed experts is f**skew (1 = uniform routing).",
     )
-    output_tokens_per_request: NonNegInt = Field(256, description="Decode length assumed per predicted request.")
-    degraded_precision_seconds: Annotated[float, Field(ge=0)] = Field(
+    output_tokens_per_request: Tokens = Field(256, description="Decode length assumed per predicted request.")
+    degraded_precision_seconds: Seconds = Field(
         1.0, description="Cost per request served at a precision other than the model's preferred one."
     )
-    move_weight: Annotated[float, Field(ge=0)] = Field(
+    move_weight: Weight = Field(
         0.05, description="Fraction of the seconds spent promoting state that the objective charges."
     )
 
@@ -284,6 +308,18 @@ class Scenario(_Strict):
                 if model not in known_models:
                     raise ValueError(f"predictor.handoff: unknown model {model!r}")
         return self
+
+
+def _require_bounded_numbers(value: Any, where: str) -> None:
+    """Every number in a JSON tree is finite and within MAX_CONFIG_MAGNITUDE (a config.json holds sizes)."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            _require_bounded_numbers(item, f"{where}.{key}")
+    elif isinstance(value, list | tuple):
+        for i, item in enumerate(value):
+            _require_bounded_numbers(item, f"{where}[{i}]")
+    elif isinstance(value, int | float) and not isinstance(value, bool) and not abs(value) <= MAX_CONFIG_MAGNITUDE:
+        raise ValueError(f"{where}: not a finite number within ±{MAX_CONFIG_MAGNITUDE:.0e}")
 
 
 def _require_unique(values: list[str], what: str) -> None:

@@ -1,38 +1,86 @@
 """What clients send: session events, node reports, what-if changes (validated by pydantic).
 
 These are the service's input types; the API uses them as request bodies so
-a malformed field is rejected with its path before the service sees it.
+a malformed field is rejected with its path before the service sees it. Every
+number is finite and within the physical bounds of `domain/bounds.py`.
+
+A timestamp is also held to the server's clock, which a request body cannot
+know: validating with `context={SERVER_TIME: ServerTime(now, skew)}` checks
+it in pydantic, and `check_event_times` checks events already parsed without
+that context, against the service's own clock.
 """
 
 from __future__ import annotations
 
+from collections.abc import Container, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from planner_service.domain.bounds import (
+    MAX_GPU_BYTES,
+    ByteCount,
+    BytesPerSecond,
+    Fraction,
+    GpuByteCount,
+    Seconds,
+    Tokens,
+    UnixSeconds,
+)
 from planner_service.domain.scenario import Capability, GpuSpecIn, ModelIn, NodeIn, Slo
+from planner_service.service.errors import InvalidInput
 
-NonNegInt = Annotated[int, Field(ge=0)]
-Tokens = Annotated[int, Field(ge=0, le=100_000_000, description="Tokens (at most 100 million).")]
 EventId = Annotated[str, Field(min_length=1, max_length=200)]
 Name = Annotated[str, Field(min_length=1, max_length=200)]
 
-MAX_UNIX_SECONDS = 253_402_300_799  # 9999-12-31T23:59:59Z, the last instant a timestamp can show
+SERVER_TIME = "server_time"
+"""The validation-context key under which a `ServerTime` holds timestamps to the server's clock."""
+
+
+@dataclass(frozen=True, slots=True)
+class ServerTime:
+    """The server's clock now and how far a client's timestamp may be from it (`max_clock_skew_seconds`)."""
+
+    now: float
+    max_skew_seconds: float
+
+    def skew_error(self, at: float) -> str | None:
+        """Why `at` is too far from the server's clock, or None when it is within the skew."""
+        skew = at - self.now
+        if abs(skew) <= self.max_skew_seconds:
+            return None
+        side = "ahead of" if skew > 0 else "behind"
+        now = datetime.fromtimestamp(self.now, UTC).isoformat().replace("+00:00", "Z")
+        return (
+            f"{at:.0f} is {abs(skew):.0f} s {side} the server clock ({now}); "
+            f"at most {self.max_skew_seconds:.0f} s of skew is accepted"
+        )
 
 
 class _In(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class _Event(_In):
     id: EventId = Field(description="Unique per event; a repeated id is acknowledged and ignored.")
     session: Name
-    at: float | None = Field(
+    at: UnixSeconds | None = Field(
         None,
-        ge=0,
-        le=MAX_UNIX_SECONDS,
-        description="Unix seconds when it happened; default: when received.",
+        description="Unix seconds when it happened, within the server's clock skew "
+        "(STATEBUDGET_MAX_CLOCK_SKEW_SECONDS); default: when received.",
     )
+
+    @field_validator("at")
+    @classmethod
+    def _within_skew(cls, at: float | None, info: ValidationInfo) -> float | None:
+        server_time = (info.context or {}).get(SERVER_TIME)
+        if at is not None and isinstance(server_time, ServerTime):
+            error = server_time.skew_error(at)
+            if error is not None:
+                raise ValueError(error)
+        return at
 
 
 class RequestEvent(_Event):
@@ -73,10 +121,24 @@ class EventsIn(_In):
     events: list[Event] = Field(min_length=1, max_length=10_000)
 
 
+def check_event_times(events: Sequence[_Event], server_time: ServerTime, *, known_ids: Container[str] = ()) -> None:
+    """Refuse (422, naming `events.{i}.at`) a batch in which an event's `at` is beyond the clock skew.
+
+    Events whose id is in `known_ids` are resends of acknowledged ones, ignored anyway: an old resend must not
+    make a client's whole batch fail for good.
+    """
+    for i, event in enumerate(events):
+        if event.id in known_ids:
+            continue
+        error = None if event.at is None else server_time.skew_error(event.at)
+        if error is not None:
+            raise InvalidInput(f"events[{i}].at: {error}", field=f"events.{i}.at")
+
+
 class GpuInventoryIn(_In):
     id: Name
     type: str | None = None
-    hbm_bytes: NonNegInt | None = None
+    hbm_bytes: GpuByteCount | None = None
 
 
 class EngineIn(_In):
@@ -96,8 +158,8 @@ class RegisterIn(_In):
         None, description="Moves this node's engines can carry out; replaces the node's capabilities."
     )
     gpus: list[GpuInventoryIn] = Field(default_factory=list, description="GPUs the agent sees.")
-    host_dram_bytes: NonNegInt | None = None
-    nvme_bytes: NonNegInt | None = None
+    host_dram_bytes: ByteCount | None = None
+    nvme_bytes: ByteCount | None = None
     engines: list[EngineIn] = Field(
         default_factory=list,
         description="The node's engines. Where they name models, the node serves only those (each from its "
@@ -108,18 +170,28 @@ class RegisterIn(_In):
 
 class GpuTelemetryIn(_In):
     id: Name
-    used_bytes: NonNegInt | None = None
-    free_bytes: NonNegInt | None = None
-    h2d_bytes_per_s: Annotated[float, Field(gt=0)] | None = None
-    d2h_bytes_per_s: Annotated[float, Field(gt=0)] | None = None
+    used_bytes: GpuByteCount | None = None
+    free_bytes: GpuByteCount | None = None
+    h2d_bytes_per_s: BytesPerSecond | None = None
+    d2h_bytes_per_s: BytesPerSecond | None = None
+
+    @model_validator(mode="after")
+    def _one_gpu_of_memory(self) -> GpuTelemetryIn:
+        if self.used_bytes is not None and self.free_bytes is not None:
+            if self.used_bytes + self.free_bytes > MAX_GPU_BYTES:
+                raise ValueError(
+                    f"used_bytes + free_bytes: {self.used_bytes + self.free_bytes} is more memory than one GPU "
+                    f"holds (at most {MAX_GPU_BYTES})"
+                )
+        return self
 
 
 class HeartbeatIn(_In):
     gpus: list[GpuTelemetryIn] = Field(default_factory=list)
-    nvme_read_bytes_per_s: Annotated[float, Field(gt=0)] | None = None
-    nvme_write_bytes_per_s: Annotated[float, Field(gt=0)] | None = None
+    nvme_read_bytes_per_s: BytesPerSecond | None = None
+    nvme_write_bytes_per_s: BytesPerSecond | None = None
     engines: dict[str, str] = Field(default_factory=dict, description="Engine name -> state (awake, sleeping, ...).")
-    expert_hit_rates: dict[str, Annotated[float, Field(ge=0, le=1)]] = Field(
+    expert_hit_rates: dict[str, Fraction] = Field(
         default_factory=dict, description="Model -> fraction of routed-expert reads served from GPU."
     )
 
@@ -132,8 +204,8 @@ class LeaseIn(_In):
 class ReportIn(_In):
     lease_id: Name
     status: Literal["done", "failed"]
-    measured_seconds: Annotated[float, Field(ge=0)] | None = None
-    measured_bytes: NonNegInt | None = None
+    measured_seconds: Seconds | None = None
+    measured_bytes: ByteCount | None = None
     error: Annotated[str, Field(max_length=2000)] | None = None
 
 

@@ -23,6 +23,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from planner_service.domain.bounds import MAX_BANDWIDTH_BYTES_PER_S, MIN_BANDWIDTH_BYTES_PER_S
 from planner_service.domain.state import Location, Tier
 from planner_service.domain.units import GIB
 
@@ -68,6 +69,20 @@ def link_of(source: Location, dest: Location) -> Link | None:
     return None
 
 
+def plausible_range(catalog: float) -> tuple[float, float]:
+    """The rates a link with this catalog bandwidth can show, within what any scenario may declare."""
+    return max(SPEC_FLOOR * catalog, MIN_BANDWIDTH_BYTES_PER_S), min(SPEC_CEILING * catalog, MAX_BANDWIDTH_BYTES_PER_S)
+
+
+def valid_entry(entry: Any) -> bool:
+    """A stored entry the live state can take (older builds stored whatever they were sent)."""
+    try:
+        value = float(entry["value"])
+    except (TypeError, KeyError, ValueError):
+        return False
+    return math.isfinite(value) and MIN_BANDWIDTH_BYTES_PER_S <= value <= MAX_BANDWIDTH_BYTES_PER_S
+
+
 def fold(
     entry: dict[str, Any] | None, catalog: float, estimate: float, rate: float, copied: Copy | None
 ) -> tuple[dict[str, Any] | None, str | None]:
@@ -80,7 +95,8 @@ def fold(
         and not 1 / BYTES_TOLERANCE <= copied.measured_bytes / copied.planned_bytes <= BYTES_TOLERANCE
     ):
         return entry, f"{copied.measured_bytes} bytes measured for a copy of {copied.planned_bytes}"
-    if not SPEC_FLOOR * catalog <= rate <= SPEC_CEILING * catalog:
+    floor, ceiling = plausible_range(catalog)
+    if not floor <= rate <= ceiling:
         return entry, f"{rate:.3g} B/s is outside the link's plausible range around its catalog {catalog:.3g} B/s"
     before = entry or {"value": estimate, "samples": 0}
     side = 0 if estimate / OUTLIER_FACTOR <= rate <= estimate * OUTLIER_FACTOR else (1 if rate > estimate else -1)

@@ -75,6 +75,17 @@ class Confirmed:
             return f"{op.dest.label()} would hold {used} bytes, more than its capacity {p.capacity_of(op.dest)}"
         return None
 
+    def drop_invalid_calibration(self) -> None:
+        """Forget stored calibration no scenario may hold (an infinite or absurd bandwidth an older build took):
+        the link starts again from its catalog figure."""
+        for keys in self.live.calibration.values():
+            for key, fields in keys.items():
+                for field in [f for f, entry in fields.items() if not calibration.valid_entry(entry)]:
+                    log.error(
+                        "stored calibration of %s %s is not a bandwidth (%s): forgotten", key, field, fields[field]
+                    )
+                    del fields[field]
+
     def repair_placement(self) -> None:
         """Bring a stored placement that breaks a physical invariant back within them, so that a start never
         fails on a database this service wrote: an object over its full size at a location keeps its full size,

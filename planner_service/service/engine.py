@@ -171,6 +171,7 @@ class ClusterService:
         for session in self.live.sessions.values():
             last = self.live.last_used.get(session.model, session.last_activity)
             self.live.last_used[session.model] = max(last, session.last_activity)
+        self.confirmed.drop_invalid_calibration()
         self.live.refresh_live()
         self.confirmed.repair_placement()
         log.info(

@@ -18,10 +18,12 @@ from planner_service.service.errors import (
 from planner_service.service.inputs import (
     Event,
     RequestEvent,
+    ServerTime,
     SessionEndEvent,
     ToolCallEndEvent,
     ToolCallStartEvent,
     TurnEndEvent,
+    check_event_times,
 )
 from planner_service.service.live import (
     Live,
@@ -42,6 +44,8 @@ class Sessions:
         """Apply a batch atomically: all new events apply, or none when one refers to something unknown."""
         self.live.require_ready()
         with self.live.change():
+            server_time = ServerTime(self.live.clock(), self.live.settings.max_clock_skew_seconds)
+            check_event_times(events, server_time, known_ids=self.live.event_ids)
             models = sorted(m["id"] for m in self.live.base["models"])
             known_sessions = {sid for sid, s in self.live.sessions.items()}
             seen: set[str] = set()

@@ -191,3 +191,15 @@ def test_a_session_may_grow_past_the_bound_of_one_request_and_still_be_planned(t
     plan = tiny.post("/v1/plan")
     assert plan.status_code == 200, plan.text
     assert tiny.get("/readyz").status_code == 200
+
+
+def test_an_event_beyond_the_clock_skew_refuses_its_batch_and_one_within_it_applies(make_app) -> None:
+    app = make_app(tiny=True, max_clock_skew_seconds=3600)
+    now = app.clock()
+    ahead = app.events(request("e1", "s1", "beta", at=now - 60), request("e2", "s2", "beta", at=now + 7200))
+    assert ahead.status_code == 422
+    assert ahead.json()["field"] == "events.1.at" and "ahead of the server clock" in ahead.json()["detail"]
+    assert app.get("/v1/sessions").json() == []  # the whole batch was refused
+    year_9999 = app.events(request("e3", "s3", "beta", at=253402300799.0))
+    assert year_9999.status_code == 422
+    assert app.events(request("e1", "s1", "beta", at=now - 60)).json()["applied"] == 1

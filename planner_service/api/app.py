@@ -12,6 +12,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from typing import Any
 
 from fastapi import FastAPI
 from fastapi.routing import APIRoute
@@ -19,7 +20,12 @@ from prometheus_client import CollectorRegistry
 from starlette.concurrency import run_in_threadpool
 
 from planner_service.api.deps import QueueSignal
-from planner_service.api.errors import install_error_handlers
+from planner_service.api.errors import (
+    ERROR_RESPONSES,
+    OPEN_ERROR_RESPONSES,
+    add_problem_schemas,
+    install_error_handlers,
+)
 from planner_service.api.routes import cluster, events, health, models, nodes, operations, plan, sessions, srv, whatif
 from planner_service.domain.demo import demo_scenario
 from planner_service.domain.scenario import Scenario, load_scenario
@@ -34,6 +40,13 @@ log = logging.getLogger("planner_service")
 
 def _operation_id(route: APIRoute) -> str:
     return route.name  # the handler's name: stable, unique, readable (e.g. "post_events")
+
+
+class _App(FastAPI):
+    """FastAPI, with the one error shape (`Problem`) in its OpenAPI document."""
+
+    def openapi(self) -> dict[str, Any]:
+        return add_problem_schemas(super().openapi())  # in place on FastAPI's cached document: idempotent
 
 
 def seed_for(settings: Settings) -> Callable[[], Scenario]:
@@ -104,7 +117,7 @@ def create_app(
                 await run_in_threadpool(planner.stop)
             service.close()
 
-    app = FastAPI(
+    app = _App(
         title="StateBudget",
         summary="Plans where LLM weights, KV cache and MoE experts live in a small GPU cluster.",
         version="0.1.0",
@@ -116,6 +129,7 @@ def create_app(
     app.state.registry = registry
     app.state.signal = QueueSignal()
     install_error_handlers(app)
-    for module in (health, cluster, models, events, sessions, srv, plan, nodes, operations, whatif):
-        app.include_router(module.router)
+    app.include_router(health.router, responses=OPEN_ERROR_RESPONSES)
+    for module in (cluster, models, events, sessions, srv, plan, nodes, operations, whatif):
+        app.include_router(module.router, responses=ERROR_RESPONSES)
     return app

@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
+import threading
 import time
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
+from types import FrameType
 from typing import Any
 
 from fastapi import FastAPI
@@ -47,6 +50,44 @@ class _App(FastAPI):
 
     def openapi(self) -> dict[str, Any]:
         return add_problem_schemas(super().openapi())  # in place on FastAPI's cached document: idempotent
+
+
+_EXIT_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+@contextmanager
+def drain_on_exit_signals(loop: asyncio.AbstractEventLoop, queues: QueueSignal) -> Iterator[None]:
+    """At SIGTERM or SIGINT, answer the lease long-polls at once, then let the server's own handler stop it.
+
+    uvicorn meets a signal by closing its socket and waiting for the requests in flight, and sends
+    the lifespan's shutdown only after that wait; a long-poll would hold it for its whole
+    `wait_seconds` (then be cancelled as a 500). So the drain is chained in front of whatever
+    handler the server installed. Signals reach only the main thread: anywhere else (a test
+    client's thread) nothing is installed.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: signal.getsignal(sig) for sig in _EXIT_SIGNALS}
+
+    def handler(sig: int, frame: FrameType | None) -> None:
+        if not loop.is_closed():
+            loop.call_soon_threadsafe(queues.drain)
+        chained = previous[signal.Signals(sig)]
+        if callable(chained):
+            chained(sig, frame)
+        elif chained == signal.SIG_DFL:  # nobody else handles it: die as the signal would have made us
+            signal.signal(sig, signal.SIG_DFL)
+            signal.raise_signal(sig)
+
+    for sig in _EXIT_SIGNALS:
+        signal.signal(sig, handler)
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            if signal.getsignal(sig) is handler and old is not None:
+                signal.signal(sig, old)
 
 
 def seed_for(settings: Settings) -> Callable[[], Scenario]:
@@ -93,12 +134,12 @@ def create_app(
         elif settings.scenario_path is not None or settings.demo:
             log.info("database %s already holds a state: it wins, the seed scenario is ignored", settings.db_path)
         loop = asyncio.get_running_loop()
-        signal = QueueSignal()
-        app.state.signal = signal
+        queues = QueueSignal()
+        app.state.signal = queues
 
         def wake() -> None:
             if not loop.is_closed():
-                loop.call_soon_threadsafe(signal.bump)
+                loop.call_soon_threadsafe(queues.bump)
 
         service.add_listener(wake)
         await run_in_threadpool(service.replan)
@@ -111,8 +152,10 @@ def create_app(
             )
             planner.start()
         try:
-            yield
+            with drain_on_exit_signals(loop, queues):
+                yield
         finally:
+            queues.drain()
             if planner is not None:
                 await run_in_threadpool(planner.stop)
             service.close()

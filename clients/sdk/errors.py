@@ -1,8 +1,11 @@
 """Every failure of a StateBudget call, mapped once from the HTTP answer (as openai-python's `_exceptions.py`).
 
-The service answers errors as `application/problem+json` (RFC 9457): `title`,
-`detail`, and for input problems the `field` (or `errors[]`, one per field).
-`error_from_response` turns such an answer into one typed exception; transport
+The service answers every error as `application/problem+json` (RFC 9457), one
+shape (`planner_service.wire.problem.Problem`): `title`, `detail`, and for
+input problems the first offending `field` and `errors[]`, one per field, with
+paths into the request as the caller wrote it (`events.0.model`).
+`error_from_response` turns such an answer into one typed exception (an answer
+that is not a problem, from a proxy say, still maps by its status); transport
 failures become `ConnectionError`. Nothing else in the SDK looks at status codes.
 """
 
@@ -12,6 +15,9 @@ import builtins
 from typing import Any
 
 import httpx
+from pydantic import ValidationError
+
+from planner_service.wire.problem import FieldError, Problem
 
 __all__ = [
     "APIError",
@@ -19,8 +25,10 @@ __all__ = [
     "BadRequestError",
     "ConflictError",
     "ConnectionError",
+    "FieldError",
     "NotFoundError",
     "PermissionDeniedError",
+    "Problem",
     "ServerError",
     "StateBudgetError",
     "UnexpectedStatusError",
@@ -41,7 +49,10 @@ class ConnectionError(StateBudgetError, builtins.ConnectionError):
 
 
 class APIError(StateBudgetError):
-    """The service answered with an error status; `title`/`detail`/`field` come from its problem+json body."""
+    """The service answered with an error status; `title`/`detail`/`field`/`errors` come from its problem body.
+
+    `problem` is that body, typed, when the answer was one (None for a proxy's HTML page, say).
+    """
 
     def __init__(
         self,
@@ -50,7 +61,8 @@ class APIError(StateBudgetError):
         detail: str,
         *,
         field: str | None = None,
-        errors: list[dict[str, Any]] | None = None,
+        errors: list[FieldError] | None = None,
+        problem: Problem | None = None,
         body: Any = None,
         method: str = "",
         url: str = "",
@@ -59,6 +71,7 @@ class APIError(StateBudgetError):
         super().__init__(f"{status} {title}: {detail}{where}")
         self.status, self.title, self.detail, self.field = status, title, detail, field
         self.errors = errors or []
+        self.problem = problem
         self.body, self.method, self.url = body, method, url
 
 
@@ -100,26 +113,39 @@ _BY_STATUS: dict[int, type[APIError]] = {
 }
 
 
+def _problem(body: Any) -> Problem | None:
+    """The body as a `Problem`, ignoring members this SDK does not know (RFC 9457 §3.2); None if it is not one."""
+    if not isinstance(body, dict):
+        return None
+    try:
+        return Problem.model_validate({k: v for k, v in body.items() if k in Problem.model_fields})
+    except ValidationError:
+        return None
+
+
 def error_from_response(response: httpx.Response) -> APIError:
-    """The typed exception for an error answer (problem+json, plain JSON or text alike)."""
+    """The typed exception for an error answer (a problem, other JSON or text alike)."""
     status = response.status_code
     cls = _BY_STATUS.get(status) or (ServerError if status >= 500 else UnexpectedStatusError)
     try:
         body: Any = response.json()
     except ValueError:
         body = response.text
-    problem = body if isinstance(body, dict) else {}
-    title = str(problem.get("title") or response.reason_phrase or "Error")
-    detail = str(problem.get("detail") or (body if isinstance(body, str) and body else title))
-    errors = [e for e in problem.get("errors") or [] if isinstance(e, dict)]
-    field = problem.get("field") or (errors[0].get("field") if errors else None)
+    problem = _problem(body)
+    if problem is not None:
+        title, detail, field, errors = problem.title, problem.detail, problem.field, problem.errors
+    else:
+        title = response.reason_phrase or "Error"
+        detail = body if isinstance(body, str) and body else title
+        field, errors = None, []
     request = response.request
     return cls(
         status,
         title,
         detail,
-        field=field,
+        field=field or (errors[0].field if errors else None),
         errors=errors,
+        problem=problem,
         body=body,
         method=request.method,
         url=str(request.url),

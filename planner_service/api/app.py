@@ -9,9 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
+import threading
 import time
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
+from types import FrameType
+from typing import Any
 
 from fastapi import FastAPI
 from fastapi.routing import APIRoute
@@ -19,7 +23,12 @@ from prometheus_client import CollectorRegistry
 from starlette.concurrency import run_in_threadpool
 
 from planner_service.api.deps import QueueSignal
-from planner_service.api.errors import install_error_handlers
+from planner_service.api.errors import (
+    ERROR_RESPONSES,
+    OPEN_ERROR_RESPONSES,
+    add_problem_schemas,
+    install_error_handlers,
+)
 from planner_service.api.routes import cluster, events, health, models, nodes, operations, plan, sessions, srv, whatif
 from planner_service.domain.demo import demo_scenario
 from planner_service.domain.scenario import Scenario, load_scenario
@@ -35,6 +44,51 @@ log = logging.getLogger("planner_service")
 
 def _operation_id(route: APIRoute) -> str:
     return route.name  # the handler's name: stable, unique, readable (e.g. "post_events")
+
+
+class _App(FastAPI):
+    """FastAPI, with the one error shape (`Problem`) in its OpenAPI document."""
+
+    def openapi(self) -> dict[str, Any]:
+        return add_problem_schemas(super().openapi())  # in place on FastAPI's cached document: idempotent
+
+
+_EXIT_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+@contextmanager
+def drain_on_exit_signals(loop: asyncio.AbstractEventLoop, queues: QueueSignal) -> Iterator[None]:
+    """At SIGTERM or SIGINT, answer the lease long-polls at once, then let the server's own handler stop it.
+
+    uvicorn meets a signal by closing its socket and waiting for the requests in flight, and sends
+    the lifespan's shutdown only after that wait; a long-poll would hold it for its whole
+    `wait_seconds` (then be cancelled as a 500). So the drain is chained in front of whatever
+    handler the server installed. Signals reach only the main thread: anywhere else (a test
+    client's thread) nothing is installed.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: signal.getsignal(sig) for sig in _EXIT_SIGNALS}
+
+    def handler(sig: int, frame: FrameType | None) -> None:
+        if not loop.is_closed():
+            loop.call_soon_threadsafe(queues.drain)
+        chained = previous[signal.Signals(sig)]
+        if callable(chained):
+            chained(sig, frame)
+        elif chained == signal.SIG_DFL:  # nobody else handles it: die as the signal would have made us
+            signal.signal(sig, signal.SIG_DFL)
+            signal.raise_signal(sig)
+
+    for sig in _EXIT_SIGNALS:
+        signal.signal(sig, handler)
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            if signal.getsignal(sig) is handler and old is not None:
+                signal.signal(sig, old)
 
 
 def seed_for(settings: Settings) -> Callable[[], Scenario]:
@@ -70,12 +124,12 @@ def create_app(
         elif settings.scenario_path is not None or settings.demo:
             log.info("database %s already holds a state: it wins, the seed scenario is ignored", settings.db_path)
         loop = asyncio.get_running_loop()
-        signal = QueueSignal()
-        app.state.signal = signal
+        queues = QueueSignal()
+        app.state.signal = queues
 
         def wake() -> None:
             if not loop.is_closed():
-                loop.call_soon_threadsafe(signal.bump)
+                loop.call_soon_threadsafe(queues.bump)
 
         service.add_listener(wake)
         try:
@@ -91,13 +145,15 @@ def create_app(
             )
             planner.start()
         try:
-            yield
+            with drain_on_exit_signals(loop, queues):
+                yield
         finally:
+            queues.drain()
             if planner is not None:
                 await run_in_threadpool(planner.stop)
             service.close()
 
-    app = FastAPI(
+    app = _App(
         title="StateBudget",
         summary="Plans where LLM weights, KV cache and MoE experts live in a small GPU cluster.",
         version="0.1.0",
@@ -109,6 +165,7 @@ def create_app(
     app.state.registry = registry
     app.state.signal = QueueSignal()
     install_error_handlers(app)
-    for module in (health, cluster, models, events, sessions, srv, plan, nodes, operations, whatif):
-        app.include_router(module.router)
+    app.include_router(health.router, responses=OPEN_ERROR_RESPONSES)
+    for module in (cluster, models, events, sessions, srv, plan, nodes, operations, whatif):
+        app.include_router(module.router, responses=ERROR_RESPONSES)
     return app

@@ -17,30 +17,47 @@ from planner_service.settings import Settings
 
 
 class QueueSignal:
-    """Wakes lease long-polls when the queues may have changed (set from any thread)."""
+    """Wakes lease long-polls when the queues may have changed, or when the service is shutting down.
+
+    Called on the event loop's thread (other threads go through `loop.call_soon_threadsafe`).
+    Once `drain()` was called, `draining` stays true: a long-poll answers at once with an
+    empty lease instead of waiting, so a shutdown is not held up by agents' waits.
+    """
 
     def __init__(self) -> None:
         self._event = asyncio.Event()
+        self._draining = False
 
     @property
     def event(self) -> asyncio.Event:
         return self._event
 
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
     def bump(self) -> None:
         old, self._event = self._event, asyncio.Event()
         old.set()
 
+    def drain(self) -> None:
+        self._draining = True
+        self.bump()
+
 
 def get_service(request: Request) -> ClusterService:
-    return request.app.state.service
+    service: ClusterService = request.app.state.service
+    return service
 
 
 def get_settings(request: Request) -> Settings:
-    return request.app.state.settings
+    settings: Settings = request.app.state.settings
+    return settings
 
 
 def get_signal(request: Request) -> QueueSignal:
-    return request.app.state.signal
+    signal: QueueSignal = request.app.state.signal
+    return signal
 
 
 ServiceDep = Annotated[ClusterService, Depends(get_service)]

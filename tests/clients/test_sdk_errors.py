@@ -29,9 +29,10 @@ def test_validation_error_names_the_field(sync_client):
     with pytest.raises(BadRequestError) as info:
         sb.lease("n1", max_operations=0)
     error = info.value
-    assert error.status == 422 and error.title == "Invalid request"
-    assert error.field == "body.max_operations" and "max_operations" in error.detail
-    assert error.errors[0]["field"] == "body.max_operations"
+    assert error.status == 422 and error.title == "Invalid input"
+    assert error.field == "max_operations" and "max_operations" in error.detail
+    assert error.errors[0].field == "max_operations" and error.problem is not None
+    assert error.problem.status == 422 and error.problem.errors == error.errors
 
 
 def test_service_invalid_input_is_a_bad_request_with_its_field(sync_client):
@@ -173,3 +174,30 @@ async def test_async_client_maps_and_retries_the_same_way():
         await sb.get_srv()
     assert seen == ["GET /v1/srv"] * 2
     await sb.aclose()
+
+
+def test_an_answer_that_is_not_a_problem_still_maps_by_status():
+    page = httpx.MockTransport(lambda request: httpx.Response(502, text="<html>bad gateway</html>"))
+    sb = StateBudgetClient(retry=FAST_RETRY, http_client=httpx.Client(transport=page, base_url="http://x"))
+    with pytest.raises(ServerError) as info:
+        sb.get_srv()
+    assert info.value.problem is None and info.value.detail == "<html>bad gateway</html>"
+    assert info.value.title == "Bad Gateway" and info.value.field is None and info.value.errors == []
+
+
+def test_a_problem_with_members_this_sdk_does_not_know_is_still_read():
+    body = {
+        "type": "about:blank",
+        "title": "Invalid input",
+        "status": 422,
+        "detail": "events.0.model: Field required",
+        "field": "events.0.model",
+        "errors": [{"field": "events.0.model", "message": "Field required"}],
+        "instance": "/v1/events",  # an RFC 9457 member the service does not send today
+    }
+    answer = httpx.MockTransport(lambda request: httpx.Response(422, json=body))
+    sb = StateBudgetClient(retry=FAST_RETRY, http_client=httpx.Client(transport=answer, base_url="http://x"))
+    with pytest.raises(BadRequestError) as info:
+        sb.post_events(request_event("e1", "s1", "coder"))
+    assert info.value.problem is not None and info.value.field == "events.0.model"
+    assert [(e.field, e.message) for e in info.value.errors] == [("events.0.model", "Field required")]

@@ -35,6 +35,8 @@ async def lease(
     deadline = time.monotonic() + min(body.wait_seconds, settings.max_wait_seconds)
     while True:
         changed = signal.event  # taken before looking, so a change in between still wakes us
+        if signal.draining:  # shutting down: answer now, leasing nothing
+            return {"lease_id": None, "expires_at": None, "expires_in_seconds": None, "operations": []}
         result = await run_in_threadpool(service.lease, node_id, body.max_operations)
         remaining = deadline - time.monotonic()
         if result["operations"] or remaining <= 0:

@@ -83,7 +83,7 @@ class AsyncStateBudgetClient(Endpoints):
             else httpx.AsyncClient(base_url=base_url, transport=transport, timeout=timeout_seconds)
         )
 
-    async def _send(self, call: Call) -> Any:  # type: ignore[override]  # the async twin of Endpoints._send
+    async def _send(self, call: Call) -> Any:  # the async twin of Endpoints._send
         policy = self.config.retry if call.idempotent else NO_RETRY
         async for attempt in stamina.retry_context(on=is_retryable, **policy.stamina_kwargs()):
             with attempt:

@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from enum import StrEnum
-from typing import Protocol
+from typing import Any, Protocol
 
 from planner_service.domain.problem import Problem
 from planner_service.planner.greedy import plan_greedy
@@ -90,7 +90,7 @@ def _search(problem: Problem, max_plans: int = MAX_PLANS, **_: object) -> Plan:
     return plan
 
 
-def _milp(problem: Problem, **options: object) -> Plan:
+def _milp(problem: Problem, **options: Any) -> Plan:  # `solve_milp`'s keywords, checked by its signature
     from planner_service.solver.milp import solve_milp  # OR-Tools loads only when the oracle is used
 
     return solve_milp(problem, **options)

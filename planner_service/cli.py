@@ -471,7 +471,7 @@ def replay_tables(metrics: Sequence[str], rows: list[list[str]], title: str, wid
             used = label + 1
         groups[-1].append(row)
         used += need
-    tables = []
+    tables: list[Table] = []
     for group in groups:
         table = Table(title=title if not tables else None)
         table.add_column(metrics[0], no_wrap=True)

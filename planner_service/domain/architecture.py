@@ -56,14 +56,13 @@ _FAMILIES: Mapping[str, str] = MappingProxyType(
     }
 )
 
-_REQUIRED = object()
 
-
-def _int(cfg: Mapping[str, Any], field: str, default: Any = _REQUIRED, minimum: int = 1) -> int:
+def _int(cfg: Mapping[str, Any], field: str, default: int | None = None, minimum: int = 1) -> int:
+    """An integer field, `default` when absent (no default: the field is required)."""
     # HF writes null for "not used" (e.g. DeepSeek-V2-Lite q_lora_rank), so None counts as absent.
     value = cfg.get(field)
     if value is None:
-        if default is _REQUIRED:
+        if default is None:
             raise ValueError(f"config field {field!r} is missing")
         return default
     if isinstance(value, bool) or not isinstance(value, int):
@@ -126,7 +125,7 @@ class Architecture:
         """Read the fields of a HF config.json; a missing or inconsistent field raises ValueError naming it."""
         cfg = _language_config(config)
         model_type = cfg.get("model_type")
-        if model_type not in _FAMILIES:
+        if not isinstance(model_type, str) or model_type not in _FAMILIES:
             raise ValueError(f"config field 'model_type' is {model_type!r}; supported: {', '.join(sorted(_FAMILIES))}")
         family = _FAMILIES[model_type]
         num_layers = _int(cfg, "num_hidden_layers")
@@ -201,7 +200,7 @@ class Architecture:
             )
         # Dense layers need intermediate_size; all-MoE configs may still carry an unused value.
         all_moe = len(moe_layers) == num_layers
-        intermediate_size = _int(cfg, "intermediate_size", default=0 if all_moe else _REQUIRED)
+        intermediate_size = _int(cfg, "intermediate_size", default=0 if all_moe else None)
 
         return cls(
             model_type=model_type,

@@ -9,12 +9,16 @@ from __future__ import annotations
 
 import json
 from importlib import resources
+from typing import Any
 
 from planner_service.domain.scenario import Scenario, parse_scenario
 
 
-def demo_scenario_json() -> dict:
-    return json.loads(resources.files("planner_service.data").joinpath("demo_scenario.json").read_text())
+def demo_scenario_json() -> dict[str, Any]:
+    data: dict[str, Any] = json.loads(
+        resources.files("planner_service.data").joinpath("demo_scenario.json").read_text()
+    )
+    return data
 
 
 def demo_scenario() -> Scenario:

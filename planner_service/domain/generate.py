@@ -72,16 +72,16 @@ def random_scenario(
         residency.append({"object": obj, "location": loc, "bytes": int(nbytes)})
 
     host_free = {n["id"]: n["host_dram_bytes"] for n in nodes}
-    for n in nodes:
+    for node_json in nodes:
         for m in model_specs:
             for p in m.precisions:
                 put(
                     {"kind": "weights", "model": m.id, "precision": p},
-                    {"tier": "nvme", "node": n["id"]},
+                    {"tier": "nvme", "node": node_json["id"]},
                     m.weights_bytes[p],
                 )
             if m.is_moe:
-                put({"kind": "experts", "model": m.id}, {"tier": "nvme", "node": n["id"]}, m.experts_bytes)
+                put({"kind": "experts", "model": m.id}, {"tier": "nvme", "node": node_json["id"]}, m.experts_bytes)
 
     # some models warm on one GPU (or host) of a random node
     warm: dict[str, tuple[str, str]] = {}

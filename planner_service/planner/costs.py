@@ -38,7 +38,7 @@ def copy_seconds(shard_bytes: Sequence[int], gpus: Sequence[Gpu], source: Tier, 
         raise ValueError(f"{len(shard_bytes)} shards for {len(gpus)} GPUs")
     if not shard_bytes:
         return 0.0
-    t_pcie = max(map(truediv, shard_bytes, map(_H2D, gpus)))
+    t_pcie: float = max(map(truediv, shard_bytes, map(_H2D, gpus)))  # (attrgetter's values are typed Any)
     if source is _NVME:
         return max(t_pcie, sum(shard_bytes) / node.nvme_read_bytes_per_s)
     return t_pcie
@@ -49,7 +49,7 @@ def even_copy_seconds(shard: int, gpus: Sequence[Gpu], source: Tier, node: Node)
 
     Division rounds monotonically, so the slowest link's time is the shard over the smallest bandwidth.
     """
-    t_pcie = shard / min(map(_H2D, gpus))
+    t_pcie: float = shard / min(map(_H2D, gpus))
     if source is _NVME:
         return max(t_pcie, shard * len(gpus) / node.nvme_read_bytes_per_s)
     return t_pcie
@@ -83,7 +83,7 @@ def prefill_seconds_per_token(model: ModelSpec, gpus: Sequence[Gpu], constants: 
     (The attention term that grows with context is left out: at agent context
     lengths the weight GEMMs dominate.)
     """
-    flops = sum(map(_FLOPS, gpus)) * constants.prefill_efficiency
+    flops: float = sum(map(_FLOPS, gpus)) * constants.prefill_efficiency
     return 2 * model.active_params / flops
 
 
@@ -138,9 +138,10 @@ def kv_ready_seconds_grouped(
     shard = np.ceil(restored * kv_bytes_per_token / group_size)
     restore = shard / slowest_h2d
     restore = np.where(from_host, restore, np.maximum(restore, shard * group_size / nvme_read))
-    return np.where(
+    seconds: np.ndarray = np.where(
         restorable_bytes > 0, np.minimum(prefill_all, restore + (missing - restored) * per_token), prefill_all
     )
+    return seconds
 
 
 def expert_hit_rate(gpu_fraction: float, constants: CostConstants) -> float:
@@ -151,7 +152,8 @@ def expert_hit_rate(gpu_fraction: float, constants: CostConstants) -> float:
     """
     if gpu_fraction <= 0:
         return 0.0
-    return min(1.0, gpu_fraction) ** constants.expert_popularity_skew
+    hit: float = min(1.0, gpu_fraction) ** constants.expert_popularity_skew  # (a positive base: a real power)
+    return hit
 
 
 def decode_slowdown_seconds(
@@ -164,7 +166,7 @@ def decode_slowdown_seconds(
     """
     if not model.is_moe:
         return 0.0
-    h2d = sum(map(_H2D, gpus))
+    h2d: float = sum(map(_H2D, gpus))
     miss = 1.0 - expert_hit_rate(gpu_fraction, constants)
     return constants.output_tokens_per_request * miss * model.active_expert_bytes_per_token / h2d
 

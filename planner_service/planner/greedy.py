@@ -79,7 +79,7 @@ import itertools
 import math
 import operator
 from collections import defaultdict, deque
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -91,7 +91,7 @@ from planner_service.planner import costs, joint
 from planner_service.planner.errors import PlanningError
 from planner_service.planner.lateness import Lateness
 from planner_service.planner.objective import ColdLoad, Demand, cold_load, kv_ready
-from planner_service.planner.residency import ResidencyIndex, copy_placement
+from planner_service.planner.residency import UNKNOWN, ResidencyIndex, copy_placement
 
 SLO_RANK = {Slo.BLOCKING: 0, Slo.INTERACTIVE: 1, Slo.BACKGROUND: 2}
 EXPERT_CHUNKS = 16  # granularity of partial expert residency the greedy considers
@@ -106,12 +106,18 @@ _KV_OFFLOAD, _WEIGHTS_OFFLOAD, _PARTIAL_EXPERTS = (
     Capability.WEIGHTS_OFFLOAD,
     Capability.PARTIAL_EXPERTS,
 )
-_UNKNOWN: Any = object()  # not looked up yet (None is an answer)
 _NO_SESSIONS: frozenset[str] = frozenset()
 NODE_SHORTLIST = 4  # past 2x this many candidate nodes, a group search prices the tightest and roomiest this many each
 
 
-_GroupOption = tuple[tuple, str, tuple[Gpu, ...]]  # (cost key, precision, GPUs); the key: see `_best_group`
+_CostKey = tuple[float, int, int, str, float]  # (cost, precision rank, slack, node, load seconds): see `_group_options`
+_GroupOption = tuple[_CostKey, str, tuple[Gpu, ...]]  # (cost key, precision, GPUs); the key: see `_best_group`
+_GpuSpec = tuple[str, float, float, float, float]  # (type, bf16 FLOP/s, HBM, host->GPU, GPU->host bytes/s)
+_EngineShape = tuple[tuple[str, tuple[int, ...]], ...]  # (model, positions of its engine's GPUs), by model
+_Look = tuple[tuple[float, tuple[_GpuSpec, ...], _EngineShape], tuple[int, ...]]  # see `_GpuBook`
+_Why = tuple[str, tuple[float, ...]]  # (template, the numbers it formats): see `_words`
+# `spend`'s offers: (value, bytes, kind, payload), the payload's shape set by its kind (see `spend`)
+_Push = Callable[[float, int, str, tuple[Any, ...]], None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,12 +155,12 @@ def _tightest_group(
     return group, sum(free[start : start + k])
 
 
-def _spec(gpu: Gpu) -> tuple:
+def _spec(gpu: Gpu) -> _GpuSpec:
     """What a GPU is, beside its room: its type and the speeds the cost model reads."""
     return (gpu.type, gpu.bf16_flops, gpu.hbm_bytes_per_s, gpu.h2d_bytes_per_s, gpu.d2h_bytes_per_s)
 
 
-def _engine_shape(node: Node) -> tuple:
+def _engine_shape(node: Node) -> _EngineShape:
     """The node's fixed engine groups as positions among its GPUs (by id): nodes alike must match in them too."""
     position = {g: i for i, g in enumerate(sorted(node.gpus))}
     return tuple(sorted((m, tuple(position[g] for g in gpus)) for m, gpus in node.engine_gpus.items()))
@@ -192,8 +198,8 @@ class _GpuBook:
             )
             for n in problem.nodes.values()
         }
-        self._look: dict[str, tuple] = {}
-        self._alike: dict[tuple, list[str]] = defaultdict(list)  # look -> its nodes, sorted by id
+        self._look: dict[str, _Look] = {}
+        self._alike: dict[_Look, list[str]] = defaultdict(list)  # look -> its nodes, sorted by id
         for node_id in sorted(problem.nodes):
             self._look[node_id] = look = self._looks(node_id)
             self._alike[look].append(node_id)
@@ -252,7 +258,7 @@ class _GpuBook:
         self._dirty.clear()
         return self._alike.values()
 
-    def _looks(self, node_id: str) -> tuple:
+    def _looks(self, node_id: str) -> _Look:
         return (self._hardware[node_id], tuple(self.free[g] for g in self._gpu_ids[node_id]))
 
     def _regroup(self, node_id: str) -> None:
@@ -271,7 +277,9 @@ class _ExpertShape:
     """A MoE's expert chunks on one node. Its decode slowdown at step k is `scale * miss[k]`, where the
     scale (served weight * slowdown with no expert on GPU) depends on the group's PCIe bandwidth."""
 
-    key: tuple  # (model, partial experts, limit): all the shape depends on (nodes alike share it)
+    # (model, partial experts, limit): all the shape depends on (nodes alike share it); a plain tuple, as it
+    # goes into `_expert_terms`' memo key as it is
+    key: tuple[Hashable, ...]
     steps: list[int]  # [0, expert bytes on GPU at each chunk step the node may hold]
     miss: list[float]  # share of routed-expert reads that miss the GPU at each step
     sizes: list[int]  # per chunk (step k -> k + 1): its bytes
@@ -337,7 +345,7 @@ class GreedyPlanner:
                 self._sessions_on_gpus[(obj.model, node_id)].add(obj.session)
             else:
                 self._sessions_below[(obj.model, node_id)].add(obj.session)
-        self._savings: dict[tuple, float] = {}
+        self._savings: dict[tuple[str, str, float, float, bool], float] = {}  # see `_restore_saving`
         self._cold_groups: dict[tuple[str, str, str], tuple[Gpu, ...] | None] = {}
         # node -> model -> the GPUs of its engine there, where it runs on fixed ones
         self._fixed_groups = {
@@ -352,7 +360,9 @@ class GreedyPlanner:
             for n in problem.nodes.values()
         }
         # model -> SLO-weighted tokens a re-prefill would process (Python floats: they are read one at a time)
-        self._context_demand = dict(zip(self.row, (self.weighted @ demand.context).tolist(), strict=True))
+        self._context_demand: dict[str, float] = dict(
+            zip(self.row, (self.weighted @ demand.context).tolist(), strict=True)
+        )
         # SLO class -> its weight and target, read once (`CostConstants` looks them up by name, a Python call each)
         self._slo_weight = {slo: self.c.slo_weights.of(slo) for slo in Slo}
         self._slo_target = {slo: self.c.slo_targets_seconds.of(slo) for slo in Slo}
@@ -363,10 +373,11 @@ class GreedyPlanner:
         self._sources: dict[tuple[StateObject, str], Tier | None] = {}
         self._experts_placed: dict[str, int] = defaultdict(int)  # MoE model -> expert bytes the target puts on GPU
         self._steps_cache: dict[tuple[str, bool], list[int]] = {}  # (model, partial experts) -> `_expert_steps`
-        self._curves: dict[tuple, tuple[list[int], list[float]]] = {}  # (node, MoE models) -> `_experts_curve`
-        self._expert_terms_memo: dict[tuple, _ExpertTerms] = {}
+        # (node, MoE models) -> `_experts_curve`
+        self._curves: dict[tuple[str | tuple[str, float, int], ...], tuple[list[int], list[float]]] = {}
+        self._expert_terms_memo: dict[tuple[tuple[Hashable, ...], float, int], _ExpertTerms] = {}
         self._price = self.c.gpu_price_seconds_per_gib / GIB  # seconds per byte held on GPU
-        self._shapes: dict[tuple, _ExpertShape] = {}
+        self._shapes: dict[tuple[str, bool, int], _ExpertShape] = {}
         self._shape_on: dict[tuple[str, str], _ExpertShape] = {}  # (model, node) -> its shape
         self._served: dict[str, float] = {}
         self._active_context: dict[str, float] = {}
@@ -406,8 +417,8 @@ class GreedyPlanner:
     def _source(self, obj: StateObject, node: str) -> Tier | None:
         """The tier a load of `obj` onto the node's GPUs reads from (its engines may not load weights from host DRAM)."""
         key = (obj, node)
-        tier = self._sources.get(key, _UNKNOWN)
-        if tier is _UNKNOWN:
+        tier = self._sources.get(key, UNKNOWN)
+        if tier is UNKNOWN:
             tier = self.now.complete_source(obj, node)
             if tier is _HOST and obj.kind is not _KV and _WEIGHTS_OFFLOAD not in self.p.nodes[node].capabilities:
                 tier = _NVME if self.now.complete(obj, node, _NVME) else None
@@ -427,7 +438,7 @@ class GreedyPlanner:
 
     # -- step 1: where each model's weights go -----------------------------
 
-    def _best_group(self, model: ModelSpec, extra_bytes: int) -> tuple[tuple, Group] | None:
+    def _best_group(self, model: ModelSpec, extra_bytes: int) -> tuple[_CostKey, Group] | None:
         """The best (cost key, group) for the model's weights plus `extra_bytes` of KV, if any fits (see `_group_options`)."""
         options = self._group_options(model, extra_bytes)
         if not options:
@@ -697,7 +708,10 @@ class GreedyPlanner:
     def _curve(self, node_id: str, moes: list[tuple[ModelSpec, float]]) -> tuple[list[int], list[float]]:
         """`_experts_curve`, remembered per (node, models, their bandwidths and placed bytes)."""
         placed = self._experts_placed
-        key = (node_id, *[(m.id, h2d, placed.get(m.id, 0)) for m, h2d in moes])
+        key: tuple[str | tuple[str, float, int], ...] = (
+            node_id,
+            *[(m.id, h2d, placed.get(m.id, 0)) for m, h2d in moes],
+        )
         curve = self._curves.get(key)
         if curve is None:
             curve = self._curves[key] = self._experts_curve(node_id, moes)
@@ -891,7 +905,7 @@ class GreedyPlanner:
     def _serve_order(self) -> list[str]:
         """Models with requests in flight, most urgent SLO first, then largest."""
 
-        def urgency(model_id: str) -> tuple:
+        def urgency(model_id: str) -> tuple[int, int, str]:
             model = self.p.models[model_id]
             return (
                 min(SLO_RANK[s.slo] for s in self.active[model_id]),
@@ -1122,7 +1136,7 @@ class GreedyPlanner:
                     best[(other, precision)] = joint.Option(other, precision, option.need, option.cost, option.moe)
         return list(best.values())
 
-    def _roomiest_group(self, model: ModelSpec, need: int) -> tuple[tuple, Group] | None:
+    def _roomiest_group(self, model: ModelSpec, need: int) -> tuple[_CostKey, Group] | None:
         """Where the weights and all the active KV fit nowhere: the group that holds the most of that KV."""
         lo, hi, best = 0, need, self._best_group(model, 0)
         for _ in range(4):  # halve the gap between what fits and what does not a few times
@@ -1181,10 +1195,10 @@ class GreedyPlanner:
     # -- step 2: the rest, by value per byte --------------------------------
 
     def spend(self) -> None:
-        heap: list[tuple[float, int, str, tuple]] = []
+        heap: list[tuple[float, int, str, tuple[Any, ...]]] = []
         seq = itertools.count()
 
-        def push(value: float, nbytes: int, kind: str, payload: tuple) -> None:
+        def push(value: float, nbytes: int, kind: str, payload: tuple[Any, ...]) -> None:
             if value > 0 and nbytes > 0:
                 heapq.heappush(heap, (-value / nbytes, next(seq), kind, payload))
 
@@ -1222,7 +1236,7 @@ class GreedyPlanner:
                 if self.groups.get(obj.model) is group and self._place_expert_chunk(obj, group.node, nbytes):
                     self.reasons[obj] = _words(why)
 
-    def _push_weights(self, model: ModelSpec, push) -> None:
+    def _push_weights(self, model: ModelSpec, push: _Push) -> None:
         """The model's weights on their best group, valued by the cold loads they save."""
         if self._demand(model.id) <= 0:
             return
@@ -1291,7 +1305,7 @@ class GreedyPlanner:
             cold = self._cold_loads[model.id] = cold_load(self.p, self.now, model)
         return cold
 
-    def _push_followers(self, model_id: str, push) -> None:
+    def _push_followers(self, model_id: str, push: _Push) -> None:
         """KV of sessions likely to use the model, and its hot experts, once its weights are placed."""
         model = self.p.models[model_id]
         group = self.groups[model_id]
@@ -1345,7 +1359,7 @@ class GreedyPlanner:
         current = self.now.serving.get(obj.model)
         return current is None or current.precision == group.precision
 
-    def _push_expert_chunks(self, model: ModelSpec, group: Group, push) -> None:
+    def _push_expert_chunks(self, model: ModelSpec, group: Group, push: _Push) -> None:
         obj = StateObject.experts(model.id)
         demand = self._served_weight(model.id)
         if demand <= 0:
@@ -1578,7 +1592,7 @@ _HOT_EXPERTS = (
 )
 
 
-def _words(why: tuple[str, tuple]) -> str:
+def _words(why: _Why) -> str:
     template, numbers = why
     return template.format(*numbers)
 

@@ -181,20 +181,28 @@ def _every_order_safe(problem: Problem, ops: Sequence[Operation]) -> list[str]:
                 f"source freed early: {op.id} may free {op.object.label()} at {op.source.label()} before {early} read it"
             )
         if op.action is Action.DROP and op.object.kind is not Kind.KV:
-            if not _other_copy_guaranteed(problem, op, anc, reducers, adders):
+            if not _other_copy_guaranteed(problem, op, op.source, anc, reducers, adders):
                 errors.append(
                     f"last copy in some order: {op.id} may drop the node's last complete copy of {op.object.label()}"
                 )
     return errors
 
 
-def _other_copy_guaranteed(problem, op: Operation, anc, reducers, adders) -> bool:
+def _other_copy_guaranteed(
+    problem: Problem,
+    op: Operation,
+    source: Location,
+    anc: Mapping[str, set[str]],
+    reducers: Mapping[tuple[StateObject, Location], list[Operation]],
+    adders: Mapping[tuple[StateObject, Location], list[Operation]],
+) -> bool:
+    """Whether the node keeps a complete copy of what `op` drops from `source`, in every order."""
     size = problem.size_of(op.object)
-    node = problem.node_of(op.source)
-    after_drop = problem.residency.get((op.object, op.source), 0) - op.bytes
-    if op.source.tier is not Tier.GPU and after_drop >= size:
+    node = problem.node_of(source)
+    after_drop = problem.residency.get((op.object, source), 0) - op.bytes
+    if source.tier is not Tier.GPU and after_drop >= size:
         return True
-    if op.source.tier is Tier.GPU:
+    if source.tier is Tier.GPU:
         gpu_total = sum(
             b
             for (o, l), b in problem.residency.items()
@@ -204,7 +212,7 @@ def _other_copy_guaranteed(problem, op: Operation, anc, reducers, adders) -> boo
             return True  # the GPU tier held no complete copy to lose
     for tier in (Tier.HOST, Tier.NVME):
         loc = Location(tier, node)
-        if loc == op.source or reducers.get((op.object, loc)):
+        if loc == source or reducers.get((op.object, loc)):
             continue
         have = problem.residency.get((op.object, loc), 0)
         added = [a for a in adders.get((op.object, loc), [])]
@@ -221,7 +229,7 @@ def _capabilities(
         caps = problem.nodes[op.node].capabilities
         below = op.dest is not None and op.dest.tier is not Tier.GPU
         if op.object.kind is Kind.WEIGHTS and Capability.WEIGHTS_OFFLOAD not in caps:
-            if (below and op.dest.tier is Tier.HOST) or (
+            if (op.dest is not None and op.dest.tier is Tier.HOST) or (
                 op.source is not None and op.source.tier is Tier.HOST and op.dest and op.dest.tier is Tier.GPU
             ):
                 errors.append(f"capability: {op.id} moves weights through host DRAM on node {op.node}, which cannot")

@@ -23,9 +23,10 @@ Everything is in seconds. `evaluate` also reports the predicted metrics
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import asdict, dataclass
 from itertools import repeat
+from typing import cast
 
 import numpy as np
 
@@ -127,7 +128,8 @@ class Demand:
 
     def of_model(self, model: str) -> np.ndarray:
         """q(s, model) for every session."""
-        return self.q[self.row[model]]
+        q: np.ndarray = self.q[self.row[model]]  # (a row of the 2-D array)
+        return q
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,8 +187,12 @@ def kv_ready(
     return costs.kv_ready_seconds(missing, restorable, model, gpus, source, problem.nodes[node], problem.constants)
 
 
+# one model's sessions for `_kv_ready_of`: (index, row, model, node, gpus, on_gpus, per_token, sessions)
+_KvGroup = tuple[ResidencyIndex, int, ModelSpec, str, tuple[Gpu, ...], bool, float, Collection[str]]
+
+
 def _kv_ready_of(
-    problem: Problem, position: Mapping[str, int], groups: Iterable[tuple]
+    problem: Problem, position: Mapping[str, int], groups: Iterable[_KvGroup]
 ) -> tuple[list[int], list[int], np.ndarray]:
     """`kv_ready` for the given sessions of several models, all at once.
 
@@ -204,8 +210,9 @@ def _kv_ready_of(
     counts, sizes, links = [], [], []  # per model: its sessions, and what `kv_ready_seconds_grouped` takes of it
     for index, row, model, node, gpus, on_gpus, per_token, holders in groups:
         ids = sorted(holders)
-        # the sessions' KV objects as plain tuples, which equal (and hash as) `StateObject.kv(model.id, sid)`
-        objs = list(zip(repeat(_KV), repeat(model.id), repeat(None), ids))
+        # the sessions' KV objects as plain tuples, which equal (and hash as) `StateObject.kv(model.id, sid)`:
+        # typed as the keys they look up
+        objs = cast(list[StateObject], list(zip(repeat(_KV), repeat(model.id), repeat(None), ids)))
         columns += map(position.__getitem__, ids)
         if model.kv_bytes_per_token:
             tokens += [problem.sessions[sid].context_tokens for sid in ids]
@@ -408,7 +415,7 @@ def _weights_arrival(
 
 def _arrival_kv(
     now: ResidencyIndex, model: ModelSpec, serving: Serving, sessions: list[str], c: CostConstants
-) -> tuple:
+) -> _KvGroup:
     """`_kv_ready_of`'s group for the sessions of the model being served now: their KV readied from C on
     `serving`'s GPUs, what is there now at the same precision counting (as `_kv_arrival`)."""
     current = now.serving.get(model.id)

@@ -36,7 +36,7 @@ from planner_service.domain.problem import Problem
 from planner_service.domain.scenario import Capability, Slo
 from planner_service.domain.state import TIER_RANK, Kind, Location, Placement, StateObject, Tier
 from planner_service.planner import costs
-from planner_service.planner.residency import ResidencyIndex, Serving, copy_placement
+from planner_service.planner.residency import UNKNOWN, ResidencyIndex, Serving, copy_placement
 from planner_service.wire.enums import Action as Action  # noqa: PLC0414 -- re-exported: it was defined here
 from planner_service.wire.enums import Priority as Priority  # noqa: PLC0414 -- re-exported: it was defined here
 
@@ -56,7 +56,6 @@ _WEIGHTS, _EXPERTS, _KV = Kind.WEIGHTS, Kind.EXPERTS, Kind.KV
 _KV_OFFLOAD, _WEIGHTS_OFFLOAD = Capability.KV_OFFLOAD, Capability.WEIGHTS_OFFLOAD
 _PROMOTE, _DEMOTE, _DROP = Action.PROMOTE, Action.DEMOTE, Action.DROP
 _PREFETCH, _BACKGROUND = Priority.PREFETCH, Priority.BACKGROUND
-_UNKNOWN: Any = object()  # not looked up yet (None is an answer)
 _KEY = itemgetter(0)  # of a dict item: sorting items by it skips a level of tuple comparison
 
 
@@ -321,8 +320,8 @@ class _Builder:
         (GPU shards are never read as a source for another tier's full copy.)
         """
         key = (obj, node, dest.tier)
-        source = self._sources.get(key, _UNKNOWN)
-        if source is _UNKNOWN:
+        source = self._sources.get(key, UNKNOWN)
+        if source is UNKNOWN:
             source = self._sources[key] = self._find_complete_source(obj, node, dest.tier)
         return source
 

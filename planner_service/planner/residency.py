@@ -15,16 +15,25 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from enum import Enum
 from functools import cached_property
 from types import MappingProxyType
-from typing import Any
+from typing import Final
 
 from planner_service.domain.problem import Gpu, Problem
 from planner_service.domain.state import Kind, Location, Placement, StateObject, Tier
 
 _GPU = Tier.GPU  # bound once: on Python 3.11 an `Enum.MEMBER` lookup costs about ten global reads
 _BELOW_GPU = (Tier.HOST, Tier.NVME)  # fastest first
-_UNKNOWN: Any = object()  # not looked up yet (None is an answer)
+
+
+class Unknown(Enum):
+    """A memo's "not looked up yet", where None is an answer (`UNKNOWN`, its one member)."""
+
+    TOKEN = "unknown"
+
+
+UNKNOWN: Final = Unknown.TOKEN
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,8 +130,8 @@ class ResidencyIndex:
     def complete_source(self, obj: StateObject, node: str) -> Tier | None:
         """The fastest tier below GPU that holds a complete copy on the node."""
         key = (obj, node)
-        tier = self._sources.get(key, _UNKNOWN)
-        if tier is _UNKNOWN:
+        tier = self._sources.get(key, UNKNOWN)
+        if tier is UNKNOWN:
             tier = self._sources[key] = self._fastest_complete_below(obj, node)
         return tier
 

@@ -52,7 +52,8 @@ def search_nodes(problem: Problem, max_plans: int = MAX_PLANS, max_escapes: int 
     greedy_objective = _score(problem, start)
     best, best_objective = start, greedy_objective
     current, current_objective = start, greedy_objective
-    nodes, fixed = _served_nodes(problem, start), {}  # fixed: precisions chosen by a move
+    nodes = _served_nodes(problem, start)
+    fixed: dict[str, str] = {}  # precisions chosen by a move
     seen = {_key(nodes, fixed)}
     plans, moves, escapes = 1, 0, 0
     while plans < max_plans:
@@ -90,7 +91,9 @@ def search_nodes(problem: Problem, max_plans: int = MAX_PLANS, max_escapes: int 
     return SearchResult(best, best_objective, greedy_objective, plans, moves)
 
 
-def _key(nodes: Mapping[str, str], precisions: Mapping[str, str]) -> tuple:
+def _key(
+    nodes: Mapping[str, str], precisions: Mapping[str, str]
+) -> tuple[tuple[tuple[str, str], ...], tuple[tuple[str, str], ...]]:
     return tuple(sorted(nodes.items())), tuple(sorted(precisions.items()))
 
 

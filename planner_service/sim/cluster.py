@@ -155,7 +155,7 @@ class SimCluster:
 
     def full_size(self, obj: StateObject) -> int:
         model = self.p.models[obj.model]
-        if obj.kind is Kind.WEIGHTS:
+        if obj.kind is Kind.WEIGHTS and obj.precision is not None:  # (weights always name their precision)
             return model.weights_bytes[obj.precision]
         if obj.kind is Kind.EXPERTS:
             return model.experts_bytes

@@ -60,7 +60,8 @@ import time
 from collections import defaultdict, deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from functools import partial
+from typing import Any, Protocol
 
 from planner_service.domain.predictions import problem_from_scenario
 from planner_service.domain.problem import Gpu, Problem
@@ -281,7 +282,8 @@ class Simulator:
         if self.tick_seconds > 0:
             self.push(self.tick_seconds, "tick")
         self._reschedule_transfers()
-        handlers = {
+        # each kind of event carries its own payload (`push` takes any object)
+        handlers: dict[str, Callable[[Any], None]] = {
             "record": self._on_record,
             "xfer": self._on_transfers,
             "model_ready": self._on_model_ready,
@@ -352,9 +354,11 @@ class Simulator:
             if not self.running.get(model_id) and model_id != oldest.model and state.status == "ready":
                 self.evict(StateObject.weights(model_id, state.precision), Location.gpu(state.gpus[0].id), force=True)
         self.needs_kv_room.discard(oldest.model)
-        state = self.models.get(oldest.model)
-        if state is not None and not self.running.get(oldest.model) and state.status == "ready":
-            self.evict(StateObject.weights(oldest.model, state.precision), Location.gpu(state.gpus[0].id), force=True)
+        serving = self.models.get(oldest.model)
+        if serving is not None and not self.running.get(oldest.model) and serving.status == "ready":
+            self.evict(
+                StateObject.weights(oldest.model, serving.precision), Location.gpu(serving.gpus[0].id), force=True
+            )
         self.load_model(oldest.model)
 
     def _busy(self) -> bool:
@@ -855,7 +859,7 @@ class Simulator:
             if need > 0:
                 state.pending += 1
                 self.cluster.start(
-                    self.now, obj, source, Location.gpu(g.id), need, True, lambda t, s=state: self._shard_done(s, t)
+                    self.now, obj, source, Location.gpu(g.id), need, True, partial(self._shard_done, state)
                 )
         self.operations += 1
         if state.pending == 0:

@@ -102,7 +102,7 @@ def study_h1(scenario: Scenario, records: Sequence[TraceRecord], out_dir: Path) 
     if times.size == 0:
         raise ValueError("the trace has no requests on the scenario's models")
     weights = _time_weights(times)
-    total_kv = sum(kv.values())
+    total_kv = sum(kv.values(), np.zeros(times.size, dtype=np.int64))
     per_model_peaks = {m: int(v.max()) for m, v in kv.items()}
     sum_of_peaks = sum(per_model_peaks.values())
     pooled_peak = int(total_kv.max())
@@ -111,8 +111,8 @@ def study_h1(scenario: Scenario, records: Sequence[TraceRecord], out_dir: Path) 
     for q in (50, 90, 95, 99, 100):
         c_v, c_w = _weighted_cdf(counts.astype(float), weights)
         k_v, k_w = _weighted_cdf(total_kv.astype(float), weights)
-        c = c_v[min(np.searchsorted(c_w, q / 100), c_v.size - 1)]
-        k = k_v[min(np.searchsorted(k_w, q / 100), k_v.size - 1)]
+        c = c_v[min(int(np.searchsorted(c_w, q / 100)), c_v.size - 1)]
+        k = k_v[min(int(np.searchsorted(k_w, q / 100)), k_v.size - 1)]
         rows.append([f"P{q}", f"{c:.0f}", f"{k / GIB:.2f}"])
     notes = [
         (
@@ -157,7 +157,7 @@ def study_h1(scenario: Scenario, records: Sequence[TraceRecord], out_dir: Path) 
 def study_h3(scenario: Scenario, records: Sequence[TraceRecord], out_dir: Path) -> StudyResult:
     problem = base_problem(scenario)
     times, _, kv = occupancy(scenario, records)
-    demand = defaultdict(int)
+    demand: dict[str, int] = defaultdict(int)
     for r in records:
         if isinstance(r, TraceRequest) and r.model in problem.models:
             demand[r.model] += 1
@@ -170,7 +170,7 @@ def study_h3(scenario: Scenario, records: Sequence[TraceRecord], out_dir: Path) 
         model = problem.models[model_id]
         weights_total += model.weights_bytes[model.preferred] + model.experts_bytes
         warm = order[:k]
-        peak_kv = int(sum(kv[m] for m in warm).max()) if times.size else 0
+        peak_kv = int(sum((kv[m] for m in warm), np.zeros(times.size, dtype=np.int64)).max()) if times.size else 0
         free = hbm - weights_total - peak_kv
         nxt = order[k] if k < len(order) else None
         cold = _cold_load_seconds(problem, nxt) if nxt else math.nan

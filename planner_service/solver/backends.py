@@ -266,7 +266,9 @@ def _solve_cbc(ilp: IntModel, limit: float, seed: int, workers: int) -> SolveRes
     return SolveResult(status, best.values, best.objective, bound, seconds, info)
 
 
-def _collect(child: subprocess.Popen[bytes], variant: str, request: bytes, answers: queue.Queue) -> None:
+def _collect(
+    child: subprocess.Popen[bytes], variant: str, request: bytes, answers: queue.Queue[tuple[str, int, bytes, bytes]]
+) -> None:
     try:
         out, errors = child.communicate(request)
     except (OSError, ValueError) as error:  # killed at the deadline while still reading its request
@@ -307,7 +309,7 @@ def lp_bound(ilp: IntModel) -> float | None:
     _write(solver, ilp, xs, ilp.rows)
     if solver.Solve() != pywraplp.Solver.OPTIMAL:
         return None
-    return solver.Objective().Value()
+    return float(solver.Objective().Value())
 
 
 if __name__ == "__main__":

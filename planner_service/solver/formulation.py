@@ -18,7 +18,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -238,7 +238,8 @@ class _Builder:
 
         def request_costs(latency: np.ndarray) -> np.ndarray:
             """Each predicted request's w*q*(latency + V*[latency > target]), as the evaluator sums them."""
-            return wq * (latency + c.violation_penalty_seconds * (latency > target))
+            seconds: np.ndarray = wq * (latency + c.violation_penalty_seconds * (latency > target))
+            return seconds
 
         # -- x_off: no group serves the model; its requests cold-load from the lower tiers
         cold = cold_load(self.p, self.lower, model)
@@ -524,7 +525,7 @@ def _expert_gpus(problem: Problem, model_id: str, node_id: str) -> list[str]:
     return sorted(node.engine_gpus.get(model_id, node.gpus))
 
 
-def _subsets(gpus: Sequence[Gpu]):
+def _subsets(gpus: Sequence[Gpu]) -> Iterator[tuple[Gpu, ...]]:
     if len(gpus) <= MAX_SUBSET_GPUS:
         for k in range(1, len(gpus) + 1):
             yield from itertools.combinations(gpus, k)

@@ -152,8 +152,8 @@ class LocalExecutor:
                 raise PermanentError(f"operation {op.id} names neither a source nor a destination")
             self._ensure(src, key, n)
             started = self._clock()
-            reclaimed = self._free(src, key, n, op)
-            return self._outcome(started, reclaimed, reclaimed=reclaimed)
+            dropped = self._free(src, key, n, op)
+            return self._outcome(started, dropped, reclaimed=dropped)
         if src is not None:
             self._ensure(src, key, n)
         started = self._clock()

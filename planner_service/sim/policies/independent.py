@@ -66,26 +66,29 @@ class IndependentPolicy(Policy):
                 want = max(owners, key=lambda m: (share[m] / (len(self.partition[m]) + 1), m))
                 self.partition[want].add(g)
         # models with no partition share the partition they fit in, the least demanded first
-        for model in sorted(p.models):
-            if model in self.partition:
+        for model_id in sorted(p.models):
+            if model_id in self.partition:
                 continue
             for other in sorted(self.partition, key=lambda m: (share[m], m)):
-                if sim.choose_group(model, lambda g, o=other: g in self.partition[o]) is not None:
-                    self.partition[model] = self.partition[other]
+                if sim.choose_group(model_id, self._within(self.partition[other])) is not None:
+                    self.partition[model_id] = self.partition[other]
                     break
             else:
-                self.partition[model] = set(p.gpus)
+                self.partition[model_id] = set(p.gpus)
         # each engine starts with its model loaded
-        for model in sorted(self.partition, key=lambda m: -share[m]):
-            choice = sim.choose_group(model, self.allowed(sim, model))
-            if choice is not None and model not in sim.models:
-                node_id, precision, group = choice
-                shard = -(-p.models[model].weights_bytes[precision] // len(group))
-                if all(sim.cluster.free(Location.gpu(g.id)) >= shard for g in group):
-                    sim.place_now(model, node_id, precision, group)
+        for model_id in sorted(self.partition, key=lambda m: -share[m]):
+            choice = sim.choose_group(model_id, self.allowed(sim, model_id))
+            if choice is not None and model_id not in sim.models:
+                node_id, precision, gpu_group = choice
+                shard = -(-p.models[model_id].weights_bytes[precision] // len(gpu_group))
+                if all(sim.cluster.free(Location.gpu(g.id)) >= shard for g in gpu_group):
+                    sim.place_now(model_id, node_id, precision, gpu_group)
 
     def allowed(self, sim: Simulator, model: str) -> Callable[[str], bool]:
-        gpus = self.partition.get(model, set())
+        return self._within(self.partition.get(model, set()))
+
+    @staticmethod
+    def _within(gpus: set[str]) -> Callable[[str], bool]:
         return lambda gpu: gpu in gpus
 
     def ensure(self, sim: Simulator, req: SimRequest) -> None:

@@ -78,7 +78,7 @@ class OraclePolicy(Policy):
         return times[i] if i < len(times) else NEVER
 
     def next_use(self, sim: Simulator, obj: StateObject) -> float:
-        if obj.kind is Kind.KV:
+        if obj.kind is Kind.KV and obj.session is not None:  # (KV always names its session)
             return self._next_use(self.kv_times.get((obj.model, obj.session), []), sim.now)
         return self._next_use(self.model_times.get(obj.model, []), sim.now)
 

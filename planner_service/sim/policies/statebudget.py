@@ -238,14 +238,14 @@ class StatebudgetPolicy(Policy):
             if not t.preallocated and not (t.obj.kind is Kind.KV and t.obj.session not in sessions):
                 residency[(t.obj, t.dest)] = residency.get((t.obj, t.dest), 0) + t.bytes
         for (obj, loc), nbytes in list(residency.items()):
-            if obj.kind is Kind.KV:  # a KV copy never exceeds the session's context
+            if obj.session is not None:  # a KV copy never exceeds the session's context
                 size = sessions[obj.session].context_tokens * sim.problem.models[obj.model].kv_bytes_per_token
                 residency[(obj, loc)] = min(nbytes, size)
                 if residency[(obj, loc)] <= 0:
                     del residency[(obj, loc)]
         in_flight: dict[str, int] = {}
-        for s in sessions.values():
-            in_flight[s.model] = in_flight.get(s.model, 0) + s.active
+        for session in sessions.values():
+            in_flight[session.model] = in_flight.get(session.model, 0) + session.active
         for stand_in in self.load.stand_ins(sim.now, in_flight):
             sessions[stand_in.id] = stand_in
         return dataclasses.replace(
@@ -319,7 +319,8 @@ class StatebudgetPolicy(Policy):
         # a group whose weights are complete already (shards left by an earlier engine) gets no promote:
         # serve from it now, or the plan's regroup would wait for a copy that never comes
         for obj in {o for o, _ in self.target if o.kind is Kind.WEIGHTS}:
-            self._serve_planned_group(sim, obj)
+            if obj.precision is not None:  # (weights always name theirs)
+                self._serve_planned_group(sim, obj, obj.precision)
         self.on_dispatch(sim)
 
     def on_evicted(self, sim: Simulator, obj: StateObject, loc: Location) -> None:
@@ -372,34 +373,36 @@ class StatebudgetPolicy(Policy):
 
     def _start(self, sim: Simulator, op: Operation) -> str | None:
         """Start an operation: 'started', 'done' / 'failed' at once, or None to wait for room."""
-        obj, c = op.object, sim.cluster
-        if obj.kind is Kind.KV and (op.source is None or self._busy_kv(sim, obj)):
+        obj, c, source, dest = op.object, sim.cluster, op.source, op.dest
+        if obj.kind is Kind.KV and (source is None or self._busy_kv(sim, obj)):
             return "done"  # the engine readies the KV of requests it serves (restore or re-prefill)
-        if (op.action is Action.DROP or not op.keep_source) and self._settled(sim, obj, op.source):
+        if source is None:
+            return "failed"  # only KV is made from nothing (prefill, above): other state needs a copy to move
+        if (op.action is Action.DROP or not op.keep_source) and self._settled(sim, obj, source):
             return "failed"  # hysteresis: it arrived or served too recently to leave this GPU
-        if op.dest is not None and op.dest.tier is Tier.GPU and self._evicted_lately(sim, obj, op.dest):
+        if dest is not None and dest.tier is Tier.GPU and self._evicted_lately(sim, obj, dest):
             return "failed"  # hysteresis: the engine gave this room to requests within the window
         if op.action is Action.DROP:
-            return self._drop(sim, obj, op.source, op.bytes)
-        if self._stored_already(sim, obj, op):  # the write-through copy holds what this one covers
-            return "done" if op.keep_source else self._drop(sim, obj, op.source, op.bytes)
-        have = c.bytes_of(obj, op.source)
+            return self._drop(sim, obj, source, op.bytes)
+        if dest is None:
+            return "failed"  # a promote or demote names where it goes
+        if self._stored_already(sim, obj, source, dest):  # the write-through copy holds what this one covers
+            return "done" if op.keep_source else self._drop(sim, obj, source, op.bytes)
+        have = c.bytes_of(obj, source)
         nbytes = min(op.bytes, have)
         if nbytes <= 0:
             return "failed"
-        if not op.keep_source and (sim.pinned(obj) or c.reading(obj, op.source)):
+        if not op.keep_source and (sim.pinned(obj) or c.reading(obj, source)):
             return "failed"
-        if op.source.tier is Tier.GPU and op.dest.tier is not Tier.GPU and c.free(op.dest) < nbytes:
+        if source.tier is Tier.GPU and dest.tier is not Tier.GPU and c.free(dest) < nbytes:
             return None
-        if c.free(op.dest) < nbytes:
+        if c.free(dest) < nbytes:
             return None
-        tokens = self._valid_tokens(sim, obj, op.source)  # before the source copy leaves a GPU below
-        c.start(
-            sim.now, obj, op.source, op.dest, nbytes, op.keep_source, lambda t, op=op: self._done(sim, op, t, tokens)
-        )
+        tokens = self._valid_tokens(sim, obj, source)  # before the source copy leaves a GPU below
+        c.start(sim.now, obj, source, dest, nbytes, op.keep_source, lambda t: self._done(sim, op, t, tokens))
         sim.operations += 1
-        if not op.keep_source and op.source.tier is Tier.GPU:
-            self._left_gpu(sim, obj, op.source)
+        if not op.keep_source and source.tier is Tier.GPU:
+            self._left_gpu(sim, obj, source)
         return "started"
 
     def _drop(self, sim: Simulator, obj: StateObject, loc: Location, nbytes: int) -> str:
@@ -432,11 +435,11 @@ class StatebudgetPolicy(Policy):
                 if state.status == "ready" and not sim.running.get(obj.model):
                     del sim.models[obj.model]
 
-    def _stored_already(self, sim: Simulator, obj: StateObject, op: Operation) -> bool:
+    def _stored_already(self, sim: Simulator, obj: StateObject, source: Location, dest: Location) -> bool:
         """Whether a KV copy to host DRAM would add nothing: the host copy covers what the source covers."""
-        if obj.kind is not Kind.KV or op.dest.tier is not Tier.HOST or not sim.cluster.bytes_of(obj, op.dest):
+        if obj.kind is not Kind.KV or dest.tier is not Tier.HOST or not sim.cluster.bytes_of(obj, dest):
             return False
-        return sim.host_tokens.get(obj, 0) >= self._valid_tokens(sim, obj, op.source)
+        return sim.host_tokens.get(obj, 0) >= self._valid_tokens(sim, obj, source)
 
     @staticmethod
     def _valid_tokens(sim: Simulator, obj: StateObject, loc: Location) -> int:
@@ -450,48 +453,48 @@ class StatebudgetPolicy(Policy):
     def _done(self, sim: Simulator, op: Operation, transfer: Transfer, tokens: int) -> None:
         if self.status.get(op.id) in ("started", "superseded"):
             self.status[op.id] = "done"
-        obj, c = op.object, sim.cluster
-        if op.dest is not None and op.dest.tier is Tier.GPU:
-            self.arrived[(obj, op.dest)] = sim.now
+        obj, c, dest = op.object, sim.cluster, transfer.dest
+        if dest.tier is Tier.GPU:
+            self.arrived[(obj, dest)] = sim.now
         if not op.keep_source and op.source is not None and op.source.tier is Tier.GPU:
             self._left_gpu(sim, obj, op.source)
         if obj.kind is Kind.KV:
             kvpt = sim.problem.models[obj.model].kv_bytes_per_token or 1
             # a copy covers what its source covered, at most what its bytes hold (bytes are not tokens: a
             # plan sizes KV for the whole history, the model's copy covers the history up to its last turn)
-            if op.dest.tier is Tier.GPU:
+            if dest.tier is Tier.GPU:
                 on_gpu = c.node_bytes(obj, op.node, Tier.GPU) // kvpt
                 sim.gpu_tokens[obj] = min(max(sim.gpu_tokens.get(obj, 0), tokens), on_gpu)
-            elif op.dest.tier is Tier.HOST:
-                on_host = c.bytes_of(obj, op.dest) // kvpt
+            elif dest.tier is Tier.HOST:
+                on_host = c.bytes_of(obj, dest) // kvpt
                 sim.host_tokens[obj] = min(max(sim.host_tokens.get(obj, 0), tokens), on_host)
-                c.remove(obj, op.dest, c.bytes_of(obj, op.dest) - sim.host_tokens[obj] * kvpt)  # one copy, no more
-        elif obj.kind is Kind.WEIGHTS and op.dest.tier is Tier.GPU:
-            self._serve_from_plan(sim, obj, op.node)
+                c.remove(obj, dest, c.bytes_of(obj, dest) - sim.host_tokens[obj] * kvpt)  # one copy, no more
+        elif obj.kind is Kind.WEIGHTS and obj.precision is not None and dest.tier is Tier.GPU:
+            self._serve_from_plan(sim, obj, obj.precision, op.node)
 
-    def _serve_from_plan(self, sim: Simulator, obj: StateObject, node: str) -> None:
+    def _serve_from_plan(self, sim: Simulator, obj: StateObject, precision: str, node: str) -> None:
         """Weights complete on the group the plan chose: serve from there (a new engine on that group).
 
         Requests already running finish where they are; the next ones start on the new group.
         """
         c = sim.cluster
-        if self._serve_planned_group(sim, obj):
+        if self._serve_planned_group(sim, obj, precision):
             return
         if obj.model not in sim.models and c.node_bytes(obj, node, Tier.GPU) >= c.full_size(obj):
             gpus = tuple(
                 sim.problem.gpus[g] for g in sim.problem.nodes[node].gpus if c.bytes_of(obj, Location.gpu(g)) > 0
             )
-            sim.adopt_weights(obj.model, node, obj.precision, gpus)
+            sim.adopt_weights(obj.model, node, precision, gpus)
 
-    def _serve_planned_group(self, sim: Simulator, obj: StateObject) -> bool:
+    def _serve_planned_group(self, sim: Simulator, obj: StateObject, precision: str) -> bool:
         """Serve `obj` from the GPUs the adopted plan puts it on, if every shard is there (True: it is or will be)."""
         planned = [(loc, nbytes) for (o, loc), nbytes in self.target.items() if o == obj]
         if not planned or any(sim.cluster.bytes_of(obj, loc) < nbytes for loc, nbytes in planned):
             return False
         gpus = tuple(sorted((sim.problem.gpus[loc.id] for loc, _ in planned), key=lambda g: g.id))
         state = sim.models.get(obj.model)
-        if state is not None and (state.status != "ready" or state.precision == obj.precision and state.gpus == gpus):
+        if state is not None and (state.status != "ready" or state.precision == precision and state.gpus == gpus):
             return True  # served there already, or another load of it is on the way
         sim.models.pop(obj.model, None)
-        sim.adopt_weights(obj.model, sim.problem.gpus[planned[0][0].id].node, obj.precision, gpus)
+        sim.adopt_weights(obj.model, sim.problem.gpus[planned[0][0].id].node, precision, gpus)
         return True

@@ -70,7 +70,7 @@ def apply_placement(sim: Simulator, placement: dict[tuple[StateObject, Location]
     """Put a placement's weights (ready) and experts on the GPUs at t=0; returns the models placed."""
     models: set[str] = set()
     for obj, loc in sorted(placement):
-        if obj.kind is Kind.WEIGHTS:
+        if obj.kind is Kind.WEIGHTS and obj.precision is not None:  # (weights always name their precision)
             gpus = tuple(sim.problem.gpus[l.id] for (o, l) in sorted(placement) if o == obj and l.tier is Tier.GPU)
             if obj.model not in models:
                 sim.place_now(obj.model, sim.problem.gpus[loc.id].node, obj.precision, gpus)

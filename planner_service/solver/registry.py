@@ -6,12 +6,14 @@ OR-Tools only when it is asked for a plan.
 
 from __future__ import annotations
 
+from typing import Any
+
 from planner_service.domain.problem import Problem
 from planner_service.planner.plan import Plan
 from planner_service.planner.registry import SolverName, SolverRegistry, planner_registry
 
 
-def _milp(problem: Problem, **options: object) -> Plan:
+def _milp(problem: Problem, **options: Any) -> Plan:  # `solve_milp`'s keywords, checked by its signature
     from planner_service.solver.milp import solve_milp  # OR-Tools loads only when the oracle is used
 
     return solve_milp(problem, **options)

@@ -232,13 +232,14 @@ def _kv_ready_of(
     # one entry per session (integers and rates repeated apart: bytes stay integers)
     # (array methods rather than numpy's module functions, which add a Python call each: same results)
     kv_per_token, group_size = np.array(sizes).repeat(counts, axis=0).T
-    slowest_h2d, nvme_read, per_token = np.array(links, dtype=float).repeat(counts, axis=0).T
+    # (names of their own: the loop's per-model floats of the same meaning are typed `float` when compiled)
+    h2d_each, nvme_read_each, per_token_each = np.array(links, dtype=float).repeat(counts, axis=0).T
     missing = np.array(tokens) - np.array(held) // kv_per_token
     host_bytes, nvme_bytes = np.maximum(np.array(host), 0), np.maximum(np.array(nvme), 0)
     from_host = host_bytes >= nvme_bytes
     restorable = np.where(from_host, host_bytes, nvme_bytes)
     seconds = costs.kv_ready_seconds_grouped(
-        missing, restorable, from_host, kv_per_token, group_size, slowest_h2d, nvme_read, per_token
+        missing, restorable, from_host, kv_per_token, group_size, h2d_each, nvme_read_each, per_token_each
     )
     return rows, columns, np.where(missing > 0, seconds, 0.0)
 

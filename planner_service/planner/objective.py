@@ -208,7 +208,7 @@ def _kv_ready_of(
     host: list[int] = []
     nvme: list[int] = []
     counts, sizes, links = [], [], []  # per model: its sessions, and what `kv_ready_seconds_grouped` takes of it
-    for index, row, model, node, gpus, on_gpus, per_token, holders in groups:
+    for index, row, model, node, gpus, on_gpus, group_per_token, holders in groups:
         ids = sorted(holders)
         # the sessions' KV objects as plain tuples, which equal (and hash as) `StateObject.kv(model.id, sid)`:
         # typed as the keys they look up
@@ -227,19 +227,18 @@ def _kv_ready_of(
         rows += repeat(row, len(ids))
         counts.append(len(ids))
         sizes.append((model.kv_bytes_per_token or 1, len(gpus)))
-        slowest_h2d = min(g.h2d_bytes_per_s for g in gpus)
-        links.append((slowest_h2d, problem.nodes[node].nvme_read_bytes_per_s, per_token))
+        group_h2d = min(g.h2d_bytes_per_s for g in gpus)
+        links.append((group_h2d, problem.nodes[node].nvme_read_bytes_per_s, group_per_token))
     # one entry per session (integers and rates repeated apart: bytes stay integers)
     # (array methods rather than numpy's module functions, which add a Python call each: same results)
     kv_per_token, group_size = np.array(sizes).repeat(counts, axis=0).T
-    # (names of their own: the loop's per-model floats of the same meaning are typed `float` when compiled)
-    h2d_each, nvme_read_each, per_token_each = np.array(links, dtype=float).repeat(counts, axis=0).T
+    slowest_h2d, nvme_read, per_token = np.array(links, dtype=float).repeat(counts, axis=0).T
     missing = np.array(tokens) - np.array(held) // kv_per_token
     host_bytes, nvme_bytes = np.maximum(np.array(host), 0), np.maximum(np.array(nvme), 0)
     from_host = host_bytes >= nvme_bytes
     restorable = np.where(from_host, host_bytes, nvme_bytes)
     seconds = costs.kv_ready_seconds_grouped(
-        missing, restorable, from_host, kv_per_token, group_size, h2d_each, nvme_read_each, per_token_each
+        missing, restorable, from_host, kv_per_token, group_size, slowest_h2d, nvme_read, per_token
     )
     return rows, columns, np.where(missing > 0, seconds, 0.0)
 

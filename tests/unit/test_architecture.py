@@ -228,6 +228,7 @@ def test_missing_field_is_named() -> None:
         ({"num_key_value_heads": 5}, "num_key_value_heads"),
         ({"vocab_size": "128256"}, "vocab_size"),
         ({"model_type": "mamba"}, "model_type"),
+        ({"model_type": ["llama"]}, "model_type"),  # not a name at all (JSON allows it): no TypeError
         ({"partial_rotary_factor": 1.5}, "partial_rotary_factor"),
     ],
 )

@@ -223,8 +223,8 @@ class Queues:
         Expiries due are applied first, as for a lease or a report, so a renewal after the deadline finds
         the lease ended: it is refused (`Conflict`) with how it ended (expired and re-queued, superseded by a
         newer epoch, every operation reported, or unknown), because its operations may be another lease's
-        now. A lease of another node than the caller's token reaches is `Forbidden`. One batch commits the
-        renewal together with the expiries it applied, refused or not.
+        now. A lease of a node the caller's token does not reach is `Forbidden`; one of another node than
+        `node_id`, `NotFound`. One batch commits the renewal with the expiries it applied, refused or not.
         """
         self.live.require_ready()
         with self.live.change():
@@ -294,7 +294,7 @@ class Queues:
             return f"{ended.why}{'; ' + done if done else ''}"
         if reported:
             return f"every operation it held was reported ({done})"
-        return "the service does not know it (never granted, or it ended before the service restarted)"
+        return "the service does not know it (never granted, or it ended long ago or before the service restarted)"
 
     def report(self, op_id: str, body: ReportIn, *, node_scope: str | None = None) -> dict[str, Any]:
         """A node's outcome for a leased operation. Idempotent: the same report again answers the same."""

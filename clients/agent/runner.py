@@ -6,6 +6,14 @@ has confirmed, so a dependency this agent does not hold is done already; one it
 holds (leased together, or still running) is awaited, and if it fails the
 dependent operation is reported `failed` without running.
 
+While any operation of a lease runs, the agent renews the lease every third
+of `lease_seconds` (the registration answer says how long a lease lasts), so a
+move that takes longer than a lease keeps it. A renewal the service refuses
+(409: the lease ran out and its operations were re-queued or superseded) means
+they were handed on: the agent logs it once, starts none of them that has not
+started, and reports none of them under that lease; one already running runs
+to its end (a move cut short is worse than one done twice).
+
 Executors raise `TemporaryError` (retried with backoff while the lease lasts)
 or `PermanentError` (reported `failed` at once). Stopping (`stop` set, e.g. by
 SIGTERM) ends leasing, lets running operations finish and report within
@@ -44,6 +52,25 @@ log = logging.getLogger("statebudget.agent")
 
 AGENT_VERSION = "0.1.0"
 CALIBRATION_ALPHA = 0.3  # weight of the newest measurement in the moving average
+RENEW_FRACTION = 1 / 3  # renew a running lease every third of its length: two renewals may fail before it ends
+DEFAULT_LEASE_SECONDS = 30.0  # the service's default, for an answer that does not say
+
+
+@dataclass(eq=False)
+class HeldLease:
+    """A lease this agent runs operations under, renewed while any of them runs."""
+
+    id: str
+    deadline: float  # monotonic seconds at which the service lets it run out, as last told
+    running: set[str]  # its operations not finished here yet
+    handed_on: bool = False  # a renewal was refused: its operations are another lease's now
+    renewer: asyncio.Task[None] | None = None
+
+    def finished(self, op_id: str) -> None:
+        """One operation is over; with the last one, renewing stops."""
+        self.running.discard(op_id)
+        if not self.running and self.renewer is not None:
+            self.renewer.cancel()
 
 
 @dataclass
@@ -105,12 +132,14 @@ class Agent:
         self.config, self.client, self.executor = config, client, executor
         self._sleep, self._monotonic = sleep, monotonic
         self.gpu_ids: set[str] = {g.id for g in config.gpus}
+        self.lease_seconds: float | None = None  # how long a lease lasts, from the registration answer
         self.meter = BandwidthMeter()
         self.stats: Counter[str] = Counter()
         self.reports: list[dict[str, Any]] = []  # what this agent reported, newest last
         self._results: dict[str, asyncio.Future[bool]] = {}  # op id -> done?, for ops this agent holds
         self._failed: set[str] = set()  # ops this agent reported failed (or could not run)
         self._inflight: set[asyncio.Task[bool]] = set()
+        self._renewers: set[asyncio.Task[None]] = set()
         self._slots = asyncio.Semaphore(config.max_parallel)
 
     # -- lifecycle ---------------------------------------------------------------
@@ -133,8 +162,13 @@ class Agent:
         finally:
             await self._drain()
             heartbeats.cancel()
+            renewers = set(self._renewers)  # none is left once every operation ended; this is for safety
+            for renewer in renewers:
+                renewer.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await heartbeats
+            if renewers:
+                await asyncio.wait(renewers)
             log.info("agent %s stopped: %s", node, dict(self.stats))
 
     async def _wait_any(self, stop: asyncio.Event) -> None:
@@ -185,6 +219,7 @@ class Agent:
                 attempt += 1
                 continue
             self.gpu_ids |= set(out.gpus)
+            self.lease_seconds = out.lease_seconds
             for warning in out.warnings:
                 log.warning("register: %s", warning)
             capabilities = [c.value for c in out.capabilities]
@@ -258,36 +293,81 @@ class Agent:
     def _start(self, lease: LeaseOut) -> None:
         lease_id = lease.lease_id
         assert lease_id is not None  # a lease with operations has an id
-        deadline = self._monotonic() + (lease.expires_in_seconds or 30.0)
         ops: list[LeasedOperation] = lease.operations
+        lasts = lease.expires_in_seconds or self.lease_seconds or DEFAULT_LEASE_SECONDS
+        held = HeldLease(lease_id, self._monotonic() + lasts, {op.id for op in ops})
         loop = asyncio.get_running_loop()
         for op in ops:  # every op of the lease is known before any starts, so order within the lease holds
             self._results[op.id] = loop.create_future()
         for op in ops:
-            task = asyncio.create_task(self._run(op, lease_id, deadline), name=f"op-{op.id}")
+            task = asyncio.create_task(self._run(op, held), name=f"op-{op.id}")
             self._inflight.add(task)
             task.add_done_callback(self._inflight.discard)
+        every = (self.lease_seconds or lasts) * RENEW_FRACTION
+        held.renewer = asyncio.create_task(self._renew(held, every), name=f"renew-{lease_id}")
+        self._renewers.add(held.renewer)
+        held.renewer.add_done_callback(self._renewers.discard)
+
+    async def _renew(self, held: HeldLease, every_seconds: float) -> None:
+        """Renew `held` every `every_seconds` while its operations run; a refusal ends it (handed on)."""
+        node = self.config.node_id
+        while held.running:
+            await self._sleep(every_seconds)
+            if not held.running:
+                return
+            try:
+                out = await self.client.renew_lease(node, held.id)
+            except ConflictError as conflict:
+                if not held.running:  # its last operation was reported meanwhile
+                    return
+                held.handed_on = True
+                self.stats["leases_handed_on"] += 1
+                log.warning(
+                    "lease %s of node %s was handed on, the service refused to renew it: %s; "
+                    "%d operation(s) still here (%s) will not be reported under it",
+                    held.id,
+                    node,
+                    conflict.detail,
+                    len(held.running),
+                    ", ".join(sorted(held.running)),
+                )
+                return
+            except (SdkConnectionError, ServerError) as error:
+                self.stats["renew_errors"] += 1
+                log.warning("renewing lease %s failed (%s); trying again in %.1f s", held.id, error, every_seconds)
+                continue
+            except APIError as error:  # 401, 403, 404: asking again cannot help; the report will tell
+                log.error("renewing lease %s was refused (%s); it is no longer renewed", held.id, error)
+                return
+            held.deadline = self._monotonic() + out.expires_in_seconds
+            self.stats["renewals"] += 1
 
     # -- one operation -----------------------------------------------------------
 
-    async def _run(self, op: Operation, lease_id: str, deadline: float) -> bool:
+    async def _run(self, op: Operation, held: HeldLease) -> bool:
         ok = False
+        result = self._results.get(op.id)
         try:
-            ok = await self._run_once_ready(op, lease_id, deadline)
+            ok = await self._run_once_ready(op, held)
             return ok
         finally:
-            if not ok:
+            held.finished(op.id)
+            if not ok and not held.handed_on:  # a handed-on operation may yet succeed under its new lease
                 self._failed.add(op.id)
-            result = self._results.pop(op.id, None)
-            if result is not None and not result.done():
-                result.set_result(ok)
+            if result is not None:
+                if self._results.get(op.id) is result:
+                    del self._results[op.id]
+                if not result.done():
+                    result.set_result(ok)
 
-    async def _run_once_ready(self, op: Operation, lease_id: str, deadline: float) -> bool:
+    async def _run_once_ready(self, op: Operation, held: HeldLease) -> bool:
         for dep in op.depends_on:
             pending = self._results.get(dep)
             if dep in self._failed or (pending is not None and not await asyncio.shield(pending)):
-                return await self._report(op, lease_id, None, f"dependency {dep} failed on this node")
+                return await self._report(op, held, None, f"dependency {dep} failed on this node")
         async with self._slots:
+            if held.handed_on:  # another lease holds it now: it is not started here
+                return await self._report(op, held, None, "not started")
             log.info("running %s", op.label())
             for attempt in range(1, self.config.temporary_attempts + 1):
                 try:
@@ -298,17 +378,19 @@ class Agent:
                         if error.delay_seconds is not None
                         else (self.config.retry_delay_seconds * 2 ** (attempt - 1))
                     )
-                    last = attempt == self.config.temporary_attempts or self._monotonic() + delay >= deadline
+                    last = attempt == self.config.temporary_attempts or self._monotonic() + delay >= held.deadline
                     log.warning("%s: temporary error (attempt %d): %s", op.id, attempt, error.reason)
                     if last:
                         reason = f"temporary error, gave up after {attempt} attempt(s): {error.reason}"
-                        return await self._report(op, lease_id, None, reason)
+                        return await self._report(op, held, None, reason)
                     await self._sleep(delay)
+                    if held.handed_on:  # another lease holds it now: it is not tried again here
+                        return await self._report(op, held, None, f"temporary error: {error.reason}")
                 except PermanentError as error:
-                    return await self._report(op, lease_id, None, error.reason)
+                    return await self._report(op, held, None, error.reason)
                 except Exception as error:
                     log.exception("%s: unexpected error", op.id)
-                    return await self._report(op, lease_id, None, f"unexpected error: {type(error).__name__}: {error}")
+                    return await self._report(op, held, None, f"unexpected error: {type(error).__name__}: {error}")
                 else:
                     if outcome.details.get("shortfall_bytes"):
                         log.warning(
@@ -317,12 +399,17 @@ class Agent:
                             outcome.details["shortfall_bytes"],
                         )
                     self.meter.observe(op, outcome)
-                    return await self._report(op, lease_id, outcome, None)
+                    return await self._report(op, held, outcome, None)
         return False  # pragma: no cover - the loop always returns
 
-    async def _report(self, op: Operation, lease_id: str, outcome: Outcome | None, error: str | None) -> bool:
+    async def _report(self, op: Operation, held: HeldLease, outcome: Outcome | None, error: str | None) -> bool:
+        held.finished(op.id)  # before the report goes: a renewal after it would find nothing left to hold
+        if held.handed_on:  # said once, when the renewal was refused
+            log.debug("%s: not reported (%s), its lease %s was handed on", op.id, error or "done", held.id)
+            self.stats["not_reported"] += 1
+            return False
         status = ReportStatus.DONE if outcome is not None else ReportStatus.FAILED
-        body: dict[str, Any] = {"lease_id": lease_id, "status": status.value, "error": error}
+        body: dict[str, Any] = {"lease_id": held.id, "status": status.value, "error": error}
         if outcome is not None:
             body["measured_seconds"] = round(outcome.measured_seconds, 6)
             body["measured_bytes"] = outcome.measured_bytes

@@ -28,7 +28,7 @@ from planner_service.wire.cluster import ClusterOut, ModelOut
 from planner_service.wire.enums import Capability, OperationState, ReportStatus, SolverName
 from planner_service.wire.health import Health
 from planner_service.wire.nodes import HeartbeatOut, RegisterOut
-from planner_service.wire.operations import LeaseOut, OperationRecord, ReportOut
+from planner_service.wire.operations import LeaseOut, OperationRecord, RenewOut, ReportOut
 from planner_service.wire.plan import CurrentPlanOut, ExplainOut, ParetoOut, ReplanOut, WhatIfOut
 from planner_service.wire.sessions import EventsOut, SessionOut
 from planner_service.wire.state import SrvOut
@@ -286,6 +286,12 @@ class Endpoints(ABC):
                 answer=LeaseOut,
             )
         )
+
+    def renew_lease(self, node_id: str, lease_id: str) -> Any:
+        """Extend a lease whose operations still run to `lease_seconds` from now: `RenewOut`. A lease that
+        holds nothing any more is a `ConflictError` saying why (its operations were handed on). Renewing again
+        only moves the expiry, so it is retried."""
+        return self._send(Call("POST", f"/v1/nodes/{node_id}/leases/{lease_id}/renew", answer=RenewOut))
 
     def report(
         self,

@@ -203,6 +203,9 @@ class ClusterService:
     def lease(self, node_id: str, max_operations: int) -> dict[str, Any]:
         return self.queues.lease(node_id, max_operations)
 
+    def renew(self, node_id: str, lease_id: str, *, node_scope: str | None = None) -> dict[str, Any]:
+        return self.queues.renew(node_id, lease_id, node_scope=node_scope)
+
     def report(self, op_id: str, body: ReportIn, *, node_scope: str | None = None) -> dict[str, Any]:
         return self.queues.report(op_id, body, node_scope=node_scope)
 

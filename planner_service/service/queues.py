@@ -1,10 +1,19 @@
-"""Operation queues and leases: plans installed as epochs of operations, leased to nodes, reported."""
+"""Operation queues and leases: plans installed as epochs of operations, leased to nodes, renewed, reported.
+
+A lease holds its operations until `lease_seconds` after it was granted or
+last renewed (a Kubernetes lease's renew time, an SQS visibility timeout): an
+agent still running them renews it, and a lease left to run out gives its
+operations back (re-queued, or superseded when a newer plan epoch exists).
+A renewal that comes too late is refused and says why: the operations were
+handed on, so the agent must not report them as its own any more.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import logging
 import uuid
+from collections.abc import Iterable
 from typing import Any
 
 from planner_service.planner.operations import PRIORITY_RANK
@@ -14,6 +23,7 @@ from planner_service.service.errors import (
     Conflict,
     Forbidden,
     NotFound,
+    ServiceError,
 )
 from planner_service.service.inputs import (
     ReportIn,
@@ -28,13 +38,30 @@ from planner_service.service.store import Batch
 
 log = logging.getLogger(__name__)
 
+ENDED_LEASES_KEPT = 10_000  # leases whose end is remembered, newest first, to tell a late renewal why
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class EndedLease:
+    """How a lease that ran out ended, for the renewal that arrives after it."""
+
+    node: str
+    why: str  # completes "lease <id> no longer holds any operation: ..."
+
+
+def _ids(records: Iterable[OpRecord]) -> str:
+    return ", ".join(r.id for r in records)
+
 
 class Queues:
-    """Operation queues and leases: plans installed as epochs of operations, leased to nodes, reported."""
+    """Operation queues and leases: plans installed as epochs of operations, leased to nodes, renewed,
+    reported."""
 
     def __init__(self, live: Live, confirmed: Confirmed) -> None:
         self.live = live
         self.confirmed = confirmed
+        # only to explain a refused renewal: whether a lease holds anything is read from the operations alone
+        self.ended: dict[str, EndedLease] = {}
 
     def install(self, plan: Plan, inflight: list[OpRecord]) -> None:
         now = self.live.clock()
@@ -97,24 +124,41 @@ class Queues:
 
     def expire(self, batch: Batch) -> bool:
         now = self.live.clock()
-        expired_leases: dict[str, str] = {}
+        expired: dict[str, list[OpRecord]] = {}  # lease id -> its operations that it gave back
         for oid in list(self.live.open_ops):
             r = self.live.ops[oid]
             if r.state is OpState.LEASED and r.lease_expires_at is not None and r.lease_expires_at <= now:
-                expired_leases[r.lease_id or ""] = r.node
+                expired.setdefault(r.lease_id or "", []).append(r)
                 if r.epoch < self.live.epoch:
                     r.state, r.superseded_by = OpState.SUPERSEDED, self.live.epoch
                     self.live.open_ops.discard(oid)
                     self.live.wake(force=True)
                 else:
                     r.state = OpState.QUEUED
-                r.lease_id, r.lease_expires_at, r.updated_at = None, None, now
-                batch.operations[oid] = r.to_json()
-        for node in expired_leases.values():
-            self.live.metrics.lease_expiries.labels(node).inc()
-        if expired_leases:
-            log.info("%d lease(s) expired; their operations were re-queued", len(expired_leases))
-        return bool(expired_leases)
+                r.updated_at = now
+        for lease_id, ops in expired.items():
+            self._remember_end(lease_id, ops)
+            for r in ops:
+                r.lease_id, r.lease_expires_at = None, None
+                batch.operations[r.id] = r.to_json()
+            self.live.metrics.lease_expiries.labels(ops[0].node).inc()
+        if expired:
+            log.info("%d lease(s) expired; their operations were re-queued", len(expired))
+        return bool(expired)
+
+    def _remember_end(self, lease_id: str, ops: list[OpRecord]) -> None:
+        at = iso(ops[0].lease_expires_at)
+        superseded = [r for r in ops if r.state is OpState.SUPERSEDED]
+        requeued = [r for r in ops if r.state is OpState.QUEUED]
+        parts = []
+        if requeued:
+            parts.append(f"{_ids(requeued)} re-queued")
+        if superseded:
+            parts.append(f"{_ids(superseded)} superseded by plan epoch {self.live.epoch}")
+        self.ended.pop(lease_id, None)
+        self.ended[lease_id] = EndedLease(ops[0].node, f"it expired at {at} ({'; '.join(parts)})")
+        while len(self.ended) > ENDED_LEASES_KEPT:
+            del self.ended[next(iter(self.ended))]
 
     def expire_and_write(self) -> bool:
         batch = Batch()
@@ -172,6 +216,85 @@ class Queues:
             "expires_in_seconds": self.live.settings.lease_seconds if lease_id else None,
             "operations": [{**r.op.to_json(), "epoch": r.epoch} for r in eligible],
         }
+
+    def renew(self, node_id: str, lease_id: str, *, node_scope: str | None = None) -> dict[str, Any]:
+        """Extend the lease to now + `lease_seconds` for every operation it still holds (leased, not reported).
+
+        Expiries due are applied first, as for a lease or a report, so a renewal after the deadline finds
+        the lease ended: it is refused (`Conflict`) with how it ended (expired and re-queued, superseded by a
+        newer epoch, every operation reported, or unknown), because its operations may be another lease's
+        now. A lease of a node the caller's token does not reach is `Forbidden`; one of another node than
+        `node_id`, `NotFound`. One batch commits the renewal with the expiries it applied, refused or not.
+        """
+        self.live.require_ready()
+        with self.live.change():
+            self.live.require_node(node_id)
+            now = self.live.clock()
+            batch = Batch()
+            expired = self.expire(batch)
+            held = sorted(
+                (
+                    self.live.ops[i]
+                    for i in self.live.open_ops
+                    if self.live.ops[i].state is OpState.LEASED and self.live.ops[i].lease_id == lease_id
+                ),
+                key=lambda r: (r.epoch, r.seq),
+            )
+            owner = held[0].node if held else self._owner(lease_id)
+            refusal: ServiceError | None = None
+            out: dict[str, Any] = {}
+            if owner is not None and node_scope is not None and owner != node_scope:
+                refusal = Forbidden(f"lease {lease_id} belongs to node {owner!r}, not to {node_scope!r}")
+            elif owner is not None and owner != node_id:
+                refusal = NotFound(f"node {node_id!r} holds no lease {lease_id} (it is a lease of node {owner!r})")
+            elif not held:
+                refusal = Conflict(
+                    f"lease {lease_id} no longer holds any operation: {self._why_ended(lease_id)}; "
+                    "report none of its operations, lease the node's queue again"
+                )
+            else:
+                expires = now + self.live.settings.lease_seconds
+                for r in held:
+                    r.lease_expires_at, r.updated_at = expires, now
+                    batch.operations[r.id] = r.to_json()
+                out = {
+                    "lease_id": lease_id,
+                    "node": owner,
+                    "expires_at": iso(expires),
+                    "expires_in_seconds": self.live.settings.lease_seconds,
+                    "operations": [r.id for r in held],
+                }
+            self.live.write(batch)
+        if expired:
+            self.live.notify()
+        if refusal is not None:
+            raise refusal
+        return out
+
+    def _reported(self, lease_id: str) -> list[OpRecord]:
+        """The operations reported under the lease (kept as long as finished operations are)."""
+        return sorted(
+            (r for r in self.live.ops.values() if r.lease_id == lease_id and r.state in (OpState.DONE, OpState.FAILED)),
+            key=lambda r: (r.epoch, r.seq),
+        )
+
+    def _owner(self, lease_id: str) -> str | None:
+        """The node of a lease that holds nothing any more, where the service still knows it."""
+        ended = self.ended.get(lease_id)
+        if ended is not None:
+            return ended.node
+        reported = self._reported(lease_id)
+        return reported[0].node if reported else None
+
+    def _why_ended(self, lease_id: str) -> str:
+        reported = self._reported(lease_id)
+        done = f"{_ids(reported)} reported" if reported else ""
+        ended = self.ended.get(lease_id)
+        if ended is not None:
+            return f"{ended.why}{'; ' + done if done else ''}"
+        if reported:
+            return f"every operation it held was reported ({done})"
+        return "the service does not know it (never granted, or it ended long ago or before the service restarted)"
 
     def report(self, op_id: str, body: ReportIn, *, node_scope: str | None = None) -> dict[str, Any]:
         """A node's outcome for a leased operation. Idempotent: the same report again answers the same."""

@@ -75,6 +75,18 @@ class LeaseOut(WireModel):
     operations: list[LeasedOperation]
 
 
+class RenewOut(WireModel):
+    """A lease renewed: the operations it still holds keep it until `expires_at`."""
+
+    lease_id: str
+    node: str
+    expires_at: str = Field(description="ISO 8601, UTC: `lease_seconds` from the renewal.")
+    expires_in_seconds: float
+    operations: list[str] = Field(
+        description="The ids of the operations the lease still holds (those not reported yet), in plan order."
+    )
+
+
 class ReportOut(WireModel):
     operation: OperationRecord
     srv_version: int

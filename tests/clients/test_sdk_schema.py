@@ -46,6 +46,7 @@ def every_call() -> dict[str, Call]:
         "register_node": sb.register_node("{node_id}"),
         "heartbeat": sb.heartbeat("{node_id}"),
         "lease": sb.lease("{node_id}"),
+        "renew_lease": sb.renew_lease("{node_id}", "{lease_id}"),
         "report": sb.report("{op_id}", lease_id="l", status="done"),
         "list_operations": sb.list_operations(),
     }

@@ -1,7 +1,7 @@
-"""Memory is never ahead of the database: random sequences of events, replans, leases, reports, heartbeats
-and ticks, with an exception injected at random points inside the changes (a failed write, a record that
-cannot be written, a calibration or placement step that raises), and after every step the service's views
-equal those of a service restored from its database alone."""
+"""Memory is never ahead of the database: random sequences of events, replans, leases, renewals, reports,
+heartbeats and ticks, with an exception injected at random points inside the changes (a failed write, a
+record that cannot be written, a calibration or placement step that raises), and after every step the
+service's views equal those of a service restored from its database alone."""
 
 from __future__ import annotations
 
@@ -102,7 +102,7 @@ def restored(path: Path, clock: Clock) -> dict[str, Any]:
 
 def step(svc: ClusterService, rng: np.random.Generator, clock: Clock, n: int) -> str:
     """One random action of a router, a node agent, an operator or the clock; returns its kind."""
-    kind = rng.choice(["event", "event", "replan", "lease", "report", "report", "heartbeat", "tick"])
+    kind = rng.choice(["event", "event", "replan", "lease", "renew", "report", "report", "heartbeat", "tick"])
     session = f"s{rng.integers(4)}"
     if kind == "event":
         which = rng.choice(["request", "turn_end", "tool_call_start", "session_end"])
@@ -121,6 +121,12 @@ def step(svc: ClusterService, rng: np.random.Generator, clock: Clock, n: int) ->
         svc.replan(force=bool(rng.integers(2)))
     elif kind == "lease":
         svc.lease(str(rng.choice(NODES)), int(rng.integers(1, 4)))
+    elif kind == "renew":  # a lease still held, or one that ran out or was reported (refused)
+        leases = [(o["node"], o["lease_id"]) for o in svc.operations_view(state=None) if o["lease_id"]]
+        leases += [(o["node"], o["lease_id"]) for o in svc.operations_view(state="done")[-3:]]
+        if leases:
+            node, lease_id = leases[int(rng.integers(len(leases)))]
+            svc.renew(node, lease_id, node_scope=node)
     elif kind == "report":
         leased = svc.operations_view(state="leased")
         if leased:

@@ -2,15 +2,15 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Path
 from starlette.concurrency import run_in_threadpool
 
 from planner_service.api.deps import NodeAccessDep, ServiceDep, SettingsDep, SignalDep
 from planner_service.service.inputs import HeartbeatIn, LeaseIn, RegisterIn
 from planner_service.wire.nodes import HeartbeatOut, RegisterOut
-from planner_service.wire.operations import LeaseOut
+from planner_service.wire.operations import LeaseOut, RenewOut
 
 router = APIRouter(prefix="/v1/nodes/{node_id}", tags=["nodes"])
 
@@ -45,3 +45,19 @@ async def lease(
             await asyncio.wait_for(changed.wait(), timeout=remaining)
         except TimeoutError:
             pass
+
+
+@router.post("/leases/{lease_id}/renew", response_model=RenewOut)
+def renew_lease(
+    node_id: str,
+    lease_id: Annotated[str, Path(min_length=1, max_length=200, description="The id the lease answer gave.")],
+    service: ServiceDep,
+    principal: NodeAccessDep,
+) -> dict[str, Any]:
+    """Extend a lease still running to `lease_seconds` from now (renew about every third of it).
+
+    A lease that holds nothing any more (it expired and its operations were re-queued or superseded, or
+    all were reported) is a 409 that says which: its operations are no longer the caller's to report.
+    """
+    node_scope = principal.node if principal.kind == "node" else None
+    return service.renew(node_id, lease_id, node_scope=node_scope)

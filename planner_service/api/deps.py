@@ -97,7 +97,7 @@ def require_operator(principal: PrincipalDep) -> Principal:
     if principal.kind == "node":
         raise Forbidden(
             f"this endpoint needs an operator token; the token of node {principal.node!r} reaches only "
-            "that node's register, heartbeat, lease and report"
+            "that node's register, heartbeat, lease, lease renewal and report"
         )
     return principal
 

@@ -201,7 +201,7 @@ def _resolve_gpus(scenario: Scenario) -> dict[str, Gpu]:
                     raise ScenarioError(f"{where}.type: {error.args[0]}") from None
 
             def pick(explicit: float | None, preset_value: float | None) -> float:
-                return explicit if explicit is not None else preset_value  # type: ignore[return-value]
+                return explicit if explicit is not None else preset_value  # type: ignore[return-value]  # GpuSpecIn checks that a preset or an explicit value gives each field
 
             hbm = int(pick(g.hbm_bytes, base.hbm_bytes if base else None))
             if g.reserved_bytes > hbm:

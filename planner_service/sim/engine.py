@@ -938,6 +938,6 @@ class Simulator:
 
 def simulate(scenario: Scenario, records: Sequence[TraceRecord], policy: PolicyHooks, **options: object) -> SimResult:
     started = time.perf_counter()
-    result = Simulator(scenario, records, policy, **options).run()  # type: ignore[arg-type]
+    result = Simulator(scenario, records, policy, **options).run()  # type: ignore[arg-type]  # the replay options, checked by the signature
     result.extra["wall_seconds"] = time.perf_counter() - started
     return result

@@ -53,7 +53,7 @@ def test_gpu_spec_rejects_non_positive() -> None:
 
 def test_presets_are_read_only() -> None:
     with pytest.raises(TypeError):
-        GPU_PRESETS["x"] = gpu_preset("h200")  # type: ignore[index]
+        GPU_PRESETS["x"] = gpu_preset("h200")  # type: ignore[index]  # the write this test expects to fail
 
 
 def test_node_defaults() -> None:

@@ -402,8 +402,8 @@ CONSTANT_SOURCES: Mapping[str, tuple[str, str]] = MappingProxyType(
         "page_cache_read_bytes_per_s": (
             DEFAULT,
             (
-                "no published figure: one rank's read of its shard out of DRAM; perf_anchors.md §0 bounds the copy "
-                "on by 'Pinned H2D measures about 25 GB/s on PCIe4'"
+                "no published figure: one rank's read of its shard out of DRAM; the copy to the GPU after it runs "
+                "at perf_anchors.md §0's 'Pinned H2D measures about 25 GB/s on PCIe4'"
             ),
         ),
         "context_bytes_per_gpu": (

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 
 from planner_service.domain.architecture import PRECISION_BYTES, Architecture
+from planner_service.domain.engines import DeclaredEngine, EngineKind, Management
 from planner_service.domain.hardware import (
     DEFAULT_HOST_DRAM_BYTES,
     DEFAULT_NVME_BYTES,
@@ -49,9 +50,16 @@ class Node:
     serves: frozenset[str] | None = None
     # model -> the GPU ids (sorted) of its engine here, where that runs on fixed GPUs
     engine_gpus: Mapping[str, tuple[str, ...]] = field(default_factory=lambda: MappingProxyType({}))
+    # model -> its engine's declared kind, features and management, where the scenario gives a kind
+    declared_engines: Mapping[str, DeclaredEngine] = field(default_factory=lambda: MappingProxyType({}))
 
     def can_serve(self, model_id: str) -> bool:
         return self.serves is None or model_id in self.serves
+
+    def engine_kind(self, model_id: str) -> EngineKind | None:
+        """The kind of the engine serving `model_id` here, where one is declared (None: plan as today)."""
+        declared = self.declared_engines.get(model_id)
+        return None if declared is None else declared.kind
 
 
 @dataclass(frozen=True, slots=True)
@@ -234,6 +242,17 @@ def compile_problem(scenario: Scenario, next_model: Mapping[str, Mapping[str, fl
             gpus=tuple(g.id for g in n.gpus),
             serves=None if n.engines is None else frozenset(e.model for e in n.engines),
             engine_gpus=MappingProxyType({e.model: tuple(sorted(e.gpus)) for e in n.engines or [] if e.gpus}),
+            declared_engines=MappingProxyType(
+                {
+                    e.model: DeclaredEngine(
+                        kind=e.kind,
+                        features=frozenset(e.features or ()),
+                        management=e.management or Management.MANAGED,
+                    )
+                    for e in n.engines or []
+                    if e.kind is not None
+                }
+            ),
         )
         for n in scenario.cluster.nodes
     }

@@ -32,6 +32,7 @@ from planner_service.domain.bounds import (
     Tokens,
     Weight,
 )
+from planner_service.domain.engines import ENGINE_KINDS, KIND_FEATURES, EngineFeature, EngineKind, Management
 from planner_service.wire.enums import Capability as Capability  # noqa: PLC0414 -- re-exported: it was defined here
 from planner_service.wire.enums import Slo as Slo  # noqa: PLC0414 -- re-exported: it was defined here
 
@@ -76,6 +77,42 @@ class NodeEngineIn(_Strict):
     gpus: list[str] = Field(
         default_factory=list, description="The GPU ids it runs on (its tensor-parallel group); empty: any group."
     )
+    kind: EngineKind | None = Field(
+        None,
+        description="vllm, sglang or local (README, 'Engines as they are'). None: not declared; the planner "
+        "plans every move on it, as the local executor can carry out.",
+    )
+    features: list[EngineFeature] | None = Field(
+        None,
+        description="Launch features: lmcache, sleep_mode, dev_mode (vLLM); sleep_mode, cpu_backup (SGLang). "
+        "None: none.",
+    )
+    management: Management | None = Field(
+        None,
+        description="managed (the node agent starts and stops it) or adopted (only sleep and wake). None: managed.",
+    )
+
+    @model_validator(mode="after")
+    def _kind_and_its_features(self) -> NodeEngineIn:
+        if self.kind is None:
+            if self.features is not None or self.management is not None:
+                raise ValueError("features and management describe an engine kind: give 'kind' too")
+            return self
+        if self.kind not in ENGINE_KINDS:
+            hint = (
+                " (LMCache is a feature of a vllm engine: features [lmcache])"
+                if self.kind is EngineKind.LMCACHE
+                else ""
+            )
+            raise ValueError(
+                f"kind: {self.kind.value!r} is no engine kind; known: {', '.join(k.value for k in ENGINE_KINDS)}{hint}"
+            )
+        features = self.features or []
+        _require_unique([f.value for f in features], "feature")
+        foreign = [f.value for f in features if f not in KIND_FEATURES[self.kind]]
+        if foreign:
+            raise ValueError(f"features: a {self.kind.value} engine has no {', '.join(foreign)}")
+        return self
 
 
 class NodeIn(_Strict):

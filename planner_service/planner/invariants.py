@@ -13,7 +13,13 @@ is sound):
     the operations reading it;
   * nodes are only asked for moves their engines can carry out: a model
     gains no weights or experts on the GPUs of a node that has no engine for
-    it, nor outside its engine's GPUs where those are fixed.
+    it, nor outside its engine's GPUs where those are fixed;
+  * where a node declares its engine's kind, no operation asks the engine for
+    a run-time move its kind does not offer (`engines.offers`; vLLM and SGLang
+    offer none): moving or freeing one session's KV (creating it by prefill
+    is the engine serving the request), changing how many routed experts sit
+    on GPU while the model stays served there at its precision, or bringing
+    weights at another precision to the GPUs while the model is served there.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Collection, Mapping, Sequence
 
+from planner_service.domain.engines import RUNTIME_REFUSALS, EngineKind, RuntimeMove, offers
 from planner_service.domain.problem import Problem
 from planner_service.domain.scenario import Capability
 from planner_service.domain.state import Kind, Location, StateObject, Tier
@@ -43,6 +50,7 @@ def check_plan(
     errors += _every_order_safe(problem, ops)
     errors += _capabilities(problem, ops, target)
     errors += _engine_groups(problem, target)
+    errors += _engine_moves(problem, ops, target)
     return errors
 
 
@@ -264,4 +272,69 @@ def _engine_groups(problem: Problem, target: Mapping[tuple[StateObject, Location
                 f"engine: {obj.label()} gains bytes on {loc.label()}, outside the GPUs of {obj.model}'s engine on node "
                 f"{node.id} ({', '.join(fixed)})"
             )
+    return errors
+
+
+def _served_precisions(
+    problem: Problem, placement: Mapping[tuple[StateObject, Location], int]
+) -> dict[tuple[str, str], set[str]]:
+    """(model, node) -> the precisions whose weights are complete on the node's GPUs: its running engine."""
+    out: dict[tuple[str, str], set[str]] = defaultdict(set)
+    for (obj, node), nbytes in ResidencyIndex.build(problem, placement).gpu_bytes.items():
+        if obj.kind is Kind.WEIGHTS and nbytes >= problem.size_of(obj) > 0:
+            assert obj.precision is not None  # a weights object
+            out[(obj.model, node)].add(obj.precision)
+    return out
+
+
+def _engine_moves(
+    problem: Problem, ops: Sequence[Operation], target: Mapping[tuple[StateObject, Location], int]
+) -> list[str]:
+    errors = []
+    before = _served_precisions(problem, problem.residency)
+    after = _served_precisions(problem, target)
+
+    def refuse(op: Operation, kind: EngineKind, move: RuntimeMove, what: str) -> None:
+        errors.append(
+            f"engine: {op.id} {what} on node {op.node}, whose {kind.value} engine for {op.object.model} cannot: "
+            f"{RUNTIME_REFUSALS[move]}"
+        )
+
+    for op in ops:
+        obj = op.object
+        kind = problem.nodes[op.node].engine_kind(obj.model)
+        if kind is None:
+            continue
+        to_gpu = op.dest is not None and op.dest.tier is Tier.GPU
+        if obj.kind is Kind.KV:
+            if op.source is not None and not offers(kind, RuntimeMove.SESSION_KV):
+                if op.dest is None:
+                    refuse(op, kind, RuntimeMove.SESSION_KV, f"frees {obj.label()} at {op.source.label()}")
+                else:
+                    refuse(
+                        op,
+                        kind,
+                        RuntimeMove.SESSION_KV,
+                        f"moves {obj.label()} from {op.source.label()} to {op.dest.label()}",
+                    )
+        elif obj.kind is Kind.EXPERTS:
+            from_gpu = op.source is not None and op.source.tier is Tier.GPU and not op.keep_source
+            running = before.get((obj.model, op.node), set()) & after.get((obj.model, op.node), set())
+            if (to_gpu or from_gpu) and running and not offers(kind, RuntimeMove.EXPERT_SHARE):
+                change = "adds" if to_gpu else "removes"
+                refuse(
+                    op,
+                    kind,
+                    RuntimeMove.EXPERT_SHARE,
+                    f"{change} {op.bytes} bytes of {obj.label()} on GPU while the model runs at {min(running)}",
+                )
+        elif to_gpu:
+            running = before.get((obj.model, op.node), set())
+            if running and obj.precision not in running and not offers(kind, RuntimeMove.PRECISION):
+                refuse(
+                    op,
+                    kind,
+                    RuntimeMove.PRECISION,
+                    f"brings {obj.label()} to the GPUs while the model runs at {', '.join(sorted(running))}",
+                )
     return errors

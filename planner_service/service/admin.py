@@ -20,6 +20,7 @@ from planner_service.service import calibration
 from planner_service.service import changes as edits
 from planner_service.service.confirmed import Confirmed
 from planner_service.service.errors import (
+    Conflict,
     InvalidInput,
     NotFound,
 )
@@ -113,7 +114,23 @@ class Admin:
                 raise NotFound(
                     f"unknown model {model_id!r}; known: {sorted(m['id'] for m in self.live.base['models'])}"
                 )
+            self._refuse_model_in_use(model_id)
             self._admin_edit(lambda data: edits.remove_model(data, model_id, "model"))
+
+    def _refuse_model_in_use(self, model_id: str) -> None:
+        """A model is not deleted from under what uses it: an active session on it (its requests would fail),
+        or an open operation on its state (a node may be copying it right now)."""
+        sessions = sorted(s.id for s in self.live.sessions.values() if s.model == model_id and s.active and not s.ended)
+        records = [self.live.ops[op_id] for op_id in self.live.open_ops]
+        operations = [r.id for r in sorted(records, key=lambda r: (r.epoch, r.seq)) if r.op.object.model == model_id]
+        if not sessions and not operations:
+            return
+        uses = []
+        if sessions:
+            uses.append(f"active session(s) {_listed(sessions)} (end them with a session_end event)")
+        if operations:
+            uses.append(f"open operation(s) {_listed(operations)} (wait until they are done or superseded)")
+        raise Conflict(f"model {model_id!r} is in use: {'; '.join(uses)}")
 
     def register_node(self, node_id: str, body: RegisterIn) -> dict[str, Any]:
         self.live.require_ready()
@@ -230,3 +247,9 @@ class Admin:
                 "received_at": iso(now),
                 "calibration": self.live.calibration["nodes"].get(node_id, {}),
             }
+
+
+def _listed(ids: list[str], most: int = 10) -> str:
+    """Up to `most` ids, then how many more."""
+    shown = ", ".join(ids[:most])
+    return shown if len(ids) <= most else f"{shown} and {len(ids) - most} more"

@@ -39,7 +39,12 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 
-app = typer.Typer(no_args_is_help=True, add_completion=False, help="StateBudget: plan where LLM state lives.")
+app = typer.Typer(
+    no_args_is_help=True,
+    add_completion=False,
+    rich_markup_mode=None,  # click's plain help: `--demo`, `--a / --no-a`, `<a|b>` choices; no `<bool>` on flags
+    help="StateBudget: plan where LLM state lives.",
+)
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks that print figures.")
 app.add_typer(bench_app, name="bench")
 
@@ -389,6 +394,24 @@ def serve_log_config(settings: Settings) -> dict[str, Any]:
     return config
 
 
+def delete_database(path: Path) -> None:
+    """Delete a SQLite database and the journal files beside it (`serve --reset`), saying what went."""
+    log = logging.getLogger("planner_service")
+    gone = []
+    for file in (path, path.with_name(path.name + "-wal"), path.with_name(path.name + "-shm")):
+        try:
+            file.unlink()
+        except FileNotFoundError:
+            continue
+        except OSError as error:
+            raise fail(f"--reset: cannot delete {file}: {error.strerror}") from None
+        gone.append(file.name)
+    if gone:
+        log.warning("--reset: deleted the database %s (%s); the service starts from its seed", path, ", ".join(gone))
+    else:
+        log.info("--reset: no database at %s; the service starts from its seed", path)
+
+
 def _serve_epilog() -> str:
     from planner_service.settings import env_help
 
@@ -411,6 +434,12 @@ def serve(
             "--db", help="SQLite database (STATEBUDGET_DB_PATH); an existing one wins over --scenario/--demo."
         ),
     ] = None,
+    reset: Annotated[
+        bool,
+        typer.Option(
+            "--reset", help="Delete the database (with its -wal and -shm files) first: start from the seed again."
+        ),
+    ] = False,
 ) -> None:
     """Run the planner service: HTTP API, planning loop, Prometheus metrics at /metrics."""
     import uvicorn
@@ -435,6 +464,8 @@ def serve(
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
     )
+    if reset:
+        delete_database(settings.db_path)
     uvicorn.run(
         create_app(settings),
         host=settings.host,
@@ -602,7 +633,12 @@ def replay(
     trace: TraceOpt,
     scenario: ScenarioOpt = None,
     policies: Annotated[
-        str, typer.Option(help=f"Comma-separated policies to compare, of: {', '.join(PolicyName)}.")
+        str,
+        typer.Option(
+            help=f"Comma-separated policies to compare, of: {', '.join(PolicyName)}. "
+            "[default: statebudget, static, lru, independent, siloed, oracle]",
+            show_default=False,
+        ),
     ] = "statebudget,static,lru,independent,siloed,oracle",
     json_out: Annotated[Path | None, typer.Option("--json", help="Write the report (JSON) here.")] = None,
     plots: Annotated[Path | None, typer.Option("--plots", help="Write the PNG plots into this folder.")] = None,

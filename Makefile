@@ -1,28 +1,40 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# `make run` needs only the service itself; `make test` and `make lint` add the test and lint extras to the same .venv
+RUN_STAMP := $(VENV)/.installed-run
+# the demo's own database, deleted at every `make run` so that each run starts from the demo; `make run KEEP=1` keeps it
+DEMO_DB ?= statebudget-demo.db
 # the deployed build (as in the Docker image): the planner's hot modules compiled with mypyc, see setup.py
 COMPILED_VENV ?= .venv-compiled
 COMPILED_STAMP := $(COMPILED_VENV)/.installed
 
-.PHONY: run test test-fast lint format import-graph compiled bench schemas clean
+.PHONY: run test test-fast test-compiled lint format import-graph compiled bench schemas clean
 
 $(PY):
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 
+$(RUN_STAMP): pyproject.toml | $(PY)
+	$(PY) -m pip install -q -e .
+	touch $(RUN_STAMP)
+
 $(STAMP): pyproject.toml | $(PY)
 	$(PY) -m pip install -q -e '.[test,lint]'
 	touch $(STAMP)
 
-run: $(STAMP)
-	$(VENV)/bin/statebudget serve --demo
+run: $(RUN_STAMP)
+	$(VENV)/bin/statebudget serve --demo --db $(DEMO_DB) $(if $(KEEP),,--reset)
 
+# the whole suite but the compiled-build comparison (minutes of mypyc), which `make test-compiled` runs
 test: $(STAMP)
-	$(PY) -m pytest
+	$(PY) -m pytest --ignore=tests/deploy/test_compiled_build.py
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -m 'not slow'
+	$(PY) -m pytest -m 'not slow' --ignore=tests/deploy/test_compiled_build.py
+
+test-compiled: $(STAMP)
+	$(PY) -m pytest tests/deploy/test_compiled_build.py
 
 # the gates CI runs before the tests: lint, format, types, import layers
 lint: $(STAMP)
@@ -68,3 +80,4 @@ schemas: $(STAMP)
 
 clean:
 	rm -rf $(VENV) $(COMPILED_VENV) build dist .pytest_cache .hypothesis
+	rm -f $(DEMO_DB) $(DEMO_DB)-wal $(DEMO_DB)-shm

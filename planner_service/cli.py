@@ -12,9 +12,9 @@ import json
 import logging
 import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 from urllib.parse import quote, quote_plus, unquote_plus
 
 import numpy as np
@@ -33,9 +33,18 @@ from planner_service.solver.registry import default_registry
 from planner_service.wire.enums import SolverName
 
 if TYPE_CHECKING:
+    from clients.sdk import StateBudgetClient
     from planner_service.settings import Settings
+    from planner_service.wire.calibration import CalibrationOut
 
-app = typer.Typer(no_args_is_help=True, add_completion=False, help="StateBudget: plan where LLM state lives.")
+T = TypeVar("T")
+
+app = typer.Typer(
+    no_args_is_help=True,
+    add_completion=False,
+    rich_markup_mode=None,  # click's plain help: `--demo`, `--a / --no-a`, `<a|b>` choices; no `<bool>` on flags
+    help="StateBudget: plan where LLM state lives.",
+)
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks that print figures.")
 app.add_typer(bench_app, name="bench")
 
@@ -385,6 +394,24 @@ def serve_log_config(settings: Settings) -> dict[str, Any]:
     return config
 
 
+def delete_database(path: Path) -> None:
+    """Delete a SQLite database and the journal files beside it (`serve --reset`), saying what went."""
+    log = logging.getLogger("planner_service")
+    gone = []
+    for file in (path, path.with_name(path.name + "-wal"), path.with_name(path.name + "-shm")):
+        try:
+            file.unlink()
+        except FileNotFoundError:
+            continue
+        except OSError as error:
+            raise fail(f"--reset: cannot delete {file}: {error.strerror}") from None
+        gone.append(file.name)
+    if gone:
+        log.warning("--reset: deleted the database %s (%s); the service starts from its seed", path, ", ".join(gone))
+    else:
+        log.info("--reset: no database at %s; the service starts from its seed", path)
+
+
 def _serve_epilog() -> str:
     from planner_service.settings import env_help
 
@@ -407,6 +434,12 @@ def serve(
             "--db", help="SQLite database (STATEBUDGET_DB_PATH); an existing one wins over --scenario/--demo."
         ),
     ] = None,
+    reset: Annotated[
+        bool,
+        typer.Option(
+            "--reset", help="Delete the database (with its -wal and -shm files) first: start from the seed again."
+        ),
+    ] = False,
 ) -> None:
     """Run the planner service: HTTP API, planning loop, Prometheus metrics at /metrics."""
     import uvicorn
@@ -431,6 +464,8 @@ def serve(
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
     )
+    if reset:
+        delete_database(settings.db_path)
     uvicorn.run(
         create_app(settings),
         host=settings.host,
@@ -439,6 +474,116 @@ def serve(
         log_config=serve_log_config(settings),
         timeout_graceful_shutdown=5,  # lease long-polls must not hold a shutdown for their whole wait
     )
+
+
+# -- calibration of a running service (over HTTP, with the SDK) ----------------------------------------
+
+calibration_app = typer.Typer(
+    no_args_is_help=True,
+    rich_markup_mode=None,
+    help="See and reset the bandwidths a running service learned from measured copies (operator token).",
+)
+app.add_typer(calibration_app, name="calibration")
+UrlOpt = Annotated[str, typer.Option("--url", envvar="STATEBUDGET_URL", help="The service's base URL.")]
+TokenOpt = Annotated[
+    str | None, typer.Option("--token", envvar="STATEBUDGET_TOKEN", help="An operator token (open service: none).")
+]
+
+
+def operator_client(url: str, token: str | None) -> StateBudgetClient:
+    """The SDK client the calibration commands use (a test hands in one bound to its in-process app): one try per
+    call, since an operator at a terminal sees the error and runs it again."""
+    from clients.sdk import RetryPolicy, StateBudgetClient
+
+    return StateBudgetClient(url, token=token, retry=RetryPolicy(attempts=1))
+
+
+def _calibration_call(url: str, token: str | None, call: Callable[[StateBudgetClient], T]) -> T:
+    from clients.sdk import APIError
+    from clients.sdk import ConnectionError as SdkConnectionError
+
+    try:
+        with operator_client(url, token) as sb:
+            return call(sb)
+    except APIError as error:
+        raise fail(f"{url}: {error}", 1) from None
+    except SdkConnectionError as error:
+        raise fail(f"{url}: no answer ({error.message})", 1) from None
+
+
+def print_calibration(calibration: CalibrationOut) -> None:
+    table = Table(title="learned bandwidths (GB/s); a link not listed plans with its catalog figure")
+    for col in ("node", "scale", "link", "field", "catalog", "learned", "samples", "last measured", "outliers"):
+        table.add_column(col, justify="left" if col in ("node", "link", "field") else "right")
+    for node in calibration.nodes:
+        scale = f"{node.scale:g}" + ("" if node.calibrates else " (no calibration)")
+        links = [(node.id, node.calibrated), *((g.id, g.calibrated) for g in node.gpus)]
+        rows = [(link, field, entry) for link, fields in links for field, entry in sorted(fields.items())]
+        if not rows:
+            table.add_row(node.id, scale, "-", "-", "", "", "", "", "")
+        for link, field, entry in rows:
+            table.add_row(
+                node.id,
+                scale,
+                link,
+                field,
+                f"{entry.catalog / 1e9:.3g}" if entry.catalog is not None else "?",
+                f"{entry.value / 1e9:.3g}",
+                str(entry.samples),
+                f"{entry.last_measured / 1e9:.3g}",
+                str(entry.outliers),
+            )
+    out.print(table)
+
+
+@calibration_app.command("show")
+def calibration_show(
+    url: UrlOpt = "http://127.0.0.1:8080",
+    token: TokenOpt = None,
+    node: Annotated[str | None, typer.Option(help="Only this node (and its GPUs).")] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Per node and GPU: each learned bandwidth against its catalog figure, and whether the node calibrates."""
+    calibration = _calibration_call(url, token, lambda sb: sb.get_calibration(node=node))
+    if as_json:
+        emit_json(calibration.model_dump(mode="json"))
+    else:
+        print_calibration(calibration)
+
+
+@calibration_app.command("reset")
+def calibration_reset(
+    url: UrlOpt = "http://127.0.0.1:8080",
+    token: TokenOpt = None,
+    node: Annotated[str | None, typer.Option(help="Forget what this node's links learned (NVMe and GPUs).")] = None,
+    gpu: Annotated[str | None, typer.Option(help="Forget what this GPU's links learned.")] = None,
+    field: Annotated[
+        str | None,
+        typer.Option(
+            help="Only this bandwidth: nvme_read_bytes_per_s or nvme_write_bytes_per_s (--node), "
+            "h2d_bytes_per_s or d2h_bytes_per_s (--gpu)."
+        ),
+    ] = None,
+    everything: Annotated[bool, typer.Option("--all", help="Forget every learned bandwidth.")] = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Forget learned bandwidths: the links plan with their catalog (or explicit) figures again."""
+    from planner_service.wire.enums import CalibrationScope
+
+    if sum((node is not None, gpu is not None, everything)) != 1:
+        raise fail("give one of --node, --gpu or --all")
+    if field is not None and everything:
+        raise fail("--field needs --node or --gpu")
+    if everything:
+        result = _calibration_call(url, token, lambda sb: sb.reset_calibration())
+    else:
+        scope, key = (CalibrationScope.NODES, node) if node is not None else (CalibrationScope.GPUS, gpu)
+        result = _calibration_call(url, token, lambda sb: sb.reset_calibration(scope, key, field))
+    if as_json:
+        emit_json(result.model_dump(mode="json"))
+        return
+    err.print(f"forgot {result.forgotten} learned bandwidth(s)", highlight=False)
+    print_calibration(result)
 
 
 # -- trace replay and studies (planner_service/sim) --------------------------------------------------
@@ -488,7 +633,12 @@ def replay(
     trace: TraceOpt,
     scenario: ScenarioOpt = None,
     policies: Annotated[
-        str, typer.Option(help=f"Comma-separated policies to compare, of: {', '.join(PolicyName)}.")
+        str,
+        typer.Option(
+            help=f"Comma-separated policies to compare, of: {', '.join(PolicyName)}. "
+            "[default: statebudget, static, lru, independent, siloed, oracle]",
+            show_default=False,
+        ),
     ] = "statebudget,static,lru,independent,siloed,oracle",
     json_out: Annotated[Path | None, typer.Option("--json", help="Write the report (JSON) here.")] = None,
     plots: Annotated[Path | None, typer.Option("--plots", help="Write the PNG plots into this folder.")] = None,

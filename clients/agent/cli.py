@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+from enum import StrEnum
 from pathlib import Path
 from typing import Annotated
 
@@ -18,14 +19,33 @@ from pydantic import ValidationError
 from rich.console import Console
 from rich.table import Table
 
-from clients.agent.config import AgentConfig, LMCacheConfig, load_config
+from clients.agent.config import AgentConfig, ExecutorName, LMCacheConfig, load_config
 from clients.agent.executors import UnknownExecutor, default_registry
 from clients.agent.runner import Agent
 from clients.sdk import APIError, AsyncStateBudgetClient
 
 app = typer.Typer(
-    help="StateBudget node agent: leases operations for one node and carries them out.", no_args_is_help=True
+    help="StateBudget node agent: leases operations for one node and carries them out.",
+    no_args_is_help=True,
+    rich_markup_mode=None,  # click's plain help: real flag syntax and `<a|b>` choices, no `<bool>` on flags
 )
+
+
+class LogLevel(StrEnum):
+    DEBUG = "debug"
+    INFO = "info"
+    WARNING = "warning"
+    ERROR = "error"
+
+
+def config_error(error: ValidationError) -> str:
+    """A settings error in one line per field, as `field: problem (got value)`, without pydantic's links."""
+    parts = []
+    for e in error.errors(include_url=False):
+        where = ".".join(str(p) for p in e["loc"]) or "settings"
+        given = f" (got {e['input']!r})" if e["type"] not in ("missing",) and not isinstance(e["input"], dict) else ""
+        parts.append(f"{where}: {e['msg']}{given}")
+    return "; ".join(parts)
 
 
 def install_signal_handlers(loop: asyncio.AbstractEventLoop, stop: asyncio.Event) -> None:
@@ -65,8 +85,16 @@ def run(
     token: Annotated[
         str | None, typer.Option(envvar="STATEBUDGET_AGENT_TOKEN", help="Bearer token (the node's own).")
     ] = None,
-    executor: Annotated[str | None, typer.Option(help="local | vllm | sglang | lmcache.")] = None,
-    scale: Annotated[float | None, typer.Option(help="local: bytes materialized per planned byte.")] = None,
+    executor: Annotated[
+        ExecutorName | None, typer.Option(help="What carries out the operations (default: local, or the file's).")
+    ] = None,
+    scale: Annotated[
+        float | None,
+        typer.Option(
+            help="local: bytes materialized per planned byte (1e-6: a 60 GB model is 60 KB). Below 1 the service "
+            "takes the run for a test and calibrates no bandwidth from it."
+        ),
+    ] = None,
     nvme_dir: Annotated[Path | None, typer.Option(help="local: directory standing for the NVMe tier.")] = None,
     host_dir: Annotated[
         Path | None, typer.Option(help="local: directory (tmpfs) for host RAM; default memory.")
@@ -76,10 +104,10 @@ def run(
     ] = None,
     lease_wait: Annotated[float | None, typer.Option(help="Long-poll wait in seconds.")] = None,
     max_parallel: Annotated[int | None, typer.Option(help="Operations run at once.")] = None,
-    log_level: Annotated[str, typer.Option(help="debug | info | warning | error.")] = "info",
+    log_level: Annotated[LogLevel, typer.Option(help="Log level.")] = LogLevel.INFO,
 ) -> None:
     """Register the node, heartbeat, lease operations and carry them out until SIGTERM."""
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=log_level.value.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engines = None
     if engine:
         pairs = [e.split("=", 1) for e in engine]
@@ -101,9 +129,12 @@ def run(
     try:
         config = load_config(config_path, overrides)
         default_registry().create(config.executor, config)  # fail before connecting when the executor cannot start
-    except (ValidationError, UnknownExecutor, ValueError, OSError) as error:
+    except ValidationError as error:
+        typer.echo(f"invalid agent configuration: {config_error(error)}", err=True)
+        raise typer.Exit(2) from None
+    except (UnknownExecutor, ValueError, OSError) as error:
         typer.echo(f"invalid agent configuration: {error}", err=True)
-        raise typer.Exit(2) from error
+        raise typer.Exit(2) from None
     try:
         asyncio.run(run_agent(config))
     except APIError as error:  # e.g. an unknown node (404) or a token that does not reach it (401/403)

@@ -32,7 +32,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from clients.agent.config import AgentConfig
+from clients.agent.config import AgentConfig, ExecutorName
 from clients.agent.errors import PermanentError, TemporaryError
 from clients.agent.executors.base import Executor, Seedable
 from clients.agent.operations import LeasedOperation, Operation, Outcome, Tier
@@ -196,6 +196,12 @@ class Agent:
 
     # -- registration and telemetry ----------------------------------------------
 
+    @property
+    def scale(self) -> float:
+        """Bytes materialized per planned byte: the local executor's `scale`; the engine executors move real
+        bytes (1). Registered, so that the service does not calibrate from a scaled test run."""
+        return self.config.scale if self.config.executor is ExecutorName.LOCAL else 1.0
+
     async def _register(self, stop: asyncio.Event) -> bool:
         cfg = self.config
         capabilities = list(cfg.capabilities if cfg.capabilities is not None else self.executor.capabilities)
@@ -212,6 +218,7 @@ class Agent:
                     nvme_bytes=cfg.nvme_bytes,
                     engines=engines,
                     agent_version=AGENT_VERSION,
+                    scale=self.scale,
                 )
             except (SdkConnectionError, ServerError) as error:
                 log.warning("register failed (%s); retrying", error)

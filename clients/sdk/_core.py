@@ -24,8 +24,9 @@ import httpx
 from pydantic import TypeAdapter
 
 from clients.sdk.errors import ConnectionError, ServerError, error_from_response
+from planner_service.wire.calibration import CalibrationOut, CalibrationResetOut
 from planner_service.wire.cluster import ClusterOut, ModelOut
-from planner_service.wire.enums import Capability, OperationState, ReportStatus, SolverName
+from planner_service.wire.enums import CalibrationScope, Capability, OperationState, ReportStatus, SolverName
 from planner_service.wire.health import Health
 from planner_service.wire.nodes import HeartbeatOut, RegisterOut
 from planner_service.wire.operations import LeaseOut, OperationRecord, RenewOut, ReportOut
@@ -224,6 +225,26 @@ class Endpoints(ABC):
         """`ExplainOut`."""
         return self._send(Call("GET", "/v1/explain", params={"model": model, "session": session}, answer=ExplainOut))
 
+    # -- calibration -------------------------------------------------------------
+
+    def get_calibration(self, *, node: str | None = None) -> Any:
+        """What each node's and GPU's links learned from measured copies (operator): `CalibrationOut`."""
+        return self._send(Call("GET", "/v1/calibration", params={"node": node}, answer=CalibrationOut))
+
+    def reset_calibration(
+        self, scope: CalibrationScope | str | None = None, key: str | None = None, field: str | None = None
+    ) -> Any:
+        """Forget learned bandwidths: all of them (no `scope`), a node's (its NVMe and its GPUs') or a GPU's
+        (`scope`, `key`), or one `field` of them: `CalibrationResetOut`."""
+        path = "/v1/calibration"
+        if scope is not None:
+            if key is None:
+                raise ValueError("reset_calibration: a scope needs the node's or GPU's id (key)")
+            path += f"/{scope}/{key}" + (f"/{field}" if field is not None else "")
+        elif key is not None or field is not None:
+            raise ValueError("reset_calibration: key and field need a scope (nodes or gpus)")
+        return self._send(Call("DELETE", path, answer=CalibrationResetOut))
+
     # -- nodes and queues --------------------------------------------------------
 
     def register_node(
@@ -236,8 +257,9 @@ class Endpoints(ABC):
         nvme_bytes: int | None = None,
         engines: list[dict[str, Any]] | None = None,
         agent_version: str | None = None,
+        scale: float | None = None,
     ) -> Any:
-        """`RegisterOut`."""
+        """`RegisterOut`. `scale` below 1 declares a scaled test run: the node's measurements do not calibrate."""
         body = _compact(
             {
                 "capabilities": capabilities,
@@ -246,6 +268,7 @@ class Endpoints(ABC):
                 "nvme_bytes": nvme_bytes,
                 "engines": engines,
                 "agent_version": agent_version,
+                "scale": scale,
             }
         )
         return self._send(Call("POST", f"/v1/nodes/{node_id}/register", json=body, answer=RegisterOut))

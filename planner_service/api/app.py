@@ -29,7 +29,19 @@ from planner_service.api.errors import (
     add_problem_schemas,
     install_error_handlers,
 )
-from planner_service.api.routes import cluster, events, health, models, nodes, operations, plan, sessions, srv, whatif
+from planner_service.api.routes import (
+    calibration,
+    cluster,
+    events,
+    health,
+    models,
+    nodes,
+    operations,
+    plan,
+    sessions,
+    srv,
+    whatif,
+)
 from planner_service.domain.demo import demo_scenario
 from planner_service.domain.scenario import Scenario, load_scenario
 from planner_service.metrics import Metrics
@@ -166,6 +178,6 @@ def create_app(
     app.state.signal = QueueSignal()
     install_error_handlers(app)
     app.include_router(health.router, responses=OPEN_ERROR_RESPONSES)
-    for module in (cluster, models, events, sessions, srv, plan, nodes, operations, whatif):
+    for module in (cluster, models, events, sessions, srv, plan, nodes, operations, whatif, calibration):
         app.include_router(module.router, responses=ERROR_RESPONSES)
     return app

@@ -20,6 +20,7 @@ from planner_service.service import calibration
 from planner_service.service import changes as edits
 from planner_service.service.confirmed import Confirmed
 from planner_service.service.errors import (
+    Conflict,
     InvalidInput,
     NotFound,
 )
@@ -113,7 +114,94 @@ class Admin:
                 raise NotFound(
                     f"unknown model {model_id!r}; known: {sorted(m['id'] for m in self.live.base['models'])}"
                 )
+            self._refuse_model_in_use(model_id)
             self._admin_edit(lambda data: edits.remove_model(data, model_id, "model"))
+
+    def _refuse_model_in_use(self, model_id: str) -> None:
+        """A model is not deleted from under what uses it: an active session on it (its requests would fail),
+        or an open operation on its state (a node may be copying it right now)."""
+        sessions = sorted(s.id for s in self.live.sessions.values() if s.model == model_id and s.active and not s.ended)
+        records = [self.live.ops[op_id] for op_id in self.live.open_ops]
+        operations = [r.id for r in sorted(records, key=lambda r: (r.epoch, r.seq)) if r.op.object.model == model_id]
+        if not sessions and not operations:
+            return
+        uses = []
+        if sessions:
+            uses.append(f"active session(s) {_listed(sessions)} (end them with a session_end event)")
+        if operations:
+            uses.append(f"open operation(s) {_listed(operations)} (wait until they are done or superseded)")
+        raise Conflict(f"model {model_id!r} is in use: {'; '.join(uses)}")
+
+    # -- calibration -------------------------------------------------------------
+
+    def calibration_view(self, node_id: str | None = None) -> dict[str, Any]:
+        """Every node (or `node_id`) with its GPUs: what each link learned, and whether the node calibrates."""
+        self.live.require_ready()
+        with self.live.lock:
+            nodes = self.live.base["cluster"]["nodes"]
+            if node_id is not None:
+                self.live.require_node(node_id)
+                nodes = [n for n in nodes if n["id"] == node_id]
+            learned = self.live.calibration
+            out = []
+            for node in nodes:
+                scale = self.confirmed.node_scale(node["id"])
+                gpus = [{"id": g["id"], "calibrated": learned["gpus"].get(g["id"], {})} for g in node.get("gpus", [])]
+                out.append(
+                    {
+                        "id": node["id"],
+                        "scale": scale,
+                        "calibrates": scale >= 1,
+                        "calibrated": learned["nodes"].get(node["id"], {}),
+                        "gpus": gpus,
+                    }
+                )
+            return {"nodes": out}
+
+    def reset_calibration(self, scope: str | None = None, key: str | None = None, field: str | None = None) -> int:
+        """Forget what links learned: everything (no `scope`), a node's NVMe and its GPUs' links, one GPU's links,
+        or one `field` of them; the links plan with their catalog (or explicit) bandwidths again. Answers how
+        many entries were forgotten."""
+        self.live.require_ready()
+        with self.live.change():
+            learned = self.live.calibration
+            targets: list[tuple[str, str, tuple[str, ...]]] = []  # (scope, key, fields)
+            if scope is None:
+                targets = [(sc, k, tuple(fields)) for sc in ("nodes", "gpus") for k, fields in learned[sc].items()]
+            else:
+                assert key is not None
+                fields = calibration.NODE_FIELDS if scope == "nodes" else calibration.GPU_FIELDS
+                if field is not None and field not in fields:
+                    raise InvalidInput(
+                        f"field: {field!r} is not a calibrated bandwidth of {scope}; choose one of {list(fields)}",
+                        field="field",
+                    )
+                chosen = (field,) if field is not None else fields
+                if scope == "nodes":
+                    self.live.require_node(key)
+                    targets.append(("nodes", key, chosen))
+                    if field is None:
+                        node = next(n for n in self.live.base["cluster"]["nodes"] if n["id"] == key)
+                        targets += [("gpus", g["id"], calibration.GPU_FIELDS) for g in node.get("gpus", [])]
+                else:
+                    gpus = {g["id"] for n in self.live.base["cluster"]["nodes"] for g in n.get("gpus", [])}
+                    if key not in gpus:
+                        raise NotFound(f"unknown gpu {key!r}; known: {sorted(gpus)}")
+                    targets.append(("gpus", key, chosen))
+            forgotten = 0
+            for sc, k, names in targets:
+                entries = learned[sc].get(k, {})
+                for name in names:
+                    if entries.pop(name, None) is not None:
+                        forgotten += 1
+                        log.warning("calibration of %s %s reset by an operator", k, name)
+                if k in learned[sc] and not entries:
+                    del learned[sc][k]
+            if forgotten:
+                self.live.refresh_live()
+                self.live.write(Batch(meta={"calibration": learned}))
+                self.live.wake(force=True)
+            return forgotten
 
     def register_node(self, node_id: str, body: RegisterIn) -> dict[str, Any]:
         self.live.require_ready()
@@ -131,6 +219,11 @@ class Admin:
                     warnings.append(f"gpus[{i}].type: {g.type!r}, the topology says {known[g.id]['type']!r}")
             if body.gpus:
                 warnings += [f"gpu {gid!r} of the topology was not reported" for gid in sorted(set(known) - seen)]
+            if body.scale < 1:
+                warnings.append(
+                    f"scale {body.scale:g}: a scaled test run; this node's measurements do not calibrate bandwidths"
+                )
+                log.info("node %s registered at scale %g: its measured copies do not calibrate", node_id, body.scale)
             engines = self._node_engines(body, set(known))
             batch = Batch()
             changed = False
@@ -156,6 +249,7 @@ class Admin:
                 "engines": node.get("engines"),
                 "gpus": sorted(known),
                 "lease_seconds": self.live.settings.lease_seconds,
+                "scale": body.scale,
                 "warnings": warnings,
             }
 
@@ -230,3 +324,9 @@ class Admin:
                 "received_at": iso(now),
                 "calibration": self.live.calibration["nodes"].get(node_id, {}),
             }
+
+
+def _listed(ids: list[str], most: int = 10) -> str:
+    """Up to `most` ids, then how many more."""
+    shown = ", ".join(ids[:most])
+    return shown if len(ids) <= most else f"{shown} and {len(ids) - most} more"

@@ -163,6 +163,11 @@ class Confirmed:
         if link is not None:
             self.calibrate(link, nbytes / seconds, calibration.Copy(op.bytes, nbytes), batch, r.id)
 
+    def node_scale(self, node_id: str) -> float:
+        """The scale the node's agent registered (1 where none did: real copies)."""
+        registration = self.live.nodes_info.get(node_id, {}).get("registration") or {}
+        return float(registration.get("scale", 1.0))
+
     def calibrate(
         self, link: calibration.Link, rate: float, copied: calibration.Copy | None, batch: Batch, source: str
     ) -> None:
@@ -170,6 +175,11 @@ class Confirmed:
         assert self.live.sizes is not None
         specs = self.live.sizes.nodes if link.scope == "nodes" else self.live.sizes.gpus
         if link.key not in specs:
+            return
+        node = link.key if link.scope == "nodes" else self.live.sizes.gpus[link.key].node
+        if (scale := self.node_scale(node)) < 1:  # a scaled test run times its own overheads, not the link
+            self.live.metrics.calibration_samples.labels("refused").inc()
+            log.debug("calibration of %s %s: %s runs at scale %g; not a sample", link.key, link.field, node, scale)
             return
         entries = self.live.calibration[link.scope].setdefault(link.key, {})
         entry = entries.get(link.field)

@@ -228,6 +228,12 @@ class ClusterService:
     def register_node(self, node_id: str, body: RegisterIn) -> dict[str, Any]:
         return self.admin.register_node(node_id, body)
 
+    def calibration_view(self, node_id: str | None = None) -> dict[str, Any]:
+        return self.admin.calibration_view(node_id)
+
+    def reset_calibration(self, scope: str | None = None, key: str | None = None, field: str | None = None) -> int:
+        return self.admin.reset_calibration(scope, key, field)
+
     def heartbeat(self, node_id: str, body: HeartbeatIn) -> dict[str, Any]:
         return self.admin.heartbeat(node_id, body)
 

@@ -166,6 +166,12 @@ class RegisterIn(_In):
         "engine's `gpus` where given); where none does, any model on any group.",
     )
     agent_version: str | None = None
+    scale: Annotated[float, Field(gt=0, le=1)] = Field(
+        1.0,
+        description="Bytes the agent materializes per planned byte: 1 for real copies; below 1 a scaled test run "
+        "(`statebudget-agent run --executor local --scale 1e-6`), whose measured copies time its own overheads, "
+        "not the links, so its reports and heartbeats do not calibrate bandwidths.",
+    )
 
 
 class GpuTelemetryIn(_In):

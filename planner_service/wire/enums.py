@@ -136,3 +136,10 @@ class EngineStatus(StrEnum):
     READY = "ready"  # serves requests
     AWAKE = "awake"
     SLEEPING = "sleeping"  # weights offloaded or discarded (vLLM sleep mode, SGLang release)
+
+
+class CalibrationScope(StrEnum):
+    """What a calibrated bandwidth belongs to: a node (its NVMe) or a GPU (its PCIe directions)."""
+
+    NODES = "nodes"
+    GPUS = "gpus"

@@ -19,6 +19,9 @@ class RegisterOut(WireModel):
     )
     gpus: list[str]
     lease_seconds: float
+    scale: float = Field(
+        1.0, description="The scale the agent registered; below 1 its measurements do not calibrate bandwidths."
+    )
     warnings: list[str]
 
 

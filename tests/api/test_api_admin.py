@@ -69,6 +69,8 @@ def test_models_put_get_delete(demo):
         "/v1/models/tiny-llama", json={"model": {"preset": "llama-3.1-8b-instruct", "precisions": ["bf16", "fp8"]}}
     )
     assert replaced.status_code == 200 and replaced.json()["resolved"]["precisions"] == ["bf16", "fp8"]
+    assert_problem(demo.client.delete("/v1/models/tiny-llama"), 409, "tiny-llama", "active session(s) t")
+    assert demo.events({"id": "e2", "type": "session_end", "session": "t"}).json()["applied"] == 1
     assert demo.client.delete("/v1/models/tiny-llama").status_code == 204
     assert "tiny-llama" not in [m["id"] for m in demo.get("/v1/models").json()]
     assert demo.get("/v1/sessions/t").status_code == 404
@@ -133,6 +135,44 @@ def test_register_and_heartbeat(demo):
     assert_problem(demo.lease("n9"), 404, "n9")
 
 
+def run_every_operation(harness) -> None:
+    """Lease and report done every operation of the current plan, as the node agents would."""
+    for _ in range(100):
+        open_ops = [o for o in harness.get("/v1/operations").json() if o["state"] in ("queued", "leased")]
+        if not open_ops:
+            return
+        for node in sorted({o["node"] for o in open_ops}):
+            lease = harness.lease(node, n=100).json()
+            for op in lease["operations"]:
+                assert harness.report(op["id"], lease["lease_id"]).status_code == 200
+    raise AssertionError(f"the plan's operations never finished: {open_ops}")
+
+
+def test_a_model_in_use_is_not_deleted(demo):
+    """409 while an active session is on the model or an open operation (queued or leased) moves its state."""
+    demo.post("/v1/plan")
+    ops = [o for o in demo.get("/v1/operations").json() if o["state"] == "queued"]
+    model = ops[0]["object"]["model"]
+    for i, session in enumerate(s for s in demo.get("/v1/sessions").json() if s["model"] == model and s["active"]):
+        demo.events({"id": f"end-{i}", "type": "session_end", "session": session["id"]})
+    demo.events(request("e1", "fresh", model))
+    body = assert_problem(demo.client.delete(f"/v1/models/{model}"), 409, model, "active session(s) fresh")
+    assert ops[0]["id"] in body["detail"]
+    demo.events({"id": "e2", "type": "session_end", "session": "fresh"})
+    mine = [o["id"] for o in ops if o["object"]["model"] == model]
+    body = assert_problem(demo.client.delete(f"/v1/models/{model}"), 409, "open operation(s)", mine[0])
+    assert "session" not in body["detail"]
+    lease = demo.lease(ops[0]["node"], n=100).json()
+    assert ops[0]["id"] in [o["id"] for o in lease["operations"]]  # leased: a node is copying it now
+    assert_problem(demo.client.delete(f"/v1/models/{model}"), 409, ops[0]["id"])
+    assert model in [m["id"] for m in demo.get("/v1/models").json()]
+    for op in lease["operations"]:
+        assert demo.report(op["id"], lease["lease_id"]).status_code == 200
+    run_every_operation(demo)
+    assert demo.client.delete(f"/v1/models/{model}").status_code == 204
+    assert model not in [m["id"] for m in demo.get("/v1/models").json()]
+
+
 CODER_ENGINES = {  # node -> the GPUs of its vLLM engine for the coder (min_gpus 4 on RTX 3090s)
     "n1": ["n1-g1"],
     "n2": ["n2-g2", "n2-g3"],
@@ -166,6 +206,10 @@ def test_engines_on_fixed_gpus_are_planned_only_there_and_kept_across_a_restart(
     again = make_app(clock=clock)
     nodes = {n["id"]: n for n in again.get("/v1/cluster").json()["nodes"]}
     assert all(nodes[node]["engines"] == [{"model": "coder", "gpus": gpus}] for node, gpus in CODER_ENGINES.items())
+    assert_problem(again.client.delete("/v1/models/coder"), 409, "active session(s) s01, s1", "open operation(s)")
+    for i, session in enumerate(("s01", "s1")):
+        assert again.events({"id": f"end-{i}", "type": "session_end", "session": session}).json()["applied"] == 1
+    run_every_operation(again)
     assert again.client.delete("/v1/models/coder").status_code == 204  # its engines go with it
     assert all(n["engines"] == [] for n in again.get("/v1/cluster").json()["nodes"])  # no engine left: no model
 

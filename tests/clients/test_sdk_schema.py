@@ -49,6 +49,10 @@ def every_call() -> dict[str, Call]:
         "renew_lease": sb.renew_lease("{node_id}", "{lease_id}"),
         "report": sb.report("{op_id}", lease_id="l", status="done"),
         "list_operations": sb.list_operations(),
+        "get_calibration": sb.get_calibration(),
+        "reset_calibration": sb.reset_calibration(),
+        "reset_calibration of one node or GPU": sb.reset_calibration("{scope}", "{key}"),
+        "reset_calibration of one field": sb.reset_calibration("{scope}", "{key}", "{field}"),
     }
 
 

@@ -34,6 +34,7 @@ def put_model(
 
 @router.delete("/{model_id}", status_code=204)
 def delete_model(model_id: str, service: ServiceDep, _: OperatorDep) -> Response:
-    """Remove a model, its sessions and its state everywhere."""
+    """Remove a model, its sessions and its state everywhere; 409 while an active session or an open operation
+    uses it."""
     service.delete_model(model_id)
     return Response(status_code=204)

@@ -1,0 +1,132 @@
+"""A scaled test run (`statebudget-agent run --executor local --scale 1e-6`, as clients/README shows) moves real
+bytes at one millionth of their size: it times its own overheads, not the links. Its registration says so, and
+the service calibrates nothing from it: the plan after the run is the plan before it."""
+
+from __future__ import annotations
+
+import pytest
+from clients_helpers import async_client, make_app, served
+
+from clients.agent.config import load_config
+from clients.agent.executors.local import LocalExecutor
+from clients.agent.runner import Agent
+from planner_service.wire.enums import CalibrationScope
+
+pytestmark = pytest.mark.anyio
+
+
+def readme_config(tmp_path):
+    """The flags of clients/README's `statebudget-agent run` line, with this test's directories."""
+    flags = {
+        "server_url": "http://127.0.0.1:8080",
+        "node_id": "n1",
+        "executor": "local",
+        "scale": 1e-6,
+        "nvme_dir": tmp_path / "n1" / "nvme",
+        "host_dir": tmp_path / "n1" / "host",
+    }
+    quick = {"lease_wait_seconds": 0.2, "heartbeat_seconds": 0.05, "retry_delay_seconds": 0.01}
+    return load_config(None, {**flags, **quick})
+
+
+async def test_a_scaled_run_calibrates_nothing_and_leaves_the_plan_as_it_was(tmp_path):
+    from test_agent_e2e import run_until_idle
+
+    async with served(make_app(tmp_path)) as http:
+        sb = async_client(http)
+        cluster_before = await sb.get_cluster()
+        first = await sb.get_plan()
+        mine = [o for o in first.operations if o.node == "n1"]
+        assert any(o.source is not None and o.source.tier == "nvme" for o in mine)  # NVMe reads: the link item 1 hit
+        config = readme_config(tmp_path)
+        agent = Agent(config, sb, LocalExecutor.from_config(config))
+        await run_until_idle(agent, sb, "n1")
+        assert agent.stats["done"] == len(mine) and agent.stats["heartbeats"] >= 1
+        assert any(r.get("measured_seconds") for r in agent.reports)  # the reports did carry measurements
+
+        calibration = await sb.get_calibration()
+        n1 = next(n for n in calibration.nodes if n.id == "n1")
+        assert n1.scale == 1e-6 and not n1.calibrates
+        assert all(not n.calibrated and not any(g.calibrated for g in n.gpus) for n in calibration.nodes)
+        after = await sb.get_cluster()
+        assert [(n.nvme_read_bytes_per_s, [g.h2d_bytes_per_s for g in n.gpus]) for n in after.nodes] == [
+            (n.nvme_read_bytes_per_s, [g.h2d_bytes_per_s for g in n.gpus]) for n in cluster_before.nodes
+        ]
+        refused = [
+            line
+            for line in (await sb.metrics()).splitlines()
+            if line.startswith('statebudget_calibration_samples_total{outcome="refused"}')
+        ]
+        assert refused and float(refused[0].split()[-1]) >= len(mine)
+
+        # the next plan keeps what the run moved to n1 where the first plan put it
+        await sb.replan()
+        second = await sb.get_plan()
+
+        def on_n1(plan):
+            return sorted(
+                (e.object.key(), e.location.label(), e.bytes)
+                for e in plan.placement
+                if e.location.node == "n1" or (e.location.gpu or "").startswith("n1-")
+            )
+
+        assert on_n1(second) == on_n1(first)
+        assert not [o for o in second.operations if o.node == "n1"]  # nothing to undo
+
+
+async def test_an_operator_sees_and_resets_calibration_per_node_and_link(tmp_path):
+    async with served(make_app(tmp_path)) as http:
+        sb = async_client(http)
+        catalog = next(n for n in (await sb.get_cluster()).nodes if n.id == "n1")
+        gpu = catalog.gpus[0]
+        beat = await sb.heartbeat(
+            "n1",
+            nvme_read_bytes_per_s=catalog.nvme_read_bytes_per_s / 2,
+            nvme_write_bytes_per_s=catalog.nvme_write_bytes_per_s / 2,
+            gpus=[{"id": gpu.id, "h2d_bytes_per_s": gpu.h2d_bytes_per_s / 2}],
+        )
+        assert set(beat.calibration) == {"nvme_read_bytes_per_s", "nvme_write_bytes_per_s"}
+        n1 = (await sb.get_calibration(node="n1")).nodes
+        assert [n.id for n in n1] == ["n1"] and n1[0].calibrates and n1[0].scale == 1.0
+        assert set(n1[0].gpus[0].calibrated) == {"h2d_bytes_per_s"}
+        learned = n1[0].calibrated["nvme_read_bytes_per_s"].value
+        cluster = next(n for n in (await sb.get_cluster()).nodes if n.id == "n1")
+        assert cluster.nvme_read_bytes_per_s == learned < catalog.nvme_read_bytes_per_s
+
+        one = await sb.reset_calibration(CalibrationScope.NODES, "n1", "nvme_read_bytes_per_s")
+        assert one.forgotten == 1 and set(one.nodes[0].calibrated) == {"nvme_write_bytes_per_s"}
+        cluster = next(n for n in (await sb.get_cluster()).nodes if n.id == "n1")
+        assert cluster.nvme_read_bytes_per_s == catalog.nvme_read_bytes_per_s  # the catalog figure plans again
+        node = await sb.reset_calibration("nodes", "n1")  # the rest of the node, its GPUs with it
+        assert node.forgotten == 2 and not node.nodes[0].calibrated and not node.nodes[0].gpus[0].calibrated
+        assert (await sb.reset_calibration()).forgotten == 0
+        cluster = next(n for n in (await sb.get_cluster()).nodes if n.id == "n1")
+        assert cluster.gpus[0].h2d_bytes_per_s == gpu.h2d_bytes_per_s
+
+
+async def test_a_scaled_node_calibrates_nothing_even_from_plausible_samples(tmp_path):
+    """The range and outlier guards refuse the overheads that item 1 measured; a scaled run can also measure
+    rates that look like a link's, and those must not count either: the scale alone decides."""
+    async with served(make_app(tmp_path)) as http:
+        sb = async_client(http)
+        catalog = next(n for n in (await sb.get_cluster()).nodes if n.id == "n1")
+        registered = await sb.register_node("n1", scale=1e-6)
+        assert registered.scale == 1e-6 and any("scale 1e-06" in w for w in registered.warnings)
+        plausible = catalog.nvme_read_bytes_per_s * 0.8
+        beat = await sb.heartbeat("n1", nvme_read_bytes_per_s=plausible)
+        assert beat.calibration == {}
+        lease = await sb.lease("n1", max_operations=100)
+        read = next(o for o in lease.operations if o.source is not None and o.source.tier == "nvme")
+        await sb.report(
+            read.id,
+            lease_id=lease.lease_id,
+            status="done",
+            measured_seconds=read.bytes / plausible,
+            measured_bytes=read.bytes,
+        )
+        assert not (await sb.get_calibration(node="n1")).nodes[0].calibrated
+
+        assert (await sb.register_node("n1")).scale == 1.0  # a real agent registers again: its samples count
+        beat = await sb.heartbeat("n1", nvme_read_bytes_per_s=plausible)
+        assert beat.calibration["nvme_read_bytes_per_s"].samples == 1
+        assert (await sb.get_calibration(node="n1")).nodes[0].calibrates

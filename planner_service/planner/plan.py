@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from enum import StrEnum
 from typing import Any
 
 from planner_service.domain.problem import Problem
@@ -17,15 +16,7 @@ from planner_service.domain.state import Location, StateObject, placement_to_jso
 from planner_service.planner.objective import Demand, Objective, Predicted, evaluate
 from planner_service.planner.operations import Operation, build_operations
 from planner_service.planner.residency import ResidencyIndex, copy_placement
-
-
-class PlanStatus(StrEnum):
-    OK = "ok"  # every active request is served
-    PARTIAL = "partial"  # some active requests wait for room (named in `unserved`)
-    OPTIMAL = "optimal"  # proved optimal by an exact solver
-    FEASIBLE = "feasible"  # an exact solver's incumbent, optimality not proved
-    TIMEOUT = "timeout"  # the exact solver ran out of time; the best plan known is returned
-    INFEASIBLE = "infeasible"
+from planner_service.wire.enums import PlanStatus as PlanStatus  # noqa: PLC0414 -- re-exported: it was defined here
 
 
 @dataclass

@@ -11,19 +11,13 @@ import gc
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from enum import StrEnum
 from typing import Protocol
 
 from planner_service.domain.problem import Problem
 from planner_service.planner.greedy import plan_greedy
 from planner_service.planner.plan import Plan, make_plan
 from planner_service.planner.search import MAX_PLANS, search_nodes
-
-
-class SolverName(StrEnum):
-    GREEDY = "greedy"
-    SEARCH = "search"  # the greedy plus a local search over the nodes of models in flight (`search.py`)
-    MILP = "milp"
+from planner_service.wire.enums import SolverName as SolverName  # noqa: PLC0414 -- re-exported: it was defined here
 
 
 class Solver(Protocol):

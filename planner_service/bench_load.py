@@ -8,9 +8,10 @@ bounded time:
   with a lease that does not wait, report each operation done after `op_seconds`, and long-poll (as
   `clients/agent` does) when the queue is empty;
 - sends session events (requests, tool calls, turn ends, session ends of `sessions` concurrent sessions that
-  hand off between the catalog's models) at `events_per_s`, `batch` events per request, open loop: a request
-  is sent at its time whatever the answers before it, with at most `max_inflight` requests in flight (when
-  they are all taken the sender falls behind, which `max_lag_ms` shows);
+  hand off between the catalog's models) at `events_per_s`, `batch` events per request, open loop over
+  `connections` lanes: each lane owns some sessions and sends their events in order, one request at a time;
+  a request is handed to its lane at its time whatever the answers before it, and a lane still busy falls
+  behind (`max_lag_ms` shows how far);
 - forces a replan (`POST /v1/plan`) every `replan_every_seconds`, on top of the replans the planning loop
   makes by itself (requests for models served nowhere, its interval).
 
@@ -65,7 +66,7 @@ class LoadConfig:
     replan_every_seconds: float = 5.0  # forced replans; 0 for none
     op_seconds: float = 0.05  # how long an agent takes to run one operation
     lease_wait_seconds: float = 5.0  # an agent's long-poll when its queue is empty
-    max_inflight: int = 64  # event requests in flight at most
+    connections: int = 64  # the router's connections: event requests in flight at most
     seed: int = 0
     scenario: Path | None = None  # default: the demo
     server_log_level: str = "warning"  # "info" adds uvicorn's access log line per request
@@ -89,15 +90,16 @@ class EventStream:
     """Session events as a router sends them: each session requests a model, maybe runs a tool call, ends
     its turn, and now and then hands off to another model or ends (a new session takes its slot)."""
 
-    def __init__(self, rng: np.random.Generator, models: list[str], sessions: int, run: str) -> None:
+    def __init__(self, rng: np.random.Generator, models: list[str], slots: range, run: str) -> None:
         self._rng = rng
         self._models = models
         self._run = run
         self._count = 0
-        self._generation = [0] * sessions
-        self._phase = ["idle"] * sessions  # idle -> busy (a request) -> tool -> busy -> idle (turn end)
-        self._model = [models[int(rng.integers(len(models)))] for _ in range(sessions)]
-        self._slo = [SLOS[int(rng.integers(len(SLOS)))] for _ in range(sessions)]
+        self._slots = list(slots)  # session slots of this stream (a slot's session is replaced when it ends)
+        self._generation = [0] * len(self._slots)
+        self._phase = ["idle"] * len(self._slots)  # idle -> busy (a request) -> tool -> busy -> idle (turn end)
+        self._model = [models[int(rng.integers(len(models)))] for _ in self._slots]
+        self._slo = [SLOS[int(rng.integers(len(SLOS)))] for _ in self._slots]
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         return self
@@ -106,7 +108,7 @@ class EventStream:
         slot = int(self._rng.integers(len(self._phase)))
         self._count += 1
         event_id = f"{self._run}-{self._count}"
-        session = f"load-{slot}-{self._generation[slot]}"
+        session = f"load-{self._slots[slot]}-{self._generation[slot]}"
         phase = self._phase[slot]
         if phase == "idle":
             if self._rng.random() < HANDOFF_SHARE:
@@ -116,7 +118,7 @@ class EventStream:
                 event_id,
                 session=session,
                 model=self._model[slot],
-                user=f"user-{slot % 20}",
+                user=f"user-{self._slots[slot] % 20}",
                 slo=self._slo[slot],  # type: ignore[arg-type]  # the wire's Slo is a StrEnum: its values are these
                 input_tokens=int(self._rng.integers(100, 2000)),
             )
@@ -309,9 +311,13 @@ async def _drive(config: LoadConfig, server: Server) -> tuple[Samples, float]:
     samples = Samples()
     rng = np.random.default_rng(config.seed)
     loop = asyncio.get_running_loop()
-    async with _client(server, server.operator_token, config.max_inflight + 2) as router:
+    async with _client(server, server.operator_token, config.connections + 2) as router:
         models = [m["id"] for m in (await router.get("/v1/models")).raise_for_status().json()]
-        stream = EventStream(rng, models, config.sessions, run=secrets.token_hex(4))
+        run = secrets.token_hex(4)
+        lanes = min(config.connections, config.sessions)
+        streams = [
+            EventStream(rng, models, range(lane, config.sessions, lanes), run=f"{run}-{lane}") for lane in range(lanes)
+        ]
         node_ids = list(server.node_tokens)
         started = loop.time()
         stop_at = started + config.duration_seconds
@@ -326,7 +332,7 @@ async def _drive(config: LoadConfig, server: Server) -> tuple[Samples, float]:
                 _agent(nodes[node_ids[i % len(node_ids)]], node_ids[i % len(node_ids)], config, stop_at, samples)
                 for i in range(config.agents)
             ]
-            tasks.append(_send_events(router, stream, config, stop_at, samples))
+            tasks.append(_send_events(router, streams, config, stop_at, samples))
             if config.replan_every_seconds > 0:
                 tasks.append(_force_replans(router, config, stop_at, samples))
             await asyncio.gather(*tasks)
@@ -383,35 +389,36 @@ async def _agent(client: httpx.AsyncClient, node: str, config: LoadConfig, stop_
 
 
 async def _send_events(
-    client: httpx.AsyncClient, stream: EventStream, config: LoadConfig, stop_at: float, samples: Samples
+    client: httpx.AsyncClient, streams: list[EventStream], config: LoadConfig, stop_at: float, samples: Samples
 ) -> None:
+    """Open loop over `connections` lanes, as a router sends: each lane owns its sessions and sends their
+    events in order, one request at a time (a session's events never overtake each other); the schedule
+    hands the requests to the lanes in turn, and a lane still busy with its last one falls behind."""
     loop = asyncio.get_running_loop()
     interval = config.batch / config.events_per_s
-    slots = asyncio.Semaphore(config.max_inflight)
-    pending: set[asyncio.Task[None]] = set()
+    lanes: list[asyncio.Queue[float | None]] = [asyncio.Queue() for _ in streams]
 
-    async def send(events: list[dict[str, Any]]) -> None:
-        try:
+    async def lane(stream: EventStream, due_times: asyncio.Queue[float | None]) -> None:
+        while (due := await due_times.get()) is not None:
+            samples.max_lag = max(samples.max_lag, loop.time() - due)
+            events = [next(stream) for _ in range(config.batch)]
+            samples.events_sent += len(events)
             response, elapsed = await _timed(samples, "events", client, "/v1/events", {"events": events})
             if response is not None:
                 samples.latency["events"].append(elapsed)
                 samples.events_acknowledged += len(events)
-        finally:
-            slots.release()
 
-    due = loop.time()
+    workers = [asyncio.create_task(lane(stream, due_times)) for stream, due_times in zip(streams, lanes, strict=True)]
+    due, turn = loop.time(), 0
     while due < stop_at:
         if (ahead := due - loop.time()) > 0:
             await asyncio.sleep(ahead)
-        await slots.acquire()
-        samples.max_lag = max(samples.max_lag, loop.time() - due)
-        events = [next(stream) for _ in range(config.batch)]
-        samples.events_sent += len(events)
-        task = asyncio.create_task(send(events))
-        pending.add(task)
-        task.add_done_callback(pending.discard)
+        lanes[turn % len(lanes)].put_nowait(due)
+        turn += 1
         due += interval
-    await asyncio.gather(*pending)
+    for due_times in lanes:
+        due_times.put_nowait(None)
+    await asyncio.gather(*workers)
 
 
 async def _force_replans(client: httpx.AsyncClient, config: LoadConfig, stop_at: float, samples: Samples) -> None:

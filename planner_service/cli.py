@@ -194,7 +194,10 @@ def bench_load(
         float, typer.Option(min=0.0, help="Force a replan (POST /v1/plan) this often, seconds; 0 for none.")
     ] = 5.0,
     op_seconds: Annotated[float, typer.Option(min=0.0, max=60.0, help="Seconds an agent takes per operation.")] = 0.05,
-    max_inflight: Annotated[int, typer.Option(min=1, max=1000, help="Event requests in flight at most.")] = 64,
+    connections: Annotated[
+        int,
+        typer.Option(min=1, max=1000, help="The router's connections: each sends its sessions' events in order."),
+    ] = 64,
     scenario: Annotated[Path | None, typer.Option("--scenario", help="Seed scenario; default: the demo.")] = None,
     server_log_level: Annotated[
         str, typer.Option(help="The server's log level (info adds an access log line per request).")
@@ -220,7 +223,7 @@ def bench_load(
             sessions=sessions,
             replan_every_seconds=replan_every,
             op_seconds=op_seconds,
-            max_inflight=max_inflight,
+            connections=connections,
             seed=seed,
             scenario=scenario,
             server_log_level=server_log_level,

@@ -381,8 +381,8 @@ async def _agent(client: httpx.AsyncClient, node: str, config: LoadConfig, stop_
                 continue
         await asyncio.sleep(config.op_seconds * len(lease["operations"]))
         for op in lease["operations"]:
-            body = {"lease_id": lease["lease_id"], "status": "done"}
-            response, elapsed = await _timed(samples, "report", client, f"/v1/operations/{op['id']}/report", body)
+            report = {"lease_id": lease["lease_id"], "status": "done"}
+            response, elapsed = await _timed(samples, "report", client, f"/v1/operations/{op['id']}/report", report)
             if response is not None:
                 samples.latency["report"].append(elapsed)
                 samples.operations_done += 1
@@ -400,6 +400,8 @@ async def _send_events(
 
     async def lane(stream: EventStream, due_times: asyncio.Queue[float | None]) -> None:
         while (due := await due_times.get()) is not None:
+            if loop.time() >= stop_at:  # what a lane fell behind by at the end is not sent (nor counted)
+                continue
             samples.max_lag = max(samples.max_lag, loop.time() - due)
             events = [next(stream) for _ in range(config.batch)]
             samples.events_sent += len(events)

@@ -47,6 +47,7 @@ class _Turn:
     """One replan that callers wait for: the one that runs it, and those that joined it while it waited."""
 
     force: bool
+    joined: int = 0  # callers that wait for it without running it
     done: threading.Event = dataclasses.field(default_factory=threading.Event)
     result: dict[str, Any] | None = None
     error: BaseException | None = None
@@ -72,6 +73,7 @@ class _Gate:
         with self._changed:
             if self._pending is not None:
                 self._pending.force = self._pending.force or force  # it has not started: it plans as forced
+                self._pending.joined += 1
                 return self._pending, False
             turn = _Turn(force)
             if self._running:

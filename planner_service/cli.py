@@ -187,6 +187,68 @@ def bench_plan(
         out.print(result)
 
 
+@bench_app.command("load")
+def bench_load(
+    agents: Annotated[int, typer.Option(min=1, max=1000, help="Node agents leasing and reporting done.")] = 50,
+    rate: Annotated[
+        list[float] | None,
+        typer.Option(
+            "--rate", min=1.0, max=100_000.0, help="Session events per second offered; repeat for one phase per rate."
+        ),
+    ] = None,
+    batch: Annotated[int, typer.Option(min=1, max=10_000, help="Events per request (a router batches).")] = 20,
+    duration: Annotated[float, typer.Option(min=1.0, max=3600.0, help="Seconds of load per phase.")] = 30.0,
+    sessions: Annotated[int, typer.Option(min=1, max=100_000, help="Concurrent sessions the events belong to.")] = 200,
+    replan_every: Annotated[
+        float, typer.Option(min=0.0, help="Force a replan (POST /v1/plan) this often, seconds; 0 for none.")
+    ] = 5.0,
+    op_seconds: Annotated[float, typer.Option(min=0.0, max=60.0, help="Seconds an agent takes per operation.")] = 0.05,
+    connections: Annotated[
+        int,
+        typer.Option(min=1, max=1000, help="The router's connections: each sends its sessions' events in order."),
+    ] = 64,
+    scenario: Annotated[Path | None, typer.Option("--scenario", help="Seed scenario; default: the demo.")] = None,
+    server_log_level: Annotated[
+        str, typer.Option(help="The server's log level (info adds an access log line per request).")
+    ] = "warning",
+    seed: Annotated[int, typer.Option(help="Seed of the event stream.")] = 0,
+    as_json: JsonOpt = False,
+) -> None:
+    """Load a real `statebudget serve` on loopback (fresh database, one phase per --rate) with agents that
+    long-poll and report done, session events and forced replans; print latency percentiles, errors, events/s
+    achieved and the server's replan figures. Bounded by --duration; figures, not a test."""
+    from planner_service.bench import machine
+    from planner_service.bench_load import LoadConfig, run_phase
+
+    if server_log_level not in ("debug", "info", "warning", "error"):
+        raise fail(f"--server-log-level: {server_log_level!r} is not one of debug, info, warning, error")
+    phases = []
+    for events_per_s in rate or [1000.0]:
+        config = LoadConfig(
+            agents=agents,
+            events_per_s=events_per_s,
+            batch=batch,
+            duration_seconds=duration,
+            sessions=sessions,
+            replan_every_seconds=replan_every,
+            op_seconds=op_seconds,
+            connections=connections,
+            seed=seed,
+            scenario=scenario,
+            server_log_level=server_log_level,
+        )
+        try:
+            phases.append(run_phase(config))
+        except RuntimeError as error:
+            raise fail(str(error), code=1) from None
+        if not as_json:
+            out.print(phases[-1])
+    if as_json:
+        emit_json({"phases": phases, "machine": machine()})
+    else:
+        out.print({"machine": machine()})
+
+
 @app.command()
 def gap(
     scenarios: Annotated[

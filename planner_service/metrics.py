@@ -21,6 +21,10 @@ LATENCY_BUCKETS = (0.0, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 1
 SLO_CLASSES = ("blocking", "interactive", "background")
 EVENT_TYPES = ("request", "turn_end", "tool_call_start", "tool_call_end", "session_end")
 REPLAN_OUTCOMES = ("installed", "unchanged", "kept", "stale")
+# a whole replan: the solve's outcomes, "covered" (a request for a model served nowhere that the current plan
+# already brings: no solve), "joined" (a caller that found a replan pending waited for it: no solve of its own)
+# and "failed" (the state could not be planned)
+REPLAN_DURATION_OUTCOMES = (*REPLAN_OUTCOMES, "covered", "joined", "failed")
 PLAN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0, 60.0)
 
 
@@ -102,6 +106,14 @@ class Metrics:
             buckets=PLAN_BUCKETS,
             registry=registry,
         )
+        self.replan_duration = Histogram(
+            "statebudget_replan_duration_seconds",
+            "Wall time of one whole replan, by outcome: waiting for the state, the snapshot, compiling, solving, "
+            "installing the operations and writing them (statebudget_plan_duration_seconds times the solve alone).",
+            ["outcome"],
+            buckets=PLAN_BUCKETS,
+            registry=registry,
+        )
         self.switch_latency = Histogram(
             "statebudget_switch_latency_seconds",
             "Observed switch latency: from a request event until its model's weights are confirmed on GPU.",
@@ -151,6 +163,8 @@ class Metrics:
             self.events.labels(event_type)
         for outcome in REPLAN_OUTCOMES:
             self.replans.labels(outcome)
+        for outcome in REPLAN_DURATION_OUTCOMES:
+            self.replan_duration.labels(outcome)
 
     def watch(self, source: Callable[[], StateSnapshot]) -> None:
         """Read the state gauges from `source` at every scrape."""

@@ -1,6 +1,9 @@
 """The planning loop, off the event loop: replan at once (debounced) when a request waits for a model served
 nowhere or the plan broke (the service's `urgent`), and otherwise every `interval_seconds`, so that
-changes the engines absorb on their own (turns on warm models, reports) do not reshuffle the cluster."""
+changes the engines absorb on their own (turns on warm models, reports) do not reshuffle the cluster.
+
+Wakes coalesce: one replan runs at a time, the wakes during it make one more after the debounce, and a
+wake for models that the current plan already brings makes none (`Planning.covers_waiting`)."""
 
 from __future__ import annotations
 
@@ -48,6 +51,10 @@ class PlanningLoop:
             if triggered and self._stop.wait(self._debounce):  # let the burst finish
                 return
             try:
+                if not due:  # woken by requests for models served nowhere, or a broken plan
+                    self._service.urgent.clear()  # before looking: a request after it wakes the loop again
+                    if self._service.planning.covers_waiting():
+                        continue  # the current plan brings them: no replan, and the periodic one keeps its time
                 result = self._service.replan()
             except ServiceError as error:
                 log.warning("replan skipped: %s", error.message)

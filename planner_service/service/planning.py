@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import threading
 import time
 from collections import defaultdict
 from collections.abc import Mapping
@@ -40,12 +42,63 @@ from planner_service.solver.registry import solve
 log = logging.getLogger(__name__)
 
 
+@dataclasses.dataclass
+class _Turn:
+    """One replan that callers wait for: the one that runs it, and those that joined it while it waited."""
+
+    force: bool
+    joined: int = 0  # callers that wait for it without running it
+    done: threading.Event = dataclasses.field(default_factory=threading.Event)
+    result: dict[str, Any] | None = None
+    error: BaseException | None = None
+
+    def wait(self) -> dict[str, Any]:
+        self.done.wait()
+        if self.error is not None:
+            raise self.error
+        assert self.result is not None
+        return self.result
+
+
+class _Gate:
+    """At most one replan in flight and one pending; a caller that finds one pending joins it."""
+
+    def __init__(self) -> None:
+        self._changed = threading.Condition()
+        self._running = False
+        self._pending: _Turn | None = None
+
+    def enter(self, *, force: bool) -> tuple[_Turn, bool]:
+        """The turn to wait for, and whether this caller runs it (False: it joined the pending one)."""
+        with self._changed:
+            if self._pending is not None:
+                self._pending.force = self._pending.force or force  # it has not started: it plans as forced
+                self._pending.joined += 1
+                return self._pending, False
+            turn = _Turn(force)
+            if self._running:
+                self._pending = turn
+                while self._running:
+                    self._changed.wait()
+                self._pending = None
+            self._running = True
+            return turn, True
+
+    def leave(self, turn: _Turn) -> None:
+        with self._changed:
+            self._running = False
+            turn.done.set()
+            self._changed.notify_all()
+
+
 class Planning:
     """Planning from the live state: snapshots, the online rules' inputs, solves, compare-and-swap installs."""
 
     def __init__(self, live: Live, queues: Queues) -> None:
         self.live = live
         self.queues = queues
+        self._gate = _Gate()
+        self._answered: frozenset[tuple[str, str]] = frozenset()  # `_waiting()` when the last replan decided
 
     def planning_snapshot(
         self, *, stand_ins: bool = False
@@ -117,14 +170,65 @@ class Planning:
     def replan(self, *, force: bool = False) -> dict[str, Any]:
         """Plan from the live state as the online rules say (`planner/online.py`: stand-ins for the recent
         load, pinned engines); install a new epoch when the target changed and is worth its moves, or
-        when there is no plan yet (always when `force`)."""
+        when there is no plan yet (always when `force`).
+
+        At most one replan runs and one waits: a caller that finds one waiting joins it and gets its answer
+        (that replan starts after the caller asked, so it plans from a state at least as new; a forced caller
+        makes it forced). `statebudget_replan_duration_seconds` times the whole call, waits included."""
         self.live.require_ready()
+        started = time.perf_counter()
+        outcome = "failed"
+        try:
+            turn, runs = self._gate.enter(force=force)
+            if not runs:
+                outcome = "joined"
+                return turn.wait()
+            try:
+                result, outcome = self._replan(force=turn.force)
+                turn.result = result
+            except BaseException as error:
+                turn.error = error
+                raise
+            finally:
+                self._gate.leave(turn)  # those who joined get the answer or the error
+            return result
+        finally:
+            self.live.metrics.replan_duration.labels(outcome).observe(time.perf_counter() - started)
+
+    def covers_waiting(self) -> bool:
+        """Whether the last replan already answered every request that waits for a model served nowhere: each
+        such session waited for that model when it planned, and nothing else asks for a replan. The planning
+        loop then skips the replan those requests woke it for: a burst of requests for a model costs one
+        replan after the debounce, not one per request, and a session that asks again for the model it waits
+        for costs none (`statebudget_replan_duration_seconds{outcome="covered"}` counts the skips)."""
+        self.live.require_ready()
+        started = time.perf_counter()
+        with self.live.change():
+            now = self.live.clock()
+            held_due = self.live.held_until is not None and now >= self.live.held_until
+            forced = self.live.force_replan or held_due or self.live.plan_doc is None
+            covered = not forced and self._waiting() <= self._answered
+        if covered:
+            self.live.metrics.replan_duration.labels("covered").observe(time.perf_counter() - started)
+        return covered
+
+    def _waiting(self) -> frozenset[tuple[str, str]]:
+        """(session, model) of the requests in flight for a model served nowhere."""
+        return frozenset(
+            (s.id, s.model)
+            for s in self.live.sessions.values()
+            if s.active and s.waiting_since is not None and s.model not in self.live.serving
+        )
+
+    def _replan(self, *, force: bool) -> tuple[dict[str, Any], str]:
+        """One replan (the gate lets one run at a time): its answer and its outcome."""
         with self.live.plan_lock:
             for _ in range(PLAN_ATTEMPTS):
                 with self.live.change():
                     self.queues.expire_and_write()
                     data, next_model, _ = self.planning_snapshot(stand_ins=True)
                     usage = self._usage()
+                    waiting = self._waiting()
                     basis = self._basis()
                     held_due = self.live.held_until is not None and usage.now >= self.live.held_until
                     force = force or self.live.force_replan or held_due
@@ -149,16 +253,19 @@ class Planning:
                 adopt = worth_adopting(problem, plan, usage.waiting, pending=usage.pending)
                 if not force and self.live.plan_doc is not None and not adopt:
                     self.live.metrics.replans.labels("kept").inc()
-                    return {"epoch": self.live.epoch, "changed": False}  # staying put is the better deal
+                    self._answered = waiting
+                    return {"epoch": self.live.epoch, "changed": False}, "kept"  # staying put is the better deal
                 plan = for_real(problem, plan)
                 with self.live.change():
                     if self._basis() != basis:
                         continue  # operations went in flight, landed elsewhere or failed while solving: again
                     if not force and self.live.plan_doc is not None and plan.placement == self.live.plan_placement:
                         self.live.metrics.replans.labels("unchanged").inc()
-                        return {"epoch": self.live.epoch, "changed": False}
+                        self._answered = waiting
+                        return {"epoch": self.live.epoch, "changed": False}, "unchanged"
                     self.queues.install(plan, self.live.inflight())  # the same landing place, maybe other operations
                     self.live.metrics.replans.labels("installed").inc()
+                    self._answered = waiting
                     self.live.force_replan = False
                     epoch = self.live.epoch
                 break
@@ -167,9 +274,9 @@ class Planning:
                 self.live.metrics.replans.labels("stale").inc()
                 log.info("the state moved during each of %d solves; replanning after the debounce", PLAN_ATTEMPTS)
                 self.live.wake(force=force)
-                return {"epoch": self.live.epoch, "changed": False}
+                return {"epoch": self.live.epoch, "changed": False}, "stale"
         self.live.notify()
-        return {"epoch": epoch, "changed": True}
+        return {"epoch": epoch, "changed": True}, "installed"
 
     def _basis(self) -> tuple[frozenset[tuple[tuple[StateObject, Location], int]], int]:
         """What a plan is safe against: where the confirmed placement will be once the operations in flight

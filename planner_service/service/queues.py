@@ -13,10 +13,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 import uuid
+from collections import defaultdict
 from collections.abc import Iterable
 from typing import Any
 
-from planner_service.planner.operations import PRIORITY_RANK
+from planner_service.domain.state import Location, StateObject
+from planner_service.planner.operations import PRIORITY_RANK, Action, Operation
 from planner_service.planner.plan import Plan
 from planner_service.service.confirmed import Confirmed
 from planner_service.service.errors import (
@@ -53,6 +55,35 @@ def _ids(records: Iterable[OpRecord]) -> str:
     return ", ".join(r.id for r in records)
 
 
+MoveKey = tuple[Action, StateObject, Location | None, Location | None, int, bool, str]
+
+
+def same_move(op: Operation) -> MoveKey:
+    """What makes two operations the same move to a node agent: ids, dependencies, priority and reason aside."""
+    return (op.action, op.object, op.source, op.dest, op.bytes, op.keep_source, op.node)
+
+
+def in_order(operations: list[Operation]) -> bool:
+    """Every operation comes after those it depends on (the planner's topological order)."""
+    seen: set[str] = set()
+    for op in operations:
+        if not seen.issuperset(op.depends_on):
+            return False
+        seen.add(op.id)
+    return True
+
+
+def must_wait(op: Operation, r: OpRecord) -> bool:
+    """A new operation must not race `r`, still in flight: it would fill what `r` frees, read what `r`
+    writes, or free the source `r` reads."""
+    frees_dest = op.dest is not None and r.op.frees() == op.dest
+    reads_its_output = op.source is not None and r.op.dest == op.source and r.op.object == op.object
+    drops_its_source = (
+        op.frees() is not None and r.op.keep_source and r.op.source == op.frees() and r.op.object == op.object
+    )
+    return frees_dest or reads_its_output or drops_its_source
+
+
 class Queues:
     """Operation queues and leases: plans installed as epochs of operations, leased to nodes, renewed,
     reported."""
@@ -64,45 +95,66 @@ class Queues:
         self.ended: dict[str, EndedLease] = {}
 
     def install(self, plan: Plan, inflight: list[OpRecord]) -> None:
+        """Install `plan` as the next epoch, incrementally.
+
+        An operation of the plan that is the same move as one still queued (`same_move`: action, object,
+        source, destination, bytes and node) with the same dependencies once they are named as installed
+        keeps that queued record: the new epoch adopts it (its epoch, position and, when the requests it
+        serves changed, its priority and reason change in place).
+        Only the rest of the old queue is superseded and only the new operations are inserted; one batch writes
+        it all, the adopted and superseded rows as updates of those fields alone."""
         now = self.live.clock()
         epoch = self.live.epoch + 1
-        rename = {op.id: f"{epoch}.{op.id}" for op in plan.operations}
         held = self.live.failed_moves.hold_back(plan.operations, now)
+        queued: dict[MoveKey, list[OpRecord]] = defaultdict(list)
+        for oid in sorted(self.live.open_ops):
+            r = self.live.ops[oid]
+            if r.state is OpState.QUEUED:
+                queued[same_move(r.op)].append(r)
+        if not in_order(plan.operations):  # a record may be adopted only once its dependencies are named
+            queued.clear()
+        name = {op.id: f"{epoch}.{op.id}" for op in plan.operations}  # plan id -> installed id
+        adopted: set[str] = set()
         records: list[OpRecord] = []
+        batch = Batch()
         for seq, op in enumerate(plan.operations):
             if op.id in held:
                 continue
-            deps = [rename[d] for d in op.depends_on]
-            for r in inflight:  # a new operation must not race one still in flight
-                frees_dest = op.dest is not None and r.op.frees() == op.dest
-                reads_its_output = op.source is not None and r.op.dest == op.source and r.op.object == op.object
-                drops_its_source = (
-                    op.frees() is not None
-                    and r.op.keep_source
-                    and r.op.source == op.frees()
-                    and r.op.object == op.object
-                )
-                if frees_dest or reads_its_output or drops_its_source:
-                    deps.append(r.id)
-            new = dataclasses.replace(op, id=rename[op.id], depends_on=deps)
-            records.append(OpRecord(new, epoch, seq, OpState.QUEUED, now, now))
-        batch = Batch()
-        for oid in list(self.live.open_ops):
+            deps = [name[d] for d in op.depends_on] + [r.id for r in inflight if must_wait(op, r)]
+            waits_on = self._waits_on(deps)
+            same = next((r for r in queued.get(same_move(op), ()) if self._waits_on(r.op.depends_on) == waits_on), None)
+            if same is not None:
+                queued[same_move(op)].remove(same)
+                name[op.id] = same.id
+                same.epoch, same.seq = epoch, seq
+                adopted.add(same.id)
+                batch.operation_updates[same.id] = {"epoch": epoch, "seq": seq}
+                if same.op.priority is not op.priority:  # the request it serves came or went: what it buys too
+                    same.op.priority, same.op.why = op.priority, op.reason
+                    batch.operation_updates[same.id] |= {"priority": op.priority.value, "reason": op.reason}
+                records.append(same)
+                continue
+            new = OpRecord(
+                dataclasses.replace(op, id=name[op.id], depends_on=deps), epoch, seq, OpState.QUEUED, now, now
+            )
+            self.live.ops[new.id] = new
+            self.live.open_ops.add(new.id)
+            batch.operations[new.id] = new.to_json()
+            records.append(new)
+        superseded = 0
+        for oid in sorted(self.live.open_ops):  # what is still queued from earlier epochs and was not adopted
             r = self.live.ops[oid]
-            if r.state is OpState.QUEUED:
+            if r.state is OpState.QUEUED and r.epoch < epoch:
                 r.state, r.superseded_by, r.updated_at = OpState.SUPERSEDED, epoch, now
                 self.live.open_ops.discard(oid)
-                batch.operations[oid] = r.to_json()
-        for r in records:
-            self.live.ops[r.id] = r
-            self.live.open_ops.add(r.id)
-            batch.operations[r.id] = r.to_json()
-        doc = plan.to_json()
+                batch.operation_updates[oid] = {"state": r.state.value, "superseded_by": epoch, "updated_at": now}
+                superseded += 1
+        doc = dataclasses.replace(plan, operations=[]).to_json()
         doc["operations"] = [r.op.to_json() for r in records]
         doc["held_back"] = [
             {
                 "operation": dataclasses.replace(
-                    op, id=rename[op.id], depends_on=[rename[d] for d in op.depends_on]
+                    op, id=name[op.id], depends_on=[name[d] for d in op.depends_on]
                 ).to_json(),
                 "until": iso(held[op.id].until),
                 "failures": held[op.id].count,
@@ -119,8 +171,19 @@ class Queues:
         self.live.write(batch)
         self.live.epoch, self.live.plan_doc, self.live.plan_placement = epoch, doc, dict(plan.placement)
         log.info(
-            "plan epoch %d: %s, %d operations, %d unserved", epoch, doc["status"], len(records), len(plan.unserved)
+            "plan epoch %d: %s, %d operations (%d kept from the queue, %d new, %d superseded), %d unserved",
+            epoch,
+            doc["status"],
+            len(records),
+            len(adopted),
+            len(records) - len(adopted),
+            superseded,
+            len(plan.unserved),
         )
+
+    def _waits_on(self, deps: list[str]) -> frozenset[str]:
+        """The dependencies that still hold an operation back (a dependency done, or not recorded, does not)."""
+        return frozenset(d for d in deps if d in self.live.ops and self.live.ops[d].state is not OpState.DONE)
 
     def expire(self, batch: Batch) -> bool:
         now = self.live.clock()

@@ -10,7 +10,9 @@ can implement the same protocol.
 from __future__ import annotations
 
 import json
+import re
 import sqlite3
+from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -28,16 +30,23 @@ class Batch:
     sessions: dict[str, dict[str, Any] | None] = field(default_factory=dict)  # id -> JSON, None deletes
     events: list[tuple[str, str, float]] = field(default_factory=list)  # (id, type, at)
     operations: dict[str, dict[str, Any]] = field(default_factory=dict)  # id -> JSON record
+    # id -> fields of a stored record to set (a plan that adopts a queued operation, or supersedes one, changes
+    # two or three fields of hundreds of records: written alone, not as whole records); after `operations`
+    operation_updates: dict[str, dict[str, Any]] = field(default_factory=dict)
     observations: list[Observation] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.meta or self.sessions or self.events or self.operations or self.observations)
+        return bool(
+            self.meta or self.sessions or self.events or self.operations or self.operation_updates or self.observations
+        )
 
     def merge(self, other: Batch) -> None:
         self.meta.update(other.meta)
         self.sessions.update(other.sessions)
         self.events.extend(other.events)
         self.operations.update(other.operations)
+        for oid, fields in other.operation_updates.items():
+            self.operation_updates.setdefault(oid, {}).update(fields)
         self.observations.extend(other.observations)
 
 
@@ -83,6 +92,29 @@ CREATE TABLE IF NOT EXISTS observations (
 );
 CREATE INDEX IF NOT EXISTS observations_t ON observations (t);
 """
+
+_COLUMNS = frozenset({"epoch", "state"})  # fields of an operation record the table keeps as columns too
+_FIELD = re.compile(r"[a-z_]+")
+
+
+def _field_updates(updates: dict[str, dict[str, Any]]) -> list[tuple[str, list[tuple[Any, ...]]]]:
+    """One UPDATE per set of field names: each field is set in the stored JSON record by `json_set`, its value
+    given as JSON text (`json(?)`, so that a float keeps every digit and a string stays a string), and in its
+    column when the table has one."""
+    groups: dict[tuple[str, ...], list[tuple[Any, ...]]] = defaultdict(list)
+    for oid, fields in updates.items():
+        names = tuple(sorted(fields))
+        if not all(_FIELD.fullmatch(n) for n in names):
+            raise ValueError(f"operation {oid}: not field names: {names}")
+        values = [fields[n] for n in names if n in _COLUMNS]
+        groups[names].append((*(json.dumps(fields[n]) for n in names), *values, oid))
+    statements = []
+    for names, rows in groups.items():
+        paths = ", ".join(f"'$.{n}', json(?)" for n in names)
+        columns = "".join(f", {n} = ?" for n in names if n in _COLUMNS)
+        statements.append((f"UPDATE operations SET value = json_set(value, {paths}){columns} WHERE id = ?", rows))
+    return statements
+
 
 # operations in these states are history: kept for reports' idempotency, not loaded into the queues
 FINAL_KEEP = 5000
@@ -151,6 +183,8 @@ class SqliteStore:
                 "ON CONFLICT (id) DO UPDATE SET state = excluded.state, value = excluded.value",
                 [(k, v["epoch"], v["node"], v["state"], json.dumps(v)) for k, v in batch.operations.items()],
             )
+            for statement, rows in _field_updates(batch.operation_updates):
+                db.executemany(statement, rows)
             db.executemany(
                 "INSERT INTO observations (t, kind, from_model, to_model, gap_seconds, tokens) VALUES (?, ?, ?, ?, ?, ?)",
                 batch.observations,

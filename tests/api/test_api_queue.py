@@ -38,7 +38,11 @@ def test_plan_has_the_cli_format_and_an_epoch(demo):
     assert plan["epoch"] == 1 and all(op["id"].startswith("1.") for op in plan["operations"])
     replanned = demo.post("/v1/plan").json()
     assert replanned["epoch"] == 2 and replanned["changed"] is True
-    assert all(op["id"].startswith("2.") for op in replanned["operations"])
+    # nothing moved: epoch 2 repeats every queued move of epoch 1, and adopts those records instead of copies
+    assert [op["id"] for op in replanned["operations"]] == [op["id"] for op in plan["operations"]]
+    records = {o["id"]: o for o in demo.get("/v1/operations").json()}
+    assert all(records[op["id"]]["epoch"] == 2 for op in replanned["operations"])
+    assert demo.get("/v1/operations", params={"state": "superseded"}).json() == []
     assert {k: v for k, v in replanned.items() if k != "changed"} == demo.get("/v1/plan").json()
 
 
@@ -99,20 +103,43 @@ def test_expired_lease_requeues_with_controllable_time(tiny):
     assert tiny.report(op["id"], again["lease_id"]).status_code == 200
 
 
-def test_new_epoch_supersedes_unleased_operations(demo):
+def test_new_epoch_supersedes_the_unleased_operations_it_does_not_repeat(demo):
     lease = demo.lease("n1", 1).json()
     leased = lease["operations"][0]
     queued = [o for o in demo.get("/v1/operations", params={"state": "queued"}).json()]
+    assert any(o["object"].get("session") == "s03" for o in queued)  # the demo plans s03's KV
+    demo.events({"id": "end-s03", "type": "session_end", "session": "s03"})  # its KV moves are void now
     demo.post("/v1/plan")
-    states = {o["id"]: o["state"] for o in demo.get("/v1/operations", params={"state": "superseded"}).json()}
-    assert all(states.get(o["id"]) == "superseded" for o in queued)
-    assert_problem(demo.report(queued[0]["id"], lease["lease_id"]), 409, "superseded", "epoch 2")
+    plan = demo.get("/v1/plan").json()
+    records = {o["id"]: o for o in demo.get("/v1/operations", params={"state": "superseded"}).json()}
+    records |= {o["id"]: o for o in demo.get("/v1/operations", params={"state": "queued"}).json()}
+    kept = {op["id"] for op in plan["operations"]}
+    # each operation queued in epoch 1 is now epoch 2's (the same move, adopted) or superseded by it
+    for o in queued:
+        if o["id"] in kept:
+            assert (records[o["id"]]["state"], records[o["id"]]["epoch"]) == ("queued", 2)
+        else:
+            assert (records[o["id"]]["state"], records[o["id"]]["superseded_by"]) == ("superseded", 2)
+    superseded = [o for o in queued if o["id"] not in kept]
+    assert superseded and len(superseded) < len(queued)
+
+    # a superseded move is installed again only when it waits on other operations than before
+    def move(o):
+        return o["action"], json.dumps(o["object"]), json.dumps(o["from"]), json.dumps(o["to"]), o["bytes"]
+
+    waited = {move(o): set(o["depends_on"]) for o in superseded}
+    before = {o["id"]: o for o in queued}
+    assert not any(waited.get(move(o)) == set(o["depends_on"]) for o in plan["operations"] if o["id"] not in before)
+    # a move s03 no longer waits for keeps its record, at its new priority
+    reprioritized = [
+        o for o in plan["operations"] if o["id"] in before and o["priority"] != before[o["id"]]["priority"]
+    ]
+    assert reprioritized and all(records[o["id"]]["priority"] == o["priority"] for o in reprioritized)
+    assert_problem(demo.report(superseded[0]["id"], lease["lease_id"]), 409, "superseded", "epoch 2")
     # the leased operation of epoch 1 is still in flight and can be reported
     assert demo.report(leased["id"], lease["lease_id"]).status_code == 200
     # the new epoch does not repeat the work in flight
-    assert not any(
-        o["object"] == leased["object"] and o["to"] == leased["to"] for o in demo.get("/v1/plan").json()["operations"]
-    )
+    assert not any(o["object"] == leased["object"] and o["to"] == leased["to"] for o in plan["operations"])
 
 
 def test_expired_lease_of_an_old_epoch_is_superseded(demo):

@@ -5,7 +5,7 @@ STAMP := $(VENV)/.installed
 COMPILED_VENV ?= .venv-compiled
 COMPILED_STAMP := $(COMPILED_VENV)/.installed
 
-.PHONY: run test test-fast lint format import-graph compiled bench schemas clean
+.PHONY: run test test-fast soak lint format import-graph compiled bench schemas clean
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -23,6 +23,12 @@ test: $(STAMP)
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -m 'not slow'
+
+# the reliability trials against `statebudget serve` on loopback (about 30 minutes: 10 on the demo, 10 on 50 nodes,
+# 50 SIGKILL trials, the fault cases); writes docs/reliability.md. tests/e2e/test_soak.py runs a bounded version.
+soak: $(STAMP)
+	$(PY) -m planner_service.soak --duration-seconds 600 --large-duration-seconds 600 --large-nodes 50 --trials 50 \
+		--out docs/reliability.md
 
 # the gates CI runs before the tests: lint, format, types, import layers
 lint: $(STAMP)

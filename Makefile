@@ -9,7 +9,7 @@ DEMO_DB ?= statebudget-demo.db
 COMPILED_VENV ?= .venv-compiled
 COMPILED_STAMP := $(COMPILED_VENV)/.installed
 
-.PHONY: run test test-fast test-compiled lint format import-graph compiled bench schemas clean
+.PHONY: run test test-fast test-compiled soak lint format import-graph compiled bench schemas clean
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -35,6 +35,12 @@ test-fast: $(STAMP)
 
 test-compiled: $(STAMP)
 	$(PY) -m pytest tests/deploy/test_compiled_build.py
+
+# the reliability trials against `statebudget serve` on loopback (about 30 minutes: 10 on the demo, 10 on 50 nodes,
+# 50 SIGKILL trials, the fault cases); writes docs/reliability.md. tests/e2e/test_soak.py runs a bounded version.
+soak: $(STAMP)
+	$(PY) -m planner_service.soak --duration-seconds 600 --large-duration-seconds 600 --large-nodes 50 --trials 50 \
+		--out docs/reliability.md
 
 # the gates CI runs before the tests: lint, format, types, import layers
 lint: $(STAMP)

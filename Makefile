@@ -9,7 +9,7 @@ DEMO_DB ?= statebudget-demo.db
 COMPILED_VENV ?= .venv-compiled
 COMPILED_STAMP := $(COMPILED_VENV)/.installed
 
-.PHONY: run test test-fast test-compiled soak lint format import-graph compiled bench schemas clean
+.PHONY: run test test-fast test-compiled soak lint format import-graph compiled bench schemas screenshots clean
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -83,6 +83,11 @@ bench: $(COMPILED_STAMP)
 
 schemas: $(STAMP)
 	$(VENV)/bin/statebudget export-schemas --out schemas
+
+# docs/images/status-page.png and swagger-offline.png: the demo on a fresh database, a few minutes of agents'
+# traffic, then headless Chromium with the network off but for loopback (Debian: apt-get install chromium)
+screenshots: $(STAMP)
+	$(PY) deploy/screenshots.py --out docs/images
 
 clean:
 	rm -rf $(VENV) $(COMPILED_VENV) build dist .pytest_cache .hypothesis

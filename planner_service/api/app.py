@@ -22,6 +22,7 @@ from fastapi.routing import APIRoute
 from prometheus_client import CollectorRegistry
 from starlette.concurrency import run_in_threadpool
 
+from planner_service.api.assets import mount_static
 from planner_service.api.deps import QueueSignal
 from planner_service.api.errors import (
     ERROR_RESPONSES,
@@ -32,6 +33,7 @@ from planner_service.api.errors import (
 from planner_service.api.routes import (
     calibration,
     cluster,
+    docs,
     events,
     health,
     models,
@@ -40,6 +42,7 @@ from planner_service.api.routes import (
     plan,
     sessions,
     srv,
+    status,
     whatif,
 )
 from planner_service.domain.demo import demo_scenario
@@ -171,6 +174,8 @@ def create_app(
         version="0.1.0",
         lifespan=lifespan,
         generate_unique_id_function=_operation_id,
+        docs_url=None,  # routes/docs.py serves /docs and /redoc on packaged assets, not a CDN's
+        redoc_url=None,
     )
     app.state.settings = settings
     app.state.service = service
@@ -180,4 +185,7 @@ def create_app(
     app.include_router(health.router, responses=OPEN_ERROR_RESPONSES)
     for module in (cluster, models, events, sessions, srv, plan, nodes, operations, whatif, calibration):
         app.include_router(module.router, responses=ERROR_RESPONSES)
+    app.include_router(status.router)  # the HTML pages, left out of the OpenAPI document
+    app.include_router(docs.router)
+    mount_static(app)
     return app

@@ -35,9 +35,9 @@ class Confirmed:
         """Apply a done operation to the confirmed placement and learn from its measured duration."""
         op = r.op
         self.live.refresh_live()  # sizes must know the sessions that events created since
-        touched = {(op.object, loc): 1 for loc in (op.source, op.dest) if loc is not None}
-        if len(self.live.valid_placement(touched)) != len(touched):
-            log.warning("operation %s refers to state or hardware no longer in the cluster; placement unchanged", r.id)
+        if (gone := self._gone(op)) is not None:
+            r.conflict = f"not applied: {gone}"
+            log.warning("operation %s reported done, placement unchanged: %s", r.id, gone)
         elif (conflict := self._landing_conflict(op)) is not None:
             # the node says it did what the confirmed state says cannot be: trust neither, plan again from what
             # is known, and let the node's next report of its memory settle who was right
@@ -56,6 +56,22 @@ class Confirmed:
                 s.waiting_since = None
                 batch.sessions[s.id] = s.to_json()
         batch.meta.update({"placement": placement_to_json(self.live.placement), "srv": self.live.srv_doc})
+
+    def _gone(self, op: Operation) -> str | None:
+        """What a done operation refers to that the cluster no longer has, if anything. A session that ended
+        while its KV was being made is still known: the node holds those bytes, so the confirmed placement
+        takes them (and the next plans drop them as any ended session's KV)."""
+        p = self.live.sizes
+        assert p is not None
+        obj = op.object
+        if obj.model not in p.models:
+            return f"model {obj.model!r} is no longer in the catalog"
+        if obj.kind is Kind.KV and obj.session not in self.live.sessions:
+            return f"session {obj.session!r} is no longer known"
+        for loc in (op.source, op.dest):
+            if loc is not None and not (loc.id in p.gpus if loc.tier is Tier.GPU else loc.id in p.nodes):
+                return f"{loc.label()} is no longer in the cluster"
+        return None
 
     def _landing_conflict(self, op: Operation) -> str | None:
         """Why applying `op` to the confirmed placement would break a physical invariant, if it would: the

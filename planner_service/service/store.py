@@ -200,9 +200,12 @@ class SqliteStore:
         db.execute("BEGIN IMMEDIATE")
         db.execute("DELETE FROM observations WHERE t < ?", (observations_before,))
         db.execute("DELETE FROM events WHERE at < ?", (events_before,))
+        # the newest by plan position, as memory keeps them (`Live.prune`): not by insertion, since an operation
+        # a later plan repeats keeps its row and takes that plan's epoch
         db.execute(
             "DELETE FROM operations WHERE state IN ('done', 'failed', 'superseded') AND rowid NOT IN "
-            "(SELECT rowid FROM operations WHERE state IN ('done', 'failed', 'superseded') ORDER BY rowid DESC LIMIT ?)",
+            "(SELECT rowid FROM operations WHERE state IN ('done', 'failed', 'superseded') "
+            "ORDER BY epoch DESC, json_extract(value, '$.seq') DESC LIMIT ?)",
             (FINAL_KEEP,),
         )
         db.execute("COMMIT")

@@ -96,3 +96,24 @@ def test_a_database_from_before_request_observations_gains_their_column(tmp_path
         (2.0, "request", None, "a", None, 1200),
     ]
     store.close()
+
+
+def test_prune_keeps_the_newest_finished_operations_by_plan_position_as_memory_does(tmp_path, monkeypatch):
+    """An operation a later plan repeats keeps its row (inserted early) and takes that plan's epoch: pruning by
+    insertion order would forget it, done and acknowledged, while memory keeps it; after a restart its report
+    would no longer answer `duplicate`."""
+    from planner_service.service import store as store_module
+
+    monkeypatch.setattr(store_module, "FINAL_KEEP", 3)
+    store = SqliteStore(tmp_path / "p.db")
+    store.open()
+    store.write(Batch(operations={"1.op-1": {**op("1.op-1"), "seq": 0}}))  # inserted first
+    store.write(
+        Batch(operations={f"2.op-{i}": {**op(f"2.op-{i}", "superseded"), "epoch": 2, "seq": i} for i in range(5)})
+    )
+    store.write(Batch(operation_updates={"1.op-1": {"epoch": 3, "seq": 0, "state": "done"}}))  # repeated, done
+    store.prune(observations_before=0.0, events_before=0.0)
+    kept = store.load(0).operations
+    assert set(kept) == {"1.op-1", "2.op-4", "2.op-3"}
+    assert kept["1.op-1"]["state"] == "done"
+    store.close()

@@ -31,6 +31,8 @@ if os.environ.get("STATEBUDGET_COMPILE") == "1":
 
     # type errors in the uncompiled modules these import do not stop the build
     # (the config's overrides name packages this build does not compile: that is not an error here)
-    ext_modules = mypycify(["--follow-imports=silent", "--no-warn-unused-configs", *COMPILED], opt_level="3", group_name="planner_service")
+    ext_modules = mypycify(
+        ["--follow-imports=silent", "--no-warn-unused-configs", *COMPILED], opt_level="3", group_name="planner_service"
+    )
 
 setup(ext_modules=ext_modules)

@@ -43,6 +43,7 @@ Costs (seconds; `EngineConstants` holds the named constants, `CONSTANT_SOURCES` 
     cold start       = cold_start_fixed + load(source)                           process, load, compile, graphs
     stop             = drain + stop_fixed
     restart          = stop(old) + cold start(new)
+    readahead        = checkpoint_bytes / nvme_read                              into the page cache
     drain            = remaining output tokens x seconds per output token
 
 The fixed parts are recalibrated from measured durations by `fold_measurement`, the way link bandwidths
@@ -58,7 +59,13 @@ from dataclasses import dataclass, replace
 from enum import StrEnum
 from types import MappingProxyType
 
-from planner_service.wire.enums import EngineKind as EngineKind  # noqa: PLC0414 -- re-exported: the model's kinds
+# re-exported: the engine model's vocabulary crosses the wire in operations and heartbeats
+from planner_service.wire.enums import EngineFeature as EngineFeature  # noqa: PLC0414
+from planner_service.wire.enums import EngineKind as EngineKind  # noqa: PLC0414
+from planner_service.wire.enums import EngineState as EngineState  # noqa: PLC0414
+from planner_service.wire.enums import Management as Management  # noqa: PLC0414
+from planner_service.wire.enums import Precondition as Precondition  # noqa: PLC0414
+from planner_service.wire.enums import Transition as Transition  # noqa: PLC0414
 
 _GIB = 1 << 30
 _GB = 10**9
@@ -66,51 +73,6 @@ _GB = 10**9
 # The kinds the engine model describes. The wire's `lmcache` and `other` are not engines of their own:
 # LMCache is a launch feature of a vLLM engine, and an unknown engine offers nothing the planner can price.
 ENGINE_KINDS: tuple[EngineKind, ...] = (EngineKind.VLLM, EngineKind.SGLANG, EngineKind.LOCAL)
-
-
-class EngineFeature(StrEnum):
-    """Launch features: flags an engine is started with, fixed until it restarts."""
-
-    LMCACHE = "lmcache"  # vLLM's KV connector is LMCache: KV written through to host RAM and disk
-    CPU_BACKUP = "cpu_backup"  # SGLang --enable-weights-cpu-backup: released weights kept in host RAM
-    SLEEP_MODE = "sleep_mode"  # vLLM --enable-sleep-mode; SGLang --enable-memory-saver
-    DEV_MODE = "dev_mode"  # vLLM VLLM_SERVER_DEV_MODE=1: /sleep, /wake_up, /collective_rpc exist only then
-
-
-class Management(StrEnum):
-    """Who starts and stops an engine."""
-
-    MANAGED = "managed"  # the node agent: every transition its kind offers
-    ADOPTED = "adopted"  # someone else: only sleep and wake
-
-
-class EngineState(StrEnum):
-    RUNNING = "running"
-    ASLEEP_HOST = "asleep_host"  # level 1: weights in host RAM, KV pool freed
-    ASLEEP_DISCARDED = "asleep_discarded"  # level 2: weights and KV discarded
-    STOPPED = "stopped"
-
-
-class Transition(StrEnum):
-    START = "start"  # stopped -> running: a cold start of the configuration
-    STOP = "stop"  # running or asleep -> stopped
-    SLEEP_LEVEL_1 = "sleep_level_1"  # running -> asleep_host
-    SLEEP_LEVEL_2 = "sleep_level_2"  # running -> asleep_discarded
-    WAKE = "wake"  # asleep -> running (from level 2 with a reload of the weights from disk)
-    RESTART = "restart"  # running or asleep -> running with other launch settings: stop, then a cold start
-
-
-class Precondition(StrEnum):
-    """What a transition can need; `Verdict.missing` names the one that does not hold."""
-
-    KNOWN_KIND = "known_kind"  # the engine model describes the kind
-    FROM_STATE = "from_state"  # the transition leaves from the instance's state
-    MANAGED = "managed"  # the node agent starts and stops the engine
-    SLEEP_MODE = "sleep_mode"
-    DEV_MODE = "dev_mode"
-    CPU_BACKUP = "cpu_backup"
-    NO_CPU_BACKUP = "no_cpu_backup"  # SGLang discards released weights only without a CPU backup
-    DRAINED = "drained"  # no request in flight
 
 
 class RuntimeMove(StrEnum):
@@ -128,6 +90,7 @@ class ReadFrom(StrEnum):
     PAGE_CACHE = "page_cache"  # read ahead (posix_fadvise WILLNEED) or left there by an earlier load
 
 
+# The state each transition ends in; a read-ahead leaves the instance's state as it was.
 AFTER: Mapping[Transition, EngineState] = MappingProxyType(
     {
         Transition.START: EngineState.RUNNING,
@@ -165,6 +128,7 @@ _SGLANG_RELEASE = (
     "python/sglang/srt/server_args.py (enable_memory_saver, enable_weights_cpu_backup)"
 )
 _START_STOP = "the node agent launches and ends the engine process"
+_READAHEAD = "posix_fadvise(2) POSIX_FADV_WILLNEED on the checkpoint's files: the kernel's, not the engine's"
 
 _M, _SM, _DM, _CB, _NCB, _DR = (
     Precondition.MANAGED,
@@ -218,6 +182,8 @@ def _rules() -> dict[tuple[EngineKind, Transition], Rule]:
         Rule(local, t.WAKE, _ASLEEP, (), local_source),
         Rule(local, t.RESTART, _UP, (_M,), local_source),
     ]
+    everywhere = frozenset(EngineState)
+    rows += [Rule(kind, t.READAHEAD, everywhere, (), _READAHEAD) for kind in (vllm, sglang, local)]
     return {(r.kind, r.transition): r for r in rows}
 
 
@@ -582,6 +548,11 @@ def cold_start_seconds(
     return constants.cold_start_fixed_seconds + load_seconds(instance, links, constants, read_from)
 
 
+def readahead_seconds(instance: EngineInstance, links: GroupLinks) -> float:
+    """The whole checkpoint read from NVMe into the page cache."""
+    return instance.checkpoint_bytes / links.nvme_read_bytes_per_s
+
+
 def stop_seconds(constants: EngineConstants, *, drain: float = 0.0) -> float:
     """Stop: drain + stop_fixed."""
     return drain + constants.stop_fixed_seconds
@@ -624,6 +595,8 @@ def transition_seconds(
     wake, the page cache for a restart (the old instance read the checkpoint when it started).
     """
     source = read_from or ReadFrom.NVME
+    if transition is Transition.READAHEAD:
+        return readahead_seconds(instance, links)
     if transition is Transition.START:
         return cold_start_seconds(instance, links, constants, source)
     if transition is Transition.STOP:

@@ -127,6 +127,55 @@ class EngineKind(StrEnum):
     OTHER = "other"
 
 
+# The engine model's vocabulary (planner_service/domain/engines.py holds the rules and costs).
+
+
+class EngineFeature(StrEnum):
+    """Launch features: flags an engine is started with, fixed until it restarts."""
+
+    LMCACHE = "lmcache"  # vLLM's KV connector is LMCache: KV written through to host RAM and disk
+    CPU_BACKUP = "cpu_backup"  # SGLang --enable-weights-cpu-backup: released weights kept in host RAM
+    SLEEP_MODE = "sleep_mode"  # vLLM --enable-sleep-mode; SGLang --enable-memory-saver
+    DEV_MODE = "dev_mode"  # vLLM VLLM_SERVER_DEV_MODE=1: /sleep, /wake_up, /collective_rpc exist only then
+
+
+class Management(StrEnum):
+    """Who starts and stops an engine."""
+
+    MANAGED = "managed"  # the node agent: every transition its kind offers
+    ADOPTED = "adopted"  # someone else: only sleep and wake
+
+
+class EngineState(StrEnum):
+    RUNNING = "running"
+    ASLEEP_HOST = "asleep_host"  # level 1: weights in host RAM, KV pool freed
+    ASLEEP_DISCARDED = "asleep_discarded"  # level 2: weights and KV discarded
+    STOPPED = "stopped"
+
+
+class Transition(StrEnum):
+    START = "start"  # stopped -> running: a cold start of the configuration
+    STOP = "stop"  # running or asleep -> stopped
+    SLEEP_LEVEL_1 = "sleep_level_1"  # running -> asleep_host
+    SLEEP_LEVEL_2 = "sleep_level_2"  # running -> asleep_discarded
+    WAKE = "wake"  # asleep -> running (from level 2 with a reload of the weights from disk)
+    RESTART = "restart"  # running or asleep -> running with other launch settings: stop, then a cold start
+    READAHEAD = "readahead"  # the checkpoint read into the page cache (posix_fadvise WILLNEED); no state change
+
+
+class Precondition(StrEnum):
+    """What a transition can need; `Verdict.missing` names the one that does not hold."""
+
+    KNOWN_KIND = "known_kind"  # the engine model describes the kind
+    FROM_STATE = "from_state"  # the transition leaves from the instance's state
+    MANAGED = "managed"  # the node agent starts and stops the engine
+    SLEEP_MODE = "sleep_mode"
+    DEV_MODE = "dev_mode"
+    CPU_BACKUP = "cpu_backup"
+    NO_CPU_BACKUP = "no_cpu_backup"  # SGLang discards released weights only without a CPU backup
+    DRAINED = "drained"  # no request in flight
+
+
 class EngineStatus(StrEnum):
     """An engine's state as a node agent reports it in its heartbeat, and a simulated model's as it loads."""
 

@@ -5,15 +5,63 @@ from __future__ import annotations
 from pydantic import Field
 
 from planner_service.wire.base import WireModel
-from planner_service.wire.enums import Action, OperationState, Priority
+from planner_service.wire.enums import (
+    Action,
+    EngineFeature,
+    EngineKind,
+    EngineState,
+    Management,
+    OperationState,
+    Priority,
+    Transition,
+)
 from planner_service.wire.state import Location, StateObject
+
+
+class EngineInstanceRef(WireModel):
+    """One engine instance: an engine kind serving one model at one precision on one GPU group with fixed
+    launch settings (planner_service/domain/engines.py). Changing a launch setting is a restart into another
+    instance; `id` names the model, precision and group, so a restart keeps it when only settings change."""
+
+    id: str = Field(description="`<model>@<precision>@<gpu>+<gpu>...`, the group in the order of its ranks.")
+    node: str
+    kind: EngineKind
+    model: str
+    precision: str
+    gpus: list[str] = Field(description="The tensor-parallel group; a shard per GPU.")
+    kv_pool_bytes_per_gpu: int = Field(ge=0, description="The fixed KV pool on each GPU of the group.")
+    gpu_expert_fraction: float = Field(1.0, ge=0, le=1, description="A MoE's routed experts kept on GPU.")
+    max_context_tokens: int | None = Field(None, gt=0, description="Null: the model's own limit.")
+    features: list[EngineFeature] = Field(default_factory=list, description="Launch features.")
+    management: Management = Management.MANAGED
+
+    @staticmethod
+    def instance_id(model: str, precision: str, gpus: list[str] | tuple[str, ...]) -> str:
+        return f"{model}@{precision}@{'+'.join(gpus)}"
+
+
+class EngineStep(WireModel):
+    """The engine transition an operation carries out on an engine node: one call to the engine (or to the
+    node agent's process manager) for the whole instance, never one per shard.
+
+    The operation's `object`, `from`, `to` and `bytes` say what the step does to the SRV (the operator's
+    view: start and wake promote the weights to the group's GPUs, a level-1 sleep demotes them to host RAM, a
+    level-2 sleep and a stop drop them, a read-ahead copies the checkpoint into the page cache of host RAM).
+    """
+
+    transition: Transition
+    instance: EngineInstanceRef = Field(description="The instance after the step (a restart's new settings).")
+    from_state: EngineState = Field(description="The state the planner expects the instance in before the step.")
+    previous: EngineInstanceRef | None = Field(None, description="Restart only: the instance it stops first.")
 
 
 class Operation(WireModel):
     """`promote` / `demote` / `drop` of one state object between tiers of one node.
 
     `from` is null for KV created by prefill; `to` is null for a drop. With `keep_source` the source keeps
-    its copy (a promotion copies). An operation may run once every id in `depends_on` is done.
+    its copy (a promotion copies). An operation may run once every id in `depends_on` is done. On an engine
+    node (vLLM, SGLang) the move is an engine transition, named by `engine`; null: a move of the bytes
+    themselves, which only the `local` executor carries out.
     """
 
     id: str
@@ -28,6 +76,7 @@ class Operation(WireModel):
     estimated_seconds: float
     reason: str = Field(description="What the planner expects the operation to buy, in words.")
     node: str = Field(description="The node it runs on: a move never leaves its node.")
+    engine: EngineStep | None = Field(None, description="The engine transition that carries the move out.")
 
     @property
     def frees(self) -> Location | None:

@@ -52,12 +52,21 @@ async def test_a_scaled_run_calibrates_nothing_and_leaves_the_plan_as_it_was(tmp
         assert [(n.nvme_read_bytes_per_s, [g.h2d_bytes_per_s for g in n.gpus]) for n in after.nodes] == [
             (n.nvme_read_bytes_per_s, [g.h2d_bytes_per_s for g in n.gpus]) for n in cluster_before.nodes
         ]
-        refused = [
-            line
+        samples_total = {
+            outcome: float(line.split()[-1])
             for line in (await sb.metrics()).splitlines()
-            if line.startswith('statebudget_calibration_samples_total{outcome="refused"}')
+            for outcome in ("refused", "accepted")
+            if line.startswith(f'statebudget_calibration_samples_total{{outcome="{outcome}"}}')
+        }
+        # every report of a copy between two tiers that measured a duration was a sample, and each was refused,
+        # as were the heartbeats' (a copy too small to time at this scale reports 0 s and is no sample at all)
+        by_id = {o.id: o for o in mine}
+        samples = [
+            r
+            for r in agent.reports
+            if (r.get("measured_seconds") or 0) > 0 and by_id[r["op"]].source and by_id[r["op"]].dest
         ]
-        assert refused and float(refused[0].split()[-1]) >= len(mine)
+        assert samples and samples_total.get("refused", 0) >= len(samples) and not samples_total.get("accepted")
 
         # the next plan keeps what the run moved to n1 where the first plan put it
         await sb.replan()

@@ -142,9 +142,9 @@ def create_app(
         queues = QueueSignal()
         app.state.signal = queues
 
-        def wake() -> None:
+        def wake(nodes: frozenset[str] | None) -> None:
             if not loop.is_closed():
-                loop.call_soon_threadsafe(queues.bump)
+                loop.call_soon_threadsafe(queues.bump, nodes)
 
         service.add_listener(wake)
         try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Annotated, Literal
 
@@ -17,28 +18,33 @@ from planner_service.settings import Settings
 
 
 class QueueSignal:
-    """Wakes lease long-polls when the queues may have changed, or when the service is shutting down.
+    """Wakes lease long-polls when their node's queue may have changed, or when the service is shutting down.
 
-    Called on the event loop's thread (other threads go through `loop.call_soon_threadsafe`).
-    Once `drain()` was called, `draining` stays true: a long-poll answers at once with an
-    empty lease instead of waiting, so a shutdown is not held up by agents' waits.
+    One event per node with a long-poll waiting: a report or an expiry on one node wakes that node's
+    waiters only, so a busy node does not send every other node's agents to look at queues that did not
+    change. Called on the event loop's thread (other threads go through `loop.call_soon_threadsafe`).
+    Once `drain()` was called, `draining` stays true: a long-poll answers at once with an empty lease
+    instead of waiting, so a shutdown is not held up by agents' waits.
     """
 
     def __init__(self) -> None:
-        self._event = asyncio.Event()
+        self._events: dict[str, asyncio.Event] = {}
         self._draining = False
 
-    @property
-    def event(self) -> asyncio.Event:
-        return self._event
+    def event(self, node: str) -> asyncio.Event:
+        """What the next change of `node`'s queue sets (take it before looking at the queue)."""
+        return self._events.setdefault(node, asyncio.Event())
 
     @property
     def draining(self) -> bool:
         return self._draining
 
-    def bump(self) -> None:
-        old, self._event = self._event, asyncio.Event()
-        old.set()
+    def bump(self, nodes: Iterable[str] | None = None) -> None:
+        """Wake the long-polls of `nodes` (None: of every node)."""
+        for node in list(self._events) if nodes is None else nodes:
+            event = self._events.pop(node, None)
+            if event is not None:
+                event.set()
 
     def drain(self) -> None:
         self._draining = True

@@ -34,7 +34,7 @@ from planner_service.service.live import Live, placement_from_json
 from planner_service.service.planning import Planning
 from planner_service.service.questions import LiveView
 from planner_service.service.queues import Queues
-from planner_service.service.records import FINAL_STATES, OpRecord, SessionState
+from planner_service.service.records import FINAL_STATES, OpenOps, OpRecord, SessionState
 from planner_service.service.sessions import Sessions
 from planner_service.service.store import Batch, Store, Stored
 from planner_service.service.views import Views
@@ -159,7 +159,9 @@ class ClusterService:
         self.live.sessions = {k: SessionState.from_json(v) for k, v in stored.sessions.items()}
         self.live.event_ids = dict(stored.event_ids)
         self.live.ops = {k: OpRecord.from_json(v) for k, v in stored.operations.items()}
-        self.live.open_ops = {k for k, r in self.live.ops.items() if r.state not in FINAL_STATES}
+        self.live.open_ops = OpenOps(
+            self.live.ops, (k for k, r in self.live.ops.items() if r.state not in FINAL_STATES)
+        )
         self.live.predictor = self.live.new_predictor()
         for t, kind, a, b, gap, tokens in stored.observations:
             if kind == "handoff" and a in self.live.predictor.models and b in self.live.predictor.models:
@@ -186,7 +188,7 @@ class ClusterService:
     def status(self) -> dict[str, int | None]:
         return self.live.status()
 
-    def add_listener(self, callback: Callable[[], None]) -> None:
+    def add_listener(self, callback: Callable[[frozenset[str] | None], None]) -> None:
         self.live.add_listener(callback)
 
     # -- planning, queues and leases --------------------------------------------

@@ -34,7 +34,7 @@ from planner_service.planner.residency import ResidencyIndex
 from planner_service.planner.srv import srv_entries
 from planner_service.service.backoff import FailedMoves
 from planner_service.service.errors import NotFound, NotReady, ServiceError
-from planner_service.service.records import FINAL_STATES, OpRecord, OpState, SessionState
+from planner_service.service.records import FINAL_STATES, OpenOps, OpRecord, OpState, SessionState
 from planner_service.service.store import FINAL_KEEP, Batch, Store
 from planner_service.settings import Settings
 
@@ -80,7 +80,7 @@ class Live:
         self.clock = clock
         self.lock = threading.RLock()
         self.plan_lock = threading.Lock()  # one replan at a time
-        self.listeners: list[Callable[[], None]] = []
+        self.listeners: list[Callable[[frozenset[str] | None], None]] = []
         self.urgent = threading.Event()  # set when a request waits for a model served nowhere, or the plan broke
         self.ready = False
         self.broken: str | None = None  # why the service stopped serving (a failed database write)
@@ -111,7 +111,8 @@ class Live:
         self.plan_doc: dict[str, Any] | None = None
         self.plan_placement: Placement = {}
         self.ops: dict[str, OpRecord] = {}
-        self.open_ops: set[str] = set()  # queued or leased
+        self.open_ops = OpenOps(self.ops)  # queued or leased
+        self.next_lease_expiry = float("-inf")  # no lease ends before it: expiries need no scan until then
         self.calibration: dict[str, dict[str, dict[str, dict[str, Any]]]] = {"gpus": {}, "nodes": {}}
         self.nodes_info: dict[str, dict[str, Any]] = {}
         self.quarantine: list[dict[str, Any]] = []  # placement entries a start took out: they broke an invariant
@@ -158,12 +159,14 @@ class Live:
             self.broken = f"{why}; reloading from the database failed too ({error}): restart the service"
             log.critical("%s", self.broken)
 
-    def notify(self) -> None:
+    def notify(self, nodes: frozenset[str] | None = None) -> None:
+        """The queues of `nodes` (None: of every node) may have changed."""
         for callback in list(self.listeners):
-            callback()
+            callback(nodes)
 
-    def add_listener(self, callback: Callable[[], None]) -> None:
-        """`callback()` runs (from any thread) whenever the queues may have changed."""
+    def add_listener(self, callback: Callable[[frozenset[str] | None], None]) -> None:
+        """`callback(nodes)` runs (from any thread) whenever the queues of `nodes` (None: any node's) may have
+        changed."""
         self.listeners.append(callback)
 
     def wake(self, *, urgent: bool = False, force: bool = False) -> None:

@@ -263,7 +263,8 @@ class Planning:
                         self.live.metrics.replans.labels("unchanged").inc()
                         self._answered = waiting
                         return {"epoch": self.live.epoch, "changed": False}, "unchanged"
-                    self.queues.install(plan, self.live.inflight())  # the same landing place, maybe other operations
+                    # the same landing place, maybe other operations
+                    touched = self.queues.install(plan, self.live.inflight())
                     self.live.metrics.replans.labels("installed").inc()
                     self._answered = waiting
                     self.live.force_replan = False
@@ -275,7 +276,7 @@ class Planning:
                 log.info("the state moved during each of %d solves; replanning after the debounce", PLAN_ATTEMPTS)
                 self.live.wake(force=force)
                 return {"epoch": self.live.epoch, "changed": False}, "stale"
-        self.live.notify()
+        self.live.notify(touched)
         return {"epoch": epoch, "changed": True}, "installed"
 
     def _basis(self) -> tuple[frozenset[tuple[tuple[StateObject, Location], int]], int]:

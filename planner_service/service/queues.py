@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import uuid
 from collections import defaultdict
 from collections.abc import Iterable
@@ -94,8 +95,8 @@ class Queues:
         # only to explain a refused renewal: whether a lease holds anything is read from the operations alone
         self.ended: dict[str, EndedLease] = {}
 
-    def install(self, plan: Plan, inflight: list[OpRecord]) -> None:
-        """Install `plan` as the next epoch, incrementally.
+    def install(self, plan: Plan, inflight: list[OpRecord]) -> frozenset[str]:
+        """Install `plan` as the next epoch, incrementally; the nodes whose queues it changed.
 
         An operation of the plan that is the same move as one still queued (`same_move`: action, object,
         source, destination, bytes and node) with the same dependencies once they are named as installed
@@ -142,9 +143,11 @@ class Queues:
             batch.operations[new.id] = new.to_json()
             records.append(new)
         superseded = 0
+        touched = {r.node for r in records if r.id not in adopted}
         for oid in sorted(self.live.open_ops):  # what is still queued from earlier epochs and was not adopted
             r = self.live.ops[oid]
             if r.state is OpState.QUEUED and r.epoch < epoch:
+                touched.add(r.node)
                 r.state, r.superseded_by, r.updated_at = OpState.SUPERSEDED, epoch, now
                 self.live.open_ops.discard(oid)
                 batch.operation_updates[oid] = {"state": r.state.value, "superseded_by": epoch, "updated_at": now}
@@ -180,25 +183,38 @@ class Queues:
             superseded,
             len(plan.unserved),
         )
+        return frozenset(touched)
 
     def _waits_on(self, deps: list[str]) -> frozenset[str]:
         """The dependencies that still hold an operation back (a dependency done, or not recorded, does not)."""
         return frozenset(d for d in deps if d in self.live.ops and self.live.ops[d].state is not OpState.DONE)
 
-    def expire(self, batch: Batch) -> bool:
+    def expire(self, batch: Batch) -> frozenset[str]:
+        """Give back the operations of every lease past its deadline; the nodes whose queues that changed.
+
+        Leases are looked at only once the earliest deadline granted has passed (`Live.next_lease_expiry`), so the
+        leases and reports between deadlines do not scan the open operations."""
         now = self.live.clock()
+        if now < self.live.next_lease_expiry:
+            return frozenset()
         expired: dict[str, list[OpRecord]] = {}  # lease id -> its operations that it gave back
+        next_expiry = math.inf
         for oid in list(self.live.open_ops):
             r = self.live.ops[oid]
-            if r.state is OpState.LEASED and r.lease_expires_at is not None and r.lease_expires_at <= now:
-                expired.setdefault(r.lease_id or "", []).append(r)
-                if r.epoch < self.live.epoch:
-                    r.state, r.superseded_by = OpState.SUPERSEDED, self.live.epoch
-                    self.live.open_ops.discard(oid)
-                    self.live.wake(force=True)
-                else:
-                    r.state = OpState.QUEUED
-                r.updated_at = now
+            if r.state is not OpState.LEASED or r.lease_expires_at is None:
+                continue
+            if r.lease_expires_at > now:
+                next_expiry = min(next_expiry, r.lease_expires_at)
+                continue
+            expired.setdefault(r.lease_id or "", []).append(r)
+            if r.epoch < self.live.epoch:
+                r.state, r.superseded_by = OpState.SUPERSEDED, self.live.epoch
+                self.live.open_ops.discard(oid)
+                self.live.wake(force=True)
+            else:
+                r.state = OpState.QUEUED
+            r.updated_at = now
+        self.live.next_lease_expiry = next_expiry
         for lease_id, ops in expired.items():
             self._remember_end(lease_id, ops)
             for r in ops:
@@ -207,7 +223,7 @@ class Queues:
             self.live.metrics.lease_expiries.labels(ops[0].node).inc()
         if expired:
             log.info("%d lease(s) expired; their operations were re-queued", len(expired))
-        return bool(expired)
+        return frozenset(ops[0].node for ops in expired.values())
 
     def _remember_end(self, lease_id: str, ops: list[OpRecord]) -> None:
         at = iso(ops[0].lease_expires_at)
@@ -223,7 +239,7 @@ class Queues:
         while len(self.ended) > ENDED_LEASES_KEPT:
             del self.ended[next(iter(self.ended))]
 
-    def expire_and_write(self) -> bool:
+    def expire_and_write(self) -> frozenset[str]:
         batch = Batch()
         expired = self.expire(batch)
         self.live.write(batch)
@@ -240,7 +256,7 @@ class Queues:
             if now - self.live.pruned_at >= PRUNE_EVERY_SECONDS:
                 self.live.prune(now)
         if expired:
-            self.live.notify()
+            self.live.notify(expired)
 
     def _deps_done(self, r: OpRecord) -> bool:
         return all(d not in self.live.ops or self.live.ops[d].state is OpState.DONE for d in r.op.depends_on)
@@ -256,10 +272,8 @@ class Queues:
             eligible = sorted(
                 (
                     self.live.ops[i]
-                    for i in self.live.open_ops
-                    if self.live.ops[i].state is OpState.QUEUED
-                    and self.live.ops[i].node == node_id
-                    and self._deps_done(self.live.ops[i])
+                    for i in self.live.open_ops.of_node(node_id)
+                    if self.live.ops[i].state is OpState.QUEUED and self._deps_done(self.live.ops[i])
                 ),
                 key=lambda r: (PRIORITY_RANK[r.op.priority], r.epoch, r.seq),
             )[:max_operations]
@@ -270,9 +284,10 @@ class Queues:
                     r.state, r.lease_id, r.lease_expires_at, r.updated_at = OpState.LEASED, lease_id, expires, now
                     r.leases += 1
                     batch.operations[r.id] = r.to_json()
+                self.live.next_lease_expiry = min(self.live.next_lease_expiry, expires)
             self.live.write(batch)
         if expired:
-            self.live.notify()
+            self.live.notify(expired)
         return {
             "lease_id": lease_id,
             "expires_at": iso(expires),
@@ -329,7 +344,7 @@ class Queues:
                 }
             self.live.write(batch)
         if expired:
-            self.live.notify()
+            self.live.notify(expired)
         if refusal is not None:
             raise refusal
         return out
@@ -363,7 +378,7 @@ class Queues:
         """A node's outcome for a leased operation. Idempotent: the same report again answers the same."""
         self.live.require_ready()
         with self.live.change():
-            self.expire_and_write()
+            expired = self.expire_and_write()
             r = self.live.ops.get(op_id)
             if r is None:
                 raise NotFound(f"unknown operation {op_id!r}")
@@ -413,5 +428,6 @@ class Queues:
                     body.measured_seconds
                 )
             out = {"operation": r.to_json(), "srv_version": self.live.srv_version, "duplicate": False}
-        self.live.notify()
+        # what the report unblocks waits on the same node: a move, and so what depends on it, never leaves it
+        self.live.notify(expired | {r.node})
         return out

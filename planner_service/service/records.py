@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator, Mapping, MutableSet
+from collections.abc import Set as AbstractSet
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -102,6 +104,44 @@ class OpRecord:
             superseded_by=data.get("superseded_by"),
             conflict=data.get("conflict"),
         )
+
+
+class OpenOps(MutableSet[str]):
+    """The ids of the queued and leased operations, indexed by node: a lease looks only at its node's, so
+    its cost does not grow with the other nodes' queues."""
+
+    def __init__(self, ops: Mapping[str, OpRecord], ids: Iterable[str] = ()) -> None:
+        self._ops = ops
+        self._node: dict[str, str] = {}  # id -> node, kept here: a pruned record may be discarded after
+        self._by_node: dict[str, set[str]] = {}
+        for oid in ids:
+            self.add(oid)
+
+    def __contains__(self, oid: object) -> bool:
+        return oid in self._node
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._node)
+
+    def __len__(self) -> int:
+        return len(self._node)
+
+    def add(self, oid: str) -> None:
+        if oid not in self._node:
+            node = self._ops[oid].node
+            self._node[oid] = node
+            self._by_node.setdefault(node, set()).add(oid)
+
+    def discard(self, oid: str) -> None:
+        node = self._node.pop(oid, None)
+        if node is not None:
+            ids = self._by_node[node]
+            ids.discard(oid)
+            if not ids:
+                del self._by_node[node]
+
+    def of_node(self, node: str) -> AbstractSet[str]:
+        return self._by_node.get(node, frozenset())
 
 
 @dataclass

@@ -26,13 +26,25 @@ def test_a_draining_service_answers_long_polls_at_once_and_leases_nothing(tiny):
 def test_drain_wakes_a_waiting_poll():
     async def scenario() -> bool:
         queues = QueueSignal()
-        waiting = asyncio.ensure_future(queues.event.wait())
+        waiting = [asyncio.ensure_future(queues.event(node).wait()) for node in ("n1", "n2")]
         await asyncio.sleep(0)
         queues.drain()
-        await asyncio.wait_for(waiting, timeout=1)
+        await asyncio.wait_for(asyncio.gather(*waiting), timeout=1)  # every node's long-polls
         return queues.draining
 
     assert asyncio.run(scenario())
+
+
+def test_a_change_wakes_only_the_long_polls_of_its_node():
+    async def scenario() -> tuple[bool, bool, bool]:
+        queues = QueueSignal()
+        n1, n2 = queues.event("n1"), queues.event("n2")
+        queues.bump({"n1"})
+        woken = n1.is_set(), n2.is_set()
+        queues.bump()  # None: every node
+        return (*woken, n2.is_set())
+
+    assert asyncio.run(scenario()) == (True, False, True)
 
 
 def test_an_exit_signal_drains_then_reaches_the_servers_own_handler():

@@ -34,7 +34,7 @@ async def lease(
     """Long-poll: lease the node's ready operations, most urgent first, waiting up to `wait_seconds` for some."""
     deadline = time.monotonic() + min(body.wait_seconds, settings.max_wait_seconds)
     while True:
-        changed = signal.event  # taken before looking, so a change in between still wakes us
+        changed = signal.event(node_id)  # taken before looking, so a change in between still wakes us
         if signal.draining:  # shutting down: answer now, leasing nothing
             return {"lease_id": None, "expires_at": None, "expires_in_seconds": None, "operations": []}
         result = await run_in_threadpool(service.lease, node_id, body.max_operations)

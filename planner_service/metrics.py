@@ -149,6 +149,20 @@ class Metrics:
             ["node"],
             registry=registry,
         )
+        self.state_lost = Counter(
+            "statebudget_node_state_lost",
+            "Times a GPU's measured used bytes fell below what the confirmed state holds there by more than the "
+            "tolerance, two heartbeats in a row: the node lost state the service believed it held.",
+            ["node", "gpu"],
+            registry=registry,
+        )
+        self.reconciled_objects = Counter(
+            "statebudget_reconciled_objects",
+            "Placement entries taken out of the confirmed state because the node's engines reported them gone "
+            "(an instance stopped or asleep, two heartbeats in a row).",
+            ["node"],
+            registry=registry,
+        )
         self.slo_violations = Counter(
             "statebudget_slo_violations",
             "Requests whose observed switch latency exceeded their SLO target.",

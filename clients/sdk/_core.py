@@ -281,15 +281,18 @@ class Endpoints(ABC):
         nvme_read_bytes_per_s: float | None = None,
         nvme_write_bytes_per_s: float | None = None,
         engines: dict[str, str] | None = None,
+        instances: list[dict[str, Any]] | None = None,
         expert_hit_rates: dict[str, float] | None = None,
     ) -> Any:
-        """`HeartbeatOut`."""
+        """`HeartbeatOut`. `gpus[]`: `{id, used_bytes, free_bytes, total_bytes, h2d_bytes_per_s,
+        d2h_bytes_per_s}`; `instances[]`: `{instance: EngineInstanceRef, state: EngineState}`."""
         body = _compact(
             {
                 "gpus": [_compact(g) for g in gpus] if gpus is not None else None,
                 "nvme_read_bytes_per_s": nvme_read_bytes_per_s,
                 "nvme_write_bytes_per_s": nvme_write_bytes_per_s,
                 "engines": engines,
+                "instances": instances,
                 "expert_hit_rates": expert_hit_rates,
             }
         )

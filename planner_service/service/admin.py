@@ -300,6 +300,7 @@ class Admin:
                     f"expert_hit_rates: unknown model(s) {unknown_models}; known: {sorted(self.live.sizes.models)}",
                     field="expert_hit_rates",
                 )
+            self._check_instances(node_id, body, node_gpus)
             now = self.live.clock()
             batch = Batch()
             heard = f"the heartbeat of {node_id}"
@@ -314,6 +315,7 @@ class Admin:
                     self.confirmed.calibrate(
                         calibration.Link("nodes", node_id, field), getattr(body, field), None, batch, heard
                     )
+            self.confirmed.reconcile(node_id, body, now, batch)
             info = self.live.nodes_info.setdefault(node_id, {})
             info["telemetry"] = body.model_dump(mode="json")
             info["last_heartbeat"] = iso(now)
@@ -324,6 +326,33 @@ class Admin:
                 "received_at": iso(now),
                 "calibration": self.live.calibration["nodes"].get(node_id, {}),
             }
+
+    def _check_instances(self, node_id: str, body: HeartbeatIn, node_gpus: set[str]) -> None:
+        """Refuse (naming the field) an engine instance of another node, on GPUs the node does not have, or of
+        a model or precision the catalog does not know."""
+        assert self.live.sizes is not None
+        models = self.live.sizes.models
+        for i, entry in enumerate(body.instances):
+            inst, field = entry.instance, f"instances.{i}.instance"
+            if inst.node != node_id:
+                raise InvalidInput(f"{field}.node: {inst.node!r} is not this node ({node_id!r})", field=f"{field}.node")
+            strange = sorted(set(inst.gpus) - node_gpus)
+            if strange:
+                raise InvalidInput(
+                    f"{field}.gpus: {strange} are not GPUs of node {node_id!r}; its GPUs: {sorted(node_gpus)}",
+                    field=f"{field}.gpus",
+                )
+            if inst.model not in models:
+                raise InvalidInput(
+                    f"{field}.model: unknown model {inst.model!r}; known: {_listed(sorted(models))}",
+                    field=f"{field}.model",
+                )
+            if inst.precision not in models[inst.model].precisions:
+                raise InvalidInput(
+                    f"{field}.precision: {inst.model} has no precision {inst.precision!r}; "
+                    f"its precisions: {list(models[inst.model].precisions)}",
+                    field=f"{field}.precision",
+                )
 
 
 def _listed(ids: list[str], most: int = 10) -> str:

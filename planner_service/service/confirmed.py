@@ -15,14 +15,19 @@ from planner_service.domain.state import (
     placement_to_json,
 )
 from planner_service.planner.operations import Operation, apply_operation
-from planner_service.service import calibration
+from planner_service.service import calibration, reconcile
+from planner_service.service.inputs import HeartbeatIn
 from planner_service.service.live import (
     Live,
+    iso,
 )
-from planner_service.service.records import OpRecord
+from planner_service.service.records import OpRecord, OpState
 from planner_service.service.store import Batch
 
 log = logging.getLogger(__name__)
+
+RECONCILE_HISTORY = 20
+"""Corrections a node's reconcile status keeps (the log and the metric keep them all)."""
 
 
 class Confirmed:
@@ -90,6 +95,59 @@ class Confirmed:
         if used > p.capacity_of(op.dest):
             return f"{op.dest.label()} would hold {used} bytes, more than its capacity {p.capacity_of(op.dest)}"
         return None
+
+    def reconcile(self, node_id: str, body: HeartbeatIn, now: float, batch: Batch) -> None:
+        """Hold the confirmed placement to what the node's heartbeat measured (`service/reconcile.py`): the
+        objects its engines report gone are taken out, a GPU that still holds less than recorded is recorded
+        as lost state (metric, the node's `reconcile` status), and either replans. A finding counts when the
+        previous heartbeat showed it too."""
+        p = self.live.sizes
+        assert p is not None
+        info = self.live.nodes_info.setdefault(node_id, {})
+        before = info.get("reconcile") or {}
+        pending = before.get("pending") or {}
+        moving = {
+            (r.op.object, loc)
+            for r in (self.live.ops[i] for i in self.live.open_ops.of_node(node_id))
+            if r.state is OpState.LEASED
+            for loc in (r.op.source, r.op.dest)
+            if loc is not None
+        }
+        gone = reconcile.gone(self.live.placement, body.instances, moving)
+        corrected = [g for g in gone if g.key() in pending.get("gone", [])]
+        for g in corrected:
+            del self.live.placement[(g.object, g.location)]
+            self.live.metrics.reconciled_objects.labels(node_id).inc()
+            log.warning("%s: %s taken out of the confirmed state (%s)", node_id, g.key(), g.to_json()["why"])
+        # measured against the corrected placement: what the engines explained is not missing
+        capacity = {g: p.capacity_of(Location.gpu(g)) for g in p.nodes[node_id].gpus}
+        short = reconcile.shortfalls(self.live.placement, body.gpus, capacity)
+        lost = [s for s in short if s.gpu in pending.get("gpus", [])]
+        known_lost = {e["gpu"] for e in before.get("lost", [])}
+        newly_lost = [s for s in lost if s.gpu not in known_lost]
+        for s in newly_lost:
+            self.live.metrics.state_lost.labels(node_id, s.gpu).inc()
+            log.error(
+                "%s lost state on %s: it measured %d bytes in use, the confirmed state holds %d there",
+                node_id,
+                s.gpu,
+                s.used_bytes,
+                s.confirmed_bytes,
+            )
+        history = [*before.get("corrected", []), *({**g.to_json(), "at": iso(now)} for g in corrected)]
+        info["reconcile"] = {
+            "checked_at": iso(now),
+            "lost": [s.to_json() for s in lost],
+            "corrected": history[-RECONCILE_HISTORY:],
+            "pending": {"gpus": [s.gpu for s in short], "gone": [g.key() for g in gone if g not in corrected]},
+        }
+        batch.meta["nodes"] = self.live.nodes_info
+        if corrected:
+            self.live.purge_ended_sessions(batch)
+            self.live.publish_srv()
+            batch.meta.update({"placement": placement_to_json(self.live.placement), "srv": self.live.srv_doc})
+        if corrected or newly_lost:
+            self.live.wake(force=True)
 
     def drop_invalid_calibration(self) -> None:
         """Forget stored calibration no scenario may hold (an infinite or absurd bandwidth an older build took):

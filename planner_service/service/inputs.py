@@ -31,6 +31,8 @@ from planner_service.domain.bounds import (
 )
 from planner_service.domain.scenario import Capability, GpuSpecIn, ModelIn, NodeIn, Slo
 from planner_service.service.errors import InvalidInput
+from planner_service.wire.enums import EngineState
+from planner_service.wire.operations import EngineInstanceRef
 
 EventId = Annotated[str, Field(min_length=1, max_length=200)]
 Name = Annotated[str, Field(min_length=1, max_length=200)]
@@ -176,8 +178,16 @@ class RegisterIn(_In):
 
 class GpuTelemetryIn(_In):
     id: Name
-    used_bytes: GpuByteCount | None = None
+    used_bytes: GpuByteCount | None = Field(
+        None,
+        description="HBM in use as the driver counts it (NVML's used memory: every process's allocations and "
+        "contexts); null: unknown. Below what the confirmed state holds on the GPU by more than the tolerance, "
+        "two heartbeats in a row, the node has lost state there: recorded, and the planner replans.",
+    )
     free_bytes: GpuByteCount | None = None
+    total_bytes: GpuByteCount | None = Field(
+        None, description="The GPU's HBM as the driver counts it (NVML's total memory); null: unknown."
+    )
     h2d_bytes_per_s: BytesPerSecond | None = None
     d2h_bytes_per_s: BytesPerSecond | None = None
 
@@ -189,17 +199,57 @@ class GpuTelemetryIn(_In):
                     f"used_bytes + free_bytes: {self.used_bytes + self.free_bytes} is more memory than one GPU "
                     f"holds (at most {MAX_GPU_BYTES})"
                 )
+        if self.total_bytes is not None:
+            for name in ("used_bytes", "free_bytes"):
+                value = getattr(self, name)
+                if value is not None and value > self.total_bytes:
+                    raise ValueError(f"{name}: {value} is more than the GPU's total_bytes {self.total_bytes}")
         return self
 
 
+class EngineInstanceIn(EngineInstanceRef):
+    """An engine instance as a node agent reports it: the wire's `EngineInstanceRef`, strictly validated."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    gpus: list[Name] = Field(min_length=1, max_length=64, description="The tensor-parallel group; a shard per GPU.")
+    kv_pool_bytes_per_gpu: GpuByteCount = Field(description="The fixed KV pool on each GPU of the group.")
+
+
+class EngineInstanceStateIn(_In):
+    instance: EngineInstanceIn
+    state: EngineState = Field(
+        description="As the engine reports it. `stopped`, `asleep_discarded` and `asleep_host` mean the model's "
+        "weights, experts and KV are not on the group's GPUs: two heartbeats in a row correct the confirmed state "
+        "to that (objects an operation in flight is moving excepted), and the planner replans."
+    )
+
+
 class HeartbeatIn(_In):
-    gpus: list[GpuTelemetryIn] = Field(default_factory=list)
+    gpus: list[GpuTelemetryIn] = Field(default_factory=list, max_length=1024)
     nvme_read_bytes_per_s: BytesPerSecond | None = None
     nvme_write_bytes_per_s: BytesPerSecond | None = None
     engines: dict[str, str] = Field(default_factory=dict, description="Engine name -> state (awake, sleeping, ...).")
+    instances: list[EngineInstanceStateIn] = Field(
+        default_factory=list,
+        max_length=1024,
+        description="The node's engine instances and the state each is in.",
+    )
     expert_hit_rates: dict[str, Fraction] = Field(
         default_factory=dict, description="Model -> fraction of routed-expert reads served from GPU."
     )
+
+    @model_validator(mode="after")
+    def _each_instance_once(self) -> HeartbeatIn:
+        seen: dict[str, int] = {}
+        for i, entry in enumerate(self.instances):
+            if entry.instance.id in seen:
+                raise ValueError(
+                    f"instances[{i}].instance.id: {entry.instance.id!r} is instances[{seen[entry.instance.id]}] "
+                    "too; each instance is reported once"
+                )
+            seen[entry.instance.id] = i
+        return self
 
 
 class LeaseIn(_In):

@@ -88,6 +88,7 @@ class Views:
                         "registered_at": info.get("registered_at"),
                         "last_heartbeat": info.get("last_heartbeat"),
                         "telemetry": info.get("telemetry"),
+                        "reconcile": _public_reconcile(info.get("reconcile")),
                         "gpus": gpus,
                     }
                 )
@@ -228,3 +229,10 @@ class Views:
                 ],
                 sessions={sid: copy.deepcopy(s) for sid, s in self.live.sessions.items()},
             )
+
+
+def _public_reconcile(status: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A node's reconcile status without the findings still waiting for a second heartbeat."""
+    if status is None:
+        return None
+    return {k: copy.deepcopy(v) for k, v in status.items() if k != "pending"}

@@ -7,7 +7,8 @@ from typing import Any
 from pydantic import Field
 
 from planner_service.wire.base import WireModel
-from planner_service.wire.enums import Capability
+from planner_service.wire.enums import Capability, EngineState
+from planner_service.wire.operations import EngineInstanceRef
 from planner_service.wire.state import Location, StateObject
 
 
@@ -34,8 +35,14 @@ class GpuTelemetryOut(WireModel):
     id: str
     used_bytes: int | None = None
     free_bytes: int | None = None
+    total_bytes: int | None = None
     h2d_bytes_per_s: float | None = None
     d2h_bytes_per_s: float | None = None
+
+
+class EngineInstanceStateOut(WireModel):
+    instance: EngineInstanceRef
+    state: EngineState
 
 
 class TelemetryOut(WireModel):
@@ -45,7 +52,38 @@ class TelemetryOut(WireModel):
     nvme_read_bytes_per_s: float | None = None
     nvme_write_bytes_per_s: float | None = None
     engines: dict[str, str] = Field(default_factory=dict, description="Engine name -> its state, as reported.")
+    instances: list[EngineInstanceStateOut] = Field(default_factory=list)
     expert_hit_rates: dict[str, float] = Field(default_factory=dict)
+
+
+class ShortfallOut(WireModel):
+    """A GPU holding less than the confirmed state says: the node lost state there."""
+
+    gpu: str
+    confirmed_bytes: int = Field(description="HBM the confirmed placement holds on the GPU.")
+    used_bytes: int = Field(description="HBM the node measured in use.")
+    missing_bytes: int
+
+
+class CorrectionOut(WireModel):
+    """A placement entry taken out of the confirmed state because the node's engine reported it gone."""
+
+    object: StateObject
+    location: Location
+    bytes: int
+    why: str
+    at: str = Field(description="ISO 8601, UTC.")
+
+
+class ReconcileOut(WireModel):
+    """What the node's latest heartbeats said against the confirmed placement. A finding counts when two
+    heartbeats in a row show it."""
+
+    checked_at: str = Field(description="ISO 8601, UTC: the latest heartbeat.")
+    lost: list[ShortfallOut] = Field(
+        description="GPUs whose measured use is below the confirmed bytes by more than 5% of their capacity."
+    )
+    corrected: list[CorrectionOut] = Field(description="The latest corrections, oldest first (at most 20).")
 
 
 class GpuOut(WireModel):
@@ -76,6 +114,7 @@ class NodeOut(WireModel):
     registered_at: str | None = Field(description="ISO 8601, UTC; null: no agent registered yet.")
     last_heartbeat: str | None = Field(description="ISO 8601, UTC.")
     telemetry: TelemetryOut | None
+    reconcile: ReconcileOut | None = Field(None, description="null: no heartbeat judged yet.")
     gpus: list[GpuOut]
 
 

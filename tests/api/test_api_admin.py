@@ -135,6 +135,67 @@ def test_register_and_heartbeat(demo):
     assert_problem(demo.lease("n9"), 404, "n9")
 
 
+def test_heartbeat_instances_and_measured_memory_reconcile_the_node(demo):
+    """n2's coder reported stopped twice: its weights and KV leave n2-g0 and n2-g1, and the node says so."""
+    coder = {
+        "id": "coder@bf16@n2-g0+n2-g1",
+        "node": "n2",
+        "kind": "vllm",
+        "model": "coder",
+        "precision": "bf16",
+        "gpus": ["n2-g0", "n2-g1"],
+        "kv_pool_bytes_per_gpu": 4 << 30,
+    }
+    beat = {
+        "gpus": [{"id": "n2-g0", "used_bytes": 0, "total_bytes": 48 << 30}],
+        "instances": [{"instance": coder, "state": "stopped"}],
+    }
+    for _ in range(2):
+        answer = demo.post("/v1/nodes/n2/heartbeat", json=beat)
+        assert answer.status_code == 200, answer.text
+    node = next(n for n in demo.get("/v1/cluster").json()["nodes"] if n["id"] == "n2")
+    assert node["telemetry"]["instances"] == [
+        {
+            "instance": {
+                **coder,
+                "gpu_expert_fraction": 1.0,
+                "max_context_tokens": None,
+                "features": [],
+                "management": "managed",
+            },
+            "state": "stopped",
+        }
+    ]
+    assert node["telemetry"]["gpus"][0]["total_bytes"] == 48 << 30
+    assert {(c["object"]["kind"], c["location"]["gpu"]) for c in node["reconcile"]["corrected"]} == {
+        ("weights", "n2-g0"),
+        ("weights", "n2-g1"),
+        ("kv", "n2-g0"),
+        ("kv", "n2-g1"),
+    }
+    assert [g["used_bytes"] for g in node["gpus"][:2]] == [0, 0]
+    assert node["reconcile"]["lost"] == []  # measured against the corrected placement: nothing missing
+    metrics = demo.get("/metrics").text
+    assert 'statebudget_reconciled_objects_total{node="n2"} 4.0' in metrics
+    assert_problem(
+        demo.post(
+            "/v1/nodes/n2/heartbeat", json={"instances": [{"instance": {**coder, "node": "n1"}, "state": "stopped"}]}
+        ),
+        422,
+        "instances.0.instance.node",
+    )
+    assert_problem(
+        demo.post("/v1/nodes/n2/heartbeat", json={"instances": [{"instance": coder, "state": "dozing"}]}),
+        422,
+        "instances.0.state",
+    )
+    assert_problem(
+        demo.post("/v1/nodes/n2/heartbeat", json={"gpus": [{"id": "n2-g0", "used_bytes": 2, "total_bytes": 1}]}),
+        422,
+        "total_bytes",
+    )
+
+
 def run_every_operation(harness) -> None:
     """Lease and report done every operation of the current plan, as the node agents would."""
     for _ in range(100):

@@ -1,6 +1,7 @@
 """Memory is never ahead of the database: random sequences of events, replans, leases, renewals, reports,
-heartbeats and ticks, with an exception injected at random points inside the changes (a failed write, a
-record that cannot be written, a calibration or placement step that raises), and after every step the
+heartbeats (some reconciling the placement) and ticks, with an exception injected at random points inside
+the changes (a failed write, a record that cannot be written, a calibration, placement or reconcile step
+that raises), and after every step the
 service's views equal those of a service restored from its database alone."""
 
 from __future__ import annotations
@@ -17,10 +18,12 @@ from prometheus_client import CollectorRegistry
 
 from planner_service.domain.scenario import load_scenario
 from planner_service.metrics import Metrics
-from planner_service.service import calibration, confirmed, records
+from planner_service.service import calibration, confirmed, reconcile, records
 from planner_service.service.engine import ClusterService
 from planner_service.service.errors import ServiceError
 from planner_service.service.inputs import (
+    EngineInstanceIn,
+    EngineInstanceStateIn,
     GpuTelemetryIn,
     HeartbeatIn,
     ReportIn,
@@ -31,6 +34,7 @@ from planner_service.service.inputs import (
 )
 from planner_service.service.store import Batch, SqliteStore
 from planner_service.settings import Settings
+from planner_service.wire.enums import EngineKind, EngineState
 
 TINY = Path(__file__).parents[1] / "service" / "tiny_scenario.json"
 MODELS = ["alpha", "beta"]
@@ -143,10 +147,28 @@ def step(svc: ClusterService, rng: np.random.Generator, clock: Clock, n: int) ->
                     error=None if done else "engine refused",
                 ),
             )
-    elif kind == "heartbeat":
+    elif kind == "heartbeat":  # now and then measuring an empty GPU, or its engine stopped (a reconcile)
         node = str(rng.choice(NODES))
-        gpu = GpuTelemetryIn(id=f"{node}-g0", h2d_bytes_per_s=float(rng.uniform(1e10, 3e10)))
-        svc.heartbeat(node, HeartbeatIn(gpus=[gpu], nvme_read_bytes_per_s=float(rng.uniform(3e9, 8e9))))
+        used = int(rng.choice([0, 12 << 30])) if rng.random() < 0.5 else None
+        gpu = GpuTelemetryIn(id=f"{node}-g0", used_bytes=used, h2d_bytes_per_s=float(rng.uniform(1e10, 3e10)))
+        instances = []
+        if rng.random() < 0.3:
+            model, gpus = str(rng.choice(MODELS)), [f"{node}-g0"]
+            instance = EngineInstanceIn(
+                id=EngineInstanceIn.instance_id(model, "bf16", gpus),
+                node=node,
+                kind=EngineKind.VLLM,
+                model=model,
+                precision="bf16",
+                gpus=gpus,
+                kv_pool_bytes_per_gpu=1 << 30,
+            )
+            state = EngineState.STOPPED if rng.random() < 0.5 else EngineState.RUNNING
+            instances = [EngineInstanceStateIn(instance=instance, state=state)]
+        svc.heartbeat(
+            node,
+            HeartbeatIn(gpus=[gpu], instances=instances, nvme_read_bytes_per_s=float(rng.uniform(3e9, 8e9))),
+        )
     else:
         clock.t += float(rng.choice([1.0, 20.0, 120.0]))
         svc.tick()
@@ -170,6 +192,7 @@ def test_memory_equals_a_reload_of_the_database_after_every_step(seed: int, tmp_
         (records.OpRecord, "to_json"),
         (calibration, "fold"),
         (confirmed, "apply_operation"),
+        (reconcile, "shortfalls"),
     ]:
         patches.setattr(owner, name, faults.wrap(getattr(owner, name)))
     injected = 0

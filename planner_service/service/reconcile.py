@@ -1,0 +1,115 @@
+"""What a node's heartbeat says about the confirmed placement: GPUs that hold less than it records, and
+objects its engines report gone. The node's measurements win over what reports said, but one heartbeat
+alone is not trusted: its telemetry may have been taken before an operation it reports done finished, so a
+finding counts only when the next heartbeat (taken after the first was answered) repeats it."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from planner_service.domain.state import Kind, Location, Placement, StateObject, Tier
+from planner_service.service.inputs import EngineInstanceStateIn, GpuTelemetryIn
+from planner_service.wire.enums import EngineState
+
+LOST_TOLERANCE_FRACTION = 0.05
+"""How far below the confirmed bytes a GPU's measured use may be before the node counts as having lost
+state there, as a fraction of the GPU's capacity: the planner's sizes are estimates of what an engine
+allocates (rounded shards, allocator granularity), and the driver's count moves while engines run."""
+
+OFF_GPU_STATES = frozenset({EngineState.STOPPED, EngineState.ASLEEP_DISCARDED, EngineState.ASLEEP_HOST})
+"""Engine states in which the instance's model holds nothing on its GPUs (planner_service/wire/enums.py:
+a level-1 sleep keeps the weights in host RAM and frees the KV pool, a level-2 sleep and a stop discard
+both)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Shortfall:
+    """A GPU whose measured use is below what the confirmed placement holds there by more than the tolerance."""
+
+    gpu: str
+    confirmed_bytes: int
+    used_bytes: int
+
+    @property
+    def missing_bytes(self) -> int:
+        return self.confirmed_bytes - self.used_bytes
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "gpu": self.gpu,
+            "confirmed_bytes": self.confirmed_bytes,
+            "used_bytes": self.used_bytes,
+            "missing_bytes": self.missing_bytes,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class Gone:
+    """A placement entry an engine's reported state says is not there."""
+
+    object: StateObject
+    location: Location
+    bytes: int
+    instance: str
+    state: EngineState
+
+    def key(self) -> str:
+        return f"{self.object.label()}@{self.location.label()}"
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "object": self.object.to_json(),
+            "location": self.location.to_json(),
+            "bytes": self.bytes,
+            "why": f"engine instance {self.instance} reported {self.state.value}",
+        }
+
+
+def gpu_bytes(placement: Placement) -> dict[str, int]:
+    """Bytes the placement holds on each GPU."""
+    held: dict[str, int] = defaultdict(int)
+    for (_, loc), n in placement.items():
+        if loc.tier is Tier.GPU:
+            held[loc.id] += n
+    return held
+
+
+def shortfalls(placement: Placement, gpus: Sequence[GpuTelemetryIn], capacity: Mapping[str, int]) -> list[Shortfall]:
+    """The reported GPUs whose measured `used_bytes` is below the confirmed bytes by more than the tolerance
+    (`LOST_TOLERANCE_FRACTION` of the GPU's `capacity`); a GPU reported without `used_bytes` is not judged."""
+    held = gpu_bytes(placement)
+    found = []
+    for g in gpus:
+        if g.used_bytes is None or g.id not in capacity:
+            continue
+        confirmed = held.get(g.id, 0)
+        if confirmed - g.used_bytes > LOST_TOLERANCE_FRACTION * capacity[g.id]:
+            found.append(Shortfall(g.id, confirmed, g.used_bytes))
+    return found
+
+
+def gone(
+    placement: Placement, instances: Sequence[EngineInstanceStateIn], moving: Collection[tuple[StateObject, Location]]
+) -> list[Gone]:
+    """Placement entries on the GPUs of instances reported in an off-GPU state: the instance model's weights
+    at its precision, and its experts and KV where no weights of another precision of the model are (those
+    belong to another engine, which this report says nothing about). Entries in `moving` (an operation in
+    flight moves them: the engine is between states) are left alone."""
+    found = []
+    for entry in instances:
+        if entry.state not in OFF_GPU_STATES:
+            continue
+        inst = entry.instance
+        on_group = {Location.gpu(g) for g in inst.gpus}
+        here = sorted((key, n) for key, n in placement.items() if key[1] in on_group and key[0].model == inst.model)
+        other_engine = {loc for (obj, loc), _ in here if obj.kind is Kind.WEIGHTS and obj.precision != inst.precision}
+        for (obj, loc), n in here:
+            if n <= 0 or (obj, loc) in moving:
+                continue
+            if obj.precision != inst.precision if obj.kind is Kind.WEIGHTS else loc in other_engine:
+                continue
+            found.append(Gone(obj, loc, n, inst.id, entry.state))
+    return found

@@ -1,0 +1,241 @@
+"""A heartbeat's measurements against the confirmed placement: a GPU that holds less than recorded is lost
+state (recorded, replanned), objects an engine reports gone leave the confirmed state, and one heartbeat
+alone changes nothing. The demo cluster: n2's coder (bf16, TP 2 on n2-g0 and n2-g1) with s01's KV there,
+n1's reasoner (fp8 weights on n1-g0, experts on n1-g1..g3)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from pydantic import ValidationError
+
+from planner_service.service.engine import ClusterService
+from planner_service.service.errors import InvalidInput
+from planner_service.service.inputs import (
+    EngineInstanceIn,
+    EngineInstanceStateIn,
+    GpuTelemetryIn,
+    HeartbeatIn,
+    RequestEvent,
+)
+from planner_service.service.reconcile import LOST_TOLERANCE_FRACTION
+from planner_service.wire.enums import EngineKind, EngineState
+from tests.service.test_service_reconcile import Clock, new_service
+
+
+@pytest.fixture
+def demo(tmp_path):
+    svc = new_service(tmp_path / "demo.db", Clock())
+    yield svc
+    svc.close()
+
+
+def gpu(svc: ClusterService, gpu_id: str) -> dict[str, Any]:
+    return next(g for n in svc.cluster_view()["nodes"] for g in n["gpus"] if g["id"] == gpu_id)
+
+
+def node(svc: ClusterService, node_id: str) -> dict[str, Any]:
+    return next(n for n in svc.cluster_view()["nodes"] if n["id"] == node_id)
+
+
+def on_gpu(svc: ClusterService, gpu_id: str) -> list[dict[str, Any]]:
+    return [e["object"] for e in svc.srv_view()["placement"] if e["location"].get("gpu") == gpu_id]
+
+
+def metric(svc: ClusterService, name: str, **labels: str) -> float:
+    value = svc.live.metrics.registry.get_sample_value(name, labels)
+    return value or 0.0
+
+
+def instance(state: EngineState, *, model: str = "coder", precision: str = "bf16", node_id: str = "n2", gpus=None):
+    gpus = list(gpus or ["n2-g0", "n2-g1"])
+    return EngineInstanceStateIn(
+        instance=EngineInstanceIn(
+            id=EngineInstanceIn.instance_id(model, precision, gpus),
+            node=node_id,
+            kind=EngineKind.VLLM,
+            model=model,
+            precision=precision,
+            gpus=gpus,
+            kv_pool_bytes_per_gpu=4 << 30,
+        ),
+        state=state,
+    )
+
+
+def test_a_gpu_measured_below_its_confirmed_bytes_twice_is_lost_state(demo: ClusterService) -> None:
+    held = gpu(demo, "n2-g0")["used_bytes"]
+    assert held > 0
+    beat = HeartbeatIn(gpus=[GpuTelemetryIn(id="n2-g0", used_bytes=0, total_bytes=held * 2)])
+    demo.live.force_replan = False
+
+    demo.heartbeat("n2", beat)  # once: may be telemetry taken before a report it answers
+    assert node(demo, "n2")["reconcile"]["lost"] == []
+    assert metric(demo, "statebudget_node_state_lost_total", node="n2", gpu="n2-g0") == 0
+    assert not demo.live.force_replan
+
+    demo.heartbeat("n2", beat)
+    lost = node(demo, "n2")["reconcile"]["lost"]
+    assert lost == [{"gpu": "n2-g0", "confirmed_bytes": held, "used_bytes": 0, "missing_bytes": held}]
+    assert metric(demo, "statebudget_node_state_lost_total", node="n2", gpu="n2-g0") == 1
+    assert demo.live.force_replan
+
+    demo.live.force_replan = False
+    demo.heartbeat("n2", beat)  # still lost: counted once, not replanned again
+    assert node(demo, "n2")["reconcile"]["lost"] == lost
+    assert metric(demo, "statebudget_node_state_lost_total", node="n2", gpu="n2-g0") == 1
+    assert not demo.live.force_replan
+    assert gpu(demo, "n2-g0")["used_bytes"] == held  # which objects went is unknown: the placement stays
+
+    demo.heartbeat("n2", HeartbeatIn(gpus=[GpuTelemetryIn(id="n2-g0", used_bytes=held)]))
+    assert node(demo, "n2")["reconcile"]["lost"] == []
+
+
+def test_a_shortfall_within_the_tolerance_or_an_excess_is_not_lost_state(demo: ClusterService) -> None:
+    g = gpu(demo, "n2-g0")
+    slack = int(LOST_TOLERANCE_FRACTION * g["capacity_bytes"])
+    for used in (g["used_bytes"] - slack, g["used_bytes"] + (2 << 30)):
+        for _ in range(2):
+            demo.heartbeat("n2", HeartbeatIn(gpus=[GpuTelemetryIn(id="n2-g0", used_bytes=used)]))
+        assert node(demo, "n2")["reconcile"]["lost"] == []
+    demo.heartbeat("n2", HeartbeatIn(gpus=[GpuTelemetryIn(id="n2-g0")]))  # unknown use is not judged
+    assert node(demo, "n2")["reconcile"]["lost"] == []
+
+
+def test_a_stopped_engine_takes_its_weights_and_kv_off_its_gpus(demo: ClusterService) -> None:
+    before = {g: on_gpu(demo, g) for g in ("n2-g0", "n2-g1")}
+    assert all({"kind": "weights", "model": "coder", "precision": "bf16"} in objs for objs in before.values())
+    version = demo.srv_view()["version"]
+    beat = HeartbeatIn(instances=[instance(EngineState.STOPPED)])
+    demo.live.force_replan = False
+
+    demo.heartbeat("n2", beat)
+    assert on_gpu(demo, "n2-g0") == before["n2-g0"]
+    assert demo.srv_view()["version"] == version
+
+    demo.heartbeat("n2", beat)
+    assert on_gpu(demo, "n2-g0") == [] and on_gpu(demo, "n2-g1") == []
+    assert demo.srv_view()["version"] > version
+    corrected = node(demo, "n2")["reconcile"]["corrected"]
+    assert {(c["object"]["kind"], c["location"]["gpu"]) for c in corrected} == {
+        ("weights", "n2-g0"),
+        ("weights", "n2-g1"),
+        ("kv", "n2-g0"),
+        ("kv", "n2-g1"),
+    }
+    assert all(c["why"] == "engine instance coder@bf16@n2-g0+n2-g1 reported stopped" for c in corrected)
+    assert metric(demo, "statebudget_reconciled_objects_total", node="n2") == 4
+    assert demo.live.force_replan
+
+
+@pytest.mark.parametrize("state", [EngineState.ASLEEP_HOST, EngineState.ASLEEP_DISCARDED])
+def test_a_sleeping_engine_holds_nothing_on_its_gpus(demo: ClusterService, state: EngineState) -> None:
+    for _ in range(2):
+        demo.heartbeat(
+            "n1",
+            HeartbeatIn(
+                instances=[
+                    instance(
+                        state,
+                        model="reasoner",
+                        precision="fp8",
+                        node_id="n1",
+                        gpus=["n1-g0", "n1-g1", "n1-g2", "n1-g3"],
+                    )
+                ]
+            ),
+        )
+    assert all(on_gpu(demo, f"n1-g{i}") == [] for i in range(4))
+
+
+def test_a_running_engine_or_another_precision_changes_nothing(demo: ClusterService) -> None:
+    before = demo.srv_view()
+    for beat in (
+        HeartbeatIn(instances=[instance(EngineState.RUNNING)]),
+        HeartbeatIn(instances=[instance(EngineState.STOPPED, precision="int4")]),
+    ):
+        for _ in range(2):
+            demo.heartbeat("n2", beat)
+    assert demo.srv_view()["placement"] == before["placement"]
+    assert demo.srv_view()["version"] == before["version"]
+    assert node(demo, "n2")["reconcile"]["corrected"] == []
+
+
+def test_what_an_operation_in_flight_moves_is_left_to_its_report(demo: ClusterService) -> None:
+    """An engine between states (its stop leased, not yet reported) may say stopped: the report settles it."""
+    demo.apply_events([RequestEvent(id="e1", type="request", session="s9", model="reasoner", input_tokens=2000)])
+    demo.replan(force=True)
+    leased = [op for n in ("n1", "n2", "n3", "n4") for op in demo.lease(n, 1000)["operations"]]
+    moving = next(
+        (op for op in leased if op["from"] and op["from"]["tier"] == "gpu" and op["object"]["kind"] != "kv"), None
+    )
+    assert moving is not None, "the demo's plan for reasoner moves weights or experts off a GPU"
+    obj, loc = moving["object"], moving["from"]
+    gpus = [loc["gpu"]]
+    node_id = next(n["id"] for n in demo.cluster_view()["nodes"] if loc["gpu"] in [g["id"] for g in n["gpus"]])
+    precision = (
+        obj.get("precision")
+        or next(m for m in demo.models_view() if m["id"] == obj["model"])["resolved"]["precisions"][0]
+    )
+    beat = HeartbeatIn(
+        instances=[instance(EngineState.STOPPED, model=obj["model"], precision=precision, node_id=node_id, gpus=gpus)]
+    )
+    for _ in range(2):
+        demo.heartbeat(node_id, beat)
+    assert obj in on_gpu(demo, loc["gpu"])
+
+
+def test_corrections_are_committed(tmp_path) -> None:
+    svc = new_service(tmp_path / "demo.db", Clock())
+    for _ in range(2):
+        svc.heartbeat("n2", HeartbeatIn(instances=[instance(EngineState.STOPPED)]))
+    placement, status = svc.srv_view()["placement"], node(svc, "n2")["reconcile"]
+    svc.close()
+    again = new_service(tmp_path / "demo.db", Clock())
+    try:
+        assert again.srv_view()["placement"] == placement
+        assert node(again, "n2")["reconcile"] == status
+    finally:
+        again.close()
+
+
+@pytest.mark.parametrize(
+    ("beat", "field"),
+    [
+        (HeartbeatIn(instances=[instance(EngineState.STOPPED, node_id="n1")]), "instances.0.instance.node"),
+        (HeartbeatIn(instances=[instance(EngineState.STOPPED, gpus=["n1-g0"])]), "instances.0.instance.gpus"),
+        (HeartbeatIn(instances=[instance(EngineState.STOPPED, model="nope")]), "instances.0.instance.model"),
+        (HeartbeatIn(instances=[instance(EngineState.STOPPED, precision="fp4")]), "instances.0.instance.precision"),
+    ],
+)
+def test_an_instance_the_node_cannot_have_is_refused(demo: ClusterService, beat: HeartbeatIn, field: str) -> None:
+    with pytest.raises(InvalidInput) as refused:
+        demo.heartbeat("n2", beat)
+    assert refused.value.field == field
+
+
+def test_telemetry_out_of_physical_bounds_is_refused() -> None:
+    with pytest.raises(ValidationError, match="more than the GPU's total_bytes"):
+        GpuTelemetryIn(id="g", used_bytes=2 << 30, total_bytes=1 << 30)
+    with pytest.raises(ValidationError, match="more than the GPU's total_bytes"):
+        GpuTelemetryIn(id="g", free_bytes=2 << 30, total_bytes=1 << 30)
+    with pytest.raises(ValidationError):
+        GpuTelemetryIn(id="g", total_bytes=1 << 60)
+    with pytest.raises(ValidationError, match="reported once"):
+        HeartbeatIn(instances=[instance(EngineState.RUNNING), instance(EngineState.STOPPED)])
+    with pytest.raises(ValidationError):
+        HeartbeatIn.model_validate(
+            {
+                "instances": [
+                    {
+                        "instance": {**instance(EngineState.RUNNING).instance.model_dump(), "extra": 1},
+                        "state": "running",
+                    }
+                ]
+            }
+        )
+    with pytest.raises(ValidationError):
+        HeartbeatIn.model_validate(
+            {"instances": [{"instance": instance(EngineState.RUNNING).instance.model_dump(), "state": "dozing"}]}
+        )

@@ -106,13 +106,13 @@ class Confirmed:
         info = self.live.nodes_info.setdefault(node_id, {})
         before = info.get("reconcile") or {}
         pending = before.get("pending") or {}
-        moving = {
-            (r.op.object, loc)
-            for r in (self.live.ops[i] for i in self.live.open_ops.of_node(node_id))
-            if r.state is OpState.LEASED
-            for loc in (r.op.source, r.op.dest)
-            if loc is not None
-        }
+        node_ops = (self.live.ops[i] for i in self.live.open_ops.of_node(node_id))
+        inflight = [r.op for r in node_ops if r.state is OpState.LEASED]
+        moving = {(op.object, loc) for op in inflight for loc in (op.source, op.dest) if loc is not None}
+        leaving: dict[str, int] = defaultdict(int)
+        for op in inflight:
+            if op.source is not None and op.source.tier is Tier.GPU and not op.keep_source:
+                leaving[op.source.id] += op.bytes
         gone = reconcile.gone(self.live.placement, body.instances, moving)
         corrected = [g for g in gone if g.key() in pending.get("gone", [])]
         for g in corrected:
@@ -121,7 +121,7 @@ class Confirmed:
             log.warning("%s: %s taken out of the confirmed state (%s)", node_id, g.key(), g.to_json()["why"])
         # measured against the corrected placement: what the engines explained is not missing
         capacity = {g: p.capacity_of(Location.gpu(g)) for g in p.nodes[node_id].gpus}
-        short = reconcile.shortfalls(self.live.placement, body.gpus, capacity)
+        short = reconcile.shortfalls(self.live.placement, body.gpus, capacity, leaving)
         lost = [s for s in short if s.gpu in pending.get("gpus", [])]
         known_lost = {e["gpu"] for e in before.get("lost", [])}
         newly_lost = [s for s in lost if s.gpu not in known_lost]

@@ -77,16 +77,24 @@ def gpu_bytes(placement: Placement) -> dict[str, int]:
     return held
 
 
-def shortfalls(placement: Placement, gpus: Sequence[GpuTelemetryIn], capacity: Mapping[str, int]) -> list[Shortfall]:
+def shortfalls(
+    placement: Placement,
+    gpus: Sequence[GpuTelemetryIn],
+    capacity: Mapping[str, int],
+    leaving: Mapping[str, int] | None = None,
+) -> list[Shortfall]:
     """The reported GPUs whose measured `used_bytes` is below the confirmed bytes by more than the tolerance
-    (`LOST_TOLERANCE_FRACTION` of the GPU's `capacity`); a GPU reported without `used_bytes` is not judged."""
+    (`LOST_TOLERANCE_FRACTION` of the GPU's `capacity`) plus what operations in flight are taking off the GPU
+    (`leaving`: an engine frees them before its report lands); a GPU reported without `used_bytes` is not
+    judged."""
     held = gpu_bytes(placement)
+    leaving = leaving or {}
     found = []
     for g in gpus:
         if g.used_bytes is None or g.id not in capacity:
             continue
         confirmed = held.get(g.id, 0)
-        if confirmed - g.used_bytes > LOST_TOLERANCE_FRACTION * capacity[g.id]:
+        if confirmed - g.used_bytes > LOST_TOLERANCE_FRACTION * capacity[g.id] + leaving.get(g.id, 0):
             found.append(Shortfall(g.id, confirmed, g.used_bytes))
     return found
 

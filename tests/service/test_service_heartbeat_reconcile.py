@@ -239,3 +239,19 @@ def test_telemetry_out_of_physical_bounds_is_refused() -> None:
         HeartbeatIn.model_validate(
             {"instances": [{"instance": instance(EngineState.RUNNING).instance.model_dump(), "state": "dozing"}]}
         )
+
+
+def test_bytes_an_operation_in_flight_takes_off_a_gpu_are_not_missing(demo: ClusterService) -> None:
+    """An engine frees what it demotes before its report lands: a GPU measured short by those bytes is fine."""
+    demo.apply_events([RequestEvent(id="e1", type="request", session="s9", model="reasoner", input_tokens=2000)])
+    demo.replan(force=True)
+    leases = [demo.lease(n, 1000) for n in ("n1", "n2", "n3", "n4")]
+    leased = [(lease["lease_id"], op) for lease in leases for op in lease["operations"]]
+    off = next(op for _, op in leased if op["from"] and op["from"]["tier"] == "gpu" and not op["keep_source"])
+    gpu_id, node_id = off["from"]["gpu"], off["node"]
+    freed = sum(op["bytes"] for _, op in leased if op["from"] == off["from"] and not op["keep_source"])
+    assert freed > LOST_TOLERANCE_FRACTION * gpu(demo, gpu_id)["capacity_bytes"]  # lost, were it not in flight
+    measured = max(gpu(demo, gpu_id)["used_bytes"] - freed, 0)
+    for _ in range(2):
+        demo.heartbeat(node_id, HeartbeatIn(gpus=[GpuTelemetryIn(id=gpu_id, used_bytes=measured)]))
+    assert node(demo, node_id)["reconcile"]["lost"] == []

@@ -239,11 +239,11 @@ def _f3(run: FaultRun) -> None:
 
 
 def _same_cluster(a: dict[str, Any], b: dict[str, Any]) -> bool:
-    """The same topology, bandwidths and calibration (heartbeat times and telemetry aside)."""
+    """The same topology, bandwidths and calibration (heartbeat times, telemetry and its reconcile aside)."""
 
     def strip(cluster: dict[str, Any]) -> Any:
         return [
-            {k: v for k, v in n.items() if k not in ("last_heartbeat", "telemetry", "registered_at")}
+            {k: v for k, v in n.items() if k not in ("last_heartbeat", "telemetry", "reconcile", "registered_at")}
             for n in cluster["nodes"]
         ]
 

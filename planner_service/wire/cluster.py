@@ -81,7 +81,8 @@ class ReconcileOut(WireModel):
 
     checked_at: str = Field(description="ISO 8601, UTC: the latest heartbeat.")
     lost: list[ShortfallOut] = Field(
-        description="GPUs whose measured use is below the confirmed bytes by more than 5% of their capacity."
+        description="GPUs whose measured use is below the confirmed bytes by more than 5% of their capacity "
+        "plus what operations in flight take off them."
     )
     corrected: list[CorrectionOut] = Field(description="The latest corrections, oldest first (at most 20).")
 

@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 from planner_service.domain.bounds import (
     MAX_GPU_BYTES,
+    MAX_TOKENS,
     ByteCount,
     BytesPerSecond,
     Fraction,
@@ -212,8 +213,24 @@ class EngineInstanceIn(EngineInstanceRef):
 
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
+    id: Name = Field(description="`<model>@<precision>@<gpu>+<gpu>...`, the group in the order of its ranks.")
+    node: Name
+    model: Name
+    precision: Name
     gpus: list[Name] = Field(min_length=1, max_length=64, description="The tensor-parallel group; a shard per GPU.")
     kv_pool_bytes_per_gpu: GpuByteCount = Field(description="The fixed KV pool on each GPU of the group.")
+    max_context_tokens: Annotated[int, Field(gt=0, le=MAX_TOKENS)] | None = Field(
+        None, description="Null: the model's own limit."
+    )
+
+    @model_validator(mode="after")
+    def _id_names_the_instance(self) -> EngineInstanceIn:
+        if len(set(self.gpus)) != len(self.gpus):
+            raise ValueError(f"gpus: {self.gpus} names a GPU twice")
+        expected = self.instance_id(self.model, self.precision, self.gpus)
+        if self.id != expected:
+            raise ValueError(f"id: {self.id!r} is not the instance's id {expected!r} (<model>@<precision>@<gpus>)")
+        return self
 
 
 class EngineInstanceStateIn(_In):

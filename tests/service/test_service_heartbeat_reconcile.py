@@ -239,6 +239,17 @@ def test_telemetry_out_of_physical_bounds_is_refused() -> None:
         HeartbeatIn.model_validate(
             {"instances": [{"instance": instance(EngineState.RUNNING).instance.model_dump(), "state": "dozing"}]}
         )
+    good = instance(EngineState.RUNNING).instance.model_dump()
+    for bad, why in (
+        ({"id": "coder@bf16@n2-g1+n2-g0"}, "is not the instance's id"),
+        ({"gpus": ["n2-g0", "n2-g0"], "id": "coder@bf16@n2-g0+n2-g0"}, "names a GPU twice"),
+        ({"gpus": []}, "at least 1 item"),
+        ({"max_context_tokens": 10**400}, "less than or equal to 100000000"),
+        ({"kv_pool_bytes_per_gpu": -1}, "greater than or equal to 0"),
+        ({"gpu_expert_fraction": 1.5}, "less than or equal to 1"),
+    ):
+        with pytest.raises(ValidationError, match=why):
+            EngineInstanceIn.model_validate({**good, **bad})
 
 
 def test_bytes_an_operation_in_flight_takes_off_a_gpu_are_not_missing(demo: ClusterService) -> None:

@@ -19,7 +19,7 @@ from pydantic import ValidationError
 from rich.console import Console
 from rich.table import Table
 
-from clients.agent.config import AgentConfig, ExecutorName, LMCacheConfig, load_config
+from clients.agent.config import AgentConfig, ExecutorName, load_config
 from clients.agent.executors import UnknownExecutor, default_registry
 from clients.agent.runner import Agent
 from clients.sdk import APIError, AsyncStateBudgetClient
@@ -147,7 +147,7 @@ def executors() -> None:
     """The executors and the capabilities each declares by default."""
     registry = default_registry()
     table = Table("executor", "capabilities")
-    probe = AgentConfig(node_id="probe", lmcache=LMCacheConfig(url="http://lmcache"))
+    probe = AgentConfig(node_id="probe")
     for name in registry.names():
         caps = sorted(c.value for c in registry.create(name, probe).capabilities)
         table.add_row(name, ", ".join(caps) or "(none)")

@@ -34,7 +34,7 @@ from typing import Any
 
 from clients.agent.config import AgentConfig, ExecutorName
 from clients.agent.errors import PermanentError, TemporaryError
-from clients.agent.executors.base import Executor, Seedable
+from clients.agent.executors.base import Executor, Reconciling, Seedable
 from clients.agent.operations import LeasedOperation, Operation, Outcome, Tier
 from clients.sdk import (
     APIError,
@@ -149,6 +149,7 @@ class Agent:
         if not await self._register(stop):
             return
         await self._seed()
+        await self._reconcile()
         heartbeats = asyncio.create_task(self._heartbeats(stop), name=f"heartbeat-{node}")
         try:
             while not stop.is_set():
@@ -245,6 +246,12 @@ class Agent:
         count = await asyncio.to_thread(self.executor.seed, srv.placement, self.config.node_id, set(self.gpu_ids))
         log.info("materialized %d state object(s) of the confirmed placement (srv version %s)", count, srv.version)
 
+    async def _reconcile(self) -> None:
+        """Read the engines' real state (an executor that has engines); what changed is logged as drift."""
+        if isinstance(self.executor, Reconciling):
+            drift = await self.executor.reconcile()
+            self.stats["drift"] += len(drift)
+
     def heartbeat_body(self) -> dict[str, Any]:
         telemetry = self.executor.telemetry()
         gpus: dict[str, dict[str, Any]] = {}
@@ -259,6 +266,7 @@ class Agent:
 
     async def _heartbeats(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
+            await self._reconcile()
             try:
                 await self.client.heartbeat(self.config.node_id, **self.heartbeat_body())
                 self.stats["heartbeats"] += 1

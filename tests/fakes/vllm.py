@@ -22,7 +22,8 @@ Rules, each from vLLM's source (vllm-project/vllm, v1 engine):
 - Without `--enable-sleep-mode` a sleep fails on the workers, whose allocator is not the sleep-mode one
   (vllm/v1/worker/gpu_worker.py asserts sleep mode is enabled): a 500 here.
 - `GET /health` is 200 while the engine lives, 503 once it is dead (vllm/entrypoints/serve/instrumentator/
-  health.py); `GET /v1/models` lists the served model (vllm/entrypoints/openai/api_server.py).
+  health.py); `GET /v1/models` lists the served model (vllm/entrypoints/openai/api_server.py); `GET /metrics`
+  carries the scheduler's `vllm:num_requests_running` and `vllm:num_requests_waiting` (vllm/v1/metrics/loggers.py).
 
 The OpenAI serving surface (`/v1/chat/completions` and the rest) is another module's router, included when
 given (`serving_router`), so that this fake stays the engine's control plane.
@@ -143,6 +144,14 @@ def create_fake_vllm(
     @app.get("/v1/models")
     async def models() -> dict[str, object]:
         return {"object": "list", "data": [{"id": engine.model, "object": "model", "owned_by": "vllm"}]}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:  # the scheduler gauges of vllm/v1/metrics/loggers.py
+        text = (
+            f'vllm:num_requests_running{{model_name="{engine.model}"}} {float(engine.in_flight)}\n'
+            f'vllm:num_requests_waiting{{model_name="{engine.model}"}} 0.0\n'
+        )
+        return Response(text, media_type="text/plain")
 
     dev = APIRouter()
 

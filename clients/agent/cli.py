@@ -22,7 +22,7 @@ from rich.table import Table
 from clients.agent.config import AgentConfig, ExecutorName, load_config
 from clients.agent.executors import UnknownExecutor, default_registry
 from clients.agent.runner import Agent
-from clients.sdk import APIError, AsyncStateBudgetClient
+from clients.sdk import APIError, AsyncStateBudgetClient, RetryPolicy
 
 app = typer.Typer(
     help="StateBudget node agent: leases operations for one node and carries them out.",
@@ -61,7 +61,11 @@ def remove_signal_handlers(loop: asyncio.AbstractEventLoop) -> None:
 
 async def run_agent(config: AgentConfig, *, handle_signals: bool = True) -> Agent:
     executor = default_registry().create(config.executor, config)
-    client = AsyncStateBudgetClient(config.server_url, token=config.token, timeout_seconds=config.timeout_seconds)
+    # one retry layer: the agent's own loops back off and try again (register, lease, report), so the SDK
+    # makes each call once instead of retrying inside them
+    client = AsyncStateBudgetClient(
+        config.server_url, token=config.token, timeout_seconds=config.timeout_seconds, retry=RetryPolicy(attempts=1)
+    )
     agent = Agent(config, client, executor)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

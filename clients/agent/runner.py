@@ -32,6 +32,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import stamina
+
 from clients.agent.config import AgentConfig, ExecutorName
 from clients.agent.errors import PermanentError, TemporaryError
 from clients.agent.executors.base import Executor, Reconciling, Seedable
@@ -429,7 +431,16 @@ class Agent:
             body["measured_seconds"] = round(outcome.measured_seconds, 6)
             body["measured_bytes"] = outcome.measured_bytes
         try:
-            await self.client.report(op.id, **body)
+            # the agent's one retry layer for reports (its SDK client makes each call once): a report lost
+            # would re-queue a move that was done
+            async for attempt in stamina.retry_context(
+                on=(SdkConnectionError, ServerError),
+                attempts=self.config.temporary_attempts,
+                wait_initial=self.config.retry_delay_seconds,
+                timeout=self.config.timeout_seconds * self.config.temporary_attempts,
+            ):
+                with attempt:
+                    await self.client.report(op.id, **body)
         except ConflictError as conflict:
             log.warning("%s: the service refused the report: %s", op.id, conflict.detail)
             self.stats["conflicts"] += 1

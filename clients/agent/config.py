@@ -1,4 +1,6 @@
-"""Agent configuration: a YAML/JSON file, overridden by command-line flags; checked once, then frozen.
+"""Agent configuration through pydantic-settings: command-line flags, then `STATEBUDGET_AGENT_*` environment
+variables (nested fields with `__`: `STATEBUDGET_AGENT_LEASE_WAIT_SECONDS=5`), then the YAML or JSON file;
+checked once, then frozen.
 
 server_url: http://127.0.0.1:8080
 node_id: n1
@@ -25,13 +27,19 @@ engine_gpus: {coder: [n1-g0]}               # the GPUs each engine was launched 
 
 from __future__ import annotations
 
-import json
 from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic_settings import (
+    BaseSettings,
+    JsonConfigSettingsSource,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    YamlConfigSettingsSource,
+)
 
 from clients.agent.operations import Capability
 from planner_service.wire.enums import EngineFeature, Management
@@ -92,7 +100,11 @@ class EngineConfig(_Frozen):
         return self
 
 
-class AgentConfig(_Frozen):
+class AgentConfig(BaseSettings):
+    model_config = SettingsConfigDict(
+        extra="forbid", frozen=True, env_prefix="STATEBUDGET_AGENT_", env_nested_delimiter="__"
+    )
+
     server_url: str = "http://127.0.0.1:8080"
     node_id: str = Field(min_length=1)
     token: str | None = None
@@ -180,13 +192,33 @@ class AgentConfig(_Frozen):
 
 
 def load_config(path: Path | None, overrides: dict[str, Any]) -> AgentConfig:
-    """The file's settings (YAML or JSON), then the flags that were given (None means not given)."""
-    data: dict[str, Any] = {}
-    if path is not None:
-        text = path.read_text()
-        loaded = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    """The flags that were given (None means not given), then the environment, then the file (YAML or JSON)."""
+    flags = {k: v for k, v in overrides.items() if v is not None}
+    if path is None:
+        return AgentConfig(**flags)
+    if not path.is_file():
+        raise ValueError(f"{path}: no such settings file")
+    file_path = path  # bound for the class below
+    if path.suffix != ".json":
+        loaded = yaml.safe_load(path.read_text())
         if not isinstance(loaded, dict):
             raise ValueError(f"{path}: expected a mapping of settings, got {type(loaded).__name__}")
-        data.update(loaded)
-    data.update({k: v for k, v in overrides.items() if v is not None})
-    return AgentConfig.model_validate(data)
+
+    class FromFile(AgentConfig):
+        @classmethod
+        def settings_customise_sources(
+            cls,
+            settings_cls: type[BaseSettings],
+            init_settings: PydanticBaseSettingsSource,
+            env_settings: PydanticBaseSettingsSource,
+            dotenv_settings: PydanticBaseSettingsSource,
+            file_secret_settings: PydanticBaseSettingsSource,
+        ) -> tuple[PydanticBaseSettingsSource, ...]:
+            file: PydanticBaseSettingsSource = (
+                JsonConfigSettingsSource(settings_cls, json_file=file_path)
+                if file_path.suffix == ".json"
+                else YamlConfigSettingsSource(settings_cls, yaml_file=file_path)
+            )
+            return (init_settings, env_settings, file)
+
+    return FromFile(**flags)

@@ -83,3 +83,14 @@ def test_cli_lists_executors_and_rejects_bad_configuration(tmp_path):
     assert missing.exit_code == 2 and "node_id" in missing.output
     engine = runner.invoke(app, ["run", "--node", "n1", "--executor", "vllm", "--engine", "no-equals-sign"])
     assert engine.exit_code != 0 and "MODEL=URL" in engine.output
+
+
+def test_flags_win_over_the_environment_which_wins_over_the_file(tmp_path, monkeypatch):
+    path = tmp_path / "agent.yaml"
+    path.write_text("node_id: n1\nlease_wait_seconds: 3\nmax_parallel: 2\nheartbeat_seconds: 7\n")
+    monkeypatch.setenv("STATEBUDGET_AGENT_LEASE_WAIT_SECONDS", "5")
+    monkeypatch.setenv("STATEBUDGET_AGENT_MAX_PARALLEL", "6")
+    config = load_config(path, {"max_parallel": 9, "node_id": None})
+    assert (config.node_id, config.lease_wait_seconds, config.max_parallel, config.heartbeat_seconds) == ("n1", 5, 9, 7)
+    with pytest.raises(ValueError, match="no such settings file"):
+        load_config(tmp_path / "missing.yaml", {})

@@ -105,6 +105,31 @@ async def test_vllm_sleep_level_1_drains_with_wait_once_per_instance_and_measure
         await executor.aclose()
 
 
+async def test_vllm_sleep_waits_for_running_requests_instead_of_aborting_them() -> None:
+    with vllm_engine() as (engine, url):
+        executor = VLLMExecutor.from_config(vllm_config(url))
+        engine.in_flight = 2
+
+        async def finish() -> None:
+            await asyncio.sleep(0.3)
+            engine.in_flight = 0
+
+        finishing = asyncio.create_task(finish())
+        await executor.execute(op("drop", W, GPU, None))
+        await finishing
+        assert engine.level == 2 and engine.aborted == 0
+        await executor.aclose()
+
+
+async def test_an_engine_without_the_configured_dev_mode_is_reported_at_start() -> None:
+    with vllm_engine(dev_mode=False) as (_engine, url):
+        executor = VLLMExecutor.from_config(vllm_config(url))
+        drift = await executor.reconcile()
+        assert drift == ["vllm-coder: no /is_sleeping (VLLM_SERVER_DEV_MODE unset)"]
+        assert await executor.reconcile() == []  # said once
+        await executor.aclose()
+
+
 async def test_vllm_wake_after_level_1_copies_back_and_after_level_2_reloads() -> None:
     with vllm_engine() as (engine, url):
         executor = VLLMExecutor.from_config(vllm_config(url), probe=nvml_for(engine))
@@ -136,7 +161,7 @@ async def test_vllm_after_the_agent_restarts_a_sleeping_engine_is_read_not_remem
         await first.execute(op("demote", W, GPU, HOST))
         await first.aclose()
         second = VLLMExecutor.from_config(vllm_config(url))  # a new agent: knows nothing of the level
-        assert await second.reconcile() == []
+        assert await second.reconcile() == ["vllm-coder: asleep at an unknown level: its wake reloads the weights"]
         assert second.telemetry().engines == {"vllm-coder": "asleep_discarded"}
         engine.calls.clear()
         again = await second.execute(op("demote", W, GPU, HOST))  # the same operation re-leased: applied once

@@ -69,6 +69,7 @@ class EngineHandle:
     process: EngineProcess | None = None
     level: int | None = None  # the level of the sleep this agent sent; None: not known (e.g. after a restart)
     last: EngineState | None = None  # the state last observed
+    last_note: str = ""  # what the last reading could not tell or found wrong
 
     @property
     def name(self) -> str:
@@ -163,9 +164,9 @@ class EngineExecutor:
                 observation = Observation(EngineState.STOPPED, note=f"unreachable: {error.reason}")
         if engine.last is not None and observation.state is not engine.last:
             self._drifted(engine, f"was {engine.last.value}, is {observation.state.value}", observation)
-        elif observation.note and observation.state is EngineState.STOPPED:
+        elif observation.note and observation.note != engine.last_note:  # said once, not at every heartbeat
             self._drifted(engine, observation.note, observation)
-        engine.last = observation.state
+        engine.last, engine.last_note = observation.state, observation.note
         return observation
 
     def _drifted(self, engine: EngineHandle, what: str, observation: Observation) -> None:

@@ -1,6 +1,10 @@
 """Engine processes the agent manages: started from a launch spec, waited for until ready, stopped with a
 grace period; an exit the agent did not ask for is a crash, reported with its exit code and last output.
 
+A managed engine runs in its own session, so it outlives the agent's SIGKILL; its pid is written to a pid
+file (`pid_path`), and an agent that starts again finds the process by it (checked in /proc: alive, and
+running the spec's command) instead of trusting what it remembered, so that a stop still reaches it.
+
 The spec's command is a template: `{port}`, `{model}`, `{model_path}`, `{kv_pool_bytes_per_gpu}` and
 `{max_context_tokens}` are filled in; `CUDA_VISIBLE_DEVICES` is set to the engine's device indices.
 """
@@ -14,10 +18,12 @@ import logging
 import os
 import signal
 import subprocess
+import tempfile
 import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import IO
 
 import httpx
@@ -46,6 +52,20 @@ class EngineProcess:
     popen: subprocess.Popen[bytes] | None = None
     stopping: bool = False
     output: collections.deque[str] = field(default_factory=lambda: collections.deque(maxlen=OUTPUT_LINES))
+
+    @property
+    def pid_path(self) -> Path:
+        return Path(tempfile.gettempdir()) / f"statebudget-engine-{self.name}-{self.spec.port}.pid"
+
+    def adopted_pid(self) -> int | None:
+        """The pid of this engine's process started by an earlier run of the agent, if it still runs it."""
+        try:
+            pid = int(self.pid_path.read_text().strip())
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except (OSError, ValueError):
+            return None
+        program = self.spec.command[0].encode()
+        return pid if any(part == program or part.endswith(b"/" + program) for part in cmdline) else None
 
     def command(self, **overrides: object) -> list[str]:
         values = {**self.values, "port": self.spec.port, **overrides}
@@ -81,6 +101,7 @@ class EngineProcess:
             raise PermanentError(f"{self.name}: cannot start {argv[0]!r}: {error}") from error
         self.stopping = False
         self.output.clear()
+        self.pid_path.write_text(str(self.popen.pid))
         assert self.popen.stdout is not None
         threading.Thread(target=self._collect, args=(self.popen.stdout,), daemon=True).start()
         log.info("started %s (pid %d): %s", self.name, self.popen.pid, " ".join(argv))
@@ -102,7 +123,7 @@ class EngineProcess:
         """SIGTERM to the engine's process group, SIGKILL after the grace period; its exit code."""
         popen = self.popen
         if popen is None:
-            return None
+            return await self._stop_adopted()
         self.stopping = True
         if popen.poll() is None:
             with contextlib.suppress(ProcessLookupError):
@@ -115,7 +136,25 @@ class EngineProcess:
                     os.killpg(popen.pid, signal.SIGKILL)
                 await asyncio.to_thread(popen.wait)
         self.popen = None
+        self.pid_path.unlink(missing_ok=True)
         return popen.returncode
+
+    async def _stop_adopted(self) -> int | None:
+        """Stop the process an earlier run of the agent started (found by its pid file); no exit code to read."""
+        pid = self.adopted_pid()
+        if pid is None:
+            return None
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pid, signal.SIGTERM)
+        deadline = time.monotonic() + self.spec.stop_timeout_seconds
+        while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        if Path(f"/proc/{pid}").exists():
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL)
+        self.pid_path.unlink(missing_ok=True)
+        log.info("stopped %s (pid %d, started by an earlier run of the agent)", self.name, pid)
+        return None
 
     def _collect(self, stream: IO[bytes]) -> None:
         for line in stream:

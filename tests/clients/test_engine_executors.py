@@ -367,6 +367,23 @@ async def test_a_managed_engine_is_started_restarted_stopped_and_its_crash_is_re
     await executor.aclose()
 
 
+async def test_a_managed_engine_outlives_the_agent_and_the_next_agent_stops_it(tmp_path: Path) -> None:
+    port = free_port()
+    first = VLLMExecutor.from_config(managed_config(port, tmp_path))
+    await first.execute(op("promote", W, NVME, GPU))
+    process = first.engines_by_model["coder"].process
+    assert process is not None and process.popen is not None
+    second = VLLMExecutor.from_config(managed_config(port, tmp_path))  # the agent restarted: nothing remembered
+    assert await second.reconcile() == [] and second.telemetry().engines == {"vllm-coder": "running"}
+    again = await second.execute(op("promote", W, NVME, GPU))
+    assert "nothing_to_do" in again.details  # not started twice
+    stopped = await second.execute(op("drop", W, GPU, None, engine=_step("stop", "running")))
+    assert stopped.details["state"] == "stopped"
+    assert process.popen.wait(timeout=10) is not None  # the engine the first agent started has ended
+    await first.aclose()
+    await second.aclose()
+
+
 async def test_agent_with_the_vllm_executor_end_to_end(tmp_path: Path) -> None:
     """drop alpha on n1's GPU, then wake beta from NVMe and let its KV be prefilled: the service confirms all."""
     alpha = FakeVllmEngine(model="alpha", gpus=(0,), shard_bytes=GIB, kv_pool_bytes=GIB)

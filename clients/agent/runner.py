@@ -35,7 +35,7 @@ from typing import Any
 import stamina
 
 from clients.agent.config import AgentConfig, ExecutorName
-from clients.agent.errors import PermanentError, TemporaryError
+from clients.agent.errors import ExecutionError, PermanentError, TemporaryError
 from clients.agent.executors.base import Executor, Reconciling, Seedable
 from clients.agent.operations import LeasedOperation, Operation, Outcome, Tier
 from clients.sdk import (
@@ -251,7 +251,11 @@ class Agent:
     async def _reconcile(self) -> None:
         """Read the engines' real state (an executor that has engines); what changed is logged as drift."""
         if isinstance(self.executor, Reconciling):
-            drift = await self.executor.reconcile()
+            try:
+                drift = await self.executor.reconcile()
+            except ExecutionError as error:  # an engine that answers oddly must not stop the agent's loop
+                log.warning("reading the engines failed: %s", error.reason)
+                return
             self.stats["drift"] += len(drift)
 
     def heartbeat_body(self) -> dict[str, Any]:

@@ -19,10 +19,10 @@ from pydantic import ValidationError
 from rich.console import Console
 from rich.table import Table
 
-from clients.agent.config import AgentConfig, ExecutorName, LMCacheConfig, load_config
+from clients.agent.config import AgentConfig, ExecutorName, load_config
 from clients.agent.executors import UnknownExecutor, default_registry
 from clients.agent.runner import Agent
-from clients.sdk import APIError, AsyncStateBudgetClient
+from clients.sdk import APIError, AsyncStateBudgetClient, RetryPolicy
 
 app = typer.Typer(
     help="StateBudget node agent: leases operations for one node and carries them out.",
@@ -61,7 +61,11 @@ def remove_signal_handlers(loop: asyncio.AbstractEventLoop) -> None:
 
 async def run_agent(config: AgentConfig, *, handle_signals: bool = True) -> Agent:
     executor = default_registry().create(config.executor, config)
-    client = AsyncStateBudgetClient(config.server_url, token=config.token, timeout_seconds=config.timeout_seconds)
+    # one retry layer: the agent's own loops back off and try again (register, lease, report), so the SDK
+    # makes each call once instead of retrying inside them
+    client = AsyncStateBudgetClient(
+        config.server_url, token=config.token, timeout_seconds=config.timeout_seconds, retry=RetryPolicy(attempts=1)
+    )
     agent = Agent(config, client, executor)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -147,7 +151,7 @@ def executors() -> None:
     """The executors and the capabilities each declares by default."""
     registry = default_registry()
     table = Table("executor", "capabilities")
-    probe = AgentConfig(node_id="probe", lmcache=LMCacheConfig(url="http://lmcache"))
+    probe = AgentConfig(node_id="probe")
     for name in registry.names():
         caps = sorted(c.value for c in registry.create(name, probe).capabilities)
         table.add_row(name, ", ".join(caps) or "(none)")

@@ -32,9 +32,11 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import stamina
+
 from clients.agent.config import AgentConfig, ExecutorName
-from clients.agent.errors import PermanentError, TemporaryError
-from clients.agent.executors.base import Executor, Seedable
+from clients.agent.errors import ExecutionError, PermanentError, TemporaryError
+from clients.agent.executors.base import Executor, Reconciling, Seedable
 from clients.agent.operations import LeasedOperation, Operation, Outcome, Tier
 from clients.sdk import (
     APIError,
@@ -149,6 +151,7 @@ class Agent:
         if not await self._register(stop):
             return
         await self._seed()
+        await self._reconcile()
         heartbeats = asyncio.create_task(self._heartbeats(stop), name=f"heartbeat-{node}")
         try:
             while not stop.is_set():
@@ -245,6 +248,16 @@ class Agent:
         count = await asyncio.to_thread(self.executor.seed, srv.placement, self.config.node_id, set(self.gpu_ids))
         log.info("materialized %d state object(s) of the confirmed placement (srv version %s)", count, srv.version)
 
+    async def _reconcile(self) -> None:
+        """Read the engines' real state (an executor that has engines); what changed is logged as drift."""
+        if isinstance(self.executor, Reconciling):
+            try:
+                drift = await self.executor.reconcile()
+            except ExecutionError as error:  # an engine that answers oddly must not stop the agent's loop
+                log.warning("reading the engines failed: %s", error.reason)
+                return
+            self.stats["drift"] += len(drift)
+
     def heartbeat_body(self) -> dict[str, Any]:
         telemetry = self.executor.telemetry()
         gpus: dict[str, dict[str, Any]] = {}
@@ -259,6 +272,7 @@ class Agent:
 
     async def _heartbeats(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
+            await self._reconcile()
             try:
                 await self.client.heartbeat(self.config.node_id, **self.heartbeat_body())
                 self.stats["heartbeats"] += 1
@@ -421,7 +435,16 @@ class Agent:
             body["measured_seconds"] = round(outcome.measured_seconds, 6)
             body["measured_bytes"] = outcome.measured_bytes
         try:
-            await self.client.report(op.id, **body)
+            # the agent's one retry layer for reports (its SDK client makes each call once): a report lost
+            # would re-queue a move that was done
+            async for attempt in stamina.retry_context(
+                on=(SdkConnectionError, ServerError),
+                attempts=self.config.temporary_attempts,
+                wait_initial=self.config.retry_delay_seconds,
+                timeout=self.config.timeout_seconds * self.config.temporary_attempts,
+            ):
+                with attempt:
+                    await self.client.report(op.id, **body)
         except ConflictError as conflict:
             log.warning("%s: the service refused the report: %s", op.id, conflict.detail)
             self.stats["conflicts"] += 1

@@ -24,12 +24,13 @@ def test_yaml_file_then_flags(tmp_path):
     path.write_text(
         "server_url: http://planner:8080\nnode_id: n1\nexecutor: vllm\nscale: 0.001\n"
         "engines: {coder: 'http://127.0.0.1:8000'}\ngpus: [{id: n1-g0, hbm_bytes: 1000, device: 0}]\n"
-        "lmcache: {url: 'http://127.0.0.1:9000'}\n"
+        "model_paths: {coder: /models/coder}\n"
     )
     config = load_config(path, {"node_id": "n2", "token": None})
     assert config.node_id == "n2" and config.executor is ExecutorName.VLLM and config.scale == 0.001
-    assert config.engines == {"coder": "http://127.0.0.1:8000"} and config.gpus[0].hbm_bytes == 1000
-    assert config.lmcache is not None and config.lmcache.instance_id == "lmcache_default_instance"
+    engine = config.engines["coder"]
+    assert engine.url == "http://127.0.0.1:8000" and engine.model_path == "/models/coder"
+    assert engine.management == "adopted" and config.gpus[0].hbm_bytes == 1000
     json_path = tmp_path / "agent.json"
     json_path.write_text(json.dumps({"node_id": "n3", "max_parallel": 2}))
     assert load_config(json_path, {}).max_parallel == 2
@@ -50,16 +51,26 @@ def test_engine_gpus_name_a_configured_engine_and_gpus():
 
 def test_registry_lists_the_choices_and_refuses_a_second_registration():
     registry = default_registry()
-    assert registry.names() == ["lmcache", "local", "sglang", "vllm"]
-    with pytest.raises(UnknownExecutor, match="unknown executor 'tgi'; choices: lmcache, local, sglang, vllm"):
+    assert registry.names() == ["local", "sglang", "vllm"]
+    with pytest.raises(UnknownExecutor, match="unknown executor 'tgi'; choices: local, sglang, vllm"):
         registry.create("tgi", AgentConfig(node_id="n1"))
     with pytest.raises(ValueError, match="already registered"):
         registry.register(ExecutorName.LOCAL, LocalExecutor.from_config)
     fresh = ExecutorRegistry()
     fresh.register(ExecutorName.LOCAL, LocalExecutor.from_config)
     assert isinstance(fresh.create("local", AgentConfig(node_id="n1")), LocalExecutor)
-    with pytest.raises(ValueError, match="lmcache"):
+    with pytest.raises(UnknownExecutor, match="unknown executor 'lmcache'"):  # LMCache is a vLLM feature
         registry.create("lmcache", AgentConfig(node_id="n1"))
+
+
+def test_a_managed_engine_needs_its_launch_spec():
+    with pytest.raises(ValueError, match="management: managed needs `launch`"):
+        AgentConfig(node_id="n1", engines={"coder": {"url": "http://e", "management": "managed"}})
+    config = AgentConfig(
+        node_id="n1",
+        engines={"coder": {"url": "http://e", "management": "managed", "launch": {"command": ["vllm"], "port": 8000}}},
+    )
+    assert config.engines["coder"].launch is not None and config.engines["coder"].launch.ready_path == "/health"
 
 
 def test_cli_lists_executors_and_rejects_bad_configuration(tmp_path):
@@ -72,3 +83,14 @@ def test_cli_lists_executors_and_rejects_bad_configuration(tmp_path):
     assert missing.exit_code == 2 and "node_id" in missing.output
     engine = runner.invoke(app, ["run", "--node", "n1", "--executor", "vllm", "--engine", "no-equals-sign"])
     assert engine.exit_code != 0 and "MODEL=URL" in engine.output
+
+
+def test_flags_win_over_the_environment_which_wins_over_the_file(tmp_path, monkeypatch):
+    path = tmp_path / "agent.yaml"
+    path.write_text("node_id: n1\nlease_wait_seconds: 3\nmax_parallel: 2\nheartbeat_seconds: 7\n")
+    monkeypatch.setenv("STATEBUDGET_AGENT_LEASE_WAIT_SECONDS", "5")
+    monkeypatch.setenv("STATEBUDGET_AGENT_MAX_PARALLEL", "6")
+    config = load_config(path, {"max_parallel": 9, "node_id": None})
+    assert (config.node_id, config.lease_wait_seconds, config.max_parallel, config.heartbeat_seconds) == ("n1", 5, 9, 7)
+    with pytest.raises(ValueError, match="no such settings file"):
+        load_config(tmp_path / "missing.yaml", {})

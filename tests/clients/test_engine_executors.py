@@ -1,76 +1,44 @@
-"""Engine executors against fake vLLM / SGLang / LMCache servers that record every call.
-
-The fakes define only the real endpoints (an unknown path answers 404, which the
-executor reports as a permanent failure), so a test also catches a wrong name.
-"""
+"""The vLLM and SGLang executors against the contract fakes served over real HTTP: the right calls in the
+right order, the fakes' end states, and the bytes NVML (the fake, following the engines) saw freed or taken."""
 
 from __future__ import annotations
 
 import asyncio
-import subprocess
+import contextlib
+import os
+import signal
+import sys
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 from clients_helpers import async_client, make_app, request_event, served
-from fastapi import FastAPI, Request, Response
+from fakes.nvml import FakeNvml
+from fakes.serve import free_port, serving
+from fakes.sglang import FakeSglangEngine, create_fake_sglang
+from fakes.vllm import FakeVllmEngine, create_fake_vllm
+from pydantic import ValidationError
 
-from clients.agent.config import AgentConfig, LMCacheConfig
-from clients.agent.errors import CapabilityError, PermanentError, TemporaryError
-from clients.agent.executors.engine_http import EngineHttp
-from clients.agent.executors.lmcache import LMCacheExecutor
+from clients.agent.config import AgentConfig
+from clients.agent.errors import PermanentError, TemporaryError
+from clients.agent.executors.engine import EngineExecutor
 from clients.agent.executors.sglang import SGLangExecutor
 from clients.agent.executors.vllm import VLLMExecutor
 from clients.agent.operations import Operation
-from clients.agent.probes import NvidiaSmiProbe
+from clients.agent.probes import NvmlProbe
 from clients.agent.runner import Agent
 
 pytestmark = pytest.mark.anyio
-
-Call = tuple[str, str, dict[str, Any], Any]
-
-
-class FakeEngine:
-    """A FastAPI app with the given routes; each call is recorded as (method, path, query, json)."""
-
-    def __init__(self, routes: list[tuple[str, str]]) -> None:
-        self.calls: list[Call] = []
-        self.fail: dict[str, Response] = {}
-        self.app = FastAPI()
-        for method, path in routes:
-            self.app.add_api_route(path, self._handler(path), methods=[method])
-
-    def _handler(self, path: str):
-        async def handle(request: Request) -> Response:
-            body = await request.body()
-            query = {
-                k: v if len(v) > 1 else v[0] for k in request.query_params for v in [request.query_params.getlist(k)]
-            }
-            self.calls.append((request.method, path, query, (await request.json()) if body else None))
-            return self.fail.get(path) or Response(status_code=200)
-
-        return handle
+GIB = 1 << 30
+GPUS = [{"id": "n1-g0", "device": 0}, {"id": "n1-g1", "device": 1}]
+VLLM_FEATURES = ["sleep_mode", "dev_mode"]
 
 
-def vllm_fake() -> FakeEngine:
-    return FakeEngine([("POST", "/sleep"), ("POST", "/wake_up"), ("GET", "/is_sleeping"), ("POST", "/collective_rpc")])
-
-
-def sglang_fake() -> FakeEngine:
-    routes = ["/release_memory_occupation", "/resume_memory_occupation", "/update_weights_from_disk", "/flush_cache"]
-    return FakeEngine([("POST", r) for r in routes])
-
-
-def lmcache_fake() -> FakeEngine:
-    return FakeEngine([("POST", "/move"), ("POST", "/pin"), ("POST", "/clear"), ("POST", "/lookup")])
-
-
-def http_for(**fakes: FakeEngine) -> EngineHttp:
-    mounts = {f"http://{name}": httpx.ASGITransport(app=fake.app) for name, fake in fakes.items()}
-    return EngineHttp(http_client=httpx.AsyncClient(mounts=mounts))
-
-
-def op(action: str, obj: dict[str, Any], src: dict | None, dst: dict | None, keep: bool = False) -> Operation:
+def op(
+    action: str, obj: dict[str, Any], src: dict | None, dst: dict | None, keep: bool = False, **extra: Any
+) -> Operation:
     return Operation.model_validate(
         {
             "id": "1.op-1",
@@ -85,6 +53,7 @@ def op(action: str, obj: dict[str, Any], src: dict | None, dst: dict | None, kee
             "depends_on": [],
             "estimated_seconds": 0.0,
             "reason": "",
+            **extra,
         }
     )
 
@@ -93,247 +62,364 @@ W = {"kind": "weights", "model": "coder", "precision": "bf16"}
 KV = {"kind": "kv", "model": "coder", "session": "s7"}
 EXPERTS = {"kind": "experts", "model": "coder"}
 GPU, HOST, NVME = {"tier": "gpu", "gpu": "n1-g0"}, {"tier": "host", "node": "n1"}, {"tier": "nvme", "node": "n1"}
-LMC = LMCacheConfig(url="http://lmcache", instance_id="inst-1")
 
 
-@pytest.mark.parametrize(
-    ("operation", "expected"),
-    [
-        (op("demote", W, GPU, HOST), [("POST", "/sleep", {"level": "1"}, None)]),
-        (op("demote", W, GPU, NVME), [("POST", "/sleep", {"level": "2"}, None)]),
-        (op("drop", W, GPU, None), [("POST", "/sleep", {"level": "2"}, None)]),
-        (
-            op("promote", W, HOST, GPU, keep=False),
-            [("POST", "/wake_up", {"tags": "weights"}, None), ("POST", "/wake_up", {"tags": "kv_cache"}, None)],
-        ),
-        (
-            op("promote", W, NVME, GPU, keep=True),
-            [
-                ("POST", "/wake_up", {"tags": "weights"}, None),
-                ("POST", "/collective_rpc", {}, {"method": "reload_weights"}),
-                ("POST", "/wake_up", {"tags": "kv_cache"}, None),
-            ],
-        ),
-    ],
-    ids=["gpu->host", "gpu->nvme", "drop-gpu", "host->gpu", "nvme->gpu"],
-)
-async def test_vllm_weights_calls(operation, expected):
-    vllm = vllm_fake()
-    executor = VLLMExecutor({"coder": "http://vllm-coder"}, http=http_for(**{"vllm-coder": vllm}))
-    outcome = await executor.execute(operation)
-    assert vllm.calls == expected
-    assert outcome.measured_seconds >= 0 and outcome.details["calls"] == [f"POST {c[1]}" for c in expected]
+def nvml_for(*engines: Any) -> NvmlProbe:
+    return NvmlProbe({"n1-g0": 0, "n1-g1": 1}, FakeNvml([80 * GIB, 80 * GIB], lambda: engines))
 
 
-async def test_vllm_kv_goes_through_lmcache_and_what_it_cannot_do_names_the_capability():
-    vllm, lmcache = vllm_fake(), lmcache_fake()
-    http = http_for(**{"vllm-coder": vllm, "lmcache": lmcache})
-    executor = VLLMExecutor({"coder": "http://vllm-coder"}, http=http, lmcache=LMCacheExecutor(LMC, http=http))
-    assert {c.value for c in executor.capabilities} == {"weights_offload", "kv_offload"}
-    await executor.execute(op("demote", KV, HOST, NVME))
-    assert lmcache.calls == [
-        (
-            "POST",
-            "/move",
-            {},
-            {
-                "old_position": ["inst-1", "LocalCPUBackend"],
-                "new_position": ["inst-1", "LocalDiskBackend"],
-                "copy": False,
-            },
-        )
-    ]
-    with pytest.raises(CapabilityError, match="partial_experts") as info:
-        await executor.execute(op("promote", EXPERTS, NVME, GPU, keep=True))
-    assert info.value.capability == "partial_experts"
-    with pytest.raises(CapabilityError, match="weights_offload"):
-        await executor.execute(op("demote", W, HOST, NVME))
-    without_lmcache = VLLMExecutor({"coder": "http://vllm-coder"}, http=http)
-    with pytest.raises(CapabilityError, match="kv_offload"):
-        await without_lmcache.execute(op("drop", KV, GPU, None))
-    with pytest.raises(PermanentError, match="no vLLM engine configured for model 'other'"):
-        await executor.execute(op("drop", {**W, "model": "other"}, GPU, None))
-    assert vllm.calls == []  # nothing was sent for what could not be done
-
-
-async def test_engine_failures_are_sorted_into_temporary_and_permanent():
-    vllm = vllm_fake()
-    executor = VLLMExecutor(
-        {"coder": "http://vllm-coder", "gone": "http://nowhere"}, http=http_for(**{"vllm-coder": vllm})
+def vllm_config(
+    url: str, *, features: list[str] = VLLM_FEATURES, gpus: list[str] | None = None, **engine: Any
+) -> AgentConfig:
+    return AgentConfig.model_validate(
+        {
+            "node_id": "n1",
+            "executor": "vllm",
+            "gpus": GPUS,
+            "engines": {"coder": {"url": url, "features": features, **engine}},
+            "engine_gpus": {"coder": gpus or ["n1-g0", "n1-g1"]},
+        }
     )
-    vllm.fail["/sleep"] = Response("overloaded", status_code=503)
-    with pytest.raises(TemporaryError, match="503"):
+
+
+@contextlib.contextmanager
+def vllm_engine(**kw: Any) -> Iterator[tuple[FakeVllmEngine, str]]:
+    engine = FakeVllmEngine(model="coder", gpus=(0, 1), shard_bytes=4 * GIB, kv_pool_bytes=10 * GIB, **kw)
+    with serving(create_fake_vllm(engine)) as url:
+        yield engine, url
+
+
+def control_calls(engine: Any) -> list[str]:
+    return [c for c in engine.calls if not c.startswith(("GET /health", "GET /v1/models", "GET /get_model_info"))]
+
+
+async def test_vllm_sleep_level_1_drains_with_wait_once_per_instance_and_measures_the_freed_bytes() -> None:
+    with vllm_engine() as (engine, url):
+        executor = VLLMExecutor.from_config(vllm_config(url), probe=nvml_for(engine))
+        engine.in_flight = 0
+        outcome = await executor.execute(op("demote", W, GPU, HOST))
+        assert control_calls(engine) == ["GET /is_sleeping", "POST /sleep?level=1&mode=wait"]  # one call, two GPUs
+        assert engine.level == 1 and engine.aborted == 0 and engine.host_backup_bytes == 8 * GIB
+        assert outcome.measured_bytes == 2 * 14 * GIB  # both GPUs' shard + KV pool; the context stays
+        assert outcome.details["state"] == "asleep_host"
+        await executor.aclose()
+
+
+async def test_vllm_sleep_waits_for_running_requests_instead_of_aborting_them() -> None:
+    with vllm_engine() as (engine, url):
+        executor = VLLMExecutor.from_config(vllm_config(url))
+        engine.in_flight = 2
+
+        async def finish() -> None:
+            await asyncio.sleep(0.3)
+            engine.in_flight = 0
+
+        finishing = asyncio.create_task(finish())
         await executor.execute(op("drop", W, GPU, None))
-    vllm.fail["/sleep"] = Response("bad level", status_code=400)
-    with pytest.raises(PermanentError, match="400") as info:
-        await executor.execute(op("drop", W, GPU, None))
-    assert not isinstance(info.value, TemporaryError)
-
-    refused = VLLMExecutor({"coder": "http://127.0.0.1:9"}, http=EngineHttp(timeout_seconds=2))  # nothing listens
-    with pytest.raises(TemporaryError, match="unreachable"):
-        await refused.execute(op("drop", W, GPU, None))
-    await refused.aclose()
+        await finishing
+        assert engine.level == 2 and engine.aborted == 0
+        await executor.aclose()
 
 
-@pytest.mark.parametrize(
-    ("operation", "expected"),
-    [
-        (op("drop", W, GPU, None), [("POST", "/release_memory_occupation", {}, {"tags": ["weights"]})]),
-        (op("demote", W, GPU, NVME), [("POST", "/release_memory_occupation", {}, {"tags": ["weights"]})]),
-        (
-            op("promote", W, NVME, GPU, keep=True),
-            [
-                ("POST", "/resume_memory_occupation", {}, {"tags": ["weights"]}),
-                ("POST", "/update_weights_from_disk", {}, {"model_path": "/models/coder"}),
-            ],
-        ),
-        (op("drop", KV, GPU, None), [("POST", "/flush_cache", {}, None)]),
-        (op("promote", KV, None, GPU), []),
-    ],
-    ids=["drop-gpu", "gpu->nvme", "nvme->gpu", "kv-drop", "kv-prefill"],
-)
-async def test_sglang_calls(operation, expected):
-    sglang = sglang_fake()
-    executor = SGLangExecutor(
-        {"coder": "http://sglang-coder"},
-        model_paths={"coder": "/models/coder"},
-        http=http_for(**{"sglang-coder": sglang}),
-    )
-    await executor.execute(operation)
-    assert sglang.calls == expected
+async def test_an_engine_without_the_configured_dev_mode_is_reported_at_start() -> None:
+    with vllm_engine(dev_mode=False) as (_engine, url):
+        executor = VLLMExecutor.from_config(vllm_config(url))
+        drift = await executor.reconcile()
+        assert drift == ["vllm-coder: no /is_sleeping (VLLM_SERVER_DEV_MODE unset)"]
+        assert await executor.reconcile() == []  # said once
+        await executor.aclose()
 
 
-async def test_sglang_cannot_keep_weights_in_host_memory_nor_move_kv():
-    sglang = sglang_fake()
-    executor = SGLangExecutor({"coder": "http://sglang-coder"}, http=http_for(**{"sglang-coder": sglang}))
-    with pytest.raises(CapabilityError, match="weights_offload"):
+async def test_vllm_wake_after_level_1_copies_back_and_after_level_2_reloads() -> None:
+    with vllm_engine() as (engine, url):
+        executor = VLLMExecutor.from_config(vllm_config(url), probe=nvml_for(engine))
         await executor.execute(op("demote", W, GPU, HOST))
-    with pytest.raises(CapabilityError, match="kv_offload"):
-        await executor.execute(op("promote", KV, HOST, GPU, keep=True))
-    with pytest.raises(CapabilityError, match="partial_experts"):
-        await executor.execute(op("demote", EXPERTS, GPU, NVME))
-    assert sglang.calls == []
-    sglang.fail["/flush_cache"] = Response('{"success": false, "message": "not idle"}', media_type="application/json")
-    with pytest.raises(PermanentError, match="not idle"):
-        await executor.execute(op("drop", KV, GPU, None))
+        engine.calls.clear()
+        woken = await executor.execute(op("promote", W, HOST, GPU))
+        assert control_calls(engine) == [
+            "GET /is_sleeping",
+            "POST /wake_up?tags=weights",
+            "POST /wake_up?tags=kv_cache",
+        ]
+        assert engine.answers() and engine.host_backup_bytes == 0 and woken.measured_bytes == 2 * 14 * GIB
+        await executor.execute(op("drop", W, GPU, None))
+        engine.calls.clear()
+        await executor.execute(op("promote", W, NVME, GPU))
+        assert control_calls(engine) == [
+            "GET /is_sleeping",
+            "POST /wake_up?tags=weights",
+            "POST /collective_rpc",
+            "POST /wake_up?tags=kv_cache",
+        ]
+        assert engine.answers()
+        await executor.aclose()
 
 
-@pytest.mark.parametrize(
-    ("operation", "expected"),
-    [
-        (op("demote", KV, GPU, HOST), [("POST", "/pin", {}, {"instance_id": "inst-1", "location": "LocalCPUBackend"})]),
-        (
-            op("promote", KV, NVME, HOST, keep=True),
-            [
-                (
-                    "POST",
-                    "/move",
-                    {},
-                    {
-                        "old_position": ["inst-1", "LocalDiskBackend"],
-                        "new_position": ["inst-1", "LocalCPUBackend"],
-                        "copy": True,
-                    },
-                )
-            ],
-        ),
-        (
-            op("promote", KV, HOST, GPU, keep=True),
-            [("POST", "/pin", {}, {"instance_id": "inst-1", "location": "LocalCPUBackend"})],
-        ),
-        (
-            op("drop", KV, NVME, None),
-            [("POST", "/clear", {}, {"instance_id": "inst-1", "location": "LocalDiskBackend"})],
-        ),
-        (op("promote", KV, None, GPU), []),
-    ],
-    ids=["gpu->host", "nvme->host", "host->gpu", "drop-disk", "prefill"],
-)
-async def test_lmcache_calls(operation, expected):
-    lmcache = lmcache_fake()
-    executor = LMCacheExecutor(LMC, http=http_for(lmcache=lmcache))
-    await executor.execute(operation)
-    assert lmcache.calls == expected
+async def test_vllm_after_the_agent_restarts_a_sleeping_engine_is_read_not_remembered() -> None:
+    with vllm_engine() as (engine, url):
+        first = VLLMExecutor.from_config(vllm_config(url))
+        await first.execute(op("demote", W, GPU, HOST))
+        await first.aclose()
+        second = VLLMExecutor.from_config(vllm_config(url))  # a new agent: knows nothing of the level
+        assert await second.reconcile() == ["vllm-coder: asleep at an unknown level: its wake reloads the weights"]
+        assert second.telemetry().engines == {"vllm-coder": "asleep_discarded"}
+        engine.calls.clear()
+        again = await second.execute(op("demote", W, GPU, HOST))  # the same operation re-leased: applied once
+        assert "nothing_to_do" in again.details and control_calls(engine) == ["GET /is_sleeping"]
+        await second.execute(op("promote", W, HOST, GPU))
+        assert "POST /collective_rpc" in engine.calls and engine.answers()  # unknown level: reloaded
+        await second.aclose()
 
 
-async def test_lmcache_sends_token_ids_when_it_knows_them_and_moves_only_kv():
-    lmcache = lmcache_fake()
-    executor = LMCacheExecutor(
-        LMC, http=http_for(lmcache=lmcache), tokens_for=lambda obj: [1, 2, 3] if obj.session == "s7" else None
+async def test_vllm_keep_source_promote_then_host_drop_is_nothing_and_experts_move_with_the_weights() -> None:
+    with vllm_engine() as (engine, url):
+        executor = VLLMExecutor.from_config(vllm_config(url))
+        await executor.execute(op("demote", W, GPU, HOST))
+        assert "nothing_to_do" in (await executor.execute(op("demote", EXPERTS, GPU, HOST))).details
+        await executor.execute(op("promote", W, HOST, GPU, keep=True))
+        assert engine.host_backup_bytes == 0
+        dropped = await executor.execute(op("drop", W, HOST, None))
+        assert "backup" in dropped.details["nothing_to_do"]
+        assert "nothing_to_do" in (await executor.execute(op("promote", EXPERTS, HOST, GPU))).details
+        await executor.execute(op("drop", W, GPU, None))
+        await executor.execute(op("promote", W, NVME, GPU))
+        assert engine.answers()  # reloaded, not woken with uninitialised weights
+        await executor.aclose()
+
+
+async def test_vllm_kv_prefill_and_gpu_drop_need_nothing_and_a_session_move_is_refused_saying_why() -> None:
+    with vllm_engine() as (engine, url):
+        executor = VLLMExecutor.from_config(vllm_config(url))
+        assert "prefill" in (await executor.execute(op("promote", KV, None, GPU))).details["nothing_to_do"]
+        assert "LRU" in (await executor.execute(op("drop", KV, GPU, None))).details["nothing_to_do"]
+        with pytest.raises(PermanentError, match="one request's KV"):
+            await executor.execute(op("demote", KV, GPU, HOST))
+        lmcache = VLLMExecutor.from_config(vllm_config(url, features=[*VLLM_FEATURES, "lmcache"]))
+        assert "LMCache" in (await lmcache.execute(op("demote", KV, GPU, HOST))).details["nothing_to_do"]
+        assert not [c for c in engine.calls if c.startswith("POST")]
+        await executor.aclose()
+        await lmcache.aclose()
+
+
+async def test_vllm_missing_launch_flags_are_permanent_refusals_naming_the_flag() -> None:
+    with vllm_engine(dev_mode=False) as (_engine, url):
+        executor = VLLMExecutor.from_config(vllm_config(url, features=["sleep_mode"]))
+        with pytest.raises(PermanentError, match="VLLM_SERVER_DEV_MODE"):
+            await executor.execute(op("demote", W, GPU, HOST))
+        lying = VLLMExecutor.from_config(vllm_config(url))  # configured with dev mode the engine lacks
+        with pytest.raises(PermanentError, match="404"):
+            await lying.execute(op("demote", W, GPU, HOST))
+        with pytest.raises(PermanentError, match="adopted"):
+            await lying.execute(op("drop", W, GPU, None, engine=_step("stop", "running")))
+        await executor.aclose()
+        await lying.aclose()
+
+
+def _step(transition: str, from_state: str, **instance: Any) -> dict[str, Any]:
+    ref = {
+        "id": "coder@bf16@n1-g0+n1-g1",
+        "node": "n1",
+        "kind": "vllm",
+        "model": "coder",
+        "precision": "bf16",
+        "gpus": ["n1-g0", "n1-g1"],
+        "kv_pool_bytes_per_gpu": 0,
+        **instance,
+    }
+    return {"transition": transition, "instance": ref, "from_state": from_state}
+
+
+async def test_an_unreachable_engine_is_a_temporary_error_and_is_reported_stopped() -> None:
+    executor = VLLMExecutor.from_config(vllm_config(f"http://127.0.0.1:{free_port()}"))
+    with pytest.raises(TemporaryError, match="unreachable"):
+        await executor.execute(op("demote", W, GPU, HOST))
+    assert executor.telemetry().engines == {"vllm-coder": "stopped"}
+    await executor.aclose()
+
+
+@contextlib.contextmanager
+def sglang_engine(**kw: Any) -> Iterator[tuple[FakeSglangEngine, str]]:
+    engine = FakeSglangEngine(model_path="/models/coder", gpus=(0,), shard_bytes=4 * GIB, kv_pool_bytes=8 * GIB, **kw)
+    with serving(create_fake_sglang(engine)) as url:
+        yield engine, url
+
+
+def sglang_config(url: str, features: list[str], **engine: Any) -> AgentConfig:
+    return AgentConfig.model_validate(
+        {
+            "node_id": "n1",
+            "executor": "sglang",
+            "gpus": GPUS,
+            "engine_gpus": {"coder": ["n1-g0"]},
+            "engines": {"coder": {"url": url, "features": features, "model_path": "/models/coder", **engine}},
+        }
     )
-    await executor.execute(op("drop", KV, HOST, None))
-    assert lmcache.calls == [
-        ("POST", "/clear", {}, {"instance_id": "inst-1", "location": "LocalCPUBackend", "tokens": [1, 2, 3]})
-    ]
-    with pytest.raises(CapabilityError, match="weights_offload"):
-        await executor.execute(op("drop", W, HOST, None))
-    with pytest.raises(CapabilityError, match="kv_offload"):
-        await executor.execute(op("drop", KV, GPU, None))
 
 
-async def test_agent_with_the_vllm_executor_end_to_end(tmp_path):
+async def test_sglang_drains_then_pauses_in_place_releases_and_wakes_with_a_reload() -> None:
+    with sglang_engine() as (engine, url):
+        executor = SGLangExecutor.from_config(sglang_config(url, ["sleep_mode"]), probe=nvml_for(engine))
+        engine.running = 1
+
+        async def finish() -> None:
+            await asyncio.sleep(0.5)
+            engine.running = 0
+
+        finishing = asyncio.create_task(finish())
+        slept = await executor.execute(op("drop", W, GPU, None))
+        await finishing
+        assert engine.alive and engine.aborted == 0 and engine.released == {"weights", "kv_cache"}
+        calls = control_calls(engine)
+        assert calls.index("POST /pause_generation") < calls.index("POST /release_memory_occupation")
+        assert slept.measured_bytes == 12 * GIB and slept.details["state"] == "asleep_discarded"
+        engine.calls.clear()
+        await executor.execute(op("promote", W, NVME, GPU))
+        assert control_calls(engine) == [
+            "POST /resume_memory_occupation",
+            "POST /update_weights_from_disk",
+            "POST /continue_generation",
+        ]
+        assert engine.answers()
+        await executor.aclose()
+
+
+async def test_sglang_drain_timeout_is_temporary_and_releases_nothing_and_cpu_backup_is_level_1() -> None:
+    with sglang_engine(cpu_backup=True) as (engine, url):
+        busy = SGLangExecutor.from_config(sglang_config(url, ["sleep_mode", "cpu_backup"], drain_timeout_seconds=0.3))
+        engine.running = 2
+        with pytest.raises(TemporaryError, match="still in flight"):
+            await busy.execute(op("demote", W, GPU, HOST))
+        assert engine.alive and not engine.released and engine.aborted == 0
+        engine.running = 0
+        assert (await busy.execute(op("drop", W, GPU, None))).details["state"] == "asleep_host"
+        engine.calls.clear()
+        await busy.execute(op("promote", W, HOST, GPU))
+        assert "POST /update_weights_from_disk" not in engine.calls and engine.answers()
+        await busy.aclose()
+
+
+def test_sglang_needs_model_paths_in_its_configuration() -> None:
+    with pytest.raises(ValidationError, match="engines.coder.model_path"):
+        AgentConfig.model_validate({"node_id": "n1", "executor": "sglang", "engines": {"coder": "http://x"}})
+    config = AgentConfig.model_validate(
+        {"node_id": "n1", "executor": "sglang", "engines": {"coder": "http://x"}, "model_paths": {"coder": "/m"}}
+    )
+    assert config.engines["coder"].model_path == "/m"
+
+
+async def test_readahead_reports_the_page_cache_bytes_mincore_measured(tmp_path: Path) -> None:
+    checkpoint = tmp_path / "coder"
+    checkpoint.mkdir()
+    (checkpoint / "model.safetensors").write_bytes(os.urandom(4 << 20))
+    with vllm_engine() as (_engine, url):
+        executor = VLLMExecutor.from_config(vllm_config(url, model_path=str(checkpoint)))
+        outcome = await executor.execute(op("promote", W, NVME, HOST, keep=True))
+        assert outcome.details["advised_bytes"] == 4 << 20
+        assert 0 < outcome.measured_bytes <= 4 << 20 and outcome.details["page_cache_fraction"] > 0
+        await executor.aclose()
+
+
+def managed_config(port: int, tmp_path: Path) -> AgentConfig:
+    launch = {
+        "command": [
+            sys.executable,
+            str(Path(__file__).parent.parent / "fakes" / "run_vllm.py"),
+            "--port",
+            "{port}",
+            "--model",
+            "{model}",
+            "--kv-pool-bytes",
+            "{kv_pool_bytes_per_gpu}",
+        ],
+        "env": {"VLLM_SERVER_DEV_MODE": "1"},
+        "port": port,
+        "ready_timeout_seconds": 30,
+        "stop_timeout_seconds": 5,
+    }
+    return vllm_config(f"http://127.0.0.1:{port}", management="managed", launch=launch)
+
+
+async def test_a_managed_engine_is_started_restarted_stopped_and_its_crash_is_reported(tmp_path: Path) -> None:
+    port = free_port()
+    executor = VLLMExecutor.from_config(managed_config(port, tmp_path))
+    assert isinstance(executor, EngineExecutor)
+    started = await executor.execute(op("promote", W, NVME, GPU))
+    assert started.details["state"] == "running" and started.details["calls"][-1].startswith("start")
+    async with httpx.AsyncClient() as http:
+        assert (await http.get(f"http://127.0.0.1:{port}/is_sleeping")).json() == {"is_sleeping": False}
+    restart = op("promote", W, NVME, GPU, engine=_step("restart", "running", kv_pool_bytes_per_gpu=2 * GIB))
+    restarted = await executor.execute(restart)
+    assert [c.split(" ")[0] for c in restarted.details["calls"]] == ["GET", "stop", "start"]
+    process = executor.engines_by_model["coder"].process
+    assert (
+        process is not None
+        and process.popen is not None
+        and "2147483648" in process.command()[-1] + str(process.popen.args)
+    )
+    os.kill(process.popen.pid, signal.SIGKILL)  # the engine crashes
+    process.popen.wait()
+    drift = await executor.reconcile()
+    assert drift and "crashed" in drift[0] and executor.telemetry().engines == {"vllm-coder": "stopped"}
+    again = await executor.execute(op("promote", W, HOST, GPU))  # a wake of a crashed engine is a cold start
+    assert again.details["calls"][-1].startswith("start")
+    stopped = await executor.execute(op("drop", W, GPU, None, engine=_step("stop", "running")))
+    assert stopped.details["state"] == "stopped" and process.popen is None
+    await executor.aclose()
+
+
+async def test_a_managed_engine_outlives_the_agent_and_the_next_agent_stops_it(tmp_path: Path) -> None:
+    port = free_port()
+    first = VLLMExecutor.from_config(managed_config(port, tmp_path))
+    await first.execute(op("promote", W, NVME, GPU))
+    process = first.engines_by_model["coder"].process
+    assert process is not None and process.popen is not None
+    second = VLLMExecutor.from_config(managed_config(port, tmp_path))  # the agent restarted: nothing remembered
+    assert await second.reconcile() == [] and second.telemetry().engines == {"vllm-coder": "running"}
+    again = await second.execute(op("promote", W, NVME, GPU))
+    assert "nothing_to_do" in again.details  # not started twice
+    stopped = await second.execute(op("drop", W, GPU, None, engine=_step("stop", "running")))
+    assert stopped.details["state"] == "stopped"
+    assert process.popen.wait(timeout=10) is not None  # the engine the first agent started has ended
+    await first.aclose()
+    await second.aclose()
+
+
+async def test_agent_with_the_vllm_executor_end_to_end(tmp_path: Path) -> None:
     """drop alpha on n1's GPU, then wake beta from NVMe and let its KV be prefilled: the service confirms all."""
-    alpha, beta, lmcache = vllm_fake(), vllm_fake(), lmcache_fake()
-    http = http_for(**{"vllm-alpha": alpha, "vllm-beta": beta, "lmcache": lmcache})
-    executor = VLLMExecutor(
-        {"alpha": "http://vllm-alpha", "beta": "http://vllm-beta"}, http=http, lmcache=LMCacheExecutor(LMC, http=http)
-    )
-    config = AgentConfig(node_id="n1", executor="vllm", lease_wait_seconds=0.2, heartbeat_seconds=0.1)
-    async with served(make_app(tmp_path, tiny=True)) as service:
-        sb = async_client(service)
-        await sb.post_events(
-            request_event("e1", "s1", "beta", slo="blocking", input_tokens=1000),
-            request_event("e2", "s2", "alpha", input_tokens=1000),
+    alpha = FakeVllmEngine(model="alpha", gpus=(0,), shard_bytes=GIB, kv_pool_bytes=GIB)
+    beta = FakeVllmEngine(model="beta", gpus=(0,), shard_bytes=GIB, kv_pool_bytes=GIB)
+    beta.sleep(2, "wait")
+    with serving(create_fake_vllm(alpha)) as alpha_url, serving(create_fake_vllm(beta)) as beta_url:
+        config = AgentConfig.model_validate(
+            {
+                "node_id": "n1",
+                "executor": "vllm",
+                "lease_wait_seconds": 0.2,
+                "heartbeat_seconds": 0.1,
+                "engines": {
+                    m: {"url": u, "features": VLLM_FEATURES} for m, u in (("alpha", alpha_url), ("beta", beta_url))
+                },
+            }
         )
-        await sb.replan()
-        before = (await sb.get_srv()).version
-        agent = Agent(config, sb, executor)
-        stop = asyncio.Event()
-        task = asyncio.create_task(agent.run(stop))
-        async with asyncio.timeout(10):
-            while agent.stats["done"] < 3:
-                await asyncio.sleep(0.05)
-        stop.set()
-        await task
-        assert alpha.calls == [("POST", "/sleep", {"level": "2"}, None)]
-        assert [c[1] for c in beta.calls] == ["/wake_up", "/collective_rpc", "/wake_up"]
-        assert lmcache.calls == []  # the KV is prefilled by the engine on the next request
-        assert (await sb.get_srv()).version == before + 3
-        cluster = await sb.get_cluster()
-        assert next(n for n in cluster.nodes if n.id == "n1").capabilities == ["kv_offload", "weights_offload"]
-
-
-class ScriptedProbe:
-    """Device memory as a list of readings (bytes in use), one per look."""
-
-    def __init__(self, *readings: int) -> None:
-        self.readings = list(readings)
-
-    def used_bytes(self, gpu_id: str) -> int | None:
-        return self.readings.pop(0)
-
-
-async def test_reclaimed_bytes_are_measured_on_the_device_not_promised():
-    vllm = vllm_fake()
-    probe = ScriptedProbe(30_000, 29_400)  # the engine said it slept; the device freed 600 of 1000 bytes
-    executor = VLLMExecutor({"coder": "http://vllm-coder"}, http=http_for(**{"vllm-coder": vllm}), probe=probe)
-    outcome = await executor.execute(op("drop", W, GPU, None))
-    assert outcome.measured_bytes == 600 and outcome.details["shortfall_bytes"] == 400
-    sglang = sglang_fake()
-    executor = SGLangExecutor(
-        {"coder": "http://sglang-coder"}, http=http_for(**{"sglang-coder": sglang}), probe=ScriptedProbe(0, 1000)
-    )
-    outcome = await executor.execute(op("promote", W, NVME, GPU, keep=True))
-    assert outcome.measured_bytes == 1000 and "shortfall_bytes" not in outcome.details
-
-
-def test_nvidia_smi_probe_reads_the_device_of_a_gpu_id():
-    seen = []
-
-    def run(cmd, **kw):
-        seen.append(cmd)
-        return subprocess.CompletedProcess(cmd, 0, stdout="1234\n", stderr="")
-
-    probe = NvidiaSmiProbe({"n1-g1": 1}, run=run)
-    assert probe.used_bytes("n1-g1") == 1234 * 1024 * 1024 and probe.used_bytes("n9-g0") is None
-    assert seen == [["nvidia-smi", "--id=1", "--query-gpu=memory.used", "--format=csv,noheader,nounits"]]
+        executor = VLLMExecutor.from_config(config)
+        async with served(make_app(tmp_path, tiny=True)) as service:
+            sb = async_client(service)
+            await sb.post_events(
+                request_event("e1", "s1", "beta", slo="blocking", input_tokens=1000),
+                request_event("e2", "s2", "alpha", input_tokens=1000),
+            )
+            await sb.replan()
+            before = (await sb.get_srv()).version
+            agent = Agent(config, sb, executor)
+            stop = asyncio.Event()
+            task = asyncio.create_task(agent.run(stop))
+            async with asyncio.timeout(15):
+                while agent.stats["done"] < 3:
+                    await asyncio.sleep(0.05)
+            stop.set()
+            await task
+            assert "POST /sleep?level=2&mode=wait" in alpha.calls and alpha.sleeping
+            assert beta.answers() and "POST /collective_rpc" in beta.calls
+            assert agent.stats["failed"] == 0
+            assert (await sb.get_srv()).version == before + 3
+        await executor.aclose()

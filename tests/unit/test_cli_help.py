@@ -76,11 +76,11 @@ def test_serve_takes_demo_and_reset_as_plain_flags() -> None:
 
 def test_the_agent_lists_its_executors_and_refuses_an_unknown_one_in_a_line() -> None:
     help_text = CliRunner().invoke(agent_app, ["run", "--help"], env=WIDE).output
-    assert "--executor <local|vllm|sglang|lmcache>" in help_text
+    assert "--executor <local|vllm|sglang>" in help_text
     bad = CliRunner().invoke(agent_app, ["run", "--node", "n1", "--executor", "tgi"])
     assert bad.exit_code == 2
     (line,) = [line for line in bad.output.splitlines() if "tgi" in line]
-    assert all(name in line for name in ("local", "vllm", "sglang", "lmcache"))
+    assert all(name in line for name in ("local", "vllm", "sglang"))
     assert "pydantic" not in bad.output and "http" not in bad.output
 
 
@@ -91,5 +91,5 @@ def test_a_bad_configuration_file_is_one_line_per_field_without_links(tmp_path) 
     assert bad.exit_code == 2
     (line,) = bad.output.strip().splitlines()
     assert line.startswith("invalid agent configuration: executor:") and "'tgi'" in line and "scale:" in line
-    assert all(name in line for name in ("local", "vllm", "sglang", "lmcache"))
+    assert all(name in line for name in ("local", "vllm", "sglang"))
     assert "errors.pydantic.dev" not in bad.output and "validation error" not in bad.output

@@ -1,4 +1,4 @@
-"""Executors behind one Protocol, named by `ExecutorName`: local, vllm, sglang, lmcache."""
+"""Executors behind one Protocol, named by `ExecutorName`: local, vllm, sglang."""
 
 from clients.agent.config import ExecutorName
 from clients.agent.executors.base import Executor, GpuUsage, Seedable, Telemetry

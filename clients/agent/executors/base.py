@@ -6,7 +6,6 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from clients.agent.operations import Capability, Operation, Outcome
-from planner_service.wire.enums import EngineStatus
 from planner_service.wire.state import PlacementEntry
 
 
@@ -20,7 +19,7 @@ class GpuUsage:
 @dataclass(frozen=True, slots=True)
 class Telemetry:
     gpus: list[GpuUsage] = field(default_factory=list)
-    engines: dict[str, EngineStatus] = field(default_factory=dict)  # engine name -> state
+    engines: dict[str, str] = field(default_factory=dict)  # engine name -> its state (EngineState or EngineStatus)
 
 
 @runtime_checkable
@@ -39,6 +38,14 @@ class Executor(Protocol):
     def engines(self) -> list[dict[str, Any]]: ...
 
     async def aclose(self) -> None: ...
+
+
+@runtime_checkable
+class Reconciling(Protocol):
+    """An executor that reads its engines' real state (at start, before each heartbeat): what differs from
+    what it last knew is returned as drift, one line each."""
+
+    async def reconcile(self) -> list[str]: ...
 
 
 @runtime_checkable

@@ -43,7 +43,6 @@ class ExecutorRegistry:
 
 def default_registry() -> ExecutorRegistry:
     # imported here: an engine executor's module is only loaded when a registry is built
-    from clients.agent.executors.lmcache import LMCacheExecutor
     from clients.agent.executors.local import LocalExecutor
     from clients.agent.executors.sglang import SGLangExecutor
     from clients.agent.executors.vllm import VLLMExecutor
@@ -52,5 +51,4 @@ def default_registry() -> ExecutorRegistry:
     registry.register(ExecutorName.LOCAL, LocalExecutor.from_config)
     registry.register(ExecutorName.VLLM, VLLMExecutor.from_config)
     registry.register(ExecutorName.SGLANG, SGLangExecutor.from_config)
-    registry.register(ExecutorName.LMCACHE, LMCacheExecutor.from_config)
     return registry

@@ -1,106 +1,111 @@
-"""The `sglang` executor: weights through SGLang's memory saver; a KV drop through its cache flush.
+"""The `sglang` executor: the engine model's transitions through SGLang's memory saver.
 
-Followed: SGLang docs "SGLang for RL Systems" (fine-grained engine sleep and wake up,
-docs.sglang.io/advanced_features/sglang_for_rl) and "SGLang Native APIs"
-(docs.sglang.io/basic_usage/native_api; `http_server.py`): `POST /release_memory_occupation`
-and `POST /resume_memory_occupation` with `{"tags": ["weights"]}` (`--enable-memory-saver`),
-`POST /update_weights_from_disk {"model_path": ...}`, `POST /flush_cache`.
-
-Mapping (one engine per model, `engines: {model: url}`; `model_paths: {model: path}`):
-  * weights GPU -> NVMe / drop:    `POST /release_memory_occupation {"tags": ["weights"]}`
-  * weights host|NVMe -> GPU:      `POST /resume_memory_occupation {"tags": ["weights"]}`,
-                                   `POST /update_weights_from_disk {"model_path": ...}`
-  * weights GPU -> host:           not possible: release discards the weights, nothing stays in host RAM
-  * KV drop on GPU:                `POST /flush_cache` (SGLang flushes its whole radix cache)
-  * KV moves:                      not possible over HTTP: HiCache moves KV between tiers by itself
-  * experts:                       not possible: no run-time partial offload of routed experts
+SGLang's source (sgl-project/sglang) that each call rests on:
+  * sleep: drain first. `release_memory_occupation` asserts that no request runs or waits
+    (python/sglang/srt/managers/scheduler_update_weights_mixin.py), and a failed assertion takes the server
+    down. So the agent polls `GET /get_load` (`num_reqs`, `num_waiting_reqs`; http_server.py) until the
+    engine is idle, within the engine's `drain_timeout_seconds` (else a temporary error: the planner may try
+    again), then `POST /pause_generation {"mode": "in_place"}` (its default, abort, kills running requests;
+    io_struct.py `PauseGenerationReqInput`), reads the load once more (a request that slipped in means
+    `continue_generation` and a temporary error), then `POST /release_memory_occupation {"tags": ["weights",
+    "kv_cache"]}`. Generation stays paused while the engine sleeps, so new requests wait instead of failing.
+  * level: released weights stay in host RAM only with `--enable-weights-cpu-backup` (feature `cpu_backup`:
+    level 1); without it they are discarded (level 2) (python/sglang/srt/server_args.py).
+  * wake: `POST /resume_memory_occupation` with the same tags; without the CPU backup
+    `POST /update_weights_from_disk {"model_path": ...}` reads the checkpoint again (so `model_path` is required
+    in the configuration); then `POST /continue_generation`.
+  * state: `GET /health`, `GET /get_model_info` (`model_path`). SGLang has no query for "released": the sleep
+    this agent sent is what it knows; after its own restart it reads an answering engine as running and says so.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import asyncio
+import time
+from typing import TYPE_CHECKING
 
 import httpx
 
-from clients.agent.errors import CapabilityError, PermanentError
-from clients.agent.executors.base import Telemetry
-from clients.agent.executors.engine_http import EngineHttp, EngineRequest
-from clients.agent.operations import Action, Capability, Kind, Operation, Outcome, Tier
-from clients.agent.probes import GpuProbe, NullProbe, default_probe
-from planner_service.wire.enums import EngineKind, EngineStatus
+from clients.agent.errors import TemporaryError
+from clients.agent.executors.engine import EngineExecutor, EngineHandle, Observation
+from clients.agent.executors.engine_http import EngineHttp, EngineRequest, json_or_none
+from clients.agent.probes import GpuProbe
+from planner_service.domain.engines import EngineFeature, EngineKind, EngineState
 
 if TYPE_CHECKING:
     from clients.agent.config import AgentConfig
 
-RELEASE_WEIGHTS = EngineRequest("/release_memory_occupation", json={"tags": ["weights"]})
-RESUME_WEIGHTS = EngineRequest("/resume_memory_occupation", json={"tags": ["weights"]})
-FLUSH_CACHE = EngineRequest("/flush_cache")
+HEALTH = EngineRequest("/health", method="GET")
+MODEL_INFO = EngineRequest("/get_model_info", method="GET")
+LOAD = EngineRequest("/get_load", method="GET")
+PAUSE_IN_PLACE = EngineRequest("/pause_generation", json={"mode": "in_place"})
+CONTINUE = EngineRequest("/continue_generation", json={})
+MEMORY_TAGS = ["weights", "kv_cache"]
+RELEASE = EngineRequest("/release_memory_occupation", json={"tags": MEMORY_TAGS})
+RESUME = EngineRequest("/resume_memory_occupation", json={"tags": MEMORY_TAGS})
 
 
-class SGLangExecutor:
-    capabilities: frozenset[Capability] = frozenset()  # none of the planner's partial moves
+def _label(request: EngineRequest) -> str:
+    return f"{request.method} {request.path}"
 
-    def __init__(
-        self,
-        engines: dict[str, str],
-        *,
-        model_paths: dict[str, str] | None = None,
-        http: EngineHttp | None = None,
-        probe: GpuProbe | None = None,
-    ):
-        self.engine_urls = dict(engines)
-        self.model_paths = dict(model_paths or {})
-        self._http = http or EngineHttp()
-        self.probe = probe or NullProbe()  # device memory before/after: what the engine really freed
 
+class SglangDriver:
+    kind = EngineKind.SGLANG
+
+    def check(self, engine: EngineHandle) -> list[str]:
+        return [] if engine.config.model_path else ["model_path: SGLang's reload reads the checkpoint from it"]
+
+    async def _load(self, http: EngineHttp, engine: EngineHandle) -> int:
+        ranks = json_or_none(await http.call(engine.name, engine.url, LOAD)) or []
+        ranks = ranks if isinstance(ranks, list) else [ranks]
+        return sum(int(r.get("num_reqs", 0)) + int(r.get("num_waiting_reqs", 0)) for r in ranks if isinstance(r, dict))
+
+    async def observe(self, http: EngineHttp, engine: EngineHandle) -> Observation:
+        await http.call(engine.name, engine.url, HEALTH)
+        info = json_or_none(await http.call(engine.name, engine.url, MODEL_INFO)) or {}
+        note = ""
+        if engine.config.model_path and info.get("model_path") not in (engine.config.model_path, engine.model):
+            note = f"serves {info.get('model_path')!r}, not {engine.config.model_path!r}"
+        if engine.level in (1, 2):
+            state = EngineState.ASLEEP_HOST if engine.level == 1 else EngineState.ASLEEP_DISCARDED
+            return Observation(state, note=note)
+        if engine.level is None:
+            note = "; ".join(n for n in (note, "released or not is not queryable on SGLang: taken as running") if n)
+        return Observation(EngineState.RUNNING, in_flight=await self._load(http, engine), note=note)
+
+    async def drain(self, http: EngineHttp, engine: EngineHandle) -> list[str]:
+        deadline = time.monotonic() + engine.config.drain_timeout_seconds
+        while (busy := await self._load(http, engine)) > 0:
+            if time.monotonic() > deadline:
+                raise TemporaryError(
+                    f"{engine.name}: {busy} request(s) still in flight after {engine.config.drain_timeout_seconds:g} s"
+                )
+            await asyncio.sleep(0.2)
+        return [_label(LOAD)]
+
+    async def sleep(self, http: EngineHttp, engine: EngineHandle, level: int) -> list[str]:
+        await http.call(engine.name, engine.url, PAUSE_IN_PLACE)
+        busy = await self._load(http, engine)
+        if busy:
+            await http.call(engine.name, engine.url, CONTINUE)
+            raise TemporaryError(f"{engine.name}: {busy} request(s) arrived during the drain; not released")
+        await http.call(engine.name, engine.url, RELEASE)
+        engine.level = level
+        return [_label(PAUSE_IN_PLACE), _label(LOAD), _label(RELEASE)]
+
+    async def wake(self, http: EngineHttp, engine: EngineHandle, *, reload: bool) -> list[str]:
+        requests = [RESUME]
+        if not engine.has(EngineFeature.CPU_BACKUP):  # the release discarded the weights
+            requests.append(EngineRequest("/update_weights_from_disk", json={"model_path": engine.config.model_path}))
+        requests.append(CONTINUE)
+        for request in requests:
+            await http.call(engine.name, engine.url, request)
+        return [_label(r) for r in requests]
+
+
+class SGLangExecutor(EngineExecutor):
     @classmethod
-    def from_config(cls, config: AgentConfig, http_client: httpx.AsyncClient | None = None) -> SGLangExecutor:
-        http = EngineHttp(timeout_seconds=config.engine_timeout_seconds, http_client=http_client)
-        return cls(config.engines, model_paths=config.model_paths, http=http, probe=default_probe(config.gpu_devices()))
-
-    def requests_for(self, op: Operation) -> list[EngineRequest]:
-        kind, src, dst = op.object.kind, op.source, op.dest
-        if kind is Kind.EXPERTS:
-            raise CapabilityError(
-                Capability.PARTIAL_EXPERTS, "SGLang cannot offload part of a MoE's experts at run time"
-            )
-        dropping = op.action is Action.DROP or dst is None
-        if kind is Kind.KV:
-            if dropping and src is not None and src.tier is Tier.GPU:
-                return [FLUSH_CACHE]
-            if src is None and dst is not None:
-                return []  # created by prefill: the engine computes it on the session's next request
-            raise CapabilityError(
-                Capability.KV_OFFLOAD, "SGLang's HiCache moves KV by itself; no HTTP call moves one session's KV"
-            )
-        if src is not None and src.tier is Tier.GPU and (dropping or (dst is not None and dst.tier is Tier.NVME)):
-            return [RELEASE_WEIGHTS]
-        if dst is not None and dst.tier is Tier.GPU and src is not None:
-            path = self.model_paths.get(op.object.model, op.object.model)
-            return [RESUME_WEIGHTS, EngineRequest("/update_weights_from_disk", json={"model_path": path})]
-        raise CapabilityError(
-            Capability.WEIGHTS_OFFLOAD,
-            f"SGLang's release discards weights (no host copy); it cannot {op.action.value} {op.object.label()} "
-            f"from {src.label() if src else 'nothing'} to {dst.label() if dst else 'nothing'}",
-        )
-
-    async def execute(self, op: Operation) -> Outcome:
-        requests = self.requests_for(op)
-        url = self.engine_urls.get(op.object.model)
-        if url is None:
-            raise PermanentError(
-                f"no SGLang engine configured for model {op.object.model!r}; engines: {sorted(self.engine_urls)}"
-            )
-        return await self._http.run(f"sglang[{op.object.model}]", url, requests, op=op, probe=self.probe)
-
-    def telemetry(self) -> Telemetry:
-        return Telemetry(engines={f"sglang-{m}": EngineStatus.CONFIGURED for m in self.engine_urls})
-
-    def engines(self) -> list[dict[str, Any]]:
-        return [
-            {"name": f"sglang-{m}", "kind": EngineKind.SGLANG, "models": [m], "url": u}
-            for m, u in sorted(self.engine_urls.items())
-        ]
-
-    async def aclose(self) -> None:
-        await self._http.aclose()
+    def from_config(
+        cls, config: AgentConfig, http_client: httpx.AsyncClient | None = None, probe: GpuProbe | None = None
+    ) -> EngineExecutor:
+        return EngineExecutor.build(SglangDriver(), config, http_client=http_client, probe=probe)

@@ -1,116 +1,119 @@
-"""The `vllm` executor: whole-model weights through vLLM's sleep mode; KV through LMCache.
+"""The `vllm` executor: the engine model's transitions through vLLM's sleep-mode endpoints.
 
-Followed: vLLM docs "Sleep Mode" (docs.vllm.ai/en/latest/features/sleep_mode) and
-the dev-mode router (`vllm/entrypoints/serve/sleep/api_router.py`, enabled with
-`VLLM_SERVER_DEV_MODE=1` and `--enable-sleep-mode`): `POST /sleep?level=1|2`,
-`POST /wake_up?tags=weights` (repeatable `tags`, none = everything),
-`GET /is_sleeping`, and `POST /collective_rpc {"method": "reload_weights"}` to
-load weights in place after a level-2 sleep.
-
-Mapping (one engine per model, `engines: {model: url}`):
-  * weights GPU -> host:           `POST /sleep?level=1`  (weights backed up in host RAM, KV discarded)
-  * weights GPU -> NVMe / drop:    `POST /sleep?level=2`  (weights discarded; the NVMe copy remains)
-  * weights host -> GPU:           `POST /wake_up?tags=weights`, then `POST /wake_up?tags=kv_cache`
-  * weights NVMe -> GPU:           `POST /wake_up?tags=weights`, `POST /collective_rpc` reload_weights,
-                                   `POST /wake_up?tags=kv_cache`
-  * KV:                            delegated to LMCache when configured (DESIGN.md §5), else not possible
-  * experts:                       not possible: vLLM cannot offload part of a MoE's experts at run time
-vLLM's /sleep takes a `level`, not `tags`: DESIGN.md's `POST /sleep?tags=kv_cache` for a KV drop is not
-an endpoint of vLLM, so a KV drop goes to LMCache's `/clear` as well.
+vLLM's source (vllm-project/vllm) that each call rests on:
+  * `POST /sleep?level=1|2&mode=wait`: level 1 offloads the weights to pinned host RAM and frees the KV pool,
+    level 2 discards both; `mode` defaults to abort (running requests killed), so the agent sends `wait`,
+    which drains them first (vllm/entrypoints/serve/sleep/api_router.py, vllm/v1/worker/gpu_worker.py).
+  * wake: `POST /wake_up?tags=weights`, then after a level-2 sleep (or one this agent did not see: `/is_sleeping`
+    does not tell the level) `POST /collective_rpc {"method": "reload_weights"}` to read the checkpoint again,
+    then `POST /wake_up?tags=kv_cache` (vllm/entrypoints/serve/rpc/api_router.py, docs/features/sleep_mode.md).
+    The wake frees the host backup (vllm/device_allocator/cumem.py).
+  * state: `GET /health` (503 once the engine died), `GET /is_sleeping`, `GET /v1/models`.
+  * drain before a stop: `GET /metrics`' `vllm:num_requests_running` and `vllm:num_requests_waiting`
+    (vllm/v1/metrics/loggers.py), polled until both are 0.
+The sleep endpoints exist only with `VLLM_SERVER_DEV_MODE=1` and work only with `--enable-sleep-mode`: an engine
+configured without the features `dev_mode` and `sleep_mode` is refused its sleeps by the engine model's
+preconditions, saying which flag is missing.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import asyncio
+import time
+from typing import TYPE_CHECKING
 
 import httpx
 
-from clients.agent.errors import CapabilityError, PermanentError
-from clients.agent.executors.base import Telemetry
-from clients.agent.executors.engine_http import EngineHttp, EngineRequest
-from clients.agent.executors.lmcache import LMCacheExecutor
-from clients.agent.operations import Action, Capability, Kind, Operation, Outcome, Tier
-from clients.agent.probes import GpuProbe, NullProbe, default_probe
-from planner_service.wire.enums import EngineKind, EngineStatus
+from clients.agent.errors import PermanentError, TemporaryError
+from clients.agent.executors.engine import EngineExecutor, EngineHandle, Observation
+from clients.agent.executors.engine_http import EngineHttp, EngineRequest, json_or_none
+from clients.agent.probes import GpuProbe
+from planner_service.domain.engines import EngineKind, EngineState
 
 if TYPE_CHECKING:
     from clients.agent.config import AgentConfig
 
+HEALTH = EngineRequest("/health", method="GET")
+IS_SLEEPING = EngineRequest("/is_sleeping", method="GET")
+MODELS = EngineRequest("/v1/models", method="GET")
+METRICS = EngineRequest("/metrics", method="GET")
 WAKE_WEIGHTS = EngineRequest("/wake_up", params={"tags": "weights"})
-WAKE_KV_CACHE = EngineRequest("/wake_up", params={"tags": "kv_cache"})  # the engine serves only with its KV pool
+WAKE_KV_CACHE = EngineRequest("/wake_up", params={"tags": "kv_cache"})
 RELOAD_WEIGHTS = EngineRequest("/collective_rpc", json={"method": "reload_weights"})
-SLEEP_1 = EngineRequest("/sleep", params={"level": 1})
-SLEEP_2 = EngineRequest("/sleep", params={"level": 2})
+QUEUE_GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting")
 
 
-class VLLMExecutor:
-    def __init__(
-        self,
-        engines: dict[str, str],
-        *,
-        http: EngineHttp | None = None,
-        lmcache: LMCacheExecutor | None = None,
-        probe: GpuProbe | None = None,
-    ):
-        self.engine_urls = dict(engines)
-        self._http = http or EngineHttp()
-        self.lmcache = lmcache
-        self.probe = probe or NullProbe()  # device memory before/after: what the engine really freed
-        self.capabilities = frozenset({Capability.WEIGHTS_OFFLOAD} | ({Capability.KV_OFFLOAD} if lmcache else set()))
+def sleep_request(level: int) -> EngineRequest:
+    return EngineRequest("/sleep", params={"level": level, "mode": "wait"})
 
-    @classmethod
-    def from_config(cls, config: AgentConfig, http_client: httpx.AsyncClient | None = None) -> VLLMExecutor:
-        http = EngineHttp(timeout_seconds=config.engine_timeout_seconds, http_client=http_client)
-        lmcache = LMCacheExecutor(config.lmcache, http=http) if config.lmcache else None
-        return cls(config.engines, http=http, lmcache=lmcache, probe=default_probe(config.gpu_devices()))
 
-    def requests_for(self, op: Operation) -> list[EngineRequest]:
-        kind, src, dst = op.object.kind, op.source, op.dest
-        if kind is Kind.EXPERTS:
-            raise CapabilityError(
-                Capability.PARTIAL_EXPERTS, "vLLM cannot offload part of a MoE's routed experts at run time"
-            )
-        if kind is Kind.KV:
-            if self.lmcache is None:
-                raise CapabilityError(
-                    Capability.KV_OFFLOAD, "vLLM moves a session's KV only through LMCache; configure `lmcache`"
+def _label(request: EngineRequest) -> str:
+    query = "&".join(f"{k}={v}" for k, v in request.params.items())
+    return f"{request.method} {request.path}" + (f"?{query}" if query else "")
+
+
+def requests_in_flight(metrics_text: str) -> int:
+    """Running + waiting requests from vLLM's Prometheus text (`vllm:num_requests_running{...} 2.0`)."""
+    total = 0.0
+    for line in metrics_text.splitlines():
+        if line.startswith(QUEUE_GAUGES):
+            total += float(line.rsplit(" ", 1)[-1])
+    return int(total)
+
+
+class VllmDriver:
+    kind = EngineKind.VLLM
+
+    def check(self, engine: EngineHandle) -> list[str]:
+        return []  # a missing feature is the engine model's refusal, per transition, with the flag it needs
+
+    async def observe(self, http: EngineHttp, engine: EngineHandle) -> Observation:
+        await http.call(engine.name, engine.url, HEALTH)
+        note = ""
+        served = json_or_none(await http.call(engine.name, engine.url, MODELS)) or {}
+        ids = [m.get("id") for m in served.get("data", []) if isinstance(m, dict)]
+        if engine.model not in ids:
+            note = f"serves {ids}, not {engine.model!r}"
+        try:
+            body = json_or_none(await http.call(engine.name, engine.url, IS_SLEEPING)) or {}
+        except PermanentError:  # 404: no dev mode, so it cannot have been put to sleep
+            return Observation(EngineState.RUNNING, note=note or "no /is_sleeping (VLLM_SERVER_DEV_MODE unset)")
+        if not body.get("is_sleeping"):
+            return Observation(EngineState.RUNNING, note=note)
+        if engine.level == 1:
+            return Observation(EngineState.ASLEEP_HOST, note=note)
+        # the level is not queryable: without this agent's own sleep, assume nothing sits in host RAM
+        why = "" if engine.level == 2 else "asleep at an unknown level: its wake reloads the weights"
+        return Observation(EngineState.ASLEEP_DISCARDED, note="; ".join(n for n in (note, why) if n))
+
+    async def sleep(self, http: EngineHttp, engine: EngineHandle, level: int) -> list[str]:
+        request = sleep_request(level)
+        await http.call(engine.name, engine.url, request)
+        engine.level = level
+        return [_label(request)]
+
+    async def wake(self, http: EngineHttp, engine: EngineHandle, *, reload: bool) -> list[str]:
+        requests = [WAKE_WEIGHTS, *([RELOAD_WEIGHTS] if reload else []), WAKE_KV_CACHE]
+        for request in requests:
+            await http.call(engine.name, engine.url, request)
+        return [_label(r) for r in requests]
+
+    async def drain(self, http: EngineHttp, engine: EngineHandle) -> list[str]:
+        deadline = time.monotonic() + engine.config.drain_timeout_seconds
+        while True:
+            response = await http.call(engine.name, engine.url, METRICS)
+            if requests_in_flight(response.text) == 0:
+                return [_label(METRICS)]
+            if time.monotonic() > deadline:
+                raise TemporaryError(
+                    f"{engine.name}: requests still running after {engine.config.drain_timeout_seconds:g} s of drain"
                 )
-            return self.lmcache.requests_for(op)
-        if src is not None and src.tier is Tier.GPU and (op.action is Action.DROP or dst is None):
-            return [SLEEP_2]
-        if src is not None and src.tier is Tier.GPU and dst is not None:
-            return [SLEEP_1] if dst.tier is Tier.HOST else [SLEEP_2]
-        if dst is not None and dst.tier is Tier.GPU and src is not None:
-            return (
-                [WAKE_WEIGHTS, WAKE_KV_CACHE]
-                if src.tier is Tier.HOST
-                else [WAKE_WEIGHTS, RELOAD_WEIGHTS, WAKE_KV_CACHE]
-            )
-        raise CapabilityError(
-            Capability.WEIGHTS_OFFLOAD,
-            f"vLLM keeps host weights only as the backup of a level-1 sleep; it cannot {op.action.value} "
-            f"{op.object.label()} from {src.label() if src else 'nothing'} to {dst.label() if dst else 'nothing'}",
-        )
+            await asyncio.sleep(0.2)
 
-    async def execute(self, op: Operation) -> Outcome:
-        requests = self.requests_for(op)
-        if op.object.kind is Kind.KV and self.lmcache is not None:
-            return await self._http.run("lmcache", self.lmcache.config.url, requests)
-        url = self.engine_urls.get(op.object.model)
-        if url is None:
-            raise PermanentError(
-                f"no vLLM engine configured for model {op.object.model!r}; engines: {sorted(self.engine_urls)}"
-            )
-        return await self._http.run(f"vllm[{op.object.model}]", url, requests, op=op, probe=self.probe)
 
-    def telemetry(self) -> Telemetry:
-        return Telemetry(engines={f"vllm-{m}": EngineStatus.CONFIGURED for m in self.engine_urls})
-
-    def engines(self) -> list[dict[str, Any]]:
-        return [
-            {"name": f"vllm-{m}", "kind": EngineKind.VLLM, "models": [m], "url": u}
-            for m, u in sorted(self.engine_urls.items())
-        ]
-
-    async def aclose(self) -> None:
-        await self._http.aclose()
+class VLLMExecutor(EngineExecutor):
+    @classmethod
+    def from_config(
+        cls, config: AgentConfig, http_client: httpx.AsyncClient | None = None, probe: GpuProbe | None = None
+    ) -> EngineExecutor:
+        return EngineExecutor.build(VllmDriver(), config, http_client=http_client, probe=probe)

@@ -1,0 +1,167 @@
+"""The contract fakes reject what the real engines reject (each rule cites its engine file in the fake)."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from fakes.lmcache import FakeLMCacheController, create_fake_lmcache
+from fakes.nvml import FakeNvml, NVMLError
+from fakes.sglang import FakeSglangEngine, create_fake_sglang
+from fakes.vllm import FakeVllmEngine, create_fake_vllm
+from fastapi import FastAPI
+
+pytestmark = pytest.mark.anyio
+GIB = 1 << 30
+
+
+def client(app: FastAPI) -> httpx.AsyncClient:
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://fake")
+
+
+def vllm(**kw: object) -> FakeVllmEngine:
+    return FakeVllmEngine(model="m", gpus=(0, 1), shard_bytes=4 * GIB, kv_pool_bytes=10 * GIB, **kw)  # type: ignore[arg-type]
+
+
+async def test_vllm_dev_endpoints_exist_only_in_dev_mode() -> None:
+    engine = vllm(dev_mode=False)
+    async with client(create_fake_vllm(engine)) as http:
+        for method, path in [
+            ("POST", "/sleep"),
+            ("POST", "/wake_up"),
+            ("GET", "/is_sleeping"),
+            ("POST", "/collective_rpc"),
+            ("POST", "/reset_prefix_cache"),
+        ]:
+            assert (await http.request(method, path)).status_code == 404, path
+        assert (await http.get("/health")).status_code == 200
+        assert (await http.get("/v1/models")).json()["data"][0]["id"] == "m"
+
+
+async def test_vllm_sleep_defaults_to_abort_and_wait_lets_requests_finish() -> None:
+    engine = vllm()
+    async with client(create_fake_vllm(engine)) as http:
+        engine.in_flight = 3
+        assert (await http.post("/sleep")).status_code == 200
+        assert engine.aborted == 3 and engine.level == 1
+        await http.post("/wake_up")
+        engine.in_flight = 2
+        engine_app_wait = http.post("/sleep", params={"level": 2, "mode": "wait"})
+        engine.in_flight = 0  # they finish
+        assert (await engine_app_wait).status_code == 200
+        assert engine.aborted == 3 and engine.level == 2
+        assert (await http.post("/sleep", params={"mode": "drain"})).status_code == 500
+
+
+async def test_vllm_level_1_keeps_a_host_backup_that_wake_frees_and_level_2_needs_a_reload() -> None:
+    engine = vllm()
+    async with client(create_fake_vllm(engine)) as http:
+        awake = engine.gpu_bytes()
+        assert awake == {0: engine.context_bytes + 14 * GIB, 1: engine.context_bytes + 14 * GIB}
+        await http.post("/sleep", params={"level": 1})
+        assert (await http.get("/is_sleeping")).json() == {"is_sleeping": True}
+        assert engine.gpu_bytes() == {0: engine.context_bytes, 1: engine.context_bytes}  # the residue
+        assert engine.host_backup_bytes == 8 * GIB
+        await http.post("/wake_up", params={"tags": "weights"})
+        assert engine.host_backup_bytes == 0 and engine.weights_valid and engine.sleeping  # KV not yet back
+        await http.post("/wake_up", params={"tags": "kv_cache"})
+        assert engine.gpu_bytes() == awake and engine.answers()
+        await http.post("/sleep", params={"level": 2})
+        assert engine.host_backup_bytes == 0
+        assert (await http.post("/collective_rpc", json={"method": "reload_weights"})).status_code == 500
+        await http.post("/wake_up")
+        assert not engine.answers()  # uninitialised weights
+        assert (await http.post("/collective_rpc", json={})).status_code == 400
+        assert (await http.post("/collective_rpc", json={"method": "reload_weights"})).status_code == 200
+        assert engine.answers()
+
+
+async def test_vllm_without_sleep_mode_refuses_to_sleep_and_a_dead_engine_is_unhealthy() -> None:
+    engine = vllm(sleep_mode=False)
+    async with client(create_fake_vllm(engine)) as http:
+        assert (await http.post("/sleep")).status_code == 500
+        engine.alive = False
+        assert (await http.get("/health")).status_code == 503
+
+
+def sglang(**kw: object) -> FakeSglangEngine:
+    return FakeSglangEngine(model_path="/models/m", gpus=(0,), shard_bytes=4 * GIB, kv_pool_bytes=8 * GIB, **kw)  # type: ignore[arg-type]
+
+
+async def test_sglang_release_while_busy_takes_the_server_down() -> None:
+    engine = sglang()
+    async with client(create_fake_sglang(engine)) as http:
+        engine.running = 1
+        assert (await http.post("/pause_generation", json={"mode": "in_place"})).status_code == 200
+        assert engine.running == 1  # in_place keeps them
+        assert (await http.post("/release_memory_occupation", json={"tags": ["weights"]})).status_code == 500
+        assert not engine.alive
+
+
+async def test_sglang_pause_defaults_to_abort_and_flush_is_400_while_running() -> None:
+    engine = sglang()
+    async with client(create_fake_sglang(engine)) as http:
+        engine.running = 2
+        assert (await http.post("/flush_cache")).status_code == 400
+        assert (await http.post("/pause_generation", json={"mode": "nope"})).status_code == 400
+        await http.post("/pause_generation")
+        assert engine.aborted == 2
+        assert (await http.post("/flush_cache")).status_code == 200
+
+
+async def test_sglang_release_discards_weights_without_cpu_backup() -> None:
+    for backup in (False, True):
+        engine = sglang(cpu_backup=backup)
+        async with client(create_fake_sglang(engine)) as http:
+            assert (await http.post("/release_memory_occupation", json={"tags": ["weights"]})).json()["success"]
+            assert engine.gpu_bytes() == {0: engine.context_bytes + 8 * GIB}
+            assert (await http.post("/resume_memory_occupation", json={"tags": ["weights"]})).status_code == 200
+            assert engine.weights_valid is backup
+            bad = await http.post("/update_weights_from_disk", json={"model_path": "m"})
+            assert bad.status_code == 400 and not bad.json()["success"]
+            await http.post("/update_weights_from_disk", json={"model_path": "/models/m"})
+            assert engine.weights_valid
+
+
+async def test_sglang_without_memory_saver_refuses_release_and_resume_needs_a_release() -> None:
+    engine = sglang(memory_saver=False)
+    async with client(create_fake_sglang(engine)) as http:
+        assert (await http.post("/release_memory_occupation", json={})).status_code == 400
+    engine = sglang()
+    async with client(create_fake_sglang(engine)) as http:
+        assert (await http.post("/resume_memory_occupation", json={"tags": ["weights"]})).status_code == 500
+
+
+async def test_lmcache_pin_needs_tokens_clear_is_per_location_move_needs_two_instances() -> None:
+    ctl = FakeLMCacheController(instances={"a", "b"})
+    tokens = list(range(512))
+    ctl.store("a", "LocalCPUBackend", tokens)
+    ctl.store("a", "LocalCPUBackend", list(range(1000, 1256)))  # another session's chunk
+    async with client(create_fake_lmcache(ctl)) as http:
+        assert (await http.post("/pin", json={"instance_id": "a", "location": "LocalCPUBackend"})).status_code == 422
+        pinned = await http.post("/pin", json={"instance_id": "a", "location": "LocalCPUBackend", "tokens": tokens})
+        assert pinned.json()["num_tokens"] == 512
+        same = {"old_position": ["a", "LocalCPUBackend"], "new_position": ["a", "LocalDiskBackend"], "tokens": tokens}
+        assert (await http.post("/move", json=same)).status_code == 500
+        other = {**same, "new_position": ["b", "LocalCPUBackend"]}
+        assert (await http.post("/move", json=other)).json()["num_tokens"] == 512
+        assert (await http.post("/move", json={**other, "new_position": ["c", "x"]})).status_code == 500
+        cleared = await http.post("/clear", json={"instance_id": "a", "location": "LocalCPUBackend"})
+        assert cleared.json()["num_tokens"] == 256  # every session's chunks at that location
+        assert (await http.post("/clear", json={"instance_id": "a"})).status_code == 422
+
+
+def test_fake_nvml_follows_the_engines_and_refuses_what_nvml_refuses() -> None:
+    engine = vllm()
+    nvml = FakeNvml([80 * GIB, 80 * GIB, 80 * GIB], lambda: [engine])
+    with pytest.raises(NVMLError):
+        nvml.nvmlDeviceGetCount()
+    nvml.nvmlInit()
+    with pytest.raises(NVMLError):
+        nvml.nvmlDeviceGetHandleByIndex(3)
+    used = nvml.nvmlDeviceGetMemoryInfo(nvml.nvmlDeviceGetHandleByIndex(1)).used
+    assert used == engine.context_bytes + 14 * GIB
+    engine.sleep(1, "wait")
+    memory = nvml.nvmlDeviceGetMemoryInfo(1)
+    assert memory.used == engine.context_bytes and memory.free == 80 * GIB - engine.context_bytes
+    assert nvml.nvmlDeviceGetMemoryInfo(2).used == 0
+    assert [p.pid for p in nvml.nvmlDeviceGetComputeRunningProcesses(0)] == [engine.pid]

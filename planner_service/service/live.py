@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 import logging
 import threading
 from collections.abc import Callable, Iterator, Mapping
@@ -118,6 +119,7 @@ class Live:
         self.quarantine: list[dict[str, Any]] = []  # placement entries a start took out: they broke an invariant
         self.predictor = SwitchPredictor([])
         self.sizes: Problem | None = None  # the live problem without residency: sizes, capacities, bandwidths
+        self._compiled_key: object = None  # what `sizes` was compiled from (`_sizes_key`)
         self.serving: set[str] = set()
 
     def require_ready(self) -> None:
@@ -223,11 +225,27 @@ class Live:
         return compile_problem(parse_scenario(data), next_model)
 
     def refresh_live(self) -> None:
-        """Recompute sizes (sessions, calibration) and the served models from the confirmed placement."""
-        data = self.scenario_data(self.placement)
-        data["residency"] = []
-        self.sizes = self.compile(data, {})
+        """Recompute sizes (sessions, calibration) and the served models from the confirmed placement.
+
+        Compiling the live problem is the costly part and most changes (a done report, most events) leave
+        its inputs as they were: it is compiled again only when the catalog, the cluster, the calibration or
+        a session it includes changed."""
+        key = self._sizes_key()
+        if self.sizes is None or key != self._compiled_key:
+            data = self.scenario_data(self.placement)
+            data["residency"] = []
+            self.sizes = self.compile(data, {})
+            self._compiled_key = key
         self.serving = set(ResidencyIndex.build(self.sizes, self.valid_placement(self.placement)).serving)
+
+    def _sizes_key(self) -> tuple[str, tuple[tuple[Any, ...], ...], frozenset[str | None]]:
+        """What `scenario_data` without residency depends on: base and calibration (edited in place, so
+        compared as JSON), the sessions' planning fields, and which ended sessions still hold KV."""
+        with_kv = frozenset(obj.session for obj, _ in self.placement if obj.kind is Kind.KV)
+        sessions = tuple(
+            (s.id, s.user, s.slo, s.model, s.active, s.ended, s.context_tokens) for s in self.sessions.values()
+        )
+        return json.dumps([self.base, self.calibration]), sessions, with_kv
 
     def publish_srv(self) -> None:
         """Snapshot the SRV of the confirmed placement; `version` moves exactly when the snapshot does."""

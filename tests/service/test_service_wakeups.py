@@ -98,3 +98,24 @@ def test_open_operations_are_indexed_by_node():
     open_ops.discard("b")
     assert set(open_ops) == {"c"} and len(open_ops) == 1 and "c" in open_ops
     assert set(open_ops.of_node("n2")) == set() and set(open_ops.of_node("n1")) == {"c"}
+
+
+def test_the_live_problem_is_compiled_again_only_when_what_it_is_made_of_changed(woken, clock):
+    svc, _ = woken
+    live = svc.live
+    compiled = []
+    original = live.compile
+    live.compile = lambda data, next_model: compiled.append(1) or original(data, next_model)
+    live.refresh_live()
+    assert compiled == []  # nothing changed since the start
+    svc.apply_events([RequestEvent(id="e1", type="request", session="s1", model="beta", input_tokens=1000)])
+    live.refresh_live()
+    assert "s1" in live.sizes.sessions and len(compiled) == 1  # a new session
+    live.refresh_live()
+    assert len(compiled) == 1
+    live.calibration["nodes"]["n1"] = {"nvme_read_bytes_per_s": {"value": 1e9}}  # edited in place, as the service does
+    live.refresh_live()
+    assert len(compiled) == 2 and live.sizes.nodes["n1"].nvme_read_bytes_per_s == 1e9
+    live.base["cluster"]["nodes"][0]["host_dram_bytes"] //= 2
+    live.refresh_live()
+    assert len(compiled) == 3

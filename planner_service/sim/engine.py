@@ -11,10 +11,16 @@ What is modelled (the same cost model as the planner, `planner/costs.py`):
   DRAM cache), for every policy alike.
 * **Bandwidth** (`cluster.py`): every GPU's PCIe direction and every node's
   NVMe read/write are shared by processor sharing.
-* **Engine overhead**: a model whose weights became complete on its GPUs
-  serves `constants.engine_load_overhead_seconds` later (default 0.3 s: vLLM
-  sleep-mode level-1 wake measured 0.1-0.4 s in the 2025-10-03 post, 0.1-6 s
-  across models in the final one; perf_anchors.md section 1).
+* **Engines** (`instances.py`, the engine model of `domain/engines.py`):
+  a model serves from an engine instance of its node's declared kind
+  (`local` where the node declares none). Bringing it onto a group is a
+  cold start (`cold_start_fixed_seconds` after the copy, 30 s by default:
+  perf_anchors.md section 1) or a wake of the instance sleeping there
+  (level 1 from its host backup, level 2 reloading from disk); taking it
+  off is a sleep (its GPU KV freed, its CUDA context left on the group) or,
+  where its kind cannot sleep, a stop. A sleeping engine's residue gives
+  way to loads (the engine stops) unless it is adopted. On `vllm` and
+  `sglang` a MoE's GPU expert share is fixed while the instance runs.
 * **Compute**: prefill is compute-bound (`costs.prefill_seconds_per_token`
   on the serving group) and serialised per GPU (one prefill at a time on a
   card, which models sharing the card take in turn: a prefill starts when
@@ -42,7 +48,7 @@ only for the previous turn to end; a slow cluster then falls ever further
 behind the trace.
 
 **Switch latency** of a request = from its arrival until its model's weights
-are on GPU and ready (engine overhead included) and the session's history KV
+are on GPU and ready (the engine's cold start or wake included) and the session's history KV
 is ready to prefill (restore and re-prefill of the uncovered history included,
 as is waiting for room and for the group's prefill queue).
 **TTFT** = switch latency + prefill of the new input tokens.
@@ -61,6 +67,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from planner_service.domain.engines import EngineConstants
 from planner_service.domain.predictions import problem_from_scenario
 from planner_service.domain.problem import Problem
 from planner_service.domain.scenario import Scenario
@@ -177,14 +184,9 @@ class Simulator(SimState):
         on_progress: Callable[[float], None] | None = None,
         expert_miss_decode: bool = True,
         closed_loop: bool = True,
+        engine_constants: EngineConstants | None = None,
     ) -> None:
-        fixed = [f"cluster.nodes[{i}].engines" for i, n in enumerate(scenario.cluster.nodes) if n.engines is not None]
-        if fixed:  # its policies start engines where they load a model, on groups of their choosing
-            raise ValueError(
-                f"{', '.join(fixed)}: the simulator starts engines for any model on the groups its "
-                "policies choose; replay a scenario whose nodes list no engines"
-            )
-        super().__init__(scenario, base_problem(scenario), records)
+        super().__init__(scenario, base_problem(scenario), records, engine_constants)
         self.policy = policy
         self.seed = seed
         self.tick_seconds = tick_seconds

@@ -14,12 +14,14 @@ from collections.abc import Callable, Iterable, Sequence
 from functools import partial
 from typing import Protocol
 
+from planner_service.domain.engines import EngineState, Transition
 from planner_service.domain.problem import Gpu
 from planner_service.domain.scenario import Capability
 from planner_service.domain.state import Kind, Location, StateObject, Tier
 from planner_service.planner.greedy import split_evenly
 from planner_service.planner.operations import Action, Operation
 from planner_service.sim.cluster import Transfer
+from planner_service.sim.instances import SleepingEngine
 from planner_service.sim.state import ModelState, SimState
 from planner_service.sim.view import SimView
 
@@ -82,7 +84,7 @@ class Executor:
 
         `force` also evicts weights that only waiting requests want (to reload them where their KV fits).
         """
-        if self.view.pinned(obj, force) or self.cluster.reading(obj, loc):
+        if self.view.pinned(obj, force) or self.cluster.reading(obj, loc) or self.view.experts_fixed(obj, loc):
             return 0
         node = self.problem.gpus[loc.id].node
         if obj.kind is not Kind.KV and self.cluster.complete_below(obj, node) is None:
@@ -98,7 +100,7 @@ class Executor:
             else:
                 state = self.models.get(obj.model)
                 if state is not None and state.node == node and state.precision == obj.precision:
-                    del self.models[obj.model]
+                    self._take_down(state, obj.model)
                     self._drop_experts(obj.model)
         self.operations += 1
         if before:
@@ -121,6 +123,8 @@ class Executor:
             if self.cluster.free(loc) >= target:
                 break
             self.evict(obj, loc)
+        if self.cluster.free(loc) < target:
+            self.stop_sleeping(loc, target, protect)  # a later load of theirs is a cold start, not a wake
         return self.cluster.free(loc) >= target
 
     def load_model(
@@ -154,10 +158,10 @@ class Executor:
         shards = split_evenly(model.weights_bytes[precision], len(group))
         for g, b in zip(group, shards, strict=True):
             loc = Location.gpu(g.id)
-            have = self.cluster.bytes_of(obj, loc)
-            if b - have > self.cluster.free(loc):
-                self.make_room(loc, b - have - self.cluster.free(loc), protect={*protect, model_id})
-            if b - have > self.cluster.free(loc):
+            need = b - self.cluster.bytes_of(obj, loc) - self._own_residue(model_id, node_id, g.id)
+            if need > self.cluster.free(loc):
+                self.make_room(loc, need - self.cluster.free(loc), protect={*protect, model_id})
+            if need > self.cluster.free(loc):
                 return False
         self.promote_weights(model_id, node_id, precision, group)
         return True
@@ -168,8 +172,7 @@ class Executor:
         source_tier = self.cluster.complete_below(obj, node_id)
         assert source_tier is not None, f"no copy of {obj.label()} below GPU on {node_id}"
         source = Location(source_tier, node_id)
-        state = ModelState("loading", node_id, precision, group, self.sim.next_epoch())
-        self.models[model_id] = state
+        state = self._bring_up(model_id, node_id, precision, group, "loading")
         shards = split_evenly(model.weights_bytes[precision], len(group))
         for g, b in zip(group, shards, strict=True):
             need = b - self.cluster.bytes_of(obj, Location.gpu(g.id))
@@ -186,10 +189,7 @@ class Executor:
         """Weights a policy's own operations completed on GPUs: the engine warms them up and serves them."""
         if model_id in self.models:
             return
-        state = ModelState(
-            "loading", node_id, precision, tuple(sorted(gpus, key=lambda g: g.id)), self.sim.next_epoch()
-        )
-        self.models[model_id] = state
+        state = self._bring_up(model_id, node_id, precision, tuple(sorted(gpus, key=lambda g: g.id)), "loading")
         self._weights_complete(state, model_id)
 
     def _shard_done(self, state: ModelState, transfer: Transfer) -> None:
@@ -208,7 +208,7 @@ class Executor:
             if Capability.WEIGHTS_OFFLOAD in self.problem.nodes[state.node].capabilities:
                 self.cluster.add(obj, host, nbytes - self.cluster.bytes_of(obj, host))
         state.status = "warming"
-        self.sim.push(self.sim.now + self.c.engine_load_overhead_seconds, "model_ready", (model_id, state.epoch))
+        self.sim.push(self.sim.now + state.warmup_seconds, "model_ready", (model_id, state.epoch))
 
     def on_model_ready(self, payload: tuple[str, int]) -> None:
         model_id, epoch = payload
@@ -225,7 +225,68 @@ class Executor:
         obj = StateObject.weights(model_id, precision)
         for g, b in zip(group, split_evenly(model.weights_bytes[precision], len(group)), strict=True):
             self.cluster.add(obj, Location.gpu(g.id), b - self.cluster.bytes_of(obj, Location.gpu(g.id)))
-        self.models[model_id] = ModelState("ready", node_id, precision, tuple(group), self.sim.next_epoch())
+        self._bring_up(model_id, node_id, precision, tuple(group), "ready")
+
+    # -- engine instances ---------------------------------------------------------------
+
+    def _bring_up(self, model_id: str, node_id: str, precision: str, group: tuple[Gpu, ...], status: str) -> ModelState:
+        """The model's new serving engine on `group`: a wake of the instance sleeping there, else a cold
+        start (a set-up placement, `status` ready, is up at t=0 and pays neither)."""
+        book = self.sim.engines
+        instance = book.instance(node_id, model_id, precision, group)
+        warmup = book.start_fixed_seconds(node_id, model_id, precision, group) if status != "ready" else 0.0
+        sleeping = book.asleep.get((model_id, node_id))
+        if sleeping is not None and (sleeping.instance == instance or book.may_stop(sleeping.instance)):
+            self._release_residue(model_id, node_id)  # woken (its context serves again) or stopped
+        state = ModelState(status, node_id, precision, group, self.sim.next_epoch(), instance, warmup)
+        self.models[model_id] = state
+        return state
+
+    def _own_residue(self, model_id: str, node_id: str, gpu_id: str) -> int:
+        """The residue the model's own sleeping instance holds on a GPU (its wake or stop frees it)."""
+        sleeping = self.sim.engines.asleep.get((model_id, node_id))
+        if sleeping is None or gpu_id not in sleeping.instance.gpus:
+            return 0
+        return self.sim.engines.residue_bytes() if self.sim.engines.may_stop(sleeping.instance) else 0
+
+    def _release_residue(self, model_id: str, node_id: str) -> None:
+        sleeping = self.sim.engines.asleep.pop((model_id, node_id))
+        for gpu_id in sleeping.instance.gpus:
+            self.cluster.release(model_id, Location.gpu(gpu_id), self.sim.engines.residue_bytes())
+
+    def _take_down(self, state: ModelState, model_id: str) -> None:
+        """The serving engine leaves its GPUs: it sleeps where its kind allows (its GPU KV discarded, its CUDA
+        context left on each GPU of the group), else it stops."""
+        del self.models[model_id]
+        book, c = self.sim.engines, self.cluster
+        weights = StateObject.weights(model_id, state.precision)
+        host_copy = c.bytes_of(weights, Location.host(state.node)) >= c.full_size(weights)
+        level = book.sleep_level(state.instance, host_copy)
+        if (model_id, state.node) in book.asleep:
+            self._release_residue(model_id, state.node)  # one instance of a model sleeps per node
+        residue = book.residue_bytes()
+        locs = [Location.gpu(g.id) for g in state.gpus]
+        if level is not None:
+            for loc in locs:
+                for obj in [o for o in c.objects_at(loc) if o.kind is Kind.KV and o.model == model_id]:
+                    if obj not in self.sim.running_kv:  # the sleep frees the KV pool
+                        c.remove(obj, loc)
+                        self.sim.gpu_tokens[obj] = 0
+            if all(c.free(loc) >= residue for loc in locs):
+                for loc in locs:
+                    c.hold(model_id, loc, residue)
+                asleep = EngineState.ASLEEP_HOST if level is Transition.SLEEP_LEVEL_1 else EngineState.ASLEEP_DISCARDED
+                book.asleep[(model_id, state.node)] = SleepingEngine(state.instance, state.node, asleep)
+
+    def stop_sleeping(self, loc: Location, free_target: int, protect: Iterable[str] = ()) -> None:
+        """Stop engines sleeping on a GPU (managed ones, not of the `protect` models: an adopted engine is its
+        owner's to stop) until `free_target` bytes are free there."""
+        book, protect = self.sim.engines, set(protect)
+        for sleeping in list(book.sleeping_on(loc.id)):
+            if self.cluster.free(loc) >= free_target:
+                return
+            if sleeping.instance.model not in protect and book.may_stop(sleeping.instance):
+                self._release_residue(sleeping.instance.model, sleeping.node)
 
     def fill_experts(self, model_id: str, headroom: float = KV_HEADROOM, gpu_ids: Iterable[str] | None = None) -> None:
         """Copy a MoE's routed experts into the free room of its node's GPUs, leaving `headroom` of each GPU."""
@@ -276,6 +337,8 @@ class Executor:
         obj, c, source, dest = op.object, self.cluster, op.source, op.dest
         if source is None:
             return "failed"  # only KV is made from nothing, by the requests that need it
+        if self.view.experts_fixed(obj, source) or (dest is not None and self.view.experts_fixed(obj, dest)):
+            return "failed"  # the running engine's expert share is a launch setting
         if op.action is Action.DROP:
             return self._drop(obj, source, op.bytes)
         if dest is None:
@@ -324,7 +387,7 @@ class Executor:
             state = self.models.get(obj.model)
             if state is not None and state.precision == obj.precision and loc.id in {g.id for g in state.gpus}:
                 if state.status == "ready" and not self.sim.running.get(obj.model):
-                    del self.models[obj.model]
+                    self._take_down(state, obj.model)
 
     def _stored_already(self, obj: StateObject, source: Location, dest: Location) -> bool:
         """Whether a KV copy to host DRAM would add nothing: the host copy covers what the source covers."""

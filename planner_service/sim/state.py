@@ -9,10 +9,12 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from planner_service.domain.engines import EngineConstants, EngineInstance
 from planner_service.domain.problem import Gpu, Problem
 from planner_service.domain.scenario import Scenario, Slo
 from planner_service.domain.state import StateObject
 from planner_service.sim.cluster import SimCluster
+from planner_service.sim.instances import EngineBook
 from planner_service.sim.trace import TraceRecord
 
 
@@ -61,6 +63,8 @@ class ModelState:
     precision: str
     gpus: tuple[Gpu, ...]
     epoch: int
+    instance: EngineInstance
+    warmup_seconds: float = 0.0  # the start's or wake's fixed part, after the weights are complete
     pending: int = 0  # shards still copying
 
 
@@ -69,7 +73,13 @@ class SimState:
     sessions and requests, and what each KV copy covers. The simulator (`engine.py`) advances it; the
     executor changes it for the policy; the policy reads it through `SimView`."""
 
-    def __init__(self, scenario: Scenario, problem: Problem, records: Sequence[TraceRecord]) -> None:
+    def __init__(
+        self,
+        scenario: Scenario,
+        problem: Problem,
+        records: Sequence[TraceRecord],
+        engine_constants: EngineConstants | None = None,
+    ) -> None:
         self.scenario = scenario
         self.problem = problem
         self.c = problem.constants
@@ -84,6 +94,7 @@ class SimState:
         self.requests: list[SimRequest] = []
         self.waiting: list[SimRequest] = []
         self.models: dict[str, ModelState] = {}  # the engine serving each model
+        self.engines = EngineBook(problem, engine_constants or EngineConstants())  # kinds, costs, sleepers
         self._epochs = itertools.count(1)
         self.demand: dict[str, int] = defaultdict(int)  # waiting + running requests per model
         self.running: dict[str, int] = defaultdict(int)  # running requests per model

@@ -154,14 +154,28 @@ class SimView:
         out = []
         for obj in self.cluster.objects_at(loc):
             if (
-                obj.model in protect and obj.kind is Kind.WEIGHTS or self.pinned(obj)
-            ):  # experts are a cache: they give way
+                obj.model in protect and obj.kind is Kind.WEIGHTS or self.pinned(obj) or self.experts_fixed(obj, loc)
+            ):  # experts are a cache: they give way, unless their engine fixed them at launch
                 continue
             key = self._rules.victim_key(self, obj, loc)
             if key is not None:
                 out.append((key, obj))
         out.sort()
         return out
+
+    def experts_fixed(self, obj: StateObject, loc: Location) -> bool:
+        """Whether `obj` is a MoE's experts on a GPU whose running engine fixed its expert share at launch
+        (vLLM, SGLang: changing it is a restart; only `local` moves experts at run time)."""
+        if obj.kind is not Kind.EXPERTS or loc.tier is not Tier.GPU:
+            return False
+        state = self._sim.models.get(obj.model)
+        node = self._sim.problem.gpus[loc.id].node
+        return state is not None and state.node == node and not self._sim.engines.runtime_experts(node, obj.model)
+
+    def stoppable_residue(self, gpu_id: str) -> int:
+        """Bytes that stopping the managed engines sleeping on a GPU would free there."""
+        book = self._sim.engines
+        return sum(book.residue_bytes() for e in book.sleeping_on(gpu_id) if book.may_stop(e.instance))
 
     def choose_group(
         self,
@@ -184,24 +198,31 @@ class SimView:
             for node_id in sorted(self._sim.problem.nodes):
                 node = self._sim.problem.nodes[node_id]
                 source = self.cluster.complete_below(obj, node_id)
-                if source is None:
+                if source is None or not node.can_serve(model_id):
                     continue
+                fixed = node.engine_gpus.get(model_id)  # its declared engine runs on these GPUs only
                 room = {}
-                for g in node.gpus:
+                for g in fixed or node.gpus:
                     if allowed(g):
                         loc = Location.gpu(g)
-                        room[g] = self.cluster.free(loc) + sum(
-                            self.cluster.bytes_of(o, loc) for _, o in self.evictable(loc, protect)
+                        room[g] = (
+                            self.cluster.free(loc)
+                            + sum(self.cluster.bytes_of(o, loc) for _, o in self.evictable(loc, protect))
+                            + self.stoppable_residue(g)
                         )
+                if fixed and len(room) < len(fixed):
+                    continue
                 gpus = sorted((self._sim.problem.gpus[g] for g in room), key=lambda g: (-room[g.id], g.id))
-                for k in range(1, len(gpus) + 1):
+                for k in range(len(fixed) if fixed else 1, len(gpus) + 1):
                     group = tuple(sorted(gpus[:k], key=lambda g: g.id))
                     if k < max(model.min_gpus.get(g.type, 1) for g in group):
                         continue
                     shard = math.ceil(nbytes / k) + math.ceil(kv_bytes / k)
                     if all(room[g.id] >= shard for g in group):
                         evict = sum(max(0, shard - self.cluster.free(Location.gpu(g.id))) for g in group)
-                        seconds = costs.weights_load_seconds(nbytes, group, source, node, self._sim.c)
+                        seconds = costs.even_copy_seconds(
+                            math.ceil(nbytes / k), group, source, node
+                        ) + self._sim.engines.start_fixed_seconds(node_id, model_id, precision, group)
                         key = (evict > 0, seconds, evict, node_id)
                         if best is None or key < best[0]:
                             best = (key, (node_id, precision, group))

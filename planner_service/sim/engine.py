@@ -24,12 +24,11 @@ What is modelled (the same cost model as the planner, `planner/costs.py`):
 * **Compute**: prefill is compute-bound (`costs.prefill_seconds_per_token`
   on the serving group) and serialised per GPU (one prefill at a time on a
   card, which models sharing the card take in turn: a prefill starts when
-  every card of its group is free); decode is memory-bound: a step reads
-  the active weights, `(weights + active expert bytes per token) / (0.8 *
-  sum of HBM bandwidth)` (0.8: the HBM derating aiconfigurator and InferSim
-  use), plus the MoE miss cost of `moe.miss_seconds_per_token`: a missed
-  routed expert is streamed over PCIe or computed by the CPU from host DRAM
-  (KTransformers), the cheaper. Concurrent requests of one model on its
+  every card of its group is free); decode is memory-bound
+  (`costs.decode_seconds_per_token`: a step reads the active weights from
+  HBM, plus the planner's MoE miss rule `costs.expert_miss_seconds`: a
+  missed routed expert is streamed over PCIe or, where host DRAM holds the
+  experts, computed by the CPU (KTransformers), the cheaper). Concurrent requests of one model on its
   group share decode steps (a batch), so decode does not slow down with the
   batch size.
 * **KV**: a session's history H grows by each turn's input + output tokens.
@@ -37,7 +36,8 @@ What is modelled (the same cost model as the planner, `planner/costs.py`):
   while retained. A request allocates its whole KV footprint
   (H + input + output tokens) on the serving group when it starts, then makes
   the uncovered history ready by restoring from host DRAM (shared PCIe) or by
-  re-prefilling it, whichever the cost model says is cheaper.
+  re-prefilling it, whichever `costs.kv_ready` (the planner's rule) says is
+  cheaper.
 
 **Sessions** run one turn at a time and, by default, in a closed loop: an
 agent sends its next turn only once the previous answer is back, so a turn
@@ -74,7 +74,6 @@ from planner_service.domain.scenario import Scenario
 from planner_service.domain.state import Kind, Location, StateObject, Tier
 from planner_service.planner import costs
 from planner_service.planner.greedy import split_evenly
-from planner_service.sim import moe
 from planner_service.sim.cluster import Transfer
 from planner_service.sim.executor import KV_HEADROOM, Executor, SimulationError
 from planner_service.sim.state import ModelState, SessionState, SimRequest, SimState
@@ -93,8 +92,6 @@ __all__ = [
     "base_problem",
     "simulate",
 ]
-
-HBM_EFFICIENCY = 0.8  # achieved / spec HBM bandwidth (aiconfigurator, InferSim; perf_anchors.md section 6)
 
 
 class PolicyHooks(Protocol):
@@ -469,20 +466,17 @@ class Simulator(SimState):
         self.touch(StateObject.weights(req.model, state.precision))
         self.touch(kv)
         self.policy.on_start(self.view, req)
-        # make the uncovered history ready: restore from host or re-prefill, the cheaper
+        # make the uncovered history ready: restore from host or re-prefill, the cheaper (the planner's rule)
         computed = min(self.computed_tokens[kv], history)
         have = min(self.gpu_tokens[kv], computed)
         missing = history - have
-        node = self.problem.nodes[state.node]
-        per_token = costs.prefill_seconds_per_token(model, group, self.c)
         host_tokens = min(self.host_tokens[kv], computed) if self.cluster.bytes_of(kv, Location.host(state.node)) else 0
         restorable = max(0, host_tokens - have)
-        if missing > 0 and restorable > 0 and kvpt > 0:
-            shard = math.ceil(restorable * kvpt / len(group))
-            restore = costs.copy_seconds([shard] * len(group), group, Tier.HOST, node)
-            if restore + (missing - restorable) * per_token < missing * per_token:
-                self._restore(req, state, kv, restorable, shard, missing - restorable)
-                return True
+        node = self.problem.nodes[state.node]
+        restored, _ = costs.kv_ready(missing, restorable * kvpt, model, group, Tier.HOST, node, self.c)
+        if restored > 0:
+            self._restore(req, state, kv, restored, math.ceil(restored * kvpt / len(group)), missing - restored)
+            return True
         self._compute(req, state, missing)
         return True
 
@@ -524,15 +518,24 @@ class Simulator(SimState):
         self.push(first_token + decode, "done", req)
 
     def decode_seconds_per_token(self, model_id: str, state: ModelState) -> float:
+        """`costs.decode_seconds_per_token` on the serving group, at the share of the model's routed experts on
+        its node's GPUs; a missed expert is computed by the CPU where host DRAM holds them all."""
         model = self.problem.models[model_id]
-        hbm = HBM_EFFICIENCY * sum(g.hbm_bytes_per_s for g in state.gpus)
-        step = (model.weights_bytes[state.precision] + model.active_expert_bytes_per_token) / hbm
-        if not model.is_moe or not self.expert_miss_decode:
-            return step
-        experts = StateObject.experts(model_id)
-        fraction = self.cluster.node_bytes(experts, state.node, Tier.GPU) / model.experts_bytes
-        in_dram = self.cluster.complete_below(experts, state.node) is Tier.HOST  # the CPU can compute them
-        return step + moe.miss_seconds_per_token(model, fraction, state.gpus, self.c, cpu_experts=in_dram)
+        fraction = 0.0
+        in_dram = False
+        if model.is_moe and self.expert_miss_decode:
+            experts = StateObject.experts(model_id)
+            fraction = self.cluster.node_bytes(experts, state.node, Tier.GPU) / model.experts_bytes
+            in_dram = self.cluster.complete_below(experts, state.node) is Tier.HOST
+        return costs.decode_seconds_per_token(
+            model,
+            state.precision,
+            state.gpus,
+            fraction,
+            self.c,
+            cpu_experts=in_dram,
+            expert_misses=self.expert_miss_decode,
+        )
 
     def _on_done(self, req: SimRequest) -> None:
         session = self.sessions[req.session]

@@ -210,6 +210,7 @@ class Simulator(SimState):
             self.push(rec.t, "record", i)
         end_of_trace = self.records[-1].t if self.records else 0.0
         self.policy.setup(self.view, self.executor)
+        self.executor.adopted_asleep()
         for model_id in sorted(self.models):
             if self.models[model_id].status == "ready":
                 self.policy.on_model_ready(self.view, model_id)  # what the policy does next to a model it placed
@@ -558,7 +559,7 @@ class Simulator(SimState):
         state = self.models.get(req.model)
         if state is not None:
             self.touch(StateObject.weights(req.model, state.precision))
-        if self.kv_offload and state is not None:
+        if self.kv_offload and state is not None and self.engines.keeps_kv_in_host(state.node, req.model):
             self._write_through(
                 kv, state.node, session.history_tokens * model.kv_bytes_per_token, session.history_tokens
             )

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable, Sequence
 from functools import partial
 from typing import Protocol
 
-from planner_service.domain.engines import EngineState, Transition
+from planner_service.domain.engines import EngineState, Management, Transition
 from planner_service.domain.problem import Gpu
 from planner_service.domain.scenario import Capability
 from planner_service.domain.state import Kind, Location, StateObject, Tier
@@ -260,7 +260,8 @@ class Executor:
         del self.models[model_id]
         book, c = self.sim.engines, self.cluster
         weights = StateObject.weights(model_id, state.precision)
-        host_copy = c.bytes_of(weights, Location.host(state.node)) >= c.full_size(weights)
+        host = Location.host(state.node)
+        host_copy = c.bytes_of(weights, host) + c.incoming(weights, host) >= c.full_size(weights)  # (or a demote's)
         level = book.sleep_level(state.instance, host_copy)
         if (model_id, state.node) in book.asleep:
             self._release_residue(model_id, state.node)  # one instance of a model sleeps per node
@@ -277,6 +278,31 @@ class Executor:
                     c.hold(model_id, loc, residue)
                 asleep = EngineState.ASLEEP_HOST if level is Transition.SLEEP_LEVEL_1 else EngineState.ASLEEP_DISCARDED
                 book.asleep[(model_id, state.node)] = SleepingEngine(state.instance, state.node, asleep)
+
+    def adopted_asleep(self) -> None:
+        """Set-up: an adopted engine on fixed GPUs that no placement put there runs already (its owner started
+        it) and sleeps, so bringing its model up is a wake, never a start."""
+        book, c = self.sim.engines, self.cluster
+        for node_id, node in sorted(self.problem.nodes.items()):
+            for model_id, declared in sorted(node.declared_engines.items()):
+                gpu_ids = node.engine_gpus.get(model_id)
+                state = self.models.get(model_id)
+                if declared.management is not Management.ADOPTED or not gpu_ids or (model_id, node_id) in book.asleep:
+                    continue
+                if state is not None and state.node == node_id:
+                    continue
+                model = self.problem.models[model_id]
+                gpus = tuple(self.problem.gpus[g] for g in gpu_ids)
+                instance = book.instance(node_id, model_id, model.preferred, gpus)
+                weights = StateObject.weights(model_id, model.preferred)
+                level = book.sleep_level(instance, c.complete_below(weights, node_id) is Tier.HOST)
+                locs = [Location.gpu(g) for g in gpu_ids]
+                if level is None or any(c.free(loc) < book.residue_bytes() for loc in locs):
+                    continue
+                for loc in locs:
+                    c.hold(model_id, loc, book.residue_bytes())
+                asleep = EngineState.ASLEEP_HOST if level is Transition.SLEEP_LEVEL_1 else EngineState.ASLEEP_DISCARDED
+                book.asleep[(model_id, node_id)] = SleepingEngine(instance, node_id, asleep)
 
     def stop_sleeping(self, loc: Location, free_target: int, protect: Iterable[str] = ()) -> None:
         """Stop engines sleeping on a GPU (managed ones, not of the `protect` models: an adopted engine is its
@@ -339,6 +365,8 @@ class Executor:
             return "failed"  # only KV is made from nothing, by the requests that need it
         if self.view.experts_fixed(obj, source) or (dest is not None and self.view.experts_fixed(obj, dest)):
             return "failed"  # the running engine's expert share is a launch setting
+        if obj.kind is Kind.KV and not self.sim.engines.moves_session_kv(self.problem.node_of(source), obj.model):
+            return "failed"  # vLLM and SGLang cannot move or free one request's KV: it is predicted, not commanded
         if op.action is Action.DROP:
             return self._drop(obj, source, op.bytes)
         if dest is None:

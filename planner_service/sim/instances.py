@@ -69,6 +69,16 @@ class EngineBook:
             management=declared.management,
         )
 
+    def moves_session_kv(self, node_id: str, model_id: str) -> bool:
+        """Whether the model's engine on the node moves or frees one session's KV on request (only `local`)."""
+        return engines.offers(self.declared(node_id, model_id).kind, engines.RuntimeMove.SESSION_KV)
+
+    def keeps_kv_in_host(self, node_id: str, model_id: str) -> bool:
+        """Whether the engine stores each turn's KV to host RAM as it is produced: `local` (the agent's own
+        executor), or a vLLM engine launched with LMCache (its CPU tier)."""
+        declared = self.declared(node_id, model_id)
+        return declared.kind is EngineKind.LOCAL or engines.EngineFeature.LMCACHE in declared.features
+
     def runtime_experts(self, node_id: str, model_id: str) -> bool:
         """Whether the model's engine on the node changes its GPU expert share while it runs."""
         return engines.offers(self.declared(node_id, model_id).kind, engines.RuntimeMove.EXPERT_SHARE)
@@ -94,6 +104,10 @@ class EngineBook:
         if not host_copy and engines.may(instance, EngineState.RUNNING, Transition.SLEEP_LEVEL_1).allowed:
             return Transition.SLEEP_LEVEL_1  # (sglang with a CPU backup: its release keeps a host copy)
         return None
+
+    def may_leave(self, instance: engines.EngineInstance) -> bool:
+        """Whether a running instance can leave its GPUs at all: sleep at some level, or stop."""
+        return self.sleep_level(instance, host_copy=True) is not None or self.may_stop(instance)
 
     def may_stop(self, instance: engines.EngineInstance) -> bool:
         return engines.may(instance, EngineState.ASLEEP_DISCARDED, Transition.STOP).allowed

@@ -123,13 +123,14 @@ class SimView:
         return self._sim.largest_waiting_kv(model_id)
 
     def pinned(self, obj: StateObject, force: bool = False) -> bool:
-        """What running requests need, weights being loaded, and (unless forced) weights a waiting request wants."""
+        """What running requests need, weights being loaded, (unless forced) weights a waiting request wants,
+        and the weights of an engine that can neither sleep nor stop (an adopted one without sleep mode)."""
         if obj.kind is Kind.KV:
             return obj in self._sim.running_kv
         state = self.models.get(obj.model)
         if obj.kind is Kind.WEIGHTS and state is not None and state.precision == obj.precision:
             busy = self._sim.running.get(obj.model) if force else self._sim.demand.get(obj.model)
-            return state.status != "ready" or bool(busy)
+            return state.status != "ready" or bool(busy) or not self._sim.engines.may_leave(state.instance)
         return False
 
     def spare_weight_bytes(self, obj: StateObject, loc: Location) -> int:

@@ -54,3 +54,41 @@ def test_a_wake_without_a_host_copy_reloads_from_disk() -> None:
     # a's first load left its host copy; b's did not fit beside it. a again: level-1 wake from that copy.
     assert seconds[2] == pytest.approx(c.wake_fixed_seconds + 4.0 + 2.0)
     assert sim.engines.asleep[("b", "n1")].state is EngineState.ASLEEP_DISCARDED  # no backup: level 2
+
+
+def test_an_adopted_engine_is_woken_never_cold_started() -> None:
+    data = tiny_scenario().model_dump(mode="json", exclude_none=True)
+    data["cluster"]["nodes"][0]["engines"] = [
+        {"model": m, "gpus": ["g0"], "kind": "vllm", "features": ["sleep_mode", "dev_mode"], "management": "adopted"}
+        for m in ("a", "b")
+    ]
+    sim, seconds = switches(parse_scenario(data))
+    c = EngineConstants()
+    # both sleep at level 2 from t=0 (their owner started them; no host copy yet): a level-2 wake each,
+    # 0.1 + 0.7 s + 8 s of copy from NVMe, b also re-prefilling the 1000-token history
+    assert seconds == pytest.approx([c.wake_fixed_seconds + c.reload_fixed_seconds + 8.0, 0.8 + 8.0 + 1.0, 1.0])
+    assert not sim.engines.asleep  # both woken: their residue serves again
+
+
+def test_a_vllm_engine_without_lmcache_keeps_no_kv_in_host() -> None:
+    # siloed writes each turn's KV through to host DRAM where the engine can: LMCache's CPU tier, or local
+    plain = with_engines(tiny_scenario(6 * GB), kind="vllm", features=["sleep_mode", "dev_mode"])
+    lmcache = with_engines(tiny_scenario(6 * GB), kind="vllm", features=["sleep_mode", "dev_mode", "lmcache"])
+    host = Location.host("n1")
+    for scenario, keeps in ((plain, False), (lmcache, True)):
+        sim = Simulator(scenario, tiny_trace(), create_policy("siloed"))
+        sim.run()
+        kv = [o for o in sim.cluster.objects_at(host) if o.kind is Kind.KV]
+        assert bool(kv) is keeps
+
+
+def test_a_plan_may_not_move_one_sessions_kv_on_a_vllm_node() -> None:
+    from planner_service.domain.state import StateObject
+    from planner_service.planner.operations import Action, Operation
+
+    for kind, outcome in (("vllm", "failed"), ("local", "started")):
+        sim = Simulator(with_engines(tiny_scenario(), kind=kind), tiny_trace(), create_policy("lru"))
+        kv, gpu, host = StateObject.kv("a", "s1"), Location.gpu("g0"), Location.host("n1")
+        sim.cluster.add(kv, gpu, 1000)
+        demote = Operation("op-1", Action.DEMOTE, kv, gpu, host, 1000, False, node="n1")
+        assert sim.executor.apply(demote, lambda op, t: None) == outcome

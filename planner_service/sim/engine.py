@@ -278,7 +278,7 @@ class Simulator(SimState):
             timeline=self.timeline,
             link_peak_ratio=peak_ratio,
             fallback_loads=self.executor.fallback_loads,
-            extra={"deadlock_breaks": self.deadlock_breaks},
+            extra={"deadlock_breaks": self.deadlock_breaks, "engine_transitions": dict(self.executor.transitions)},
         )
 
     def _break_deadlock(self) -> None:

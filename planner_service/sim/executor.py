@@ -10,6 +10,7 @@ than its source did.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from functools import partial
 from typing import Protocol
@@ -60,6 +61,7 @@ class Executor:
         self.operations = 0  # operations applied (copies started, drops)
         self.loads = 0  # on-demand loads
         self.fallback_loads = 0  # loads a policy counted as falling back from its plan
+        self.transitions: Counter[str] = Counter()  # engine transitions: cold starts, wakes, sleeps, stops
 
     # -- what policies ask for besides moving bytes --------------------------------
 
@@ -236,6 +238,13 @@ class Executor:
         instance = book.instance(node_id, model_id, precision, group)
         warmup = book.start_fixed_seconds(node_id, model_id, precision, group) if status != "ready" else 0.0
         sleeping = book.asleep.get((model_id, node_id))
+        if status != "ready":
+            woken = sleeping is not None and sleeping.instance == instance
+            if not woken:
+                self.transitions["cold_start"] += 1
+            elif sleeping is not None:  # (always, when woken)
+                level = 1 if sleeping.state is EngineState.ASLEEP_HOST else 2
+                self.transitions[f"wake_level_{level}"] += 1
         if sleeping is not None and (sleeping.instance == instance or book.may_stop(sleeping.instance)):
             self._release_residue(model_id, node_id)  # woken (its context serves again) or stopped
         state = ModelState(status, node_id, precision, group, self.sim.next_epoch(), instance, warmup)
@@ -278,6 +287,9 @@ class Executor:
                     c.hold(model_id, loc, residue)
                 asleep = EngineState.ASLEEP_HOST if level is Transition.SLEEP_LEVEL_1 else EngineState.ASLEEP_DISCARDED
                 book.asleep[(model_id, state.node)] = SleepingEngine(state.instance, state.node, asleep)
+                self.transitions[level.value] += 1
+                return
+        self.transitions["stop"] += 1
 
     def adopted_asleep(self) -> None:
         """Set-up: an adopted engine on fixed GPUs that no placement put there runs already (its owner started
@@ -312,6 +324,7 @@ class Executor:
             if self.cluster.free(loc) >= free_target:
                 return
             if sleeping.instance.model not in protect and book.may_stop(sleeping.instance):
+                self.transitions["stop_asleep"] += 1
                 self._release_residue(sleeping.instance.model, sleeping.node)
 
     def fill_experts(self, model_id: str, headroom: float = KV_HEADROOM, gpu_ids: Iterable[str] | None = None) -> None:

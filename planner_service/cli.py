@@ -698,10 +698,10 @@ def replay(
         str,
         typer.Option(
             help=f"Comma-separated policies to compare, of: {', '.join(PolicyName)}. "
-            "[default: statebudget, static, lru, independent, siloed, oracle]",
+            "[default: statebudget, sleep-router, swap-ttl, static, lru, independent, oracle]",
             show_default=False,
         ),
-    ] = "statebudget,static,lru,independent,siloed,oracle",
+    ] = "statebudget,sleep-router,swap-ttl,static,lru,independent,oracle",
     json_out: Annotated[Path | None, typer.Option("--json", help="Write the report (JSON) here.")] = None,
     plots: Annotated[Path | None, typer.Option("--plots", help="Write the PNG plots into this folder.")] = None,
     seed: Annotated[int, typer.Option(help="Seed of the replay (same seed, same report).")] = 0,

@@ -36,6 +36,11 @@ class ExecutorHooks(Protocol):
     @property
     def name(self) -> str: ...
 
+    @property
+    def sleeps_engines(self) -> bool:
+        """Whether an engine the policy takes off its GPUs sleeps where its kind allows (False: it stops)."""
+        ...
+
     def kv_reserve(self, sim: SimView, model: str) -> int: ...
 
     def on_evicted(self, sim: SimView, obj: StateObject, loc: Location) -> None: ...
@@ -225,9 +230,9 @@ class Executor:
         """Set-up only: put a model's weights on its GPUs at t=0, ready (the policy's offline placement)."""
         model = self.problem.models[model_id]
         obj = StateObject.weights(model_id, precision)
+        self._bring_up(model_id, node_id, precision, tuple(group), "ready")  # first: a wake frees its residue
         for g, b in zip(group, split_evenly(model.weights_bytes[precision], len(group)), strict=True):
             self.cluster.add(obj, Location.gpu(g.id), b - self.cluster.bytes_of(obj, Location.gpu(g.id)))
-        self._bring_up(model_id, node_id, precision, tuple(group), "ready")
 
     # -- engine instances ---------------------------------------------------------------
 
@@ -271,7 +276,7 @@ class Executor:
         weights = StateObject.weights(model_id, state.precision)
         host = Location.host(state.node)
         host_copy = c.bytes_of(weights, host) + c.incoming(weights, host) >= c.full_size(weights)  # (or a demote's)
-        level = book.sleep_level(state.instance, host_copy)
+        level = book.sleep_level(state.instance, host_copy) if self.policy.sleeps_engines else None
         if (model_id, state.node) in book.asleep:
             self._release_residue(model_id, state.node)  # one instance of a model sleeps per node
         residue = book.residue_bytes()

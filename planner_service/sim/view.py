@@ -178,6 +178,11 @@ class SimView:
         book = self._sim.engines
         return sum(book.residue_bytes() for e in book.sleeping_on(gpu_id) if book.may_stop(e.instance))
 
+    def own_residue(self, model_id: str, gpu_id: str) -> int:
+        """Bytes the model's own sleeping engine holds on a GPU (what its wake there frees)."""
+        book = self._sim.engines
+        return sum(book.residue_bytes() for e in book.sleeping_on(gpu_id) if e.instance.model == model_id)
+
     def choose_group(
         self,
         model_id: str,

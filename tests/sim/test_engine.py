@@ -109,7 +109,7 @@ def latencies(scenario: Scenario, records, policy: str) -> list[float]:
         ("lru", [38.0, 39.0, 1.0]),
         # both fixed on the GPU from t=0: only the uncovered history is re-prefilled
         ("static", [0.0, 1.0, 1.0]),
-        ("siloed", [0.0, 1.0, 1.0]),
+        ("static-nokv", [0.0, 1.0, 1.0]),
         ("independent", [0.0, 1.0, 1.0]),
         ("statebudget", [0.0, 1.0, 1.0]),
         # starts from the same fixed placement as static: both on the GPU
@@ -126,8 +126,11 @@ def test_hand_checked_latencies_with_room_for_both(policy: str, expected: list[f
     [
         # b: a sleeps (level 1: its first load left a host copy, the backup), b cold-starts, 8 + 30, re-prefill 1;
         # a again: a level-1 wake, 0.1 s + 4 s of copy from the host backup, and its sleep freed its KV:
-        # re-prefill the 2000-token history, 2
-        ("lru", [38.0, 39.0, 6.1]),
+        # re-prefill the 2000-token history, 2 (the ablation without KV write-through)
+        ("lru-nokv", [38.0, 39.0, 6.1]),
+        # the same, but a's turn-1 KV (1000 tokens) was written through to host: it restores in 1 ms and only
+        # b's 1000 tokens are re-prefilled, 0.1 + 4 + 0.001 + 1
+        ("lru", [38.0, 39.0, 5.101]),
         # a fixed on the GPU at t=0 (static's placement); b prefetched after turn 1 (a is needed only at 200 s,
         # later than b at 100 s); a prefetched after turn 2; at 200 s a's KV (1000 tokens, written through to
         # host) restores in 1 ms and b's 1000 tokens are re-prefilled
@@ -159,7 +162,21 @@ def test_handoffs_are_model_changes_within_a_session() -> None:
     assert [r.handoff for r in result.requests] == [False, True, True]
 
 
-@pytest.mark.parametrize("policy", ["statebudget", "static", "lru", "independent", "siloed", "oracle", "clairvoyant"])
+@pytest.mark.parametrize(
+    "policy",
+    [
+        "statebudget",
+        "static",
+        "lru",
+        "independent",
+        "static-nokv",
+        "lru-nokv",
+        "sleep-router",
+        "swap-ttl",
+        "oracle",
+        "clairvoyant",
+    ],
+)
 def test_conservation_on_the_demo(policy: str) -> None:
     scenario = demo_scenario()
     records = random_trace([m.id for m in scenario.models], sessions=4, requests=40, seed=3)

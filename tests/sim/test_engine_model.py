@@ -71,12 +71,12 @@ def test_an_adopted_engine_is_woken_never_cold_started() -> None:
 
 
 def test_a_vllm_engine_without_lmcache_keeps_no_kv_in_host() -> None:
-    # siloed writes each turn's KV through to host DRAM where the engine can: LMCache's CPU tier, or local
+    # every baseline (static here) writes each turn's KV through to host DRAM where the engine can: LMCache's CPU tier, or local
     plain = with_engines(tiny_scenario(6 * GB), kind="vllm", features=["sleep_mode", "dev_mode"])
     lmcache = with_engines(tiny_scenario(6 * GB), kind="vllm", features=["sleep_mode", "dev_mode", "lmcache"])
     host = Location.host("n1")
     for scenario, keeps in ((plain, False), (lmcache, True)):
-        sim = Simulator(scenario, tiny_trace(), create_policy("siloed"))
+        sim = Simulator(scenario, tiny_trace(), create_policy("static"))
         sim.run()
         kv = [o for o in sim.cluster.objects_at(host) if o.kind is Kind.KV]
         assert bool(kv) is keeps

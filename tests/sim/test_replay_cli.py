@@ -111,7 +111,18 @@ def test_replay_runs_a_scenario_whose_nodes_declare_engines(tmp_path: Path) -> N
 
 
 def test_the_replay_table_splits_by_width_and_never_folds_a_figure() -> None:
-    names = ["statebudget", "static", "lru", "independent", "siloed", "oracle", "clairvoyant"]
+    names = [
+        "statebudget",
+        "static",
+        "lru",
+        "independent",
+        "static-nokv",
+        "lru-nokv",
+        "sleep-router",
+        "swap-ttl",
+        "oracle",
+        "clairvoyant",
+    ]
     rows = [[name, *(f"{1000 + k}{i}.25" for k in range(len(TABLE_COLUMNS) - 1))] for i, name in enumerate(names)]
     console = Console(width=80, file=io.StringIO(), record=True)
     tables = replay_tables(TABLE_COLUMNS, rows, "replay", console.width)

@@ -28,7 +28,10 @@ class PolicyName(StrEnum):
     STATIC = "static"
     LRU = "lru"
     INDEPENDENT = "independent"
-    SILOED = "siloed"
+    STATIC_NOKV = "static-nokv"
+    LRU_NOKV = "lru-nokv"
+    SLEEP_ROUTER = "sleep-router"
+    SWAP_TTL = "swap-ttl"
     ORACLE = "oracle"
     CLAIRVOYANT = "clairvoyant"
 
@@ -37,7 +40,10 @@ class Policy:
     """Load on demand, evict the least recently used; subclasses change what differs."""
 
     name: ClassVar[PolicyName]
-    kv_offload: ClassVar[bool] = False  # keep a write-through copy of every turn's KV in host DRAM
+    # every baseline keeps a write-through copy of each turn's KV in host DRAM (LMCache's CPU tier, which
+    # teams deploy today); a policy without it is a named ablation (`static-nokv`, `lru-nokv`)
+    kv_offload: ClassVar[bool] = True
+    sleeps_engines: ClassVar[bool] = True  # an engine taken off its GPUs sleeps where its kind allows
 
     act: Executor  # how the policy acts on the cluster; set at `setup`
 

@@ -14,7 +14,7 @@ OLLAMA_KEEP_ALIVE_SECONDS = 300.0  # Ollama's default keep_alive: 5 minutes
 
 
 class LruPolicy(Policy):
-    """Weights come from host DRAM or NVMe on demand; KV is dropped with its model (no offload)."""
+    """Weights come from host DRAM or NVMe on demand onto the smallest group that fits; KV written through."""
 
     name = PolicyName.LRU
 
@@ -35,3 +35,10 @@ class LruPolicy(Policy):
                     if other.model == model_id and other.kind is not Kind.WEIGHTS:
                         self.act.evict(other, loc)
             self.act.evict(obj, Location.gpu(state.gpus[0].id))
+
+
+class LruNoKvPolicy(LruPolicy):
+    """Ablation: `lru` without KV write-through (a model's KV is dropped with it)."""
+
+    name = PolicyName.LRU_NOKV
+    kv_offload = False

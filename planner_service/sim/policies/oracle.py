@@ -39,7 +39,6 @@ NEVER = float("inf")
 
 class OraclePolicy(Policy):
     name = PolicyName.ORACLE
-    kv_offload = True
 
     def __init__(self) -> None:
         self.model_times: dict[str, list[float]] = defaultdict(list)

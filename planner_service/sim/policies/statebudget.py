@@ -91,7 +91,6 @@ if TYPE_CHECKING:
 
 class StatebudgetPolicy(Policy):
     name = PolicyName.STATEBUDGET
-    kv_offload = True
 
     def __init__(
         self,

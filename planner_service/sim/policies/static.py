@@ -6,6 +6,7 @@ with the mean context its model's requests arrive with (so the groups it
 picks leave room for the KV of that demand); the models it places stay there
 for the whole replay. Models left out are
 loaded on demand into the room the fixed placement leaves, LRU within it.
+Every turn's KV is written through to host DRAM, as for every baseline.
 """
 
 from __future__ import annotations
@@ -112,11 +113,8 @@ class StaticPolicy(Policy):
             super().on_stuck(sim, req)  # even an empty group is too small: move the model where the KV fits
 
 
-class SiloedPolicy(StaticPolicy):
-    """Weights pinned by the static choice; KV tiered to host DRAM by LRU (LMCache); experts by LRU.
+class StaticNoKvPolicy(StaticPolicy):
+    """Ablation: `static` without KV write-through (a turn's KV lives only in its engine's GPU pool)."""
 
-    Each kind of state is tiered on its own, with no joint budget across them.
-    """
-
-    name = PolicyName.SILOED
-    kv_offload = True
+    name = PolicyName.STATIC_NOKV
+    kv_offload = False

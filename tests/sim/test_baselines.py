@@ -1,4 +1,4 @@
-"""The baselines real teams run (sleep-router, swap-ttl) and the KV ablations, on hand-checked tiny traces.
+"""The baselines real teams run (sleep-router, swap-ttl, static-tuned) and the KV ablations, on hand-checked tiny traces.
 
 The tiny scenario (test_engine.py): one GPU, two 4 GB models, NVMe 0.5 GB/s (a load from disk 8 s),
 PCIe 1 GB/s (from host 4 s), prefill 1 ms/token, KV 1 MB per 1000 tokens; `local` engines with the
@@ -14,6 +14,7 @@ from test_engine import GB, tiny_scenario, tiny_trace
 from planner_service.sim.engine import base_problem, simulate
 from planner_service.sim.policies import create_policy
 from planner_service.sim.policies.groups import operator_partition
+from planner_service.sim.policies.static_tuned import StaticTunedPolicy, tune_static
 from planner_service.sim.policies.swap_ttl import SwapTtlPolicy
 
 
@@ -81,3 +82,37 @@ def test_the_operator_partition_spreads_models_over_whole_nodes() -> None:
         assert {g.id for g in engine.gpus} == set(problem.nodes[engine.node].gpus)  # TP over the whole node
         assert engine.precision in problem.models[engine.model].precisions
     assert len({e.node for e in partition.values()}) == len(problem.nodes)  # every node group is used
+
+
+def test_static_tuned_searches_the_whole_small_space() -> None:
+    """Room for both (10 GB): each model is fixed on g0 or loaded on demand, 2 x 2 = 4 candidates, all fit,
+    so the search is exhaustive (4 replays of the one training trace). Both fixed wins: only the
+    re-prefills, 1 s per hand-off (the P95 of [1, 1]); with either model on demand its first use is a
+    cold start (8 + 30 s)."""
+    tuned = tune_static(tiny_scenario(10 * GB), [tiny_trace()], budget=20)
+    assert (tuned.space_size, tuned.replays, tuned.pruned, tuned.exhaustive) == (4, 4, 0, True)
+    assert sorted(tuned.partition) == ["a", "b"]
+    assert tuned.best_score == pytest.approx((1.0, 2.0))
+    latencies, transitions = switches(StaticTunedPolicy(tuned.partition), 10 * GB)
+    assert latencies == pytest.approx([0.0, 1.0, 1.0], abs=1e-3) and transitions == {}
+
+
+def test_static_tuned_prunes_what_does_not_fit_and_serves_the_rest_on_demand() -> None:
+    """Room for one (6 GB): both fixed is pruned; one fixed leaves the other no room to run beside it
+    (hundreds of seconds); both on demand wins and replays as `lru` does (write-through included)."""
+    tuned = tune_static(tiny_scenario(6 * GB), [tiny_trace()], budget=20)
+    assert (tuned.space_size, tuned.replays, tuned.pruned) == (4, 3, 1)
+    assert tuned.partition == {}
+    latencies, _ = switches(StaticTunedPolicy(tuned.partition), 6 * GB)
+    assert latencies == pytest.approx([38.0, 39.0, 5.101], abs=1e-3)
+
+
+def test_static_tuned_respects_its_replay_budget() -> None:
+    """Budget 2 for a 4-candidate space: not exhaustive; the operator's partition, then samples."""
+    tuned = tune_static(tiny_scenario(10 * GB), [tiny_trace()], budget=2)
+    assert not tuned.exhaustive and tuned.replays <= 2
+
+
+def test_static_tuned_refuses_to_run_without_a_searched_partition() -> None:
+    with pytest.raises(ValueError, match="partition found on training traces"):
+        create_policy("static-tuned")

@@ -10,6 +10,7 @@ from planner_service.sim.policies.oracle import OraclePolicy
 from planner_service.sim.policies.sleep_router import SleepRouterPolicy
 from planner_service.sim.policies.statebudget import StatebudgetPolicy
 from planner_service.sim.policies.static import StaticNoKvPolicy, StaticPolicy
+from planner_service.sim.policies.static_tuned import StaticTunedPolicy
 from planner_service.sim.policies.swap_ttl import SwapTtlPolicy
 
 __all__ = ["Policy", "PolicyName", "PolicyRegistry", "create_policy", "default_registry"]
@@ -25,6 +26,7 @@ def default_registry() -> PolicyRegistry:
     registry.register(PolicyName.LRU_NOKV, LruNoKvPolicy)
     registry.register(PolicyName.SLEEP_ROUTER, SleepRouterPolicy)
     registry.register(PolicyName.SWAP_TTL, SwapTtlPolicy)
+    registry.register(PolicyName.STATIC_TUNED, StaticTunedPolicy)
     registry.register(PolicyName.ORACLE, OraclePolicy)
     registry.register(PolicyName.CLAIRVOYANT, ClairvoyantPolicy)
     return registry

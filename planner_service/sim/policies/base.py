@@ -32,6 +32,7 @@ class PolicyName(StrEnum):
     LRU_NOKV = "lru-nokv"
     SLEEP_ROUTER = "sleep-router"
     SWAP_TTL = "swap-ttl"
+    STATIC_TUNED = "static-tuned"
     ORACLE = "oracle"
     CLAIRVOYANT = "clairvoyant"
 

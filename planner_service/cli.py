@@ -754,6 +754,9 @@ def replay(
     ratios = comparison(result.report)
     if ratios:
         out.print(", ".join(f"{k} {v:.2f}" for k, v in ratios.items()), highlight=False)
+    overran = [name for name, m in result.report["policies"].items() if m["saturated"]]
+    if overran:
+        out.print(f"saturated (ran > 5 % past the trace; no ratio quoted): {', '.join(overran)}", highlight=False)
     if json_out is not None:
         write_json(json_out, result.report)
         err.print(f"wrote {json_out}")

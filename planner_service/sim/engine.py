@@ -43,9 +43,12 @@ What is modelled (the same cost model as the planner, `planner/costs.py`):
 agent sends its next turn only once the previous answer is back, so a turn
 arrives at its trace time plus its session's lag (how much later than in the
 trace the previous turn finished; the trace's gaps stay as tool and think
-time). With `closed_loop=False` a turn arrives at its trace time and waits
-only for the previous turn to end; a slow cluster then falls ever further
-behind the trace.
+time), and at most the trace's concurrency of sessions is open at once
+(`slots.py`): a session that arrives while every seat is taken starts when
+one ends, its timeline moved by the wait. With `closed_loop=False` a turn
+arrives at its trace time and waits only for the previous turn to end; a
+slow cluster then falls ever further behind the trace and runs more
+sessions at once than the trace has.
 
 **Switch latency** of a request = from its arrival until its model's weights
 are on GPU and ready (the engine's cold start or wake included) and the session's history KV
@@ -76,6 +79,7 @@ from planner_service.planner import costs
 from planner_service.planner.greedy import split_evenly
 from planner_service.sim.cluster import Transfer
 from planner_service.sim.executor import KV_HEADROOM, Executor, SimulationError
+from planner_service.sim.slots import SessionSlots, trace_concurrency
 from planner_service.sim.state import ModelState, SessionState, SimRequest, SimState
 from planner_service.sim.trace import TraceEnd, TraceRecord, TraceRequest
 from planner_service.sim.view import SimView
@@ -195,6 +199,8 @@ class Simulator(SimState):
         self.on_progress = on_progress
         self.expert_miss_decode = expert_miss_decode  # False: decode ignores routed experts off GPU
         self.closed_loop = closed_loop  # False: turns are due at their trace times
+        # closed loop: at most the trace's concurrency of sessions open at once (`slots.py`)
+        self.slots = SessionSlots(records, trace_concurrency(records)) if closed_loop else None
         self._xfer_gen = 0
         self._xfer_at: float | None = None
         self.deadlock_breaks = 0
@@ -283,7 +289,12 @@ class Simulator(SimState):
             timeline=self.timeline,
             link_peak_ratio=peak_ratio,
             fallback_loads=self.executor.fallback_loads,
-            extra={"deadlock_breaks": self.deadlock_breaks, "engine_transitions": dict(self.executor.transitions)},
+            extra={
+                "deadlock_breaks": self.deadlock_breaks,
+                "engine_transitions": dict(self.executor.transitions),
+                "session_seats": self.slots.seats if self.slots else None,
+                "peak_open_sessions": self.slots.peak_open if self.slots else None,
+            },
         )
 
     def _break_deadlock(self) -> None:
@@ -355,7 +366,8 @@ class Simulator(SimState):
         self.policy.observe(self.view, session, req)
         session.requested_model = rec.model
         self._queues[rec.session].append(req)
-        self._pump(rec.session)
+        if self.slots is None or self.slots.arrive(rec.session):
+            self._pump(rec.session)
 
     def _pump(self, session_id: str) -> None:
         """Release a session's next turn (or end) when it is due; one turn runs at a time.
@@ -367,6 +379,8 @@ class Simulator(SimState):
         """
         session = self.sessions[session_id]
         queue = self._queues[session_id]
+        if self.slots is not None and not self.slots.may_run(session_id):
+            return  # waiting for a seat: `_close_slot` releases it
         while queue and session.request is None and not session.release_pending:
             item = queue[0]
             due = item.t + session.lag_seconds
@@ -375,12 +389,28 @@ class Simulator(SimState):
                 self.push(due, "release", session_id)
                 return
             queue.popleft()
+            if self.slots is not None:
+                self.slots.consumed(session_id)
             if isinstance(item, TraceEnd):
                 session.ended = True
                 self._drop_session_kv(session.id)
                 self.policy.on_session_end(self.view, session)
+                self._close_slot(session_id)
             else:
                 self._admit(session, item)
+
+    def _close_slot(self, session_id: str) -> None:
+        """A session has nothing left: its seat goes to the oldest waiting session, whose timeline moves by
+        its wait (its first turn is due now)."""
+        if self.slots is None or not self.slots.finished(session_id) or self._queues[session_id]:
+            return
+        nxt = self.slots.close(session_id)
+        if nxt is not None:
+            waiting = self.sessions[nxt]
+            queue = self._queues[nxt]
+            if queue:
+                waiting.lag_seconds = max(waiting.lag_seconds, self.now - queue[0].t)
+            self._pump(nxt)
 
     def _on_release(self, session_id: str) -> None:
         self.sessions[session_id].release_pending = False
@@ -573,6 +603,8 @@ class Simulator(SimState):
             session.lag_seconds = max(0.0, self.now - req.t)
         self.policy.on_done(self.view, req)
         self._pump(req.session)
+        if session.request is None:
+            self._close_slot(req.session)  # (a session whose trace has no end record ends with its last turn)
 
     def _write_through(self, kv: StateObject, node: str, nbytes: int, tokens: int) -> None:
         """LMCache-style: a turn's KV is stored to host DRAM as it is produced (small, asynchronous copies)."""

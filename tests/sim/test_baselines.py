@@ -98,10 +98,11 @@ def test_static_tuned_searches_the_whole_small_space() -> None:
 
 
 def test_static_tuned_prunes_what_does_not_fit_and_serves_the_rest_on_demand() -> None:
-    """Room for one (6 GB): both fixed is pruned; one fixed leaves the other no room to run beside it
-    (hundreds of seconds); both on demand wins and replays as `lru` does (write-through included)."""
+    """Room for one (6 GB): both fixed does not fit, and one fixed leaves the other (4 GB) only 2 GB to be
+    loaded into: three of four candidates pruned. Both on demand is the one replay, and it replays as
+    `lru` does (write-through included)."""
     tuned = tune_static(tiny_scenario(6 * GB), [tiny_trace()], budget=20)
-    assert (tuned.space_size, tuned.replays, tuned.pruned) == (4, 3, 1)
+    assert (tuned.space_size, tuned.replays, tuned.pruned, tuned.failed) == (4, 1, 3, 0)
     assert tuned.partition == {}
     latencies, _ = switches(StaticTunedPolicy(tuned.partition), 6 * GB)
     assert latencies == pytest.approx([38.0, 39.0, 5.101], abs=1e-3)

@@ -6,7 +6,8 @@ that node, at least the model's minimum there) and a precision from its allowed 
 `static` does: where the catalog exceeds HBM some models must be). A candidate is
 materialised by giving each model (largest weights first) the `k` GPUs of its node with the most room
 left; it is pruned when a GPU's weights would leave less than `KV_HEADROOM` of it for KV, so every
-engine of a candidate is up at once and never moves. Candidates are scored by replaying training
+engine of a candidate is up at once and never moves, or when a model it serves on demand fits beside
+them nowhere; a candidate whose training replay cannot finish is infeasible. Candidates are scored by replaying training
 traces (seeds kept apart from the reported ones) under this policy; the score is the mean over the
 training traces of the hand-off switch P95 (all requests' where a trace has no hand-off), then the
 completion P95. The search is exhaustive where the pruned space fits the replay budget, otherwise the
@@ -29,7 +30,7 @@ from planner_service.domain.problem import Problem
 from planner_service.domain.scenario import Scenario
 from planner_service.domain.state import Kind, Location, StateObject
 from planner_service.sim.engine import base_problem, simulate
-from planner_service.sim.executor import KV_HEADROOM
+from planner_service.sim.executor import KV_HEADROOM, SimulationError
 from planner_service.sim.metrics import summarize
 from planner_service.sim.policies.base import PolicyName
 from planner_service.sim.policies.groups import FixedEngine, FixedGroupsPolicy, Partition, operator_partition
@@ -117,7 +118,21 @@ def materialise(problem: Problem, choice: dict[str, Option]) -> dict[str, FixedE
         for g in group:
             used[g] += shard
         out[model_id] = FixedEngine(model_id, node_id, precision, tuple(problem.gpus[g] for g in group))
+    for model_id in sorted(m for m, o in choice.items() if o is None):
+        if not _room_on_demand(problem, model_id, used):
+            return None  # a model served on demand must fit beside the fixed engines somewhere
     return out
+
+
+def _room_on_demand(problem: Problem, model_id: str, used: dict[str, int]) -> bool:
+    """Whether some allowed launch of the model fits in what the fixed engines leave free."""
+    model = problem.models[model_id]
+    for node_id, k, precision in (o for o in model_options(problem, model_id) if o is not None):
+        shard = math.ceil(model.weights_bytes[precision] / k)
+        room = sorted((problem.gpus[g].capacity_bytes - used[g] for g in problem.nodes[node_id].gpus), reverse=True)
+        if all(r * (1 - KV_HEADROOM) >= shard for r in room[:k]):
+            return True
+    return False
 
 
 @dataclass
@@ -128,6 +143,7 @@ class TuneResult:
     candidates_scored: int
     pruned: int  # candidates drawn that did not fit
     exhaustive: bool
+    failed: int  # candidates whose training replay could not finish (a request waited forever)
     best_score: tuple[float, float]
     scores: list[tuple[tuple[float, float], dict[str, str]]] = field(default_factory=list)
 
@@ -142,6 +158,7 @@ class TuneResult:
             "candidates_scored": self.candidates_scored,
             "pruned": self.pruned,
             "exhaustive": self.exhaustive,
+            "failed": self.failed,
             "best_score": {"handoff_p95_seconds": self.best_score[0], "completion_p95_seconds": self.best_score[1]},
         }
 
@@ -180,7 +197,7 @@ def tune_static(
     rng = np.random.default_rng(seed)
     seen: set[tuple] = set()
     best: tuple[tuple[float, float], dict[str, FixedEngine]] | None = None
-    replays = pruned = scored = draws = 0
+    replays = pruned = scored = draws = failed = 0
     exhaustive = False
     scores: list[tuple[tuple[float, float], dict[str, str]]] = []
     for choice, whole_space in _candidates(problem, options, budget // len(training), rng):
@@ -198,16 +215,24 @@ def tune_static(
             continue
         handoff, done = [], []
         for records in training:
-            summary = summarize(simulate(scenario, records, StaticTunedPolicy(partition)))
+            replays += 1
+            try:
+                summary = summarize(simulate(scenario, records, StaticTunedPolicy(partition)))
+            except SimulationError:
+                break  # the partition cannot serve this trace: infeasible
             switch = summary["switch_latency_seconds"]
             handoff.append(switch["handoff"]["p95"] if summary.get("handoffs") else switch["all"]["p95"])
             done.append(summary["completion_seconds"]["p95"])
-            replays += 1
+        if len(handoff) < len(training):
+            failed += 1
+            continue
         score = (float(np.mean(handoff)), float(np.mean(done)))
         scored += 1
         scores.append((score, {m: f"{e.node}/tp{len(e.gpus)}/{e.precision}" for m, e in partition.items()}))
         if best is None or score < best[0]:
             best = (score, partition)
     if best is None:
-        raise ValueError(f"budget: {budget} replays score no candidate ({pruned} pruned by memory fit)")
-    return TuneResult(best[1], space, replays, scored, pruned, exhaustive, best[0], scores)
+        raise ValueError(
+            f"budget: {budget} replays score no candidate ({pruned} pruned by memory fit, {failed} infeasible)"
+        )
+    return TuneResult(best[1], space, replays, scored, pruned, exhaustive, failed, best[0], scores)

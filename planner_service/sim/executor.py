@@ -252,7 +252,9 @@ class Executor:
                 self.transitions[f"wake_level_{level}"] += 1
         if sleeping is not None and (sleeping.instance == instance or book.may_stop(sleeping.instance)):
             self._release_residue(model_id, node_id)  # woken (its context serves again) or stopped
-        state = ModelState(status, node_id, precision, group, self.sim.next_epoch(), instance, warmup)
+        state = ModelState(
+            status, node_id, precision, group, self.sim.next_epoch(), instance, warmup, book.may_leave(instance)
+        )
         self.models[model_id] = state
         return state
 

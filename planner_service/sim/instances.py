@@ -49,6 +49,9 @@ class EngineBook:
         self.problem = problem
         self.constants = constants
         self.asleep: dict[tuple[str, str], SleepingEngine] = {}  # (model, node) -> its sleeping instance
+        # the engine model's verdicts per instance, remembered: they are asked on every eviction choice
+        self._levels: dict[tuple[engines.EngineInstance, bool], Transition | None] = {}
+        self._stoppable: dict[engines.EngineInstance, bool] = {}
 
     def declared(self, node_id: str, model_id: str) -> DeclaredEngine:
         return self.problem.nodes[node_id].declared_engines.get(model_id, UNDECLARED)
@@ -97,6 +100,13 @@ class EngineBook:
     def sleep_level(self, instance: engines.EngineInstance, host_copy: bool) -> Transition | None:
         """How a running instance leaves its GPUs: a level-1 sleep where host RAM holds the weights (the
         backup) and its kind allows it, else level 2, else None (it stops)."""
+        key = (instance, host_copy)
+        if key not in self._levels:
+            self._levels[key] = self._sleep_level(instance, host_copy)
+        return self._levels[key]
+
+    @staticmethod
+    def _sleep_level(instance: engines.EngineInstance, host_copy: bool) -> Transition | None:
         order = (Transition.SLEEP_LEVEL_1, Transition.SLEEP_LEVEL_2) if host_copy else (Transition.SLEEP_LEVEL_2,)
         for transition in order:
             if engines.may(instance, EngineState.RUNNING, transition).allowed:
@@ -110,7 +120,9 @@ class EngineBook:
         return self.sleep_level(instance, host_copy=True) is not None or self.may_stop(instance)
 
     def may_stop(self, instance: engines.EngineInstance) -> bool:
-        return engines.may(instance, EngineState.ASLEEP_DISCARDED, Transition.STOP).allowed
+        if instance not in self._stoppable:
+            self._stoppable[instance] = engines.may(instance, EngineState.ASLEEP_DISCARDED, Transition.STOP).allowed
+        return self._stoppable[instance]
 
     def residue_bytes(self) -> int:
         return self.constants.context_bytes_per_gpu

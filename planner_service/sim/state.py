@@ -65,6 +65,7 @@ class ModelState:
     epoch: int
     instance: EngineInstance
     warmup_seconds: float = 0.0  # the start's or wake's fixed part, after the weights are complete
+    can_leave: bool = True  # whether the instance can sleep or stop (an adopted one without sleep mode cannot)
     pending: int = 0  # shards still copying
 
 

@@ -130,7 +130,7 @@ class SimView:
         state = self.models.get(obj.model)
         if obj.kind is Kind.WEIGHTS and state is not None and state.precision == obj.precision:
             busy = self._sim.running.get(obj.model) if force else self._sim.demand.get(obj.model)
-            return state.status != "ready" or bool(busy) or not self._sim.engines.may_leave(state.instance)
+            return state.status != "ready" or bool(busy) or not state.can_leave
         return False
 
     def spare_weight_bytes(self, obj: StateObject, loc: Location) -> int:
@@ -176,6 +176,8 @@ class SimView:
     def stoppable_residue(self, gpu_id: str) -> int:
         """Bytes that stopping the managed engines sleeping on a GPU would free there."""
         book = self._sim.engines
+        if not book.asleep:
+            return 0
         return sum(book.residue_bytes() for e in book.sleeping_on(gpu_id) if book.may_stop(e.instance))
 
     def own_residue(self, model_id: str, gpu_id: str) -> int:

@@ -7,7 +7,8 @@ What it models, from the engines' behaviour (DESIGN.md section 5, `domain/engine
 * **Pre-launched**: at t=0 every configured engine has started once (its cold start is paid before the
   trace) and sleeps; the most requested models that fit together on their groups are awake. An engine
   whose weights have no copy in host RAM at t=0 sleeps at level 2 (weights discarded: its wake reloads
-  them from disk); once a load has staged them through host DRAM, its later sleeps are level 1 (vLLM's
+  them from disk; these t=0 sleeps are counted among the run's engine transitions); once a load has
+  staged them through host DRAM, its later sleeps are level 1 (vLLM's
   `POST /sleep?level=1` keeps them in pinned host RAM; `POST /wake_up` copies them back).
 * **Wake on request**: a request for a sleeping model wakes its engine on its group (the engine model's
   wake cost plus the copy of the weights); it never starts a new configuration elsewhere.

@@ -9,7 +9,8 @@ DEMO_DB ?= statebudget-demo.db
 COMPILED_VENV ?= .venv-compiled
 COMPILED_STAMP := $(COMPILED_VENV)/.installed
 
-.PHONY: run test test-fast test-compiled soak lint format import-graph compiled bench schemas screenshots clean
+.PHONY: run test test-fast test-compiled soak lint format import-graph compiled bench schemas screenshots clean \
+	evidence evidence-quick evidence-demo
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -92,3 +93,17 @@ screenshots: $(STAMP)
 clean:
 	rm -rf $(VENV) $(COMPILED_VENV) build dist .pytest_cache .hypothesis
 	rm -f $(DEMO_DB) $(DEMO_DB)-wal $(DEMO_DB)-shm
+
+# docs/evidence.md from the stored seed studies in docs/evidence/ (seconds, no replay)
+evidence: $(STAMP)
+	$(VENV)/bin/statebudget study evidence docs/evidence/*.json --out docs/evidence.md
+# the CI-sized study (3 seeds of 5 sessions x 15 min, static-tuned searched in 20 replays), stored, then rendered
+evidence-quick: $(STAMP)
+	$(VENV)/bin/statebudget study seeds --seeds 1,2,3 --train-seeds 101 --sessions 5 --hours 0.25 --tune-budget 20 \
+		--out build/evidence --json > docs/evidence/demo-quick.json
+	$(MAKE) evidence
+# the demo study docs/evidence.md reports (5 seeds of 10 sessions x 30 min, static-tuned: 200 training replays)
+evidence-demo: $(STAMP)
+	$(VENV)/bin/statebudget study seeds --seeds 1,2,3,4,5 --train-seeds 101,102 --sessions 10 --hours 0.5 \
+		--tune-budget 200 --out build/evidence --json > docs/evidence/demo.json
+	$(MAKE) evidence

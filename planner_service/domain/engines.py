@@ -498,6 +498,13 @@ def _holds(need: Precondition, instance: EngineInstance, state: EngineState, in_
 # --- costs ------------------------------------------------------------------------------------------------
 
 
+def pipelined_copy_seconds(copy_seconds: float, read_bytes: float, read_bytes_per_s: float) -> float:
+    """A read feeding the copies to the GPUs through pinned host buffers: the two stages overlap, so the
+    slower decides, max(copy_seconds, read_bytes / read_bytes_per_s). The planner's copy costs
+    (`planner/costs.py`) and `load_seconds` both use it."""
+    return max(copy_seconds, read_bytes / read_bytes_per_s)
+
+
 def load_seconds(instance: EngineInstance, links: GroupLinks, constants: EngineConstants, read_from: ReadFrom) -> float:
     """Read the checkpoint and copy the shards to the GPUs, pipelined (the slower stage decides):
 
@@ -506,8 +513,8 @@ def load_seconds(instance: EngineInstance, links: GroupLinks, constants: EngineC
     """
     h2d = instance.shard_bytes / links.h2d_bytes_per_s
     if read_from is ReadFrom.NVME:
-        return max(instance.checkpoint_bytes / links.nvme_read_bytes_per_s, h2d)
-    return max(instance.shard_bytes / constants.page_cache_read_bytes_per_s, h2d)
+        return pipelined_copy_seconds(h2d, instance.checkpoint_bytes, links.nvme_read_bytes_per_s)
+    return pipelined_copy_seconds(h2d, instance.shard_bytes, constants.page_cache_read_bytes_per_s)
 
 
 def wake_from_host_seconds(instance: EngineInstance, links: GroupLinks, constants: EngineConstants) -> float:

@@ -13,6 +13,7 @@ from operator import attrgetter, truediv
 
 import numpy as np
 
+from planner_service.domain import engines
 from planner_service.domain.problem import Gpu, ModelSpec, Node, Problem
 from planner_service.domain.scenario import CostConstants
 from planner_service.domain.state import Tier
@@ -20,7 +21,26 @@ from planner_service.domain.units import GIB
 
 _NVME = Tier.NVME  # bound once: on Python 3.11 an `Enum.MEMBER` lookup costs about ten global reads
 _H2D = attrgetter("h2d_bytes_per_s")
+_HBM = attrgetter("hbm_bytes_per_s")
 _FLOPS = attrgetter("bf16_flops")
+_pipelined = engines.pipelined_copy_seconds
+
+HBM_EFFICIENCY = 0.8  # achieved / spec HBM bandwidth (aiconfigurator, InferSim; perf_anchors.md section 6)
+
+# The CPU's rate on routed experts it computes from host DRAM (KTransformers, llama.cpp `--override-tensor
+# exps=CPU`), measured, not assumed: KTransformers decodes DeepSeek-V3/R1 at Q4_K_M with every routed
+# expert on the CPU at 11.26 tokens/s on 2 x 32-core Xeon Gold 6454S (perf_anchors.md section 3, from
+# kvcache-ai/ktransformers doc/en/DeepseekR1_V3_tutorial.md). Each token reads 8 routed experts in each of
+# 58 MoE layers, 3 * 7168 * 2048 parameters each (DeepSeek-V3 config.json: num_experts_per_tok 8, 61
+# layers of which the first 3 are dense, hidden 7168, moe_intermediate 2048), at the Q4_K_M size of 377 GB
+# for 671 B parameters (unsloth/DeepSeek-V3-GGUF). The tokens/s include the GPU's attention time, so the
+# derived rate is a lower bound on what the CPU sustains (the cost it implies is an upper bound).
+KTRANSFORMERS_DECODE_TOKENS_PER_S = 11.26
+DEEPSEEK_V3_ROUTED_PARAMS_PER_TOKEN = 8 * 58 * 3 * 7168 * 2048  # experts/token * MoE layers * (gate, up, down) * dims
+DEEPSEEK_V3_Q4_K_M_BYTES_PER_PARAM = 377e9 / 671e9  # GGUF size / parameters
+CPU_EXPERT_BYTES_PER_S = (
+    KTRANSFORMERS_DECODE_TOKENS_PER_S * DEEPSEEK_V3_ROUTED_PARAMS_PER_TOKEN * DEEPSEEK_V3_Q4_K_M_BYTES_PER_PARAM
+)  # about 129 GB/s of expert weights read by the CPU
 
 
 def copy_seconds(shard_bytes: Sequence[int], gpus: Sequence[Gpu], source: Tier, node: Node) -> float:
@@ -40,7 +60,7 @@ def copy_seconds(shard_bytes: Sequence[int], gpus: Sequence[Gpu], source: Tier, 
         return 0.0
     t_pcie: float = max(map(truediv, shard_bytes, map(_H2D, gpus)))  # (attrgetter's values are typed Any)
     if source is _NVME:
-        return max(t_pcie, sum(shard_bytes) / node.nvme_read_bytes_per_s)
+        return _pipelined(t_pcie, sum(shard_bytes), node.nvme_read_bytes_per_s)
     return t_pcie
 
 
@@ -51,7 +71,7 @@ def even_copy_seconds(shard: int, gpus: Sequence[Gpu], source: Tier, node: Node)
     """
     t_pcie: float = shard / min(map(_H2D, gpus))
     if source is _NVME:
-        return max(t_pcie, shard * len(gpus) / node.nvme_read_bytes_per_s)
+        return _pipelined(t_pcie, shard * len(gpus), node.nvme_read_bytes_per_s)
     return t_pcie
 
 
@@ -102,16 +122,30 @@ def kv_ready_seconds(
     prefill  = prefill(missing tokens)
     t        = min(restore, prefill)       (LMCache's load-or-prefill crossover)
     """
+    return kv_ready(missing_tokens, restorable_bytes, model, gpus, source, node, constants)[1]
+
+
+def kv_ready(
+    missing_tokens: int,
+    restorable_bytes: int,
+    model: ModelSpec,
+    gpus: Sequence[Gpu],
+    source: Tier,
+    node: Node,
+    constants: CostConstants,
+) -> tuple[int, float]:
+    """`kv_ready_seconds` with its choice: (tokens to restore, 0 to re-prefill them all; seconds). A restore
+    is chosen only where it is strictly cheaper; its copy is one even shard per GPU of the group."""
     if missing_tokens <= 0:
-        return 0.0
+        return 0, 0.0
     per_token = prefill_seconds_per_token(model, gpus, constants)
     prefill_all = missing_tokens * per_token
     if restorable_bytes <= 0 or model.kv_bytes_per_token == 0:
-        return prefill_all
+        return 0, prefill_all
     restored_tokens = min(missing_tokens, restorable_bytes // model.kv_bytes_per_token)
     shard = math.ceil(restored_tokens * model.kv_bytes_per_token / len(gpus))
-    restore = even_copy_seconds(shard, gpus, source, node)
-    return min(prefill_all, restore + (missing_tokens - restored_tokens) * per_token)
+    restore = even_copy_seconds(shard, gpus, source, node) + (missing_tokens - restored_tokens) * per_token
+    return (restored_tokens, restore) if restore < prefill_all else (0, prefill_all)
 
 
 def kv_ready_seconds_grouped(
@@ -156,19 +190,61 @@ def expert_hit_rate(gpu_fraction: float, constants: CostConstants) -> float:
     return hit
 
 
-def decode_slowdown_seconds(
-    model: ModelSpec, gpu_fraction: float, gpus: Sequence[Gpu], constants: CostConstants
+def expert_miss_seconds(
+    tokens: int,
+    model: ModelSpec,
+    gpu_fraction: float,
+    gpus: Sequence[Gpu],
+    constants: CostConstants,
+    cpu_experts: bool = False,
 ) -> float:
-    """Extra decode time of one request when routed experts miss the GPU.
+    """Decode seconds that `tokens` lose to routed experts off GPU: the MoE miss rule of planner and replay.
 
-    A miss fetches the expert over PCIe (as MoE offload engines do):
-        t = tokens * (1 - hit(f)) * active_expert_bytes_per_token / sum_i h2d_i    [B / (B/s)]
+    miss  = tokens * (1 - hit(f)) * active_expert_bytes_per_token              [B]
+    pcie  = miss / sum_i h2d_i            (stream the missed experts to the GPUs: MoE-Infinity)
+    cpu   = miss / CPU_EXPERT_BYTES_PER_S (compute them where they sit in host DRAM: KTransformers)
+    t     = min(pcie, cpu) where `cpu_experts` (a complete copy in host DRAM), else pcie
     """
     if not model.is_moe:
         return 0.0
-    h2d: float = sum(map(_H2D, gpus))
     miss = 1.0 - expert_hit_rate(gpu_fraction, constants)
-    return constants.output_tokens_per_request * miss * model.active_expert_bytes_per_token / h2d
+    pcie: float = tokens * miss * model.active_expert_bytes_per_token / sum(map(_H2D, gpus))
+    if not cpu_experts:
+        return pcie
+    return min(pcie, tokens * miss * model.active_expert_bytes_per_token / CPU_EXPERT_BYTES_PER_S)
+
+
+def decode_slowdown_seconds(
+    model: ModelSpec, gpu_fraction: float, gpus: Sequence[Gpu], constants: CostConstants, cpu_experts: bool = False
+) -> float:
+    """Extra decode time of one predicted request (`output_tokens_per_request` tokens) when routed experts
+    miss the GPU (`expert_miss_seconds`). The planner does not track where a MoE's experts sit below GPU
+    per request, so it prices the PCIe stream (`cpu_experts` False), an upper bound on the replay's cost."""
+    return expert_miss_seconds(constants.output_tokens_per_request, model, gpu_fraction, gpus, constants, cpu_experts)
+
+
+def decode_seconds_per_token(
+    model: ModelSpec,
+    precision: str,
+    gpus: Sequence[Gpu],
+    gpu_expert_fraction: float,
+    constants: CostConstants,
+    *,
+    cpu_experts: bool = False,
+    expert_misses: bool = True,
+) -> float:
+    """Memory-bound decode: a step reads the weights and the active experts once from HBM, plus the MoE miss.
+
+        t/token = (weights_bytes + active_expert_bytes_per_token) / (HBM_EFFICIENCY * sum_i hbm_i)
+                  + expert_miss_seconds(1 token, f)         (unless `expert_misses` is off)
+    Concurrent requests of a model share its steps (a batch), so this is per request too.
+    """
+    step: float = (model.weights_bytes[precision] + model.active_expert_bytes_per_token) / (
+        HBM_EFFICIENCY * sum(map(_HBM, gpus))
+    )
+    if not model.is_moe or not expert_misses:
+        return step
+    return step + expert_miss_seconds(1, model, gpu_expert_fraction, gpus, constants, cpu_experts)
 
 
 def gpu_hold_cost(nbytes: int, constants: CostConstants) -> float:

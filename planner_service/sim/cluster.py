@@ -137,6 +137,15 @@ class SimCluster:
         self._use(loc, -take)
         return take
 
+    def hold(self, model: str, loc: Location, nbytes: int) -> None:
+        """Bytes a model's engine holds at `loc` that are no state object (a sleeping engine's CUDA context)."""
+        self.model_gpu_bytes[model] += nbytes
+        self._use(loc, nbytes)
+
+    def release(self, model: str, loc: Location, nbytes: int) -> None:
+        self.model_gpu_bytes[model] -= nbytes
+        self._use(loc, -nbytes)
+
     def objects_at(self, loc: Location) -> Iterator[StateObject]:
         return iter(sorted(self.at[loc]))
 

@@ -11,19 +11,24 @@ What is modelled (the same cost model as the planner, `planner/costs.py`):
   DRAM cache), for every policy alike.
 * **Bandwidth** (`cluster.py`): every GPU's PCIe direction and every node's
   NVMe read/write are shared by processor sharing.
-* **Engine overhead**: a model whose weights became complete on its GPUs
-  serves `constants.engine_load_overhead_seconds` later (default 0.3 s: vLLM
-  sleep-mode level-1 wake measured 0.1-0.4 s in the 2025-10-03 post, 0.1-6 s
-  across models in the final one; perf_anchors.md section 1).
+* **Engines** (`instances.py`, the engine model of `domain/engines.py`):
+  a model serves from an engine instance of its node's declared kind
+  (`local` where the node declares none). Bringing it onto a group is a
+  cold start (`cold_start_fixed_seconds` after the copy, 30 s by default:
+  perf_anchors.md section 1) or a wake of the instance sleeping there
+  (level 1 from its host backup, level 2 reloading from disk); taking it
+  off is a sleep (its GPU KV freed, its CUDA context left on the group) or,
+  where its kind cannot sleep, a stop. A sleeping engine's residue gives
+  way to loads (the engine stops) unless it is adopted. On `vllm` and
+  `sglang` a MoE's GPU expert share is fixed while the instance runs.
 * **Compute**: prefill is compute-bound (`costs.prefill_seconds_per_token`
   on the serving group) and serialised per GPU (one prefill at a time on a
   card, which models sharing the card take in turn: a prefill starts when
-  every card of its group is free); decode is memory-bound: a step reads
-  the active weights, `(weights + active expert bytes per token) / (0.8 *
-  sum of HBM bandwidth)` (0.8: the HBM derating aiconfigurator and InferSim
-  use), plus the MoE miss cost of `moe.miss_seconds_per_token`: a missed
-  routed expert is streamed over PCIe or computed by the CPU from host DRAM
-  (KTransformers), the cheaper. Concurrent requests of one model on its
+  every card of its group is free); decode is memory-bound
+  (`costs.decode_seconds_per_token`: a step reads the active weights from
+  HBM, plus the planner's MoE miss rule `costs.expert_miss_seconds`: a
+  missed routed expert is streamed over PCIe or, where host DRAM holds the
+  experts, computed by the CPU (KTransformers), the cheaper). Concurrent requests of one model on its
   group share decode steps (a batch), so decode does not slow down with the
   batch size.
 * **KV**: a session's history H grows by each turn's input + output tokens.
@@ -31,18 +36,22 @@ What is modelled (the same cost model as the planner, `planner/costs.py`):
   while retained. A request allocates its whole KV footprint
   (H + input + output tokens) on the serving group when it starts, then makes
   the uncovered history ready by restoring from host DRAM (shared PCIe) or by
-  re-prefilling it, whichever the cost model says is cheaper.
+  re-prefilling it, whichever `costs.kv_ready` (the planner's rule) says is
+  cheaper.
 
 **Sessions** run one turn at a time and, by default, in a closed loop: an
 agent sends its next turn only once the previous answer is back, so a turn
 arrives at its trace time plus its session's lag (how much later than in the
 trace the previous turn finished; the trace's gaps stay as tool and think
-time). With `closed_loop=False` a turn arrives at its trace time and waits
-only for the previous turn to end; a slow cluster then falls ever further
-behind the trace.
+time), and at most the trace's concurrency of sessions is open at once
+(`slots.py`): a session that arrives while every seat is taken starts when
+one ends, its timeline moved by the wait. With `closed_loop=False` a turn
+arrives at its trace time and waits only for the previous turn to end; a
+slow cluster then falls ever further behind the trace and runs more
+sessions at once than the trace has.
 
 **Switch latency** of a request = from its arrival until its model's weights
-are on GPU and ready (engine overhead included) and the session's history KV
+are on GPU and ready (the engine's cold start or wake included) and the session's history KV
 is ready to prefill (restore and re-prefill of the uncovered history included,
 as is waiting for room and for the group's prefill queue).
 **TTFT** = switch latency + prefill of the new input tokens.
@@ -54,34 +63,47 @@ here is the same for all of them.
 from __future__ import annotations
 
 import heapq
-import itertools
 import math
 import time
 from collections import defaultdict, deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Any, Protocol
 
+from planner_service.domain.engines import EngineConstants
 from planner_service.domain.predictions import problem_from_scenario
-from planner_service.domain.problem import Gpu, Problem
-from planner_service.domain.scenario import Capability, Scenario, Slo
+from planner_service.domain.problem import Problem
+from planner_service.domain.scenario import Scenario
 from planner_service.domain.state import Kind, Location, StateObject, Tier
 from planner_service.planner import costs
 from planner_service.planner.greedy import split_evenly
-from planner_service.sim import moe
-from planner_service.sim.cluster import SimCluster, Transfer
+from planner_service.sim.cluster import Transfer
+from planner_service.sim.executor import KV_HEADROOM, Executor, SimulationError
+from planner_service.sim.slots import SessionSlots, trace_concurrency
+from planner_service.sim.state import ModelState, SessionState, SimRequest, SimState
 from planner_service.sim.trace import TraceEnd, TraceRecord, TraceRequest
+from planner_service.sim.view import SimView
 
-HBM_EFFICIENCY = 0.8  # achieved / spec HBM bandwidth (aiconfigurator, InferSim; perf_anchors.md section 6)
-KV_HEADROOM = 0.10  # share of each GPU a baseline's expert fill leaves free for KV
+__all__ = [
+    "KV_HEADROOM",
+    "ModelState",
+    "PolicyHooks",
+    "SessionState",
+    "SimRequest",
+    "SimResult",
+    "SimulationError",
+    "Simulator",
+    "base_problem",
+    "simulate",
+]
 
 
 class PolicyHooks(Protocol):
     """What the engine asks of a policy (`policies/base.py` holds the defaults every policy builds on).
 
-    The engine calls these hooks and applies what they decide; it knows no policy class, so the
-    policies depend on the engine and not the other way round.
+    A policy reads the simulated cluster through a `SimView` and acts only through the `Executor`
+    it is given at set-up; the engine calls these hooks and knows no policy class, so the policies
+    depend on the engine and not the other way round.
     """
 
     @property
@@ -92,87 +114,40 @@ class PolicyHooks(Protocol):
         """Keep a write-through copy of every turn's KV in host DRAM."""
         ...
 
-    def setup(self, sim: Simulator) -> None: ...
+    @property
+    def sleeps_engines(self) -> bool:
+        """Engines taken off their GPUs sleep where their kind allows (False: they stop, as llama-swap's do)."""
+        ...
 
-    def observe(self, sim: Simulator, session: SessionState, req: SimRequest) -> None: ...
+    def setup(self, sim: SimView, act: Executor) -> None: ...
 
-    def on_arrival(self, sim: Simulator, req: SimRequest) -> None: ...
+    def observe(self, sim: SimView, session: SessionState, req: SimRequest) -> None: ...
 
-    def on_waiting(self, sim: Simulator, req: SimRequest) -> None: ...
+    def on_arrival(self, sim: SimView, req: SimRequest) -> None: ...
 
-    def on_start(self, sim: Simulator, req: SimRequest) -> None: ...
+    def on_waiting(self, sim: SimView, req: SimRequest) -> None: ...
 
-    def on_done(self, sim: Simulator, req: SimRequest) -> None: ...
+    def on_start(self, sim: SimView, req: SimRequest) -> None: ...
 
-    def on_tick(self, sim: Simulator) -> None: ...
+    def on_done(self, sim: SimView, req: SimRequest) -> None: ...
 
-    def on_session_end(self, sim: Simulator, session: SessionState) -> None: ...
+    def on_tick(self, sim: SimView) -> None: ...
 
-    def on_dispatch(self, sim: Simulator) -> None: ...
+    def on_session_end(self, sim: SimView, session: SessionState) -> None: ...
 
-    def on_plan_event(self, sim: Simulator, payload: object) -> None: ...
+    def on_dispatch(self, sim: SimView) -> None: ...
 
-    def on_evicted(self, sim: Simulator, obj: StateObject, loc: Location) -> None: ...
+    def on_plan_event(self, sim: SimView, payload: object) -> None: ...
 
-    def on_model_ready(self, sim: Simulator, model: str) -> None: ...
+    def on_evicted(self, sim: SimView, obj: StateObject, loc: Location) -> None: ...
 
-    def on_stuck(self, sim: Simulator, req: SimRequest) -> None: ...
+    def on_model_ready(self, sim: SimView, model: str) -> None: ...
 
-    def kv_reserve(self, sim: Simulator, model: str) -> int: ...
+    def on_stuck(self, sim: SimView, req: SimRequest) -> None: ...
 
-    def victim_key(self, sim: Simulator, obj: StateObject, loc: Location) -> tuple | None: ...
+    def kv_reserve(self, sim: SimView, model: str) -> int: ...
 
-
-class SimulationError(RuntimeError):
-    """The replay could not finish (a request waits forever); the message names it."""
-
-
-@dataclass(slots=True)
-class SimRequest:
-    index: int
-    t: float
-    session: str
-    model: str
-    input_tokens: int
-    output_tokens: int
-    slo: Slo
-    handoff: bool
-    admitted_at: float = 0.0  # when the session released it (its arrival in the simulated cluster)
-    history_tokens: int = 0  # the session's history when the request starts
-    state: str = "waiting"  # waiting -> running -> done
-    switch_seconds: float = math.nan
-    ttft_seconds: float = math.nan
-    done_at: float = math.nan
-    started_at: float = math.nan  # when its model was ready and its KV had room
-    prefill_queue_seconds: float = 0.0  # waited for earlier prefills on its group's cards
-    reprefill_tokens: int = 0  # uncovered history it prefilled again
-    degraded: bool = False  # served at a precision other than its model's preferred one
-    engine: int = 0  # epoch of the engine that serves it (`ModelState.epoch`)
-
-
-@dataclass(slots=True)
-class SessionState:
-    id: str
-    user: str
-    slo: Slo
-    history_tokens: int = 0
-    model: str | None = None  # the model of the last turn served
-    requested_model: str | None = None  # the model of the last turn that arrived (hand-offs are in trace order)
-    last_t: float = 0.0
-    request: SimRequest | None = None  # waiting or running
-    ended: bool = False
-    lag_seconds: float = 0.0  # how much later than in the trace its last turn finished (closed loop)
-    release_pending: bool = False
-
-
-@dataclass(slots=True)
-class ModelState:
-    status: str  # loading | warming | ready
-    node: str
-    precision: str
-    gpus: tuple[Gpu, ...]
-    epoch: int
-    pending: int = 0  # shards still copying
+    def victim_key(self, sim: SimView, obj: StateObject, loc: Location) -> tuple | None: ...
 
 
 @dataclass
@@ -201,7 +176,9 @@ def base_problem(scenario: Scenario) -> Problem:
     return problem_from_scenario(Scenario.model_validate(data))
 
 
-class Simulator:
+class Simulator(SimState):
+    """The event loop: trace records, requests and compute; the policy decides, the executor applies."""
+
     def __init__(
         self,
         scenario: Scenario,
@@ -213,72 +190,41 @@ class Simulator:
         on_progress: Callable[[float], None] | None = None,
         expert_miss_decode: bool = True,
         closed_loop: bool = True,
+        engine_constants: EngineConstants | None = None,
     ) -> None:
-        fixed = [f"cluster.nodes[{i}].engines" for i, n in enumerate(scenario.cluster.nodes) if n.engines is not None]
-        if fixed:  # its policies start engines where they load a model, on groups of their choosing
-            raise ValueError(
-                f"{', '.join(fixed)}: the simulator starts engines for any model on the groups its "
-                "policies choose; replay a scenario whose nodes list no engines"
-            )
-        self.scenario = scenario
-        self.problem = base_problem(scenario)
-        self.c = self.problem.constants
-        self.records = list(records)
+        super().__init__(scenario, base_problem(scenario), records, engine_constants)
         self.policy = policy
         self.seed = seed
         self.tick_seconds = tick_seconds
         self.on_progress = on_progress
         self.expert_miss_decode = expert_miss_decode  # False: decode ignores routed experts off GPU
         self.closed_loop = closed_loop  # False: turns are due at their trace times
-        self.cluster = SimCluster(self.problem)
-        for (obj, loc), nbytes in sorted(self.problem.residency.items()):
-            self.cluster.add(obj, loc, nbytes)
-        self.now = 0.0
-        self._heap: list[tuple[float, int, str, object]] = []
-        self._seq = itertools.count()
+        # closed loop: at most the trace's concurrency of sessions open at once (`slots.py`)
+        self.slots = SessionSlots(records, trace_concurrency(records)) if closed_loop else None
         self._xfer_gen = 0
         self._xfer_at: float | None = None
-        self.sessions: dict[str, SessionState] = {}
-        self.requests: list[SimRequest] = []
-        self.waiting: list[SimRequest] = []
-        self.models: dict[str, ModelState] = {}
-        self._epochs = itertools.count(1)
-        self.demand: dict[str, int] = defaultdict(int)  # waiting + running requests per model
-        self.running: dict[str, int] = defaultdict(int)  # running requests per model
-        self.running_on: dict[tuple[str, int], int] = defaultdict(int)  # running requests per (model, engine epoch)
         self.deadlock_breaks = 0
-        self.needs_kv_room: set[str] = set()  # models whose last group could not hold a waiting request's KV
-        self.loads = 0
-        self.running_kv: set[StateObject] = set()  # KV of running requests: pinned
-        self.gpu_tokens: dict[StateObject, int] = defaultdict(int)  # valid KV tokens on the serving GPUs
-        self.host_tokens: dict[StateObject, int] = defaultdict(int)  # KV tokens in host DRAM
-        # the history up to each KV's model's last turn in its session: no copy of it covers more
-        self.computed_tokens: dict[StateObject, int] = defaultdict(int)
         self.compute_free_at: dict[str, float] = defaultdict(float)  # per GPU: when its current prefill ends
-        self.last_used: dict[StateObject, float] = {}
-        self.operations = 0
-        self.fallback_loads = 0
-        self.planner_seconds: list[float] = []
         self._gpu_byte_seconds = 0.0
         self._idle_byte_seconds = 0.0
         self._last_sample = 0.0
         self.timeline: list[tuple[float, int]] = [(0.0, 0)]
         self._queues: dict[str, deque[SimRequest | TraceEnd]] = defaultdict(deque)  # per session: not yet released
         self.kv_offload = policy.kv_offload
+        self.view = SimView(self, policy)  # what the policy reads of the cluster
+        self.executor = Executor(self, self.view, policy)  # the one place that changes it for the policy
 
     # -- events --------------------------------------------------------------
-
-    def push(self, at: float, kind: str, payload: object = None) -> None:
-        heapq.heappush(self._heap, (at, next(self._seq), kind, payload))
 
     def run(self) -> SimResult:
         for i, rec in enumerate(self.records):
             self.push(rec.t, "record", i)
         end_of_trace = self.records[-1].t if self.records else 0.0
-        self.policy.setup(self)
+        self.policy.setup(self.view, self.executor)
+        self.executor.adopted_asleep()
         for model_id in sorted(self.models):
             if self.models[model_id].status == "ready":
-                self.policy.on_model_ready(self, model_id)  # what the policy does next to a model it placed
+                self.policy.on_model_ready(self.view, model_id)  # what the policy does next to a model it placed
         if self.tick_seconds > 0:
             self.push(self.tick_seconds, "tick")
         self._reschedule_transfers()
@@ -286,13 +232,13 @@ class Simulator:
         handlers: dict[str, Callable[[Any], None]] = {
             "record": self._on_record,
             "xfer": self._on_transfers,
-            "model_ready": self._on_model_ready,
+            "model_ready": self.executor.on_model_ready,
             "kv_restored": self._on_kv_restored,
             "done": self._on_done,
             "tick": self._on_tick,
             "release": self._on_release,
             "call": lambda payload: payload(),
-            "plan": lambda payload: self.policy.on_plan_event(self, payload),
+            "plan": lambda payload: self.policy.on_plan_event(self.view, payload),
         }
         last_progress = 0.0
         idle_ticks = 0
@@ -337,13 +283,18 @@ class Simulator:
             peak_gpu_bytes=self.cluster.peak_gpu_bytes,
             warm_idle_byte_seconds=self._idle_byte_seconds,
             bytes_moved=self.cluster.bytes_moved,
-            operations=self.operations,
+            operations=self.executor.operations,
             planner_seconds=self.planner_seconds,
             violations=self.cluster.violations,
             timeline=self.timeline,
             link_peak_ratio=peak_ratio,
-            fallback_loads=self.fallback_loads,
-            extra={"deadlock_breaks": self.deadlock_breaks},
+            fallback_loads=self.executor.fallback_loads,
+            extra={
+                "deadlock_breaks": self.deadlock_breaks,
+                "engine_transitions": dict(self.executor.transitions),
+                "session_seats": self.slots.seats if self.slots else None,
+                "peak_open_sessions": self.slots.peak_open if self.slots else None,
+            },
         )
 
     def _break_deadlock(self) -> None:
@@ -352,14 +303,16 @@ class Simulator:
         oldest = min(self.waiting, key=lambda r: (r.admitted_at, r.index))
         for model_id, state in sorted(self.models.items()):
             if not self.running.get(model_id) and model_id != oldest.model and state.status == "ready":
-                self.evict(StateObject.weights(model_id, state.precision), Location.gpu(state.gpus[0].id), force=True)
+                self.executor.evict(
+                    StateObject.weights(model_id, state.precision), Location.gpu(state.gpus[0].id), force=True
+                )
         self.needs_kv_room.discard(oldest.model)
         serving = self.models.get(oldest.model)
         if serving is not None and not self.running.get(oldest.model) and serving.status == "ready":
-            self.evict(
+            self.executor.evict(
                 StateObject.weights(oldest.model, serving.precision), Location.gpu(serving.gpus[0].id), force=True
             )
-        self.load_model(oldest.model)
+        self.executor.load_model(oldest.model)
 
     def _busy(self) -> bool:
         return bool(self.cluster.transfers) or any(r.state != "done" for r in self.requests[-50:])
@@ -389,7 +342,7 @@ class Simulator:
             t.on_done(t)
 
     def _on_tick(self, _: object) -> None:
-        self.policy.on_tick(self)
+        self.policy.on_tick(self.view)
         self.push(self.now + self.tick_seconds, "tick")
 
     # -- requests ------------------------------------------------------------
@@ -410,10 +363,11 @@ class Simulator:
             len(self.requests), rec.t, rec.session, rec.model, rec.input_tokens, rec.output_tokens, rec.slo, handoff
         )
         self.requests.append(req)
-        self.policy.observe(self, session, req)
+        self.policy.observe(self.view, session, req)
         session.requested_model = rec.model
         self._queues[rec.session].append(req)
-        self._pump(rec.session)
+        if self.slots is None or self.slots.arrive(rec.session):
+            self._pump(rec.session)
 
     def _pump(self, session_id: str) -> None:
         """Release a session's next turn (or end) when it is due; one turn runs at a time.
@@ -425,6 +379,8 @@ class Simulator:
         """
         session = self.sessions[session_id]
         queue = self._queues[session_id]
+        if self.slots is not None and not self.slots.may_run(session_id):
+            return  # waiting for a seat: `_close_slot` releases it
         while queue and session.request is None and not session.release_pending:
             item = queue[0]
             due = item.t + session.lag_seconds
@@ -433,12 +389,28 @@ class Simulator:
                 self.push(due, "release", session_id)
                 return
             queue.popleft()
+            if self.slots is not None:
+                self.slots.consumed(session_id)
             if isinstance(item, TraceEnd):
                 session.ended = True
                 self._drop_session_kv(session.id)
-                self.policy.on_session_end(self, session)
+                self.policy.on_session_end(self.view, session)
+                self._close_slot(session_id)
             else:
                 self._admit(session, item)
+
+    def _close_slot(self, session_id: str) -> None:
+        """A session has nothing left: its seat goes to the oldest waiting session, whose timeline moves by
+        its wait (its first turn is due now)."""
+        if self.slots is None or not self.slots.finished(session_id) or self._queues[session_id]:
+            return
+        nxt = self.slots.close(session_id)
+        if nxt is not None:
+            waiting = self.sessions[nxt]
+            queue = self._queues[nxt]
+            if queue:
+                waiting.lag_seconds = max(waiting.lag_seconds, self.now - queue[0].t)
+            self._pump(nxt)
 
     def _on_release(self, session_id: str) -> None:
         self.sessions[session_id].release_pending = False
@@ -451,7 +423,7 @@ class Simulator:
         session.request = req
         self.demand[req.model] += 1
         self.waiting.append(req)
-        self.policy.on_arrival(self, req)
+        self.policy.on_arrival(self.view, req)
 
     def dispatch(self) -> None:
         """Start waiting requests whose model is ready and whose KV fits; ask the policy for the rest.
@@ -460,7 +432,7 @@ class Simulator:
         of a model does not fit, the later ones of that model wait behind it (no large-context
         request starves behind a stream of small ones).
         """
-        self.policy.on_dispatch(self)
+        self.policy.on_dispatch(self.view)
         progressed = True
         while progressed:
             progressed = False
@@ -470,7 +442,7 @@ class Simulator:
                     continue
                 state = self.models.get(req.model)
                 if state is None:
-                    self.policy.on_waiting(self, req)
+                    self.policy.on_waiting(self.view, req)
                     state = self.models.get(req.model)
                 if state is not None and state.status == "ready":
                     if self._start(req, state):
@@ -479,7 +451,7 @@ class Simulator:
                         continue
                     if self._stuck(state):
                         self.needs_kv_room.add(req.model)
-                        self.policy.on_stuck(self, req)
+                        self.policy.on_stuck(self.view, req)
                         progressed = req.model not in self.models
                 blocked.add(req.model)
 
@@ -489,13 +461,6 @@ class Simulator:
         if any(t.dest.tier is Tier.GPU and t.dest.id in group for t in self.cluster.transfers.values()):
             return False
         return not any(self.running.get(m) and {g.id for g in st.gpus} & group for m, st in self.models.items())
-
-    def kv_footprint(self, req: SimRequest) -> int:
-        history = self.sessions[req.session].history_tokens
-        return (history + req.input_tokens + req.output_tokens) * self.problem.models[req.model].kv_bytes_per_token
-
-    def largest_waiting_kv(self, model_id: str) -> int:
-        return max((self.kv_footprint(r) for r in self.waiting if r.model == model_id), default=0)
 
     def _start(self, req: SimRequest, state: ModelState) -> bool:
         model = self.problem.models[req.model]
@@ -517,7 +482,7 @@ class Simulator:
             loc = Location.gpu(g.id)
             need = b - self.cluster.bytes_of(kv, loc)
             if need > self.cluster.free(loc):
-                self.make_room(loc, need - self.cluster.free(loc), protect={req.model})
+                self.executor.make_room(loc, need - self.cluster.free(loc), protect={req.model})
             if need > self.cluster.free(loc):
                 return False
             needs.append((loc, need))
@@ -536,21 +501,18 @@ class Simulator:
         self.running_kv.add(kv)
         self.touch(StateObject.weights(req.model, state.precision))
         self.touch(kv)
-        self.policy.on_start(self, req)
-        # make the uncovered history ready: restore from host or re-prefill, the cheaper
+        self.policy.on_start(self.view, req)
+        # make the uncovered history ready: restore from host or re-prefill, the cheaper (the planner's rule)
         computed = min(self.computed_tokens[kv], history)
         have = min(self.gpu_tokens[kv], computed)
         missing = history - have
-        node = self.problem.nodes[state.node]
-        per_token = costs.prefill_seconds_per_token(model, group, self.c)
         host_tokens = min(self.host_tokens[kv], computed) if self.cluster.bytes_of(kv, Location.host(state.node)) else 0
         restorable = max(0, host_tokens - have)
-        if missing > 0 and restorable > 0 and kvpt > 0:
-            shard = math.ceil(restorable * kvpt / len(group))
-            restore = costs.copy_seconds([shard] * len(group), group, Tier.HOST, node)
-            if restore + (missing - restorable) * per_token < missing * per_token:
-                self._restore(req, state, kv, restorable, shard, missing - restorable)
-                return True
+        node = self.problem.nodes[state.node]
+        restored, _ = costs.kv_ready(missing, restorable * kvpt, model, group, Tier.HOST, node, self.c)
+        if restored > 0:
+            self._restore(req, state, kv, restored, math.ceil(restored * kvpt / len(group)), missing - restored)
+            return True
         self._compute(req, state, missing)
         return True
 
@@ -565,7 +527,7 @@ class Simulator:
         host = Location.host(state.node)
         for g in state.gpus:
             self.cluster.start(self.now, kv, host, Location.gpu(g.id), shard, True, done, preallocated=True)
-        self.operations += 1
+        self.executor.operations += 1
 
     def _on_kv_restored(self, payload: tuple) -> None:
         req, state, tokens, rest = payload
@@ -592,15 +554,24 @@ class Simulator:
         self.push(first_token + decode, "done", req)
 
     def decode_seconds_per_token(self, model_id: str, state: ModelState) -> float:
+        """`costs.decode_seconds_per_token` on the serving group, at the share of the model's routed experts on
+        its node's GPUs; a missed expert is computed by the CPU where host DRAM holds them all."""
         model = self.problem.models[model_id]
-        hbm = HBM_EFFICIENCY * sum(g.hbm_bytes_per_s for g in state.gpus)
-        step = (model.weights_bytes[state.precision] + model.active_expert_bytes_per_token) / hbm
-        if not model.is_moe or not self.expert_miss_decode:
-            return step
-        experts = StateObject.experts(model_id)
-        fraction = self.cluster.node_bytes(experts, state.node, Tier.GPU) / model.experts_bytes
-        in_dram = self.cluster.complete_below(experts, state.node) is Tier.HOST  # the CPU can compute them
-        return step + moe.miss_seconds_per_token(model, fraction, state.gpus, self.c, cpu_experts=in_dram)
+        fraction = 0.0
+        in_dram = False
+        if model.is_moe and self.expert_miss_decode:
+            experts = StateObject.experts(model_id)
+            fraction = self.cluster.node_bytes(experts, state.node, Tier.GPU) / model.experts_bytes
+            in_dram = self.cluster.complete_below(experts, state.node) is Tier.HOST
+        return costs.decode_seconds_per_token(
+            model,
+            state.precision,
+            state.gpus,
+            fraction,
+            self.c,
+            cpu_experts=in_dram,
+            expert_misses=self.expert_miss_decode,
+        )
 
     def _on_done(self, req: SimRequest) -> None:
         session = self.sessions[req.session]
@@ -623,15 +594,17 @@ class Simulator:
         state = self.models.get(req.model)
         if state is not None:
             self.touch(StateObject.weights(req.model, state.precision))
-        if self.kv_offload and state is not None:
+        if self.kv_offload and state is not None and self.engines.keeps_kv_in_host(state.node, req.model):
             self._write_through(
                 kv, state.node, session.history_tokens * model.kv_bytes_per_token, session.history_tokens
             )
         session.request = None
         if self.closed_loop:
             session.lag_seconds = max(0.0, self.now - req.t)
-        self.policy.on_done(self, req)
+        self.policy.on_done(self.view, req)
         self._pump(req.session)
+        if session.request is None:
+            self._close_slot(req.session)  # (a session whose trace has no end record ends with its last turn)
 
     def _write_through(self, kv: StateObject, node: str, nbytes: int, tokens: int) -> None:
         """LMCache-style: a turn's KV is stored to host DRAM as it is produced (small, asynchronous copies)."""
@@ -667,273 +640,6 @@ class Simulator:
                 self.gpu_tokens.pop(obj, None)
                 self.host_tokens.pop(obj, None)
                 self.computed_tokens.pop(obj, None)
-
-    def touch(self, obj: StateObject) -> None:
-        self.last_used[obj] = self.now
-
-    # -- mechanism the policies use -------------------------------------------
-
-    def pinned(self, obj: StateObject, force: bool = False) -> bool:
-        """What running requests need, weights being loaded, and (unless forced) weights a waiting request wants."""
-        if obj.kind is Kind.KV:
-            return obj in self.running_kv
-        state = self.models.get(obj.model)
-        if obj.kind is Kind.WEIGHTS and state is not None and state.precision == obj.precision:
-            busy = self.running.get(obj.model) if force else self.demand.get(obj.model)
-            return state.status != "ready" or bool(busy)
-        return False
-
-    def spare_weight_bytes(self, obj: StateObject, loc: Location) -> int:
-        """Bytes of `obj` (weights) at `loc` its model's engine does not read: beyond its shard there, all of them
-        off its GPUs; 0 while an earlier engine of the model still runs requests (they read the old copy)."""
-        state = self.models.get(obj.model)
-        have = self.cluster.bytes_of(obj, loc)
-        if state is None or state.precision != obj.precision:
-            return have
-        if any(model == obj.model and epoch != state.epoch for model, epoch in self.running_on):
-            return 0
-        ids = [g.id for g in state.gpus]
-        if loc.id not in ids:
-            return have
-        shard = split_evenly(self.problem.models[obj.model].weights_bytes[obj.precision], len(ids))[ids.index(loc.id)]
-        return max(0, have - shard)
-
-    def evict(self, obj: StateObject, loc: Location, force: bool = False) -> int:
-        """Drop an object from a GPU (all its shards for weights and KV); returns the bytes freed at `loc`.
-
-        `force` also evicts weights that only waiting requests want (to reload them where their KV fits).
-        """
-        if self.pinned(obj, force) or self.cluster.reading(obj, loc):
-            return 0
-        node = self.problem.gpus[loc.id].node
-        if obj.kind is not Kind.KV and self.cluster.complete_below(obj, node) is None:
-            return 0  # the last complete copy on the node is never dropped
-        before = self.cluster.bytes_of(obj, loc)
-        if obj.kind is Kind.EXPERTS:
-            self.cluster.remove(obj, loc)
-        else:
-            for g in self.problem.nodes[node].gpus:
-                self.cluster.remove(obj, Location.gpu(g))
-            if obj.kind is Kind.KV:
-                self.gpu_tokens[obj] = 0
-            else:
-                state = self.models.get(obj.model)
-                if state is not None and state.node == node and state.precision == obj.precision:
-                    del self.models[obj.model]
-                    self._drop_experts(obj.model)
-        self.operations += 1
-        if before:
-            self.policy.on_evicted(self, obj, loc)
-        return before
-
-    def _drop_experts(self, model_id: str) -> None:
-        """An unloaded engine frees its expert buffers: the model's routed experts leave every GPU."""
-        experts = StateObject.experts(model_id)
-        for gpu in self.problem.gpus.values():
-            loc = Location.gpu(gpu.id)
-            if self.cluster.bytes_of(experts, loc) and not self.cluster.reading(experts, loc):
-                if self.cluster.complete_below(experts, gpu.node) is not None:
-                    self.cluster.remove(experts, loc)
-
-    def evictable(self, loc: Location, protect: Iterable[str] = ()) -> list[tuple[tuple, StateObject]]:
-        protect = set(protect)
-        out = []
-        for obj in self.cluster.objects_at(loc):
-            if (
-                obj.model in protect and obj.kind is Kind.WEIGHTS or self.pinned(obj)
-            ):  # experts are a cache: they give way
-                continue
-            key = self.policy.victim_key(self, obj, loc)
-            if key is not None:
-                out.append((key, obj))
-        out.sort()
-        return out
-
-    def make_room(self, loc: Location, nbytes: int, protect: Iterable[str] = ()) -> bool:
-        """Evict the policy's victims at `loc` (lowest key first) until `nbytes` more are free."""
-        target = self.cluster.free(loc) + nbytes
-        for _, obj in self.evictable(loc, protect):
-            if self.cluster.free(loc) >= target:
-                break
-            self.evict(obj, loc)
-        return self.cluster.free(loc) >= target
-
-    def loading(self, model_id: str) -> bool:
-        return model_id in self.models
-
-    def choose_group(
-        self,
-        model_id: str,
-        allowed: Callable[[str], bool] = lambda g: True,
-        protect: Iterable[str] = (),
-        kv_bytes: int = 0,
-    ) -> tuple[str, str, tuple[Gpu, ...]] | None:
-        """Where an on-demand load would go: (node, precision, gpus), the least eviction first, then the fastest.
-
-        The group must hold the weights plus `kv_bytes` (a waiting request's KV), split evenly.
-        Preferred precision first; a degraded one only when the preferred fits nowhere.
-        """
-        model = self.problem.models[model_id]
-        protect = {*protect, model_id}
-        for precision in model.precisions:
-            obj = StateObject.weights(model_id, precision)
-            nbytes = model.weights_bytes[precision]
-            best = None
-            for node_id in sorted(self.problem.nodes):
-                node = self.problem.nodes[node_id]
-                source = self.cluster.complete_below(obj, node_id)
-                if source is None:
-                    continue
-                room = {}
-                for g in node.gpus:
-                    if allowed(g):
-                        loc = Location.gpu(g)
-                        room[g] = self.cluster.free(loc) + sum(
-                            self.cluster.bytes_of(o, loc) for _, o in self.evictable(loc, protect)
-                        )
-                gpus = sorted((self.problem.gpus[g] for g in room), key=lambda g: (-room[g.id], g.id))
-                for k in range(1, len(gpus) + 1):
-                    group = tuple(sorted(gpus[:k], key=lambda g: g.id))
-                    if k < max(model.min_gpus.get(g.type, 1) for g in group):
-                        continue
-                    shard = math.ceil(nbytes / k) + math.ceil(kv_bytes / k)
-                    if all(room[g.id] >= shard for g in group):
-                        evict = sum(max(0, shard - self.cluster.free(Location.gpu(g.id))) for g in group)
-                        seconds = costs.weights_load_seconds(nbytes, group, source, node, self.c)
-                        key = (evict > 0, seconds, evict, node_id)
-                        if best is None or key < best[0]:
-                            best = (key, (node_id, precision, group))
-                        break
-            if best is not None:
-                return best[1]
-        return None
-
-    def load_model(
-        self, model_id: str, allowed: Callable[[str], bool] = lambda g: True, protect: Iterable[str] = ()
-    ) -> bool:
-        """Load a model's weights on demand where they and the waiting requests' KV fit: evict, then copy.
-
-        The group must hold the policy's KV reserve (`Policy.kv_reserve`), else the largest waiting
-        request's KV; when no group has room for that either, the weights alone decide (the KV then
-        waits for room).
-        """
-        if model_id in self.models:
-            return True
-        choice = None
-        for kv_bytes in dict.fromkeys((self.policy.kv_reserve(self, model_id), self.largest_waiting_kv(model_id))):
-            choice = choice or self.choose_group(model_id, allowed, protect, kv_bytes)
-        if choice is None and model_id not in self.needs_kv_room:
-            choice = self.choose_group(model_id, allowed, protect)
-        if choice is None:
-            return False
-        self.loads += 1
-        if self.loads > 50 * len(self.requests) + 1000:
-            raise SimulationError(
-                f"policy {self.policy.name} thrashes: {self.loads} loads for {len(self.requests)} requests"
-            )
-        node_id, precision, group = choice
-        model = self.problem.models[model_id]
-        obj = StateObject.weights(model_id, precision)
-        shards = split_evenly(model.weights_bytes[precision], len(group))
-        for g, b in zip(group, shards, strict=True):
-            loc = Location.gpu(g.id)
-            have = self.cluster.bytes_of(obj, loc)
-            if b - have > self.cluster.free(loc):
-                self.make_room(loc, b - have - self.cluster.free(loc), protect={*protect, model_id})
-            if b - have > self.cluster.free(loc):
-                return False
-        self.promote_weights(model_id, node_id, precision, group)
-        return True
-
-    def promote_weights(self, model_id: str, node_id: str, precision: str, group: tuple[Gpu, ...]) -> None:
-        model = self.problem.models[model_id]
-        obj = StateObject.weights(model_id, precision)
-        source_tier = self.cluster.complete_below(obj, node_id)
-        assert source_tier is not None, f"no copy of {obj.label()} below GPU on {node_id}"
-        source = Location(source_tier, node_id)
-        state = ModelState("loading", node_id, precision, group, next(self._epochs))
-        self.models[model_id] = state
-        shards = split_evenly(model.weights_bytes[precision], len(group))
-        for g, b in zip(group, shards, strict=True):
-            need = b - self.cluster.bytes_of(obj, Location.gpu(g.id))
-            if need > 0:
-                state.pending += 1
-                self.cluster.start(
-                    self.now, obj, source, Location.gpu(g.id), need, True, partial(self._shard_done, state)
-                )
-        self.operations += 1
-        if state.pending == 0:
-            self._weights_complete(state, model_id)
-
-    def adopt_weights(self, model_id: str, node_id: str, precision: str, gpus: tuple[Gpu, ...]) -> None:
-        """Weights a policy's own operations completed on GPUs: the engine warms them up and serves them."""
-        if model_id in self.models:
-            return
-        state = ModelState("loading", node_id, precision, tuple(sorted(gpus, key=lambda g: g.id)), next(self._epochs))
-        self.models[model_id] = state
-        self._weights_complete(state, model_id)
-
-    def _shard_done(self, state: ModelState, transfer: Transfer) -> None:
-        state.pending -= 1
-        if state.pending == 0 and self.models.get(transfer.obj.model) is state:
-            self._weights_complete(state, transfer.obj.model)
-
-    def _weights_complete(self, state: ModelState, model_id: str) -> None:
-        obj = StateObject.weights(model_id, state.precision)
-        host = Location.host(state.node)
-        nbytes = self.cluster.full_size(obj)
-        if self.cluster.complete_below(obj, state.node) is Tier.NVME and self.cluster.free(
-            host
-        ) >= nbytes - self.cluster.bytes_of(obj, host):
-            # the load staged through pinned host buffers; the copy stays in DRAM
-            if Capability.WEIGHTS_OFFLOAD in self.problem.nodes[state.node].capabilities:
-                self.cluster.add(obj, host, nbytes - self.cluster.bytes_of(obj, host))
-        state.status = "warming"
-        self.push(self.now + self.c.engine_load_overhead_seconds, "model_ready", (model_id, state.epoch))
-
-    def _on_model_ready(self, payload: tuple[str, int]) -> None:
-        model_id, epoch = payload
-        state = self.models.get(model_id)
-        if state is None or state.epoch != epoch:
-            return
-        state.status = "ready"
-        self.touch(StateObject.weights(model_id, state.precision))
-        self.policy.on_model_ready(self, model_id)
-
-    def place_now(self, model_id: str, node_id: str, precision: str, group: Sequence[Gpu]) -> None:
-        """Set-up only: put a model's weights on its GPUs at t=0, ready (the policy's offline placement)."""
-        model = self.problem.models[model_id]
-        obj = StateObject.weights(model_id, precision)
-        for g, b in zip(group, split_evenly(model.weights_bytes[precision], len(group)), strict=True):
-            self.cluster.add(obj, Location.gpu(g.id), b - self.cluster.bytes_of(obj, Location.gpu(g.id)))
-        self.models[model_id] = ModelState("ready", node_id, precision, tuple(group), next(self._epochs))
-
-    def fill_experts(self, model_id: str, headroom: float = KV_HEADROOM, gpu_ids: Iterable[str] | None = None) -> None:
-        """Copy a MoE's routed experts into the free room of its node's GPUs, leaving `headroom` of each GPU."""
-        model = self.problem.models[model_id]
-        state = self.models.get(model_id)
-        if not model.is_moe or state is None:
-            return
-        obj = StateObject.experts(model_id)
-        source_tier = self.cluster.complete_below(obj, state.node)
-        if source_tier is None:
-            return
-        have = self.cluster.node_bytes(obj, state.node, Tier.GPU) + sum(
-            t.bytes for t in self.cluster.transfers.values() if t.obj == obj
-        )
-        want = model.experts_bytes - have
-        # routed experts may sit on any GPU of the serving node (expert parallel), as the planner places them
-        serving = {g.id for g in state.gpus}
-        order = sorted(self.problem.nodes[state.node].gpus, key=lambda g: (g not in serving, g))
-        for gid in gpu_ids if gpu_ids is not None else order:
-            loc = Location.gpu(gid)
-            room = self.cluster.free(loc) - int(headroom * self.cluster.capacity[loc])
-            nbytes = min(want, room) // model.expert_bytes * model.expert_bytes
-            if nbytes <= 0:
-                continue
-            self.cluster.start(self.now, obj, Location(source_tier, state.node), loc, nbytes, True, lambda t: None)
-            self.operations += 1
-            want -= nbytes
 
 
 def simulate(scenario: Scenario, records: Sequence[TraceRecord], policy: PolicyHooks, **options: object) -> SimResult:

@@ -14,6 +14,7 @@ from planner_service.sim.engine import SimResult, base_problem, simulate
 from planner_service.sim.floor import handoff_reprefill_floor
 from planner_service.sim.metrics import DEFAULT_TTFT_TARGETS, latency_summary, summarize
 from planner_service.sim.policies import create_policy
+from planner_service.sim.slots import saturated
 from planner_service.sim.trace import TraceRecord, TraceRequest
 
 
@@ -69,21 +70,27 @@ def replay(
         if on_progress:
             on_progress(name, results[name].duration_seconds)
     problem = base_problem(scenario)
+    trace_seconds = max((r.t for r in records), default=0.0)
+    summaries = {}
+    for name, result in results.items():
+        # a run that overran the trace by more than 5 % is saturated: no ratio is quoted from it
+        summaries[name] = {**summarize(result, targets), "saturated": saturated(result.duration_seconds, trace_seconds)}
     report = {
         "trace": trace_summary(records, problem),
         "scenario": scenario_summary(problem, scenario_name),
         "seed": seed,
         "expert_miss_decode": expert_miss_decode,
         "ttft_targets_seconds": targets.model_dump(),
-        "policies": {name: summarize(result, targets) for name, result in results.items()},
+        "policies": summaries,
     }
     return Replay(results, report)
 
 
 def comparison(report: dict[str, Any], policy: str = "statebudget") -> dict[str, float]:
     """The headline ratios against `static` and `lru`, the share of the static -> oracle gap closed, and how
-    far the policy's hand-off P95 is above the trace's re-prefill floor (what no policy beats)."""
-    pols = report["policies"]
+    far the policy's hand-off P95 is above the trace's re-prefill floor (what no policy beats). A saturated
+    run (`slots.saturated`) is left out of every ratio, the policy's own included."""
+    pols = {name: m for name, m in report["policies"].items() if not m.get("saturated")}
     out: dict[str, float] = {}
     if policy not in pols:
         return out
@@ -130,6 +137,7 @@ def table_rows(report: dict[str, Any]) -> list[list[str]]:
                 f"{m['bytes_moved'] / GIB:.0f}",
                 str(m["operations"]),
                 f"{m['planner_seconds']['p50'] * 1000:.1f} / {m['planner_seconds']['p99'] * 1000:.1f}",
+                "yes" if m.get("saturated") else "no",
             ]
         )
     return rows
@@ -152,6 +160,7 @@ TABLE_COLUMNS = (
     "moved GiB",
     "ops",
     "planner ms P50 / P99",
+    "saturated",
 )
 
 

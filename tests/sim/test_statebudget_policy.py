@@ -62,7 +62,7 @@ def simulator(**options: object) -> tuple[Simulator, StatebudgetPolicy]:
     sim = Simulator(
         two_node_scenario(), [TraceRequest(t=0.0, session="x", model="a", input_tokens=1, output_tokens=1)], policy
     )
-    policy.setup(sim)
+    policy.setup(sim.view, sim.executor)
     return sim, policy
 
 
@@ -72,27 +72,27 @@ def arrive(sim: Simulator, policy: StatebudgetPolicy, t: float, session: str, mo
         session, SessionState(session, session, Slo.INTERACTIVE, history_tokens=context - 100)
     )
     req = SimRequest(0, t, session, model, 50, 50, Slo.INTERACTIVE, False)
-    policy.observe(sim, state, req)
+    policy.observe(sim.view, state, req)
 
 
 def test_the_planned_problem_carries_the_stand_ins_as_active_sessions() -> None:
     sim, policy = simulator(demand_seats=2)
     arrive(sim, policy, 1.0, "s0", "c", 2000)
-    problem = policy.problem(sim)
+    problem = policy.problem(sim.view)
     assert {s.id for s in problem.sessions.values() if s.active} == {"expected-c-0", "expected-c-1"}
     assert set(problem.next_model) >= {"expected-c-0", "expected-c-1"}
 
 
 def test_a_model_that_served_within_the_window_keeps_its_node_until_its_requests_are_stuck() -> None:
     sim, policy = simulator(unpin_after_seconds=60.0)
-    sim.place_now("a", "n2", "bf16", [sim.problem.gpus["n2-g0"]])
-    sim.place_now("b", "n1", "bf16", [sim.problem.gpus["n1-g0"]])
+    sim.executor.place_now("a", "n2", "bf16", [sim.problem.gpus["n2-g0"]])
+    sim.executor.place_now("b", "n1", "bf16", [sim.problem.gpus["n1-g0"]])
     sim.now = 1000.0
     sim.touch(StateObject.weights("a", "bf16"))  # a served just now; b last at t=0, beyond the 300 s window
-    assert policy.pins(sim) == ({"a": "n2"}, {"a": "bf16"})
+    assert policy.pins(sim.view) == ({"a": "n2"}, {"a": "bf16"})
     waiting = SimRequest(0, 900.0, "s1", "a", 10, 10, Slo.INTERACTIVE, False, admitted_at=900.0)
     sim.waiting.append(waiting)  # waited 100 s > 60 s: a may move
-    assert policy.pins(sim) == ({}, {})
+    assert policy.pins(sim.view) == ({}, {})
 
 
 def test_weights_that_served_within_the_window_are_evicted_after_idle_kv() -> None:
@@ -102,10 +102,10 @@ def test_weights_that_served_within_the_window_are_evicted_after_idle_kv() -> No
     kv, experts = StateObject.kv("c", "s1"), StateObject.experts("c")
     sim.now = 1000.0
     sim.last_used.update({recent: 990.0, stale: 100.0, kv: 995.0})
-    order = sorted((policy.victim_key(sim, obj, loc), obj) for obj in (recent, stale, kv, experts))
+    order = sorted((policy.victim_key(sim.view, obj, loc), obj) for obj in (recent, stale, kv, experts))
     assert [obj for _, obj in order] == [experts, stale, kv, recent]
     policy.keep = {(experts, loc)}  # what the adopted plan keeps goes last of all
-    order = sorted((policy.victim_key(sim, obj, loc), obj) for obj in (recent, stale, kv, experts))
+    order = sorted((policy.victim_key(sim.view, obj, loc), obj) for obj in (recent, stale, kv, experts))
     assert [obj for _, obj in order][-1] == experts
 
 
@@ -118,7 +118,7 @@ def test_an_on_demand_load_reserves_the_models_working_set() -> None:
     sim.sessions["s4"] = SessionState("s4", "s4", Slo.INTERACTIVE, history_tokens=800, request=waiting)
     sim.waiting.append(waiting)
     # s4's request (800 + 100 + 100 tokens) and s1 (served a within 300 s); not s2 (too long ago) nor s3 (on b)
-    assert policy.kv_reserve(sim, "a") == (1000 + 2000) * 1000
+    assert policy.kv_reserve(sim.view, "a") == (1000 + 2000) * 1000
 
 
 def test_a_load_whose_working_set_fits_nowhere_still_leaves_room_for_the_waiting_request() -> None:
@@ -131,7 +131,7 @@ def test_a_load_whose_working_set_fits_nowhere_still_leaves_room_for_the_waiting
     waiting = SimRequest(0, 9.0, "w", "a", 100, 100, Slo.INTERACTIVE, False, admitted_at=9.0)
     sim.sessions["w"] = SessionState("w", "w", Slo.INTERACTIVE, history_tokens=11_000_000, request=waiting)
     sim.waiting.append(waiting)
-    assert sim.load_model("a")
+    assert sim.executor.load_model("a")
     # 4 GB of weights + 11 GB of the waiting request's KV need both GPUs of a node
     assert len(sim.models["a"].gpus) == 2
 
@@ -152,16 +152,16 @@ def test_experts_the_engine_evicted_are_not_promoted_back_within_the_window() ->
     assert isinstance(policy, StatebudgetPolicy)
     trace = [TraceRequest(t=0.0, session="x", model="a", input_tokens=1, output_tokens=1)]
     sim = Simulator(parse_scenario(data), trace, policy)
-    policy.setup(sim)
+    policy.setup(sim.view, sim.executor)
     experts, gpu, host = StateObject.experts("moe"), Location.gpu("n1-g0"), Location.host("n1")
     sim.cluster.add(experts, host, 4 * GB)
     sim.cluster.add(experts, gpu, GB)
     sim.now = 1000.0
-    assert sim.evict(experts, gpu) == GB  # the engine makes room: the policy hears of it
+    assert sim.executor.evict(experts, gpu) == GB  # the engine makes room: the policy hears of it
     promote = Operation("op-1", Action.PROMOTE, experts, host, gpu, GB, True, node="n1")
-    assert policy._start(sim, promote) == "failed"  # a plan may not hand the room back within the window
+    assert policy._start(sim.view, promote) == "failed"  # a plan may not hand the room back within the window
     sim.now = 1000.0 + 301.0
-    assert policy._start(sim, promote) == "started"
+    assert policy._start(sim.view, promote) == "started"
 
 
 @pytest.mark.parametrize("old_engine_busy", [False, True])
@@ -171,7 +171,7 @@ def test_a_plan_that_widens_a_group_onto_shards_already_there_serves_from_the_wi
     sim, policy = simulator()
     g0, g1 = sim.problem.gpus["n1-g0"], sim.problem.gpus["n1-g1"]
     weights = StateObject.weights("a", "bf16")
-    sim.place_now("a", "n1", "bf16", [g0])
+    sim.executor.place_now("a", "n1", "bf16", [g0])
     sim.cluster.add(weights, Location.gpu("n1-g1"), 2 * GB)  # a shard an earlier two-GPU engine left
     sim.demand["a"] = 1  # a request of a is in flight: its weights are pinned
     if old_engine_busy:  # ... and runs on the one-GPU engine, which reads the whole copy on g0
@@ -181,9 +181,9 @@ def test_a_plan_that_widens_a_group_onto_shards_already_there_serves_from_the_wi
         (weights, Location.gpu("n1-g1")): 2 * GB,
         (weights, Location.nvme("n1")): 4 * GB,
     }
-    plan = make_plan(policy.problem(sim), SolverName.GREEDY, target, {})
+    plan = make_plan(policy.problem(sim.view), SolverName.GREEDY, target, {})
     assert not any(op.action is Action.PROMOTE for op in plan.operations)  # nothing to copy: no copy would finish
-    policy.adopt(sim, plan)
+    policy.adopt(sim.view, plan)
     assert sim.models["a"].gpus == (g0, g1)
     # the plan's drop of the surplus on g0 waits for the old engine's requests, not for every request of a
     assert sim.cluster.bytes_of(weights, Location.gpu("n1-g0")) == (4 if old_engine_busy else 2) * GB
@@ -197,13 +197,13 @@ def test_clairvoyant_predicts_each_session_s_real_next_model_and_nothing_after_i
     policy = create_policy("clairvoyant", warm_start=False, demand_seats=1)
     assert isinstance(policy, ClairvoyantPolicy)
     sim = Simulator(two_node_scenario(), trace, policy)
-    policy.setup(sim)
+    policy.setup(sim.view, sim.executor)
     arrive(sim, policy, 0.0, "x", "a", 200)
     sim.sessions["x"].model = "a"  # its turn on a served
-    problem = policy.problem(sim)
+    problem = policy.problem(sim.view)
     assert problem.next_model["x"] == {"c": 1.0}
     stand_in = next(s for s in problem.sessions if s.startswith("expected-"))
-    assert problem.next_model[stand_in] == StatebudgetPolicy.next_models(policy, sim, problem.sessions)[stand_in]
+    assert problem.next_model[stand_in] == StatebudgetPolicy.next_models(policy, sim.view, problem.sessions)[stand_in]
     arrive(sim, policy, 5.0, "x", "c", 300)
     sim.sessions["x"].model = "c"
-    assert policy.problem(sim).next_model["x"] == {}
+    assert policy.problem(sim.view).next_model["x"] == {}

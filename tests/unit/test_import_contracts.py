@@ -135,11 +135,11 @@ FORBIDDEN = [
         id="sdk-imports-agent",
     ),
     pytest.param(
-        "planner_service/sim/engine.py",
+        "planner_service/sim/executor.py",
         "import planner_service.sim.policies.base",
         "no-circles",
-        ".engine -> .policies",
-        id="engine-and-policies-circle",
+        ".executor -> .policies",
+        id="executor-and-policies-circle",
     ),
 ]
 

@@ -19,25 +19,26 @@ from planner_service.sim.trace import TraceRequest
 
 if TYPE_CHECKING:
     from planner_service.domain.problem import Session
-    from planner_service.sim.engine import SessionState, SimRequest, Simulator
+    from planner_service.sim.state import SessionState, SimRequest
+    from planner_service.sim.view import SimView
 
 
 class ClairvoyantPolicy(StatebudgetPolicy):
     name = PolicyName.CLAIRVOYANT
 
-    def setup(self, sim: Simulator) -> None:
-        super().setup(sim)
+    def place(self, sim: SimView) -> None:
+        super().place(sim)
         self.upcoming: dict[str, list[str]] = {}  # session -> the models of its requests, in trace order
         for r in sim.records:
             if isinstance(r, TraceRequest):
                 self.upcoming.setdefault(r.session, []).append(r.model)
         self.requests_seen: Counter[str] = Counter()
 
-    def observe(self, sim: Simulator, session: SessionState, req: SimRequest) -> None:
+    def observe(self, sim: SimView, session: SessionState, req: SimRequest) -> None:
         super().observe(sim, session, req)
         self.requests_seen[req.session] += 1
 
-    def next_models(self, sim: Simulator, sessions: Mapping[str, Session]) -> dict[str, dict[str, float]]:
+    def next_models(self, sim: SimView, sessions: Mapping[str, Session]) -> dict[str, dict[str, float]]:
         """The trace's next model of each real session; stand-ins, which have no trace, keep the predictor's."""
         predicted = super().next_models(sim, sessions)
         for session_id in sessions:

@@ -22,7 +22,8 @@ from planner_service.sim.policies.base import Policy, PolicyName
 from planner_service.sim.trace import TraceRequest
 
 if TYPE_CHECKING:
-    from planner_service.sim.engine import SimRequest, Simulator
+    from planner_service.sim.state import SimRequest
+    from planner_service.sim.view import SimView
 
 
 class IndependentPolicy(Policy):
@@ -31,7 +32,7 @@ class IndependentPolicy(Policy):
     def __init__(self) -> None:
         self.partition: dict[str, set[str]] = {}
 
-    def setup(self, sim: Simulator) -> None:
+    def place(self, sim: SimView) -> None:
         p = sim.problem
         counts = Counter(r.model for r in sim.records if isinstance(r, TraceRequest) and r.model in p.models)
         total = sum(counts.values()) or 1
@@ -82,29 +83,29 @@ class IndependentPolicy(Policy):
                 node_id, precision, gpu_group = choice
                 shard = -(-p.models[model_id].weights_bytes[precision] // len(gpu_group))
                 if all(sim.cluster.free(Location.gpu(g.id)) >= shard for g in gpu_group):
-                    sim.place_now(model_id, node_id, precision, gpu_group)
+                    self.act.place_now(model_id, node_id, precision, gpu_group)
 
-    def allowed(self, sim: Simulator, model: str) -> Callable[[str], bool]:
+    def allowed(self, sim: SimView, model: str) -> Callable[[str], bool]:
         return self._within(self.partition.get(model, set()))
 
     @staticmethod
     def _within(gpus: set[str]) -> Callable[[str], bool]:
         return lambda gpu: gpu in gpus
 
-    def ensure(self, sim: Simulator, req: SimRequest) -> None:
+    def ensure(self, sim: SimView, req: SimRequest) -> None:
         if req.model in sim.models:
             return
-        if sim.load_model(req.model, self.allowed(sim, req.model)):
+        if self.act.load_model(req.model, self.allowed(sim, req.model)):
             return
         mine = self.partition.get(req.model, set())
         busy = any(sim.running.get(m) and {g.id for g in st.gpus} & mine for m, st in sim.models.items()) or any(
             t.dest.id in mine for t in sim.cluster.transfers.values()
         )
-        if not busy and sim.load_model(req.model):
-            sim.fallback_loads += 1  # the partition is too small for this request: borrow GPUs
+        if not busy and self.act.load_model(req.model):
+            self.act.count_fallback()  # the partition is too small for this request: borrow GPUs
 
-    def on_model_ready(self, sim: Simulator, model: str) -> None:
+    def on_model_ready(self, sim: SimView, model: str) -> None:
         state = sim.models[model]
-        sim.fill_experts(
+        self.act.fill_experts(
             model, gpu_ids=sorted(g for g in self.partition.get(model, ()) if sim.problem.gpus[g].node == state.node)
         )

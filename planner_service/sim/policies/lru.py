@@ -8,20 +8,20 @@ from planner_service.domain.state import Kind, Location, StateObject
 from planner_service.sim.policies.base import Policy, PolicyName
 
 if TYPE_CHECKING:
-    from planner_service.sim.engine import Simulator
+    from planner_service.sim.view import SimView
 
 OLLAMA_KEEP_ALIVE_SECONDS = 300.0  # Ollama's default keep_alive: 5 minutes
 
 
 class LruPolicy(Policy):
-    """Weights come from host DRAM or NVMe on demand; KV is dropped with its model (no offload)."""
+    """Weights come from host DRAM or NVMe on demand onto the smallest group that fits; KV written through."""
 
     name = PolicyName.LRU
 
     def __init__(self, keep_alive_seconds: float = OLLAMA_KEEP_ALIVE_SECONDS) -> None:
         self.keep_alive_seconds = keep_alive_seconds
 
-    def on_tick(self, sim: Simulator) -> None:
+    def on_tick(self, sim: SimView) -> None:
         """Unload models idle for longer than the keep-alive (checked every engine tick)."""
         for model_id, state in sorted(sim.models.items()):
             obj = StateObject.weights(model_id, state.precision)
@@ -33,5 +33,12 @@ class LruPolicy(Policy):
                 loc = Location.gpu(g.id)
                 for other in list(sim.cluster.objects_at(loc)):
                     if other.model == model_id and other.kind is not Kind.WEIGHTS:
-                        sim.evict(other, loc)
-            sim.evict(obj, Location.gpu(state.gpus[0].id))
+                        self.act.evict(other, loc)
+            self.act.evict(obj, Location.gpu(state.gpus[0].id))
+
+
+class LruNoKvPolicy(LruPolicy):
+    """Ablation: `lru` without KV write-through (a model's KV is dropped with it)."""
+
+    name = PolicyName.LRU_NOKV
+    kv_offload = False

@@ -31,14 +31,14 @@ from planner_service.sim.policies.static import apply_placement, static_placemen
 from planner_service.sim.trace import TraceRequest
 
 if TYPE_CHECKING:
-    from planner_service.sim.engine import SimRequest, Simulator
+    from planner_service.sim.state import SimRequest
+    from planner_service.sim.view import SimView
 
 NEVER = float("inf")
 
 
 class OraclePolicy(Policy):
     name = PolicyName.ORACLE
-    kv_offload = True
 
     def __init__(self) -> None:
         self.model_times: dict[str, list[float]] = defaultdict(list)
@@ -48,8 +48,8 @@ class OraclePolicy(Policy):
         self.requests: list[TraceRequest] = []
         self.horizon: float | None = None  # while prefetching: keep what is needed before this time
 
-    def setup(self, sim: Simulator) -> None:
-        apply_placement(sim, static_placement(sim))
+    def place(self, sim: SimView) -> None:
+        apply_placement(sim, self.act, static_placement(sim))
         last: dict[str, int] = {}
         history: dict[str, int] = defaultdict(int)
         for rec in sim.records:
@@ -77,18 +77,18 @@ class OraclePolicy(Policy):
         i = bisect.bisect_left(times, now)
         return times[i] if i < len(times) else NEVER
 
-    def next_use(self, sim: Simulator, obj: StateObject) -> float:
+    def next_use(self, sim: SimView, obj: StateObject) -> float:
         if obj.kind is Kind.KV and obj.session is not None:  # (KV always names its session)
             return self._next_use(self.kv_times.get((obj.model, obj.session), []), sim.now)
         return self._next_use(self.model_times.get(obj.model, []), sim.now)
 
-    def victim_key(self, sim: Simulator, obj: StateObject, loc: Location) -> tuple | None:
+    def victim_key(self, sim: SimView, obj: StateObject, loc: Location) -> tuple | None:
         use = self.next_use(sim, obj)
         if self.horizon is not None and use <= self.horizon:
             return None
         return (-use, obj.kind is Kind.WEIGHTS, obj)
 
-    def kv_reserve(self, sim: Simulator, model: str) -> int:
+    def kv_reserve(self, sim: SimView, model: str) -> int:
         """The KV of the model's requests arriving within the horizon (trace times), at least the waiting one's."""
         times, sums = self.model_times.get(model, []), self.model_kv.get(model, [])
         lo = bisect.bisect_left(times, sim.now)
@@ -96,16 +96,16 @@ class OraclePolicy(Policy):
         coming = (sums[hi - 1] - (sums[lo - 1] if lo else 0)) if hi > lo else 0
         return max(coming, super().kv_reserve(sim, model))
 
-    def _prefetch(self, sim: Simulator, rec: TraceRequest) -> None:
+    def _prefetch(self, sim: SimView, rec: TraceRequest) -> None:
         if rec.model in sim.models:
             return
         self.horizon = rec.t
         try:
-            sim.load_model(rec.model)
+            self.act.load_model(rec.model)
         finally:
             self.horizon = None
 
-    def on_done(self, sim: Simulator, req: SimRequest) -> None:
+    def on_done(self, sim: SimView, req: SimRequest) -> None:
         nxt = self.next_turn.get(req.index)
         if nxt is not None:
             self._prefetch(sim, self.requests[nxt])

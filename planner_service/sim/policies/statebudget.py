@@ -67,6 +67,7 @@ import dataclasses
 import math
 import time
 from collections.abc import Mapping
+from functools import partial
 from types import MappingProxyType
 from typing import TYPE_CHECKING
 
@@ -84,12 +85,12 @@ from planner_service.sim.policies.static import apply_placement, static_placemen
 
 if TYPE_CHECKING:
     from planner_service.sim.cluster import Transfer
-    from planner_service.sim.engine import SessionState, SimRequest, Simulator
+    from planner_service.sim.state import SessionState, SimRequest
+    from planner_service.sim.view import SimView
 
 
 class StatebudgetPolicy(Policy):
     name = PolicyName.STATEBUDGET
-    kv_offload = True
 
     def __init__(
         self,
@@ -130,14 +131,14 @@ class StatebudgetPolicy(Policy):
 
     # -- set-up and learning ---------------------------------------------------
 
-    def setup(self, sim: Simulator) -> None:
+    def place(self, sim: SimView) -> None:
         self.predictor = SwitchPredictor(list(sim.problem.models), sim.scenario.predictor)
         if self.min_residency_seconds is None:
             self.min_residency_seconds = sim.c.horizon_seconds
         if self.warm_start:
-            apply_placement(sim, static_placement(sim))  # start from the same state as `static`
+            apply_placement(sim, self.act, static_placement(sim))  # start from the same state as `static`
 
-    def observe(self, sim: Simulator, session: SessionState, req: SimRequest) -> None:
+    def observe(self, sim: SimView, session: SessionState, req: SimRequest) -> None:
         assert self.predictor is not None
         self.load.add(sim.now, req.model, session.history_tokens + req.input_tokens + req.output_tokens)
         if session.requested_model is not None:
@@ -147,39 +148,39 @@ class StatebudgetPolicy(Policy):
 
     # -- when to plan ------------------------------------------------------------
 
-    def request_plan(self, sim: Simulator, interval: float) -> None:
+    def request_plan(self, sim: SimView, interval: float) -> None:
         at = max(sim.now, self.last_plan + interval)
         if self.scheduled_at is not None and self.scheduled_at <= at:
             return
         self.scheduled_at = at
-        sim.push(at, "plan", at)
+        self.act.schedule_plan(at, at)
 
-    def on_plan_event(self, sim: Simulator, payload: object) -> None:
+    def on_plan_event(self, sim: SimView, payload: object) -> None:
         if payload != self.scheduled_at:
             return  # superseded by an earlier call
         self.scheduled_at = None
         self.plan(sim)
 
-    def on_arrival(self, sim: Simulator, req: SimRequest) -> None:
+    def on_arrival(self, sim: SimView, req: SimRequest) -> None:
         state = sim.models.get(req.model)
         if state is None or state.status != "ready":
             self.request_plan(sim, self.min_interval_seconds)
-            sim.push(sim.now + self.fallback_after_seconds, "call", lambda: None)  # look again then (dispatch)
+            self.act.look_again_at(sim.now + self.fallback_after_seconds)
 
-    def on_tick(self, sim: Simulator) -> None:
+    def on_tick(self, sim: SimView) -> None:
         if self.changed:
             self.request_plan(sim, self.replan_seconds)
 
-    def on_waiting(self, sim: Simulator, req: SimRequest) -> None:
+    def on_waiting(self, sim: SimView, req: SimRequest) -> None:
         if req.model in sim.needs_kv_room:  # the planned group could not hold this KV: load where it fits
-            if sim.load_model(req.model):
-                sim.fallback_loads += 1
+            if self.act.load_model(req.model):
+                self.act.count_fallback()
             return
         if sim.now - req.admitted_at < self.fallback_after_seconds:
             if self.scheduled_at is not None or self._brings(req.model):
                 return  # a plan is coming, or its operations are on the way
-        if sim.load_model(req.model):
-            sim.fallback_loads += 1
+        if self.act.load_model(req.model):
+            self.act.count_fallback()
 
     def _brings(self, model: str) -> bool:
         return any(
@@ -191,10 +192,10 @@ class StatebudgetPolicy(Policy):
             for op in self.ops
         )
 
-    def on_model_ready(self, sim: Simulator, model: str) -> None:
+    def on_model_ready(self, sim: SimView, model: str) -> None:
         """Experts on GPU are the plan's call (its operations bring the chunks worth their room): no fill."""
 
-    def kv_reserve(self, sim: Simulator, model: str) -> int:
+    def kv_reserve(self, sim: SimView, model: str) -> int:
         """An on-demand load leaves room for the model's working set: the KV of its waiting requests and
         of the sessions it served within the window (agent sessions come back to it)."""
         window = self.min_residency_seconds or 0.0
@@ -205,7 +206,7 @@ class StatebudgetPolicy(Policy):
                 total += s.history_tokens * kvpt
         return total
 
-    def victim_key(self, sim: Simulator, obj: StateObject, loc: Location) -> tuple | None:
+    def victim_key(self, sim: SimView, obj: StateObject, loc: Location) -> tuple | None:
         """What the plan keeps goes last; before it experts, then idle KV and weights idle for the window, then
         weights that served within it (least recently used first within each)."""
         used = sim.last_used.get(obj, -1.0)
@@ -219,7 +220,7 @@ class StatebudgetPolicy(Policy):
 
     # -- planning ----------------------------------------------------------------
 
-    def problem(self, sim: Simulator):
+    def problem(self, sim: SimView):
         assert self.predictor is not None
         sessions: dict[str, Session] = {}
         for s in sim.sessions.values():
@@ -255,12 +256,12 @@ class StatebudgetPolicy(Policy):
             next_model=MappingProxyType(self.next_models(sim, sessions)),
         )
 
-    def next_models(self, sim: Simulator, sessions: Mapping[str, Session]) -> dict[str, dict[str, float]]:
+    def next_models(self, sim: SimView, sessions: Mapping[str, Session]) -> dict[str, dict[str, float]]:
         """Next-model probabilities of each session: the predictor's, fed the hand-offs observed so far."""
         assert self.predictor is not None
         return self.predictor.predict_sessions({s.id: s.model for s in sessions.values()}, sim.now)
 
-    def pins(self, sim: Simulator) -> tuple[dict[str, str], dict[str, str]]:
+    def pins(self, sim: SimView) -> tuple[dict[str, str], dict[str, str]]:
         """Node and precision of every model that served within the window, unless its requests are stuck."""
         stuck = {r.model for r in sim.waiting if sim.now - r.admitted_at > self.unpin_after_seconds}
         engines: dict[str, Engine] = {}
@@ -270,7 +271,7 @@ class StatebudgetPolicy(Policy):
                 engines[model_id] = Engine(state.node, state.precision, last_used)
         return pins(engines, stuck, sim.now, self.min_residency_seconds or 0.0)
 
-    def plan(self, sim: Simulator) -> None:
+    def plan(self, sim: SimView) -> None:
         started = time.perf_counter()
         self.last_plan = sim.now
         self.changed = False
@@ -295,13 +296,13 @@ class StatebudgetPolicy(Policy):
             self.failed_plans += 1
             if len(self.errors) < 5:
                 self.errors.append(f"t={sim.now:.1f}: {error}")
-            sim.planner_seconds.append(time.perf_counter() - started)
+            self.act.report_plan_seconds(time.perf_counter() - started)
             return
-        sim.planner_seconds.append(time.perf_counter() - started)
+        self.act.report_plan_seconds(time.perf_counter() - started)
         if adopt:
             self.adopt(sim, plan)
 
-    def adopt(self, sim: Simulator, plan: Plan) -> None:
+    def adopt(self, sim: SimView, plan: Plan) -> None:
         self.adopted += 1
         for op in self.ops:  # a new plan supersedes the operations not started yet
             if self.status.get(op.id) == "queued":
@@ -323,15 +324,15 @@ class StatebudgetPolicy(Policy):
                 self._serve_planned_group(sim, obj, obj.precision)
         self.on_dispatch(sim)
 
-    def on_evicted(self, sim: Simulator, obj: StateObject, loc: Location) -> None:
+    def on_evicted(self, sim: SimView, obj: StateObject, loc: Location) -> None:
         if obj.kind is Kind.EXPERTS:
             self.evicted[(obj, loc)] = sim.now
 
-    def _evicted_lately(self, sim: Simulator, obj: StateObject, loc: Location) -> bool:
+    def _evicted_lately(self, sim: SimView, obj: StateObject, loc: Location) -> bool:
         """Experts the engine evicted from this GPU within the window (a plan does not bring them back yet)."""
         return sim.now - self.evicted.get((obj, loc), float("-inf")) < (self.min_residency_seconds or 0.0)
 
-    def _settled(self, sim: Simulator, obj: StateObject, loc: Location) -> bool:
+    def _settled(self, sim: SimView, obj: StateObject, loc: Location) -> bool:
         """What a plan may not take off this GPU yet: no undo of recent arrivals, keep-warm of served weights."""
         if obj.kind is Kind.KV or loc.tier is not Tier.GPU:
             return False
@@ -349,7 +350,7 @@ class StatebudgetPolicy(Policy):
 
     # -- executing operations ----------------------------------------------------
 
-    def on_dispatch(self, sim: Simulator) -> None:
+    def on_dispatch(self, sim: SimView) -> None:
         progressed = bool(self.queued)
         while progressed:
             progressed = False
@@ -367,112 +368,32 @@ class StatebudgetPolicy(Policy):
                 progressed = progressed or outcome != "started"
             self.queued = still
 
-    def _busy_kv(self, sim: Simulator, obj: StateObject) -> bool:
+    def _busy_kv(self, sim: SimView, obj: StateObject) -> bool:
         session = sim.sessions.get(obj.session) if obj.session else None
         return session is not None and session.request is not None and session.request.model == obj.model
 
-    def _start(self, sim: Simulator, op: Operation) -> str | None:
-        """Start an operation: 'started', 'done' / 'failed' at once, or None to wait for room."""
-        obj, c, source, dest = op.object, sim.cluster, op.source, op.dest
+    def _start(self, sim: SimView, op: Operation) -> str | None:
+        """Hand an operation to the executor unless a rule holds it back: 'started', 'done' / 'failed' at
+        once, or None to wait for room."""
+        obj, source, dest = op.object, op.source, op.dest
         if obj.kind is Kind.KV and (source is None or self._busy_kv(sim, obj)):
             return "done"  # the engine readies the KV of requests it serves (restore or re-prefill)
-        if source is None:
-            return "failed"  # only KV is made from nothing (prefill, above): other state needs a copy to move
-        if (op.action is Action.DROP or not op.keep_source) and self._settled(sim, obj, source):
+        if source is not None and (op.action is Action.DROP or not op.keep_source) and self._settled(sim, obj, source):
             return "failed"  # hysteresis: it arrived or served too recently to leave this GPU
         if dest is not None and dest.tier is Tier.GPU and self._evicted_lately(sim, obj, dest):
             return "failed"  # hysteresis: the engine gave this room to requests within the window
-        if op.action is Action.DROP:
-            return self._drop(sim, obj, source, op.bytes)
-        if dest is None:
-            return "failed"  # a promote or demote names where it goes
-        if self._stored_already(sim, obj, source, dest):  # the write-through copy holds what this one covers
-            return "done" if op.keep_source else self._drop(sim, obj, source, op.bytes)
-        have = c.bytes_of(obj, source)
-        nbytes = min(op.bytes, have)
-        if nbytes <= 0:
-            return "failed"
-        if not op.keep_source and (sim.pinned(obj) or c.reading(obj, source)):
-            return "failed"
-        if source.tier is Tier.GPU and dest.tier is not Tier.GPU and c.free(dest) < nbytes:
-            return None
-        if c.free(dest) < nbytes:
-            return None
-        tokens = self._valid_tokens(sim, obj, source)  # before the source copy leaves a GPU below
-        c.start(sim.now, obj, source, dest, nbytes, op.keep_source, lambda t: self._done(sim, op, t, tokens))
-        sim.operations += 1
-        if not op.keep_source and source.tier is Tier.GPU:
-            self._left_gpu(sim, obj, source)
-        return "started"
+        return self.act.apply(op, partial(self._done, sim))
 
-    def _drop(self, sim: Simulator, obj: StateObject, loc: Location, nbytes: int) -> str:
-        c = sim.cluster
-        # weights a busy engine does not read (the surplus of a group it left for a wider one) may go
-        spare = obj.kind is Kind.WEIGHTS and loc.tier is Tier.GPU and nbytes <= sim.spare_weight_bytes(obj, loc)
-        if (sim.pinned(obj) and not spare) or c.reading(obj, loc) or c.bytes_of(obj, loc) <= 0:
-            return "failed"
-        node = sim.problem.node_of(loc)
-        if obj.kind is not Kind.KV:
-            others = [t for t in (Tier.GPU, Tier.HOST, Tier.NVME) if t is not loc.tier]
-            size = c.full_size(obj)
-            if not any(c.node_bytes(obj, node, t) >= size for t in others if t is not Tier.GPU):
-                return "failed"  # never the last complete copy below GPU
-        c.remove(obj, loc, nbytes)
-        sim.operations += 1
-        if loc.tier is Tier.GPU and not spare:
-            self._left_gpu(sim, obj, loc)
-        elif obj.kind is Kind.KV and loc.tier is Tier.HOST and not c.bytes_of(obj, loc):
-            sim.host_tokens[obj] = 0
-        return "done"
-
-    def _left_gpu(self, sim: Simulator, obj: StateObject, loc: Location) -> None:
-        """Bytes of `obj` left a GPU: weights stop serving, KV stops covering."""
-        if obj.kind is Kind.KV:
-            sim.gpu_tokens[obj] = 0
-        elif obj.kind is Kind.WEIGHTS:
-            state = sim.models.get(obj.model)
-            if state is not None and state.precision == obj.precision and loc.id in {g.id for g in state.gpus}:
-                if state.status == "ready" and not sim.running.get(obj.model):
-                    del sim.models[obj.model]
-
-    def _stored_already(self, sim: Simulator, obj: StateObject, source: Location, dest: Location) -> bool:
-        """Whether a KV copy to host DRAM would add nothing: the host copy covers what the source covers."""
-        if obj.kind is not Kind.KV or dest.tier is not Tier.HOST or not sim.cluster.bytes_of(obj, dest):
-            return False
-        return sim.host_tokens.get(obj, 0) >= self._valid_tokens(sim, obj, source)
-
-    @staticmethod
-    def _valid_tokens(sim: Simulator, obj: StateObject, loc: Location) -> int:
-        """The history tokens a KV copy covers (what a copy made from it covers at most; 0 for other kinds)."""
-        if obj.kind is not Kind.KV:
-            return 0
-        if loc.tier is Tier.GPU:
-            return sim.gpu_tokens.get(obj, 0)
-        return sim.host_tokens.get(obj, 0) if loc.tier is Tier.HOST else 0
-
-    def _done(self, sim: Simulator, op: Operation, transfer: Transfer, tokens: int) -> None:
+    def _done(self, sim: SimView, op: Operation, transfer: Transfer) -> None:
         if self.status.get(op.id) in ("started", "superseded"):
             self.status[op.id] = "done"
-        obj, c, dest = op.object, sim.cluster, transfer.dest
+        obj, dest = op.object, transfer.dest
         if dest.tier is Tier.GPU:
             self.arrived[(obj, dest)] = sim.now
-        if not op.keep_source and op.source is not None and op.source.tier is Tier.GPU:
-            self._left_gpu(sim, obj, op.source)
-        if obj.kind is Kind.KV:
-            kvpt = sim.problem.models[obj.model].kv_bytes_per_token or 1
-            # a copy covers what its source covered, at most what its bytes hold (bytes are not tokens: a
-            # plan sizes KV for the whole history, the model's copy covers the history up to its last turn)
-            if dest.tier is Tier.GPU:
-                on_gpu = c.node_bytes(obj, op.node, Tier.GPU) // kvpt
-                sim.gpu_tokens[obj] = min(max(sim.gpu_tokens.get(obj, 0), tokens), on_gpu)
-            elif dest.tier is Tier.HOST:
-                on_host = c.bytes_of(obj, dest) // kvpt
-                sim.host_tokens[obj] = min(max(sim.host_tokens.get(obj, 0), tokens), on_host)
-                c.remove(obj, dest, c.bytes_of(obj, dest) - sim.host_tokens[obj] * kvpt)  # one copy, no more
-        elif obj.kind is Kind.WEIGHTS and obj.precision is not None and dest.tier is Tier.GPU:
+        if obj.kind is Kind.WEIGHTS and obj.precision is not None and dest.tier is Tier.GPU:
             self._serve_from_plan(sim, obj, obj.precision, op.node)
 
-    def _serve_from_plan(self, sim: Simulator, obj: StateObject, precision: str, node: str) -> None:
+    def _serve_from_plan(self, sim: SimView, obj: StateObject, precision: str, node: str) -> None:
         """Weights complete on the group the plan chose: serve from there (a new engine on that group).
 
         Requests already running finish where they are; the next ones start on the new group.
@@ -484,9 +405,9 @@ class StatebudgetPolicy(Policy):
             gpus = tuple(
                 sim.problem.gpus[g] for g in sim.problem.nodes[node].gpus if c.bytes_of(obj, Location.gpu(g)) > 0
             )
-            sim.adopt_weights(obj.model, node, precision, gpus)
+            self.act.adopt_weights(obj.model, node, precision, gpus)
 
-    def _serve_planned_group(self, sim: Simulator, obj: StateObject, precision: str) -> bool:
+    def _serve_planned_group(self, sim: SimView, obj: StateObject, precision: str) -> bool:
         """Serve `obj` from the GPUs the adopted plan puts it on, if every shard is there (True: it is or will be)."""
         planned = [(loc, nbytes) for (o, loc), nbytes in self.target.items() if o == obj]
         if not planned or any(sim.cluster.bytes_of(obj, loc) < nbytes for loc, nbytes in planned):
@@ -495,6 +416,5 @@ class StatebudgetPolicy(Policy):
         state = sim.models.get(obj.model)
         if state is not None and (state.status != "ready" or state.precision == precision and state.gpus == gpus):
             return True  # served there already, or another load of it is on the way
-        sim.models.pop(obj.model, None)
-        sim.adopt_weights(obj.model, sim.problem.gpus[planned[0][0].id].node, precision, gpus)
+        self.act.serve_from(obj.model, sim.problem.gpus[planned[0][0].id].node, precision, gpus)
         return True

@@ -6,6 +6,7 @@ with the mean context its model's requests arrive with (so the groups it
 picks leave room for the KV of that demand); the models it places stay there
 for the whole replay. Models left out are
 loaded on demand into the room the fixed placement leaves, LRU within it.
+Every turn's KV is written through to host DRAM, as for every baseline.
 """
 
 from __future__ import annotations
@@ -24,12 +25,13 @@ from planner_service.sim.policies.base import Policy, PolicyName
 from planner_service.sim.trace import TraceRequest
 
 if TYPE_CHECKING:
-    from planner_service.sim.engine import Simulator
+    from planner_service.sim.executor import Executor
+    from planner_service.sim.view import SimView
 
 PSEUDO_SESSIONS = 10  # the team size the demand is spread over
 
 
-def average_demand(sim: Simulator) -> list[Session]:
+def average_demand(sim: SimView) -> list[Session]:
     """`PSEUDO_SESSIONS` active sessions spread over the trace's models by request share (largest
     remainder), each with the mean history its model's requests arrive with: the average demand,
     KV included, that a fixed placement has to carry."""
@@ -52,7 +54,7 @@ def average_demand(sim: Simulator) -> list[Session]:
     return sessions
 
 
-def static_placement(sim: Simulator) -> dict[tuple[StateObject, Location], int]:
+def static_placement(sim: SimView) -> dict[tuple[StateObject, Location], int]:
     """GPU entries (weights and experts) of the greedy's plan for the trace's average demand."""
     sessions = {s.id: s for s in average_demand(sim)}
     if not sessions:
@@ -66,18 +68,18 @@ def static_placement(sim: Simulator) -> dict[tuple[StateObject, Location], int]:
     return {(o, l): b for (o, l), b in target.placement.items() if l.tier is Tier.GPU and o.kind is not Kind.KV}
 
 
-def apply_placement(sim: Simulator, placement: dict[tuple[StateObject, Location], int]) -> set[str]:
+def apply_placement(sim: SimView, act: Executor, placement: dict[tuple[StateObject, Location], int]) -> set[str]:
     """Put a placement's weights (ready) and experts on the GPUs at t=0; returns the models placed."""
     models: set[str] = set()
     for obj, loc in sorted(placement):
         if obj.kind is Kind.WEIGHTS and obj.precision is not None:  # (weights always name their precision)
             gpus = tuple(sim.problem.gpus[l.id] for (o, l) in sorted(placement) if o == obj and l.tier is Tier.GPU)
             if obj.model not in models:
-                sim.place_now(obj.model, sim.problem.gpus[loc.id].node, obj.precision, gpus)
+                act.place_now(obj.model, sim.problem.gpus[loc.id].node, obj.precision, gpus)
                 models.add(obj.model)
     for (obj, loc), nbytes in sorted(placement.items()):
-        if obj.kind is Kind.EXPERTS and sim.cluster.free(loc) >= nbytes:
-            sim.cluster.add(obj, loc, nbytes)
+        if obj.kind is Kind.EXPERTS:
+            act.add_experts(obj, loc, nbytes)
     return models
 
 
@@ -87,15 +89,15 @@ class StaticPolicy(Policy):
     def __init__(self) -> None:
         self.fixed: set[str] = set()
 
-    def setup(self, sim: Simulator) -> None:
-        self.fixed = apply_placement(sim, static_placement(sim))
+    def place(self, sim: SimView) -> None:
+        self.fixed = apply_placement(sim, self.act, static_placement(sim))
 
-    def victim_key(self, sim: Simulator, obj: StateObject, loc: Location) -> tuple | None:
+    def victim_key(self, sim: SimView, obj: StateObject, loc: Location) -> tuple | None:
         if obj.kind is Kind.WEIGHTS and obj.model in self.fixed:
             return None  # the fixed placement never moves
         return super().victim_key(sim, obj, loc)
 
-    def on_stuck(self, sim: Simulator, req) -> None:
+    def on_stuck(self, sim: SimView, req) -> None:
         if req.model not in self.fixed:
             super().on_stuck(sim, req)
             return
@@ -105,17 +107,14 @@ class StaticPolicy(Policy):
             loc = Location.gpu(g.id)
             for obj in list(sim.cluster.objects_at(loc)):
                 if obj.kind is not Kind.WEIGHTS:
-                    sim.evict(obj, loc)
+                    self.act.evict(obj, loc)
         shard = -(-sim.kv_footprint(req) // len(state.gpus))
         if any(sim.cluster.free(Location.gpu(g.id)) < shard for g in state.gpus):
             super().on_stuck(sim, req)  # even an empty group is too small: move the model where the KV fits
 
 
-class SiloedPolicy(StaticPolicy):
-    """Weights pinned by the static choice; KV tiered to host DRAM by LRU (LMCache); experts by LRU.
+class StaticNoKvPolicy(StaticPolicy):
+    """Ablation: `static` without KV write-through (a turn's KV lives only in its engine's GPU pool)."""
 
-    Each kind of state is tiered on its own, with no joint budget across them.
-    """
-
-    name = PolicyName.SILOED
-    kv_offload = True
+    name = PolicyName.STATIC_NOKV
+    kv_offload = False

@@ -1,0 +1,93 @@
+"""docs/evidence.md from stored seed-study results (`statebudget study seeds --json`), without a replay.
+
+Each stored result becomes a section: what was run (trace sizes, seeds, training seeds, static-tuned's
+search), a table of every policy's metrics (mean ± 95 % t half width over the seeds) with its saturated
+runs, and the hand-off P95 ratios against the best baseline where no run of either policy is saturated.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from planner_service.sim.seeds import METRICS
+
+BASELINES = ("sleep-router", "swap-ttl", "static-tuned")
+GOAL = "hand-off P95 ≤ 0.6 × the best baseline at ≤ 1.2 × its GPU memory-time, without a worse completion P95"
+
+
+def _cell(interval: dict[str, Any], digits: int) -> str:
+    if interval.get("half_width") is None:
+        return f"{interval['mean']:.{digits}f}"
+    return f"{interval['mean']:.{digits}f} ± {interval['half_width']:.{digits}f}"
+
+
+def _headline(data: dict[str, Any]) -> list[str]:
+    metrics, overran = data["metrics"], data["saturated_runs"]
+    baselines = [b for b in BASELINES if b in metrics]
+    if "statebudget" not in metrics or not baselines:
+        return []
+    best = min(baselines, key=lambda b: metrics[b]["handoff_p95_seconds"]["mean"])
+    lines = [f"Best baseline by mean hand-off P95: `{best}`. The goal: {GOAL}."]
+    if overran["statebudget"] or overran[best]:
+        lines.append(
+            f"No ratio is quoted: saturated runs (simulated time > 1.05 × the trace): statebudget "
+            f"{overran['statebudget']} / {len(data['seeds'])}, {best} {overran[best]} / {len(data['seeds'])}."
+        )
+        return lines
+    sb, bb = metrics["statebudget"], metrics[best]
+    ratio = sb["handoff_p95_seconds"]["mean"] / bb["handoff_p95_seconds"]["mean"]
+    memory = sb["gpu_gib_mean"]["mean"] / bb["gpu_gib_mean"]["mean"]
+    reached = (
+        ratio <= 0.6 and memory <= 1.2 and sb["completion_p95_seconds"]["mean"] <= bb["completion_p95_seconds"]["mean"]
+    )
+    lines.append(
+        f"statebudget / {best}: hand-off P95 {ratio:.2f}, GPU memory-time {memory:.2f}: goal "
+        f"{'reached' if reached else 'not reached'} (ratios of means)."
+    )
+    return lines
+
+
+def render_section(name: str, data: dict[str, Any]) -> str:
+    trace = data["trace"]
+    lines = [
+        f"## {name}",
+        "",
+        (
+            f"Synthetic traces of {trace['sessions']} sessions × {trace['hours']:g} h on the scenario, reported "
+            f"seeds {', '.join(map(str, data['seeds']))}; {data['interval']}."
+        ),
+    ]
+    search = data.get("static_tuned_search")
+    if search:
+        lines.append(
+            f"static-tuned: trained on seeds {', '.join(map(str, data['train_seeds']))}; a space of "
+            f"{search['space_size']:,} partitions, {search['candidates_scored']} scored in {search['replays']} "
+            f"replays, {search['pruned']} pruned by memory fit, {search.get('failed', 0)} infeasible, "
+            f"{'exhaustive' if search['exhaustive'] else 'sampled'}."
+        )
+    columns = ["policy", *(label for _, label, _ in METRICS), "saturated runs"]
+    lines += ["", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for policy in data["policies"]:
+        cells = [_cell(data["metrics"][policy][key], 3 if key == "degraded_share" else 2) for key, _, _ in METRICS]
+        lines.append(
+            f"| {policy} | " + " | ".join(cells) + f" | {data['saturated_runs'][policy]} / {len(data['seeds'])} |"
+        )
+    lines += ["", *_headline(data), ""]
+    return "\n".join(lines)
+
+
+def render(results: Sequence[Path], preamble: str = "") -> str:
+    """The evidence page: the preamble, then a section per stored result (named by its file)."""
+    if not results:
+        raise ValueError("results: no stored results to render")
+    sections = []
+    for path in sorted(results):
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as error:
+            raise ValueError(f"results: {path}: {error}") from None
+        sections.append(render_section(path.stem, data))
+    return "\n".join([preamble.rstrip(), "", *sections]).lstrip() + "\n"

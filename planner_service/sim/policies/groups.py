@@ -1,0 +1,147 @@
+"""Fixed engine groups: each model served by one engine whose GPUs, tensor-parallel degree and precision
+are set by its operator, as in a llama-swap or Ollama config (a model's launch command names its GPUs).
+
+`operator_partition` writes the config an operator would: models in decreasing weight size, each on the
+node with the least weight already assigned to it (relative to its HBM) that holds it, tensor-parallel
+over all of that node's GPUs (llama-swap's `CUDA_VISIBLE_DEVICES` per model; vLLM's
+`--tensor-parallel-size`), at its preferred precision where the shards fit with `KV_HEADROOM` of each
+GPU left for KV, else the next allowed precision. Models that share a node form one llama-swap group:
+they run together while they fit and swap, least recently used first, when they do not.
+
+`FixedGroupsPolicy` serves every model on its group only: a load is a wake or a start of that engine,
+never another configuration, and room on the group is made by taking down the least recently used
+other engine there.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from planner_service.domain.problem import Gpu, Problem
+from planner_service.domain.state import Kind, Location, StateObject
+from planner_service.planner.greedy import split_evenly
+from planner_service.sim.executor import KV_HEADROOM
+from planner_service.sim.policies.base import Policy
+from planner_service.sim.trace import TraceRequest
+
+if TYPE_CHECKING:
+    from planner_service.sim.state import SimRequest
+    from planner_service.sim.view import SimView
+
+
+@dataclass(frozen=True)
+class FixedEngine:
+    """One model's engine as its operator configured it."""
+
+    model: str
+    node: str
+    precision: str
+    gpus: tuple[Gpu, ...]
+
+
+Partition = Mapping[str, FixedEngine]
+
+
+def engine_fits(problem: Problem, model_id: str, node_id: str, precision: str, gpus: tuple[Gpu, ...]) -> bool:
+    """Whether the model's weights at `precision`, split over `gpus`, leave `KV_HEADROOM` of each GPU free."""
+    model = problem.models[model_id]
+    if not gpus or not problem.nodes[node_id].can_serve(model_id):
+        return False
+    if len(gpus) < max(model.min_gpus.get(g.type, 1) for g in gpus):
+        return False
+    shard = math.ceil(model.weights_bytes[precision] / len(gpus))
+    return all(shard <= (1 - KV_HEADROOM) * g.capacity_bytes for g in gpus)
+
+
+def node_gpus(problem: Problem, node_id: str) -> tuple[Gpu, ...]:
+    return tuple(problem.gpus[g] for g in sorted(problem.nodes[node_id].gpus))
+
+
+def operator_partition(problem: Problem) -> dict[str, FixedEngine]:
+    """The hand-written config: each model tensor-parallel over a whole node, spread by weight (module doc)."""
+    assigned = dict.fromkeys(problem.nodes, 0)
+    hbm = {n: sum(g.capacity_bytes for g in node_gpus(problem, n)) for n in problem.nodes}
+    out: dict[str, FixedEngine] = {}
+    for model in sorted(problem.models.values(), key=lambda m: (-m.weights_bytes[m.preferred], m.id)):
+        for precision in model.precisions:  # preferred first
+            fits = [
+                n for n in sorted(problem.nodes) if engine_fits(problem, model.id, n, precision, node_gpus(problem, n))
+            ]
+            if fits:
+                node_id = min(fits, key=lambda n: (assigned[n] / hbm[n], n))
+                out[model.id] = FixedEngine(model.id, node_id, precision, node_gpus(problem, node_id))
+                assigned[node_id] += model.weights_bytes[precision]
+                break
+    return out
+
+
+def bring_up(sim: SimView, policy: Policy, engine: FixedEngine) -> bool:
+    """Start or wake the model's engine on exactly its group, making room there (least recently used
+    other engines first); False when the group cannot make room now (the request waits)."""
+    if engine.model in sim.models:
+        return True
+    weights = StateObject.weights(engine.model, engine.precision)
+    shards = split_evenly(sim.problem.models[engine.model].weights_bytes[engine.precision], len(engine.gpus))
+    for g, nbytes in zip(engine.gpus, shards, strict=True):
+        loc = Location.gpu(g.id)
+        need = nbytes - sim.cluster.bytes_of(weights, loc) - sim.own_residue(engine.model, g.id)
+        if need > sim.cluster.free(loc):
+            policy.act.make_room(loc, need - sim.cluster.free(loc), protect={engine.model})
+        if need > sim.cluster.free(loc):
+            return False
+    policy.act.promote_weights(engine.model, engine.node, engine.precision, engine.gpus)
+    return True
+
+
+class FixedGroupsPolicy(Policy):
+    """Every model on its configured group only (module doc); subclasses say what runs at t=0 and when an
+    idle engine leaves."""
+
+    def __init__(self, partition: Partition | None = None) -> None:
+        self.partition: dict[str, FixedEngine] = dict(partition or {})
+
+    def place(self, sim: SimView) -> None:
+        if not self.partition:
+            self.partition = operator_partition(sim.problem)
+
+    def allowed(self, sim: SimView, model: str) -> Callable[[str], bool]:
+        engine = self.partition.get(model)
+        if engine is None:
+            return lambda gpu: True  # a model the config leaves out: anywhere (counted as a fallback load)
+        ids = {g.id for g in engine.gpus}
+        return lambda gpu: gpu in ids
+
+    def ensure(self, sim: SimView, req: SimRequest) -> None:
+        if req.model in sim.models:
+            return
+        engine = self.partition.get(req.model)
+        if engine is None:
+            if self.act.load_model(req.model):
+                self.act.count_fallback()
+            return
+        bring_up(sim, self, engine)
+
+    def on_stuck(self, sim: SimView, req: SimRequest) -> None:
+        """The engine is up but its group cannot hold the request's KV: take the group's other engines and
+        KV down; only when the empty group is still too small does the model move (a fallback)."""
+        state = sim.models[req.model]
+        for g in state.gpus:
+            loc = Location.gpu(g.id)
+            for obj in list(sim.cluster.objects_at(loc)):
+                if obj.model != req.model or obj.kind is Kind.KV:
+                    self.act.evict(obj, loc)
+        shard = -(-sim.kv_footprint(req) // len(state.gpus))
+        if any(sim.cluster.free(Location.gpu(g.id)) < shard for g in state.gpus):
+            self.act.count_fallback()
+            super().on_stuck(sim, req)
+
+    def demand_order(self, sim: SimView) -> list[str]:
+        """The configured models, most requested in the trace first (ties by name)."""
+        counts: dict[str, int] = dict.fromkeys(self.partition, 0)
+        for r in sim.records:
+            if isinstance(r, TraceRequest) and r.model in counts:
+                counts[r.model] += 1
+        return sorted(counts, key=lambda m: (-counts[m], m))

@@ -1,0 +1,161 @@
+"""Policies over many seeds: each metric's mean with its 95 % t-interval (`intervals.py`).
+
+Every reported seed draws one synthetic trace (`synth.py`) and replays it under every policy. A policy
+tuned on traces (`static-tuned`'s partition search) is tuned on its own training seeds, which must not
+be reported seeds, and then replayed unchanged on the reported ones. A run that overran its trace by
+more than 5 % (`slots.saturated`) is counted beside its policy's figures; the intervals include it, and
+a comparison should quote no ratio from a policy with saturated runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from planner_service.domain.scenario import Scenario
+from planner_service.domain.units import GIB
+from planner_service.sim.engine import simulate
+from planner_service.sim.intervals import Interval, t_interval
+from planner_service.sim.metrics import summarize
+from planner_service.sim.policies import PolicyName, create_policy
+from planner_service.sim.policies.static_tuned import TuneResult, tune_static
+from planner_service.sim.slots import saturated
+from planner_service.sim.synth import SynthParams, synth_trace
+from planner_service.sim.trace import TraceRecord
+
+# (key, column, how to read it from a replay's summary)
+METRICS: tuple[tuple[str, str, Callable[[dict[str, Any]], float]], ...] = (
+    ("handoff_p95_seconds", "hand-off P95 s", lambda s: s["switch_latency_seconds"]["handoff"]["p95"]),
+    ("switch_p95_seconds", "switch P95 s", lambda s: s["switch_latency_seconds"]["all"]["p95"]),
+    ("ttft_p95_seconds", "TTFT P95 s", lambda s: s["ttft_seconds"]["p95"]),
+    ("completion_p95_seconds", "done P95 s", lambda s: s["completion_seconds"]["p95"]),
+    ("gpu_gib_mean", "GPU GiB mean", lambda s: s["gpu_bytes"]["mean"] / GIB),
+    ("moved_gib", "moved GiB", lambda s: s["bytes_moved"] / GIB),
+    ("cold_starts", "cold starts", lambda s: float(s["engine_transitions"].get("cold_start", 0))),
+    ("degraded_share", "degraded share", lambda s: s["degraded_precision_rate"]),
+)
+
+
+@dataclass
+class SeedStudy:
+    policies: list[str]
+    seeds: list[int]
+    train_seeds: list[int]
+    params: SynthParams
+    intervals: dict[str, dict[str, Interval]]  # policy -> metric -> interval over seeds
+    saturated_runs: dict[str, int]  # policy -> runs past the trace by more than 5 %
+    runs: dict[str, list[dict[str, Any]]]  # policy -> per-seed metrics
+    tuning: TuneResult | None = None
+    notes: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "policies": self.policies,
+            "seeds": self.seeds,
+            "train_seeds": self.train_seeds,
+            "trace": {"sessions": self.params.sessions, "hours": self.params.hours, "users": self.params.users},
+            "interval": "95 % Student t over seeds",
+            "metrics": {p: {k: v.to_json() for k, v in m.items()} for p, m in self.intervals.items()},
+            "saturated_runs": self.saturated_runs,
+            "runs": self.runs,
+            "static_tuned_search": self.tuning.to_json() if self.tuning else None,
+        }
+
+
+def check_seeds(seeds: Sequence[int], train_seeds: Sequence[int]) -> None:
+    if not seeds:
+        raise ValueError("seeds: at least one reported seed is needed")
+    if len(set(seeds)) != len(seeds):
+        raise ValueError("seeds: each seed at most once")
+    shared = sorted(set(seeds) & set(train_seeds))
+    if shared:
+        raise ValueError(f"train_seeds: {', '.join(map(str, shared))} also reported; training seeds stay apart")
+
+
+def seed_study(
+    scenario: Scenario,
+    params: SynthParams,
+    policies: Sequence[str],
+    seeds: Sequence[int],
+    train_seeds: Sequence[int] = (),
+    *,
+    tune_budget: int = 200,
+    on_progress: Callable[[str], None] | None = None,
+) -> SeedStudy:
+    """Replay every policy on one synthetic trace per seed (module doc)."""
+    check_seeds(seeds, train_seeds)
+    names = list(dict.fromkeys(policies))
+    unknown = [n for n in names if n not in {str(p) for p in PolicyName}]
+    if not names or unknown:
+        raise ValueError(f"policies: unknown {', '.join(map(repr, unknown))}; choose of: {', '.join(PolicyName)}")
+    tuning = None
+    if PolicyName.STATIC_TUNED in names:
+        if not train_seeds:
+            raise ValueError("train_seeds: static-tuned is tuned on training seeds; give at least one")
+        training = [trace(scenario, params, s) for s in train_seeds]
+        tuning = tune_static(scenario, training, budget=tune_budget, seed=min(train_seeds))
+        if on_progress:
+            on_progress(f"static-tuned: {tuning.replays} training replays over a space of {tuning.space_size}")
+    runs: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
+    overran = dict.fromkeys(names, 0)
+    for seed in seeds:
+        records = trace(scenario, params, seed)
+        end = max((r.t for r in records), default=0.0)
+        for name in names:
+            options = {"partition": tuning.partition} if name == PolicyName.STATIC_TUNED and tuning else {}
+            result = simulate(scenario, records, create_policy(name, **options), seed=seed)
+            summary = summarize(result)
+            over = saturated(result.duration_seconds, end)
+            row: dict[str, Any] = {key: float(read(summary)) for key, _, read in METRICS}
+            row.update(seed=seed, saturated=over, simulated_seconds=result.duration_seconds, trace_seconds=end)
+            overran[name] += int(over)
+            runs[name].append(row)
+            if on_progress:
+                on_progress(f"seed {seed} {name}: hand-off P95 {row['handoff_p95_seconds']:.2f} s")
+    intervals = {n: {key: t_interval([r[key] for r in runs[n]]) for key, _, _ in METRICS} for n in names}
+    return SeedStudy(names, list(seeds), list(train_seeds), params, intervals, overran, runs, tuning)
+
+
+def trace(scenario: Scenario, params: SynthParams, seed: int) -> list[TraceRecord]:
+    return synth_trace(scenario, params, np.random.default_rng(seed))
+
+
+def table(study: SeedStudy) -> tuple[list[str], list[list[str]]]:
+    """Columns and rows: a policy per row, each metric's mean ± 95 % half width, and its saturated runs."""
+    columns = ["policy", *(label for _, label, _ in METRICS), "saturated runs"]
+    rows = [
+        [
+            name,
+            *(study.intervals[name][key].label(3 if key == "degraded_share" else 2) for key, _, _ in METRICS),
+            f"{study.saturated_runs[name]} / {len(study.seeds)}",
+        ]
+        for name in study.policies
+    ]
+    return columns, rows
+
+
+def plot(study: SeedStudy, out_dir: Path) -> Path:
+    """Hand-off P95 per policy, mean and 95 % interval over the seeds."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 4.0))
+    means = [study.intervals[p]["handoff_p95_seconds"].mean for p in study.policies]
+    halves = [study.intervals[p]["handoff_p95_seconds"].half_width for p in study.policies]
+    ax.bar(study.policies, means, yerr=[h if np.isfinite(h) else 0.0 for h in halves], capsize=4)
+    ax.set_ylabel("hand-off switch P95 (s)")
+    ax.set_title(f"{len(study.seeds)} seeds, 95 % t-intervals")
+    ax.grid(True, axis="y", alpha=0.3)
+    fig.autofmt_xdate(rotation=20)
+    fig.tight_layout()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / "seeds.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

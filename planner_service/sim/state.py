@@ -1,0 +1,127 @@
+"""The simulated requests, sessions and serving engines: the records the simulator and its policies share."""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from planner_service.domain.engines import EngineConstants, EngineInstance
+from planner_service.domain.problem import Gpu, Problem
+from planner_service.domain.scenario import Scenario, Slo
+from planner_service.domain.state import StateObject
+from planner_service.sim.cluster import SimCluster
+from planner_service.sim.instances import EngineBook
+from planner_service.sim.trace import TraceRecord
+
+
+@dataclass(slots=True)
+class SimRequest:
+    index: int
+    t: float
+    session: str
+    model: str
+    input_tokens: int
+    output_tokens: int
+    slo: Slo
+    handoff: bool
+    admitted_at: float = 0.0  # when the session released it (its arrival in the simulated cluster)
+    history_tokens: int = 0  # the session's history when the request starts
+    state: str = "waiting"  # waiting -> running -> done
+    switch_seconds: float = math.nan
+    ttft_seconds: float = math.nan
+    done_at: float = math.nan
+    started_at: float = math.nan  # when its model was ready and its KV had room
+    prefill_queue_seconds: float = 0.0  # waited for earlier prefills on its group's cards
+    reprefill_tokens: int = 0  # uncovered history it prefilled again
+    degraded: bool = False  # served at a precision other than its model's preferred one
+    engine: int = 0  # epoch of the engine that serves it (`ModelState.epoch`)
+
+
+@dataclass(slots=True)
+class SessionState:
+    id: str
+    user: str
+    slo: Slo
+    history_tokens: int = 0
+    model: str | None = None  # the model of the last turn served
+    requested_model: str | None = None  # the model of the last turn that arrived (hand-offs are in trace order)
+    last_t: float = 0.0
+    request: SimRequest | None = None  # waiting or running
+    ended: bool = False
+    lag_seconds: float = 0.0  # how much later than in the trace its last turn finished (closed loop)
+    release_pending: bool = False
+
+
+@dataclass(slots=True)
+class ModelState:
+    status: str  # loading | warming | ready
+    node: str
+    precision: str
+    gpus: tuple[Gpu, ...]
+    epoch: int
+    instance: EngineInstance
+    warmup_seconds: float = 0.0  # the start's or wake's fixed part, after the weights are complete
+    can_leave: bool = True  # whether the instance can sleep or stop (an adopted one without sleep mode cannot)
+    pending: int = 0  # shards still copying
+
+
+class SimState:
+    """The simulated cluster's state: the clock and its event queue, memory and transfers, the engines,
+    sessions and requests, and what each KV copy covers. The simulator (`engine.py`) advances it; the
+    executor changes it for the policy; the policy reads it through `SimView`."""
+
+    def __init__(
+        self,
+        scenario: Scenario,
+        problem: Problem,
+        records: Sequence[TraceRecord],
+        engine_constants: EngineConstants | None = None,
+    ) -> None:
+        self.scenario = scenario
+        self.problem = problem
+        self.c = problem.constants
+        self.records = list(records)
+        self.cluster = SimCluster(problem)
+        for (obj, loc), nbytes in sorted(problem.residency.items()):
+            self.cluster.add(obj, loc, nbytes)
+        self.now = 0.0
+        self._heap: list[tuple[float, int, str, object]] = []
+        self._seq = itertools.count()
+        self.sessions: dict[str, SessionState] = {}
+        self.requests: list[SimRequest] = []
+        self.waiting: list[SimRequest] = []
+        self.models: dict[str, ModelState] = {}  # the engine serving each model
+        self.engines = EngineBook(problem, engine_constants or EngineConstants())  # kinds, costs, sleepers
+        self._epochs = itertools.count(1)
+        self.demand: dict[str, int] = defaultdict(int)  # waiting + running requests per model
+        self.running: dict[str, int] = defaultdict(int)  # running requests per model
+        self.running_on: dict[tuple[str, int], int] = defaultdict(int)  # running requests per (model, engine epoch)
+        self.needs_kv_room: set[str] = set()  # models whose last group could not hold a waiting request's KV
+        self.running_kv: set[StateObject] = set()  # KV of running requests: pinned
+        self.gpu_tokens: dict[StateObject, int] = defaultdict(int)  # valid KV tokens on the serving GPUs
+        self.host_tokens: dict[StateObject, int] = defaultdict(int)  # KV tokens in host DRAM
+        # the history up to each KV's model's last turn in its session: no copy of it covers more
+        self.computed_tokens: dict[StateObject, int] = defaultdict(int)
+        self.last_used: dict[StateObject, float] = {}
+        self.planner_seconds: list[float] = []
+
+    def push(self, at: float, kind: str, payload: object = None) -> None:
+        heapq.heappush(self._heap, (at, next(self._seq), kind, payload))
+
+    def next_epoch(self) -> int:
+        """A new engine's number: requests remember the engine that served them."""
+        return next(self._epochs)
+
+    def touch(self, obj: StateObject) -> None:
+        self.last_used[obj] = self.now
+
+    def kv_footprint(self, req: SimRequest) -> int:
+        history = self.sessions[req.session].history_tokens
+        return (history + req.input_tokens + req.output_tokens) * self.problem.models[req.model].kv_bytes_per_token
+
+    def largest_waiting_kv(self, model_id: str) -> int:
+        return max((self.kv_footprint(r) for r in self.waiting if r.model == model_id), default=0)

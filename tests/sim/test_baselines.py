@@ -1,0 +1,119 @@
+"""The baselines real teams run (sleep-router, swap-ttl, static-tuned) and the KV ablations, on hand-checked tiny traces.
+
+The tiny scenario (test_engine.py): one GPU, two 4 GB models, NVMe 0.5 GB/s (a load from disk 8 s),
+PCIe 1 GB/s (from host 4 s), prefill 1 ms/token, KV 1 MB per 1000 tokens; `local` engines with the
+engine model's defaults: cold start 30 s, level-1 wake 0.1 s, level-2 wake 0.1 + 0.7 s reload, a sleeping
+engine's CUDA context 1 GiB per GPU.
+"""
+
+from __future__ import annotations
+
+import pytest
+from test_engine import GB, tiny_scenario, tiny_trace
+
+from planner_service.sim.engine import base_problem, simulate
+from planner_service.sim.policies import create_policy
+from planner_service.sim.policies.groups import operator_partition
+from planner_service.sim.policies.static_tuned import StaticTunedPolicy, tune_static
+from planner_service.sim.policies.swap_ttl import SwapTtlPolicy
+
+
+def switches(policy, gpu_bytes: int) -> tuple[list[float], dict[str, int]]:
+    result = simulate(tiny_scenario(gpu_bytes), tiny_trace(), policy)
+    assert result.violations == 0
+    return [round(r.switch_seconds, 4) for r in result.requests], result.extra["engine_transitions"]
+
+
+def test_every_baseline_writes_kv_through_and_the_ablations_do_not() -> None:
+    for name in ("statebudget", "static", "lru", "oracle", "sleep-router", "swap-ttl", "independent"):
+        assert create_policy(name).kv_offload, name
+    for name in ("static-nokv", "lru-nokv"):
+        assert not create_policy(name).kv_offload, name
+
+
+def test_sleep_router_pre_launches_and_wakes_on_its_group() -> None:
+    """Room for one model (6 GB).
+
+    t=0: both engines were launched and put to sleep (no host copy yet: level 2, each keeps 1 GiB of
+    context); a, the more requested, is awake. b at 100 s: a sleeps (level 2), b wakes at level 2:
+    0.1 + 0.7 + 8 s from NVMe (which leaves a host copy), then re-prefills its 1000-token history, 1 s.
+    a at 200 s: b sleeps at level 1 (its host copy), a wakes at level 2 (8.8 s); a's turn-1 KV was
+    written through to host: 1 ms to restore; b's 1000 tokens are re-prefilled, 1 s.
+    """
+    latencies, transitions = switches(create_policy("sleep-router"), 6 * GB)
+    assert latencies == pytest.approx([0.0, 9.8, 9.801], abs=1e-3)
+    assert transitions == {"sleep_level_2": 3, "wake_level_2": 2, "sleep_level_1": 1}
+
+
+def test_sleep_router_with_room_for_both_never_switches() -> None:
+    latencies, transitions = switches(create_policy("sleep-router"), 10 * GB)
+    assert latencies == pytest.approx([0.0, 1.0, 1.0], abs=1e-3)  # only b's re-prefill, then a's
+    assert "cold_start" not in transitions
+
+
+def test_swap_ttl_restarts_instead_of_waking() -> None:
+    """Room for one model: every switch stops the other engine and cold-starts (30 s) its own.
+
+    a: 8 s from NVMe + 30 s. b: 8 + 30 + 1 s of re-prefill. a again: its first load left a host copy,
+    4 + 30, its KV restored from host in 1 ms, b's 1000 tokens re-prefilled in 1 s.
+    """
+    latencies, transitions = switches(create_policy("swap-ttl"), 6 * GB)
+    assert latencies == pytest.approx([38.0, 39.0, 35.001], abs=1e-3)
+    assert transitions == {"cold_start": 3, "stop": 2}
+
+
+def test_swap_ttl_stops_an_idle_engine_after_its_keep_alive() -> None:
+    """Room for both, keep-alive 50 s, ticks every 60 s: a finishes at 39 s and is idle at the 120 s
+    tick (81 s > 50 s): it stops, so at 200 s it cold-starts from its host copy (4 + 30), restores its
+    KV (1 ms) and re-prefills b's turn (1 s). b, finished at 139 s, is 41 s idle at 180 s and stays, and
+    101 s idle at the 240 s tick (a still running): it stops."""
+    latencies, transitions = switches(SwapTtlPolicy(keep_alive_seconds=50.0), 10 * GB)
+    assert latencies == pytest.approx([38.0, 39.0, 35.001], abs=1e-3)
+    assert transitions == {"cold_start": 3, "stop": 2}
+
+
+def test_the_operator_partition_spreads_models_over_whole_nodes() -> None:
+    from planner_service.domain.demo import demo_scenario
+
+    problem = base_problem(demo_scenario())
+    partition = operator_partition(problem)
+    assert set(partition) == set(problem.models)
+    for engine in partition.values():
+        assert {g.id for g in engine.gpus} == set(problem.nodes[engine.node].gpus)  # TP over the whole node
+        assert engine.precision in problem.models[engine.model].precisions
+    assert len({e.node for e in partition.values()}) == len(problem.nodes)  # every node group is used
+
+
+def test_static_tuned_searches_the_whole_small_space() -> None:
+    """Room for both (10 GB): each model is fixed on g0 or loaded on demand, 2 x 2 = 4 candidates, all fit,
+    so the search is exhaustive (4 replays of the one training trace). Both fixed wins: only the
+    re-prefills, 1 s per hand-off (the P95 of [1, 1]); with either model on demand its first use is a
+    cold start (8 + 30 s)."""
+    tuned = tune_static(tiny_scenario(10 * GB), [tiny_trace()], budget=20)
+    assert (tuned.space_size, tuned.replays, tuned.pruned, tuned.exhaustive) == (4, 4, 0, True)
+    assert sorted(tuned.partition) == ["a", "b"]
+    assert tuned.best_score == pytest.approx((1.0, 2.0))
+    latencies, transitions = switches(StaticTunedPolicy(tuned.partition), 10 * GB)
+    assert latencies == pytest.approx([0.0, 1.0, 1.0], abs=1e-3) and transitions == {}
+
+
+def test_static_tuned_prunes_what_does_not_fit_and_serves_the_rest_on_demand() -> None:
+    """Room for one (6 GB): both fixed does not fit, and one fixed leaves the other (4 GB) only 2 GB to be
+    loaded into: three of four candidates pruned. Both on demand is the one replay, and it replays as
+    `lru` does (write-through included)."""
+    tuned = tune_static(tiny_scenario(6 * GB), [tiny_trace()], budget=20)
+    assert (tuned.space_size, tuned.replays, tuned.pruned, tuned.failed) == (4, 1, 3, 0)
+    assert tuned.partition == {}
+    latencies, _ = switches(StaticTunedPolicy(tuned.partition), 6 * GB)
+    assert latencies == pytest.approx([38.0, 39.0, 5.101], abs=1e-3)
+
+
+def test_static_tuned_respects_its_replay_budget() -> None:
+    """Budget 2 for a 4-candidate space: not exhaustive; the operator's partition, then samples."""
+    tuned = tune_static(tiny_scenario(10 * GB), [tiny_trace()], budget=2)
+    assert not tuned.exhaustive and tuned.replays <= 2
+
+
+def test_static_tuned_refuses_to_run_without_a_searched_partition() -> None:
+    with pytest.raises(ValueError, match="partition found on training traces"):
+        create_policy("static-tuned")

@@ -1,0 +1,94 @@
+"""The replay runs the engine model: cold starts, wakes by sleep level, sleeping residue, declared kinds."""
+
+from __future__ import annotations
+
+import pytest
+
+from planner_service.domain.engines import EngineConstants, EngineState
+from planner_service.domain.scenario import Scenario, parse_scenario
+from planner_service.domain.state import Kind, Location
+from planner_service.sim.engine import Simulator
+from planner_service.sim.policies import create_policy
+from tests.sim.test_engine import GB, tiny_scenario, tiny_trace
+
+
+def with_engines(scenario: Scenario, **engine: object) -> Scenario:
+    data = scenario.model_dump(mode="json", exclude_none=True)
+    data["cluster"]["nodes"][0]["engines"] = [{"model": m, **engine} for m in ("a", "b")]
+    return parse_scenario(data)
+
+
+def switches(scenario: Scenario) -> tuple[Simulator, list[float]]:
+    sim = Simulator(scenario, tiny_trace(), create_policy("lru"))
+    result = sim.run()
+    assert result.violations == 0
+    return sim, [round(r.switch_seconds, 4) for r in result.requests]
+
+
+# Room for one model (6 GB): every hand-off takes the other model's engine off the GPU.
+def test_a_vllm_engine_without_sleep_mode_stops_and_cold_starts_again() -> None:
+    sim, seconds = switches(with_engines(tiny_scenario(6 * GB), kind="vllm"))
+    # a cold: 8 s from NVMe + 30 s; b the same + 1 s re-prefill; a again: stopped, so a cold start from the
+    # host copy its first load left, 4 + 30, and the 2000-token history re-prefilled, 2
+    assert seconds == pytest.approx([38.0, 39.0, 36.0])
+    assert not sim.engines.asleep  # a stop leaves no residue
+
+
+def test_a_vllm_engine_with_sleep_mode_sleeps_at_level_1_and_wakes_from_its_host_backup() -> None:
+    sim, seconds = switches(with_engines(tiny_scenario(6 * GB), kind="vllm", features=["sleep_mode", "dev_mode"]))
+    # a again: a level-1 wake, 0.1 s + 4 s from the host backup; its sleep freed its KV: re-prefill 2000, 2
+    assert seconds == pytest.approx([38.0, 39.0, 6.1])
+    sleeping = sim.engines.asleep[("b", "n1")]
+    assert sleeping.state is EngineState.ASLEEP_HOST
+    # b's CUDA context stays on the GPU while it sleeps: the GPU holds a's weights, b's residue and the KV
+    gpu = Location.gpu("g0")
+    kv = sum(sim.cluster.bytes_of(o, gpu) for o in sim.cluster.objects_at(gpu) if o.kind is Kind.KV)
+    assert sim.cluster.used[gpu] - kv == 4 * GB + EngineConstants().context_bytes_per_gpu
+
+
+def test_a_wake_without_a_host_copy_reloads_from_disk() -> None:
+    data = tiny_scenario(6 * GB).model_dump(mode="json", exclude_none=True)
+    data["cluster"]["nodes"][0]["host_dram_bytes"] = 5 * GB  # no room for a second model's host copy
+    sim, seconds = switches(with_engines(parse_scenario(data), kind="vllm", features=["sleep_mode", "dev_mode"]))
+    c = EngineConstants()
+    # a's first load left its host copy; b's did not fit beside it. a again: level-1 wake from that copy.
+    assert seconds[2] == pytest.approx(c.wake_fixed_seconds + 4.0 + 2.0)
+    assert sim.engines.asleep[("b", "n1")].state is EngineState.ASLEEP_DISCARDED  # no backup: level 2
+
+
+def test_an_adopted_engine_is_woken_never_cold_started() -> None:
+    data = tiny_scenario().model_dump(mode="json", exclude_none=True)
+    data["cluster"]["nodes"][0]["engines"] = [
+        {"model": m, "gpus": ["g0"], "kind": "vllm", "features": ["sleep_mode", "dev_mode"], "management": "adopted"}
+        for m in ("a", "b")
+    ]
+    sim, seconds = switches(parse_scenario(data))
+    c = EngineConstants()
+    # both sleep at level 2 from t=0 (their owner started them; no host copy yet): a level-2 wake each,
+    # 0.1 + 0.7 s + 8 s of copy from NVMe, b also re-prefilling the 1000-token history
+    assert seconds == pytest.approx([c.wake_fixed_seconds + c.reload_fixed_seconds + 8.0, 0.8 + 8.0 + 1.0, 1.0])
+    assert not sim.engines.asleep  # both woken: their residue serves again
+
+
+def test_a_vllm_engine_without_lmcache_keeps_no_kv_in_host() -> None:
+    # every baseline (static here) writes each turn's KV through to host DRAM where the engine can: LMCache's CPU tier, or local
+    plain = with_engines(tiny_scenario(6 * GB), kind="vllm", features=["sleep_mode", "dev_mode"])
+    lmcache = with_engines(tiny_scenario(6 * GB), kind="vllm", features=["sleep_mode", "dev_mode", "lmcache"])
+    host = Location.host("n1")
+    for scenario, keeps in ((plain, False), (lmcache, True)):
+        sim = Simulator(scenario, tiny_trace(), create_policy("static"))
+        sim.run()
+        kv = [o for o in sim.cluster.objects_at(host) if o.kind is Kind.KV]
+        assert bool(kv) is keeps
+
+
+def test_a_plan_may_not_move_one_sessions_kv_on_a_vllm_node() -> None:
+    from planner_service.domain.state import StateObject
+    from planner_service.planner.operations import Action, Operation
+
+    for kind, outcome in (("vllm", "failed"), ("local", "started")):
+        sim = Simulator(with_engines(tiny_scenario(), kind=kind), tiny_trace(), create_policy("lru"))
+        kv, gpu, host = StateObject.kv("a", "s1"), Location.gpu("g0"), Location.host("n1")
+        sim.cluster.add(kv, gpu, 1000)
+        demote = Operation("op-1", Action.DEMOTE, kv, gpu, host, 1000, False, node="n1")
+        assert sim.executor.apply(demote, lambda op, t: None) == outcome

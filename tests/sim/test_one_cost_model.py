@@ -1,0 +1,60 @@
+"""Planner and replay price a hand-off with one cost model: the same state gives the same switch latency."""
+
+from __future__ import annotations
+
+import dataclasses
+from types import MappingProxyType
+
+import pytest
+
+from planner_service.domain.problem import Session
+from planner_service.domain.scenario import Slo
+from planner_service.domain.state import Kind, Location, StateObject, Tier
+from planner_service.planner.objective import kv_ready
+from planner_service.planner.residency import ResidencyIndex
+from planner_service.sim.engine import Simulator
+from planner_service.sim.policies.oracle import OraclePolicy
+from planner_service.sim.state import SimRequest
+from planner_service.sim.view import SimView
+from tests.sim.test_engine import GB, tiny_scenario, tiny_trace
+
+
+class Snapshot(OraclePolicy):
+    """The oracle, noting what the planner would see as each request starts: the residency, the KV each copy
+    covers and the session's history."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: dict[int, tuple[dict[tuple[StateObject, Location], int], int, int]] = {}
+
+    def on_start(self, sim: SimView, req: SimRequest) -> None:
+        kvpt = sim.problem.models[req.model].kv_bytes_per_token
+        residency = {}
+        for (obj, loc), nbytes in sim.cluster.placed.items():
+            if obj.kind is Kind.KV:  # a KV copy's bytes are the tokens it covers (the planner's view)
+                tokens = sim.gpu_tokens.get(obj, 0) if loc.tier is Tier.GPU else sim.host_tokens.get(obj, 0)
+                nbytes = min(nbytes, tokens * kvpt)
+            if nbytes > 0:
+                residency[(obj, loc)] = nbytes
+        kv = StateObject.kv(req.model, req.session)
+        self.seen[req.index] = (residency, req.history_tokens, sim.gpu_tokens.get(kv, 0) * kvpt)
+
+
+def test_the_planners_switch_latency_for_a_hand_off_equals_the_replays() -> None:
+    # room for one model: the hand-off back to a at 200 s finds a's weights prefetched and a's KV of its
+    # first turn in host DRAM (written through), b's turn not covered: restore 1000 tokens, prefill 1000
+    policy = Snapshot()
+    sim = Simulator(tiny_scenario(6 * GB), tiny_trace(), policy)
+    result = sim.run()
+    handoff = result.requests[2]
+    assert handoff.handoff and handoff.prefill_queue_seconds == 0.0
+    residency, history, gpu_kv = policy.seen[2]
+    session = Session("s1", "s1", Slo.INTERACTIVE, "a", True, history)
+    problem = dataclasses.replace(
+        sim.problem, sessions=MappingProxyType({"s1": session}), residency=MappingProxyType(residency)
+    )
+    index = ResidencyIndex.build(problem, residency)
+    gpus = sim.models["a"].gpus
+    predicted = kv_ready(problem, index, problem.models["a"], "s1", "n1", gpus, gpu_kv)
+    assert predicted == pytest.approx(handoff.switch_seconds, abs=1e-9)
+    assert predicted == pytest.approx(1.001, abs=1e-6)  # a real restore, not a plain re-prefill

@@ -1,0 +1,56 @@
+"""Seeds and intervals: the t-interval by hand, training seeds kept apart, the study's shape."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from typer.testing import CliRunner
+
+from planner_service.cli import app
+from planner_service.domain.demo import demo_scenario
+from planner_service.sim.intervals import t_critical, t_interval
+from planner_service.sim.seeds import check_seeds, seed_study
+from planner_service.sim.synth import SynthParams
+
+
+def test_t_interval_by_hand() -> None:
+    """[1, 2, 3]: mean 2, s = 1, t(0.975, 2) = 4.303, half width 4.303 / sqrt(3) = 2.4843."""
+    interval = t_interval([1.0, 2.0, 3.0])
+    assert (interval.mean, interval.n) == (2.0, 3)
+    assert interval.half_width == pytest.approx(4.303 / math.sqrt(3), rel=1e-9)
+    assert math.isnan(t_interval([5.0]).half_width) and t_interval([5.0]).label() == "5.00 (n=1)"
+
+
+def test_t_critical_values() -> None:
+    assert t_critical(1) == 12.706 and t_critical(9) == 2.262 and t_critical(30) == 2.042
+    assert t_critical(45) == 2.021 and t_critical(500) == 1.980 and t_critical(5000) == 1.960
+    with pytest.raises(ValueError, match="dof"):
+        t_critical(0)
+
+
+def test_training_seeds_stay_apart_from_reported_ones() -> None:
+    with pytest.raises(ValueError, match="train_seeds: 2 also reported"):
+        check_seeds([1, 2], [2, 7])
+    with pytest.raises(ValueError, match="seeds: at least one"):
+        check_seeds([], [7])
+
+
+def test_a_study_reports_every_policy_on_every_seed() -> None:
+    """Two 6-minute traces of three sessions on the demo; static-tuned trained on seed 9 with 2 replays."""
+    params = SynthParams(sessions=3, hours=0.1, arrival_spread_seconds=60, departure_spread_seconds=60)
+    study = seed_study(demo_scenario(), params, ["sleep-router", "static-tuned"], [1, 2], [9], tune_budget=2)
+    assert set(study.intervals) == {"sleep-router", "static-tuned"}
+    for name in study.policies:
+        assert [r["seed"] for r in study.runs[name]] == [1, 2]
+        assert study.intervals[name]["handoff_p95_seconds"].n == 2
+    assert study.tuning is not None and study.tuning.replays <= 2
+    data = study.to_json()
+    assert data["train_seeds"] == [9] and data["static_tuned_search"]["space_size"] >= 1
+
+
+def test_the_cli_names_the_field_of_bad_seeds() -> None:
+    result = CliRunner().invoke(app, ["study", "seeds", "--seeds", "1,2", "--train-seeds", "2"])
+    assert result.exit_code == 2 and "train_seeds" in result.output
+    result = CliRunner().invoke(app, ["study", "seeds", "--seeds", "one"])
+    assert result.exit_code == 2 and "--seeds" in result.output

@@ -58,7 +58,9 @@ def test_help_shows_flags_choices_and_defaults(app: typer.Typer, words: list[str
     assert "<bool>" not in result.output
     entries = option_entries(result.output)
     for param in command.params:
-        name = next(o for o in param.opts if o.startswith("--"))
+        name = next((o for o in param.opts if o.startswith("--")), None)
+        if name is None:  # a positional argument: listed under Arguments, with no flag syntax to check
+            continue
         entry = entries[name]
         if param.is_flag:
             names = " / ".join([*param.opts, *param.secondary_opts])

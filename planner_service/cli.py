@@ -11,6 +11,7 @@ import copy
 import json
 import logging
 import re
+import sqlite3
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -456,6 +457,21 @@ def serve_log_config(settings: Settings) -> dict[str, Any]:
     return config
 
 
+def open_database(path: Path) -> None:
+    """Bring the database to this build's schema before listening, or exit naming why it cannot be (a newer
+    build's database), rather than failing inside the server's startup with a traceback."""
+    from planner_service.service.store import SchemaError, SqliteStore
+
+    store = SqliteStore(path)
+    try:
+        store.open()
+    except SchemaError as error:
+        raise fail(str(error)) from None
+    except sqlite3.DatabaseError as error:
+        raise fail(f"database {path}: {error}") from None
+    store.close()
+
+
 def delete_database(path: Path) -> None:
     """Delete a SQLite database and the journal files beside it (`serve --reset`), saying what went."""
     log = logging.getLogger("planner_service")
@@ -528,6 +544,7 @@ def serve(
     )
     if reset:
         delete_database(settings.db_path)
+    open_database(settings.db_path)
     uvicorn.run(
         create_app(settings),
         host=settings.host,

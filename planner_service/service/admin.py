@@ -55,7 +55,7 @@ class Admin:
             scenario = parse_scenario(data)
             problem = compile_problem(scenario, {})
         except (edits.ChangeError, ScenarioError) as error:
-            raise InvalidInput(str(error)) from None
+            raise InvalidInput(str(error), field=edits.field_of(str(error))) from None
         new = scenario.model_dump(mode="json")
         self.live.base = {k: new[k] for k in ("cluster", "models", "predictor", "constants")}
         batch = Batch(meta={"base": self.live.base, "calibration": self.live.calibration})

@@ -7,6 +7,7 @@ live one. Every error names the field it is about.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -31,6 +32,16 @@ class ChangeError(ValueError):
     """A change that cannot apply; the message starts with the field path."""
 
 
+_FIELD_PATH = re.compile(r"([A-Za-z_][A-Za-z0-9_]*(?:\[\d+\]|\.[A-Za-z0-9_]+)*): ")
+
+
+def field_of(message: str) -> str | None:
+    """The field a change's or a scenario's error names first (`changes[0].gpu.id: ...`), dotted as the
+    API's problem documents write fields (`changes.0.gpu.id`); None when the message starts with none."""
+    match = _FIELD_PATH.match(message)
+    return re.sub(r"\[(\d+)\]", r".\1", match.group(1)) if match else None
+
+
 def _node_ids(data: ScenarioData) -> list[str]:
     return [n["id"] for n in data["cluster"]["nodes"]]
 
@@ -40,6 +51,13 @@ def _find_node(data: ScenarioData, node_id: str, where: str) -> dict[str, Any]:
         if node["id"] == node_id:
             return cast(dict[str, Any], node)
     raise ChangeError(f"{where}: unknown node {node_id!r}; known: {sorted(_node_ids(data))}")
+
+
+def _new_gpu(data: ScenarioData, gpu_id: str, where: str) -> None:
+    """GPU ids are unique across the cluster (a location names the GPU alone)."""
+    for node in data["cluster"]["nodes"]:
+        if any(g["id"] == gpu_id for g in node.get("gpus", [])):
+            raise ChangeError(f"{where}: gpu {gpu_id!r} exists already, on node {node['id']!r}")
 
 
 def _drop_residency(data: ScenarioData, keep: Callable[[dict[str, Any]], bool]) -> None:
@@ -149,6 +167,7 @@ def apply_change(data: ScenarioData, change: Change, where: str) -> None:
     """Apply one what-if change to `data` in place."""
     if isinstance(change, AddGpu):
         node = _find_node(data, change.node, f"{where}.node")
+        _new_gpu(data, change.gpu.id, f"{where}.gpu.id")
         node.setdefault("gpus", []).append(change.gpu.model_dump(mode="json", exclude_none=True))
     elif isinstance(change, RemoveGpu):
         known = [g["id"] for n in data["cluster"]["nodes"] for g in n.get("gpus", [])]
@@ -161,6 +180,8 @@ def apply_change(data: ScenarioData, change: Change, where: str) -> None:
     elif isinstance(change, AddNode):
         if change.node.id in _node_ids(data):
             raise ChangeError(f"{where}.node.id: node {change.node.id!r} exists already")
+        for j, gpu in enumerate(change.node.gpus):
+            _new_gpu(data, gpu.id, f"{where}.node.gpus[{j}].id")
         data["cluster"]["nodes"].append(change.node.model_dump(mode="json", exclude_none=True))
         if change.copy_models:
             for i, m in enumerate(data["models"]):

@@ -59,7 +59,7 @@ def what_if(view: LiveView, body: WhatIfIn, solve: Solve) -> dict[str, Any]:
         current = {s.id: s.model for s in scenario.sessions if s.id not in view.ended}
         problem = compile_problem(scenario, view.predictor.predict_sessions(current, view.now))
     except (edits.ChangeError, ScenarioError) as error:
-        raise InvalidInput(str(error)) from None
+        raise InvalidInput(str(error), field=edits.field_of(str(error))) from None
     options: dict[str, object] = {"time_limit_seconds": body.time_limit_seconds} if body.solver == "milp" else {}
     try:
         plan = solve(problem, body.solver, **options)

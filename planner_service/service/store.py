@@ -79,19 +79,74 @@ class Store(Protocol):
         """Forget what no longer matters: old observations and event ids, the oldest finished operations."""
 
 
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
-CREATE TABLE IF NOT EXISTS sessions (id TEXT PRIMARY KEY, value TEXT NOT NULL);
-CREATE TABLE IF NOT EXISTS events (id TEXT PRIMARY KEY, type TEXT NOT NULL, at REAL NOT NULL);
-CREATE TABLE IF NOT EXISTS operations (
-    id TEXT PRIMARY KEY, epoch INTEGER NOT NULL, node TEXT NOT NULL, state TEXT NOT NULL, value TEXT NOT NULL
-);
-CREATE INDEX IF NOT EXISTS operations_state ON operations (state);
-CREATE TABLE IF NOT EXISTS observations (
-    t REAL NOT NULL, kind TEXT NOT NULL, from_model TEXT, to_model TEXT, gap_seconds REAL, tokens INTEGER
-);
-CREATE INDEX IF NOT EXISTS observations_t ON observations (t);
-"""
+class SchemaError(RuntimeError):
+    """A database this build cannot open: written by a newer build, or of a shape no version had."""
+
+
+# The schema as numbered steps: step n takes a database from version n - 1 to n, and `PRAGMA user_version`
+# records the last step applied. A change to the tables is a new step at the end; a step once released is
+# never edited, since databases out there were made by it.
+MIGRATIONS: tuple[str, ...] = (
+    # 1: the first release
+    """
+    CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+    CREATE TABLE sessions (id TEXT PRIMARY KEY, value TEXT NOT NULL);
+    CREATE TABLE events (id TEXT PRIMARY KEY, type TEXT NOT NULL, at REAL NOT NULL);
+    CREATE TABLE operations (
+        id TEXT PRIMARY KEY, epoch INTEGER NOT NULL, node TEXT NOT NULL, state TEXT NOT NULL, value TEXT NOT NULL
+    );
+    CREATE INDEX operations_state ON operations (state);
+    CREATE TABLE observations (
+        t REAL NOT NULL, kind TEXT NOT NULL, from_model TEXT, to_model TEXT, gap_seconds REAL
+    );
+    CREATE INDEX observations_t ON observations (t);
+    """,
+    # 2: requests are observed with the session's context after them
+    "ALTER TABLE observations ADD COLUMN tokens INTEGER;",
+)
+SCHEMA_VERSION = len(MIGRATIONS)
+
+
+def _unversioned_version(db: sqlite3.Connection) -> int:
+    """The version of a database that records none (`user_version` 0): empty, or made before versions were
+    recorded, whose shape says which step it had reached."""
+    tables = {row[0] for row in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+    if not tables:
+        return 0
+    expected = {"meta", "sessions", "events", "operations", "observations"}
+    if tables != expected:
+        raise SchemaError(
+            f"the database records no schema version and its tables {sorted(tables)} are not "
+            f"StateBudget's {sorted(expected)}"
+        )
+    columns = {row[1] for row in db.execute("PRAGMA table_info(observations)")}
+    return 2 if "tokens" in columns else 1
+
+
+def migrate(db: sqlite3.Connection, path: object) -> int:
+    """Bring the database to `SCHEMA_VERSION` in one transaction (all steps or none); returns the version it
+    had. A database of a newer version is refused: this build would misread what it does not know."""
+    db.execute("BEGIN IMMEDIATE")
+    try:
+        (recorded,) = db.execute("PRAGMA user_version").fetchone()
+        if recorded > SCHEMA_VERSION:
+            raise SchemaError(
+                f"database {path} has schema version {recorded}, newer than this build's {SCHEMA_VERSION}: "
+                "run the build that wrote it, or start from a fresh database (statebudget serve --reset)"
+            )
+        found = recorded or _unversioned_version(db)
+        for step in MIGRATIONS[found:]:
+            # one statement at a time: executescript would commit the transaction first
+            for statement in filter(str.strip, step.split(";")):
+                db.execute(statement)
+        if recorded != SCHEMA_VERSION:
+            db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+        db.execute("COMMIT")
+    except BaseException:
+        db.execute("ROLLBACK")
+        raise
+    return int(found)
+
 
 _COLUMNS = frozenset({"epoch", "state"})  # fields of an operation record the table keeps as columns too
 _FIELD = re.compile(r"[a-z_]+")
@@ -132,10 +187,11 @@ class SqliteStore:
         self._db = sqlite3.connect(str(self._path), check_same_thread=False, isolation_level=None)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=FULL")
-        self._db.executescript(_SCHEMA)
-        columns = {row[1] for row in self._db.execute("PRAGMA table_info(observations)")}
-        if "tokens" not in columns:  # a database from before requests were observed
-            self._db.execute("ALTER TABLE observations ADD COLUMN tokens INTEGER")
+        try:
+            migrate(self._db, self._path)
+        except BaseException:
+            self.close()
+            raise
 
     def close(self) -> None:
         if self._db is not None:

@@ -105,13 +105,32 @@ def test_whatif_rejects_bad_changes_naming_the_field(demo):
     )
     assert_problem(demo.post("/v1/whatif", json={"changes": [{"type": "explode"}]}), 422, "changes.0")
     assert_problem(demo.post("/v1/whatif", json={"changes": [], "solver": "magic"}), 422, "solver")
-    assert_problem(
-        demo.post(
-            "/v1/whatif", json={"changes": [{"type": "add_gpu", "node": "n1", "gpu": {"id": "n1-g0", "type": "l40"}}]}
+
+
+def test_whatif_adding_what_exists_is_a_422_naming_the_field(demo):
+    """A GPU id is unique across the cluster (on another node too), as are node and model ids."""
+    cases = [
+        ({"type": "add_gpu", "node": "n1", "gpu": {"id": "n1-g0", "type": "l40"}}, "changes.1.gpu.id", "on node 'n1'"),
+        ({"type": "add_gpu", "node": "n1", "gpu": {"id": "n2-g0", "type": "l40"}}, "changes.1.gpu.id", "on node 'n2'"),
+        (
+            {
+                "type": "add_node",
+                "node": {"id": "n9", "gpus": [{"id": "n9-g0", "type": "l40"}, {"id": "n3-g1", "type": "l40"}]},
+            },
+            "changes.1.node.gpus.1.id",
+            "'n3-g1' exists already",
         ),
-        422,
-        "duplicate gpu id",
-    )
+        ({"type": "add_node", "node": {"id": "n2", "gpus": []}}, "changes.1.node.id", "'n2' exists already"),
+        (
+            {"type": "add_model", "model": {"id": "planner", "preset": "qwen2.5-7b-instruct"}},
+            "changes.1.model.id",
+            "'planner' exists already",
+        ),
+    ]
+    first = {"type": "set_slo", "session": "s02", "slo": "blocking"}
+    for change, field, needle in cases:
+        body = assert_problem(demo.post("/v1/whatif", json={"changes": [first, change]}), 422, needle)
+        assert body["field"] == field and body["errors"][0]["field"] == field, body
 
 
 def test_whatif_milp_answers_or_says_it_is_missing(make_app):

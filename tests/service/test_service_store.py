@@ -82,10 +82,19 @@ def test_database_is_plain_sqlite(tmp_path):
 
 
 def test_a_database_from_before_request_observations_gains_their_column(tmp_path):
+    """The first release's tables (test_store_migrations.py has each older version's whole DDL)."""
     with sqlite3.connect(tmp_path / "s.db") as db:
-        db.execute(
-            "CREATE TABLE observations (t REAL NOT NULL, kind TEXT NOT NULL, from_model TEXT, to_model TEXT, gap_seconds REAL)"
-        )
+        for table in (
+            "meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)",
+            "sessions (id TEXT PRIMARY KEY, value TEXT NOT NULL)",
+            "events (id TEXT PRIMARY KEY, type TEXT NOT NULL, at REAL NOT NULL)",
+            (
+                "operations (id TEXT PRIMARY KEY, epoch INTEGER NOT NULL, node TEXT NOT NULL, state TEXT NOT NULL, "
+                "value TEXT NOT NULL)"
+            ),
+            "observations (t REAL NOT NULL, kind TEXT NOT NULL, from_model TEXT, to_model TEXT, gap_seconds REAL)",
+        ):
+            db.execute(f"CREATE TABLE {table}")
         db.execute("INSERT INTO observations VALUES (1.0, 'handoff', 'a', 'b', NULL)")
     db.close()
     store = SqliteStore(tmp_path / "s.db")

@@ -150,6 +150,31 @@ def instance_states(
     return out
 
 
+def can_leave(view: InstanceView) -> bool:
+    """Whether a running instance can leave its GPUs at all: a stop (managed) or a sleep its kind offers."""
+    probe = EngineInstance(
+        view.declared.kind, "probe", "bf16", ("g",), 1, LaunchSettings(0, features=view.declared.features),
+        management=view.declared.management,
+    )  # fmt: skip
+    leaving = (Transition.STOP, Transition.SLEEP_LEVEL_2, Transition.SLEEP_LEVEL_1)
+    return any(may(probe, EngineState.RUNNING, t).allowed for t in leaving)
+
+
+def immovable(problem: Problem) -> dict[str, tuple[str, str]]:
+    """model -> (node, precision) of running instances that cannot leave their GPUs (an adopted engine
+    launched without sleep mode): the solver must plan around them (the greedy's pins)."""
+    return {
+        view.model: (view.node, view.precision)
+        for view in confirmed_states(problem).values()
+        if view.state is EngineState.RUNNING and view.precision is not None and not can_leave(view)
+    }
+
+
+def confirmed_states(problem: Problem) -> dict[Key, InstanceView]:
+    """The instances' states now: derived from the confirmed placement, with what the nodes reported."""
+    return instance_states(problem, problem.residency, problem.observed_engines)
+
+
 # --- what a target may ask of the engines ---------------------------------------------------------------
 
 
@@ -161,6 +186,7 @@ class EngineTarget:
     placement: Placement
     after: dict[Key, InstanceView]
     no_backup: frozenset[tuple[str, str]]
+    kv_prefill_only: frozenset[tuple[str, str]] = frozenset()  # engines without LMCache: no KV loaded back
 
 
 def residue_bytes(problem: Problem, view: InstanceView) -> int:
@@ -179,6 +205,14 @@ def engine_target(
     if not before:
         return EngineTarget(dict(target), {}, frozenset())
     out: Placement = dict(target)
+    for b in before.values():
+        if b.state is EngineState.RUNNING and not can_leave(b):
+            _keep_on_gpus(problem, out, b)
+    derived = instance_states(problem, out)
+    for key, b in before.items():
+        a = derived[key]
+        if a.state is EngineState.RUNNING and not b.same_instance(a) and not _reachable(problem, b, a):
+            _keep_on_gpus(problem, out, b)  # only someone else starts an adopted engine
     derived = instance_states(problem, out)
     # which instances run is the solver's; KV and expert shares follow them, then the rest sleep or stop
     _kv_predicted(problem, out, before, derived)
@@ -201,7 +235,26 @@ def engine_target(
         for (node, model), a in after.items()
         if not (a.state is EngineState.ASLEEP_HOST and before[(node, model)].state is EngineState.RUNNING)
     )
-    return EngineTarget(out, after, no_backup)
+    prefill_only = frozenset((model, node) for (node, model), a in after.items() if not has_lmcache(a))
+    return EngineTarget(out, after, no_backup, prefill_only)
+
+
+def _reachable(problem: Problem, b: InstanceView, a: InstanceView) -> bool:
+    transition = transition_between(b, a)
+    if transition is None:
+        return True
+    return may(_instance(problem, b if transition is Transition.WAKE else a), b.state, transition).allowed
+
+
+def _keep_on_gpus(problem: Problem, out: Placement, view: InstanceView) -> None:
+    """The weights and experts of an instance stay exactly where they are (none where it is stopped)."""
+    node_gpus = set(problem.nodes[view.node].gpus)
+    for key in [k for k in out if k[0].model == view.model and k[0].kind is not Kind.KV and k[1].tier is Tier.GPU]:
+        if key[1].id in node_gpus:
+            del out[key]
+    for (obj, loc), nbytes in problem.residency.items():
+        if obj.model == view.model and obj.kind is not Kind.KV and loc.tier is Tier.GPU and loc.id in view.gpus:
+            out[(obj, loc)] = nbytes
 
 
 def _gpu_used(problem: Problem, placement: Mapping[tuple[StateObject, Location], int]) -> dict[str, int]:
@@ -212,6 +265,11 @@ def _gpu_used(problem: Problem, placement: Mapping[tuple[StateObject, Location],
     return used
 
 
+def _host_used(placement: Mapping[tuple[StateObject, Location], int], node: str) -> int:
+    host = Location.host(node)
+    return sum(nbytes for (_, loc), nbytes in placement.items() if loc == host)
+
+
 def _fits(problem: Problem, gpus: Sequence[str], extra: int, used: Mapping[str, int]) -> bool:
     return all(used.get(g, 0) + extra <= problem.gpus[g].capacity_bytes for g in gpus)
 
@@ -219,14 +277,22 @@ def _fits(problem: Problem, gpus: Sequence[str], extra: int, used: Mapping[str, 
 def _sleep_or_stop(
     problem: Problem, b: InstanceView, a: InstanceView, out: Placement, used: dict[str, int]
 ) -> InstanceView:
-    """A running instance the target takes off its GPUs: a level-1 sleep where the target keeps a host copy,
-    the kind offers one and the residue fits; else a stop (managed) or a level-2 sleep (adopted)."""
+    """A running instance the target takes off its GPUs: a level-1 sleep where the kind offers one, its
+    context fits beside the target on its GPUs and its weights fit in the node's host RAM (a wake from host
+    costs wake_fixed + shard / h2d, a start from the page cache cold_start_fixed more: engines.py), the
+    weights' host copy added to the target; else a stop (managed) or a level-2 sleep (adopted)."""
     residue = ENGINE_CONSTANTS.context_bytes_per_gpu
-    host_kept = a.checkpoint_cached and a.precision == b.precision
     managed = b.declared.management is Management.MANAGED
-    if host_kept and offers_level_1(b.declared) and _fits(problem, b.gpus, residue, used):
+    assert b.precision is not None  # a running instance
+    backup = (StateObject.weights(b.model, b.precision), Location.host(b.node))
+    room = out.get(backup, 0) + problem.nodes[b.node].host_bytes - _host_used(out, b.node)
+    size = problem.models[b.model].weights_bytes[b.precision]
+    level_1 = offers_level_1(b.declared) and size <= room
+    # an adopted engine cannot stop: it sleeps whether or not its context fits (the checker tells)
+    if level_1 and (_fits(problem, b.gpus, residue, used) or not managed):
         for g in b.gpus:
             used[g] += residue
+        out[backup] = size
         return InstanceView(b.node, b.model, b.declared, EngineState.ASLEEP_HOST, b.precision, b.gpus)
     if managed:
         return InstanceView(b.node, b.model, b.declared, EngineState.STOPPED, a.precision, (), a.checkpoint_cached)
@@ -262,11 +328,13 @@ def _kv_predicted(
     problem: Problem, out: Placement, before: Mapping[Key, InstanceView], after: Mapping[Key, InstanceView]
 ) -> None:
     """A session's KV on an engine node is not commanded: below the GPUs it stays where LMCache keeps it, on a
-    GPU it stays while its engine runs there unchanged (the pool is LRU inside the engine) and leaves with
-    its engine; new KV on the running engine's GPUs is its prefill."""
+    GPU it stays while its engine runs there unchanged and leaves with its engine; new KV on the running
+    engine's GPUs is its prefill, and where that KV needs the room, the engine's pool evicts (LRU) the KV
+    the solver let go of on that GPU."""
     confirmed = problem.residency
     keys = {k for k in out if k[0].kind is Kind.KV} | {k for k in confirmed if k[0].kind is Kind.KV}
-    for key in keys:
+    kept: dict[str, list[tuple[tuple[StateObject, Location], int]]] = defaultdict(list)  # gpu -> (key, wanted)
+    for key in sorted(keys):
         obj, loc = key
         node = problem.gpus[loc.id].node if loc.tier is Tier.GPU else loc.id
         b, a = before.get((node, obj.model)), after.get((node, obj.model))
@@ -278,7 +346,21 @@ def _kv_predicted(
         elif a.state is not EngineState.RUNNING or loc.id not in a.gpus:
             _set(out, key, 0)
         elif b.state is EngineState.RUNNING and b.same_instance(a) and was > out.get(key, 0):
+            kept[loc.id].append((key, out.get(key, 0)))
             _set(out, key, was)
+    if not kept:
+        return
+    used = _gpu_used(problem, out)
+    for gpu_id, entries in kept.items():
+        gains = {
+            k[0].model for k, n in out.items() if k[1].id == gpu_id and k[0].kind is Kind.KV and n > confirmed.get(k, 0)
+        }
+        for key, wanted in entries:
+            if used[gpu_id] <= problem.gpus[gpu_id].capacity_bytes:
+                break
+            if key[0].model in gains:  # the pool makes room for its own new KV
+                used[gpu_id] -= out[key] - wanted
+                _set(out, key, wanted)
 
 
 def _expert_share_fixed(
@@ -465,7 +547,7 @@ def attach_derived_steps(
 ) -> None:
     """`attach_steps` with the states derived from the confirmed placement and `target` as they are (for
     operations built without `engine_target`)."""
-    before = instance_states(problem, problem.residency)
+    before = confirmed_states(problem)
     attach_steps(problem, ops, before, instance_states(problem, target))
 
 
@@ -484,3 +566,12 @@ def _step(problem: Problem, b: InstanceView, a: InstanceView, kv_pool: int) -> E
 
 def has_lmcache(view: InstanceView) -> bool:
     return EngineFeature.LMCACHE in view.declared.features
+
+
+def unserved_by_engines(problem: Problem, serving: Mapping[str, object], unserved: Mapping[str, str]) -> dict[str, str]:
+    """Active sessions left without a served model once the target is one the engines can reach."""
+    return {
+        s.id: f"engine: no engine of {s.model} can be brought up (an adopted engine is started only by its owner)"
+        for s in problem.sessions.values()
+        if s.active and s.id not in unserved and s.model not in serving
+    }

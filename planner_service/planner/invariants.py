@@ -317,6 +317,8 @@ def _engine_moves(
     before = _served_precisions(problem, problem.residency)
     after = _served_precisions(problem, target)
 
+    kv_gains = {(op.object.model, op.dest.id) for op in ops if op.object.kind is Kind.KV and op.dest is not None}
+
     def refuse(op: Operation, kind: EngineKind, move: RuntimeMove, what: str) -> None:
         errors.append(
             f"engine: {op.id} {what} on node {op.node}, whose {kind.value} engine for {op.object.model} cannot: "
@@ -333,6 +335,8 @@ def _engine_moves(
             restores = op.dest is not None and op.dest.tier is Tier.GPU and op.source is not None
             if restores and _lmcache(problem, op):
                 continue  # LMCache loads it on the session's next request (a prefix hit): nothing is asked
+            if _evicted_for_new_kv(op, kv_gains):
+                continue  # the engine's pool evicts (LRU) to make room for the model's new KV there
             if op.source is not None and not offers(kind, RuntimeMove.SESSION_KV):
                 if op.dest is None:
                     refuse(op, kind, RuntimeMove.SESSION_KV, f"frees {obj.label()} at {op.source.label()}")
@@ -372,6 +376,12 @@ def _carried_by_step(op: Operation) -> bool:
     return op.engine is not None and op.engine.transition is not Transition.READAHEAD
 
 
+def _evicted_for_new_kv(op: Operation, kv_gains: Collection[tuple[str, str]]) -> bool:
+    """A session's KV that leaves a GPU where the same model's KV arrives: the pool's own LRU eviction."""
+    src = op.source
+    return op.dest is None and src is not None and src.tier is Tier.GPU and (op.object.model, src.id) in kv_gains
+
+
 def _lmcache(problem: Problem, op: Operation) -> bool:
     declared = engine_plan.engine_of(problem, op.node, op.object.model)
     return declared is not None and EngineFeature.LMCACHE in declared.features
@@ -384,7 +394,7 @@ def _touches_gpu(op: Operation) -> bool:
 def _engine_steps(problem: Problem, ops: Sequence[Operation], refused: Collection[str] = ()) -> list[str]:
     """Every engine node move that needs its engine carries a step its kind offers from the state it is in
     (`refused`: the operations refused as run-time moves already)."""
-    before = engine_plan.instance_states(problem, problem.residency)
+    before = engine_plan.confirmed_states(problem)
     if not before:
         return []
     errors: list[str] = []
@@ -440,7 +450,7 @@ def _engine_capacity(
     problem: Problem, target: Mapping[tuple[StateObject, Location], int], ops: Sequence[Operation]
 ) -> list[str]:
     """GPU bytes with the KV pools of launched instances and the contexts of sleeping ones."""
-    before = engine_plan.instance_states(problem, problem.residency)
+    before = engine_plan.confirmed_states(problem)
     if not before:
         return []
     after = dict(before)

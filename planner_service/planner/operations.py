@@ -159,6 +159,7 @@ class _Builder:
         now: ResidencyIndex,
         then: Mapping[str, Serving],
         no_backup: Collection[tuple[str, str]] = (),
+        kv_prefill_only: Collection[tuple[str, str]] = (),
     ):
         self.p = problem
         self.no_backup = no_backup
@@ -174,8 +175,13 @@ class _Builder:
         self.model_slo: dict[str, Slo] = {}
         self.active_slo = self._active_slo()
         self.stale_kv = self._stale_kv_models(then)
-        # (KV, node) wherever KV sits below the GPUs now (there a location's id is its node)
-        self._kv_below_gpu = {(obj, loc.id) for obj, loc in now.kv_entries if loc.tier is not _GPU}
+        # (KV, node) wherever KV sits below the GPUs now (there a location's id is its node) and the node's
+        # engine can load it back (`kv_prefill_only`: (model, node) pairs whose engines compute KV anew)
+        self._kv_below_gpu = {
+            (obj, loc.id)
+            for obj, loc in now.kv_entries
+            if loc.tier is not _GPU and (obj.model, loc.id) not in kv_prefill_only
+        }
         # remembered per builder: thousands of operations share objects, GPUs and sources
         self._prefill_seconds: dict[tuple[str, str], float] = {}  # (model, gpu) -> seconds per byte of KV
         self._sources: dict[tuple[StateObject, str, Tier], Location | None] = {}
@@ -520,15 +526,17 @@ def build_operations(
     now: ResidencyIndex | None = None,
     then: Mapping[str, Serving] | None = None,
     no_backup: Collection[tuple[str, str]] = (),
+    kv_prefill_only: Collection[tuple[str, str]] = (),
 ) -> list[Operation]:
     """The operations that turn `problem.residency` into `target`, in a topological order of `depends_on`.
 
     `now` indexes the confirmed placement and `then` says who serves each model in the target, when the
-    caller has them already. `no_backup`: (model, node) pairs whose GPU copies may not move to host RAM.
+    caller has them already. `no_backup`: (model, node) pairs whose GPU copies may not move to host RAM;
+    `kv_prefill_only`: (model, node) pairs whose engines compute a session's KV anew, never load it back.
     """
     now = now or ResidencyIndex.build(problem, problem.residency)
     then = then if then is not None else ResidencyIndex.serving_in(problem, target)
-    builder = _Builder(problem, target, reasons or {}, now, then, no_backup)
+    builder = _Builder(problem, target, reasons or {}, now, then, no_backup, kv_prefill_only)
     builder.diff()
     builder.link()
     return builder.ordered()

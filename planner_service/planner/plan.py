@@ -13,7 +13,14 @@ from typing import Any
 
 from planner_service.domain.problem import Problem
 from planner_service.domain.state import Location, StateObject, placement_to_json
-from planner_service.planner.engine_plan import InstanceView, attach_steps, engine_target, instance_states, kv_pools
+from planner_service.planner.engine_plan import (
+    InstanceView,
+    attach_steps,
+    confirmed_states,
+    engine_target,
+    kv_pools,
+    unserved_by_engines,
+)
 from planner_service.planner.objective import Demand, Objective, Predicted, evaluate
 from planner_service.planner.operations import Operation, build_operations
 from planner_service.planner.residency import ResidencyIndex, copy_placement
@@ -75,11 +82,15 @@ def make_plan(
         copy_placement(target) if min(target.values(), default=1) > 0 else {k: v for k, v in target.items() if v > 0}
     )
     now = now or ResidencyIndex.build(problem, problem.residency)
-    before = instance_states(problem, problem.residency)
+    before = confirmed_states(problem)
     engines = engine_target(problem, placement, before)  # what engine nodes can reach (engine_plan.py)
     placement = engines.placement
     then = ResidencyIndex.build(problem, placement)
-    operations = build_operations(problem, placement, reasons, now, then.serving, engines.no_backup)
+    if before:  # sessions whose engine the plan could not bring up are unserved
+        unserved = {**unserved_by_engines(problem, then.serving, unserved), **unserved}
+    operations = build_operations(
+        problem, placement, reasons, now, then.serving, engines.no_backup, engines.kv_prefill_only
+    )
     attach_steps(problem, operations, before, engines.after, kv_pools(problem, placement, engines.after))
     objective, predicted = evaluate(problem, placement, now, then, demand)
     if status is None:

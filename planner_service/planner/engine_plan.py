@@ -575,3 +575,38 @@ def unserved_by_engines(problem: Problem, serving: Mapping[str, object], unserve
         for s in problem.sessions.values()
         if s.active and s.id not in unserved and s.model not in serving
     }
+
+
+def engine_rows(
+    problem: Problem, planned: Mapping[tuple[StateObject, Location], int] | None
+) -> list[dict[str, object]]:
+    """Every engine node's instances now and once `planned` (a plan's placement) is reached: `EngineOut`."""
+    now = confirmed_states(problem)
+    then = engine_target(problem, planned, now).after if planned is not None else {}
+    pools = kv_pools(problem, planned, then) if planned is not None else {}
+    rows: list[dict[str, object]] = []
+    for key, view in sorted(now.items()):
+        after = then.get(key)
+        step = transition_between(view, after) if after is not None else None
+        shown = after if after is not None and after.state is EngineState.RUNNING else view
+        ref = instance_ref(problem, shown, pools.get(key, 0))
+        held = holdings(_instance(problem, view, pools.get(key, 0)), view.state, ENGINE_CONSTANTS)
+        rows.append(
+            {
+                "id": ref.id,
+                "node": view.node,
+                "model": view.model,
+                "kind": view.declared.kind.value,
+                "state": view.state.value,
+                "planned_state": None if after is None else after.state.value,
+                "planned_step": None if step is None else step.value,
+                "precision": view.precision,
+                "gpus": list(view.gpus),
+                "features": sorted(f.value for f in view.declared.features),
+                "management": view.declared.management.value,
+                "kv_pool_bytes_per_gpu": pools.get(key, 0),
+                "gpu_bytes_per_gpu": max(held.gpu_bytes.values(), default=0) if view.gpus else 0,
+                "host_bytes": held.host_bytes,
+            }
+        )
+    return rows

@@ -483,11 +483,13 @@ def transition_between(b: InstanceView, a: InstanceView) -> Transition | None:
 
 
 def step_seconds(problem: Problem, b: InstanceView, a: InstanceView, transition: Transition) -> float:
-    """engines.transition_seconds for the step, from the calibrated links; a cached checkpoint loads from
-    the page cache."""
+    """engines.transition_seconds for the step, from the calibrated links; a load reads the page cache where
+    the confirmed placement holds the loaded precision's checkpoint in host RAM, else NVMe."""
     view = a if a.state is EngineState.RUNNING else b
     inst = _instance(problem, view)
-    read_from = ReadFrom.PAGE_CACHE if (b.checkpoint_cached or a.checkpoint_cached) else None
+    loaded = StateObject.weights(inst.model, inst.precision)
+    cached = problem.residency.get((loaded, Location.host(view.node)), 0) >= problem.size_of(loaded)
+    read_from = ReadFrom.PAGE_CACHE if cached else ReadFrom.NVME
     new = inst if transition is Transition.RESTART else None
     old = _instance(problem, b) if transition is Transition.RESTART else inst
     return transition_seconds(

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import pytest
 from tiny_clusters import GIB, gpu, held, model, node, on_gpu, on_nvme, plan_for, scenario, session, weights
 
 from planner_service.domain.demo import demo_scenario_json
@@ -87,13 +88,13 @@ def test_a_demand_shift_that_does_not_pay_gets_no_restart() -> None:
 
 
 def test_a_step_is_priced_once_per_instance_by_the_engine_model() -> None:
+    """b's cold start from NVMe: cold_start_fixed + max(checkpoint / nvme_read, shard / h2d) (README)."""
     problem, plan = plan_for(switch_scenario(b_active=True))
     start = [op for op in plan.operations if op.engine and op.engine.transition is Transition.START]
-    before = engine_plan.confirmed_states(problem)
-    b_view = plan.instances[("n0", "b")]
-    expected = engine_plan.step_seconds(problem, before[("n0", "b")], b_view, Transition.START)
-    assert sum(op.estimated_seconds for op in start) == expected
-    assert expected > engine_plan.ENGINE_CONSTANTS.cold_start_fixed_seconds
+    node, card = problem.nodes["n0"], problem.gpus["g0"]
+    load = max(12 * GIB / node.nvme_read_bytes_per_s, 12 * GIB / card.h2d_bytes_per_s)
+    expected = engine_plan.ENGINE_CONSTANTS.cold_start_fixed_seconds + load
+    assert [op.estimated_seconds for op in start] == [pytest.approx(expected)]
 
 
 # --- the checker refuses what the engines refuse ------------------------------------------------------

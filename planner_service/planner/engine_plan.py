@@ -334,6 +334,7 @@ def _kv_predicted(
     confirmed = problem.residency
     keys = {k for k in out if k[0].kind is Kind.KV} | {k for k in confirmed if k[0].kind is Kind.KV}
     kept: dict[str, list[tuple[tuple[StateObject, Location], int]]] = defaultdict(list)  # gpu -> (key, wanted)
+    strays: dict[tuple[StateObject, str], int] = defaultdict(int)  # (KV, node) -> bytes planned off the group
     for key in sorted(keys):
         obj, loc = key
         node = problem.gpus[loc.id].node if loc.tier is Tier.GPU else loc.id
@@ -344,10 +345,18 @@ def _kv_predicted(
         if loc.tier is not Tier.GPU:
             _set(out, key, was)
         elif a.state is not EngineState.RUNNING or loc.id not in a.gpus:
+            if a.state is EngineState.RUNNING:
+                strays[(obj, a.node)] += out.get(key, 0)  # planned beside a group the engine cannot leave
             _set(out, key, 0)
         elif b.state is EngineState.RUNNING and b.same_instance(a) and was > out.get(key, 0):
             kept[loc.id].append((key, out.get(key, 0)))
             _set(out, key, was)
+    for (obj, node), nbytes in sorted(strays.items()):
+        if nbytes:  # the session's KV follows its engine's group, split evenly as the planner splits it
+            group = after[(node, obj.model)].gpus
+            total = nbytes + sum(out.get((obj, Location.gpu(g)), 0) for g in group)
+            for i, g in enumerate(group):
+                _set(out, (obj, Location.gpu(g)), total // len(group) + (1 if i < total % len(group) else 0))
     if not kept:
         return
     used = _gpu_used(problem, out)

@@ -120,7 +120,7 @@ def _fits(problem: Problem, plan: Plan) -> bool:
 
 def _sound(problem: Problem, plan: Plan) -> list[str]:
     """The checker's findings but GPU capacity: the greedy does not yet treat a running engine's KV pool as
-    fixed, so it can give a running engine's KV room to another model (about 2 in 100 of these scenarios;
+    fixed, so it can give a running engine's KV room to another model (2 to 8 in 100 of these scenarios;
     the checker refuses those plans, `test_engine_plan.py` shows it)."""
     return [e for e in check_plan(problem, plan.placement, plan.operations, plan.unserved) if "capacity" not in e]
 

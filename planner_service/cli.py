@@ -24,6 +24,7 @@ from rich.console import Console
 from rich.table import Table
 
 from planner_service.domain.demo import demo_scenario
+from planner_service.domain.engines import EngineState
 from planner_service.domain.predictions import problem_from_scenario
 from planner_service.domain.scenario import Scenario, ScenarioError, load_scenario
 from planner_service.domain.state import Tier
@@ -110,6 +111,28 @@ def plan(
         print_plan(result, problem)
 
 
+def print_instances(result: Plan) -> None:
+    """The engine instances of engine nodes after the plan, and the step that takes each there."""
+    steps = {(op.node, op.object.model): op.engine for op in result.operations if op.engine is not None}
+    table = Table(title="Engine instances after the plan", show_lines=False)
+    for col in ("node", "model", "kind", "state", "precision", "gpus", "step"):
+        table.add_column(col)
+    for (node_id, model_id), view in sorted(result.instances.items()):
+        step = steps.get((node_id, model_id))
+        if view.state is EngineState.STOPPED and step is None:
+            continue  # most engines of a catalog: stopped and staying so
+        table.add_row(
+            node_id,
+            model_id,
+            view.declared.kind.value,
+            view.state.value,
+            view.precision or "",
+            "+".join(view.gpus),
+            "" if step is None else f"{step.transition.value} from {step.from_state.value}",
+        )
+    out.print(table)
+
+
 def print_plan(result: Plan, problem) -> None:
     gib = 2**30
     out.print(
@@ -131,12 +154,15 @@ def print_plan(result: Plan, problem) -> None:
             gid, gpu.node, gpu.type, f"{used[gid] / gib:.1f} / {gpu.capacity_bytes / gib:.1f}", ", ".join(holdings[gid])
         )
     out.print(table)
+    if result.instances:
+        print_instances(result)
     out.print(f"\n[bold]{len(result.operations)} operations[/] (run in parallel once their dependencies are done)")
     for op in result.operations:
         route = f"{op.source.label() if op.source else 'prefill'} -> {op.dest.label() if op.dest else 'dropped'}"
         after = f" after {','.join(op.depends_on)}" if op.depends_on else ""
+        engine = f" ({op.engine.transition.value} {op.engine.instance.id})" if op.engine is not None else ""
         out.print(
-            f"{op.id:>6} {op.action.value:<7} {op.object.label()} {route} {op.bytes / gib:.2f} GiB "
+            f"{op.id:>6} {op.action.value:<7} {op.object.label()} {route} {op.bytes / gib:.2f} GiB{engine} "
             f"[{op.priority.value}]{after}\n         {op.reason}",
             highlight=False,
             markup=False,

@@ -26,6 +26,7 @@ from pydantic import TypeAdapter
 from clients.sdk.errors import ConnectionError, ServerError, error_from_response
 from planner_service.wire.calibration import CalibrationOut, CalibrationResetOut
 from planner_service.wire.cluster import ClusterOut, ModelOut
+from planner_service.wire.engines import EngineOut
 from planner_service.wire.enums import CalibrationScope, Capability, OperationState, ReportStatus, SolverName
 from planner_service.wire.health import Health
 from planner_service.wire.nodes import HeartbeatOut, RegisterOut
@@ -198,6 +199,10 @@ class Endpoints(ABC):
     def get_srv(self) -> Any:
         """The State Residency Vector and the confirmed placement, with its `version`: `SrvOut`."""
         return self._send(Call("GET", "/v1/srv", answer=SrvOut))
+
+    def get_engines(self) -> Any:
+        """The engine instances of vLLM and SGLang nodes, now and once the current plan is done: `list[EngineOut]`."""
+        return self._send(Call("GET", "/v1/engines", answer=list[EngineOut]))
 
     def get_plan(self) -> Any:
         """`CurrentPlanOut`."""

@@ -2,7 +2,10 @@
 
 Four nodes, 16 PCIe GPUs (4x L40, 4x A100 40GB, 8x RTX 3090: about 530 GiB of
 HBM) and seven models whose weights and routed experts need about 860 GiB, so
-memory pressure is the normal case. Every node keeps every checkpoint on NVMe.
+memory pressure is the normal case. Every node keeps every checkpoint on NVMe and
+serves every model through vLLM with LMCache, sleep mode and dev mode (the way a
+team runs it: an engine per model, started, put to sleep and woken by the planner);
+the engines already placed keep their tensor-parallel groups.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 
 from planner_service.domain.architecture import PRECISION_BYTES, Architecture
-from planner_service.domain.engines import DeclaredEngine, EngineKind, Management
+from planner_service.domain.engines import DeclaredEngine, EngineKind, EngineState, Management
 from planner_service.domain.hardware import (
     DEFAULT_HOST_DRAM_BYTES,
     DEFAULT_NVME_BYTES,
@@ -103,6 +103,9 @@ class Problem:
     constants: CostConstants
     # session -> next model -> probability of the session's next request going there
     next_model: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
+    # (node, model) -> the state and GPU group its engine reported (a node agent's heartbeat); where given it
+    # wins over the state derived from the placement (planner/engine_plan.py)
+    observed_engines: Mapping[tuple[str, str], tuple[EngineState, tuple[str, ...]]] = field(default_factory=dict)
 
     def size_of(self, obj: StateObject) -> int:
         """Full size of an object: what residency fractions are measured against."""

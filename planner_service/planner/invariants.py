@@ -19,7 +19,16 @@ is sound):
     offer none): moving or freeing one session's KV (creating it by prefill
     is the engine serving the request), changing how many routed experts sit
     on GPU while the model stays served there at its precision, or bringing
-    weights at another precision to the GPUs while the model is served there.
+    weights at another precision to the GPUs while the model is served there;
+  * on an engine node (vLLM, SGLang) every weights or experts move on a GPU
+    carries an engine step (`engine_plan.py`); each step is one its kind
+    offers, leaving from the state the instance is in (`engines.may`: the
+    kind's rule, its source states and preconditions), one transition per
+    instance so that it holds in any order; a session's KV leaves the GPUs
+    only with its engine's step, and reaches them by prefill or from LMCache;
+  * GPU capacities hold with the KV pools of the instances the plan launches
+    and the CUDA contexts that sleeping instances keep (`engines.holdings`),
+    in the target and in every order.
 """
 
 from __future__ import annotations
@@ -27,10 +36,21 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Collection, Mapping, Sequence
 
-from planner_service.domain.engines import RUNTIME_REFUSALS, EngineKind, RuntimeMove, offers
+from planner_service.domain.engines import (
+    AFTER,
+    RUNTIME_REFUSALS,
+    EngineFeature,
+    EngineKind,
+    EngineState,
+    RuntimeMove,
+    Transition,
+    may,
+    offers,
+)
 from planner_service.domain.problem import Problem
 from planner_service.domain.scenario import Capability
 from planner_service.domain.state import Kind, Location, StateObject, Tier
+from planner_service.planner import engine_plan
 from planner_service.planner.operations import Action, Operation, apply_operations
 from planner_service.planner.residency import ResidencyIndex
 
@@ -50,7 +70,10 @@ def check_plan(
     errors += _every_order_safe(problem, ops)
     errors += _capabilities(problem, ops, target)
     errors += _engine_groups(problem, target)
-    errors += _engine_moves(problem, ops, target)
+    refused = _engine_moves(problem, ops, target)
+    errors += refused
+    errors += _engine_steps(problem, ops, {e.split()[1] for e in refused})
+    errors += _engine_capacity(problem, target, ops)
     return errors
 
 
@@ -294,6 +317,8 @@ def _engine_moves(
     before = _served_precisions(problem, problem.residency)
     after = _served_precisions(problem, target)
 
+    kv_gains = {(op.object.model, op.dest.id) for op in ops if op.object.kind is Kind.KV and op.dest is not None}
+
     def refuse(op: Operation, kind: EngineKind, move: RuntimeMove, what: str) -> None:
         errors.append(
             f"engine: {op.id} {what} on node {op.node}, whose {kind.value} engine for {op.object.model} cannot: "
@@ -303,10 +328,15 @@ def _engine_moves(
     for op in ops:
         obj = op.object
         kind = problem.nodes[op.node].engine_kind(obj.model)
-        if kind is None:
+        if kind is None or _carried_by_step(op):
             continue
         to_gpu = op.dest is not None and op.dest.tier is Tier.GPU
         if obj.kind is Kind.KV:
+            restores = op.dest is not None and op.dest.tier is Tier.GPU and op.source is not None
+            if restores and _lmcache(problem, op):
+                continue  # LMCache loads it on the session's next request (a prefix hit): nothing is asked
+            if _evicted_for_new_kv(op, kv_gains):
+                continue  # the engine's pool evicts (LRU) to make room for the model's new KV there
             if op.source is not None and not offers(kind, RuntimeMove.SESSION_KV):
                 if op.dest is None:
                     refuse(op, kind, RuntimeMove.SESSION_KV, f"frees {obj.label()} at {op.source.label()}")
@@ -337,4 +367,126 @@ def _engine_moves(
                     RuntimeMove.PRECISION,
                     f"brings {obj.label()} to the GPUs while the model runs at {', '.join(sorted(running))}",
                 )
+    return errors
+
+
+def _carried_by_step(op: Operation) -> bool:
+    """A move that an engine's own transition carries out (its weights, experts or KV with a start, wake,
+    sleep, stop or restart): the step is checked by `_engine_steps`, not as a run-time move."""
+    return op.engine is not None and op.engine.transition is not Transition.READAHEAD
+
+
+def _evicted_for_new_kv(op: Operation, kv_gains: Collection[tuple[str, str]]) -> bool:
+    """A session's KV that leaves a GPU where the same model's KV arrives: the pool's own LRU eviction."""
+    src = op.source
+    return op.dest is None and src is not None and src.tier is Tier.GPU and (op.object.model, src.id) in kv_gains
+
+
+def _lmcache(problem: Problem, op: Operation) -> bool:
+    declared = engine_plan.engine_of(problem, op.node, op.object.model)
+    return declared is not None and EngineFeature.LMCACHE in declared.features
+
+
+def _touches_gpu(op: Operation) -> bool:
+    return (op.dest is not None and op.dest.tier is Tier.GPU) or (op.source is not None and op.source.tier is Tier.GPU)
+
+
+def _engine_steps(problem: Problem, ops: Sequence[Operation], refused: Collection[str] = ()) -> list[str]:
+    """Every engine node move that needs its engine carries a step its kind offers from the state it is in
+    (`refused`: the operations refused as run-time moves already)."""
+    before = engine_plan.confirmed_states(problem)
+    if not before:
+        return []
+    errors: list[str] = []
+    transitions: dict[tuple[str, str], set[Transition]] = defaultdict(set)
+    checked: set[tuple[str, str, Transition, str]] = set()
+    for op in ops:
+        key = (op.node, op.object.model)
+        view = before.get(key)
+        if view is None:
+            continue
+        step = op.engine
+        if step is None:
+            if op.object.kind is not Kind.KV and _touches_gpu(op) and op.id not in refused:
+                errors.append(
+                    f"engine: {op.id} moves {op.object.label()} on the GPUs of node {op.node} with no engine step: "
+                    f"its {view.declared.kind.value} engine moves weights only by starting, waking, sleeping or stopping"
+                )
+            continue
+        if step.instance.node != op.node or step.instance.model != op.object.model:
+            errors.append(f"engine: {op.id} names instance {step.instance.id} on {step.instance.node}, not its own")
+            continue
+        if step.transition is not Transition.READAHEAD:
+            transitions[key].add(step.transition)
+        expected = view.state
+        if step.transition is not Transition.READAHEAD and step.from_state is not expected:
+            errors.append(
+                f"engine: {op.id} {step.transition.value}s {step.instance.id} from {step.from_state.value}, but it is "
+                f"{expected.value}"
+            )
+        seen = (op.node, op.object.model, step.transition, step.from_state.value)
+        if seen in checked:
+            continue
+        checked.add(seen)
+        inst = engine_plan.instance_from_ref(problem, step.previous or step.instance)
+        verdict = may(inst, step.from_state, step.transition)
+        if not verdict.allowed:
+            missing = verdict.missing.value if verdict.missing is not None else "?"
+            errors.append(
+                f"engine: {op.id} asks {step.instance.id} on {op.node} ({inst.kind.value}) for {step.transition.value}, "
+                f"which it does not offer ({missing}): {verdict.why}"
+            )
+    for (node, model), seen_transitions in sorted(transitions.items()):
+        if len(seen_transitions) > 1:
+            names = ", ".join(sorted(t.value for t in seen_transitions))
+            errors.append(
+                f"engine: {model}'s engine on {node} is asked for {names} in one plan: their order would decide its "
+                "state; one transition per instance"
+            )
+    return errors
+
+
+def _engine_capacity(
+    problem: Problem, target: Mapping[tuple[StateObject, Location], int], ops: Sequence[Operation]
+) -> list[str]:
+    """GPU bytes with the KV pools of launched instances and the contexts of sleeping ones."""
+    before = engine_plan.confirmed_states(problem)
+    if not before:
+        return []
+    after = dict(before)
+    pools: dict[tuple[str, str], int] = {}
+    for op in ops:
+        step = op.engine
+        if step is None or step.transition is Transition.READAHEAD:
+            continue
+        key = (op.node, op.object.model)
+        state = AFTER[step.transition]
+        gpus = tuple(step.instance.gpus)
+        after[key] = engine_plan.InstanceView(
+            op.node, key[1], before[key].declared, state, step.instance.precision, gpus
+        )
+        if state is EngineState.RUNNING:
+            pools[key] = step.instance.kv_pool_bytes_per_gpu
+    extra: dict[str, int] = defaultdict(int)
+    for view in after.values():
+        for g in view.gpus:
+            extra[g] += engine_plan.residue_bytes(problem, view)
+    kv: dict[tuple[str, str], int] = defaultdict(int)  # (model, gpu) -> KV bytes in the target
+    used: dict[str, int] = defaultdict(int)
+    for (obj, loc), nbytes in target.items():
+        if loc.tier is Tier.GPU:
+            used[loc.id] += nbytes
+            if obj.kind is Kind.KV:
+                kv[(obj.model, loc.id)] += nbytes
+    for (node, model), pool in pools.items():
+        for g in after[(node, model)].gpus:
+            extra[g] += max(0, pool - kv.get((model, g), 0))
+    errors = []
+    for g, nbytes in sorted(extra.items()):
+        capacity = problem.gpus[g].capacity_bytes
+        if nbytes and used.get(g, 0) + nbytes > capacity:
+            errors.append(
+                f"capacity: gpu:{g} holds {used.get(g, 0)} bytes and {nbytes} of engine pools and sleeping engines' "
+                f"contexts > {capacity}"
+            )
     return errors

@@ -26,7 +26,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import filterfalse
 from operator import itemgetter
@@ -39,6 +39,7 @@ from planner_service.planner import costs
 from planner_service.planner.residency import UNKNOWN, ResidencyIndex, Serving, copy_placement
 from planner_service.wire.enums import Action as Action  # noqa: PLC0414 -- re-exported: it was defined here
 from planner_service.wire.enums import Priority as Priority  # noqa: PLC0414 -- re-exported: it was defined here
+from planner_service.wire.operations import EngineStep
 
 PRIORITY_RANK = {Priority.BLOCKING: 0, Priority.INTERACTIVE: 1, Priority.BACKGROUND: 2, Priority.PREFETCH: 3}
 SLO_PRIORITY = {
@@ -74,6 +75,8 @@ class Operation:
     node: str = ""  # every move stays inside one node
     # what it buys: the words, or (purpose, waiting SLO) to say them from; read it as `reason`
     why: str | tuple[str | None, Slo | None] = ""
+    # on an engine node (vLLM, SGLang): the engine transition that carries the move out (engine_plan.py)
+    engine: EngineStep | None = None
 
     @property
     def reason(self) -> str:
@@ -100,6 +103,7 @@ class Operation:
             "estimated_seconds": round(self.estimated_seconds, 6),
             "reason": self.reason,
             "node": self.node,
+            "engine": None if self.engine is None else self.engine.model_dump(mode="json"),
         }
 
 
@@ -154,8 +158,11 @@ class _Builder:
         reasons: Mapping[StateObject, str],
         now: ResidencyIndex,
         then: Mapping[str, Serving],
+        no_backup: Collection[tuple[str, str]] = (),
+        kv_prefill_only: Collection[tuple[str, str]] = (),
     ):
         self.p = problem
+        self.no_backup = no_backup
         self.target = target
         self.reasons = reasons
         self.now = now
@@ -168,8 +175,13 @@ class _Builder:
         self.model_slo: dict[str, Slo] = {}
         self.active_slo = self._active_slo()
         self.stale_kv = self._stale_kv_models(then)
-        # (KV, node) wherever KV sits below the GPUs now (there a location's id is its node)
-        self._kv_below_gpu = {(obj, loc.id) for obj, loc in now.kv_entries if loc.tier is not _GPU}
+        # (KV, node) wherever KV sits below the GPUs now (there a location's id is its node) and the node's
+        # engine can load it back (`kv_prefill_only`: (model, node) pairs whose engines compute KV anew)
+        self._kv_below_gpu = {
+            (obj, loc.id)
+            for obj, loc in now.kv_entries
+            if loc.tier is not _GPU and (obj.model, loc.id) not in kv_prefill_only
+        }
         # remembered per builder: thousands of operations share objects, GPUs and sources
         self._prefill_seconds: dict[tuple[str, str], float] = {}  # (model, gpu) -> seconds per byte of KV
         self._sources: dict[tuple[StateObject, str, Tier], Location | None] = {}
@@ -272,9 +284,14 @@ class _Builder:
                     self._new(_DROP, obj, loc, None, nbytes, False, node)
 
     def _moves_down(self, obj: StateObject, node: str, gains: dict[Location, int], losses: dict[Location, int]) -> None:
+        # an engine that does not sleep at level 1 keeps no host copy of its GPU weights: the host copy is
+        # read from NVMe instead (a read-ahead of the checkpoint)
+        no_backup = (obj.model, node) in self.no_backup
         for dest in sorted(gains, key=lambda l: (-TIER_RANK[l.tier], l)):
             for src in sorted(losses, key=lambda l: (TIER_RANK[l.tier], l)):
                 if TIER_RANK[src.tier] >= TIER_RANK[dest.tier] or gains[dest] == 0 or losses[src] == 0:
+                    continue
+                if no_backup and src.tier is _GPU and dest.tier is _HOST:
                     continue
                 nbytes = min(gains[dest], losses[src])
                 self._new(_DEMOTE, obj, src, dest, nbytes, False, node)
@@ -508,15 +525,18 @@ def build_operations(
     reasons: Mapping[StateObject, str] | None = None,
     now: ResidencyIndex | None = None,
     then: Mapping[str, Serving] | None = None,
+    no_backup: Collection[tuple[str, str]] = (),
+    kv_prefill_only: Collection[tuple[str, str]] = (),
 ) -> list[Operation]:
     """The operations that turn `problem.residency` into `target`, in a topological order of `depends_on`.
 
     `now` indexes the confirmed placement and `then` says who serves each model in the target, when the
-    caller has them already.
+    caller has them already. `no_backup`: (model, node) pairs whose GPU copies may not move to host RAM;
+    `kv_prefill_only`: (model, node) pairs whose engines compute a session's KV anew, never load it back.
     """
     now = now or ResidencyIndex.build(problem, problem.residency)
     then = then if then is not None else ResidencyIndex.serving_in(problem, target)
-    builder = _Builder(problem, target, reasons or {}, now, then)
+    builder = _Builder(problem, target, reasons or {}, now, then, no_backup, kv_prefill_only)
     builder.diff()
     builder.link()
     return builder.ordered()

@@ -13,6 +13,14 @@ from typing import Any
 
 from planner_service.domain.problem import Problem
 from planner_service.domain.state import Location, StateObject, placement_to_json
+from planner_service.planner.engine_plan import (
+    InstanceView,
+    attach_steps,
+    confirmed_states,
+    engine_target,
+    kv_pools,
+    unserved_by_engines,
+)
 from planner_service.planner.objective import Demand, Objective, Predicted, evaluate
 from planner_service.planner.operations import Operation, build_operations
 from planner_service.planner.residency import ResidencyIndex, copy_placement
@@ -30,6 +38,8 @@ class Plan:
     unserved: dict[str, str]
     solve_seconds: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
+    # (node, model) -> the engine instance of an engine node (vLLM, SGLang) and its state after the plan
+    instances: dict[tuple[str, str], InstanceView] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -43,6 +53,8 @@ class Plan:
             "predicted": self.predicted.as_dict(),
             "unserved": [{"session": s, "constraint": why} for s, why in sorted(self.unserved.items())],
         }
+        if self.instances:
+            out["engines"] = [view.to_json() for _, view in sorted(self.instances.items())]
         out.update(self.extra)
         return out
 
@@ -61,15 +73,29 @@ def make_plan(
 ) -> Plan:
     """The plan that reaches `target`: its operations, objective and predicted metrics.
 
+    On engine nodes the target is first made one the engines can reach (`engine_plan.engine_target`) and
+    every move is named as the engine step that carries it out (`engine_plan.attach_steps`).
+
     `now` (the confirmed placement's index) and `demand` may come from the solver, which built them already.
     """
     placement = (
         copy_placement(target) if min(target.values(), default=1) > 0 else {k: v for k, v in target.items() if v > 0}
     )
     now = now or ResidencyIndex.build(problem, problem.residency)
+    before = confirmed_states(problem)
+    engines = engine_target(problem, placement, before)  # what engine nodes can reach (engine_plan.py)
+    placement = engines.placement
     then = ResidencyIndex.build(problem, placement)
-    operations = build_operations(problem, placement, reasons, now, then.serving)
+    if before:  # sessions whose engine the plan could not bring up are unserved
+        unserved = {**unserved_by_engines(problem, then.serving, unserved), **unserved}
+    operations = build_operations(
+        problem, placement, reasons, now, then.serving, engines.no_backup, engines.kv_prefill_only
+    )
+    attach_steps(problem, operations, before, engines.after, kv_pools(problem, placement, engines.after))
     objective, predicted = evaluate(problem, placement, now, then, demand)
     if status is None:
         status = PlanStatus.PARTIAL if unserved else PlanStatus.OK
-    return Plan(solver, status, objective, predicted, placement, operations, dict(unserved), solve_seconds)
+    return Plan(
+        solver, status, objective, predicted, placement, operations, dict(unserved), solve_seconds,
+        instances=engines.after,
+    )  # fmt: skip

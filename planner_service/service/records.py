@@ -11,6 +11,7 @@ from typing import Any
 from planner_service.domain.scenario import Slo
 from planner_service.domain.state import location_from_json, object_from_json
 from planner_service.planner.operations import Action, Operation, Priority
+from planner_service.wire.operations import EngineStep
 
 
 class OpState(StrEnum):
@@ -38,6 +39,7 @@ def operation_from_json(data: dict[str, Any]) -> Operation:
         estimated_seconds=float(data["estimated_seconds"]),
         why=data.get("reason", ""),
         node=data["node"],
+        engine=EngineStep.model_validate(data["engine"]) if data.get("engine") else None,
     )
 
 

@@ -16,6 +16,7 @@ from planner_service.domain.state import (
     Tier,
 )
 from planner_service.metrics import StateSnapshot
+from planner_service.planner import engine_plan
 from planner_service.service.errors import (
     NotFound,
 )
@@ -153,6 +154,14 @@ class Views:
         self.live.require_ready()
         with self.live.change():
             return copy.deepcopy(self.live.srv_doc)
+
+    def engines_view(self) -> list[dict[str, Any]]:
+        """The engine nodes' instances now and once the current plan is done (planner/engine_plan.py)."""
+        self.live.require_ready()
+        with self.live.change():
+            problem = self.live.compile(self.live.scenario_data(self.live.placement), {})
+            planned = self.live.plan_placement if self.live.plan_doc is not None else None
+            return engine_plan.engine_rows(problem, planned)
 
     def plan_view(self) -> dict[str, Any]:
         self.live.require_ready()

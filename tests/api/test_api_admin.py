@@ -279,6 +279,8 @@ def test_registration_rejects_engines_on_gpus_it_cannot_have(demo):
     def register(*engines):
         return demo.post("/v1/nodes/n2/register", json={"engines": list(engines)})
 
+    declared = demo.get("/v1/cluster").json()["nodes"][1]["engines"]
+
     assert_problem(register({"name": "e", "models": ["coder"], "gpus": ["n1-g0"]}), 422, "engines[0].gpus[0]", "n1-g0")
     assert_problem(
         register({"name": "e", "models": ["gpt-9"], "gpus": ["n2-g0"]}), 422, "engines[0].models[0]", "gpt-9"
@@ -292,4 +294,4 @@ def test_registration_rejects_engines_on_gpus_it_cannot_have(demo):
         "engines[1].models[0]",
         "one group per node",
     )
-    assert demo.get("/v1/cluster").json()["nodes"][1]["engines"] is None  # none listed: any model, on any group
+    assert demo.get("/v1/cluster").json()["nodes"][1]["engines"] == declared  # refused: the demo's stay

@@ -82,6 +82,7 @@ def test_every_method(sync_client):
 
     srv = sb.get_srv()
     assert srv.version >= 1 and srv.placement
+    assert sb.get_engines() == []  # no node serves through vLLM or SGLang here
     epoch = sb.get_plan().epoch
     replanned = sb.replan()
     assert replanned.epoch == epoch + 1 and replanned.changed is True and replanned.operations

@@ -10,12 +10,13 @@ from typing import Any
 import pytest
 from tiny_clusters import experts, gpu, held, kv, model, node, on_gpu, on_nvme, scenario, session, weights
 
-from planner_service.domain.engines import DeclaredEngine, EngineFeature, EngineKind, Management
+from planner_service.domain.engines import DeclaredEngine, EngineFeature, EngineKind, Management, Transition
 from planner_service.domain.predictions import problem_from_scenario
 from planner_service.domain.problem import Problem
 from planner_service.domain.scenario import ScenarioError, parse_scenario
 from planner_service.domain.state import Location, StateObject
 from planner_service.domain.units import GIB
+from planner_service.planner.engine_plan import attach_derived_steps
 from planner_service.planner.invariants import check_plan
 from planner_service.planner.operations import Action, Operation, apply_operations, build_operations
 
@@ -44,6 +45,7 @@ def kind(name: str | None, features: list[str] | None = None) -> dict[str, Any]:
 
 def ops_to(problem: Problem, target: dict[tuple[StateObject, Location], int]) -> list[Operation]:
     ops = build_operations(problem, target)
+    attach_derived_steps(problem, ops, target)
     assert apply_operations(problem.residency, ops) == target
     return ops
 
@@ -177,10 +179,22 @@ SWITCHED = {(A16, NVME): 16 * GIB, (A8, NVME): 8 * GIB, (A8, G0): 8 * GIB}
 @pytest.mark.parametrize(("name", "features"), REFUSING)
 def test_a_running_engine_s_precision_is_not_changed_on_a_vllm_or_sglang_node(name: str, features: list[str]) -> None:
     problem = precision_problem(kind(name, features))
-    ops = ops_to(problem, SWITCHED)
+    ops = build_operations(problem, SWITCHED)  # the bytes moves alone, no engine step
     assert {(op.action, op.object) for op in ops} == {(Action.DROP, A16), (Action.PROMOTE, A8)}
-    (error,) = engine_errors(problem, SWITCHED)
-    assert f"brings weights(a, fp8) to the GPUs while the model runs at bf16 on node n0, whose {name} engine" in error
+    unstepped, refused = sorted(e for e in check_plan(problem, SWITCHED, ops) if e.startswith("engine:"))
+    assert f"brings weights(a, fp8) to the GPUs while the model runs at bf16 on node n0, whose {name} engine" in refused
+    assert "moves weights(a, bf16) on the GPUs of node n0 with no engine step" in unstepped
+
+
+@pytest.mark.parametrize(("name", "features"), REFUSING)
+def test_a_precision_switch_on_a_vllm_or_sglang_node_is_a_restart(name: str, features: list[str]) -> None:
+    problem = precision_problem(kind(name, features))
+    ops = ops_to(problem, SWITCHED)
+    steps = {
+        (op.engine.transition, op.engine.instance.precision, op.engine.previous.precision) for op in ops if op.engine
+    }
+    assert steps == {(Transition.RESTART, "fp8", "bf16")}
+    assert engine_errors(problem, SWITCHED) == []
 
 
 def test_an_engine_that_is_not_running_loads_any_precision() -> None:

@@ -1,0 +1,623 @@
+"""Engine instances on engine nodes (vLLM, SGLang): which exist and in which state, what a target placement
+may ask of them, and which engine step each of a plan's moves is (DESIGN.md §5, planner_service/domain/engines.py).
+
+Where the planner learns states: `instance_states` derives them from a placement and the nodes' declared
+engines (one function, so that the heartbeat's per-engine states can be passed in as `observed`):
+
+    weights complete on GPUs of the node           running on those GPUs, at that precision
+    weights complete in host RAM, the group fixed  asleep_host, where the kind and launch features offer a
+    (the scenario's engine GPUs) or observed       level-1 sleep (the host copy is its backup)
+    otherwise                                      stopped (a host copy is the checkpoint in the page cache)
+
+`engine_target` turns a solver's target into one the engines can reach: on engine nodes a session's KV is
+predicted, not commanded (it stays where the engine's pool and LMCache's LRU keep it, and leaves the GPUs
+only with its engine), a running engine's GPU expert share is its launch setting, a level-1 sleep keeps a
+host copy only where it is offered and its residue fits, and a wake frees the backup. `attach_steps` names
+the engine step each weights, experts or KV move of the plan carries out: one transition per instance,
+priced once, on the move of its group's first GPU (the shard moves of the other ranks are the same call).
+`local` nodes and nodes that declare no kind keep every move, with no step.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from planner_service.domain.engines import (
+    DeclaredEngine,
+    EngineConstants,
+    EngineFeature,
+    EngineInstance,
+    EngineKind,
+    EngineState,
+    GroupLinks,
+    LaunchSettings,
+    Management,
+    ReadFrom,
+    Transition,
+    holdings,
+    may,
+    transition_seconds,
+)
+from planner_service.domain.problem import Problem
+from planner_service.domain.state import Kind, Location, Placement, StateObject, Tier
+from planner_service.planner.operations import Action, Operation
+from planner_service.wire.operations import EngineInstanceRef, EngineStep
+
+# the kinds whose engines carry out transitions, not byte moves (`local` moves bytes itself)
+ENGINE_NODE_KINDS = frozenset({EngineKind.VLLM, EngineKind.SGLANG})
+ENGINE_CONSTANTS = EngineConstants()
+
+Key = tuple[str, str]  # (node, model)
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceView:
+    """One model's engine on one engine node and the state it is in."""
+
+    node: str
+    model: str
+    declared: DeclaredEngine
+    state: EngineState
+    precision: str | None  # None: stopped with nothing chosen yet
+    gpus: tuple[str, ...]  # () where no group is known (stopped, or asleep on an unknown group)
+    checkpoint_cached: bool = False  # a host copy of the weights is the checkpoint in the page cache
+
+    def same_instance(self, other: InstanceView) -> bool:
+        return self.precision == other.precision and self.gpus == other.gpus
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "node": self.node,
+            "model": self.model,
+            "kind": self.declared.kind.value,
+            "state": self.state.value,
+            "precision": self.precision,
+            "gpus": list(self.gpus),
+            "features": sorted(f.value for f in self.declared.features),
+            "management": self.declared.management.value,
+        }
+
+
+def engine_of(problem: Problem, node_id: str, model_id: str) -> DeclaredEngine | None:
+    """The declared engine of `model_id` on the node, where it is one whose moves are engine transitions."""
+    declared = problem.nodes[node_id].declared_engines.get(model_id)
+    return declared if declared is not None and declared.kind in ENGINE_NODE_KINDS else None
+
+
+def _weights_where(
+    problem: Problem, placement: Mapping[tuple[StateObject, Location], int]
+) -> tuple[dict[tuple[str, str, str], list[str]], dict[tuple[str, str, str], int], set[tuple[str, str, str]]]:
+    """(node, model, precision) -> GPUs holding weights, bytes on them; the triples complete in host RAM."""
+    gpus: dict[tuple[str, str, str], list[str]] = defaultdict(list)
+    on_gpus: dict[tuple[str, str, str], int] = defaultdict(int)
+    on_host: set[tuple[str, str, str]] = set()
+    for (obj, loc), nbytes in placement.items():
+        if obj.kind is not Kind.WEIGHTS or nbytes <= 0 or loc.tier is Tier.NVME:
+            continue
+        assert obj.precision is not None  # a weights object
+        if loc.tier is Tier.GPU:
+            key = (problem.gpus[loc.id].node, obj.model, obj.precision)
+            gpus[key].append(loc.id)
+            on_gpus[key] += nbytes
+        elif nbytes >= problem.size_of(obj):
+            on_host.add((loc.id, obj.model, obj.precision))
+    return gpus, on_gpus, on_host
+
+
+def offers_level_1(declared: DeclaredEngine) -> bool:
+    """Whether the declared engine's kind and launch features offer a level-1 sleep (weights kept in host RAM)."""
+    probe = EngineInstance(declared.kind, "probe", "bf16", ("g",), 1, LaunchSettings(0, features=declared.features))
+    return may(probe, EngineState.RUNNING, Transition.SLEEP_LEVEL_1).allowed
+
+
+def instance_states(
+    problem: Problem,
+    placement: Mapping[tuple[StateObject, Location], int],
+    observed: Mapping[Key, tuple[EngineState, tuple[str, ...]]] | None = None,
+) -> dict[Key, InstanceView]:
+    """Every engine node's instances and their states in `placement` (see the module's docstring);
+    `observed`: (node, model) -> a state and group that a node reported, which wins over the derivation."""
+    if not any(d.kind in ENGINE_NODE_KINDS for n in problem.nodes.values() for d in n.declared_engines.values()):
+        return {}
+    gpus, on_gpus, on_host = _weights_where(problem, placement)
+    out: dict[Key, InstanceView] = {}
+    for node in problem.nodes.values():
+        for model_id, declared in node.declared_engines.items():
+            if declared.kind not in ENGINE_NODE_KINDS:
+                continue
+            spec = problem.models[model_id]
+            key = (node.id, model_id)
+            view: InstanceView | None = None
+            for precision in spec.precisions:
+                triple = (node.id, model_id, precision)
+                if on_gpus.get(triple, 0) >= spec.weights_bytes[precision] > 0:
+                    cached = triple in on_host
+                    group = tuple(sorted(gpus[triple]))
+                    view = InstanceView(node.id, model_id, declared, EngineState.RUNNING, precision, group, cached)
+                    break
+            if view is None:
+                cached_at = next((p for p in spec.precisions if (node.id, model_id, p) in on_host), None)
+                fixed = node.engine_gpus.get(model_id, ())
+                asleep = cached_at is not None and bool(fixed) and offers_level_1(declared)
+                state = EngineState.ASLEEP_HOST if asleep else EngineState.STOPPED
+                view = InstanceView(node.id, model_id, declared, state, cached_at, fixed, cached_at is not None)
+            seen = (observed or {}).get(key)
+            if seen is not None:
+                view = InstanceView(node.id, model_id, declared, seen[0], view.precision, seen[1] or view.gpus)
+            out[key] = view
+    return out
+
+
+def can_leave(view: InstanceView) -> bool:
+    """Whether a running instance can leave its GPUs at all: a stop (managed) or a sleep its kind offers."""
+    probe = EngineInstance(
+        view.declared.kind, "probe", "bf16", ("g",), 1, LaunchSettings(0, features=view.declared.features),
+        management=view.declared.management,
+    )  # fmt: skip
+    leaving = (Transition.STOP, Transition.SLEEP_LEVEL_2, Transition.SLEEP_LEVEL_1)
+    return any(may(probe, EngineState.RUNNING, t).allowed for t in leaving)
+
+
+def immovable(problem: Problem) -> dict[str, tuple[str, str]]:
+    """model -> (node, precision) of running instances that cannot leave their GPUs (an adopted engine
+    launched without sleep mode): the solver must plan around them (the greedy's pins)."""
+    return {
+        view.model: (view.node, view.precision)
+        for view in confirmed_states(problem).values()
+        if view.state is EngineState.RUNNING and view.precision is not None and not can_leave(view)
+    }
+
+
+def confirmed_states(problem: Problem) -> dict[Key, InstanceView]:
+    """The instances' states now: derived from the confirmed placement, with what the nodes reported."""
+    return instance_states(problem, problem.residency, problem.observed_engines)
+
+
+# --- what a target may ask of the engines ---------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class EngineTarget:
+    """A target the engines can reach, the instances' states in it, and the (model, node) pairs whose GPU
+    copies may not be demoted to host RAM (no level-1 sleep there: the host copy is read ahead instead)."""
+
+    placement: Placement
+    after: dict[Key, InstanceView]
+    no_backup: frozenset[tuple[str, str]]
+    kv_prefill_only: frozenset[tuple[str, str]] = frozenset()  # engines without LMCache: no KV loaded back
+
+
+def residue_bytes(problem: Problem, view: InstanceView) -> int:
+    """GPU bytes per GPU a sleeping instance keeps (its CUDA context; engines.holdings)."""
+    if view.state not in (EngineState.ASLEEP_HOST, EngineState.ASLEEP_DISCARDED) or not view.gpus:
+        return 0
+    return holdings(_instance(problem, view), view.state, ENGINE_CONSTANTS).gpu_bytes[view.gpus[0]]
+
+
+def engine_target(
+    problem: Problem,
+    target: Mapping[tuple[StateObject, Location], int],
+    before: Mapping[Key, InstanceView],
+) -> EngineTarget:
+    """`target` with what the engines cannot be asked taken out (the module's docstring), and its states."""
+    if not before:
+        return EngineTarget(dict(target), {}, frozenset())
+    out: Placement = dict(target)
+    for b in before.values():
+        if b.state is EngineState.RUNNING and not can_leave(b):
+            _keep_on_gpus(problem, out, b)
+    derived = instance_states(problem, out)
+    for key, b in before.items():
+        a = derived[key]
+        if a.state is EngineState.RUNNING and not b.same_instance(a) and not _reachable(problem, b, a):
+            _keep_on_gpus(problem, out, b)  # only someone else starts an adopted engine
+    derived = instance_states(problem, out)
+    # which instances run is the solver's; KV and expert shares follow them, then the rest sleep or stop
+    _kv_predicted(problem, out, before, derived)
+    _expert_share_fixed(problem, out, before, derived)
+    after: dict[Key, InstanceView] = {}
+    used = _gpu_used(problem, out)
+    for key, b in before.items():
+        a = derived[key]
+        if b.state is EngineState.RUNNING and a.state is not EngineState.RUNNING:
+            a = _sleep_or_stop(problem, b, a, out, used)
+        elif b.state in (EngineState.ASLEEP_HOST, EngineState.ASLEEP_DISCARDED) and a.state is not EngineState.RUNNING:
+            a = _stays_asleep_or_stops(problem, b, a, out, used)
+        after[key] = a
+    for key, a in after.items():
+        b = before[key]
+        if b.state is EngineState.ASLEEP_HOST and a.state is EngineState.RUNNING and b.same_instance(a):
+            _drop_host_weights(problem, out, key)  # the wake frees the backup (vllm/device_allocator/cumem.py)
+    no_backup = frozenset(
+        (model, node)
+        for (node, model), a in after.items()
+        if not (a.state is EngineState.ASLEEP_HOST and before[(node, model)].state is EngineState.RUNNING)
+    )
+    prefill_only = frozenset((model, node) for (node, model), a in after.items() if not has_lmcache(a))
+    return EngineTarget(out, after, no_backup, prefill_only)
+
+
+def _reachable(problem: Problem, b: InstanceView, a: InstanceView) -> bool:
+    transition = transition_between(b, a)
+    if transition is None:
+        return True
+    return may(_instance(problem, b if transition is Transition.WAKE else a), b.state, transition).allowed
+
+
+def _keep_on_gpus(problem: Problem, out: Placement, view: InstanceView) -> None:
+    """The weights and experts of an instance stay exactly where they are (none where it is stopped)."""
+    node_gpus = set(problem.nodes[view.node].gpus)
+    for key in [k for k in out if k[0].model == view.model and k[0].kind is not Kind.KV and k[1].tier is Tier.GPU]:
+        if key[1].id in node_gpus:
+            del out[key]
+    for (obj, loc), nbytes in problem.residency.items():
+        if obj.model == view.model and obj.kind is not Kind.KV and loc.tier is Tier.GPU and loc.id in view.gpus:
+            out[(obj, loc)] = nbytes
+
+
+def _gpu_used(problem: Problem, placement: Mapping[tuple[StateObject, Location], int]) -> dict[str, int]:
+    used: dict[str, int] = defaultdict(int)
+    for (_, loc), nbytes in placement.items():
+        if loc.tier is Tier.GPU:
+            used[loc.id] += nbytes
+    return used
+
+
+def _host_used(placement: Mapping[tuple[StateObject, Location], int], node: str) -> int:
+    host = Location.host(node)
+    return sum(nbytes for (_, loc), nbytes in placement.items() if loc == host)
+
+
+def _fits(problem: Problem, gpus: Sequence[str], extra: int, used: Mapping[str, int]) -> bool:
+    return all(used.get(g, 0) + extra <= problem.gpus[g].capacity_bytes for g in gpus)
+
+
+def _sleep_or_stop(
+    problem: Problem, b: InstanceView, a: InstanceView, out: Placement, used: dict[str, int]
+) -> InstanceView:
+    """A running instance the target takes off its GPUs: a level-1 sleep where the kind offers one, its
+    context fits beside the target on its GPUs and its weights fit in the node's host RAM (a wake from host
+    costs wake_fixed + shard / h2d, a start from the page cache cold_start_fixed more: engines.py), the
+    weights' host copy added to the target; else a stop (managed) or a level-2 sleep (adopted)."""
+    residue = ENGINE_CONSTANTS.context_bytes_per_gpu
+    managed = b.declared.management is Management.MANAGED
+    assert b.precision is not None  # a running instance
+    backup = (StateObject.weights(b.model, b.precision), Location.host(b.node))
+    room = out.get(backup, 0) + problem.nodes[b.node].host_bytes - _host_used(out, b.node)
+    size = problem.models[b.model].weights_bytes[b.precision]
+    level_1 = offers_level_1(b.declared) and size <= room
+    # an adopted engine cannot stop: it sleeps whether or not its context fits (the checker tells)
+    if level_1 and (_fits(problem, b.gpus, residue, used) or not managed):
+        for g in b.gpus:
+            used[g] += residue
+        out[backup] = size
+        return InstanceView(b.node, b.model, b.declared, EngineState.ASLEEP_HOST, b.precision, b.gpus)
+    if managed:
+        return InstanceView(b.node, b.model, b.declared, EngineState.STOPPED, a.precision, (), a.checkpoint_cached)
+    for g in b.gpus:
+        used[g] += residue
+    return InstanceView(b.node, b.model, b.declared, EngineState.ASLEEP_DISCARDED, b.precision, b.gpus)
+
+
+def _stays_asleep_or_stops(
+    problem: Problem, b: InstanceView, a: InstanceView, out: Placement, used: dict[str, int]
+) -> InstanceView:
+    """A sleeping instance the target does not wake: it keeps sleeping where its residue fits beside the
+    target; a managed one that does not fit stops (and a level-1 stop frees its host backup)."""
+    residue = residue_bytes(problem, b)
+    backup_kept = b.state is EngineState.ASLEEP_DISCARDED or (a.checkpoint_cached and a.precision == b.precision)
+    fits = _fits(problem, b.gpus, residue, used)
+    if (backup_kept and fits) or b.declared.management is Management.ADOPTED:
+        for g in b.gpus:
+            used[g] += residue
+        return b
+    if b.state is EngineState.ASLEEP_HOST:
+        _drop_host_weights(problem, out, (b.node, b.model))
+    return InstanceView(b.node, b.model, b.declared, EngineState.STOPPED, a.precision, ())
+
+
+def _drop_host_weights(problem: Problem, out: Placement, key: Key) -> None:
+    node, model = key
+    for precision in problem.models[model].precisions:
+        out.pop((StateObject.weights(model, precision), Location.host(node)), None)
+
+
+def _kv_predicted(
+    problem: Problem, out: Placement, before: Mapping[Key, InstanceView], after: Mapping[Key, InstanceView]
+) -> None:
+    """A session's KV on an engine node is not commanded: below the GPUs it stays where LMCache keeps it, on a
+    GPU it stays while its engine runs there unchanged and leaves with its engine; new KV on the running
+    engine's GPUs is its prefill, and where that KV needs the room, the engine's pool evicts (LRU) the KV
+    the solver let go of on that GPU."""
+    confirmed = problem.residency
+    keys = {k for k in out if k[0].kind is Kind.KV} | {k for k in confirmed if k[0].kind is Kind.KV}
+    kept: dict[str, list[tuple[tuple[StateObject, Location], int]]] = defaultdict(list)  # gpu -> (key, wanted)
+    strays: dict[tuple[StateObject, str], int] = defaultdict(int)  # (KV, node) -> bytes planned off the group
+    for key in sorted(keys):
+        obj, loc = key
+        node = problem.gpus[loc.id].node if loc.tier is Tier.GPU else loc.id
+        b, a = before.get((node, obj.model)), after.get((node, obj.model))
+        if b is None or a is None:
+            continue
+        was = confirmed.get(key, 0)
+        if loc.tier is not Tier.GPU:
+            _set(out, key, was)
+        elif a.state is not EngineState.RUNNING or loc.id not in a.gpus:
+            if a.state is EngineState.RUNNING:
+                strays[(obj, a.node)] += out.get(key, 0)  # planned beside a group the engine cannot leave
+            _set(out, key, 0)
+        elif b.state is EngineState.RUNNING and b.same_instance(a) and was > out.get(key, 0):
+            kept[loc.id].append((key, out.get(key, 0)))
+            _set(out, key, was)
+    for (obj, node), nbytes in sorted(strays.items()):
+        if nbytes:  # the session's KV follows its engine's group, split evenly as the planner splits it
+            group = after[(node, obj.model)].gpus
+            total = nbytes + sum(out.get((obj, Location.gpu(g)), 0) for g in group)
+            for i, g in enumerate(group):
+                _set(out, (obj, Location.gpu(g)), total // len(group) + (1 if i < total % len(group) else 0))
+    if not kept:
+        return
+    used = _gpu_used(problem, out)
+    for gpu_id, entries in kept.items():
+        gains = {
+            k[0].model for k, n in out.items() if k[1].id == gpu_id and k[0].kind is Kind.KV and n > confirmed.get(k, 0)
+        }
+        for key, wanted in entries:
+            if used[gpu_id] <= problem.gpus[gpu_id].capacity_bytes:
+                break
+            if key[0].model in gains:  # the pool makes room for its own new KV
+                used[gpu_id] -= out[key] - wanted
+                _set(out, key, wanted)
+
+
+def _expert_share_fixed(
+    problem: Problem, out: Placement, before: Mapping[Key, InstanceView], after: Mapping[Key, InstanceView]
+) -> None:
+    """A running engine's GPU expert share is a launch setting: unchanged while it runs unchanged."""
+    for key, a in after.items():
+        b = before[key]
+        spec = problem.models[key[1]]
+        if not spec.experts_bytes or not (b.state is a.state is EngineState.RUNNING and b.same_instance(a)):
+            continue
+        obj = StateObject.experts(key[1])
+        for g in b.gpus:
+            _set(out, (obj, Location.gpu(g)), problem.residency.get((obj, Location.gpu(g)), 0))
+
+
+def _set(out: Placement, key: tuple[StateObject, Location], nbytes: int) -> None:
+    if nbytes > 0:
+        out[key] = nbytes
+    else:
+        out.pop(key, None)
+
+
+def kv_pools(
+    problem: Problem, placement: Mapping[tuple[StateObject, Location], int], after: Mapping[Key, InstanceView]
+) -> dict[Key, int]:
+    """(node, model) -> the KV pool a running instance is launched with: the most KV the placement puts on
+    one GPU of its group (sessions' KV, predicted, lives in this fixed pool)."""
+    per_gpu: dict[tuple[str, str], int] = defaultdict(int)  # (model, gpu) -> KV bytes
+    for (obj, loc), nbytes in placement.items():
+        if obj.kind is Kind.KV and loc.tier is Tier.GPU:
+            per_gpu[(obj.model, loc.id)] += nbytes
+    return {
+        key: max((per_gpu.get((view.model, g), 0) for g in view.gpus), default=0)
+        for key, view in after.items()
+        if view.state is EngineState.RUNNING
+    }
+
+
+# --- the steps ----------------------------------------------------------------------------------------------
+
+
+def _instance(problem: Problem, view: InstanceView, kv_pool_bytes_per_gpu: int = 0) -> EngineInstance:
+    spec = problem.models[view.model]
+    precision = view.precision or spec.precisions[0]
+    gpus = view.gpus or problem.nodes[view.node].gpus[:1]
+    features = view.declared.features
+    return EngineInstance(
+        view.declared.kind,
+        view.model,
+        precision,
+        gpus,
+        spec.weights_bytes[precision],
+        LaunchSettings(kv_pool_bytes_per_gpu, features=features),
+        spec.experts_bytes,
+        view.declared.management,
+    )
+
+
+def instance_ref(problem: Problem, view: InstanceView, kv_pool_bytes_per_gpu: int = 0) -> EngineInstanceRef:
+    """The wire's name and settings of the instance `view` is (or would be)."""
+    inst = _instance(problem, view, kv_pool_bytes_per_gpu)
+    return EngineInstanceRef(
+        id=EngineInstanceRef.instance_id(inst.model, inst.precision, inst.gpus),
+        node=view.node,
+        kind=inst.kind,
+        model=inst.model,
+        precision=inst.precision,
+        gpus=list(inst.gpus),
+        kv_pool_bytes_per_gpu=kv_pool_bytes_per_gpu,
+        features=sorted(inst.launch.features),
+        management=inst.management,
+    )
+
+
+def instance_from_ref(problem: Problem, ref: EngineInstanceRef) -> EngineInstance:
+    """The engine model's instance a wire reference names (sizes from the catalog)."""
+    spec = problem.models[ref.model]
+    return EngineInstance(
+        ref.kind,
+        ref.model,
+        ref.precision,
+        tuple(ref.gpus),
+        spec.weights_bytes[ref.precision],
+        LaunchSettings(
+            ref.kv_pool_bytes_per_gpu, ref.gpu_expert_fraction, ref.max_context_tokens, frozenset(ref.features)
+        ),
+        spec.experts_bytes,
+        ref.management,
+    )
+
+
+def group_links(problem: Problem, view: InstanceView) -> GroupLinks:
+    """The slowest GPU link of the group (calibrated bandwidths) and the node's NVMe."""
+    gpus = [problem.gpus[g] for g in (view.gpus or problem.nodes[view.node].gpus[:1])]
+    return GroupLinks(
+        h2d_bytes_per_s=min(g.h2d_bytes_per_s for g in gpus),
+        d2h_bytes_per_s=min(g.d2h_bytes_per_s for g in gpus),
+        nvme_read_bytes_per_s=problem.nodes[view.node].nvme_read_bytes_per_s,
+    )
+
+
+def transition_between(b: InstanceView, a: InstanceView) -> Transition | None:
+    """The one transition that takes the instance from `b` to `a` (None: nothing changes)."""
+    running_b, running_a = b.state is EngineState.RUNNING, a.state is EngineState.RUNNING
+    if running_a:
+        if running_b:
+            return None if b.same_instance(a) else Transition.RESTART
+        if b.state is EngineState.STOPPED:
+            return Transition.START
+        return Transition.WAKE if b.same_instance(a) else Transition.RESTART
+    if running_b:
+        return {
+            EngineState.ASLEEP_HOST: Transition.SLEEP_LEVEL_1,
+            EngineState.ASLEEP_DISCARDED: Transition.SLEEP_LEVEL_2,
+        }.get(a.state, Transition.STOP)
+    if b.state is not EngineState.STOPPED and a.state is EngineState.STOPPED:
+        return Transition.STOP
+    return None
+
+
+def step_seconds(problem: Problem, b: InstanceView, a: InstanceView, transition: Transition) -> float:
+    """engines.transition_seconds for the step, from the calibrated links; a load reads the page cache where
+    the confirmed placement holds the loaded precision's checkpoint in host RAM, else NVMe."""
+    view = a if a.state is EngineState.RUNNING else b
+    inst = _instance(problem, view)
+    loaded = StateObject.weights(inst.model, inst.precision)
+    cached = problem.residency.get((loaded, Location.host(view.node)), 0) >= problem.size_of(loaded)
+    read_from = ReadFrom.PAGE_CACHE if cached else ReadFrom.NVME
+    new = inst if transition is Transition.RESTART else None
+    old = _instance(problem, b) if transition is Transition.RESTART else inst
+    return transition_seconds(
+        old, b.state, transition, group_links(problem, view), ENGINE_CONSTANTS, read_from=read_from, new=new
+    )
+
+
+def attach_steps(
+    problem: Problem,
+    ops: Sequence[Operation],
+    before: Mapping[Key, InstanceView],
+    after: Mapping[Key, InstanceView],
+    kv_pool_bytes: Mapping[Key, int] | None = None,
+) -> None:
+    """Name the engine step of every weights, experts and KV move on an engine node, in place; the step is
+    priced on its first move (its group's first GPU), the other ranks' moves are the same call (0 s)."""
+    if not before:
+        return
+    steps: dict[Key, EngineStep | None] = {}
+    priced: set[Key] = set()
+    for op in ops:
+        key = (op.node, op.object.model)
+        b = before.get(key)
+        if b is None:
+            continue
+        a = after[key]
+        if key not in steps:
+            steps[key] = _step(problem, b, a, (kv_pool_bytes or {}).get(key, 0))
+        step = steps[key]
+        if op.object.kind is Kind.KV:
+            if step is not None and op.source is not None and op.source.tier is Tier.GPU and op.dest is None:
+                op.engine = step  # the KV leaves the GPUs with its engine
+            continue
+        touches_gpu = (op.dest is not None and op.dest.tier is Tier.GPU) or (
+            op.source is not None and op.source.tier is Tier.GPU
+        )
+        # a sleeping engine that stops has nothing on the GPUs to move: the drop of its host backup is the call
+        stops_asleep = step is not None and step.transition is Transition.STOP and b.state is not EngineState.RUNNING
+        if step is not None and (touches_gpu or stops_asleep):
+            op.engine = step
+            if key in priced:
+                op.estimated_seconds = 0.0
+            else:
+                priced.add(key)
+                op.estimated_seconds = step_seconds(problem, b, a, step.transition)
+        elif op.action is Action.PROMOTE and op.dest is not None and op.dest.tier is Tier.HOST:
+            cached = InstanceView(b.node, b.model, b.declared, b.state, op.object.precision, b.gpus or a.gpus)
+            op.engine = EngineStep(  # the checkpoint into the page cache
+                transition=Transition.READAHEAD, instance=instance_ref(problem, cached), from_state=b.state
+            )
+            op.estimated_seconds = step_seconds(problem, cached, cached, Transition.READAHEAD)
+        # other host moves need no call: a wake or a stop freed the backup, a cached checkpoint is the kernel's
+
+
+def attach_derived_steps(
+    problem: Problem, ops: Sequence[Operation], target: Mapping[tuple[StateObject, Location], int]
+) -> None:
+    """`attach_steps` with the states derived from the confirmed placement and `target` as they are (for
+    operations built without `engine_target`)."""
+    before = confirmed_states(problem)
+    attach_steps(problem, ops, before, instance_states(problem, target))
+
+
+def _step(problem: Problem, b: InstanceView, a: InstanceView, kv_pool: int) -> EngineStep | None:
+    transition = transition_between(b, a)
+    if transition is None:
+        return None
+    running = a if a.state is EngineState.RUNNING else b
+    return EngineStep(
+        transition=transition,
+        instance=instance_ref(problem, running, kv_pool),
+        from_state=b.state,
+        previous=instance_ref(problem, b) if transition is Transition.RESTART else None,
+    )
+
+
+def has_lmcache(view: InstanceView) -> bool:
+    return EngineFeature.LMCACHE in view.declared.features
+
+
+def unserved_by_engines(problem: Problem, serving: Mapping[str, object], unserved: Mapping[str, str]) -> dict[str, str]:
+    """Active sessions left without a served model once the target is one the engines can reach."""
+    return {
+        s.id: f"engine: no engine of {s.model} can be brought up (an adopted engine is started only by its owner)"
+        for s in problem.sessions.values()
+        if s.active and s.id not in unserved and s.model not in serving
+    }
+
+
+def engine_rows(
+    problem: Problem, planned: Mapping[tuple[StateObject, Location], int] | None
+) -> list[dict[str, object]]:
+    """Every engine node's instances now and once `planned` (a plan's placement) is reached: `EngineOut`."""
+    now = confirmed_states(problem)
+    then = engine_target(problem, planned, now).after if planned is not None else {}
+    pools = kv_pools(problem, planned, then) if planned is not None else {}
+    rows: list[dict[str, object]] = []
+    for key, view in sorted(now.items()):
+        after = then.get(key)
+        step = transition_between(view, after) if after is not None else None
+        shown = after if after is not None and after.state is EngineState.RUNNING else view
+        ref = instance_ref(problem, shown, pools.get(key, 0))
+        held = holdings(_instance(problem, view, pools.get(key, 0)), view.state, ENGINE_CONSTANTS)
+        rows.append(
+            {
+                "id": ref.id,
+                "node": view.node,
+                "model": view.model,
+                "kind": view.declared.kind.value,
+                "state": view.state.value,
+                "planned_state": None if after is None else after.state.value,
+                "planned_step": None if step is None else step.value,
+                "precision": view.precision,
+                "gpus": list(view.gpus),
+                "features": sorted(f.value for f in view.declared.features),
+                "management": view.declared.management.value,
+                "kv_pool_bytes_per_gpu": pools.get(key, 0),
+                "gpu_bytes_per_gpu": max(held.gpu_bytes.values(), default=0) if view.gpus else 0,
+                "host_bytes": held.host_bytes,
+            }
+        )
+    return rows

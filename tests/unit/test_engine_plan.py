@@ -1,0 +1,214 @@
+"""The planner plans engine instances (planner/engine_plan.py): on vLLM and SGLang nodes every weights move
+is a start, wake, sleep, stop, restart or read-ahead of one instance, priced by the engine model, and the
+invariant checker refuses the steps an engine would refuse."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+from tiny_clusters import GIB, gpu, held, model, node, on_gpu, on_nvme, plan_for, scenario, session, weights
+
+from planner_service.domain.demo import demo_scenario_json
+from planner_service.domain.engines import EngineState, Transition
+from planner_service.domain.predictions import problem_from_scenario
+from planner_service.domain.problem import Problem
+from planner_service.domain.scenario import parse_scenario
+from planner_service.planner import engine_plan
+from planner_service.planner.invariants import check_plan
+from planner_service.planner.operations import Operation
+from planner_service.planner.plan import Plan
+from planner_service.solver.registry import solve
+
+VLLM = {"kind": "vllm", "features": ["lmcache", "sleep_mode", "dev_mode"]}
+
+
+def transitions(plan: Plan) -> set[Transition]:
+    return {op.engine.transition for op in plan.operations if op.engine is not None}
+
+
+def demo_problem() -> Problem:
+    data = demo_scenario_json()
+    assert all(
+        e["kind"] == "vllm" and "lmcache" in e["features"] for n in data["cluster"]["nodes"] for e in n["engines"]
+    )
+    return problem_from_scenario(parse_scenario(data))
+
+
+def test_the_demo_s_plans_start_sleep_and_wake_engines() -> None:
+    problem = demo_problem()
+    first = solve(problem)
+    assert check_plan(problem, first.placement, first.operations, first.unserved) == []
+    assert {Transition.START, Transition.SLEEP_LEVEL_1} <= transitions(first)
+    # the plan done and the engines' states reported, vision's requests come back; the online rules pin it
+    # to n4, where its engine sleeps at level 1 (planner/online.py pins a model where it served)
+    assert first.instances[("n4", "vision")].state is EngineState.ASLEEP_HOST
+    observed = {k: (v.state, v.gpus) for k, v in first.instances.items() if v.state is not EngineState.STOPPED}
+    sessions = {
+        sid: dataclasses.replace(s, active=s.active or s.model == "vision") for sid, s in problem.sessions.items()
+    }
+    then = dataclasses.replace(problem, residency=first.placement, sessions=sessions, observed_engines=observed)
+    second = solve(then, nodes={"vision": "n4"}, precisions={"vision": "bf16"})
+    assert check_plan(then, second.placement, second.operations, second.unserved) == []
+    (wake,) = [op.engine for op in second.operations if op.engine and op.engine.transition is Transition.WAKE]
+    assert wake is not None and (wake.instance.id, wake.from_state) == ("vision@bf16@n4-g1", EngineState.ASLEEP_HOST)
+    assert Transition.SLEEP_LEVEL_1 in transitions(second)  # n2's vision engine sleeps in its place
+
+
+def switch_scenario(b_active: bool) -> dict[str, Any]:
+    """One 26 GiB card whose vLLM engine serves a at bf16 (16 GiB); b (12 GiB) fits beside a only at fp8 (8 GiB)."""
+    engines = [{"model": "a", "gpus": ["g0"], **VLLM}, {"model": "b", "gpus": ["g0"], **VLLM}]
+    return scenario(
+        [{**node("n0", gpu("g0", 26)), "engines": engines}],
+        [model("a", {"bf16": 16, "fp8": 8}), model("b", 12)],
+        [session("s1", "a", active=True, tokens=4096), session("s2", "b", active=b_active)],
+        [
+            held(weights("a"), on_gpu("g0"), 16 * GIB),
+            held(weights("a"), on_nvme("n0"), 16 * GIB),
+            held(weights("a", "fp8"), on_nvme("n0"), 8 * GIB),
+            held(weights("b"), on_nvme("n0"), 12 * GIB),
+        ],
+    )
+
+
+def test_a_demand_shift_that_pays_for_a_restart_gets_one() -> None:
+    problem, plan = plan_for(switch_scenario(b_active=True))
+    assert check_plan(problem, plan.placement, plan.operations, plan.unserved) == []
+    restart = next(op.engine for op in plan.operations if op.engine and op.engine.transition is Transition.RESTART)
+    assert restart.previous is not None and (restart.previous.precision, restart.instance.precision) == ("bf16", "fp8")
+    assert Transition.START in transitions(plan)  # b's engine beside it
+
+
+def test_a_demand_shift_that_does_not_pay_gets_no_restart() -> None:
+    problem, plan = plan_for(switch_scenario(b_active=False))
+    assert check_plan(problem, plan.placement, plan.operations, plan.unserved) == []
+    assert Transition.RESTART not in transitions(plan)
+    assert transitions(plan) <= {Transition.READAHEAD}  # at most b's checkpoint read into the page cache
+
+
+def test_a_step_is_priced_once_per_instance_by_the_engine_model() -> None:
+    """b's cold start from NVMe: cold_start_fixed + max(checkpoint / nvme_read, shard / h2d) (README)."""
+    problem, plan = plan_for(switch_scenario(b_active=True))
+    start = [op for op in plan.operations if op.engine and op.engine.transition is Transition.START]
+    node, card = problem.nodes["n0"], problem.gpus["g0"]
+    load = max(12 * GIB / node.nvme_read_bytes_per_s, 12 * GIB / card.h2d_bytes_per_s)
+    expected = engine_plan.ENGINE_CONSTANTS.cold_start_fixed_seconds + load
+    assert [op.estimated_seconds for op in start] == [pytest.approx(expected)]
+
+
+# --- the checker refuses what the engines refuse ------------------------------------------------------
+
+
+def restart_plan() -> tuple[Problem, Plan]:
+    return plan_for(switch_scenario(b_active=True))
+
+
+def with_step(problem: Problem, plan: Plan, change: dict[str, Any], where: Transition) -> list[str]:
+    ops: list[Operation] = []
+    for op in plan.operations:
+        if op.engine is not None and op.engine.transition is where:
+            op = dataclasses.replace(op, engine=op.engine.model_copy(update=change))
+        ops.append(op)
+    return [e for e in check_plan(problem, plan.placement, ops, plan.unserved) if e.startswith("engine:")]
+
+
+def test_the_checker_refuses_a_step_from_the_wrong_state() -> None:
+    problem, plan = restart_plan()
+    errors = with_step(problem, plan, {"from_state": EngineState.ASLEEP_HOST}, Transition.START)
+    assert any("starts" in e and "from asleep_host, but it is stopped" in e for e in errors)
+
+
+def test_the_checker_refuses_a_transition_the_kind_does_not_offer() -> None:
+    problem, plan = restart_plan()
+    instance = next(op.engine for op in plan.operations if op.engine and op.engine.transition is Transition.START)
+    assert instance is not None
+    no_sleep = instance.instance.model_copy(update={"features": []})
+    errors = with_step(
+        problem, plan, {"transition": Transition.WAKE, "from_state": EngineState.STOPPED, "instance": no_sleep},
+        Transition.START,
+    )  # fmt: skip
+    assert any("for wake, which it does not offer (from_state)" in e for e in errors)
+
+
+def test_the_checker_refuses_a_start_of_an_adopted_engine() -> None:
+    problem, plan = restart_plan()
+    start = next(op.engine for op in plan.operations if op.engine and op.engine.transition is Transition.START)
+    assert start is not None
+    adopted = start.instance.model_copy(update={"management": "adopted"})
+    errors = with_step(problem, plan, {"instance": adopted}, Transition.START)
+    assert any("for start, which it does not offer (managed)" in e for e in errors)
+
+
+def test_the_checker_refuses_a_level_1_sleep_without_sleep_mode() -> None:
+    problem, plan = restart_plan()
+    restart = next(op.engine for op in plan.operations if op.engine and op.engine.transition is Transition.RESTART)
+    assert restart is not None and restart.previous is not None
+    bare = restart.previous.model_copy(update={"features": []})
+    errors = with_step(
+        problem, plan, {"transition": Transition.SLEEP_LEVEL_1, "previous": None, "instance": bare}, Transition.RESTART
+    )
+    assert any("for sleep_level_1, which it does not offer (sleep_mode)" in e for e in errors)
+
+
+def test_the_checker_refuses_two_transitions_of_one_instance() -> None:
+    problem, plan = restart_plan()
+    first = next(op for op in plan.operations if op.engine and op.engine.transition is Transition.RESTART)
+    assert first.engine is not None
+    ops = [
+        dataclasses.replace(
+            op, engine=first.engine.model_copy(update={"transition": Transition.STOP, "previous": None})
+        )
+        if op is first
+        else op
+        for op in plan.operations
+    ]
+    errors = check_plan(problem, plan.placement, ops, plan.unserved)
+    assert any("is asked for restart, stop in one plan" in e for e in errors)
+
+
+def test_the_checker_refuses_a_gpu_move_without_a_step() -> None:
+    problem, plan = restart_plan()
+    ops = [dataclasses.replace(op, engine=None) for op in plan.operations]
+    errors = check_plan(problem, plan.placement, ops, plan.unserved)
+    assert any("with no engine step" in e for e in errors)
+
+
+def test_the_checker_counts_a_launched_engine_s_kv_pool() -> None:
+    problem, plan = restart_plan()
+    start = next(op for op in plan.operations if op.engine and op.engine.transition is Transition.START)
+    assert start.engine is not None
+    free = problem.gpus["g0"].capacity_bytes - sum(n for (_, loc), n in plan.placement.items() if loc.id == "g0")
+    big_pool = start.engine.instance.model_copy(update={"kv_pool_bytes_per_gpu": free + 2 * GIB})
+    ops = [
+        dataclasses.replace(op, engine=start.engine.model_copy(update={"instance": big_pool}))
+        if op.engine is not None and op.engine.transition is Transition.START
+        else op
+        for op in plan.operations
+    ]
+    assert check_plan(problem, plan.placement, plan.operations, plan.unserved) == []
+    errors = check_plan(problem, plan.placement, ops, plan.unserved)
+    assert any(e.startswith("capacity: gpu:g0") and "engine pools and sleeping engines' contexts" in e for e in errors)
+
+
+def test_the_checker_counts_a_sleeping_engine_s_context() -> None:
+    """a runs and fills its card exactly; b's engine, reported asleep on the same card, holds its context."""
+
+    def problem_with(a_gib: float, observed: bool) -> Problem:
+        engines = [{"model": "a", "gpus": ["g0"], **VLLM}, {"model": "b", "gpus": ["g0"], **VLLM}]
+        data = scenario(
+            [{**node("n0", gpu("g0", 24)), "engines": engines}],
+            [model("a", a_gib), model("b", 4)],
+            [],
+            [held(weights("a"), on_gpu("g0"), int(a_gib * GIB)), held(weights("b"), on_nvme("n0"), 4 * GIB)],
+        )
+        problem = problem_from_scenario(parse_scenario(data))
+        asleep = {("n0", "b"): (EngineState.ASLEEP_DISCARDED, ("g0",))} if observed else {}
+        return dataclasses.replace(problem, observed_engines=asleep)
+
+    capacity = problem_with(8, False).gpus["g0"].capacity_bytes
+    awake = problem_with(capacity / GIB, False)
+    assert check_plan(awake, dict(awake.residency), []) == []
+    asleep = problem_with(capacity / GIB, True)
+    (error,) = check_plan(asleep, dict(asleep.residency), [])
+    assert error.startswith("capacity: gpu:g0") and f"{GIB} of engine pools and sleeping engines' contexts" in error

@@ -423,3 +423,21 @@ async def test_agent_with_the_vllm_executor_end_to_end(tmp_path: Path) -> None:
             assert agent.stats["failed"] == 0
             assert (await sb.get_srv()).version == before + 3
         await executor.aclose()
+
+
+async def test_the_shards_of_one_instance_are_one_call_even_when_their_operations_run_at_once() -> None:
+    """The plan gives each GPU of a tensor-parallel instance its own operation with the same step; the
+    runner starts the operations of a lease together, so the executor must not call the engine twice."""
+    with vllm_engine() as (engine, url):
+        executor = VLLMExecutor.from_config(vllm_config(url), probe=nvml_for(engine))
+        engine.in_flight = 0
+        step = _step("sleep_level_1", "running")
+        shards = [
+            op("demote", W, {"tier": "gpu", "gpu": g}, HOST, id=f"1.op-{i}", engine=step)
+            for i, g in enumerate(["n1-g0", "n1-g1"])
+        ]
+        outcomes = await asyncio.gather(*(executor.execute(o) for o in shards))
+        sleeps = [c for c in control_calls(engine) if c.startswith("POST /sleep")]
+        assert sleeps == ["POST /sleep?level=1&mode=wait"] and engine.level == 1
+        assert [("nothing_to_do" in o.details) for o in outcomes] == [False, True]
+        await executor.aclose()

@@ -13,6 +13,7 @@ really freed or took, not what it promised.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Callable
@@ -119,6 +120,7 @@ class EngineExecutor:
     capabilities: frozenset[Capability] = frozenset()  # none of the planner's partial moves
     clock: Callable[[], float] = time.perf_counter
     drift: list[str] = field(default_factory=list)
+    _locks: dict[str, asyncio.Lock] = field(default_factory=dict, repr=False)
 
     @classmethod
     def build(
@@ -194,7 +196,14 @@ class EngineExecutor:
         return engine
 
     async def execute(self, op: Operation) -> Outcome:
+        """Carry out `op` on its engine. Operations of one engine run one at a time: the plan gives each
+        GPU shard of an instance its own operation carrying the same step, and the first one makes the one
+        call for the whole instance while the others, once it is done, find the engine there already."""
         engine = self._engine_for(op)
+        async with self._locks.setdefault(engine.name, asyncio.Lock()):
+            return await self._execute(engine, op)
+
+    async def _execute(self, engine: EngineHandle, op: Operation) -> Outcome:
         started = self.clock()
         observed = await self.observe(engine)
         details: dict[str, Any] = {"engine": engine.name, "observed": observed.state.value}

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
 from planner_service.wire.cluster import ClusterOut, ModelOut
+from planner_service.wire.engines import EngineOut
 from planner_service.wire.enums import Action, Kind, OperationState, Tier
 from planner_service.wire.operations import OperationRecord
 from planner_service.wire.plan import CurrentPlanOut
@@ -105,6 +106,18 @@ class NodeCard:
     held_back: int
     queued_bytes: int
     next_up: list[str]  # labels of the first queued operations, in the order the node will lease them
+    engines: list[EngineRow]
+
+
+@dataclass(frozen=True)
+class EngineRow:
+    """One engine instance of an engine node: what it serves, its state now and what the plan makes of it."""
+
+    model: str
+    kind: str
+    state: str
+    planned: str  # "→ running (wake)", or "" where the plan leaves it as it is
+    gpus: str
 
 
 @dataclass(frozen=True)
@@ -258,6 +271,13 @@ def waits_for(
     return f"{session.model} to reach a GPU (no move planned yet)", True
 
 
+def _engine_row(e: EngineOut) -> EngineRow:
+    changes = e.planned_state is not None and (e.planned_state is not e.state or e.planned_step is not None)
+    step = f" ({e.planned_step.value})" if e.planned_step is not None else ""
+    planned = f"→ {e.planned_state.value}{step}" if changes and e.planned_state is not None else ""
+    return EngineRow(e.model, e.kind.value, e.state.value, planned, ", ".join(e.gpus) or "no GPUs")
+
+
 def _kv_where(session: SessionOut) -> str:
     tiers = session.kv_bytes.get(session.model, {})
     parts = [f"{tier.value} {n / 2**30:.1f} GiB" for tier, n in sorted(tiers.items(), key=lambda t: t[0].value) if n]
@@ -273,6 +293,7 @@ def build_page(
     finished_ops: Sequence[OperationRecord],
     sessions: Sequence[SessionOut],
     models: Sequence[ModelOut],
+    engines: Sequence[EngineOut] = (),
 ) -> StatusPage:
     """The page from the views: `open_ops` queued or leased, `finished_ops` done or failed (any order)."""
     colors = {m.id: i for i, m in enumerate(models)}
@@ -317,6 +338,7 @@ def build_page(
                 held_back=held_back[n.id],
                 queued_bytes=sum(r.bytes for r in queued),
                 next_up=[f"{r.action.value} {r.object.label()} → {_dest(r)}" for r in queued[:NEXT_UP]],
+                engines=[_engine_row(e) for e in engines if e.node == n.id],
             )
         )
 

@@ -76,6 +76,19 @@ def test_the_page_shows_the_demos_nodes_gpus_models_and_sessions(demo):
     assert seconds(p95) in html
 
 
+def test_each_node_card_lists_its_engine_instances_with_their_state_and_what_the_plan_does(demo):
+    html = page(demo)
+    engines = demo.get("/v1/engines").json()
+    assert engines  # the demo runs vLLM on every node
+    for e in engines:
+        card = node_card(html, e["node"])
+        row = re.search(rf'<tr class="engine" id="engine-{e["node"]}-{re.escape(e["model"])}">(.*?)</tr>', card)
+        assert row is not None, (e["node"], e["model"])
+        assert f"<td>{e['state']}</td>" in row.group(1) and e["kind"] in row.group(1)
+        if e["planned_step"] is not None:
+            assert f"→ {e['planned_state']} ({e['planned_step']})" in row.group(1)
+
+
 def test_the_page_is_a_self_contained_self_refreshing_document(demo):
     response = demo.get("/")
     html = response.text

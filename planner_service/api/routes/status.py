@@ -21,6 +21,7 @@ from planner_service.api.deps import OperatorDep, ServiceDep
 from planner_service.api.status_page import build_page, seconds, size
 from planner_service.service.errors import NotFound
 from planner_service.wire.cluster import ClusterOut, ModelOut
+from planner_service.wire.engines import EngineOut
 from planner_service.wire.enums import OperationState
 from planner_service.wire.operations import OperationRecord
 from planner_service.wire.plan import CurrentPlanOut
@@ -69,6 +70,7 @@ def status_page(request: Request, service: ServiceDep, _: OperatorDep) -> HTMLRe
         finished_ops=[OperationRecord.model_validate(r) for r in finished],
         sessions=[SessionOut.model_validate(s) for s in service.sessions_view()],
         models=[ModelOut.model_validate(m) for m in service.models_view()],
+        engines=[EngineOut.model_validate(e) for e in service.engines_view()],
     )
     html = (
         templates()

@@ -259,6 +259,9 @@ class ClusterService:
     def plan_view(self) -> dict[str, Any]:
         return self.views.plan_view()
 
+    def routes_view(self) -> dict[str, Any]:
+        return self.views.routes_view()
+
     def operations_view(self, node: str | None = None, state: str | None = None) -> list[dict[str, Any]]:
         return self.views.operations_view(node, state)
 

@@ -538,6 +538,30 @@ def serve(
     )
 
 
+@app.command()
+def gateway(
+    planner: Annotated[
+        str | None, typer.Option("--planner", help="The planner's URL (STATEBUDGET_GATEWAY_PLANNER_URL).")
+    ] = None,
+    host: Annotated[str | None, typer.Option(help="Address to listen on (STATEBUDGET_GATEWAY_HOST).")] = None,
+    port: Annotated[int | None, typer.Option(help="TCP port (STATEBUDGET_GATEWAY_PORT, default 8090).")] = None,
+) -> None:
+    """Run the gateway: an OpenAI-compatible endpoint that routes by the planner's route table.
+
+    The planner token (a router token) comes from STATEBUDGET_GATEWAY_PLANNER_TOKEN; README, "Point your
+    agents at the gateway", lists what it does on each request.
+    """
+    from pydantic import ValidationError
+    from pydantic_settings import SettingsError
+
+    from clients.gateway.cli import serve as serve_gateway
+
+    try:
+        serve_gateway(planner_url=planner, host=host, port=port)
+    except (ValidationError, SettingsError) as error:
+        raise fail(f"invalid gateway settings\n{error}") from None
+
+
 # -- calibration of a running service (over HTTP, with the SDK) ----------------------------------------
 
 calibration_app = typer.Typer(

@@ -187,6 +187,27 @@ def bench_plan(
         out.print(result)
 
 
+@bench_app.command("gateway")
+def bench_gateway(
+    rate: Annotated[
+        list[float] | None, typer.Option(help="Requests per second, one phase each (repeat; default 100 500 1000).")
+    ] = None,
+    seconds: Annotated[float, typer.Option(min=1.0, max=120.0, help="Length of each phase.")] = 5.0,
+    concurrency: Annotated[int, typer.Option(min=1, max=2000, help="Streams open at most at once.")] = 200,
+    tokens: Annotated[int, typer.Option(min=1, max=1000, help="Tokens the fake engine streams per answer.")] = 4,
+    token_latency: Annotated[
+        float, typer.Option(min=0.0, max=1.0, help="The fake engine's seconds per token.")
+    ] = 0.005,
+) -> None:
+    """Direct to a fixed-latency fake engine vs through the gateway, in one run: the TTFT and stream time
+    each, the latency the gateway adds at p50 and p99, requests per second and the gateway's CPU."""
+    from clients.gateway.bench import report, run
+
+    phases = run(rate or [100.0, 500.0, 1000.0], seconds, concurrency, tokens, token_latency)
+    for line in report(phases):
+        typer.echo(line)
+
+
 @bench_app.command("load")
 def bench_load(
     agents: Annotated[int, typer.Option(min=1, max=1000, help="Node agents leasing and reporting done.")] = 50,

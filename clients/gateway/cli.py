@@ -36,6 +36,7 @@ def serve(**overrides: Any) -> None:
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonLines())
     logging.basicConfig(level=settings.log_level.upper(), handlers=[handler])
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per upstream call otherwise
     uvicorn.run(
         create_gateway_app(settings),
         host=settings.host,

@@ -10,7 +10,7 @@ import time
 import httpx
 import openai
 import pytest
-from conftest import Stack, wait_until
+from gateway_helpers import Stack, free_port, wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -185,8 +185,6 @@ def test_no_request_lost_or_sent_twice_when_an_engine_is_killed(make_stack, tmp_
     import signal
     import subprocess
     import sys
-
-    from conftest import free_port
 
     stack = make_stack(engines={"e2": ["alpha"]}, token_latency_seconds=0.01)
     port = free_port()

@@ -13,9 +13,12 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
-from fastapi import FastAPI, Request
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
 
 from clients.gateway.errors import GatewayError
 from clients.gateway.events import EventSink, SessionEvents
@@ -35,12 +38,13 @@ def create_gateway_app(
     registry: CollectorRegistry | None = None,
     planner_transport: httpx.AsyncBaseTransport | None = None,
     upstream_transport: httpx.AsyncBaseTransport | None = None,
-) -> FastAPI:
+) -> Starlette:
+    """A plain Starlette app: the request path crosses no more middleware than error mapping needs."""
     registry = registry or CollectorRegistry()
     metrics = GatewayMetrics(registry)
 
     @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
         timeout = httpx.Timeout(
             connect=settings.upstream_connect_timeout_seconds,
             read=settings.upstream_read_timeout_seconds,
@@ -88,46 +92,45 @@ def create_gateway_app(
             await upstream.aclose()
             await planner.aclose()
 
-    app = FastAPI(title="StateBudget gateway", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None)
-    app.state.settings = settings
-    app.state.registry = registry
-
-    @app.exception_handler(GatewayError)
-    async def _gateway_error(_: Request, error: GatewayError) -> Response:
+    async def gateway_error(_: Request, error: Exception) -> Response:
+        assert isinstance(error, GatewayError)
         return Response(error.body(), status_code=error.status, headers=error.headers(), media_type="application/json")
 
-    @app.post("/v1/chat/completions", include_in_schema=False)
+    async def http_error(_: Request, error: Exception) -> Response:
+        assert isinstance(error, HTTPException)  # an unknown path or method: the OpenAI shape too
+        return Response(
+            GatewayError(error.status_code, str(error.detail), type="invalid_request_error").body(),
+            status_code=error.status_code,
+            media_type="application/json",
+        )
+
     async def chat_completions(request: Request) -> Response:
         proxy: Proxy = request.app.state.proxy
         return await proxy.handle("chat", await request.body(), request.scope["headers"])
 
-    @app.post("/v1/completions", include_in_schema=False)
     async def completions(request: Request) -> Response:
         proxy: Proxy = request.app.state.proxy
         return await proxy.handle("completions", await request.body(), request.scope["headers"])
 
-    @app.get("/v1/models", include_in_schema=False)
-    async def list_models(request: Request) -> dict[str, Any]:
+    async def list_models(request: Request) -> Response:
         """The models of the route table, in the OpenAI list shape (vLLM's `ModelList` / `ModelCard`)."""
         follower: RouteFollower = request.app.state.follower
         created = int(time.time())
         data = [
             {"id": m, "object": "model", "created": created, "owned_by": "statebudget"} for m in follower.table.models
         ]
-        return {"object": "list", "data": data}
+        return JSONResponse({"object": "list", "data": data})
 
-    @app.get("/livez", include_in_schema=False)
-    async def livez() -> dict[str, str]:
-        return {"status": "ok"}
+    async def livez(_: Request) -> Response:
+        return JSONResponse({"status": "ok"})
 
-    @app.get("/readyz", include_in_schema=False)
     async def readyz(request: Request) -> Response:
         """200 while there is a table to route by (`degraded`: the planner is unreachable, the last one is used);
         503 before any table arrived."""
         follower: RouteFollower = request.app.state.follower
         sink: EventSink = request.app.state.sink
         has_table = follower.table.epoch >= 0
-        body = {
+        body: dict[str, Any] = {
             "status": "ok" if follower.planner_reachable else ("degraded" if has_table else "unavailable"),
             "planner_reachable": follower.planner_reachable,
             "route_epoch": follower.table.epoch if has_table else None,
@@ -136,8 +139,21 @@ def create_gateway_app(
         }
         return JSONResponse(body, status_code=200 if has_table else 503)
 
-    @app.get("/metrics", include_in_schema=False)
-    async def prometheus_metrics() -> Response:
+    async def prometheus_metrics(_: Request) -> Response:
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
+    app = Starlette(
+        routes=[
+            Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+            Route("/v1/completions", completions, methods=["POST"]),
+            Route("/v1/models", list_models, methods=["GET"]),
+            Route("/livez", livez, methods=["GET"]),
+            Route("/readyz", readyz, methods=["GET"]),
+            Route("/metrics", prometheus_metrics, methods=["GET"]),
+        ],
+        exception_handlers={GatewayError: gateway_error, HTTPException: http_error},
+        lifespan=lifespan,
+    )
+    app.state.settings = settings
+    app.state.registry = registry
     return app

@@ -229,7 +229,11 @@ def run(rates: list[float], seconds: float, concurrency: int, tokens: int, token
     finally:
         for process in (gateway, backend):
             process.terminate()
-            process.wait(10)
+            try:
+                process.wait(10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait(10)
     return phases
 
 
@@ -272,7 +276,9 @@ def main() -> None:
     import uvicorn
 
     app = backend_app(f"http://127.0.0.1:{args.port}", args.tokens, args.token_latency)
-    uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning", access_log=False)
+    uvicorn.run(
+        app, host="127.0.0.1", port=args.port, log_level="warning", access_log=False, timeout_graceful_shutdown=1
+    )
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ DEMO_DB ?= statebudget-demo.db
 COMPILED_VENV ?= .venv-compiled
 COMPILED_STAMP := $(COMPILED_VENV)/.installed
 
-.PHONY: run test test-fast test-compiled soak lint format import-graph compiled bench schemas screenshots clean \
+.PHONY: run gateway test test-fast test-compiled soak lint format import-graph compiled bench schemas screenshots clean \
 	evidence evidence-quick evidence-demo
 
 $(PY):
@@ -26,6 +26,11 @@ $(STAMP): pyproject.toml | $(PY)
 
 run: $(RUN_STAMP)
 	$(VENV)/bin/statebudget serve --demo --db $(DEMO_DB) $(if $(KEEP),,--reset)
+
+# the gateway in front of a planner (PLANNER, default the `make run` one); agents use http://127.0.0.1:8090/v1
+PLANNER ?= http://127.0.0.1:8080
+gateway: $(RUN_STAMP)
+	$(VENV)/bin/statebudget gateway --planner $(PLANNER) --host 127.0.0.1 --port 8090
 
 # the whole suite but the compiled-build comparison (minutes of mypyc), which `make test-compiled` runs
 test: $(STAMP)

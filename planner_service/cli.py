@@ -214,6 +214,27 @@ def bench_plan(
         out.print(result)
 
 
+@bench_app.command("gateway")
+def bench_gateway(
+    rate: Annotated[
+        list[float] | None, typer.Option(help="Requests per second, one phase each (repeat; default 100 500 1000).")
+    ] = None,
+    seconds: Annotated[float, typer.Option(min=1.0, max=120.0, help="Length of each phase.")] = 5.0,
+    concurrency: Annotated[int, typer.Option(min=1, max=2000, help="Streams open at most at once.")] = 200,
+    tokens: Annotated[int, typer.Option(min=1, max=1000, help="Tokens the fake engine streams per answer.")] = 4,
+    token_latency: Annotated[
+        float, typer.Option(min=0.0, max=1.0, help="The fake engine's seconds per token.")
+    ] = 0.005,
+) -> None:
+    """Direct to a fixed-latency fake engine vs through the gateway, in one run: the TTFT and stream time
+    each, the latency the gateway adds at p50 and p99, requests per second and the gateway's CPU."""
+    from clients.gateway.bench import report, run
+
+    phases = run(rate or [100.0, 500.0, 1000.0], seconds, concurrency, tokens, token_latency)
+    for line in report(phases):
+        typer.echo(line)
+
+
 @bench_app.command("load")
 def bench_load(
     agents: Annotated[int, typer.Option(min=1, max=1000, help="Node agents leasing and reporting done.")] = 50,
@@ -579,6 +600,30 @@ def serve(
         log_config=serve_log_config(settings),
         timeout_graceful_shutdown=5,  # lease long-polls must not hold a shutdown for their whole wait
     )
+
+
+@app.command()
+def gateway(
+    planner: Annotated[
+        str | None, typer.Option("--planner", help="The planner's URL (STATEBUDGET_GATEWAY_PLANNER_URL).")
+    ] = None,
+    host: Annotated[str | None, typer.Option(help="Address to listen on (STATEBUDGET_GATEWAY_HOST).")] = None,
+    port: Annotated[int | None, typer.Option(help="TCP port (STATEBUDGET_GATEWAY_PORT, default 8090).")] = None,
+) -> None:
+    """Run the gateway: an OpenAI-compatible endpoint that routes by the planner's route table.
+
+    The planner token (a router token) comes from STATEBUDGET_GATEWAY_PLANNER_TOKEN; README, "Point your
+    agents at the gateway", lists what it does on each request.
+    """
+    from pydantic import ValidationError
+    from pydantic_settings import SettingsError
+
+    from clients.gateway.cli import serve as serve_gateway
+
+    try:
+        serve_gateway(planner_url=planner, host=host, port=port)
+    except (ValidationError, SettingsError) as error:
+        raise fail(f"invalid gateway settings\n{error}") from None
 
 
 # -- calibration of a running service (over HTTP, with the SDK) ----------------------------------------

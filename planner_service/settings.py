@@ -32,6 +32,11 @@ class Settings(BaseSettings):
         repr=False,
         description="Node id -> bearer token reaching only that node's endpoints (JSON map).",
     )
+    router_tokens: list[str] = Field(
+        default_factory=list,
+        repr=False,
+        description="Bearer tokens of gateways: post events, read routes and the plan, nothing else (JSON list).",
+    )
     lease_seconds: float = Field(30.0, gt=0, description="How long a node's lease on operations lasts.")
     event_retention_seconds: float = Field(
         7 * 86400.0, gt=0, description="How long an event id is remembered, so a resend within it is ignored."
@@ -94,13 +99,15 @@ class Settings(BaseSettings):
             raise ValueError("node_tokens: two nodes share a token")
         if set(node_values) & set(self.operator_tokens):
             raise ValueError("node_tokens: a node token is also an operator token")
-        if any(not t for t in [*node_values, *self.operator_tokens]):
+        if set(self.router_tokens) & (set(node_values) | set(self.operator_tokens)):
+            raise ValueError("router_tokens: a router token is also an operator or node token")
+        if any(not t for t in [*node_values, *self.operator_tokens, *self.router_tokens]):
             raise ValueError("tokens must not be empty")
         return self
 
     @property
     def auth_enabled(self) -> bool:
-        return bool(self.operator_tokens or self.node_tokens)
+        return bool(self.operator_tokens or self.node_tokens or self.router_tokens)
 
 
 def env_help() -> str:

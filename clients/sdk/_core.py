@@ -32,6 +32,7 @@ from planner_service.wire.health import Health
 from planner_service.wire.nodes import HeartbeatOut, RegisterOut
 from planner_service.wire.operations import LeaseOut, OperationRecord, RenewOut, ReportOut
 from planner_service.wire.plan import CurrentPlanOut, ExplainOut, ParetoOut, ReplanOut, WhatIfOut
+from planner_service.wire.routes import RoutesOut
 from planner_service.wire.sessions import EventsOut, SessionOut
 from planner_service.wire.state import SrvOut
 
@@ -207,6 +208,15 @@ class Endpoints(ABC):
     def get_plan(self) -> Any:
         """`CurrentPlanOut`."""
         return self._send(Call("GET", "/v1/plan", answer=CurrentPlanOut))
+
+    def get_routes(
+        self, *, after_epoch: int | None = None, after_revision: str | None = None, wait_seconds: float = 0.0
+    ) -> Any:
+        """The gateway's route table: `RoutesOut`. With `after_epoch` / `after_revision`, a long-poll that
+        answers once either changed or `wait_seconds` ran out."""
+        params = {"after_epoch": after_epoch, "after_revision": after_revision, "wait": wait_seconds or None}
+        timeout = max(wait_seconds + LONG_POLL_MARGIN_SECONDS, DEFAULT_TIMEOUT_SECONDS)
+        return self._send(Call("GET", "/v1/routes", params=params, timeout_seconds=timeout, answer=RoutesOut))
 
     def replan(self) -> Any:
         """Plan now (a new epoch supersedes the operations not yet leased). Not retried: each call is an epoch.

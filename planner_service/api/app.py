@@ -41,6 +41,7 @@ from planner_service.api.routes import (
     nodes,
     operations,
     plan,
+    routes,
     sessions,
     srv,
     status,
@@ -184,7 +185,8 @@ def create_app(
     app.state.signal = QueueSignal()
     install_error_handlers(app)
     app.include_router(health.router, responses=OPEN_ERROR_RESPONSES)
-    for module in (cluster, models, events, sessions, srv, engines, plan, nodes, operations, whatif, calibration):
+    routers = (cluster, models, events, sessions, srv, engines, plan, routes, nodes, operations, whatif, calibration)
+    for module in routers:
         app.include_router(module.router, responses=ERROR_RESPONSES)
     app.include_router(status.router)  # the HTML pages, left out of the OpenAPI document
     app.include_router(docs.router)

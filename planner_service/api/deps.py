@@ -70,12 +70,15 @@ ServiceDep = Annotated[ClusterService, Depends(get_service)]
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 SignalDep = Annotated[QueueSignal, Depends(get_signal)]
 
-_bearer = HTTPBearer(auto_error=False, description="An operator token, or a node's token for its own endpoints.")
+_bearer = HTTPBearer(
+    auto_error=False,
+    description="An operator token, a node's token for its own endpoints, or a router (gateway) token.",
+)
 
 
 @dataclass(frozen=True)
 class Principal:
-    kind: Literal["open", "operator", "node"]
+    kind: Literal["open", "operator", "node", "router"]
     node: str | None = None
 
 
@@ -86,10 +89,12 @@ def get_principal(
     if not settings.auth_enabled:
         return Principal("open")
     if credentials is None:
-        raise Unauthorized("send 'Authorization: Bearer <token>' with an operator or node token")
+        raise Unauthorized("send 'Authorization: Bearer <token>' with an operator, node or router token")
     token = credentials.credentials.encode()
     if any(hmac.compare_digest(token, t.encode()) for t in settings.operator_tokens):
         return Principal("operator")
+    if any(hmac.compare_digest(token, t.encode()) for t in settings.router_tokens):
+        return Principal("router")
     for node, t in settings.node_tokens.items():
         if hmac.compare_digest(token, t.encode()):
             return Principal("node", node)
@@ -105,10 +110,27 @@ def require_operator(principal: PrincipalDep) -> Principal:
             f"this endpoint needs an operator token; the token of node {principal.node!r} reaches only "
             "that node's register, heartbeat, lease, lease renewal and report"
         )
+    if principal.kind == "router":
+        raise Forbidden(_ROUTER_REACH)
+    return principal
+
+
+_ROUTER_REACH = "this endpoint needs an operator token; a router token reaches only POST /v1/events, GET /v1/routes and GET /v1/plan"
+
+
+def require_router_access(principal: PrincipalDep) -> Principal:
+    """An operator or a gateway (router token): events in, routes and the plan out."""
+    if principal.kind == "node":
+        raise Forbidden(
+            f"this endpoint needs an operator token (or a router token); the token of node {principal.node!r} reaches only "
+            "that node's register, heartbeat, lease, lease renewal and report"
+        )
     return principal
 
 
 def require_node_access(node_id: str, principal: PrincipalDep) -> Principal:
+    if principal.kind == "router":
+        raise Forbidden(_ROUTER_REACH)
     if principal.kind == "node" and principal.node != node_id:
         raise Forbidden(f"the token of node {principal.node!r} does not reach node {node_id!r}")
     return principal
@@ -116,3 +138,4 @@ def require_node_access(node_id: str, principal: PrincipalDep) -> Principal:
 
 OperatorDep = Annotated[Principal, Depends(require_operator)]
 NodeAccessDep = Annotated[Principal, Depends(require_node_access)]
+RouterAccessDep = Annotated[Principal, Depends(require_router_access)]

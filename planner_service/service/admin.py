@@ -33,7 +33,7 @@ from planner_service.service.live import (
     iso,
 )
 from planner_service.service.store import Batch
-from planner_service.service.views import Views
+from planner_service.service.views import Views, engines_with_urls
 
 log = logging.getLogger(__name__)
 
@@ -246,7 +246,7 @@ class Admin:
                 "node": node_id,
                 "registered_at": iso(now),
                 "capabilities": node.get("capabilities", []),
-                "engines": node.get("engines"),
+                "engines": engines_with_urls(node.get("engines"), info["registration"]),
                 "gpus": sorted(known),
                 "lease_seconds": self.live.settings.lease_seconds,
                 "scale": body.scale,

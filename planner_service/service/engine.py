@@ -262,6 +262,9 @@ class ClusterService:
     def engines_view(self) -> list[dict[str, Any]]:
         return self.views.engines_view()
 
+    def routes_view(self) -> dict[str, Any]:
+        return self.views.routes_view()
+
     def operations_view(self, node: str | None = None, state: str | None = None) -> list[dict[str, Any]]:
         return self.views.operations_view(node, state)
 

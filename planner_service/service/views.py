@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import hashlib
+import json
 import logging
 from collections import defaultdict
 from typing import Any
@@ -84,7 +86,7 @@ class Views:
                         "nvme_read_bytes_per_s": n.nvme_read_bytes_per_s,
                         "nvme_write_bytes_per_s": n.nvme_write_bytes_per_s,
                         "capabilities": sorted(c.value for c in n.capabilities),
-                        "engines": raw.get("engines"),
+                        "engines": engines_with_urls(raw.get("engines"), info.get("registration")),
                         "calibrated": self.live.calibration["nodes"].get(n.id, {}),
                         "registered_at": info.get("registered_at"),
                         "last_heartbeat": info.get("last_heartbeat"),
@@ -213,6 +215,55 @@ class Views:
             snap.plan_epoch = self.live.epoch
         return snap
 
+    def routes_view(self) -> dict[str, Any]:
+        """The gateway's route table: per model its engine instances (state and URL), each session's KV holder.
+
+        Instances are those the nodes' heartbeats report; a registered engine with a URL that no heartbeat
+        reports yet counts as running where its model's weights sit on its node's GPUs, else stopped.
+        """
+        self.live.require_ready()
+        with self.live.change():
+            assert self.live.sizes is not None
+            gpu_node = {g.id: g.node for g in self.live.sizes.gpus.values()}
+            weights_on: dict[str, set[str]] = defaultdict(set)  # model -> GPUs holding its weights
+            kv_on: dict[tuple[str, str], set[str]] = defaultdict(set)  # (session, model) -> GPUs holding its KV
+            for (obj, loc), n in self.live.placement.items():
+                if loc.tier is not Tier.GPU or n <= 0:
+                    continue
+                if obj.kind is Kind.WEIGHTS:
+                    weights_on[obj.model].add(loc.id)
+                elif obj.kind is Kind.KV and obj.session is not None:
+                    kv_on[(obj.session, obj.model)].add(loc.id)
+            instances: dict[str, list[dict[str, Any]]] = defaultdict(list)
+            for raw in self.live.base["cluster"]["nodes"]:
+                for model, entry in _node_instances(raw["id"], self.live.nodes_info.get(raw["id"], {}), gpu_node):
+                    if entry["state"] is None:
+                        held = weights_on[model] & set(
+                            entry["gpus"] or [g for g, n in gpu_node.items() if n == raw["id"]]
+                        )
+                        entry["state"] = "running" if held else "stopped"
+                    instances[model].append(entry)
+            models: list[dict[str, Any]] = []
+            for m in sorted(instances):
+                entries: list[dict[str, Any]] = instances[m]
+                models.append({"model": m, "instances": sorted(entries, key=_instance_order)})
+            sessions = []
+            for sid, s in sorted(self.live.sessions.items()):
+                if s.ended:
+                    continue
+                holder = next(
+                    (e["id"] for e in instances.get(s.model, []) if set(e["gpus"]) & kv_on.get((sid, s.model), set())),
+                    None,
+                )
+                sessions.append({"session": sid, "model": s.model, "instance": holder})
+            table = {
+                "models": models,
+                "sessions": sessions,
+                "directives": {"decided": False, "pins": [], "warmups": []},
+            }
+            digest = hashlib.sha256(json.dumps(table, sort_keys=True).encode()).hexdigest()[:16]
+            return {"epoch": self.live.epoch, "revision": digest, **table}
+
     def live_view(self) -> LiveView:
         """A consistent copy of what questions about the live state need (what-if, Pareto, explain)."""
         self.live.require_ready()
@@ -238,6 +289,66 @@ class Views:
                 ],
                 sessions={sid: copy.deepcopy(s) for sid, s in self.live.sessions.items()},
             )
+
+
+def engines_with_urls(
+    engines: list[dict[str, Any]] | None, registration: dict[str, Any] | None
+) -> list[dict[str, Any]] | None:
+    """A node's {model, gpus} engine entries with the URL its registration gave the engine serving each."""
+    if engines is None:
+        return None
+    urls = {m: e["url"] for e in (registration or {}).get("engines") or [] if e.get("url") for m in e.get("models", [])}
+    return [{**e, "url": urls[e["model"]]} if e["model"] in urls else dict(e) for e in engines]
+
+
+_STATE_ORDER = {"running": 0, "asleep": 1, "stopped": 2}
+
+
+def _instance_order(entry: dict[str, Any]) -> tuple[int, str]:
+    return _STATE_ORDER[entry["state"]], str(entry["id"])
+
+
+_ROUTE_STATE = {"running": "running", "asleep_host": "asleep", "asleep_discarded": "asleep", "stopped": "stopped"}
+
+
+def _node_instances(node: str, info: dict[str, Any], gpu_node: dict[str, str]) -> list[tuple[str, dict[str, Any]]]:
+    """(model, instance entry) per engine instance of a node: the heartbeat's instances with the URL of the
+    registered engine serving that model there, then registered engines with a URL no heartbeat reports
+    (state None: the caller draws it from the placement)."""
+    engines = (info.get("registration") or {}).get("engines") or []
+    reported = (info.get("telemetry") or {}).get("instances") or []
+
+    def url_for(model: str, gpus: list[str]) -> str | None:
+        for e in engines:
+            if model in e.get("models", []) and (not e.get("gpus") or sorted(e["gpus"]) == sorted(gpus)):
+                url: str | None = e.get("url")
+                return url
+        return None
+
+    out: list[tuple[str, dict[str, Any]]] = []
+    seen: set[str] = set()
+    for r in reported:
+        inst = r["instance"]
+        seen.add(inst["model"])
+        entry = {
+            "id": inst["id"],
+            "node": node,
+            "gpus": list(inst["gpus"]),
+            "state": _ROUTE_STATE[r["state"]],
+            "url": url_for(inst["model"], inst["gpus"]),
+        }
+        out.append((inst["model"], entry))
+    for e in engines:
+        if not e.get("url"):
+            continue
+        gpus = [g for g in e.get("gpus", []) if gpu_node.get(g) == node]
+        for model in e.get("models", []):
+            if model not in seen:
+                seen.add(model)
+                out.append(
+                    (model, {"id": f"{node}/{e['name']}", "node": node, "gpus": gpus, "state": None, "url": e["url"]})
+                )
+    return out
 
 
 def _public_reconcile(status: dict[str, Any] | None) -> dict[str, Any] | None:

@@ -29,6 +29,7 @@ class NodeEngine(WireModel):
 
     model: str
     gpus: list[str] = Field(description="The engine's fixed GPUs; empty: any group.")
+    url: str | None = Field(None, description="The engine's OpenAI server base URL, as registered; null: not given.")
 
 
 class GpuTelemetryOut(WireModel):

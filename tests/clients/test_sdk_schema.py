@@ -39,6 +39,7 @@ def every_call() -> dict[str, Call]:
         "get_session": sb.get_session("{session_id}"),
         "get_srv": sb.get_srv(),
         "get_plan": sb.get_plan(),
+        "get_routes": sb.get_routes(),
         "replan": sb.replan(),
         "whatif": sb.whatif([]),
         "pareto": sb.pareto(),

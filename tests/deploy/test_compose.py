@@ -352,6 +352,9 @@ def test_deployment_env_variables_are_settings(compose: dict[str, Any]) -> None:
         and "env_prefix" in getattr(obj, "model_config", {})
     ]
     assert settings_classes, "no pydantic-settings class in planner_service/settings.py"
+    from clients.gateway.settings import GatewaySettings
+
+    settings_classes.append(GatewaySettings)  # the gateway's service reads its own
     known = set()
     for cls in settings_classes:
         prefix = cls.model_config.get("env_prefix", "")

@@ -5,6 +5,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Query
 
 from planner_service.api.deps import OperatorDep, PrincipalDep, ServiceDep
+from planner_service.service.errors import Forbidden
 from planner_service.service.inputs import ReportIn
 from planner_service.wire.enums import OperationState
 from planner_service.wire.operations import OperationRecord, ReportOut
@@ -29,5 +30,7 @@ def list_operations(
 @router.post("/{op_id}/report", response_model=ReportOut, response_model_exclude_unset=True)
 def report(op_id: str, body: ReportIn, service: ServiceDep, principal: PrincipalDep) -> dict[str, Any]:
     """`done` (with measured seconds and bytes) or `failed` (with the error) for a leased operation; idempotent."""
+    if principal.kind == "router":
+        raise Forbidden("a router token cannot report operations; that is a node's or an operator's")
     node_scope = principal.node if principal.kind == "node" else None
     return service.report(op_id, body, node_scope=node_scope)

@@ -4,7 +4,7 @@ from typing import Any
 
 from fastapi import APIRouter, Query
 
-from planner_service.api.deps import OperatorDep, ServiceDep
+from planner_service.api.deps import OperatorDep, RouterAccessDep, ServiceDep
 from planner_service.service import questions
 from planner_service.wire.plan import CurrentPlanOut, ExplainOut, ParetoOut, ReplanOut
 
@@ -12,7 +12,7 @@ router = APIRouter(tags=["plan"])
 
 
 @router.get("/v1/plan", response_model=CurrentPlanOut, response_model_exclude_unset=True)
-def get_plan(service: ServiceDep, _: OperatorDep) -> dict[str, Any]:
+def get_plan(service: ServiceDep, _: RouterAccessDep) -> dict[str, Any]:
     """The current plan (as `statebudget plan --json`) with its `epoch`."""
     return service.plan_view()
 

@@ -1,0 +1,159 @@
+"""The gateway's ASGI app: the OpenAI surface agents call, health, and metrics.
+
+`create_gateway_app(settings)` builds it; the lifespan owns the engine connection pool, the planner client,
+the route-table long-poll, the event batcher and the idle-session sweep.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from clients.gateway.errors import GatewayError
+from clients.gateway.events import EventSink, SessionEvents
+from clients.gateway.follower import RouteFollower
+from clients.gateway.metrics import GatewayMetrics
+from clients.gateway.proxy import Proxy
+from clients.gateway.settings import GatewaySettings
+from clients.sdk import AsyncStateBudgetClient, RetryPolicy
+
+# a failed planner call is not retried in place: the follower and the event batcher try again themselves
+_ONE_TRY = RetryPolicy(attempts=1)
+
+
+def create_gateway_app(
+    settings: GatewaySettings,
+    *,
+    registry: CollectorRegistry | None = None,
+    planner_transport: httpx.AsyncBaseTransport | None = None,
+    upstream_transport: httpx.AsyncBaseTransport | None = None,
+) -> Starlette:
+    """A plain Starlette app: the request path crosses no more middleware than error mapping needs."""
+    registry = registry or CollectorRegistry()
+    metrics = GatewayMetrics(registry)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        timeout = httpx.Timeout(
+            connect=settings.upstream_connect_timeout_seconds,
+            read=settings.upstream_read_timeout_seconds,
+            write=settings.upstream_read_timeout_seconds,
+            pool=settings.upstream_connect_timeout_seconds,
+        )
+        limits = httpx.Limits(
+            max_connections=settings.max_connections, max_keepalive_connections=settings.max_connections
+        )
+        upstream = httpx.AsyncClient(timeout=timeout, limits=limits, transport=upstream_transport)
+        planner = AsyncStateBudgetClient(
+            settings.planner_url,
+            token=settings.planner_token,
+            timeout_seconds=settings.routes_wait_seconds + 10.0,
+            retry=_ONE_TRY,
+            transport=planner_transport,
+        )
+        follower = RouteFollower(
+            planner, metrics, wait_seconds=settings.routes_wait_seconds, retry_seconds=settings.planner_retry_seconds
+        )
+        sink = EventSink(
+            planner,
+            metrics,
+            flush_seconds=settings.event_flush_seconds,
+            batch_max=settings.event_batch_max,
+            buffer_max=settings.event_buffer_max,
+            retry_seconds=settings.planner_retry_seconds,
+        )
+        sessions = SessionEvents(sink, idle_seconds=settings.session_idle_seconds)
+        app.state.follower = follower
+        app.state.sink = sink
+        app.state.sessions = sessions
+        app.state.proxy = Proxy(settings, upstream, follower, sessions, metrics)
+        with contextlib.suppress(Exception):  # a planner down at start is what run() waits out
+            await follower.fetch_once(wait=False)
+        tasks = [asyncio.create_task(t) for t in (follower.run(), sink.run(), sessions.run_idle_sweep())]
+        try:
+            yield
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(sink.flush(), timeout=2.0)  # a last try; what fails is lost with us
+            await upstream.aclose()
+            await planner.aclose()
+
+    async def gateway_error(_: Request, error: Exception) -> Response:
+        assert isinstance(error, GatewayError)
+        return Response(error.body(), status_code=error.status, headers=error.headers(), media_type="application/json")
+
+    async def http_error(_: Request, error: Exception) -> Response:
+        assert isinstance(error, HTTPException)  # an unknown path or method: the OpenAI shape too
+        return Response(
+            GatewayError(error.status_code, str(error.detail), type="invalid_request_error").body(),
+            status_code=error.status_code,
+            media_type="application/json",
+        )
+
+    async def chat_completions(request: Request) -> Response:
+        proxy: Proxy = request.app.state.proxy
+        return await proxy.handle("chat", await request.body(), request.scope["headers"])
+
+    async def completions(request: Request) -> Response:
+        proxy: Proxy = request.app.state.proxy
+        return await proxy.handle("completions", await request.body(), request.scope["headers"])
+
+    async def list_models(request: Request) -> Response:
+        """The models of the route table, in the OpenAI list shape (vLLM's `ModelList` / `ModelCard`)."""
+        follower: RouteFollower = request.app.state.follower
+        created = int(time.time())
+        data = [
+            {"id": m, "object": "model", "created": created, "owned_by": "statebudget"} for m in follower.table.models
+        ]
+        return JSONResponse({"object": "list", "data": data})
+
+    async def livez(_: Request) -> Response:
+        return JSONResponse({"status": "ok"})
+
+    async def readyz(request: Request) -> Response:
+        """200 while there is a table to route by (`degraded`: the planner is unreachable, the last one is used);
+        503 before any table arrived."""
+        follower: RouteFollower = request.app.state.follower
+        sink: EventSink = request.app.state.sink
+        has_table = follower.table.epoch >= 0
+        body: dict[str, Any] = {
+            "status": "ok" if follower.planner_reachable else ("degraded" if has_table else "unavailable"),
+            "planner_reachable": follower.planner_reachable,
+            "route_epoch": follower.table.epoch if has_table else None,
+            "last_planner_error": follower.last_error,
+            "events_pending": sink.pending,
+        }
+        return JSONResponse(body, status_code=200 if has_table else 503)
+
+    async def prometheus_metrics(_: Request) -> Response:
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    app = Starlette(
+        routes=[
+            Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+            Route("/v1/completions", completions, methods=["POST"]),
+            Route("/v1/models", list_models, methods=["GET"]),
+            Route("/livez", livez, methods=["GET"]),
+            Route("/readyz", readyz, methods=["GET"]),
+            Route("/metrics", prometheus_metrics, methods=["GET"]),
+        ],
+        exception_handlers={GatewayError: gateway_error, HTTPException: http_error},
+        lifespan=lifespan,
+    )
+    app.state.settings = settings
+    app.state.registry = registry
+    return app

@@ -1,0 +1,33 @@
+"""Gateway settings: `STATEBUDGET_GATEWAY_*` environment variables (or CLI options), built once."""
+
+from __future__ import annotations
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class GatewaySettings(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix="STATEBUDGET_GATEWAY_", frozen=True, extra="forbid", hide_input_in_errors=True
+    )
+
+    planner_url: str = Field("http://127.0.0.1:8080", description="The planner's base URL.")
+    planner_token: str | None = Field(None, repr=False, description="A router token of the planner.")
+    host: str = Field("127.0.0.1", description="Address to listen on.")
+    port: int = Field(8090, ge=0, le=65535, description="TCP port to listen on.")
+    routes_wait_seconds: float = Field(20.0, gt=0, le=300, description="Long-poll wait on the route table.")
+    planner_retry_seconds: float = Field(1.0, gt=0, description="Pause before asking an unreachable planner again.")
+    wake_timeout_seconds: float = Field(
+        120.0, gt=0, description="Longest a request waits for its model to run somewhere before a 503."
+    )
+    queue_limit_per_model: int = Field(256, ge=1, description="Requests held per model while it wakes; more: 503.")
+    session_idle_seconds: float = Field(600.0, gt=0, description="A session quiet this long gets a session_end.")
+    event_flush_seconds: float = Field(0.05, gt=0, description="Events wait at most this long to be batched.")
+    event_batch_max: int = Field(500, ge=1, le=10_000, description="Events per POST /v1/events.")
+    event_buffer_max: int = Field(
+        100_000, ge=1, description="Events kept while the planner is down; beyond it the oldest are dropped."
+    )
+    upstream_connect_timeout_seconds: float = Field(2.0, gt=0, description="Connect timeout to an engine.")
+    upstream_read_timeout_seconds: float = Field(600.0, gt=0, description="Longest silence from a streaming engine.")
+    max_connections: int = Field(2000, ge=1, description="Pooled connections to the engines, all together.")
+    log_level: str = Field("info", description="debug, info, warning or error.")

@@ -1,0 +1,283 @@
+"""Contract fake of vLLM's OpenAI server: `/v1/chat/completions`, `/v1/completions`, `/v1/models`,
+`/tokenize`, `/health`, as an APIRouter the tests mount (beside the control surface of `vllm.py`).
+
+Shapes are those of vLLM's protocol models, vllm/entrypoints/openai/protocol.py (vllm-project/vllm at
+ec3b890c14b00f6670515d9df8d503b5270e95ca): `ChatCompletionResponse` / `ChatCompletionStreamResponse`
+(`object` "chat.completion" / "chat.completion.chunk", `usage: null` on every chunk but the last),
+`CompletionResponse` ("text_completion"), `UsageInfo` (prompt_tokens, total_tokens, completion_tokens),
+`StreamOptions.include_usage` (one more chunk before `data: [DONE]`, `choices: []`, the usage),
+`ToolCall` / `DeltaToolCall` (`id`, `type: "function"`, `function: {name, arguments}`, an `index` when
+streamed), `TokenizeResponse` (count, max_model_len, tokens), `ErrorResponse` (`error: {message, type,
+param, code}`; an unknown model is a 404 "The model `x` does not exist.", serving_engine.py `_check_model`).
+A streamed chat answer opens with a `{"role": "assistant"}` delta (serving_chat.py, first iteration).
+
+The fake's own model of generation, stated so tests can predict it: one token per whitespace-separated word
+(the tokenizer), `max_tokens` output tokens (8 where unset) after a fixed latency each; where the request
+offers `tools` and the last message is not a tool result, the answer calls the first tool
+(`finish_reason: "tool_calls"`), as a model with `tool_choice: auto` that decides to call it.
+Closing the connection mid-stream aborts the request (vLLM cancels a handler whose client disconnected,
+vllm/entrypoints/utils.py `with_cancellation` racing `listen_for_disconnect`); `state.cancelled` counts those.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+DEFAULT_MAX_TOKENS = 8
+MAX_MODEL_LEN = 32768
+
+
+@dataclass
+class ServingState:
+    """What the fake saw: every request body (by the client's `X-Request-Id`, else a fresh id), finished and
+    aborted requests, so tests can count losses and duplicates."""
+
+    models: list[str]
+    token_latency_seconds: float = 0.0
+    api_key: str | None = None
+    received: list[dict[str, Any]] = field(default_factory=list)
+    request_ids: list[str] = field(default_factory=list)
+    finished: int = 0
+    cancelled: int = 0
+    in_flight: int = 0
+
+
+def _tokens(text: str) -> list[int]:
+    return [sum(w.encode()) % 50000 for w in text.split()]
+
+
+def _message_text(messages: list[dict[str, Any]]) -> str:
+    parts = []
+    for m in messages:
+        content = m.get("content")
+        if isinstance(content, str):
+            parts.append(content)
+        elif isinstance(content, list):
+            parts += [p.get("text", "") for p in content if isinstance(p, dict)]
+    return " ".join(parts)
+
+
+def _error(status: int, message: str, type_: str, param: str | None = None) -> JSONResponse:
+    return JSONResponse(
+        {"error": {"message": message, "type": type_, "param": param, "code": status}}, status_code=status
+    )
+
+
+def _usage(prompt: int, completion: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt, "total_tokens": prompt + completion, "completion_tokens": completion}
+
+
+def openai_router(state: ServingState) -> APIRouter:
+    router = APIRouter()
+
+    def check(request: Request, body: dict[str, Any]) -> JSONResponse | None:
+        if state.api_key is not None and request.headers.get("authorization") != f"Bearer {state.api_key}":
+            # vLLM's --api-key middleware answers 401 {"error": "Unauthorized"} (api_server.py, authentication)
+            return JSONResponse({"error": "Unauthorized"}, status_code=401)
+        if body.get("model") not in state.models:
+            return _error(404, f"The model `{body.get('model')}` does not exist.", "NotFoundError", "model")
+        return None
+
+    def record(request: Request, body: dict[str, Any]) -> None:
+        state.received.append(body)
+        state.request_ids.append(request.headers.get("x-request-id") or uuid.uuid4().hex)
+
+    async def generate(n: int) -> AsyncIterator[int]:
+        for i in range(n):
+            await asyncio.sleep(state.token_latency_seconds)
+            yield i
+
+    @router.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        body = await request.json()
+        refused = check(request, body)
+        if refused is not None:
+            return refused
+        record(request, body)
+        messages = body["messages"]
+        prompt_tokens = len(_tokens(_message_text(messages)))
+        n = int(body.get("max_tokens") or body.get("max_completion_tokens") or DEFAULT_MAX_TOKENS)
+        tools = body.get("tools") or []
+        calls_tool = bool(tools) and messages[-1].get("role") != "tool" and body.get("tool_choice") != "none"
+        tool_name = tools[0]["function"]["name"] if calls_tool else None
+        cid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), body["model"]
+        finish = "tool_calls" if calls_tool else ("length" if body.get("max_tokens") else "stop")
+        call_id = f"chatcmpl-tool-{uuid.uuid4().hex}"
+        arguments = json.dumps({"q": "x"})
+        if not body.get("stream"):
+            state.in_flight += 1
+            try:
+                async for _ in generate(n):
+                    pass
+            finally:
+                state.in_flight -= 1
+            state.finished += 1
+            message: dict[str, Any] = {
+                "role": "assistant",
+                "content": None if calls_tool else " ".join(f"w{i}" for i in range(n)),
+            }
+            message["tool_calls"] = (
+                [{"id": call_id, "type": "function", "function": {"name": tool_name, "arguments": arguments}}]
+                if calls_tool
+                else []
+            )
+            choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish, "stop_reason": None}
+            return JSONResponse(
+                {
+                    "id": cid,
+                    "object": "chat.completion",
+                    "created": created,
+                    "model": model,
+                    "choices": [choice],
+                    "usage": _usage(prompt_tokens, n),
+                }
+            )
+        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+
+        def chunk(choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> bytes:
+            data = {
+                "id": cid,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": model,
+                "choices": choices,
+            }
+            if include_usage:
+                data["usage"] = usage
+            return b"data: " + json.dumps(data).encode() + b"\n\n"
+
+        async def stream() -> AsyncIterator[bytes]:
+            state.in_flight += 1
+            try:
+                yield chunk(
+                    [
+                        {
+                            "index": 0,
+                            "delta": {"role": "assistant", "content": ""},
+                            "logprobs": None,
+                            "finish_reason": None,
+                        }
+                    ]
+                )
+                if calls_tool:
+                    delta = {
+                        "tool_calls": [
+                            {
+                                "index": 0,
+                                "id": call_id,
+                                "type": "function",
+                                "function": {"name": tool_name, "arguments": arguments},
+                            }
+                        ]
+                    }
+                    await asyncio.sleep(state.token_latency_seconds)
+                    yield chunk([{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}])
+                    produced = 1
+                else:
+                    produced = 0
+                    async for i in generate(n):
+                        produced += 1
+                        yield chunk(
+                            [{"index": 0, "delta": {"content": f" w{i}"}, "logprobs": None, "finish_reason": None}]
+                        )
+                yield chunk([{"index": 0, "delta": {}, "logprobs": None, "finish_reason": finish, "stop_reason": None}])
+                if include_usage:
+                    yield chunk([], _usage(prompt_tokens, n if not calls_tool else produced))
+                yield b"data: [DONE]\n\n"
+                state.finished += 1
+            except (asyncio.CancelledError, GeneratorExit):
+                state.cancelled += 1
+                raise
+            finally:
+                state.in_flight -= 1
+
+        return StreamingResponse(stream(), media_type="text/event-stream")
+
+    @router.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        body = await request.json()
+        refused = check(request, body)
+        if refused is not None:
+            return refused
+        record(request, body)
+        prompt = body["prompt"] if isinstance(body["prompt"], str) else " ".join(body["prompt"])
+        n = int(body.get("max_tokens") or 16)  # CompletionRequest.max_tokens defaults to 16 (protocol.py)
+        async for _ in generate(n):
+            pass
+        state.finished += 1
+        choice = {"index": 0, "text": " ".join(f"w{i}" for i in range(n)), "logprobs": None, "finish_reason": "length"}
+        return JSONResponse(
+            {
+                "id": f"cmpl-{uuid.uuid4().hex}",
+                "object": "text_completion",
+                "created": int(time.time()),
+                "model": body["model"],
+                "choices": [choice],
+                "usage": _usage(len(_tokens(prompt)), n),
+            }
+        )
+
+    @router.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        cards = [
+            {
+                "id": m,
+                "object": "model",
+                "created": int(time.time()),
+                "owned_by": "vllm",
+                "root": m,
+                "parent": None,
+                "max_model_len": MAX_MODEL_LEN,
+            }
+            for m in state.models
+        ]
+        return {"object": "list", "data": cards}
+
+    @router.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        body = await request.json()
+        if body.get("model") is not None and body["model"] not in state.models:
+            return _error(404, f"The model `{body['model']}` does not exist.", "NotFoundError", "model")
+        text = body["prompt"] if "prompt" in body else _message_text(body.get("messages", []))
+        tokens = _tokens(text)
+        return JSONResponse({"count": len(tokens), "max_model_len": MAX_MODEL_LEN, "tokens": tokens})
+
+    @router.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200)
+
+    return router
+
+
+def serving_app(state: ServingState) -> FastAPI:
+    """The OpenAI surface alone, for tests and benchmarks that need no sleep or wake."""
+    app = FastAPI()
+    app.include_router(openai_router(state))
+    app.state.serving = state
+    return app
+
+
+def main() -> None:
+    import uvicorn
+
+    parser = argparse.ArgumentParser(description="Serve the fake vLLM OpenAI surface.")
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--model", action="append", required=True)
+    parser.add_argument("--token-latency", type=float, default=0.0)
+    args = parser.parse_args()
+    app = serving_app(ServingState(models=args.model, token_latency_seconds=args.token_latency))
+    uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning", access_log=False)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,140 @@
+"""The gateway's pure parts: request facts, answer scanning, the choice of an instance, session events."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from clients.gateway.errors import GatewayError
+from clients.gateway.events import SessionEvents
+from clients.gateway.parsing import StreamScanner, parse_request, read_answer
+from clients.gateway.table import RouteTable
+from planner_service.wire.routes import Directives, RoutesOut
+
+
+def _body(**fields) -> bytes:
+    return json.dumps({"model": "alpha", "messages": [{"role": "user", "content": "abcd" * 10}], **fields}).encode()
+
+
+def test_session_from_header_then_user_then_a_hash_of_the_first_messages():
+    assert parse_request(_body(user="u1"), "chat", "s-head").session == "s-head"
+    assert parse_request(_body(user="u1"), "chat", None).session == "u1"
+    hashed = parse_request(_body(), "chat", None)
+    assert hashed.session_source == "hash" and hashed.session.startswith("h-")
+    # a later turn adds messages after the first two: the same session
+    longer = {
+        "model": "alpha",
+        "messages": [{"role": "user", "content": "abcd" * 10}, {"role": "assistant", "content": "x"}],
+    }
+    again = {**longer, "messages": [*longer["messages"], {"role": "user", "content": "more"}]}
+    assert (
+        parse_request(json.dumps(longer).encode(), "chat", None).session
+        == parse_request(json.dumps(again).encode(), "chat", None).session
+    )
+    assert hashed.input_tokens == 10  # 40 characters at ~4 a token
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        (b"[1]", None),
+        (json.dumps({"messages": [{"role": "user", "content": "x"}]}).encode(), "model"),
+        (json.dumps({"model": "a", "messages": []}).encode(), "messages"),
+        (json.dumps({"model": "a", "messages": [{}], "stream": "yes"}).encode(), "stream"),
+        (json.dumps({"model": "a", "messages": [{}], "user": 3}).encode(), "user"),
+    ],
+)
+def test_bad_requests_name_their_field(body, param):
+    with pytest.raises(GatewayError) as caught:
+        parse_request(body, "chat", None)
+    assert caught.value.status == 400 and caught.value.param == param
+    assert json.loads(caught.value.body())["error"]["type"] == "invalid_request_error"
+
+
+def test_completions_need_a_prompt():
+    with pytest.raises(GatewayError, match="prompt"):
+        parse_request(json.dumps({"model": "a"}).encode(), "completions", None)
+    assert (
+        parse_request(json.dumps({"model": "a", "prompt": "12345678"}).encode(), "completions", None).input_tokens == 2
+    )
+
+
+def test_the_stream_scanner_finds_usage_finish_reason_and_tools_across_split_chunks():
+    events = [
+        {
+            "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}],
+            "usage": None,
+        },
+        {"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"name": "grep"}}]}}]},
+        {"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}], "usage": None},
+        {"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10}},
+    ]
+    wire = b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events) + b"data: [DONE]\n\n"
+    scanner = StreamScanner()
+    for i in range(0, len(wire), 17):  # arbitrary TCP segment boundaries
+        scanner.feed(wire[i : i + 17])
+    facts = scanner.facts
+    assert (facts.finish_reason, facts.tools, facts.completion_tokens, facts.output_tokens) == (
+        "tool_calls",
+        ["grep"],
+        3,
+        3,
+    )
+
+
+def test_without_usage_the_chunks_count_as_output_tokens():
+    wire = b"".join(
+        b'data: {"choices":[{"index":0,"delta":{"content":"w"},"finish_reason":null}]}\n\n' for _ in range(5)
+    )
+    scanner = StreamScanner()
+    scanner.feed(wire)
+    assert scanner.facts.output_tokens == 5 and scanner.facts.completion_tokens is None
+    assert read_answer(b"not json").output_tokens == 0
+
+
+def _table(sessions=()) -> RouteTable:
+    instances = [
+        {"id": f"i{k}", "node": f"n{k}", "gpus": [f"g{k}"], "state": state, "url": f"http://e{k}"}
+        for k, state in enumerate(["running", "running", "asleep"])
+    ]
+    return RouteTable(
+        RoutesOut(
+            epoch=3,
+            revision="r",
+            models=[{"model": "alpha", "instances": instances}],
+            sessions=[{"session": s, "model": "alpha", "instance": i} for s, i in sessions],
+            directives=Directives(),
+        )
+    )
+
+
+def test_the_kv_holder_wins_and_other_sessions_stay_on_one_instance():
+    table = _table(sessions=[("s1", "i1"), ("s2", "i2")])
+    assert table.choose("alpha", "s1").instance.id == "i1" and table.choose("alpha", "s1").kv_holder
+    # s2's holder is asleep: a running instance instead, and the same one every time
+    picks = {table.choose("alpha", "s2").instance.id for _ in range(5)}
+    assert len(picks) == 1 and not table.choose("alpha", "s2").kv_holder
+    assert table.choose("alpha", "s1", exclude=frozenset({"i1"})).instance.id == "i0"
+    assert table.choose("alpha", "s1", exclude=frozenset({"i0", "i1"})) is None
+    assert table.choose("beta", "s1") is None and not table.known("beta")
+
+
+class _Sink:
+    def __init__(self) -> None:
+        self.events: list[dict] = []
+
+    def emit(self, event: dict) -> None:
+        self.events.append(event)
+
+
+def test_idle_sessions_end_once():
+    now = [1000.0]
+    sink = _Sink()
+    sessions = SessionEvents(sink, idle_seconds=10, clock=lambda: now[0])  # type: ignore[arg-type]
+    sessions.on_request(parse_request(_body(), "chat", "s1"))
+    now[0] += 5
+    assert sessions.end_idle() == 0
+    now[0] += 6
+    assert sessions.end_idle() == 1 and sessions.end_idle() == 0
+    assert [e["type"] for e in sink.events] == ["request", "session_end"]

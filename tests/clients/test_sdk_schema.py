@@ -40,6 +40,7 @@ def every_call() -> dict[str, Call]:
         "get_srv": sb.get_srv(),
         "get_plan": sb.get_plan(),
         "get_routes": sb.get_routes(),
+        "get_engines": sb.get_engines(),
         "replan": sb.replan(),
         "whatif": sb.whatif([]),
         "pareto": sb.pareto(),

@@ -141,6 +141,8 @@ def test_scenario_without_priors_or_focus_models() -> None:
     keep = {"planner", "summarizer"}
     data["models"] = [m for m in data["models"] if m["id"] in keep]
     data["sessions"] = [s for s in data["sessions"] if s["model"] in keep]
+    for node in data["cluster"]["nodes"]:  # the demo's engines serve the models it keeps, as a trimmed catalog would
+        node["engines"] = [e for e in node.get("engines") or [] if e["model"] in keep]
     data["residency"] = [
         r
         for r in data["residency"]

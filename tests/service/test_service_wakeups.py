@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 from prometheus_client import CollectorRegistry
+from support import TINY_SCENARIO as TINY
+from support import FakeClock
 
 from planner_service.domain.scenario import load_scenario
 from planner_service.domain.state import Location, StateObject
@@ -18,25 +20,16 @@ from planner_service.service.records import OpenOps, OpRecord
 from planner_service.service.store import SqliteStore
 from planner_service.settings import Settings
 
-TINY = Path(__file__).parent / "tiny_scenario.json"
 LEASE_SECONDS = 10.0
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.t = 1_000.0
-
-    def __call__(self) -> float:
-        return self.t
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock(1_000.0)
 
 
 @pytest.fixture
-def clock() -> Clock:
-    return Clock()
-
-
-@pytest.fixture
-def woken(tmp_path: Path, clock: Clock):
+def woken(tmp_path: Path, clock: FakeClock):
     """The service and every notification's nodes, in order (None: every node)."""
     svc = ClusterService(
         SqliteStore(tmp_path / "w.db"), Metrics(CollectorRegistry()), Settings(lease_seconds=LEASE_SECONDS), clock=clock

@@ -20,14 +20,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from planner_service.domain.state import Kind, Location, StateObject
 from planner_service.sim.policies.base import PolicyName
 from planner_service.sim.policies.groups import FixedGroupsPolicy, Partition
+from planner_service.sim.policies.lru import OLLAMA_KEEP_ALIVE_SECONDS, unload_idle
 
 if TYPE_CHECKING:
     from planner_service.sim.view import SimView
-
-OLLAMA_KEEP_ALIVE_SECONDS = 300.0  # Ollama's default keep_alive (docs/faq.md): 5 minutes
 
 
 class SwapTtlPolicy(FixedGroupsPolicy):
@@ -42,15 +40,4 @@ class SwapTtlPolicy(FixedGroupsPolicy):
 
     def on_tick(self, sim: SimView) -> None:
         """Stop engines idle for longer than the keep-alive (checked every engine tick)."""
-        for model_id, state in sorted(sim.models.items()):
-            weights = StateObject.weights(model_id, state.precision)
-            if state.status != "ready" or sim.demand.get(model_id):
-                continue
-            if sim.now - sim.last_used.get(weights, 0.0) < self.keep_alive_seconds:
-                continue
-            for g in state.gpus:
-                loc = Location.gpu(g.id)
-                for other in list(sim.cluster.objects_at(loc)):
-                    if other.model == model_id and other.kind is not Kind.WEIGHTS:
-                        self.act.evict(other, loc)
-            self.act.evict(weights, Location.gpu(state.gpus[0].id))
+        unload_idle(sim, self.act, self.keep_alive_seconds)

@@ -319,7 +319,10 @@ async def test_the_agent_declares_the_gpus_its_engines_were_launched_on(tmp_path
         finally:
             stop.set()
             await asyncio.wait_for(task, timeout=10)
-        assert [e.model_dump() for e in node.engines or []] == [{"model": "coder", "gpus": ["n2-g2", "n2-g3"]}]
+        # and the URL the gateway routes the model's requests to
+        assert [e.model_dump() for e in node.engines or []] == [
+            {"model": "coder", "gpus": ["n2-g2", "n2-g3"], "url": "http://127.0.0.1:9"}
+        ]
 
 
 async def test_with_a_node_token_state_is_materialized_on_first_use(tmp_path):

@@ -38,6 +38,7 @@ MODELS = TypeAdapter(list[ModelOut])
 OPERATIONS = TypeAdapter(list[OperationRecord])
 JOIN_SECONDS = 60.0  # a load thread stops within its request timeout (30 s) and one operation's run
 RESEND_CHUNK = 1000  # events per request when acknowledged events are sent again
+FIRST_ACK_SECONDS = 60.0  # the longest a kill trial waits for its first acknowledged event and report
 # what a healthy service never logs; each is counted in the trial's figures
 LOG_ALARMS = {
     "unplannable": re.compile(r"cannot be planned"),
@@ -406,7 +407,7 @@ def _kill_trial(
         done_before = set(read_operations(client, OperationState.DONE))
     tally, events, reports = Tally(), EventLedger(), ReportLedger()
     stop = threading.Event()
-    deadline = time.monotonic() + trial.load_seconds + JOIN_SECONDS
+    deadline = time.monotonic() + FIRST_ACK_SECONDS + trial.load_seconds + JOIN_SECONDS
     headers = server.headers()
     threads: list[threading.Thread] = [
         EventSender(
@@ -442,6 +443,7 @@ def _kill_trial(
     ]
     for t in threads:
         t.start()
+    _wait_for_first_acks(events, reports, time.monotonic() + FIRST_ACK_SECONDS)
     time.sleep(trial.load_seconds)
     server.kill()  # at a random moment of the load: requests in flight get no answer
     stop.set()
@@ -461,6 +463,13 @@ def _kill_trial(
     with server.client() as client:
         trial.events_lost = _resend_events(client, events.acked)
         _check_reports(client, reports, before, done_before, trial)
+
+
+def _wait_for_first_acks(events: EventLedger, reports: ReportLedger, deadline: float) -> None:
+    """Until the service acknowledged an event and a report (or `deadline`): the random moment of the kill is
+    counted from there, so that a slow machine's trial still kills a service with acknowledged work to lose."""
+    while time.monotonic() < deadline and not (events.acked and reports.acked):
+        time.sleep(0.05)
 
 
 def _resend_events(client: httpx.Client, acked: list[dict[str, Any]]) -> int:

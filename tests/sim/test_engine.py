@@ -173,6 +173,8 @@ def test_handoffs_are_model_changes_within_a_session() -> None:
         "sleep-router",
         "swap-ttl",
         "clairvoyant",
+        "independent",
+        "oracle",
     ],
 )
 def test_conservation_on_the_demo(policy: str) -> None:
@@ -188,15 +190,7 @@ def demo_without_declared_engines() -> Scenario:
     return parse_scenario(data)
 
 
-# `independent` and `oracle` choose their own GPU groups; on the demo, whose nodes declare vLLM engines on fixed
-# groups, they load and evict without end (a known defect of those two policies on engine scenarios): strict, so
-# that the fix shows here. On the same demo with no engines declared they conserve like the rest.
-@pytest.mark.parametrize("policy", ["independent", "oracle"])
-@pytest.mark.xfail(raises=SimulationError, strict=True, reason="thrashes on the demo's declared engines")
-def test_conservation_on_the_engine_demo_of_the_policies_that_choose_their_own_groups(policy: str) -> None:
-    check_conservation(demo_scenario(), policy)
-
-
+# `independent` and `oracle` choose their own GPU groups, so they also run on the demo with no engines declared
 @pytest.mark.parametrize("policy", ["independent", "oracle"])
 def test_conservation_on_the_demo_without_declared_engines(policy: str) -> None:
     check_conservation(demo_without_declared_engines(), policy)

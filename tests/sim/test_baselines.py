@@ -14,7 +14,7 @@ from test_engine import GB, tiny_scenario, tiny_trace
 from planner_service.sim.engine import base_problem, simulate
 from planner_service.sim.policies import create_policy
 from planner_service.sim.policies.groups import operator_partition
-from planner_service.sim.policies.static_tuned import StaticTunedPolicy, materialise, model_options, tune_static
+from planner_service.sim.policies.static_tuned import StaticTunedPolicy, tune_static
 from planner_service.sim.policies.swap_ttl import SwapTtlPolicy
 
 
@@ -85,18 +85,6 @@ def test_the_operator_partition_spreads_models_over_whole_nodes_or_their_declare
         assert engine.precision in problem.models[engine.model].precisions
     assert len({e.node for e in partition.values()}) == len(problem.nodes)  # every node group is used
     assert [g.id for g in partition["vision"].gpus] == ["n4-g1"]  # the demo declares vision's engine there
-
-
-def test_static_tuned_launches_a_declared_engine_on_its_group_only() -> None:
-    from planner_service.domain.demo import demo_scenario
-
-    problem = base_problem(demo_scenario())
-    options = model_options(problem, "coder")  # n2 declares coder's engine on n2-g0 and n2-g1: TP 2 only
-    assert {o for o in options if o is not None and o[0] == "n2"} == {("n2", 2, "bf16"), ("n2", 2, "int4")}
-    assert any(o is not None and o[0] == "n1" and o[1] == 4 for o in options)  # n1 declares no group for it
-    # longctx (larger, placed first) takes n2-g0 and n2-g1; coder still launches on its declared pair beside it
-    partition = materialise(problem, {"coder": ("n2", 2, "int4"), "longctx": ("n2", 2, "int4")})
-    assert partition is not None and [g.id for g in partition["coder"].gpus] == ["n2-g0", "n2-g1"]
 
 
 def test_static_tuned_searches_the_whole_small_space() -> None:

@@ -1,12 +1,11 @@
 """`static-tuned`: the best fixed partition a team could find by trying configurations in the simulator.
 
 The space: for every model, an engine on one node, with a tensor-parallel degree (1, 2, 4, ... GPUs of
-that node, at least the model's minimum there; only the group the node declares the model's engine on,
-where it declares one) and a precision from its allowed set, or no fixed engine
+that node, at least the model's minimum there) and a precision from its allowed set, or no fixed engine
 (the model is loaded on demand into the room the partition leaves, least recently used first, as
 `static` does: where the catalog exceeds HBM some models must be). A candidate is
 materialised by giving each model (largest weights first) the `k` GPUs of its node with the most room
-left (its declared group, where it has one); it is pruned when a GPU's weights would leave less than `KV_HEADROOM` of it for KV, so every
+left; it is pruned when a GPU's weights would leave less than `KV_HEADROOM` of it for KV, so every
 engine of a candidate is up at once and never moves, or when a model it serves on demand fits beside
 them nowhere; a candidate whose training replay cannot finish is infeasible. Candidates are scored by replaying training
 traces (seeds kept apart from the reported ones) under this policy; the score is the mean over the
@@ -93,11 +92,8 @@ def model_options(problem: Problem, model_id: str) -> list[Option]:
         if not node.can_serve(model_id):
             continue
         gpus = [problem.gpus[g] for g in sorted(node.gpus)]
-        fixed = node.engine_gpus.get(model_id)  # a declared engine spans its GPUs, no other degree
-        if fixed:
-            gpus = [problem.gpus[g] for g in sorted(fixed)]
         smallest = min(g.capacity_bytes for g in gpus)
-        k = len(gpus) if fixed else 1
+        k = 1
         while k <= len(gpus):
             if k >= max(model.min_gpus.get(g.type, 1) for g in gpus):
                 for precision in model.precisions:
@@ -115,9 +111,8 @@ def materialise(problem: Problem, choice: dict[str, Option]) -> dict[str, FixedE
     for model_id in sorted(fixed, key=lambda m: (-problem.models[m].weights_bytes[fixed[m][2]], m)):
         node_id, k, precision = fixed[model_id]
         shard = math.ceil(problem.models[model_id].weights_bytes[precision] / k)
-        declared = problem.nodes[node_id].engine_gpus.get(model_id)
         room = sorted(problem.nodes[node_id].gpus, key=lambda g: (used[g] - problem.gpus[g].capacity_bytes, g))
-        group = sorted(declared or room[:k])
+        group = sorted(room[:k])
         if any(used[g] + shard > (1 - KV_HEADROOM) * problem.gpus[g].capacity_bytes for g in group):
             return None
         for g in group:
@@ -134,8 +129,7 @@ def _room_on_demand(problem: Problem, model_id: str, used: dict[str, int]) -> bo
     model = problem.models[model_id]
     for node_id, k, precision in (o for o in model_options(problem, model_id) if o is not None):
         shard = math.ceil(model.weights_bytes[precision] / k)
-        gpus = problem.nodes[node_id].engine_gpus.get(model_id) or problem.nodes[node_id].gpus
-        room = sorted((problem.gpus[g].capacity_bytes - used[g] for g in gpus), reverse=True)
+        room = sorted((problem.gpus[g].capacity_bytes - used[g] for g in problem.nodes[node_id].gpus), reverse=True)
         if all(r * (1 - KV_HEADROOM) >= shard for r in room[:k]):
             return True
     return False

@@ -335,7 +335,13 @@ class Executor:
                 self._release_residue(sleeping.instance.model, sleeping.node)
 
     def fill_experts(self, model_id: str, headroom: float = KV_HEADROOM, gpu_ids: Iterable[str] | None = None) -> None:
-        """Copy a MoE's routed experts into the free room of its node's GPUs, leaving `headroom` of each GPU."""
+        """Copy a MoE's routed experts into the free room of its node's GPUs, leaving `headroom` of each GPU.
+
+        Where the engine fixes its expert share at launch (vLLM, SGLang), the experts never give way to KV
+        later, so the launch leaves each serving GPU its shard of the policy's KV reserve as well (the KV
+        pool an operator sizes at launch): else a request whose KV needs more than the headroom waits on
+        a group that can never hold it, and every reload fills the same room again.
+        """
         model = self.problem.models[model_id]
         state = self.models.get(model_id)
         if not model.is_moe or state is None:
@@ -351,9 +357,13 @@ class Executor:
         # routed experts may sit on any GPU of the serving node (expert parallel), as the planner places them
         serving = {g.id for g in state.gpus}
         order = sorted(self.problem.nodes[state.node].gpus, key=lambda g: (g not in serving, g))
+        pool_bytes = 0  # per serving GPU
+        if not self.sim.engines.runtime_experts(state.node, model_id):
+            pool_bytes = -(-self.policy.kv_reserve(self.view, model_id) // len(state.gpus))
         for gid in gpu_ids if gpu_ids is not None else order:
             loc = Location.gpu(gid)
-            room = self.cluster.free(loc) - int(headroom * self.cluster.capacity[loc])
+            kept = int(headroom * self.cluster.capacity[loc])
+            room = self.cluster.free(loc) - (max(kept, pool_bytes) if gid in serving else kept)
             nbytes = min(want, room) // model.expert_bytes * model.expert_bytes
             if nbytes <= 0:
                 continue

@@ -72,16 +72,19 @@ def test_swap_ttl_stops_an_idle_engine_after_its_keep_alive() -> None:
     assert transitions == {"cold_start": 3, "stop": 2}
 
 
-def test_the_operator_partition_spreads_models_over_whole_nodes() -> None:
+def test_the_operator_partition_spreads_models_over_whole_nodes_or_their_declared_groups() -> None:
     from planner_service.domain.demo import demo_scenario
 
     problem = base_problem(demo_scenario())
     partition = operator_partition(problem)
     assert set(partition) == set(problem.models)
     for engine in partition.values():
-        assert {g.id for g in engine.gpus} == set(problem.nodes[engine.node].gpus)  # TP over the whole node
+        declared = problem.nodes[engine.node].engine_gpus.get(engine.model)
+        # TP over the whole node, or over the GPUs the node declares the model's engine on
+        assert {g.id for g in engine.gpus} == set(declared or problem.nodes[engine.node].gpus)
         assert engine.precision in problem.models[engine.model].precisions
     assert len({e.node for e in partition.values()}) == len(problem.nodes)  # every node group is used
+    assert [g.id for g in partition["vision"].gpus] == ["n4-g1"]  # the demo declares vision's engine there
 
 
 def test_static_tuned_searches_the_whole_small_space() -> None:

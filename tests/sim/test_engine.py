@@ -188,11 +188,10 @@ def demo_without_declared_engines() -> Scenario:
     return parse_scenario(data)
 
 
-# `independent` and `oracle` choose their own GPU groups; on the demo, whose nodes declare vLLM engines on fixed
-# groups, they load and evict without end (a known defect of those two policies on engine scenarios): strict, so
-# that the fix shows here. On the same demo with no engines declared they conserve like the rest.
+# `independent` and `oracle` choose their own GPU groups: on the demo's declared vLLM engines a MoE they load on one
+# GPU fixes its expert share at launch beside its waiting request's KV (else it would reload without end), and
+# `independent` partitions on the declared groups. On the same demo with no engines declared they conserve too.
 @pytest.mark.parametrize("policy", ["independent", "oracle"])
-@pytest.mark.xfail(raises=SimulationError, strict=True, reason="thrashes on the demo's declared engines")
 def test_conservation_on_the_engine_demo_of_the_policies_that_choose_their_own_groups(policy: str) -> None:
     check_conservation(demo_scenario(), policy)
 

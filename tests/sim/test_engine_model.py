@@ -6,9 +6,10 @@ import pytest
 
 from planner_service.domain.engines import EngineConstants, EngineState
 from planner_service.domain.scenario import Scenario, parse_scenario
-from planner_service.domain.state import Kind, Location
+from planner_service.domain.state import Kind, Location, StateObject
 from planner_service.sim.engine import Simulator
 from planner_service.sim.policies import create_policy
+from planner_service.sim.trace import TraceRequest
 from tests.sim.test_engine import GB, tiny_scenario, tiny_trace
 
 
@@ -83,7 +84,6 @@ def test_a_vllm_engine_without_lmcache_keeps_no_kv_in_host() -> None:
 
 
 def test_a_plan_may_not_move_one_sessions_kv_on_a_vllm_node() -> None:
-    from planner_service.domain.state import StateObject
     from planner_service.planner.operations import Action, Operation
 
     for kind, outcome in (("vllm", "failed"), ("local", "started")):
@@ -92,3 +92,44 @@ def test_a_plan_may_not_move_one_sessions_kv_on_a_vllm_node() -> None:
         sim.cluster.add(kv, gpu, 1000)
         demote = Operation("op-1", Action.DEMOTE, kv, gpu, host, 1000, False, node="n1")
         assert sim.executor.apply(demote, lambda op, t: None) == outcome
+
+
+def moe_scenario(**engine: object) -> Scenario:
+    """The tiny node's 10 GB GPU and a MoE: 2 GB of dense weights, 20 GB of routed experts, 1 MB of KV a token."""
+    data = tiny_scenario().model_dump(mode="json", exclude_none=True)
+    data["models"].append(
+        {
+            "id": "moe",
+            "weights_bytes": {"bf16": 2 * GB},
+            "kv_bytes_per_token": 1_000_000,
+            "active_params": 250_000_000,
+            "experts_bytes": 20 * GB,
+            "expert_bytes": GB // 8,
+        }
+    )
+    data["residency"] += [
+        {
+            "object": {"kind": "weights", "model": "moe", "precision": "bf16"},
+            "location": {"tier": "nvme", "node": "n1"},
+            "bytes": 2 * GB,
+        },
+        {"object": {"kind": "experts", "model": "moe"}, "location": {"tier": "nvme", "node": "n1"}, "bytes": 20 * GB},
+    ]
+    if engine:
+        data["cluster"]["nodes"][0]["engines"] = [{"model": m, **engine} for m in ("a", "b", "moe")]
+    return parse_scenario(data)
+
+
+@pytest.mark.parametrize("kind", ["vllm", "local"])
+def test_a_launch_fixed_expert_share_leaves_the_waiting_requests_kv_room(kind: str) -> None:
+    # 3000 tokens in: 3 GB of KV, more than the 1 GB (10 %) an expert fill leaves; vLLM fixes the share at
+    # launch, so the fill leaves the request's 3 GB instead (filling 8 GB - 1 GB would strand it: it would wait
+    # on a group that never holds it, and each reload would fill the same room again)
+    trace = [TraceRequest(t=0.0, session="s1", model="moe", input_tokens=3000, output_tokens=0)]
+    sim = Simulator(moe_scenario(kind=kind, features=["sleep_mode", "dev_mode"]), trace, create_policy("lru"))
+    result = sim.run()
+    assert result.violations == 0 and [r.state for r in result.requests] == ["done"]
+    experts = sim.cluster.bytes_of(StateObject.experts("moe"), Location.gpu("g0"))
+    # vllm: 10 - 2 of weights - 3 of KV = 5 GB of experts, which stay while the engine runs; local: the
+    # 7 GB fill gives way to the KV (experts are a cache there)
+    assert experts == (5 * GB if kind == "vllm" else 0)

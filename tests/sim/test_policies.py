@@ -104,6 +104,25 @@ def test_independent_partitions_gpus_between_models() -> None:
     assert parts["a"] != parts["b"] and not parts["a"] & parts["b"]
 
 
+def test_independent_gives_a_model_the_group_its_engine_is_declared_on() -> None:
+    data = scenario(gpus=4).model_dump(mode="json", exclude_none=True)
+    engine = {"kind": "vllm", "features": ["sleep_mode", "dev_mode"]}
+    data["cluster"]["nodes"][0]["engines"] = [{"model": "a", **engine, "gpus": ["g2"]}] + [
+        {"model": m, **engine} for m in ("b", "c")
+    ]
+    records = [
+        TraceRequest(t=float(i), session="s", model=m, input_tokens=0, output_tokens=0) for i, m in enumerate("aab")
+    ]
+    free = Simulator(scenario(gpus=4), records, create_policy("independent"))
+    free.run()
+    assert free.policy.partition["a"] == {"g0", "g3"}  # one GPU each, the spare one to a by demand share
+    declared = Simulator(parse_scenario(data), records, create_policy("independent"))
+    result = declared.run()
+    # a's engine runs on g2 only: that is its partition, and the spare GPU goes to b (a's could not use it)
+    assert declared.policy.partition["a"] == {"g2"} and declared.policy.partition["b"] == {"g0", "g3"}
+    assert result.fallback_loads == 0 and all(r.state == "done" for r in result.requests)
+
+
 def test_statebudget_calls_the_planner_online() -> None:
     records = [
         TraceRequest(t=10.0 * i, session="s1", model="abc"[i % 3], input_tokens=500, output_tokens=10) for i in range(9)

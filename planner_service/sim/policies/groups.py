@@ -4,7 +4,7 @@ are set by its operator, as in a llama-swap or Ollama config (a model's launch c
 `operator_partition` writes the config an operator would: models in decreasing weight size, each on the
 node with the least weight already assigned to it (relative to its HBM) that holds it, tensor-parallel
 over all of that node's GPUs (llama-swap's `CUDA_VISIBLE_DEVICES` per model; vLLM's
-`--tensor-parallel-size`), at its preferred precision where the shards fit with `KV_HEADROOM` of each
+`--tensor-parallel-size`), or over the GPUs the node declares the model's engine on, at its preferred precision where the shards fit with `KV_HEADROOM` of each
 GPU left for KV, else the next allowed precision. Models that share a node form one llama-swap group:
 they run together while they fit and swap, least recently used first, when they do not.
 
@@ -60,6 +60,12 @@ def node_gpus(problem: Problem, node_id: str) -> tuple[Gpu, ...]:
     return tuple(problem.gpus[g] for g in sorted(problem.nodes[node_id].gpus))
 
 
+def engine_group(problem: Problem, model_id: str, node_id: str) -> tuple[Gpu, ...]:
+    """The GPUs the model's engine spans on the node: those the node declares it on, else all of them."""
+    fixed = problem.nodes[node_id].engine_gpus.get(model_id)
+    return tuple(problem.gpus[g] for g in sorted(fixed)) if fixed else node_gpus(problem, node_id)
+
+
 def operator_partition(problem: Problem) -> dict[str, FixedEngine]:
     """The hand-written config: each model tensor-parallel over a whole node, spread by weight (module doc)."""
     assigned = dict.fromkeys(problem.nodes, 0)
@@ -68,11 +74,13 @@ def operator_partition(problem: Problem) -> dict[str, FixedEngine]:
     for model in sorted(problem.models.values(), key=lambda m: (-m.weights_bytes[m.preferred], m.id)):
         for precision in model.precisions:  # preferred first
             fits = [
-                n for n in sorted(problem.nodes) if engine_fits(problem, model.id, n, precision, node_gpus(problem, n))
+                n
+                for n in sorted(problem.nodes)
+                if engine_fits(problem, model.id, n, precision, engine_group(problem, model.id, n))
             ]
             if fits:
                 node_id = min(fits, key=lambda n: (assigned[n] / hbm[n], n))
-                out[model.id] = FixedEngine(model.id, node_id, precision, node_gpus(problem, node_id))
+                out[model.id] = FixedEngine(model.id, node_id, precision, engine_group(problem, model.id, node_id))
                 assigned[node_id] += model.weights_bytes[precision]
                 break
     return out

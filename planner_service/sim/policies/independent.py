@@ -1,9 +1,11 @@
 """`independent`: one engine per model on dedicated GPUs, partitioned up front by demand share.
 
 Each model gets the fewest GPUs of one node that hold its weights (largest
-models first, on the node with the most room); the GPUs left over go to
-models by their share of the trace's requests (largest remainder), on the
-node of their partition. A model's KV pool is its partition. A model that
+models first, on the node with the most room); on a node that declares the
+model's engine on fixed GPUs, that group is the only one it may get there.
+The GPUs left over go to the other models by their share of the trace's
+requests (largest remainder), on the node of their partition (a declared
+group does not widen). A model's KV pool is its partition. A model that
 gets no partition shares the one of the model it fits with (a time-shared
 engine pair). Loads and evictions stay inside a partition; no coordination
 across models. When a partition is too small for one request's KV, the model
@@ -45,10 +47,14 @@ class IndependentPolicy(Policy):
             best = None
             for node_id in sorted(free, key=lambda n: (-len(free[n]), n)):
                 gpus = free[node_id]
-                for k in range(1, len(gpus) + 1):
-                    group = gpus[:k]
-                    if k >= max(model.min_gpus.get(p.gpus[g].type, 1) for g in group) and all(
-                        math.ceil(nbytes / k) <= p.gpus[g].capacity_bytes for g in group
+                fixed = p.nodes[node_id].engine_gpus.get(model.id)
+                groups = [list(fixed)] if fixed else [gpus[:k] for k in range(1, len(gpus) + 1)]
+                for group in groups:
+                    k = len(group)
+                    if (
+                        set(group) <= set(gpus)
+                        and k >= max(model.min_gpus.get(p.gpus[g].type, 1) for g in group)
+                        and all(math.ceil(nbytes / k) <= p.gpus[g].capacity_bytes for g in group)
                     ):
                         if best is None or k < len(best[1]):
                             best = (node_id, group)
@@ -58,9 +64,11 @@ class IndependentPolicy(Policy):
                 self.partition[model.id] = set(group)
                 node_of[model.id] = node_id
                 free[node_id] = [g for g in free[node_id] if g not in group]
-        # leftover GPUs by demand share, on the node of each model's partition
+        # leftover GPUs by demand share, on the node of each model's partition (its engine may widen there)
         for node_id, gpus in sorted(free.items()):
-            owners = [m for m in sorted(self.partition) if node_of[m] == node_id]
+            owners = [
+                m for m in sorted(self.partition) if node_of[m] == node_id and not p.nodes[node_id].engine_gpus.get(m)
+            ]
             for g in gpus:
                 if not owners:
                     break

@@ -402,11 +402,14 @@ def _kv_predicted(
             kept[loc.id].append((key, out.get(key, 0)))
             _set(out, key, was)
     for (obj, node), nbytes in sorted(strays.items()):
-        if nbytes:  # the session's KV follows its engine's group, split evenly as the planner splits it
+        if nbytes:  # the session's KV follows its engine's group whole (never past its size), split evenly
             group = after[(node, obj.model)].gpus
-            total = nbytes + sum(out.get((obj, Location.gpu(g)), 0) for g in group)
+            held = sum(out.get((obj, Location.gpu(g)), 0) for g in group)
+            grow = min(nbytes, problem.size_of(obj) - held)
             for i, g in enumerate(group):
-                _set(out, (obj, Location.gpu(g)), total // len(group) + (1 if i < total % len(group) else 0))
+                add = grow // len(group) + (1 if i < grow % len(group) else 0)
+                if add > 0:
+                    _set(out, (obj, Location.gpu(g)), out.get((obj, Location.gpu(g)), 0) + add)
     if not kept:
         return
     used = _gpu_used(problem, out)
@@ -432,7 +435,7 @@ def _expert_share_fixed(
         if not spec.experts_bytes or not (b.state is a.state is EngineState.RUNNING and b.same_instance(a)):
             continue
         obj = StateObject.experts(key[1])
-        for g in b.gpus:
+        for g in problem.nodes[key[0]].gpus:  # its group's and none beside it: the engine's experts are its own
             _set(out, (obj, Location.gpu(g)), problem.residency.get((obj, Location.gpu(g)), 0))
 
 

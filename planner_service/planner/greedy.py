@@ -83,12 +83,19 @@ from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from planner_service.domain.engines import EngineState
 from planner_service.domain.problem import Gpu, ModelSpec, Node, Problem, Session
 from planner_service.domain.scenario import Capability, Slo
 from planner_service.domain.state import Kind, Location, Placement, StateObject, Tier
 from planner_service.domain.units import GIB
 from planner_service.planner import costs, joint
-from planner_service.planner.engine_plan import confirmed_states, kept_contexts, pinned_instances, pooled_kv
+from planner_service.planner.engine_plan import (
+    can_leave,
+    confirmed_states,
+    kept_contexts,
+    pinned_instances,
+    pooled_kv,
+)
 from planner_service.planner.errors import PlanningError
 from planner_service.planner.lateness import Lateness
 from planner_service.planner.objective import ColdLoad, Demand, cold_load, kv_ready
@@ -330,11 +337,14 @@ class GreedyPlanner:
         self.book = _GpuBook(problem, self._pinned)
         # the CUDA contexts that engines which cannot stop keep asleep: held until their weights land there
         self._contexts = kept_contexts(states)
-        for (gpu_ids, nbytes) in self._contexts.values():
+        for gpu_ids, nbytes in self._contexts.values():
             self.book.take([problem.gpus[g] for g in gpu_ids], [nbytes] * len(gpu_ids))
         # (node, model) -> the KV in each running engine's fixed pool, kept while it runs as it is
         self._pools = pooled_kv(problem, states)
         self._pooled: set[StateObject] = set()  # KV placed where its engine's pool keeps it
+        self._stuck = {
+            key: view for key, view in states.items() if view.state is EngineState.RUNNING and not can_leave(view)
+        }
         self._at = {g: Location.gpu(g) for g in problem.gpus}  # GPU id -> its location
         self.target: Placement = {}
         self.groups: dict[str, Group] = {}
@@ -505,12 +515,15 @@ class GreedyPlanner:
             stay_node = None
             if current and current.precision == precision and self._may_serve_from(model, current.node, current.gpus):
                 stay = current.gpus
+                # the KV its running engine's pool keeps there counts whole, the active sessions' part of it
+                # within `extra_bytes`
+                kept, kept_active = self._kept_on(model.id, current.node, precision, stay)
                 shards = [
                     a + b + c
                     for a, b, c in zip(
                         split_evenly(nbytes, len(stay)),
-                        split_evenly(extra_bytes, len(stay)),
-                        self._kept_on(model.id, current.node, precision, stay),
+                        split_evenly(max(0, extra_bytes - kept_active), len(stay)),
+                        kept,
                         strict=True,
                     )
                 ]
@@ -915,11 +928,12 @@ class GreedyPlanner:
                 return [wide, narrow]
         return [wide]
 
-    def _kept_on(self, model_id: str, node_id: str, precision: str, gpus: tuple[Gpu, ...]) -> list[int]:
-        """Bytes per GPU of `gpus` that staying there at `precision` takes beyond the weights and the active
-        sessions' KV: the other sessions' KV in the running engine's pool (`_keep_pool`), less the context a
-        sleep would have kept (held already)."""
+    def _kept_on(self, model_id: str, node_id: str, precision: str, gpus: tuple[Gpu, ...]) -> tuple[list[int], int]:
+        """Bytes per GPU of `gpus` that staying there at `precision` takes beyond the weights: the sessions' KV
+        in the running engine's pool (`_keep_pool`), less the context a sleep would have kept (held already);
+        and how much of that KV is the active sessions'."""
         out = [0] * len(gpus)
+        active_bytes = 0
         ids = tuple(g.id for g in gpus)
         key = (node_id, model_id)
         context = self._contexts.get(key)
@@ -930,9 +944,10 @@ class GreedyPlanner:
             active = {s.id for s in self.active.get(model_id, ())}
             position = {g: i for i, g in enumerate(ids)}
             for (kv, loc), nbytes in pool[2].items():
-                if kv.session not in active:
-                    out[position[loc.id]] += nbytes
-        return out
+                out[position[loc.id]] += nbytes
+                if kv.session in active:
+                    active_bytes += nbytes
+        return out, active_bytes
 
     def _keep_pool(self, model: ModelSpec, group: Group) -> None:
         """Where the model stays on its running engine as it is, the sessions' KV in that engine's pool stays
@@ -990,16 +1005,29 @@ class GreedyPlanner:
 
         return sorted(self.active, key=urgency)
 
+    def _place_stuck(self) -> None:
+        """The running engines that cannot leave their GPUs (an adopted one launched without a sleep it may be
+        asked for) keep serving there, with their pools: placed first, whatever their demand."""
+        for (node_id, model_id), view in sorted(self._stuck.items()):
+            assert view.precision is not None  # a running instance
+            group = Group(node_id, view.precision, tuple(self.p.gpus[g] for g in view.gpus))
+            self._place_weights(self.p.models[model_id], group, "its engine cannot leave its GPUs (adopted)")
+
     def serve_active(self) -> None:
         active = self.active
+        self._place_stuck()
         order = self._serve_order()
         needs = {m: sum(self._kv_bytes(s, self.p.models[m]) for s in active[m]) for m in order}  # active KV bytes
         # a caller's choices (the local search's) stand as given; else the nodes are chosen together
-        pinned = self._pin_joint_choice(order, needs) if not self.nodes and not self.precisions else set()
+        free_order = [m for m in order if m not in self.groups]
+        pinned = self._pin_joint_choice(free_order, needs) if not self.nodes and not self.precisions else set()
         for model_id in order:
             model = self.p.models[model_id]
             sessions = active[model_id]
             need = needs[model_id]
+            if model_id in self.groups:  # its engine cannot leave its GPUs: its sessions' KV joins it there
+                self._serve_sessions(model, self.groups[model_id], sessions)
+                continue
             # where the weights and all the active KV fit nowhere, take the group that holds the most of that KV
             best = self._best_group(model, need) or self._roomiest_group(model, need)
             if best is None and model_id in pinned:  # the joint choice has no room left after all: any node
@@ -1011,14 +1039,10 @@ class GreedyPlanner:
                 continue
             _, group = best
             self._place_weights(model, group, f"serves {len(sessions)} active session(s)")
-            served = {s.id for s in self._water_fill(model, group, sessions)}
-            for s in sessions:
-                if s.id not in served:
-                    self.unserved[s.id] = (
-                        f"kv capacity: the KV of session {s.id} does not fit on node {group.node}'s GPUs "
-                        f"beside {model.id}'s weights and other users' fair share"
-                    )
+            self._serve_sessions(model, group, sessions)
         for model_id in sorted(pinned - set(order)):  # an idle model the joint choice keeps warm
+            if model_id in self.groups:
+                continue
             model = self.p.models[model_id]
             best = self._best_group(model, 0)
             if best is None:  # no room left after all: `spend` may still offer it elsewhere
@@ -1031,6 +1055,15 @@ class GreedyPlanner:
             self._place_weights(
                 model, group, _words((_KEPT_WARM, (self._demand(model_id), saved, value, nbytes / GIB)))
             )
+
+    def _serve_sessions(self, model: ModelSpec, group: Group, sessions: list[Session]) -> None:
+        served = {s.id for s in self._water_fill(model, group, sessions)}
+        for s in sessions:
+            if s.id not in served:
+                self.unserved[s.id] = (
+                    f"kv capacity: the KV of session {s.id} does not fit on node {group.node}'s GPUs "
+                    f"beside {model.id}'s weights and other users' fair share"
+                )
 
     def _pin_joint_choice(self, order: list[str], needs: Mapping[str, int]) -> set[str]:
         """Fix each active model's node and precision as `joint.assign` chooses them together on the greedy's
@@ -1078,7 +1111,7 @@ class GreedyPlanner:
         best: tuple[int, str] | None = None
         moes = []
         for model_id, model in self.p.models.items():
-            if model_id in self.active or self._demand(model_id) <= 0:
+            if model_id in self.active or model_id in self.groups or self._demand(model_id) <= 0:
                 continue
             if model.is_moe:
                 moes.append(model_id)
@@ -1296,6 +1329,9 @@ class GreedyPlanner:
                     continue
                 model = self.p.models[model_id]
                 shards = split_evenly(model.weights_bytes[group.precision], len(group.gpus))
+                if self._pools or self._contexts:  # staying on its running engine keeps that engine's KV pool
+                    kept, _ = self._kept_on(model_id, group.node, group.precision, group.gpus)
+                    shards = [a + b for a, b in zip(shards, kept, strict=True)]
                 if offered != self._placed_on[group.node] or not self.book.fits(group.gpus, shards):
                     # weights were placed on its node since the offer was made, or its group filled up: its
                     # best group and value may have changed (lazy greedy: re-offer at the current value; it
@@ -1476,7 +1512,9 @@ class GreedyPlanner:
         free_of = self.book.free
         room: list[tuple[int, str]] = []
         fixed = self._fixed_groups[node].get(obj.model)
-        for g in [g.id for g in fixed] if fixed else self.book.gpu_ids(node):  # in card order: of two like cards the first holds at least as much
+        for g in (
+            [g.id for g in fixed] if fixed else self.book.gpu_ids(node)
+        ):  # in card order: of two like cards the first holds at least as much
             free = free_of[g]
             if not sourced:
                 key = (obj, self._at[g])

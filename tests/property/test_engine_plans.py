@@ -1,7 +1,9 @@
 """Property tests on engine nodes: random scenarios whose nodes serve every model through engines of random
 kinds (vLLM, SGLang, local), features and management. Every operation of the greedy's and the search's
 plans is one its node's kind offers, with its precondition true at that point in any order that respects
-`depends_on`, and GPU capacities, counting the contexts that sleeping engines keep, hold at every step.
+`depends_on`, and GPU capacities, counting the KV pools and the contexts that sleeping engines keep, hold
+in the target and (for the greedy's plans, always; for the search's, where the checker finds its target
+within capacity) at every step.
 """
 
 from __future__ import annotations
@@ -10,7 +12,6 @@ import random
 from collections import defaultdict
 
 import numpy as np
-import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -122,20 +123,15 @@ def _fits(problem: Problem, plan: Plan) -> bool:
 
 
 def _sound(problem: Problem, plan: Plan) -> list[str]:
-    """The checker's findings but GPU capacity: the greedy does not yet treat a running engine's KV pool as
-    fixed, so it can give a running engine's KV room to another model (2 to 8 in 100 of these scenarios;
-    the checker refuses those plans, `test_engine_plan.py` shows it)."""
-    return [e for e in check_plan(problem, plan.placement, plan.operations, plan.unserved) if "capacity" not in e]
+    """The checker's findings, capacities (KV pools and sleeping engines' contexts) included."""
+    return check_plan(problem, plan.placement, plan.operations, plan.unserved)
 
 
-# A known defect, kept visible: on a MoE
-# (DeepSeek-V3) whose engine the projection moves, the greedy's plan can leave an active session's KV split
-# over the old and new group, recorded over its size ("its KV is not whole on the GPUs serving ...").
-# The service installs greedy plans unchecked; a done report that would put a KV object over its size is
-# recorded as a conflict and not applied (service/confirmed.py), so the confirmed state stays sound. Not
-# strict: the same derandomized examples pass after some other tests ran in the process, so the greedy's
-# answer depends on what ran before it (a cache or a shared constant) — a defect of its own.
-@pytest.mark.xfail(strict=False, reason="greedy on engine nodes can split a MoE session's KV over two groups")
+# Derandomized, yet the examples drawn depend on what ran before in the process: Hypothesis mixes into its
+# draws the constants of every project module loaded so far (hypothesis/internal/conjecture/providers.py,
+# `_get_local_constants`), so other tests' imports change which scenarios come up. The plans themselves
+# depend only on their Problem (test_planner_greedy.py plans one problem before and after others): the
+# property must hold for whichever scenarios are drawn.
 @SETTINGS
 @given(engine_scenarios(), st.randoms(use_true_random=False))
 def test_greedy_plans_on_engine_nodes_are_offered_in_every_order(scenario: Scenario, rng: random.Random) -> None:
@@ -143,7 +139,7 @@ def test_greedy_plans_on_engine_nodes_are_offered_in_every_order(scenario: Scena
     plan = solve(problem)
     assert _sound(problem, plan) == []
     _offered(problem, plan.operations)
-    _steps_hold_in_some_order(problem, plan.operations, rng, fits=_fits(problem, plan))
+    _steps_hold_in_some_order(problem, plan.operations, rng, fits=True)
 
 
 # managed engines only: the search does not plan around an adopted engine that the engine model keeps in

@@ -49,6 +49,12 @@ It rebuilds what the GPUs should hold, then settles the lower tiers:
    may be dropped; the last complete copy of weights or experts on a node
    never is). Host DRAM is filled with likely next models from NVMe.
 
+On engine nodes (vLLM, SGLang; `engine_plan.py`) the greedy plans only what the engines can reach: an
+adopted engine, which only its owner starts or relaunches, runs as it is or not at all there (its group
+and precision are pinned; one that cannot leave its GPUs is placed first), the CUDA context it would keep
+asleep is held on its GPUs, and a model that stays on its running engine keeps the sessions' KV in that
+engine's fixed pool (the engine frees no one request's KV), so that room is never given to another model.
+
 The result is a target placement; `operations.py` turns it into moves.
 
 Speed (`statebudget bench plan`): the predicted demand is one array

@@ -232,8 +232,8 @@ class Agent:
             self.lease_seconds = out.lease_seconds
             for warning in out.warnings:
                 log.warning("register: %s", warning)
-            capabilities = [c.value for c in out.capabilities]
-            log.info("registered node %s: capabilities %s, GPUs %s", cfg.node_id, capabilities, out.gpus)
+            granted = [c.value for c in out.capabilities]
+            log.info("registered node %s: capabilities %s, GPUs %s", cfg.node_id, granted, out.gpus)
             return True
         return False
 

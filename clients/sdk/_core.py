@@ -1,10 +1,11 @@
-"""What the sync and async clients share: building a call, retrying it, reading the answer.
+"""What the sync and async clients share: describing a call, retrying it, reading the answer.
 
-A `Call` is a plain description of one HTTP request and of the type its answer
-has; `Endpoints` turns every method of the API into a `Call` and hands it to
-`_send`, which the sync client implements with `httpx.Client` and the async
-client with `httpx.AsyncClient`. Neither client knows an endpoint; neither
-endpoint knows the transport. Answers come back as the API's own types
+A `Call[T]` is a plain description of one HTTP request and of the type `T` its
+answer has; `clients/sdk/_calls.py` builds one per endpoint of the API. An
+`Endpoint` puts a builder on both clients: on the sync client (a `SyncSender`)
+the method returns `T`, on the async one (an `AsyncSender`) an awaitable of `T`,
+and a type checker sees both. Neither client knows an endpoint; neither endpoint
+knows the transport. Answers come back as the API's own types
 (`planner_service.wire`), validated on arrival.
 
 Retries (stamina, exponential backoff with jitter) apply only to calls that are
@@ -16,41 +17,35 @@ until the lease expires.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
-from functools import cache
-from typing import Any, Literal
+from functools import cache, update_wrapper
+from typing import Any, Generic, Literal, ParamSpec, Self, TypeVar, overload
 
 import httpx
 from pydantic import TypeAdapter
 
 from clients.sdk.errors import ConnectionError, ServerError, error_from_response
-from planner_service.wire.calibration import CalibrationOut, CalibrationResetOut
-from planner_service.wire.cluster import ClusterOut, ModelOut
-from planner_service.wire.engines import EngineOut
-from planner_service.wire.enums import CalibrationScope, Capability, OperationState, ReportStatus, SolverName
-from planner_service.wire.health import Health
-from planner_service.wire.nodes import HeartbeatOut, RegisterOut
-from planner_service.wire.operations import LeaseOut, OperationRecord, RenewOut, ReportOut
-from planner_service.wire.plan import CurrentPlanOut, ExplainOut, ParetoOut, ReplanOut, WhatIfOut
-from planner_service.wire.routes import RoutesOut
-from planner_service.wire.sessions import EventsOut, SessionOut
-from planner_service.wire.state import SrvOut
 
+T = TypeVar("T")
+P = ParamSpec("P")
 Method = Literal["GET", "POST", "PUT", "DELETE"]
 DEFAULT_TIMEOUT_SECONDS = 30.0
 LONG_POLL_MARGIN_SECONDS = 10.0  # a lease long-poll may hold the request this much past its wait
 
 
 @dataclass(frozen=True, slots=True)
-class Call:
+class Call(Generic[T]):
+    """One request and the type of its answer: a wire model or a list of them (JSON), `str` (a text answer such
+    as the metrics) or `NoneType` (no body)."""
+
     method: Method
     path: str
+    answer: type[T]
     params: dict[str, Any] | None = None
     json: Any = None
     idempotent: bool = True
     timeout_seconds: float | None = None  # overrides the client's timeout (long polls)
-    expect: Literal["json", "text", "none"] = "json"
-    answer: Any = None  # the type a JSON answer is validated into (a wire model, or a list of them)
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,7 +76,7 @@ def is_retryable(error: Exception) -> bool:
     return isinstance(error, ConnectionError | ServerError)
 
 
-def _compact(data: dict[str, Any]) -> dict[str, Any]:
+def compact(data: dict[str, Any]) -> dict[str, Any]:
     """Leave out unset fields: the service's defaults apply (and its models forbid unknown keys)."""
     return {k: v for k, v in data.items() if v is not None}
 
@@ -99,10 +94,10 @@ class ClientConfig:
             headers["Authorization"] = f"Bearer {self.token}"
         return headers
 
-    def request_kwargs(self, call: Call) -> dict[str, Any]:
+    def request_kwargs(self, call: Call[Any]) -> dict[str, Any]:
         kwargs: dict[str, Any] = {"headers": self.headers()}
         if call.params:
-            kwargs["params"] = _compact(call.params)
+            kwargs["params"] = compact(call.params)
         if call.json is not None:
             kwargs["json"] = call.json
         if call.timeout_seconds is not None:  # long polls; other calls use the client's own timeout
@@ -110,7 +105,7 @@ class ClientConfig:
         return kwargs
 
 
-def transport_error(error: httpx.TransportError, call: Call) -> ConnectionError:
+def transport_error(error: httpx.TransportError, call: Call[Any]) -> ConnectionError:
     return ConnectionError(
         f"{call.method} {call.path}: {type(error).__name__}: {error}", method=call.method, url=call.path
     )
@@ -121,244 +116,58 @@ def _adapter(answer: Any) -> TypeAdapter[Any]:
     return TypeAdapter(answer)
 
 
-def parse(call: Call, response: httpx.Response) -> Any:
-    """The body of a successful answer (as `call.answer`, where given), or the typed error of a failed one."""
+def parse(call: Call[T], response: httpx.Response) -> T:
+    """The body of a successful answer validated as `call.answer`, or the typed error of a failed one."""
     if response.status_code >= 400:
         raise error_from_response(response)
-    if call.expect == "none" or response.status_code == 204 or not response.content:
-        return None
-    if call.expect == "text":
-        return response.text
-    if call.answer is None:
-        return response.json()
-    return _adapter(call.answer).validate_json(response.content)
+    answer: Any = call.answer  # any type, as far as the cache's keys go
+    adapter: TypeAdapter[T] = _adapter(answer)
+    if call.answer is type(None):  # a 204: whatever the body, there is nothing to read
+        return adapter.validate_python(None)
+    if call.answer is str:
+        return adapter.validate_python(response.text)
+    return adapter.validate_json(response.content)
 
 
-class Endpoints(ABC):
-    """Every endpoint of the StateBudget API, once. `_send` is the transport (sync or async).
-
-    Each method's docstring names what it answers: the sync client returns it, the async client an
-    awaitable of it (so the methods are annotated `Any`: one definition serves both).
-    """
+class SyncSender(ABC):
+    """A transport whose endpoint methods return the answer."""
 
     @abstractmethod
-    def _send(self, call: Call) -> Any:
-        """Send one call; the sync client returns the result, the async one an awaitable of it."""
+    def _send(self, call: Call[T]) -> T: ...
 
-    # -- health ------------------------------------------------------------------
 
-    def livez(self) -> Any:
-        """`Health`."""
-        return self._send(Call("GET", "/livez", answer=Health))
+class AsyncSender(ABC):
+    """A transport whose endpoint methods return an awaitable of the answer."""
 
-    def readyz(self) -> Any:
-        """`Health` with the plan's `epoch` and `srv_version`; a service still starting answers 503 (`ServerError`)."""
-        return self._send(Call("GET", "/readyz", answer=Health))
+    @abstractmethod
+    async def _send(self, call: Call[T]) -> T: ...
 
-    def metrics(self) -> Any:
-        """The Prometheus exposition text."""
-        return self._send(Call("GET", "/metrics", expect="text"))
 
-    # -- cluster and catalog -----------------------------------------------------
+class Endpoint(Generic[P, T]):
+    """A method of both clients, defined once by the function that builds its `Call[T]`.
 
-    def get_cluster(self) -> Any:
-        """`ClusterOut`: nodes and GPUs with calibrated bandwidths, HBM use and telemetry."""
-        return self._send(Call("GET", "/v1/cluster", answer=ClusterOut))
+    Read on a `SyncSender` it is the builder's signature returning `T`, on an `AsyncSender` the same signature
+    returning a coroutine of `T`: one definition, and each client typed as what it returns.
+    """
 
-    def put_cluster(self, cluster: dict[str, Any]) -> Any:
-        """Replace the topology (`{"nodes": [...]}` as in a scenario file's `cluster`): `ClusterOut`."""
-        return self._send(Call("PUT", "/v1/cluster", json=cluster, answer=ClusterOut))
+    def __init__(self, build: Callable[P, Call[T]]) -> None:
+        self.build = build
+        self.__doc__ = build.__doc__  # what the method does, for help() and the docs
 
-    def list_models(self) -> Any:
-        """`list[ModelOut]`."""
-        return self._send(Call("GET", "/v1/models", answer=list[ModelOut]))
+    @overload
+    def __get__(self, client: None, owner: type[Any]) -> Self: ...
+    @overload
+    def __get__(self, client: SyncSender, owner: type[Any]) -> Callable[P, T]: ...
+    @overload
+    def __get__(self, client: AsyncSender, owner: type[Any]) -> Callable[P, Coroutine[Any, Any, T]]: ...
+    def __get__(
+        self, client: SyncSender | AsyncSender | None, owner: type[Any]
+    ) -> Self | Callable[P, T] | Callable[P, Coroutine[Any, Any, T]]:
+        if client is None:
+            return self
+        build, send = self.build, client._send
 
-    def put_model(self, model_id: str, model: dict[str, Any], *, nvme_nodes: list[str] | None = None) -> Any:
-        """Add or replace a model (as in a scenario's `models[]`, without `id`): `ModelOut`."""
-        body = _compact({"model": model, "nvme_nodes": nvme_nodes})
-        return self._send(Call("PUT", f"/v1/models/{model_id}", json=body, answer=ModelOut))
+        def method(*args: P.args, **kwargs: P.kwargs) -> Any:  # T or a coroutine of T: `send` decides
+            return send(build(*args, **kwargs))
 
-    def delete_model(self, model_id: str) -> Any:
-        return self._send(Call("DELETE", f"/v1/models/{model_id}", expect="none"))
-
-    # -- events and sessions -----------------------------------------------------
-
-    def post_events(self, *events: dict[str, Any]) -> Any:
-        """Session events (build them with `clients.sdk.events`); event ids make a resend harmless: `EventsOut`."""
-        return self._send(Call("POST", "/v1/events", json={"events": list(events)}, answer=EventsOut))
-
-    def list_sessions(self) -> Any:
-        """`list[SessionOut]`."""
-        return self._send(Call("GET", "/v1/sessions", answer=list[SessionOut]))
-
-    def get_session(self, session_id: str) -> Any:
-        """`SessionOut`."""
-        return self._send(Call("GET", f"/v1/sessions/{session_id}", answer=SessionOut))
-
-    # -- state and plan ----------------------------------------------------------
-
-    def get_srv(self) -> Any:
-        """The State Residency Vector and the confirmed placement, with its `version`: `SrvOut`."""
-        return self._send(Call("GET", "/v1/srv", answer=SrvOut))
-
-    def get_engines(self) -> Any:
-        """The engine instances of vLLM and SGLang nodes, now and once the current plan is done: `list[EngineOut]`."""
-        return self._send(Call("GET", "/v1/engines", answer=list[EngineOut]))
-
-    def get_plan(self) -> Any:
-        """`CurrentPlanOut`."""
-        return self._send(Call("GET", "/v1/plan", answer=CurrentPlanOut))
-
-    def get_routes(
-        self, *, after_epoch: int | None = None, after_revision: str | None = None, wait_seconds: float = 0.0
-    ) -> Any:
-        """The gateway's route table: `RoutesOut`. With `after_epoch` / `after_revision`, a long-poll that
-        answers once either changed or `wait_seconds` ran out."""
-        params = {"after_epoch": after_epoch, "after_revision": after_revision, "wait": wait_seconds or None}
-        timeout = max(wait_seconds + LONG_POLL_MARGIN_SECONDS, DEFAULT_TIMEOUT_SECONDS)
-        return self._send(Call("GET", "/v1/routes", params=params, timeout_seconds=timeout, answer=RoutesOut))
-
-    def replan(self) -> Any:
-        """Plan now (a new epoch supersedes the operations not yet leased). Not retried: each call is an epoch.
-        `ReplanOut`."""
-        return self._send(Call("POST", "/v1/plan", idempotent=False, answer=ReplanOut))
-
-    def whatif(
-        self, changes: list[dict[str, Any]], *, solver: SolverName = SolverName.GREEDY, time_limit_seconds: float = 10.0
-    ) -> Any:
-        """Plan hypothetical changes on a copy of the live state: `WhatIfOut`."""
-        body = {"changes": changes, "solver": solver, "time_limit_seconds": time_limit_seconds}
-        return self._send(
-            Call("POST", "/v1/whatif", json=body, timeout_seconds=time_limit_seconds + 30.0, answer=WhatIfOut)
-        )
-
-    def pareto(self) -> Any:
-        """`ParetoOut`."""
-        return self._send(Call("GET", "/v1/pareto", answer=ParetoOut))
-
-    def explain(self, *, model: str | None = None, session: str | None = None) -> Any:
-        """`ExplainOut`."""
-        return self._send(Call("GET", "/v1/explain", params={"model": model, "session": session}, answer=ExplainOut))
-
-    # -- calibration -------------------------------------------------------------
-
-    def get_calibration(self, *, node: str | None = None) -> Any:
-        """What each node's and GPU's links learned from measured copies (operator): `CalibrationOut`."""
-        return self._send(Call("GET", "/v1/calibration", params={"node": node}, answer=CalibrationOut))
-
-    def reset_calibration(
-        self, scope: CalibrationScope | str | None = None, key: str | None = None, field: str | None = None
-    ) -> Any:
-        """Forget learned bandwidths: all of them (no `scope`), a node's (its NVMe and its GPUs') or a GPU's
-        (`scope`, `key`), or one `field` of them: `CalibrationResetOut`."""
-        path = "/v1/calibration"
-        if scope is not None:
-            if key is None:
-                raise ValueError("reset_calibration: a scope needs the node's or GPU's id (key)")
-            path += f"/{scope}/{key}" + (f"/{field}" if field is not None else "")
-        elif key is not None or field is not None:
-            raise ValueError("reset_calibration: key and field need a scope (nodes or gpus)")
-        return self._send(Call("DELETE", path, answer=CalibrationResetOut))
-
-    # -- nodes and queues --------------------------------------------------------
-
-    def register_node(
-        self,
-        node_id: str,
-        *,
-        capabilities: list[Capability] | None = None,
-        gpus: list[dict[str, Any]] | None = None,
-        host_dram_bytes: int | None = None,
-        nvme_bytes: int | None = None,
-        engines: list[dict[str, Any]] | None = None,
-        agent_version: str | None = None,
-        scale: float | None = None,
-    ) -> Any:
-        """`RegisterOut`. `scale` below 1 declares a scaled test run: the node's measurements do not calibrate."""
-        body = _compact(
-            {
-                "capabilities": capabilities,
-                "gpus": gpus,
-                "host_dram_bytes": host_dram_bytes,
-                "nvme_bytes": nvme_bytes,
-                "engines": engines,
-                "agent_version": agent_version,
-                "scale": scale,
-            }
-        )
-        return self._send(Call("POST", f"/v1/nodes/{node_id}/register", json=body, answer=RegisterOut))
-
-    def heartbeat(
-        self,
-        node_id: str,
-        *,
-        gpus: list[dict[str, Any]] | None = None,
-        nvme_read_bytes_per_s: float | None = None,
-        nvme_write_bytes_per_s: float | None = None,
-        engines: dict[str, str] | None = None,
-        instances: list[dict[str, Any]] | None = None,
-        expert_hit_rates: dict[str, float] | None = None,
-    ) -> Any:
-        """`HeartbeatOut`. `gpus[]`: `{id, used_bytes, free_bytes, total_bytes, h2d_bytes_per_s,
-        d2h_bytes_per_s}`; `instances[]`: `{instance: EngineInstanceRef, state: EngineState}`."""
-        body = _compact(
-            {
-                "gpus": [_compact(g) for g in gpus] if gpus is not None else None,
-                "nvme_read_bytes_per_s": nvme_read_bytes_per_s,
-                "nvme_write_bytes_per_s": nvme_write_bytes_per_s,
-                "engines": engines,
-                "instances": instances,
-                "expert_hit_rates": expert_hit_rates,
-            }
-        )
-        return self._send(Call("POST", f"/v1/nodes/{node_id}/heartbeat", json=body, answer=HeartbeatOut))
-
-    def lease(self, node_id: str, *, max_operations: int = 8, wait_seconds: float = 0.0) -> Any:
-        """Long-poll the node's ready operations: `LeaseOut`. Never retried (see the module docstring)."""
-        body = {"max_operations": max_operations, "wait_seconds": wait_seconds}
-        timeout = max(wait_seconds + LONG_POLL_MARGIN_SECONDS, DEFAULT_TIMEOUT_SECONDS)
-        return self._send(
-            Call(
-                "POST",
-                f"/v1/nodes/{node_id}/lease",
-                json=body,
-                idempotent=False,
-                timeout_seconds=timeout,
-                answer=LeaseOut,
-            )
-        )
-
-    def renew_lease(self, node_id: str, lease_id: str) -> Any:
-        """Extend a lease whose operations still run to `lease_seconds` from now: `RenewOut`. A lease that
-        holds nothing any more is a `ConflictError` saying why (its operations were handed on). Renewing again
-        only moves the expiry, so it is retried."""
-        return self._send(Call("POST", f"/v1/nodes/{node_id}/leases/{lease_id}/renew", answer=RenewOut))
-
-    def report(
-        self,
-        op_id: str,
-        *,
-        lease_id: str,
-        status: ReportStatus,
-        measured_seconds: float | None = None,
-        measured_bytes: int | None = None,
-        error: str | None = None,
-    ) -> Any:
-        """`done` or `failed` for a leased operation: `ReportOut`. The service answers a repeat the same way, so
-        it is retried."""
-        body = _compact(
-            {
-                "lease_id": lease_id,
-                "status": status,
-                "measured_seconds": measured_seconds,
-                "measured_bytes": measured_bytes,
-                "error": error[:2000] if error else None,
-            }
-        )
-        return self._send(Call("POST", f"/v1/operations/{op_id}/report", json=body, answer=ReportOut))
-
-    def list_operations(self, *, node: str | None = None, state: OperationState | None = None) -> Any:
-        """`list[OperationRecord]`: the open operations, or those in `state`."""
-        return self._send(
-            Call("GET", "/v1/operations", params={"node": node, "state": state}, answer=list[OperationRecord])
-        )
+        return update_wrapper(method, build)

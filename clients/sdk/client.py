@@ -2,7 +2,7 @@
 
     with StateBudgetClient("http://127.0.0.1:8080", token="op-secret") as sb:
         sb.post_events(events.request("e1", session="s1", model="coder"))
-        print(sb.get_srv()["version"])
+        print(sb.get_srv().version)
 
     async with AsyncStateBudgetClient("http://127.0.0.1:8080") as sb:
         lease = await sb.lease("n1", wait_seconds=10)
@@ -14,17 +14,63 @@ for the async one; an injected client is not closed by the SDK.
 
 from __future__ import annotations
 
-from typing import Any, Self
+from typing import Self, TypeVar
 
 import httpx
 import stamina
 
-from clients.sdk._core import NO_RETRY, Call, ClientConfig, Endpoints, RetryPolicy, is_retryable, parse, transport_error
+from clients.sdk import _calls
+from clients.sdk._core import (
+    NO_RETRY,
+    AsyncSender,
+    Call,
+    ClientConfig,
+    Endpoint,
+    RetryPolicy,
+    SyncSender,
+    is_retryable,
+    parse,
+    transport_error,
+)
 
 __all__ = ["AsyncStateBudgetClient", "StateBudgetClient"]
 
+T = TypeVar("T")
 
-class StateBudgetClient(Endpoints):
+
+class Endpoints:
+    """Every endpoint of the API (`clients/sdk/_calls.py` builds each call), on both clients."""
+
+    livez = Endpoint(_calls.livez)
+    readyz = Endpoint(_calls.readyz)
+    metrics = Endpoint(_calls.metrics)
+    get_cluster = Endpoint(_calls.get_cluster)
+    put_cluster = Endpoint(_calls.put_cluster)
+    list_models = Endpoint(_calls.list_models)
+    put_model = Endpoint(_calls.put_model)
+    delete_model = Endpoint(_calls.delete_model)
+    post_events = Endpoint(_calls.post_events)
+    list_sessions = Endpoint(_calls.list_sessions)
+    get_session = Endpoint(_calls.get_session)
+    get_srv = Endpoint(_calls.get_srv)
+    get_engines = Endpoint(_calls.get_engines)
+    get_plan = Endpoint(_calls.get_plan)
+    get_routes = Endpoint(_calls.get_routes)
+    replan = Endpoint(_calls.replan)
+    whatif = Endpoint(_calls.whatif)
+    pareto = Endpoint(_calls.pareto)
+    explain = Endpoint(_calls.explain)
+    get_calibration = Endpoint(_calls.get_calibration)
+    reset_calibration = Endpoint(_calls.reset_calibration)
+    register_node = Endpoint(_calls.register_node)
+    heartbeat = Endpoint(_calls.heartbeat)
+    lease = Endpoint(_calls.lease)
+    renew_lease = Endpoint(_calls.renew_lease)
+    report = Endpoint(_calls.report)
+    list_operations = Endpoint(_calls.list_operations)
+
+
+class StateBudgetClient(SyncSender, Endpoints):
     def __init__(
         self,
         base_url: str = "http://127.0.0.1:8080",
@@ -40,7 +86,7 @@ class StateBudgetClient(Endpoints):
             http_client if http_client is not None else httpx.Client(base_url=base_url, timeout=timeout_seconds)
         )
 
-    def _send(self, call: Call) -> Any:
+    def _send(self, call: Call[T]) -> T:
         policy = self.config.retry if call.idempotent else NO_RETRY
         for attempt in stamina.retry_context(on=is_retryable, **policy.stamina_kwargs()):
             with attempt:
@@ -62,7 +108,7 @@ class StateBudgetClient(Endpoints):
         self.close()
 
 
-class AsyncStateBudgetClient(Endpoints):
+class AsyncStateBudgetClient(AsyncSender, Endpoints):
     """Every endpoint method returns an awaitable."""
 
     def __init__(
@@ -83,7 +129,7 @@ class AsyncStateBudgetClient(Endpoints):
             else httpx.AsyncClient(base_url=base_url, transport=transport, timeout=timeout_seconds)
         )
 
-    async def _send(self, call: Call) -> Any:  # the async twin of Endpoints._send
+    async def _send(self, call: Call[T]) -> T:  # the async twin of StateBudgetClient._send
         policy = self.config.retry if call.idempotent else NO_RETRY
         async for attempt in stamina.retry_context(on=is_retryable, **policy.stamina_kwargs()):
             with attempt:

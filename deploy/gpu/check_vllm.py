@@ -175,7 +175,7 @@ async def drive(checkpoint: Path, port: int, gpu: int, kv_pool_bytes: int) -> di
     )
     executor = VLLMExecutor.from_config(config)
     executor.engines_by_model[MODEL].process.values = {  # type: ignore[union-attr]  # a managed engine has one
-        **executor.engines_by_model[MODEL].process.values,  # type: ignore[union-attr]
+        **executor.engines_by_model[MODEL].process.values,  # type: ignore[union-attr]  # as above
         "kv_pool_bytes_per_gpu": kv_pool_bytes,
     }
     checks: list[dict[str, Any]] = []

@@ -59,13 +59,13 @@ from dataclasses import dataclass, replace
 from enum import StrEnum
 from types import MappingProxyType
 
-# re-exported: the engine model's vocabulary crosses the wire in operations and heartbeats
-from planner_service.wire.enums import EngineFeature as EngineFeature  # noqa: PLC0414
-from planner_service.wire.enums import EngineKind as EngineKind  # noqa: PLC0414
-from planner_service.wire.enums import EngineState as EngineState  # noqa: PLC0414
-from planner_service.wire.enums import Management as Management  # noqa: PLC0414
-from planner_service.wire.enums import Precondition as Precondition  # noqa: PLC0414
-from planner_service.wire.enums import Transition as Transition  # noqa: PLC0414
+# the engine model's vocabulary crosses the wire in operations and heartbeats
+from planner_service.wire.enums import EngineFeature as EngineFeature  # noqa: PLC0414 -- a re-export
+from planner_service.wire.enums import EngineKind as EngineKind  # noqa: PLC0414 -- a re-export
+from planner_service.wire.enums import EngineState as EngineState  # noqa: PLC0414 -- a re-export
+from planner_service.wire.enums import Management as Management  # noqa: PLC0414 -- a re-export
+from planner_service.wire.enums import Precondition as Precondition  # noqa: PLC0414 -- a re-export
+from planner_service.wire.enums import Transition as Transition  # noqa: PLC0414 -- a re-export
 
 _GIB = 1 << 30
 _GB = 10**9

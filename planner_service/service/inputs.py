@@ -32,7 +32,7 @@ from planner_service.domain.bounds import (
 )
 from planner_service.domain.scenario import Capability, GpuSpecIn, ModelIn, NodeIn, Slo
 from planner_service.service.errors import InvalidInput
-from planner_service.wire.enums import EngineState
+from planner_service.wire.enums import EngineState, ReportedEngineState
 from planner_service.wire.operations import EngineInstanceRef
 
 EventId = Annotated[str, Field(min_length=1, max_length=200)]
@@ -246,7 +246,9 @@ class HeartbeatIn(_In):
     gpus: list[GpuTelemetryIn] = Field(default_factory=list, max_length=1024)
     nvme_read_bytes_per_s: BytesPerSecond | None = None
     nvme_write_bytes_per_s: BytesPerSecond | None = None
-    engines: dict[str, str] = Field(default_factory=dict, description="Engine name -> state (awake, sleeping, ...).")
+    engines: dict[str, ReportedEngineState] = Field(
+        default_factory=dict, description="Engine name -> its state (running, asleep_host, ...) or status (ready, ...)."
+    )
     instances: list[EngineInstanceStateIn] = Field(
         default_factory=list,
         max_length=1024,

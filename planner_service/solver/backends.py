@@ -20,11 +20,14 @@ import time
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
+from planner_service.wire.enums import MilpBackend
+
 OBJECTIVE_SCALE = 1e9  # CP-SAT objective unit: nanoseconds
-BACKENDS = ("cbc", "scip", "cpsat")
+BACKENDS = tuple(MilpBackend)
 DECODE_RESERVE_SECONDS = 0.25  # of the wall-clock limit, kept for turning the solution into a plan
 MIP_GAP = 1e-4  # relative gap at which CBC and SCIP call a solution optimal (OR-Tools' default)
 CBC_VARIANTS = ("tightened", "plain")  # worker i runs variant i: the model with / without its optional rows
@@ -81,11 +84,21 @@ class IntModel:
         return bad
 
 
+class SolveStatus(StrEnum):
+    OPTIMAL = "optimal"
+    FEASIBLE = "feasible"  # an incumbent, optimality not proved
+    TIMEOUT = "timeout"  # the time limit stopped the search
+    INFEASIBLE = "infeasible"
+
+
+PROVED = (SolveStatus.OPTIMAL, SolveStatus.INFEASIBLE)
+
+
 @dataclass
 class SolveResult:
     """What the solver said about the model, before any plan is built."""
 
-    status: str  # optimal | feasible | timeout | infeasible
+    status: SolveStatus
     values: list[int] | None
     objective: float | None  # model objective of `values`
     bound: float | None
@@ -100,7 +113,7 @@ def solve_model(
     seed: int = 0,
     workers: int = 2,
     hint: Sequence[int] | None = None,
-    backend: str = "cbc",
+    backend: MilpBackend = MilpBackend.CBC,
 ) -> SolveResult:
     """Solve within `time_limit_seconds` of wall-clock time, whatever the backend.
 
@@ -113,11 +126,11 @@ def solve_model(
     without values (the caller keeps the greedy plan) and the LP relaxation's
     bound.
     """
-    if backend == "cpsat":
+    if backend == MilpBackend.CPSAT:
         return _solve_cpsat(ilp, time_limit_seconds, seed, workers, hint)
-    if backend == "scip":
+    if backend == MilpBackend.SCIP:
         return _solve_mpsolver(ilp, time_limit_seconds, seed, hint, "SCIP")
-    if backend == "cbc":
+    if backend == MilpBackend.CBC:
         return _solve_cbc(ilp, time_limit_seconds, seed, workers)
     raise ValueError(f"unknown MILP backend {backend!r}; choose one of: {', '.join(BACKENDS)}")
 
@@ -149,13 +162,13 @@ def _solve_cpsat(ilp: IntModel, limit: float, seed: int, workers: int, hint: Seq
     seconds = time.perf_counter() - started
     values = [int(solver.value(x)) for x in xs] if code in (cp_model.OPTIMAL, cp_model.FEASIBLE) else None
     if code == cp_model.OPTIMAL:
-        status = "optimal"
+        status = SolveStatus.OPTIMAL
     elif code == cp_model.INFEASIBLE:
-        status = "infeasible"
+        status = SolveStatus.INFEASIBLE
     else:
-        status = "timeout" if seconds >= 0.95 * limit else "feasible"
+        status = SolveStatus.TIMEOUT if seconds >= 0.95 * limit else SolveStatus.FEASIBLE
     bound = solver.best_objective_bound / OBJECTIVE_SCALE + ilp.offset if code != cp_model.INFEASIBLE else None
-    info = {"backend": "cpsat", "solver_status": solver.status_name(code), "branches": solver.num_branches}
+    info = {"backend": MilpBackend.CPSAT, "solver_status": solver.status_name(code), "branches": solver.num_branches}
     return SolveResult(status, values, ilp.value(values) if values else None, bound, seconds, info)
 
 
@@ -190,12 +203,12 @@ def _solve_mpsolver(
     values = [round(x.solution_value()) for x in xs] if found else None
     bound = solver.Objective().BestBound() if found else None
     if code == pywraplp.Solver.OPTIMAL:
-        status = "optimal"
+        status = SolveStatus.OPTIMAL
     elif code == pywraplp.Solver.INFEASIBLE:
-        status = "infeasible"
+        status = SolveStatus.INFEASIBLE
     else:
-        status = "timeout" if seconds >= 0.95 * limit else "feasible"
-    info = {"backend": name.lower(), "solver_status": int(code)}
+        status = SolveStatus.TIMEOUT if seconds >= 0.95 * limit else SolveStatus.FEASIBLE
+    info = {"backend": MilpBackend(name.lower()), "solver_status": int(code)}
     return SolveResult(status, values, ilp.value(values) if values else None, bound, seconds, info)
 
 
@@ -233,7 +246,7 @@ def _solve_cbc(ilp: IntModel, limit: float, seed: int, workers: int) -> SolveRes
             )
             continue
         results[variant] = SolveResult(**pickle.loads(out))
-        if results[variant].status in ("optimal", "infeasible"):
+        if results[variant].status in PROVED:
             break  # proved: the other variant has nothing to add
     for child in children:
         if child.poll() is None:
@@ -242,13 +255,13 @@ def _solve_cbc(ilp: IntModel, limit: float, seed: int, workers: int) -> SolveRes
     seconds = time.perf_counter() - started
     if not results and len(failures) == len(children):
         raise RuntimeError(f"the CBC process failed ({'; '.join(failures)})")
-    proved = [r for r in results.values() if r.status in ("optimal", "infeasible")]
+    proved = [r for r in results.values() if r.status in PROVED]
     found = [r for r in results.values() if r.values is not None]
     best = proved[0] if proved else min(found, key=lambda r: r.objective or math.inf, default=None)
     # the optional rows cut off no integer solution, so every variant's bound holds for the same optimum
     bounds = [r.bound for r in results.values() if r.bound is not None]
     bound = best.bound if proved and best is not None else (max(bounds) if bounds else None)
-    info: dict[str, Any] = {"backend": "cbc", "variants": {v: r.status for v, r in results.items()}}
+    info: dict[str, Any] = {"backend": MilpBackend.CBC, "variants": {v: r.status for v, r in results.items()}}
     if best is not None:
         info["solver_status"] = best.info.get("solver_status")
         info["solved_by"] = next(v for v, r in results.items() if r is best)
@@ -258,11 +271,11 @@ def _solve_cbc(ilp: IntModel, limit: float, seed: int, workers: int) -> SolveRes
         bound = info["lp_bound"] = lp_bound(ilp)  # no CBC answer in time: the LP relaxation still bounds the optimum
     info["cpu_seconds"] = round(resource.getrusage(resource.RUSAGE_CHILDREN).ru_utime - cpu_before, 3)
     if best is None:
-        return SolveResult("timeout", None, None, bound, seconds, info)
+        return SolveResult(SolveStatus.TIMEOUT, None, None, bound, seconds, info)
     stopped = "stopped" in info or any(
-        r.status == "timeout" for r in results.values()
+        r.status is SolveStatus.TIMEOUT for r in results.values()
     )  # by the clock or CBC's own limit
-    status = best.status if proved else ("timeout" if stopped else "feasible")
+    status = best.status if proved else (SolveStatus.TIMEOUT if stopped else SolveStatus.FEASIBLE)
     return SolveResult(status, best.values, best.objective, bound, seconds, info)
 
 

@@ -147,16 +147,17 @@ from planner_service.domain.problem import Problem
 from planner_service.planner.greedy import TargetPlan, plan_greedy
 from planner_service.planner.invariants import check_plan
 from planner_service.planner.plan import Plan, PlanStatus, make_plan
-from planner_service.solver.backends import DECODE_RESERVE_SECONDS, SolveResult, solve_model
+from planner_service.solver.backends import DECODE_RESERVE_SECONDS, SolveResult, SolveStatus, solve_model
 from planner_service.solver.formulation import Formulation, build_formulation, decode
+from planner_service.wire.enums import MilpBackend
 
 __all__ = ["SolveResult", "solve_milp", "solve_model"]
 
 _STATUS = {
-    "optimal": PlanStatus.OPTIMAL,
-    "feasible": PlanStatus.FEASIBLE,
-    "timeout": PlanStatus.TIMEOUT,
-    "infeasible": PlanStatus.INFEASIBLE,
+    SolveStatus.OPTIMAL: PlanStatus.OPTIMAL,
+    SolveStatus.FEASIBLE: PlanStatus.FEASIBLE,
+    SolveStatus.TIMEOUT: PlanStatus.TIMEOUT,
+    SolveStatus.INFEASIBLE: PlanStatus.INFEASIBLE,
 }
 
 
@@ -167,7 +168,7 @@ def solve_milp(
     seed: int = 0,
     workers: int = 2,
     hint: TargetPlan | None = None,
-    backend: str = "cbc",
+    backend: MilpBackend = MilpBackend.CBC,
 ) -> Plan:
     """Plan exactly within the candidate space; never worse (by the evaluator) than the greedy plan it starts from."""
     started = time.perf_counter()

@@ -7,7 +7,7 @@ from typing import Any
 from pydantic import Field
 
 from planner_service.wire.base import WireModel
-from planner_service.wire.enums import Capability, EngineState
+from planner_service.wire.enums import Capability, EngineState, ReportedEngineState
 from planner_service.wire.operations import EngineInstanceRef
 from planner_service.wire.state import Location, StateObject
 
@@ -52,7 +52,9 @@ class TelemetryOut(WireModel):
     gpus: list[GpuTelemetryOut] = Field(default_factory=list)
     nvme_read_bytes_per_s: float | None = None
     nvme_write_bytes_per_s: float | None = None
-    engines: dict[str, str] = Field(default_factory=dict, description="Engine name -> its state, as reported.")
+    engines: dict[str, ReportedEngineState] = Field(
+        default_factory=dict, description="Engine name -> its state or status, as reported."
+    )
     instances: list[EngineInstanceStateOut] = Field(default_factory=list)
     expert_hit_rates: dict[str, float] = Field(default_factory=dict)
 

@@ -97,6 +97,14 @@ class SolverName(StrEnum):
     MILP = "milp"  # the exact oracle (OR-Tools)
 
 
+class MilpBackend(StrEnum):
+    """The OR-Tools solver behind the MILP oracle (planner_service/solver/backends.py)."""
+
+    CBC = "cbc"  # the default: one process per model variant, first proof wins
+    SCIP = "scip"
+    CPSAT = "cpsat"
+
+
 class HealthStatus(StrEnum):
     OK = "ok"
     STARTING = "starting"
@@ -185,6 +193,12 @@ class EngineStatus(StrEnum):
     READY = "ready"  # serves requests
     AWAKE = "awake"
     SLEEPING = "sleeping"  # weights offloaded or discarded (vLLM sleep mode, SGLang release)
+    UNKNOWN = "unknown"  # the agent has not read the engine's state yet
+
+
+# what a heartbeat's `engines` map says of each engine: its engine-model state (vLLM, SGLang instances the agent
+# reads) or a status (engines the agent only knows by URL, the local executor)
+ReportedEngineState = EngineState | EngineStatus
 
 
 class CalibrationScope(StrEnum):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pydantic import Field
 
 from planner_service.wire.base import WireModel
-from planner_service.wire.enums import Action, OperationState, PlanStatus, SolverName
+from planner_service.wire.enums import Action, MilpBackend, OperationState, PlanStatus, SolverName
 from planner_service.wire.operations import HeldBack, Operation
 from planner_service.wire.state import Location, PlacementEntry, StateObject
 
@@ -50,7 +50,7 @@ class SearchInfo(WireModel):
 class MilpInfo(WireModel):
     """How the MILP oracle (solver `milp`) got its plan."""
 
-    backend: str | None
+    backend: MilpBackend | None
     solver_status: str | int | None = Field(description="The backend's own status: a name (CP-SAT) or a code.")
     plan_from: SolverName = Field(description="milp, or greedy when the greedy plan evaluates no worse.")
     model_objective: float | None

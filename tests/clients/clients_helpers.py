@@ -5,20 +5,22 @@ from __future__ import annotations
 import contextlib
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar, get_args, get_origin
 
 import httpx
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
 from support import TINY_SCENARIO, FakeClock
 
-from clients.sdk import AsyncStateBudgetClient, RetryPolicy
+from clients.sdk import AsyncStateBudgetClient, RetryPolicy, StateBudgetClient
+from clients.sdk._core import Call
 from planner_service.api.app import create_app
 from planner_service.settings import Settings
 
 TINY = TINY_SCENARIO
 OPERATOR_TOKEN = "op-token"
 NODE_TOKENS = {"n1": "n1-token", "n2": "n2-token"}
+T = TypeVar("T")
 FAST_RETRY = RetryPolicy(attempts=3, wait_initial_seconds=0.001, wait_max_seconds=0.002, wait_jitter_seconds=0.0)
 
 
@@ -50,8 +52,35 @@ async def served(app: FastAPI) -> AsyncIterator[httpx.AsyncClient]:
         yield http
 
 
+def assert_declared_type(call: Call[Any], answer: object) -> None:
+    """The answer is an instance of the type the method declares (each item, for a list), not a dict."""
+    if get_origin(call.answer) is list:
+        (item,) = get_args(call.answer)
+        assert isinstance(answer, list) and all(isinstance(a, item) for a in answer), (call.path, answer)
+    else:
+        assert isinstance(answer, call.answer), (call.path, type(answer))
+
+
+class CheckedClient(StateBudgetClient):
+    """The sync SDK, checking every answer against the type its method declares."""
+
+    def _send(self, call: Call[T]) -> T:
+        answer = super()._send(call)
+        assert_declared_type(call, answer)
+        return answer
+
+
+class CheckedAsyncClient(AsyncStateBudgetClient):
+    """The async SDK, checking every answer against the type its method declares."""
+
+    async def _send(self, call: Call[T]) -> T:
+        answer = await super()._send(call)
+        assert_declared_type(call, answer)
+        return answer
+
+
 def async_client(http: httpx.AsyncClient, token: str | None = None) -> AsyncStateBudgetClient:
-    return AsyncStateBudgetClient("http://statebudget", token=token, http_client=http, retry=FAST_RETRY)
+    return CheckedAsyncClient("http://statebudget", token=token, http_client=http, retry=FAST_RETRY)
 
 
 def request_event(event_id: str, session: str, model: str, **extra: Any) -> dict[str, Any]:

@@ -5,7 +5,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from clients_helpers import FAST_RETRY, FakeClock, make_app
+from clients_helpers import FAST_RETRY, CheckedClient, FakeClock, make_app
 from fastapi.testclient import TestClient
 
 from clients.sdk import StateBudgetClient
@@ -18,7 +18,8 @@ def anyio_backend() -> str:
 
 @pytest.fixture
 def sync_client(tmp_path: Path) -> Iterator[Callable[..., tuple[StateBudgetClient, TestClient, FakeClock]]]:
-    """`sync_client(token=None, tiny=False, auth=False)`: the SDK over starlette's TestClient (an httpx.Client)."""
+    """`sync_client(token=None, tiny=False, auth=False)`: the SDK over starlette's TestClient (an httpx.Client),
+    checking each answer's type."""
     opened: list[TestClient] = []
 
     def make(*, token: str | None = None, **app_kwargs: Any) -> tuple[StateBudgetClient, TestClient, FakeClock]:
@@ -26,7 +27,7 @@ def sync_client(tmp_path: Path) -> Iterator[Callable[..., tuple[StateBudgetClien
         http = TestClient(make_app(tmp_path, clock=clock, **app_kwargs))
         http.__enter__()
         opened.append(http)
-        return StateBudgetClient(token=token, http_client=http, retry=FAST_RETRY), http, clock
+        return CheckedClient(token=token, http_client=http, retry=FAST_RETRY), http, clock
 
     yield make
     for http in opened:

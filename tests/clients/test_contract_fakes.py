@@ -19,7 +19,7 @@ def client(app: FastAPI) -> httpx.AsyncClient:
 
 
 def vllm(**kw: object) -> FakeVllmEngine:
-    return FakeVllmEngine(model="m", gpus=(0, 1), shard_bytes=4 * GIB, kv_pool_bytes=10 * GIB, **kw)  # type: ignore[arg-type]
+    return FakeVllmEngine(model="m", gpus=(0, 1), shard_bytes=4 * GIB, kv_pool_bytes=10 * GIB, **kw)  # type: ignore[arg-type]  # kw: any field
 
 
 async def test_vllm_dev_endpoints_exist_only_in_dev_mode() -> None:
@@ -84,7 +84,7 @@ async def test_vllm_without_sleep_mode_refuses_to_sleep_and_a_dead_engine_is_unh
 
 
 def sglang(**kw: object) -> FakeSglangEngine:
-    return FakeSglangEngine(model_path="/models/m", gpus=(0,), shard_bytes=4 * GIB, kv_pool_bytes=8 * GIB, **kw)  # type: ignore[arg-type]
+    return FakeSglangEngine(model_path="/models/m", gpus=(0,), shard_bytes=4 * GIB, kv_pool_bytes=8 * GIB, **kw)  # type: ignore[arg-type]  # kw: any field
 
 
 async def test_sglang_release_while_busy_takes_the_server_down() -> None:

@@ -1,64 +1,82 @@
-"""The SDK decodes every answer into the type `schemas/openapi.json` documents for it, and covers every route."""
+"""The SDK's methods return the type `schemas/openapi.json` documents for their route, and cover every route."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args, get_origin, get_type_hints
 
 import pytest
 from pydantic import TypeAdapter
 
-from clients.sdk._core import Call, Endpoints
+from clients.sdk import AsyncStateBudgetClient, StateBudgetClient
+from clients.sdk._core import Call, Endpoint
+from clients.sdk.client import Endpoints
 
 OPENAPI = json.loads((Path(__file__).resolve().parents[2] / "schemas" / "openapi.json").read_text())
 REF = "#/components/schemas/{model}"
+ENDPOINTS: dict[str, Endpoint[Any, Any]] = {
+    name: value for name, value in vars(Endpoints).items() if isinstance(value, Endpoint)
+}
 
 
-class Recorder(Endpoints):
-    """Endpoints whose transport hands back the call instead of sending it."""
-
-    def _send(self, call: Call) -> Call:
-        return call
-
-
-def every_call() -> dict[str, Call]:
+def every_call() -> dict[str, Call[Any]]:
     """SDK method -> its call, path parameters left as the route's placeholders."""
-    sb = Recorder()
+    e = ENDPOINTS
     return {
-        "livez": sb.livez(),
-        "readyz": sb.readyz(),
-        "metrics": sb.metrics(),
-        "get_cluster": sb.get_cluster(),
-        "put_cluster": sb.put_cluster({"nodes": []}),
-        "list_models": sb.list_models(),
-        "put_model": sb.put_model("{model_id}", {}),
-        "delete_model": sb.delete_model("{model_id}"),
-        "post_events": sb.post_events(),
-        "list_sessions": sb.list_sessions(),
-        "get_session": sb.get_session("{session_id}"),
-        "get_srv": sb.get_srv(),
-        "get_plan": sb.get_plan(),
-        "get_routes": sb.get_routes(),
-        "get_engines": sb.get_engines(),
-        "replan": sb.replan(),
-        "whatif": sb.whatif([]),
-        "pareto": sb.pareto(),
-        "explain": sb.explain(model="m"),
-        "register_node": sb.register_node("{node_id}"),
-        "heartbeat": sb.heartbeat("{node_id}"),
-        "lease": sb.lease("{node_id}"),
-        "renew_lease": sb.renew_lease("{node_id}", "{lease_id}"),
-        "report": sb.report("{op_id}", lease_id="l", status="done"),
-        "list_operations": sb.list_operations(),
-        "get_calibration": sb.get_calibration(),
-        "reset_calibration": sb.reset_calibration(),
-        "reset_calibration of one node or GPU": sb.reset_calibration("{scope}", "{key}"),
-        "reset_calibration of one field": sb.reset_calibration("{scope}", "{key}", "{field}"),
+        "livez": e["livez"].build(),
+        "readyz": e["readyz"].build(),
+        "metrics": e["metrics"].build(),
+        "get_cluster": e["get_cluster"].build(),
+        "put_cluster": e["put_cluster"].build({"nodes": []}),
+        "list_models": e["list_models"].build(),
+        "put_model": e["put_model"].build("{model_id}", {}),
+        "delete_model": e["delete_model"].build("{model_id}"),
+        "post_events": e["post_events"].build(),
+        "list_sessions": e["list_sessions"].build(),
+        "get_session": e["get_session"].build("{session_id}"),
+        "get_srv": e["get_srv"].build(),
+        "get_plan": e["get_plan"].build(),
+        "get_routes": e["get_routes"].build(),
+        "get_engines": e["get_engines"].build(),
+        "replan": e["replan"].build(),
+        "whatif": e["whatif"].build([]),
+        "pareto": e["pareto"].build(),
+        "explain": e["explain"].build(model="m"),
+        "register_node": e["register_node"].build("{node_id}"),
+        "heartbeat": e["heartbeat"].build("{node_id}"),
+        "lease": e["lease"].build("{node_id}"),
+        "renew_lease": e["renew_lease"].build("{node_id}", "{lease_id}"),
+        "report": e["report"].build("{op_id}", lease_id="l", status="done"),
+        "list_operations": e["list_operations"].build(),
+        "get_calibration": e["get_calibration"].build(),
+        "reset_calibration": e["reset_calibration"].build(),
+        "reset_calibration of one node or GPU": e["reset_calibration"].build("{scope}", "{key}"),
+        "reset_calibration of one field": e["reset_calibration"].build("{scope}", "{key}", "{field}"),
     }
 
 
 CALLS = every_call()
+
+
+def declared(name: str) -> Any:
+    """The answer type a method's annotation promises: the `T` of its builder's `-> Call[T]`."""
+    (answer,) = get_args(get_type_hints(ENDPOINTS[name].build)["return"])
+    return answer
+
+
+def test_every_method_is_on_both_clients() -> None:
+    assert {c.split(" of ")[0] for c in CALLS} == set(ENDPOINTS)
+    for name, endpoint in ENDPOINTS.items():
+        for client in (StateBudgetClient, AsyncStateBudgetClient):
+            assert getattr(client, name) is endpoint, (client, name)
+        assert endpoint.__doc__ == endpoint.build.__doc__  # help() on a method shows what it does
+
+
+@pytest.mark.parametrize("name", sorted(CALLS))
+def test_each_method_validates_into_its_declared_type(name: str) -> None:
+    """What the annotation says is what `parse` validates into (a `Call` built with the wrong type fails here)."""
+    assert CALLS[name].answer == declared(name.split(" of ")[0])
 
 
 def documented(call: Call) -> dict[str, Any]:
@@ -91,12 +109,12 @@ def test_the_sdk_covers_every_route() -> None:
 def test_each_answer_type_is_the_documented_one(name: str) -> None:
     call = CALLS[name]
     answer = documented(call)
-    if call.answer is None:  # text (the metrics) or nothing (a delete)
+    if call.answer in (str, type(None)):  # text (the metrics) or nothing (a delete)
         assert "application/json" not in answer.get("content", {}) or answer["content"]["application/json"][
             "schema"
         ] in ({}, {"type": "object"})
-        assert call.expect in ("text", "none")
         return
+    assert get_origin(call.answer) in (None, list)  # a model or a list of models, as the routes answer
     schema = TypeAdapter(call.answer).json_schema(mode="serialization", ref_template=REF)
     definitions = schema.pop("$defs", {})
     expected = answer["content"]["application/json"]["schema"]

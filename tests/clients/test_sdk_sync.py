@@ -13,6 +13,7 @@ from clients_helpers import FAST_RETRY, make_app
 from clients.sdk import ConnectionError, NotFoundError, StateBudgetClient, events
 from planner_service.wire.cluster import ClusterOut, ModelOut
 from planner_service.wire.enums import (
+    CalibrationScope,
     Capability,
     EventStatus,
     HealthStatus,
@@ -84,6 +85,8 @@ def test_every_method(sync_client):
     assert srv.version >= 1 and srv.placement
     assert sb.get_engines() == []  # no node serves through vLLM or SGLang here
     epoch = sb.get_plan().epoch
+    routes = sb.get_routes()
+    assert routes.epoch == epoch and {m.model for m in routes.models} <= {"alpha", "beta"}
     replanned = sb.replan()
     assert replanned.epoch == epoch + 1 and replanned.changed is True and replanned.operations
     assert replanned.status in (PlanStatus.OK, PlanStatus.PARTIAL)
@@ -104,10 +107,16 @@ def test_every_method(sync_client):
         nvme_read_bytes_per_s=2e9,
     )
     assert hb.node == "n1" and hb.calibration["nvme_read_bytes_per_s"].samples == 1
+    (n1,) = sb.get_calibration(node="n1").nodes
+    assert n1.calibrated["nvme_read_bytes_per_s"].samples == 1
+    reset = sb.reset_calibration(CalibrationScope.NODES, "n1", "nvme_read_bytes_per_s")
+    assert reset.forgotten == 1 and "nvme_read_bytes_per_s" not in reset.nodes[0].calibrated
 
     lease = sb.lease("n1", max_operations=10)
     assert lease.operations and lease.lease_id
     op = lease.operations[0]
+    renewed = sb.renew_lease("n1", lease.lease_id)
+    assert renewed.lease_id == lease.lease_id and renewed.operations == [o.id for o in lease.operations]
     done = sb.report(
         op.id, lease_id=lease.lease_id, status=ReportStatus.DONE, measured_seconds=1.0, measured_bytes=op.bytes
     )

@@ -92,9 +92,9 @@ def create_fake_lmcache(controller: FakeLMCacheController) -> FastAPI:
         if req.old_position[0] == req.new_position[0]:
             raise HTTPException(500, "move pushes from one instance's workers to another's: give two instances")
         wanted = _chunks(req.tokens or [])
-        source = controller.chunks.get(tuple(req.old_position), set())  # type: ignore[arg-type]
+        source = controller.chunks.get(tuple(req.old_position), set())  # type: ignore[arg-type]  # a 2-item list
         moved = source & wanted if wanted else set(source)
-        controller.chunks.setdefault(tuple(req.new_position), set()).update(moved)  # type: ignore[arg-type]
+        controller.chunks.setdefault(tuple(req.new_position), set()).update(moved)  # type: ignore[arg-type]  # as above
         if not req.copy:
             source -= moved
         return {"event_id": "Move-fake", "num_tokens": len(moved) * CHUNK_TOKENS}

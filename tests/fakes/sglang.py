@@ -71,7 +71,7 @@ def create_fake_sglang(engine: FakeSglangEngine) -> FastAPI:
         return JSONResponse({"success": success, "message": message}, status_code=200 if success else 400)
 
     @app.middleware("http")
-    async def record(request: Request, call_next):  # type: ignore[no-untyped-def]
+    async def record(request: Request, call_next):  # type: ignore[no-untyped-def]  # Starlette's own callable type
         engine.calls.append(f"{request.method} {request.url.path}")
         if not engine.alive:
             return Response(status_code=503)

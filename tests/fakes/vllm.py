@@ -129,7 +129,7 @@ def create_fake_vllm(
     app = FastAPI(title=f"fake vLLM {engine.model}")
 
     @app.middleware("http")
-    async def record(request: Request, call_next):  # type: ignore[no-untyped-def]
+    async def record(request: Request, call_next):  # type: ignore[no-untyped-def]  # Starlette's own callable type
         engine.calls.append(
             f"{request.method} {request.url.path}{'?' + request.url.query if request.url.query else ''}"
         )

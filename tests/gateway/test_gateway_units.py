@@ -131,7 +131,7 @@ class _Sink:
 def test_idle_sessions_end_once():
     now = [1000.0]
     sink = _Sink()
-    sessions = SessionEvents(sink, idle_seconds=10, clock=lambda: now[0])  # type: ignore[arg-type]
+    sessions = SessionEvents(sink, idle_seconds=10, clock=lambda: now[0])  # type: ignore[arg-type]  # a test sink, not a Planner client
     sessions.on_request(parse_request(_body(), "chat", "s1"))
     now[0] += 5
     assert sessions.end_idle() == 0

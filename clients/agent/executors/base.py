@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from clients.agent.operations import Capability, Operation, Outcome
+from planner_service.wire.enums import ReportedEngineState
 from planner_service.wire.state import PlacementEntry
 
 
@@ -19,7 +20,7 @@ class GpuUsage:
 @dataclass(frozen=True, slots=True)
 class Telemetry:
     gpus: list[GpuUsage] = field(default_factory=list)
-    engines: dict[str, str] = field(default_factory=dict)  # engine name -> its state (EngineState or EngineStatus)
+    engines: dict[str, ReportedEngineState] = field(default_factory=dict)  # engine name -> its state or status
 
 
 @runtime_checkable

@@ -43,6 +43,7 @@ from planner_service.domain.engines import (
     Transition,
     may,
 )
+from planner_service.wire.enums import EngineStatus, ReportedEngineState
 
 log = logging.getLogger("statebudget.agent.engines")
 
@@ -316,7 +317,9 @@ class EngineExecutor:
             reading = self.probe.read(gpu)
             if reading is not None:
                 gpus.append(GpuUsage(gpu, reading.used_bytes, reading.free_bytes))
-        engines = {e.name: (e.last.value if e.last is not None else "unknown") for e in self.engines_by_model.values()}
+        engines: dict[str, ReportedEngineState] = {
+            e.name: (e.last if e.last is not None else EngineStatus.UNKNOWN) for e in self.engines_by_model.values()
+        }
         return Telemetry(gpus=gpus, engines=engines)
 
     def engines(self) -> list[dict[str, Any]]:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated
 
 from fastapi import APIRouter, Path, Query
 
@@ -19,25 +19,28 @@ KeyPath = Annotated[str, Path(description="The node's or the GPU's id.")]
 @router.get("", response_model=CalibrationOut)
 def get_calibration(
     service: ServiceDep, _: OperatorDep, node: Annotated[str | None, Query(description="Only this node.")] = None
-) -> dict[str, Any]:
+) -> CalibrationOut:
     """Per node and GPU, the bandwidths learned from measured copies, and whether the node calibrates at all (a
     node whose agent registered a scale below 1 does not)."""
-    return service.calibration_view(node)
+    return CalibrationOut.model_validate(service.calibration_view(node))
 
 
-def _reset(service: ServiceDep, scope: CalibrationScope | None, key: str | None, field: str | None) -> dict[str, Any]:
+def _reset(
+    service: ServiceDep, scope: CalibrationScope | None, key: str | None, field: str | None
+) -> CalibrationResetOut:
     forgotten = service.reset_calibration(scope.value if scope else None, key, field)
-    return {**service.calibration_view(key if scope is CalibrationScope.NODES else None), "forgotten": forgotten}
+    view = service.calibration_view(key if scope is CalibrationScope.NODES else None)
+    return CalibrationResetOut.model_validate({**view, "forgotten": forgotten})
 
 
 @router.delete("", response_model=CalibrationResetOut)
-def reset_all_calibration(service: ServiceDep, _: OperatorDep) -> dict[str, Any]:
+def reset_all_calibration(service: ServiceDep, _: OperatorDep) -> CalibrationResetOut:
     """Forget every learned bandwidth: every link plans with its catalog (or explicit) figure again."""
     return _reset(service, None, None, None)
 
 
 @router.delete("/{scope}/{key}", response_model=CalibrationResetOut)
-def reset_calibration(scope: ScopePath, key: KeyPath, service: ServiceDep, _: OperatorDep) -> dict[str, Any]:
+def reset_calibration(scope: ScopePath, key: KeyPath, service: ServiceDep, _: OperatorDep) -> CalibrationResetOut:
     """Forget what a node's links learned (its NVMe and every one of its GPUs), or one GPU's."""
     return _reset(service, scope, key, None)
 
@@ -55,6 +58,6 @@ def reset_calibration_field(
     ],
     service: ServiceDep,
     _: OperatorDep,
-) -> dict[str, Any]:
+) -> CalibrationResetOut:
     """Forget one learned bandwidth of a node or GPU."""
     return _reset(service, scope, key, field)

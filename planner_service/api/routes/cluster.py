@@ -1,7 +1,5 @@
 from __future__ import annotations
 
-from typing import Any
-
 from fastapi import APIRouter
 
 from planner_service.api.deps import OperatorDep, ServiceDep
@@ -12,12 +10,12 @@ router = APIRouter(prefix="/v1/cluster", tags=["cluster"])
 
 
 @router.get("", response_model=ClusterOut, response_model_exclude_unset=True)
-def get_cluster(service: ServiceDep, _: OperatorDep) -> dict[str, Any]:
+def get_cluster(service: ServiceDep, _: OperatorDep) -> ClusterOut:
     """Nodes and GPUs with effective (calibrated) bandwidths, confirmed and planned HBM use, telemetry."""
-    return service.cluster_view()
+    return ClusterOut.model_validate(service.cluster_view())
 
 
 @router.put("", response_model=ClusterOut, response_model_exclude_unset=True)
-def put_cluster(cluster: ClusterIn, service: ServiceDep, _: OperatorDep) -> dict[str, Any]:
+def put_cluster(cluster: ClusterIn, service: ServiceDep, _: OperatorDep) -> ClusterOut:
     """Replace the topology. State held on hardware that disappears is forgotten; the service replans."""
-    return service.put_cluster(cluster)
+    return ClusterOut.model_validate(service.put_cluster(cluster))

@@ -1,7 +1,5 @@
 from __future__ import annotations
 
-from typing import Any
-
 from fastapi import APIRouter, Response
 
 from planner_service.api.deps import OperatorDep, ServiceDep
@@ -12,9 +10,9 @@ router = APIRouter(prefix="/v1/models", tags=["models"])
 
 
 @router.get("", response_model=list[ModelOut], response_model_exclude_unset=True)
-def list_models(service: ServiceDep, _: OperatorDep) -> list[dict[str, Any]]:
+def list_models(service: ServiceDep, _: OperatorDep) -> list[ModelOut]:
     """The catalog, with the sizes each model resolves to."""
-    return service.models_view()
+    return [ModelOut.model_validate(model) for model in service.models_view()]
 
 
 @router.put(
@@ -23,13 +21,11 @@ def list_models(service: ServiceDep, _: OperatorDep) -> list[dict[str, Any]]:
     response_model_exclude_unset=True,
     responses={201: {"description": "created", "model": ModelOut}},
 )
-def put_model(
-    model_id: str, body: ModelPutIn, service: ServiceDep, _: OperatorDep, response: Response
-) -> dict[str, Any]:
+def put_model(model_id: str, body: ModelPutIn, service: ServiceDep, _: OperatorDep, response: Response) -> ModelOut:
     """Add or replace a model; its weights are declared present on the NVMe of `nvme_nodes` (default: all)."""
     view, created = service.put_model(model_id, body.model, body.nvme_nodes)
     response.status_code = 201 if created else 200
-    return view
+    return ModelOut.model_validate(view)
 
 
 @router.delete("/{model_id}", status_code=204)

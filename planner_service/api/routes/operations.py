@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated
 
 from fastapi import APIRouter, Query
 
@@ -22,15 +22,15 @@ def list_operations(
         OperationState | None,
         Query(description="Only operations in this state (held_back: none; the plan lists its held-back moves)."),
     ] = None,
-) -> list[dict[str, Any]]:
+) -> list[OperationRecord]:
     """The queues: operations with their lifecycle state (open ones unless `state` asks otherwise)."""
-    return service.operations_view(node=node, state=state)
+    return [OperationRecord.model_validate(op) for op in service.operations_view(node=node, state=state)]
 
 
 @router.post("/{op_id}/report", response_model=ReportOut, response_model_exclude_unset=True)
-def report(op_id: str, body: ReportIn, service: ServiceDep, principal: PrincipalDep) -> dict[str, Any]:
+def report(op_id: str, body: ReportIn, service: ServiceDep, principal: PrincipalDep) -> ReportOut:
     """`done` (with measured seconds and bytes) or `failed` (with the error) for a leased operation; idempotent."""
     if principal.kind == "router":
         raise Forbidden("a router token cannot report operations; that is a node's or an operator's")
     node_scope = principal.node if principal.kind == "node" else None
-    return service.report(op_id, body, node_scope=node_scope)
+    return ReportOut.model_validate(service.report(op_id, body, node_scope=node_scope))

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Annotated, Any
+from typing import Annotated
 
 from fastapi import APIRouter, Query
 from starlette.concurrency import run_in_threadpool
@@ -29,7 +29,7 @@ async def get_routes(
         str | None, Query(max_length=64, description="Answer once the table's revision differs from this one.")
     ] = None,
     wait: Annotated[float, Query(ge=0, le=300, description="Longest wait for a change, in seconds.")] = 0.0,
-) -> dict[str, Any]:
+) -> RoutesOut:
     """The gateway's route table: per model its engine instances and their URLs, each session's KV holder,
     and the gateway's directives; with `after_epoch` / `after_revision` and `wait`, a long-poll that answers
     when either changed (or when `wait` ran out, with the table as it is)."""
@@ -41,5 +41,5 @@ async def get_routes(
         )
         remaining = deadline - time.monotonic()
         if (after_epoch is None and after_revision is None) or not unchanged or remaining <= 0 or signal.draining:
-            return table
+            return RoutesOut.model_validate(table)
         await asyncio.sleep(min(remaining, _RECHECK_SECONDS))

@@ -1,7 +1,5 @@
 from __future__ import annotations
 
-from typing import Any
-
 from fastapi import APIRouter
 
 from planner_service.api.deps import OperatorDep, ServiceDep
@@ -13,6 +11,6 @@ router = APIRouter(prefix="/v1/whatif", tags=["what-if"])
 
 
 @router.post("", response_model=WhatIfOut, response_model_exclude_unset=True)
-def what_if(body: WhatIfIn, service: ServiceDep, _: OperatorDep) -> dict[str, Any]:
+def what_if(body: WhatIfIn, service: ServiceDep, _: OperatorDep) -> WhatIfOut:
     """Plan hypothetical changes on a copy of the live state; the live state is not touched."""
-    return questions.what_if(service.live_view(), body, service.solve)
+    return WhatIfOut.model_validate(questions.what_if(service.live_view(), body, service.solve))

@@ -273,6 +273,9 @@ class DemoCluster:
             time.sleep(batch_seconds)
         return sent
 
+    def leased(self, node: str) -> list[dict[str, Any]]:
+        return [o for o in _get(self.url, "/v1/operations?state=leased") if o["node"] == node]
+
     def settle(self, timeout_seconds: float, quiet_seconds: float = 3.0) -> None:
         """Wait until nothing is queued or leased for `quiet_seconds`."""
         quiet_since: float | None = None

@@ -279,6 +279,8 @@ class EngineExecutor:
         transition = step.transition
         if transition is Transition.WAKE and observed.state is EngineState.STOPPED and engine.process is not None:
             transition = Transition.START  # crashed or stopped meanwhile: a cold start brings the weights back
+        elif transition is Transition.START and observed.state in _ASLEEP:
+            transition = Transition.WAKE  # asleep, not stopped (e.g. a sleep the plan did not see): waking is enough
         if (
             op.engine is None
             and self.driver.kind is EngineKind.SGLANG

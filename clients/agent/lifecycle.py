@@ -118,15 +118,19 @@ class EngineProcess:
         """The engine's last lines of output."""
         return tail(self.log_path, OUTPUT_LINES)
 
+    def last_launch(self) -> Launched | None:
+        """The latest start's record, whether or not its process still runs (a crashed engine's is kept)."""
+        try:
+            record = json.loads(self.pid_path.read_text())
+            return Launched(int(record["pid"]), list(record["argv"]), list(record["devices"]), record["values"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
     def recover(self) -> Launched | None:
         """The launch of this engine's process that an earlier run of the agent started, if it still runs
         exactly that command; it becomes this process's own."""
-        try:
-            record = json.loads(self.pid_path.read_text())
-            launched = Launched(int(record["pid"]), list(record["argv"]), list(record["devices"]), record["values"])
-        except (OSError, ValueError, KeyError, TypeError):
-            return None
-        if not _runs(launched.pid, launched.argv):
+        launched = self.last_launch()
+        if launched is None or not _runs(launched.pid, launched.argv):
             return None
         self.launched, self.stopping = launched, False
         return launched

@@ -196,7 +196,9 @@ class EngineExecutor:
                 handle.process = EngineProcess(
                     handle.name, engine.launch, handle.devices, values, env=env, state_dir=config.engine_state_dir
                 )
-                launched = handle.process.recover()  # an engine an earlier run of the agent started
+                # an engine an earlier run of the agent started: running, or (crashed) the group it was on,
+                # so that the heartbeat reports it stopped there and the service corrects its state
+                launched = handle.process.recover() or handle.process.last_launch()
                 if launched is not None:
                     handle.launched = dict(launched.values)
                     if not gpus:
@@ -279,6 +281,8 @@ class EngineExecutor:
         transition = step.transition
         if transition is Transition.WAKE and observed.state is EngineState.STOPPED and engine.process is not None:
             transition = Transition.START  # crashed or stopped meanwhile: a cold start brings the weights back
+        elif transition is Transition.RESTART and observed.state is EngineState.STOPPED and engine.process is not None:
+            transition = Transition.START  # stopped already (crashed, or the stop was done): the start is left
         elif transition is Transition.START and observed.state in _ASLEEP:
             transition = Transition.WAKE  # asleep, not stopped (e.g. a sleep the plan did not see): waking is enough
         if (

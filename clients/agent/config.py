@@ -130,6 +130,11 @@ class AgentConfig(BaseSettings):
     )
     model_paths: dict[str, str] = Field(default_factory=dict, description="Model id -> weights path (SGLang reload).")
     engine_timeout_seconds: float = Field(120.0, gt=0)
+    engine_state_dir: Path | None = Field(
+        None,
+        description="Where the launch records of managed engines are kept (found again after the agent restarts); "
+        "default: the temp directory.",
+    )
     # loop
     heartbeat_seconds: float = Field(10.0, gt=0)
     lease_wait_seconds: float = Field(10.0, ge=0, le=300)

@@ -264,11 +264,15 @@ class Agent:
         for usage in telemetry.gpus:
             if usage.id in self.gpu_ids:
                 gpus[usage.id] = {"id": usage.id, "used_bytes": usage.used_bytes, "free_bytes": usage.free_bytes}
+                if usage.total_bytes is not None:
+                    gpus[usage.id]["total_bytes"] = usage.total_bytes
         gpu_rates, node_rates = self.meter.take_fresh()
         for gpu_id, rates in gpu_rates.items():
             if gpu_id in self.gpu_ids:
                 gpus.setdefault(gpu_id, {"id": gpu_id}).update(rates)
-        return {"gpus": list(gpus.values()), "engines": telemetry.engines, **node_rates}
+        instances = [i for i in telemetry.instances if set(i["instance"]["gpus"]) <= self.gpu_ids]
+        body = {"gpus": list(gpus.values()), "engines": telemetry.engines, **node_rates}
+        return {**body, "instances": instances} if instances else body
 
     async def _heartbeats(self, stop: asyncio.Event) -> None:
         while not stop.is_set():

@@ -462,10 +462,28 @@ def kv_pools(
     }
 
 
+def expert_fractions(
+    problem: Problem, placement: Mapping[tuple[StateObject, Location], int], states: Mapping[Key, InstanceView]
+) -> dict[Key, float]:
+    """(node, model) -> the share of a MoE's routed experts a running instance holds on its group: what the
+    placement puts there (a launch setting: the experts of a running instance stay as they are)."""
+    out = {}
+    for key, view in states.items():
+        experts_bytes = problem.models[view.model].experts_bytes
+        if view.state is not EngineState.RUNNING or not experts_bytes:
+            continue
+        obj = StateObject.experts(view.model)
+        on_group = sum(placement.get((obj, Location.gpu(g)), 0) for g in view.gpus)
+        out[key] = min(on_group / experts_bytes, 1.0)
+    return out
+
+
 # --- the steps ----------------------------------------------------------------------------------------------
 
 
-def _instance(problem: Problem, view: InstanceView, kv_pool_bytes_per_gpu: int = 0) -> EngineInstance:
+def _instance(
+    problem: Problem, view: InstanceView, kv_pool_bytes_per_gpu: int = 0, gpu_expert_fraction: float = 1.0
+) -> EngineInstance:
     spec = problem.models[view.model]
     precision = view.precision or spec.precisions[0]
     gpus = view.gpus or problem.nodes[view.node].gpus[:1]
@@ -476,15 +494,17 @@ def _instance(problem: Problem, view: InstanceView, kv_pool_bytes_per_gpu: int =
         precision,
         gpus,
         spec.weights_bytes[precision],
-        LaunchSettings(kv_pool_bytes_per_gpu, features=features),
+        LaunchSettings(kv_pool_bytes_per_gpu, gpu_expert_fraction, features=features),
         spec.experts_bytes,
         view.declared.management,
     )
 
 
-def instance_ref(problem: Problem, view: InstanceView, kv_pool_bytes_per_gpu: int = 0) -> EngineInstanceRef:
+def instance_ref(
+    problem: Problem, view: InstanceView, kv_pool_bytes_per_gpu: int = 0, gpu_expert_fraction: float = 1.0
+) -> EngineInstanceRef:
     """The wire's name and settings of the instance `view` is (or would be)."""
-    inst = _instance(problem, view, kv_pool_bytes_per_gpu)
+    inst = _instance(problem, view, kv_pool_bytes_per_gpu, gpu_expert_fraction)
     return EngineInstanceRef(
         id=EngineInstanceRef.instance_id(inst.model, inst.precision, inst.gpus),
         node=view.node,
@@ -493,6 +513,7 @@ def instance_ref(problem: Problem, view: InstanceView, kv_pool_bytes_per_gpu: in
         precision=inst.precision,
         gpus=list(inst.gpus),
         kv_pool_bytes_per_gpu=kv_pool_bytes_per_gpu,
+        gpu_expert_fraction=inst.launch.gpu_expert_fraction,
         features=sorted(inst.launch.features),
         management=inst.management,
     )
@@ -565,6 +586,7 @@ def attach_steps(
     before: Mapping[Key, InstanceView],
     after: Mapping[Key, InstanceView],
     kv_pool_bytes: Mapping[Key, int] | None = None,
+    gpu_expert_fractions: Mapping[Key, float] | None = None,
 ) -> None:
     """Name the engine step of every weights, experts and KV move on an engine node, in place; the step is
     priced on its first move (its group's first GPU), the other ranks' moves are the same call (0 s)."""
@@ -579,7 +601,8 @@ def attach_steps(
             continue
         a = after[key]
         if key not in steps:
-            steps[key] = _step(problem, b, a, (kv_pool_bytes or {}).get(key, 0))
+            fraction = (gpu_expert_fractions or {}).get(key, 1.0)
+            steps[key] = _step(problem, b, a, (kv_pool_bytes or {}).get(key, 0), fraction)
         step = steps[key]
         if op.object.kind is Kind.KV:
             if step is not None and op.source is not None and op.source.tier is Tier.GPU and op.dest is None:
@@ -615,14 +638,16 @@ def attach_derived_steps(
     attach_steps(problem, ops, before, instance_states(problem, target))
 
 
-def _step(problem: Problem, b: InstanceView, a: InstanceView, kv_pool: int) -> EngineStep | None:
+def _step(
+    problem: Problem, b: InstanceView, a: InstanceView, kv_pool: int, gpu_expert_fraction: float = 1.0
+) -> EngineStep | None:
     transition = transition_between(b, a)
     if transition is None:
         return None
     running = a if a.state is EngineState.RUNNING else b
     return EngineStep(
         transition=transition,
-        instance=instance_ref(problem, running, kv_pool),
+        instance=instance_ref(problem, running, kv_pool, gpu_expert_fraction),
         from_state=b.state,
         previous=instance_ref(problem, b) if transition is Transition.RESTART else None,
     )
@@ -648,13 +673,18 @@ def engine_rows(
     now = confirmed_states(problem)
     then = engine_target(problem, planned, now).after if planned is not None else {}
     pools = kv_pools(problem, planned, then) if planned is not None else {}
+    fractions = expert_fractions(problem, problem.residency, now)
+    planned_fractions = expert_fractions(problem, planned, then) if planned is not None else {}
     rows: list[dict[str, object]] = []
     for key, view in sorted(now.items()):
         after = then.get(key)
         step = transition_between(view, after) if after is not None else None
         shown = after if after is not None and after.state is EngineState.RUNNING else view
-        ref = instance_ref(problem, shown, pools.get(key, 0))
-        held = holdings(_instance(problem, view, pools.get(key, 0)), view.state, ENGINE_CONSTANTS)
+        shown_fraction = (planned_fractions if shown is after else fractions).get(key, 1.0)
+        ref = instance_ref(problem, shown, pools.get(key, 0), shown_fraction)
+        held = holdings(
+            _instance(problem, view, pools.get(key, 0), fractions.get(key, 1.0)), view.state, ENGINE_CONSTANTS
+        )
         rows.append(
             {
                 "id": ref.id,

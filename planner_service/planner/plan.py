@@ -18,6 +18,7 @@ from planner_service.planner.engine_plan import (
     attach_steps,
     confirmed_states,
     engine_target,
+    expert_fractions,
     kv_pools,
     unserved_by_engines,
 )
@@ -91,7 +92,14 @@ def make_plan(
     operations = build_operations(
         problem, placement, reasons, now, then.serving, engines.no_backup, engines.kv_prefill_only
     )
-    attach_steps(problem, operations, before, engines.after, kv_pools(problem, placement, engines.after))
+    attach_steps(
+        problem,
+        operations,
+        before,
+        engines.after,
+        kv_pools(problem, placement, engines.after),
+        expert_fractions(problem, placement, engines.after),
+    )
     objective, predicted = evaluate(problem, placement, now, then, demand)
     if status is None:
         status = PlanStatus.PARTIAL if unserved else PlanStatus.OK

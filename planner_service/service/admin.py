@@ -6,6 +6,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from planner_service.domain.engines import KIND_FEATURES, EngineKind
 from planner_service.domain.problem import compile_problem
 from planner_service.domain.scenario import (
     ClusterIn,
@@ -224,7 +225,7 @@ class Admin:
                     f"scale {body.scale:g}: a scaled test run; this node's measurements do not calibrate bandwidths"
                 )
                 log.info("node %s registered at scale %g: its measured copies do not calibrate", node_id, body.scale)
-            engines = self._node_engines(body, set(known))
+            engines = self._node_engines(body, set(known), node.get("engines") or [])
             batch = Batch()
             changed = False
             if body.capabilities is not None and sorted(body.capabilities) != sorted(node.get("capabilities", [])):
@@ -253,10 +254,16 @@ class Admin:
                 "warnings": warnings,
             }
 
-    def _node_engines(self, body: RegisterIn, node_gpus: set[str]) -> list[dict[str, Any]] | None:
+    def _node_engines(
+        self, body: RegisterIn, node_gpus: set[str], declared: list[dict[str, Any]]
+    ) -> list[dict[str, Any]] | None:
         """The node's `engines` from a registration, checked: an entry per model its engines serve, with the
-        GPUs of an engine launched on fixed ones; None where no engine names a model (any model, any group)."""
+        GPUs of an engine launched on fixed ones, and for a vllm or sglang engine its kind, features and
+        management (the registration's, else what the topology declared for that model's engine of that
+        kind), so that the planner keeps planning engine transitions for it; None where no engine names a
+        model (any model, any group)."""
         models = {m["id"] for m in self.live.base["models"]}
+        before = {e["model"]: e for e in declared if e.get("kind")}
         out: dict[str, dict[str, Any]] = {}
         for i, engine in enumerate(body.engines):
             for j, gpu in enumerate(engine.gpus):
@@ -267,6 +274,14 @@ class Admin:
                     )
             if len(set(engine.gpus)) != len(engine.gpus):
                 raise InvalidInput(f"engines[{i}].gpus: a GPU is named twice", field=f"engines.{i}.gpus")
+            kind = EngineKind(engine.kind) if engine.kind in ("vllm", "sglang") else None
+            if kind is not None and engine.features is not None:
+                foreign = [f.value for f in engine.features if f not in KIND_FEATURES[kind]]
+                if foreign:
+                    raise InvalidInput(
+                        f"engines[{i}].features: a {kind.value} engine has no {', '.join(foreign)}",
+                        field=f"engines.{i}.features",
+                    )
             for j, model in enumerate(engine.models):
                 if model not in models:
                     raise InvalidInput(
@@ -280,6 +295,16 @@ class Admin:
                         field=f"engines.{i}.models.{j}",
                     )
                 out[model] = {"model": model, "gpus": sorted(engine.gpus)}
+                if kind is not None:
+                    prior = before.get(model, {})
+                    prior = prior if prior.get("kind") == kind.value else {}
+                    features = engine.features if engine.features is not None else prior.get("features")
+                    management = engine.management or prior.get("management")
+                    out[model]["kind"] = kind.value
+                    if features:
+                        out[model]["features"] = sorted(str(f) for f in features)
+                    if management:
+                        out[model]["management"] = str(management)
         return [out[m] for m in sorted(out)] if out else None
 
     def heartbeat(self, node_id: str, body: HeartbeatIn) -> dict[str, Any]:

@@ -32,7 +32,7 @@ from planner_service.domain.bounds import (
 )
 from planner_service.domain.scenario import Capability, GpuSpecIn, ModelIn, NodeIn, Slo
 from planner_service.service.errors import InvalidInput
-from planner_service.wire.enums import EngineState, ReportedEngineState
+from planner_service.wire.enums import EngineFeature, EngineState, Management, ReportedEngineState
 from planner_service.wire.operations import EngineInstanceRef
 
 EventId = Annotated[str, Field(min_length=1, max_length=200)]
@@ -153,6 +153,16 @@ class EngineIn(_In):
         default_factory=list,
         description="The cluster GPU ids the engine was launched on (its tensor-parallel group): the planner "
         "serves its models on this node only from these GPUs. Empty: the engine loads wherever the plan says.",
+    )
+    features: list[EngineFeature] | None = Field(
+        None,
+        description="vllm/sglang: the launch features it runs with (sleep_mode, dev_mode, lmcache; sleep_mode, "
+        "cpu_backup). Null: those the topology declares for the model's engine of this kind.",
+    )
+    management: Management | None = Field(
+        None,
+        description="vllm/sglang: managed (the agent starts and stops it) or adopted (only sleep and wake). "
+        "Null: the topology's declaration, else managed.",
     )
 
 

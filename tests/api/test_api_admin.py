@@ -295,3 +295,13 @@ def test_registration_rejects_engines_on_gpus_it_cannot_have(demo):
         "one group per node",
     )
     assert demo.get("/v1/cluster").json()["nodes"][1]["engines"] == declared  # refused: the demo's stay
+
+
+def test_a_registered_vllm_engine_keeps_its_kind_and_features_so_engine_steps_are_planned(demo) -> None:
+    engines = [{"name": "vllm-coder", "kind": "vllm", "models": ["coder"], "features": ["sleep_mode", "dev_mode"]}]
+    assert demo.post("/v1/nodes/n1/register", json={"engines": engines}).status_code == 200
+    rows = [e for e in demo.get("/v1/engines").json() if e["node"] == "n1"]
+    assert [(e["model"], e["kind"], e["features"]) for e in rows] == [("coder", "vllm", ["dev_mode", "sleep_mode"])]
+    bad = [{"name": "vllm-coder", "kind": "vllm", "models": ["coder"], "features": ["cpu_backup"]}]
+    refused = demo.post("/v1/nodes/n1/register", json={"engines": bad})
+    assert refused.status_code == 422 and "engines[0].features" in refused.json()["detail"]

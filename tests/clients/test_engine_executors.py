@@ -441,3 +441,25 @@ async def test_the_shards_of_one_instance_are_one_call_even_when_their_operation
         assert sleeps == ["POST /sleep?level=1&mode=wait"] and engine.level == 1
         assert [("nothing_to_do" in o.details) for o in outcomes] == [False, True]
         await executor.aclose()
+
+
+async def test_heartbeats_carry_each_instance_its_state_and_the_gpus_nvml_total(tmp_path: Path) -> None:
+    with vllm_engine() as (engine, url):
+        config = vllm_config(url, features=[*VLLM_FEATURES, "lmcache"])
+        executor = VLLMExecutor.from_config(config, probe=nvml_for(engine))
+        async with served(make_app(tmp_path, tiny=True)) as service:
+            agent = Agent(config, async_client(service), executor)
+            await executor.reconcile()
+            body = agent.heartbeat_body()
+            assert [(g["id"], g["used_bytes"], g["total_bytes"]) for g in body["gpus"]] == [
+                ("n1-g0", 4 * GIB + 10 * GIB + GIB // 2, 80 * GIB),
+                ("n1-g1", 4 * GIB + 10 * GIB + GIB // 2, 80 * GIB),
+            ]
+            (reported,) = body["instances"]
+            assert reported["state"] == "running"
+            assert reported["instance"]["id"] == "coder@bf16@n1-g0+n1-g1"
+            assert reported["instance"]["features"] == ["dev_mode", "lmcache", "sleep_mode"]
+            registered = executor.engines()[0]
+            assert registered["features"] == ["dev_mode", "lmcache", "sleep_mode"]
+            assert executor.engines_by_model["coder"].lmcache_instance_id == "n1-coder"  # one per engine
+        await executor.aclose()

@@ -15,12 +15,14 @@ class GpuUsage:
     id: str
     used_bytes: int | None
     free_bytes: int | None
+    total_bytes: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class Telemetry:
     gpus: list[GpuUsage] = field(default_factory=list)
     engines: dict[str, ReportedEngineState] = field(default_factory=dict)  # engine name -> its state or status
+    instances: list[dict[str, Any]] = field(default_factory=list)  # {instance: EngineInstanceRef, state}
 
 
 @runtime_checkable

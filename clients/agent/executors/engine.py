@@ -44,6 +44,7 @@ from planner_service.domain.engines import (
     may,
 )
 from planner_service.wire.enums import EngineStatus, ReportedEngineState
+from planner_service.wire.operations import EngineInstanceRef
 
 log = logging.getLogger("statebudget.agent.engines")
 
@@ -59,6 +60,11 @@ class Observation:
     note: str = ""  # what the reading could not tell, or what is wrong
 
 
+# LMCache reads its configuration from `LMCACHE_<FIELD>` environment variables (lmcache/v1/config.py,
+# `_from_env`: the prefix and the field's name upper-cased); `lmcache_instance_id` names the instance.
+LMCACHE_INSTANCE_ENV = "LMCACHE_LMCACHE_INSTANCE_ID"
+
+
 @dataclass
 class EngineHandle:
     """One engine instance of this node: its configuration and what this agent learnt of it since it started."""
@@ -66,12 +72,14 @@ class EngineHandle:
     model: str
     kind: EngineKind
     config: EngineConfig
-    gpus: list[str]  # cluster GPU ids, the tensor-parallel group
+    gpus: list[str]  # cluster GPU ids of the tensor-parallel group: configured, or the one it was launched on
     devices: list[int]
+    node: str = ""
     process: EngineProcess | None = None
     level: int | None = None  # the level of the sleep this agent sent; None: not known (e.g. after a restart)
     last: EngineState | None = None  # the state last observed
     last_note: str = ""  # what the last reading could not tell or found wrong
+    launched: dict[str, Any] = field(default_factory=dict)  # the launch settings it runs with, where known
 
     @property
     def name(self) -> str:
@@ -81,19 +89,51 @@ class EngineHandle:
     def url(self) -> str:
         return self.config.url
 
+    @property
+    def lmcache_instance_id(self) -> str | None:
+        """One LMCache instance per engine: the configured id, else `<node>-<model>`."""
+        if not self.has(EngineFeature.LMCACHE):
+            return None
+        return self.config.lmcache_instance_id or f"{self.node}-{self.model}"
+
     def has(self, feature: EngineFeature) -> bool:
         return feature in self.config.features
+
+    @property
+    def precision(self) -> str:
+        return str(self.launched.get("precision") or self.config.precision)
 
     def instance(self, kv_pool_bytes_per_gpu: int = 0) -> EngineInstance:
         return EngineInstance(
             kind=self.kind,
             model=self.model,
-            precision=self.config.precision,
+            precision=self.precision,
             gpus=tuple(self.gpus) or (f"{self.model}-gpu",),
             weights_bytes=self.config.weights_bytes,
             launch=LaunchSettings(kv_pool_bytes_per_gpu, features=frozenset(self.config.features)),
             management=self.config.management,
         )
+
+    def instance_ref(self) -> dict[str, Any] | None:
+        """The instance as a heartbeat's `instances[].instance` names it (planner_service.wire
+        EngineInstanceRef); None while no group is known (configured, or launched by this agent)."""
+        if not self.gpus:
+            return None
+        ref: dict[str, Any] = {
+            "id": EngineInstanceRef.instance_id(self.model, self.precision, self.gpus),
+            "node": self.node,
+            "kind": self.kind.value,
+            "model": self.model,
+            "precision": self.precision,
+            "gpus": list(self.gpus),
+            "kv_pool_bytes_per_gpu": int(self.launched.get("kv_pool_bytes_per_gpu") or 0),
+            "gpu_expert_fraction": float(self.launched.get("gpu_expert_fraction", 1.0)),
+            "features": sorted(f.value for f in self.config.features),
+            "management": self.config.management.value,
+        }
+        if self.launched.get("max_context_tokens"):
+            ref["max_context_tokens"] = int(self.launched["max_context_tokens"])
+        return ref
 
 
 class EngineDriver(Protocol):
@@ -119,6 +159,8 @@ class EngineExecutor:
     http: EngineHttp
     probe: GpuProbe
     capabilities: frozenset[Capability] = frozenset()  # none of the planner's partial moves
+    node: str = ""
+    devices: dict[str, int] = field(default_factory=dict)  # cluster GPU id -> device index, every GPU of the node
     clock: Callable[[], float] = time.perf_counter
     drift: list[str] = field(default_factory=list)
     _locks: dict[str, asyncio.Lock] = field(default_factory=dict, repr=False)
@@ -133,33 +175,53 @@ class EngineExecutor:
         probe: GpuProbe | None = None,
     ) -> EngineExecutor:
         devices = config.gpu_devices()
+        by_device = {d: g for g, d in devices.items()}
         handles = {}
         for model, engine in config.engines.items():
             gpus = list(config.engine_gpus.get(model, []))
-            handle = EngineHandle(model, driver.kind, engine, gpus, [devices[g] for g in gpus if g in devices])
+            handle = EngineHandle(
+                model, driver.kind, engine, gpus, [devices[g] for g in gpus if g in devices], node=config.node_id
+            )
             if engine.launch is not None:
                 values = {
                     "model": model,
                     "model_path": engine.model_path or model,
+                    "precision": engine.precision,
+                    "tp": max(len(gpus), 1),
                     "kv_pool_bytes_per_gpu": 0,
+                    "gpu_expert_fraction": 1.0,
                     "max_context_tokens": "",
+                    "lmcache_instance_id": handle.lmcache_instance_id or "",
                 }
-                handle.process = EngineProcess(handle.name, engine.launch, handle.devices, values)
+                env = {LMCACHE_INSTANCE_ENV: handle.lmcache_instance_id} if handle.lmcache_instance_id else {}
+                handle.process = EngineProcess(
+                    handle.name, engine.launch, handle.devices, values, env=env, state_dir=config.engine_state_dir
+                )
+                # an engine an earlier run of the agent started: running, or (crashed) the group it was on,
+                # so that the heartbeat reports it stopped there and the service corrects its state
+                launched = handle.process.recover() or handle.process.last_launch()
+                if launched is not None:
+                    handle.launched = dict(launched.values)
+                    if not gpus:
+                        handle.devices = list(launched.devices)
+                        handle.gpus = [by_device[d] for d in launched.devices if d in by_device]
             problems = driver.check(handle)
             if problems:
                 raise ValueError(f"engines.{model}: " + "; ".join(problems))
             handles[model] = handle
         http = EngineHttp(timeout_seconds=config.engine_timeout_seconds, http_client=http_client)
-        return cls(driver, handles, http, probe or default_probe(devices))
+        return cls(driver, handles, http, probe or default_probe(devices), node=config.node_id, devices=devices)
 
     # -- reading the engines -----------------------------------------------------
 
     async def observe(self, engine: EngineHandle) -> Observation:
         crash = engine.process.crashed() if engine.process is not None else None
         if crash:
-            engine.process.popen = None  # type: ignore[union-attr]  # checked above: it has a process
+            engine.process.forget()  # type: ignore[union-attr]  # checked above: it has a process
             engine.level = None
             observation = Observation(EngineState.STOPPED, note=f"crashed: {crash}")
+        elif engine.process is not None and not engine.process.running:
+            observation = Observation(EngineState.STOPPED)  # managed and not started: nothing to ask
         else:
             try:
                 observation = await self.driver.observe(self.http, engine)
@@ -180,9 +242,15 @@ class EngineExecutor:
         log.warning("engine drift: %s", line)
 
     async def reconcile(self) -> list[str]:
+        """Read every engine no operation is changing now (one that is, mid-start or mid-sleep, would read as
+        what it is leaving; the operation reads it before and sets what it left it in)."""
         self.drift = []
         for engine in self.engines_by_model.values():
-            await self.observe(engine)
+            lock = self._locks.setdefault(engine.name, asyncio.Lock())
+            if lock.locked():
+                continue
+            async with lock:
+                await self.observe(engine)
         return list(self.drift)
 
     # -- one operation -----------------------------------------------------------
@@ -214,6 +282,10 @@ class EngineExecutor:
         transition = step.transition
         if transition is Transition.WAKE and observed.state is EngineState.STOPPED and engine.process is not None:
             transition = Transition.START  # crashed or stopped meanwhile: a cold start brings the weights back
+        elif transition is Transition.RESTART and observed.state is EngineState.STOPPED and engine.process is not None:
+            transition = Transition.START  # stopped already (crashed, or the stop was done): the start is left
+        elif transition is Transition.START and observed.state in _ASLEEP:
+            transition = Transition.WAKE  # asleep, not stopped (e.g. a sleep the plan did not see): waking is enough
         if (
             op.engine is None
             and self.driver.kind is EngineKind.SGLANG
@@ -226,7 +298,9 @@ class EngineExecutor:
             return await self._readahead(engine, started, details)
         if observed.note.startswith("unreachable") and transition is not Transition.START:
             raise TemporaryError(f"{engine.name} {observed.note}")
-        if _already(transition, observed.state):
+        if _already(transition, observed.state) or (
+            transition is Transition.RESTART and observed.state is EngineState.RUNNING and _runs_as(engine, op)
+        ):
             details["nothing_to_do"] = f"{engine.name} is {observed.state.value} already"
             return Outcome(max(self.clock() - started, 0.0), None, details)
         kv_pool = op.engine.instance.kv_pool_bytes_per_gpu if op.engine is not None else 0
@@ -239,9 +313,10 @@ class EngineExecutor:
         verdict = may(engine.instance(kv_pool), observed.state, transition, in_flight_requests=in_flight)
         if not verdict.allowed:
             raise PermanentError(f"{engine.name}: {transition.value} refused: {verdict.why}")
-        before = self._gpu_used(engine)
+        measured_gpus = sorted({*engine.gpus, *(op.engine.instance.gpus if op.engine is not None else ())})
+        before = self._gpu_used(measured_gpus)
         calls = await self._carry_out(engine, transition, op)
-        after = self._gpu_used(engine)
+        after = self._gpu_used(measured_gpus)
         engine.last = AFTER.get(transition, observed.state)
         details["calls"] = details.get("calls", []) + calls
         details["state"] = engine.last.value
@@ -272,16 +347,16 @@ class EngineExecutor:
             code = await process.stop()
             engine.level = None
             return [f"stop (exit code {code})"]
-        overrides: dict[str, object] = {}
-        if op.engine is not None:
-            overrides["kv_pool_bytes_per_gpu"] = op.engine.instance.kv_pool_bytes_per_gpu
-            overrides["max_context_tokens"] = op.engine.instance.max_context_tokens or ""
+        overrides = _launch_values(op)
+        group = list(op.engine.instance.gpus) if op.engine is not None else engine.gpus
+        devices = [self.devices[g] for g in group if g in self.devices] if group != engine.gpus else engine.devices
         calls = []
         if transition is Transition.RESTART:
             code = await process.stop()
             calls.append(f"stop (exit code {code})")
-        seconds = await process.start(self.http.client, engine.url, **overrides)
-        engine.level = 0
+        seconds = await process.start(self.http.client, engine.url, devices=devices, **overrides)
+        engine.gpus, engine.devices, engine.level = group, devices, 0
+        engine.launched = dict(process.launched.values) if process.launched is not None else dict(overrides)
         calls.append(f"start ({seconds:.1f} s to ready)")
         return calls
 
@@ -303,8 +378,8 @@ class EngineExecutor:
         )
         return Outcome(max(self.clock() - started, 0.0), resident.resident_bytes, details)
 
-    def _gpu_used(self, engine: EngineHandle) -> int | None:
-        readings = [self.probe.read(g) for g in engine.gpus]
+    def _gpu_used(self, gpus: list[str]) -> int | None:
+        readings = [self.probe.read(g) for g in gpus]
         if not readings or any(r is None for r in readings):
             return None
         return sum(r.used_bytes for r in readings if r is not None)
@@ -313,18 +388,30 @@ class EngineExecutor:
 
     def telemetry(self) -> Telemetry:
         gpus = []
-        for gpu in sorted({g for e in self.engines_by_model.values() for g in e.gpus}):
+        for gpu in sorted(self.devices or {g for e in self.engines_by_model.values() for g in e.gpus}):
             reading = self.probe.read(gpu)
             if reading is not None:
-                gpus.append(GpuUsage(gpu, reading.used_bytes, reading.free_bytes))
+                gpus.append(GpuUsage(gpu, reading.used_bytes, reading.free_bytes, reading.total_bytes))
         engines: dict[str, ReportedEngineState] = {
             e.name: (e.last if e.last is not None else EngineStatus.UNKNOWN) for e in self.engines_by_model.values()
         }
-        return Telemetry(gpus=gpus, engines=engines)
+        instances = []
+        for e in self.engines_by_model.values():
+            ref = e.instance_ref()
+            if ref is not None and e.last is not None:
+                instances.append({"instance": ref, "state": e.last.value})
+        return Telemetry(gpus=gpus, engines=engines, instances=instances)
 
     def engines(self) -> list[dict[str, Any]]:
         return [
-            {"name": e.name, "kind": self.driver.kind, "models": [e.model], "url": e.url}
+            {
+                "name": e.name,
+                "kind": self.driver.kind,
+                "models": [e.model],
+                "url": e.url,
+                "features": sorted(f.value for f in e.config.features),
+                "management": e.config.management.value,
+            }
             for _, e in sorted(self.engines_by_model.items())
         ]
 
@@ -341,6 +428,31 @@ def _already(transition: Transition, state: EngineState) -> bool:
     if transition is Transition.STOP:
         return state is EngineState.STOPPED
     return False
+
+
+def _launch_values(op: Operation) -> dict[str, object]:
+    """The launch settings a start or restart fills the command template with: the operation's instance."""
+    if op.engine is None:
+        return {}
+    instance = op.engine.instance
+    return {
+        "precision": instance.precision,
+        "tp": len(instance.gpus),
+        "kv_pool_bytes_per_gpu": instance.kv_pool_bytes_per_gpu,
+        "gpu_expert_fraction": instance.gpu_expert_fraction,
+        "max_context_tokens": instance.max_context_tokens or "",
+    }
+
+
+def _runs_as(engine: EngineHandle, op: Operation) -> bool:
+    """Whether the engine runs with the launch settings of `op`'s instance already (a restart done before)."""
+    wanted = _launch_values(op)
+    return (
+        bool(wanted)
+        and op.engine is not None
+        and list(op.engine.instance.gpus) == engine.gpus
+        and all(engine.launched.get(k) == v for k, v in wanted.items())
+    )
 
 
 __all__ = ["EngineExecutor", "EngineHandle", "Management", "Observation"]

@@ -11,7 +11,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from planner_service.domain.demo import demo_scenario
-from planner_service.domain.state import Kind, Tier, placement_to_json
+from planner_service.domain.state import Kind, Tier
 from planner_service.metrics import Metrics
 from planner_service.service.engine import ClusterService
 from planner_service.service.inputs import ReportIn, RequestEvent
@@ -126,10 +126,7 @@ def test_a_start_repairs_a_stored_placement_over_capacity_and_says_what_it_took_
     capacity = next(
         g["capacity_bytes"] for node in svc.cluster_view()["nodes"] for g in node["gpus"] if g["id"] == loc.id
     )
-    tripled = {**svc.srv_view(), "placement": []}
-    broken = dict(svc.live.placement)
-    broken[(obj, loc)] = 3 * n  # the same promote applied three times
-    svc.live.store.write(Batch(meta={"placement": placement_to_json(broken), "srv": tripled}))
+    svc.live.store.write(Batch(placement={(obj, loc): 3 * n}))  # the same promote applied three times
     svc.close()
 
     again = new_service(tmp_path / "over.db", clock)  # starts: no exception

@@ -126,7 +126,7 @@ def test_a_conflict_is_committed_with_the_done_report_and_survives_a_restart(tmp
     clock = Clock()
     svc = new_service(tmp_path / "conflict.db", clock)
     svc.replan(force=True)
-    node, lease, op = next(
+    _, lease, op = next(
         (node, lease, op)
         for node in nodes(svc)
         for lease in [svc.lease(node, 100)]

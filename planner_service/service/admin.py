@@ -14,9 +14,6 @@ from planner_service.domain.scenario import (
     ScenarioError,
     parse_scenario,
 )
-from planner_service.domain.state import (
-    placement_to_json,
-)
 from planner_service.service import calibration
 from planner_service.service import changes as edits
 from planner_service.service.confirmed import Confirmed
@@ -69,8 +66,8 @@ class Admin:
         for model in set(self.live.predictor.models) - {m.id for m in scenario.models}:
             self.live.predictor.remove_model(model)
         self.live.placement = placement
-        self.live.publish_srv()
-        batch.meta.update({"placement": placement_to_json(self.live.placement), "srv": self.live.srv_doc})
+        batch.placement.update(self.live.publish_srv())
+        batch.meta["srv"] = self.live.srv_doc
         self.live.write(batch)
         self.live.topology_changes += 1
         self.live.wake(force=True)

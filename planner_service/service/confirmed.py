@@ -12,7 +12,6 @@ from planner_service.domain.state import (
     Location,
     StateObject,
     Tier,
-    placement_to_json,
 )
 from planner_service.planner.operations import Operation, apply_operation
 from planner_service.service import calibration, reconcile
@@ -39,7 +38,7 @@ class Confirmed:
     def confirm(self, r: OpRecord, now: float, batch: Batch) -> None:
         """Apply a done operation to the confirmed placement and learn from its measured duration."""
         op = r.op
-        self.live.refresh_live()  # sizes must know the sessions that events created since
+        self.live.refresh_sizes()  # sizes must know the sessions that events created since
         if (gone := self._gone(op)) is not None:
             r.conflict = f"not applied: {gone}"
             log.warning("operation %s reported done, placement unchanged: %s", r.id, gone)
@@ -53,14 +52,14 @@ class Confirmed:
         else:
             apply_operation(self.live.placement, op)
         self.live.purge_ended_sessions(batch)
-        self.live.publish_srv()
+        batch.placement.update(self.live.publish_srv((op.object, loc) for loc in (op.source, op.dest) if loc))
+        batch.meta["srv"] = self.live.srv_doc
         self._calibrate_from(r, batch)
         for s in self.live.sessions.values():
             if s.waiting_since is not None and s.model in self.live.serving:
                 self.live.observe_switch(s, now - s.waiting_since)
                 s.waiting_since = None
                 batch.sessions[s.id] = s.to_json()
-        batch.meta.update({"placement": placement_to_json(self.live.placement), "srv": self.live.srv_doc})
 
     def _gone(self, op: Operation) -> str | None:
         """What a done operation refers to that the cluster no longer has, if anything. A session that ended
@@ -144,8 +143,8 @@ class Confirmed:
         batch.meta["nodes"] = self.live.nodes_info
         if corrected:
             self.live.purge_ended_sessions(batch)
-            self.live.publish_srv()
-            batch.meta.update({"placement": placement_to_json(self.live.placement), "srv": self.live.srv_doc})
+            batch.placement.update(self.live.publish_srv((g.object, g.location) for g in corrected))
+            batch.meta["srv"] = self.live.srv_doc
         if corrected or newly_lost:
             self.live.wake(force=True)
 
@@ -213,17 +212,9 @@ class Confirmed:
         for entry in removed:
             log.error("the stored placement broke an invariant; quarantined: %s", entry)
         self.live.placement = placement
-        self.live.publish_srv()
+        changed = self.live.publish_srv()
         quarantined = [*self.live.quarantine, *removed]
-        self.live.write(
-            Batch(
-                meta={
-                    "placement": placement_to_json(self.live.placement),
-                    "srv": self.live.srv_doc,
-                    "quarantine": quarantined,
-                }
-            )
-        )
+        self.live.write(Batch(meta={"srv": self.live.srv_doc, "quarantine": quarantined}, placement=changed))
         self.live.quarantine = quarantined
         self.live.force_replan = True
 

@@ -24,7 +24,6 @@ from typing import Any
 
 from planner_service.domain.problem import Problem
 from planner_service.domain.scenario import ClusterIn, Scenario
-from planner_service.domain.state import placement_to_json
 from planner_service.metrics import Metrics, StateSnapshot
 from planner_service.planner.plan import Plan
 from planner_service.service.admin import Admin
@@ -122,17 +121,17 @@ class ClusterService:
             )
         self.live.placement = placement_from_json(residency)
         self.live.predictor = self.live.new_predictor()
-        self.live.publish_srv()
+        placement = self.live.publish_srv()
         batch = Batch(
             meta={
                 "base": self.live.base,
-                "placement": placement_to_json(self.live.placement),
                 "srv": self.live.srv_doc,
                 "epoch": 0,
                 "calibration": self.live.calibration,
                 "nodes": self.live.nodes_info,
             },
             sessions={s.id: s.to_json() for s in self.live.sessions.values()},
+            placement=placement,
         )
         self.live.write(batch)
         log.info(
@@ -145,7 +144,8 @@ class ClusterService:
     def _restore(self, stored: Stored) -> None:
         meta = stored.meta
         self.live.base = meta["base"]
-        self.live.placement = placement_from_json(meta.get("placement", []))
+        self.live.placement = dict(stored.placement)
+        self.live.published_placement = dict(stored.placement)
         self.live.srv_doc = meta["srv"]
         self.live.srv_version = int(self.live.srv_doc["version"])
         self.live.epoch = int(meta.get("epoch", 0))

@@ -8,7 +8,7 @@ import dataclasses
 import json
 import logging
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from datetime import UTC, datetime
 from typing import Any
@@ -20,7 +20,9 @@ from planner_service.domain.scenario import (
 )
 from planner_service.domain.state import (
     Kind,
+    Location,
     Placement,
+    StateObject,
     Tier,
     location_from_json,
     object_from_json,
@@ -106,8 +108,9 @@ class Live:
         self.event_ids: dict[str, float] = {}  # applied event id -> when (a resend within retention is ignored)
         self.pruned_at = float("-inf")
         self.placement: Placement = {}
+        self.published_placement: Placement = {}  # the placement as the last publish (and commit) left it
         self.srv_version = 0
-        self.srv_doc: dict[str, Any] = {}
+        self.srv_doc: dict[str, Any] = {}  # {"version", "srv": rows}: what the store keeps in its `srv` row
         self.epoch = 0
         self.plan_doc: dict[str, Any] | None = None
         self.plan_placement: Placement = {}
@@ -224,8 +227,17 @@ class Live:
     def compile(self, data: dict[str, Any], next_model: Mapping[str, Mapping[str, float]]) -> Problem:
         return compile_problem(parse_scenario(data), next_model)
 
-    def refresh_live(self) -> None:
-        """Recompute sizes (sessions, calibration) and the served models from the confirmed placement.
+    def refresh_live(self) -> Placement:
+        """Recompute sizes (sessions, calibration) and the served models from the confirmed placement; the
+        confirmed placement restricted to what the live problem knows (`valid_placement`)."""
+        self.refresh_sizes()
+        assert self.sizes is not None
+        valid = self.valid_placement(self.placement)
+        self.serving = set(ResidencyIndex.serving_in(self.sizes, valid))
+        return valid
+
+    def refresh_sizes(self) -> None:
+        """Recompute the live problem's sizes, capacities and bandwidths when what they are made of changed.
 
         Compiling the live problem is the costly part and most changes (a done report, most events) leave
         its inputs as they were: it is compiled again only when the catalog, the cluster, the calibration or
@@ -236,27 +248,46 @@ class Live:
             data["residency"] = []
             self.sizes = self.compile(data, {})
             self._compiled_key = key
-        self.serving = set(ResidencyIndex.build(self.sizes, self.valid_placement(self.placement)).serving)
 
-    def _sizes_key(self) -> tuple[str, tuple[tuple[Any, ...], ...], frozenset[str | None]]:
+    def _sizes_key(self) -> tuple[str, tuple[tuple[Any, ...], ...]]:
         """What `scenario_data` without residency depends on: base and calibration (edited in place, so
-        compared as JSON), the sessions' planning fields, and which ended sessions still hold KV."""
-        with_kv = frozenset(obj.session for obj, _ in self.placement if obj.kind is Kind.KV)
+        compared as JSON) and the planning fields of the sessions it includes (those not ended, and the ended
+        ones that still hold KV)."""
+        with_kv = {obj.session for obj, _ in self.placement if obj.kind is Kind.KV}
         sessions = tuple(
-            (s.id, s.user, s.slo, s.model, s.active, s.ended, s.context_tokens) for s in self.sessions.values()
+            (s.id, s.user, s.slo, s.model, s.active, s.ended, s.context_tokens)
+            for s in self.sessions.values()
+            if not s.ended or s.id in with_kv
         )
-        return json.dumps([self.base, self.calibration]), sessions, with_kv
+        return json.dumps([self.base, self.calibration]), sessions
 
-    def publish_srv(self) -> None:
-        """Snapshot the SRV of the confirmed placement; `version` moves exactly when the snapshot does."""
-        self.refresh_live()
+    def publish_srv(self, touched: Iterable[tuple[StateObject, Location]] | None = None) -> Placement:
+        """Publish the SRV of the confirmed placement; `version` moves exactly when what it publishes does.
+
+        `touched`: the only (object, location) entries changed since the last publish (None: any may have).
+        Returns the entries that changed, with their bytes now (0: gone), for the batch that commits them: a
+        done report writes its two entries, not the whole placement."""
+        valid = self.refresh_live()
         assert self.sizes is not None
-        rows = srv_entries(self.sizes, self.valid_placement(self.placement))
-        placement = placement_to_json(self.placement)
-        if self.srv_doc and (rows, placement) == (self.srv_doc["srv"], self.srv_doc["placement"]):
-            return
+        keys = set(self.placement) | set(self.published_placement) if touched is None else set(touched)
+        changed = {
+            k: self.placement.get(k, 0) for k in keys if self.placement.get(k, 0) != self.published_placement.get(k, 0)
+        }
+        rows = srv_entries(self.sizes, valid)
+        for k, n in changed.items():
+            if n > 0:
+                self.published_placement[k] = n
+            else:
+                self.published_placement.pop(k, None)
+        if self.srv_doc and not changed and rows == self.srv_doc["srv"]:
+            return changed
         self.srv_version = self.srv_version + 1 if self.srv_doc else 1
-        self.srv_doc = {"version": self.srv_version, "srv": rows, "placement": placement}
+        self.srv_doc = {"version": self.srv_version, "srv": rows}
+        return changed
+
+    def srv_view(self) -> dict[str, Any]:
+        """The published SRV with the placement it was computed from, as `GET /v1/srv` answers it."""
+        return {**copy.deepcopy(self.srv_doc), "placement": placement_to_json(self.published_placement)}
 
     def valid_placement(self, placement: Placement) -> Placement:
         p = self.sizes

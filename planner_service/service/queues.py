@@ -407,10 +407,10 @@ class Queues:
                 now,
             )
             self.live.open_ops.discard(op_id)
-            batch = Batch(operations={op_id: r.to_json()})
+            batch = Batch()
             if r.state is OpState.DONE:
                 self.live.failed_moves.succeeded(r.op)
-                self.confirmed.confirm(r, now, batch)
+                self.confirmed.confirm(r, now, batch)  # may record a conflict on the record
             else:
                 failures = self.live.failed_moves.failed(r.op, now, body.error)
                 self.live.wake(force=True)  # the next plan holds the move back until then
@@ -422,6 +422,7 @@ class Queues:
                     iso(failures.until),
                     body.error,
                 )
+            batch.operations[op_id] = r.to_json()  # as the answer shows it: with its conflict, if any
             self.live.write(batch)
             if body.measured_seconds is not None:
                 self.live.metrics.operation_duration.labels(r.op.action.value, r.state.value).observe(

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from planner_service.domain.state import Kind, Location, Placement, StateObject, Tier
+
 # (t, kind, from model, to model, gap seconds, context tokens): kind "handoff" (from, to), "gap" (gap
 # seconds: a turn's tool and think time) or "request" (to: its model; the session's context after it)
 Observation = tuple[float, str, str | None, str | None, float | None, int | None]
@@ -34,10 +36,18 @@ class Batch:
     # two or three fields of hundreds of records: written alone, not as whole records); after `operations`
     operation_updates: dict[str, dict[str, Any]] = field(default_factory=dict)
     observations: list[Observation] = field(default_factory=list)
+    # (object, location) -> the bytes held there now, 0 where nothing is left: only the entries that changed
+    placement: Placement = field(default_factory=dict)
 
     def __bool__(self) -> bool:
         return bool(
-            self.meta or self.sessions or self.events or self.operations or self.operation_updates or self.observations
+            self.meta
+            or self.sessions
+            or self.events
+            or self.operations
+            or self.operation_updates
+            or self.observations
+            or self.placement
         )
 
     def merge(self, other: Batch) -> None:
@@ -48,6 +58,7 @@ class Batch:
         for oid, fields in other.operation_updates.items():
             self.operation_updates.setdefault(oid, {}).update(fields)
         self.observations.extend(other.observations)
+        self.placement.update(other.placement)
 
 
 @dataclass
@@ -59,6 +70,7 @@ class Stored:
     event_ids: dict[str, float]  # id -> when it was applied
     operations: dict[str, dict[str, Any]]
     observations: list[Observation]  # oldest first
+    placement: Placement  # the confirmed placement
 
     @property
     def empty(self) -> bool:
@@ -103,6 +115,27 @@ MIGRATIONS: tuple[str, ...] = (
     """,
     # 2: requests are observed with the session's context after them
     "ALTER TABLE observations ADD COLUMN tokens INTEGER;",
+    # 3: the confirmed placement as one row per (object, location), so that a done report writes the two entries
+    # it changed instead of the whole placement; an object's absent precision or session is '' (a key column is
+    # never NULL: NULLs would not collide). The placement meta row, and its copy in the SRV row, move here.
+    """
+    CREATE TABLE placement (
+        kind TEXT NOT NULL, model TEXT NOT NULL, precision TEXT NOT NULL, session TEXT NOT NULL,
+        tier TEXT NOT NULL, location TEXT NOT NULL, bytes INTEGER NOT NULL,
+        PRIMARY KEY (kind, model, precision, session, tier, location)
+    ) WITHOUT ROWID;
+    INSERT OR REPLACE INTO placement
+        SELECT json_extract(e.value, '$.object.kind'), json_extract(e.value, '$.object.model'),
+            coalesce(json_extract(e.value, '$.object.precision'), ''),
+            coalesce(json_extract(e.value, '$.object.session'), ''),
+            json_extract(e.value, '$.location.tier'),
+            coalesce(json_extract(e.value, '$.location.gpu'), json_extract(e.value, '$.location.node')),
+            json_extract(e.value, '$.bytes')
+        FROM meta, json_each(meta.value) AS e
+        WHERE meta.key = 'placement' AND json_extract(e.value, '$.bytes') > 0;
+    DELETE FROM meta WHERE key = 'placement';
+    UPDATE meta SET value = json_remove(value, '$.placement') WHERE key = 'srv';
+    """,
 )
 SCHEMA_VERSION = len(MIGRATIONS)
 
@@ -171,6 +204,17 @@ def _field_updates(updates: dict[str, dict[str, Any]]) -> list[tuple[str, list[t
     return statements
 
 
+def _placement_row(obj: StateObject, loc: Location) -> tuple[str, str, str, str, str, str]:
+    """The key columns of a placement row."""
+    return (obj.kind.value, obj.model, obj.precision or "", obj.session or "", loc.tier.value, loc.id)
+
+
+def _placement_entry(
+    kind: str, model: str, precision: str, session: str, tier: str, location: str
+) -> tuple[StateObject, Location]:
+    return StateObject(Kind(kind), model, precision or None, session or None), Location(Tier(tier), location)
+
+
 # operations in these states are history: kept for reports' idempotency, not loaded into the queues
 FINAL_KEEP = 5000
 
@@ -216,7 +260,12 @@ class SqliteStore:
                 (observations_since,),
             )
         )
-        return Stored(meta, sessions, event_ids, operations, observations)
+        placement: Placement = {}
+        for *key, nbytes in db.execute(
+            "SELECT kind, model, precision, session, tier, location, bytes FROM placement WHERE bytes > 0"
+        ):
+            placement[_placement_entry(*key)] = int(nbytes)
+        return Stored(meta, sessions, event_ids, operations, observations, placement)
 
     def write(self, batch: Batch) -> None:
         if not batch:
@@ -244,6 +293,17 @@ class SqliteStore:
             db.executemany(
                 "INSERT INTO observations (t, kind, from_model, to_model, gap_seconds, tokens) VALUES (?, ?, ?, ?, ?, ?)",
                 batch.observations,
+            )
+            db.executemany(
+                "INSERT INTO placement (kind, model, precision, session, tier, location, bytes) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?) "
+                "ON CONFLICT (kind, model, precision, session, tier, location) DO UPDATE SET bytes = excluded.bytes",
+                [(*_placement_row(obj, loc), n) for (obj, loc), n in batch.placement.items() if n > 0],
+            )
+            db.executemany(
+                "DELETE FROM placement WHERE kind = ? AND model = ? AND precision = ? AND session = ? "
+                "AND tier = ? AND location = ?",
+                [_placement_row(obj, loc) for (obj, loc), n in batch.placement.items() if n <= 0],
             )
             db.execute("COMMIT")
         except BaseException:

@@ -155,7 +155,7 @@ class Views:
     def srv_view(self) -> dict[str, Any]:
         self.live.require_ready()
         with self.live.change():
-            return copy.deepcopy(self.live.srv_doc)
+            return self.live.srv_view()
 
     def engines_view(self) -> list[dict[str, Any]]:
         """The engine nodes' instances now and once the current plan is done (planner/engine_plan.py)."""

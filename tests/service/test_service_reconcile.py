@@ -11,7 +11,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from planner_service.domain.demo import demo_scenario
-from planner_service.domain.state import Kind, Tier, placement_to_json
+from planner_service.domain.state import Kind, Tier
 from planner_service.metrics import Metrics
 from planner_service.service.engine import ClusterService
 from planner_service.service.inputs import ReportIn, RequestEvent
@@ -119,6 +119,33 @@ def test_a_done_report_the_confirmed_state_cannot_take_is_a_conflict_not_a_chang
     assert demo.urgent.is_set()  # a replan is due
 
 
+def test_a_conflict_is_committed_with_the_done_report_and_survives_a_restart(tmp_path) -> None:
+    """What the report's answer says (done, not applied, and why) is what the database keeps: a record read back
+    without its conflict would tell a replay of the done operations that the move landed (the soak's SIGKILL
+    trials once found KV "missing" from the SRV after a restart this way)."""
+    clock = Clock()
+    svc = new_service(tmp_path / "conflict.db", clock)
+    svc.replan(force=True)
+    _, lease, op = next(
+        (node, lease, op)
+        for node in nodes(svc)
+        for lease in [svc.lease(node, 100)]
+        for op in lease["operations"]
+        if op["action"] == "promote" and op["to"]["tier"] == Tier.GPU.value and op["from"] is not None
+    )
+    source = next(k for k in svc.live.placement if k[0].to_json() == op["object"] and k[1].to_json() == op["from"])
+    svc.live.placement[source] = 1  # the source no longer holds what the promote reads
+    answer = svc.report(op["id"], ReportIn(lease_id=lease["lease_id"], status="done"))
+    conflict = answer["operation"]["conflict"]
+    assert conflict is not None and "holds 1 bytes" in conflict
+    svc.close()
+
+    again = new_service(tmp_path / "conflict.db", clock)
+    stored = next(r for r in again.operations_view(state="done") if r["id"] == op["id"])
+    assert stored["conflict"] == conflict
+    again.close()
+
+
 def test_a_start_repairs_a_stored_placement_over_capacity_and_says_what_it_took_out(tmp_path) -> None:
     clock = Clock()
     svc = new_service(tmp_path / "over.db", clock)
@@ -126,10 +153,7 @@ def test_a_start_repairs_a_stored_placement_over_capacity_and_says_what_it_took_
     capacity = next(
         g["capacity_bytes"] for node in svc.cluster_view()["nodes"] for g in node["gpus"] if g["id"] == loc.id
     )
-    tripled = {**svc.srv_view(), "placement": []}
-    broken = dict(svc.live.placement)
-    broken[(obj, loc)] = 3 * n  # the same promote applied three times
-    svc.live.store.write(Batch(meta={"placement": placement_to_json(broken), "srv": tripled}))
+    svc.live.store.write(Batch(placement={(obj, loc): 3 * n}))  # the same promote applied three times
     svc.close()
 
     again = new_service(tmp_path / "over.db", clock)  # starts: no exception

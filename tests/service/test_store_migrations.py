@@ -6,6 +6,7 @@ recorded a version)."""
 
 from __future__ import annotations
 
+import json
 import sqlite3
 import subprocess
 import sys
@@ -13,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from planner_service.service.store import MIGRATIONS, SCHEMA_VERSION, SchemaError, SqliteStore
+from planner_service.domain.state import Location, StateObject, placement_to_json
+from planner_service.service.store import MIGRATIONS, SCHEMA_VERSION, Batch, SchemaError, SqliteStore
 
 # the DDL of the first release (commit 7d07529), which recorded no user_version
 FIRST_RELEASE = """
@@ -120,6 +122,41 @@ def test_a_database_at_version_1_takes_the_later_steps(tmp_path: Path) -> None:
     assert user_version(path) == SCHEMA_VERSION
 
 
+def test_a_version_2_placement_row_becomes_one_row_per_entry_and_leaves_the_srv_row(tmp_path: Path) -> None:
+    """Until version 3 the confirmed placement was one meta row (and a copy inside the SRV row)."""
+    path = tmp_path / "v2.db"
+    make(path, UNVERSIONED_WITH_TOKENS, tokens=True, user_version=2)
+    weights, experts = StateObject.weights("planner", "bf16"), StateObject.experts("reasoner")
+    kv = StateObject.kv("planner", "s1")
+    placement = {
+        (weights, Location.gpu("n1-g0")): 16 * 2**30,
+        (experts, Location.nvme("n1")): 3 * 2**30,
+        (kv, Location.host("n2")): 12345,
+    }
+    entries = placement_to_json(placement)
+    db = sqlite3.connect(path)
+    db.execute("INSERT INTO meta VALUES ('placement', ?)", (json.dumps(entries),))
+    srv = {"version": 7, "srv": [{"model": "planner", "state": "weights", "tier": "gpu"}], "placement": entries}
+    db.execute("INSERT INTO meta VALUES ('srv', ?)", (json.dumps(srv),))
+    db.commit()
+    db.close()
+    store = opened(path)
+    try:
+        stored = store.load(0.0)
+        assert stored.placement == placement
+        assert "placement" not in stored.meta
+        assert stored.meta["srv"] == {"version": 7, "srv": srv["srv"]}
+        store.write(Batch(placement={(kv, Location.host("n2")): 0, (kv, Location.gpu("n2-g0")): 999}))
+        assert store.load(0.0).placement == {
+            (weights, Location.gpu("n1-g0")): 16 * 2**30,
+            (experts, Location.nvme("n1")): 3 * 2**30,
+            (kv, Location.gpu("n2-g0")): 999,
+        }
+    finally:
+        store.close()
+    assert user_version(path) == SCHEMA_VERSION
+
+
 def test_a_newer_database_is_refused_naming_both_versions_and_left_untouched(tmp_path: Path) -> None:
     path = tmp_path / "newer.db"
     make(path, UNVERSIONED_WITH_TOKENS, tokens=True, user_version=SCHEMA_VERSION + 1)
@@ -168,6 +205,6 @@ def test_serve_refuses_a_newer_database_with_the_message_and_no_traceback(tmp_pa
         check=False,
     )
     assert out.returncode == 2, out.stderr
-    message = " ".join(out.stderr.split())  # the console wraps long lines (a long database path) at its width
+    message = " ".join(out.stderr.split())  # the console wraps the line where the path's length puts it
     assert f"schema version {SCHEMA_VERSION + 1}, newer than this build's {SCHEMA_VERSION}" in message
     assert "Traceback" not in out.stderr

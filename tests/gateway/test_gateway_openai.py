@@ -105,6 +105,10 @@ def test_a_moved_model_is_followed_within_one_fetch(make_stack):
     stack.wait_for_table(lambda t: [i.node for i in t.running("alpha")] == ["n1"])
     client = _client(stack)
     client.chat.completions.create(model="alpha", messages=[{"role": "user", "content": "a"}])
+    # the first turn's events give the table a session (a new revision): let that fetch pass first
+    wait_until(lambda: any(e["type"] == "turn_end" for e in stack.events()), what="the first turn's events")
+    revision = stack.planner_http.get("/v1/routes").json()["revision"]
+    stack.wait_for_table(lambda t: t.revision == revision, "the table with the first turn's session")
     fetches = stack.follower.fetches
     stack.heartbeat("n1", [("alpha", "n1-g0", "stopped")])
     stack.heartbeat("n2", [("alpha", "n2-g0", "running")])

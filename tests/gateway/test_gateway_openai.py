@@ -184,6 +184,33 @@ def test_a_client_disconnect_mid_stream_cancels_upstream(make_stack):
     assert state.finished == 0 and state.in_flight == 0
 
 
+def test_a_client_disconnect_before_a_whole_answer_cancels_upstream(make_stack):
+    stack = _one_engine(make_stack, token_latency_seconds=0.02)
+    state = stack.engines["e1"][1]
+    body = {"model": "alpha", "messages": [{"role": "user", "content": "long"}], "max_tokens": 500}  # ~10 s
+    short = httpx.Timeout(10.0, read=0.5)  # the client gives up mid-generation and closes its connection
+    # the fake, as vLLM, aborts a request whose client left (direct, without the gateway)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(stack.engines["e1"][0].url + "/v1/chat/completions", json=body, timeout=short)
+    wait_until(lambda: state.cancelled == 1, what="the engine's direct request cancelled")
+    # through the gateway: its client leaving closes the engine's connection, for chat and completions
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(stack.gateway_v1 + "/chat/completions", json=body, timeout=short)
+    wait_until(lambda: state.cancelled == 2, what="the engine's chat request cancelled")
+    with pytest.raises(httpx.ReadTimeout):
+        completion = {"model": "alpha", "prompt": "long", "max_tokens": 500}
+        httpx.post(stack.gateway_v1 + "/completions", json=completion, timeout=short)
+    wait_until(lambda: state.cancelled == 3, what="the engine's completion cancelled")
+    assert state.finished == 0 and state.in_flight == 0 and len(state.received) == 3
+    metrics = httpx.get(stack.gateway.url + "/metrics").text
+    assert 'statebudget_gateway_requests_total{model="alpha",outcome="cancelled"} 2.0' in metrics
+    # the gateway still answers whole requests on the same pool afterwards
+    answer = _client(stack).chat.completions.create(
+        model="alpha", messages=[{"role": "user", "content": "x"}], max_tokens=2
+    )
+    assert answer.choices[0].message.content == "w0 w1"
+
+
 def test_no_request_lost_or_sent_twice_when_an_engine_is_killed(make_stack, tmp_path):
     import os
     import signal

@@ -3,6 +3,8 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 # `make run` needs only the service itself; `make test` and `make lint` add the test and lint extras to the same .venv
 RUN_STAMP := $(VENV)/.installed-run
+# `make gateway`: the service and the gateway's extra
+GATEWAY_STAMP := $(VENV)/.installed-gateway
 # the demo's own database, deleted at every `make run` so that each run starts from the demo; `make run KEEP=1` keeps it
 DEMO_DB ?= statebudget-demo.db
 # the deployed build (as in the Docker image): the planner's hot modules compiled with mypyc, see setup.py
@@ -20,6 +22,10 @@ $(RUN_STAMP): pyproject.toml | $(PY)
 	$(PY) -m pip install -q -e .
 	touch $(RUN_STAMP)
 
+$(GATEWAY_STAMP): pyproject.toml | $(PY)
+	$(PY) -m pip install -q -e '.[gateway]'
+	touch $(GATEWAY_STAMP)
+
 $(STAMP): pyproject.toml | $(PY)
 	$(PY) -m pip install -q -e '.[test,lint]'
 	touch $(STAMP)
@@ -29,7 +35,7 @@ run: $(RUN_STAMP)
 
 # the gateway in front of a planner (PLANNER, default the `make run` one); agents use http://127.0.0.1:8090/v1
 PLANNER ?= http://127.0.0.1:8080
-gateway: $(RUN_STAMP)
+gateway: $(GATEWAY_STAMP)
 	$(VENV)/bin/statebudget gateway --planner $(PLANNER) --host 127.0.0.1 --port 8090
 
 # the whole suite but the compiled-build comparison (minutes of mypyc), which `make test-compiled` runs

@@ -624,6 +624,8 @@ def gateway(
         serve_gateway(planner_url=planner, host=host, port=port)
     except (ValidationError, SettingsError) as error:
         raise fail(f"invalid gateway settings\n{error}") from None
+    except ModuleNotFoundError as error:  # the gateway's extra not installed: the message says which
+        raise fail(str(error)) from None
 
 
 # -- calibration of a running service (over HTTP, with the SDK) ----------------------------------------

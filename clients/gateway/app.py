@@ -1,7 +1,8 @@
 """The gateway's ASGI app: the OpenAI surface agents call, health, and metrics.
 
 `create_gateway_app(settings)` builds it; the lifespan owns the engine connection pool, the planner client,
-the route-table long-poll, the event batcher and the idle-session sweep.
+the route-table long-poll, the event batcher and the idle-session sweep. The two POST routes go straight to
+the proxy's ASGI handler; Starlette serves the rest.
 """
 
 from __future__ import annotations
@@ -24,12 +25,26 @@ from clients.gateway.errors import GatewayError
 from clients.gateway.events import EventSink, SessionEvents
 from clients.gateway.follower import RouteFollower
 from clients.gateway.metrics import GatewayMetrics
-from clients.gateway.proxy import Proxy
+from clients.gateway.proxy import ROUTES, Proxy
 from clients.gateway.settings import GatewaySettings
+from clients.gateway.upstream import UpstreamPool
 from clients.sdk import AsyncStateBudgetClient, RetryPolicy
 
 # a failed planner call is not retried in place: the follower and the event batcher try again themselves
 _ONE_TRY = RetryPolicy(attempts=1)
+
+
+class GatewayApp(Starlette):
+    """Starlette for health, models and metrics; the completions bypass its middleware and routing."""
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST":
+            endpoint = ROUTES.get(scope["path"])
+            if endpoint is not None:
+                proxy: Proxy = self.state.proxy
+                await proxy.serve(endpoint, scope, receive, send)
+                return
+        await super().__call__(scope, receive, send)
 
 
 def create_gateway_app(
@@ -37,24 +52,17 @@ def create_gateway_app(
     *,
     registry: CollectorRegistry | None = None,
     planner_transport: httpx.AsyncBaseTransport | None = None,
-    upstream_transport: httpx.AsyncBaseTransport | None = None,
-) -> Starlette:
-    """A plain Starlette app: the request path crosses no more middleware than error mapping needs."""
+) -> GatewayApp:
     registry = registry or CollectorRegistry()
     metrics = GatewayMetrics(registry)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        timeout = httpx.Timeout(
-            connect=settings.upstream_connect_timeout_seconds,
-            read=settings.upstream_read_timeout_seconds,
-            write=settings.upstream_read_timeout_seconds,
-            pool=settings.upstream_connect_timeout_seconds,
+        upstream = UpstreamPool(
+            connect_timeout_seconds=settings.upstream_connect_timeout_seconds,
+            read_timeout_seconds=settings.upstream_read_timeout_seconds,
+            max_idle=settings.max_connections,
         )
-        limits = httpx.Limits(
-            max_connections=settings.max_connections, max_keepalive_connections=settings.max_connections
-        )
-        upstream = httpx.AsyncClient(timeout=timeout, limits=limits, transport=upstream_transport)
         planner = AsyncStateBudgetClient(
             settings.planner_url,
             token=settings.planner_token,
@@ -89,12 +97,8 @@ def create_gateway_app(
             await asyncio.gather(*tasks, return_exceptions=True)
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(sink.flush(), timeout=2.0)  # a last try; what fails is lost with us
-            await upstream.aclose()
+            upstream.close()
             await planner.aclose()
-
-    async def gateway_error(_: Request, error: Exception) -> Response:
-        assert isinstance(error, GatewayError)
-        return Response(error.body(), status_code=error.status, headers=error.headers(), media_type="application/json")
 
     async def http_error(_: Request, error: Exception) -> Response:
         assert isinstance(error, HTTPException)  # an unknown path or method: the OpenAI shape too
@@ -103,14 +107,6 @@ def create_gateway_app(
             status_code=error.status_code,
             media_type="application/json",
         )
-
-    async def chat_completions(request: Request) -> Response:
-        proxy: Proxy = request.app.state.proxy
-        return await proxy.handle("chat", await request.body(), request.scope["headers"])
-
-    async def completions(request: Request) -> Response:
-        proxy: Proxy = request.app.state.proxy
-        return await proxy.handle("completions", await request.body(), request.scope["headers"])
 
     async def list_models(request: Request) -> Response:
         """The models of the route table, in the OpenAI list shape (vLLM's `ModelList` / `ModelCard`)."""
@@ -142,16 +138,14 @@ def create_gateway_app(
     async def prometheus_metrics(_: Request) -> Response:
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
-    app = Starlette(
+    app = GatewayApp(
         routes=[
-            Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-            Route("/v1/completions", completions, methods=["POST"]),
             Route("/v1/models", list_models, methods=["GET"]),
             Route("/livez", livez, methods=["GET"]),
             Route("/readyz", readyz, methods=["GET"]),
             Route("/metrics", prometheus_metrics, methods=["GET"]),
         ],
-        exception_handlers={GatewayError: gateway_error, HTTPException: http_error},
+        exception_handlers={HTTPException: http_error},
         lifespan=lifespan,
     )
     app.state.settings = settings

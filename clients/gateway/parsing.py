@@ -134,26 +134,32 @@ def read_answer(body: bytes) -> AnswerFacts:
 _MAYBE_FACTS = (b'"usage":{', b'"usage": {', b'"name"', b'"finish_reason":"', b'"finish_reason": "')
 
 
+_CHOICE_MARKERS = (b'"choices":[{', b'"choices": [{')
+
+
 class StreamScanner:
-    """Feeds on an SSE stream's bytes as they pass and keeps its `AnswerFacts`; never holds the stream back."""
+    """Feeds on an SSE stream's bytes as they pass and keeps its `AnswerFacts`; never holds the stream back.
+
+    Most pieces carry only content deltas: those are counted by a byte search, and only the lines of a piece
+    that holds a marker of usage, a finish reason or a tool name are decoded."""
 
     def __init__(self) -> None:
         self.facts = AnswerFacts()
         self._rest = b""
 
     def feed(self, chunk: bytes) -> None:
-        data = self._rest + chunk
-        *lines, self._rest = data.split(b"\n")
-        for line in lines:
-            if not line.startswith(b"data:"):
+        data = self._rest + chunk if self._rest else chunk
+        cut = data.rfind(b"\n") + 1  # complete lines only; a line cut between two reads waits for its end
+        complete, self._rest = data[:cut], data[cut:]
+        if not complete:
+            return
+        self.facts.chunks += sum(complete.count(marker) for marker in _CHOICE_MARKERS)
+        if not any(marker in complete for marker in _MAYBE_FACTS):
+            return
+        for line in complete.split(b"\n"):
+            if not line.startswith(b"data:") or not any(marker in line for marker in _MAYBE_FACTS):
                 continue
-            payload = line[5:].strip()
-            if payload == b"[DONE]":
+            try:
+                self.facts.read(json.loads(line[5:]))
+            except ValueError:
                 continue
-            if b'"choices":[{' in payload or b'"choices": [{' in payload:
-                self.facts.chunks += 1
-            if any(marker in payload for marker in _MAYBE_FACTS):
-                try:
-                    self.facts.read(json.loads(payload))
-                except ValueError:
-                    continue

@@ -1,5 +1,9 @@
 """One request through the gateway: route it, hold it while its model wakes, pass it to the engine and the
-answer back as the engine wrote it, and tell the session events what happened."""
+answer back as the engine wrote it, and tell the session events what happened.
+
+A raw ASGI handler (no routing, request object or response class on this path): the two POST routes are
+all the gateway's traffic, and each layer cost CPU per request (docs/benchmarks/gateway.md).
+"""
 
 from __future__ import annotations
 
@@ -7,11 +11,7 @@ import asyncio
 import logging
 import time
 from collections import defaultdict
-from collections.abc import AsyncIterator
-
-import httpx
-from starlette.background import BackgroundTask
-from starlette.responses import Response, StreamingResponse
+from typing import Any
 
 from clients.gateway.errors import GatewayError, unavailable
 from clients.gateway.events import SessionEvents
@@ -20,24 +20,84 @@ from clients.gateway.metrics import GatewayMetrics
 from clients.gateway.parsing import Endpoint, RequestFacts, StreamScanner, parse_request, read_answer
 from clients.gateway.settings import GatewaySettings
 from clients.gateway.table import Choice
-from planner_service.wire.routes import RouteInstance
+from clients.gateway.upstream import ConnectFailed, UpstreamBroken, UpstreamPool, UpstreamResponse
 
 log = logging.getLogger("statebudget.gateway")
 
-PATHS: dict[Endpoint, str] = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
-# hop-by-hop headers (RFC 9110 §7.6.1) and the ones httpx or the server set for the new connection
+ROUTES: dict[str, Endpoint] = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
+PATHS: dict[Endpoint, bytes] = {"chat": b"/v1/chat/completions", "completions": b"/v1/completions"}
+# hop-by-hop headers (RFC 9110 §7.6.1) and the ones the upstream request or the server set anew
 _DROP_REQUEST = frozenset(
-    {"host", "content-length", "connection", "keep-alive", "transfer-encoding", "te", "upgrade", "proxy-connection"}
+    {b"host", b"content-length", b"connection", b"keep-alive", b"transfer-encoding", b"te", b"upgrade"}
+    | {b"proxy-connection"}
 )
-_DROP_RESPONSE = frozenset({"content-length", "connection", "keep-alive", "transfer-encoding", "date", "server"})
+_DROP_RESPONSE = frozenset({b"content-length", b"connection", b"keep-alive", b"transfer-encoding", b"date", b"server"})
 RETRY_AFTER_SECONDS = 5
+
+Message = dict[str, Any]
+
+
+class ClientGone(Exception):
+    """The client closed its connection before its answer was complete."""
+
+
+class ClientWatch:
+    """Learns from the ASGI receive channel that the client went away while its request is in flight, and
+    then closes the engine's connection: the way an OpenAI server learns to abort (vLLM's
+    `with_cancellation`, vllm/entrypoints/utils.py, races each handler with a wait for `http.disconnect`)."""
+
+    __slots__ = ("_task", "finished", "gone", "upstream")
+
+    def __init__(self, receive: Any) -> None:
+        self.gone = False
+        self.finished = False
+        self.upstream: UpstreamResponse | None = None
+        self._task: asyncio.Future[Message] = asyncio.ensure_future(receive())
+        self._task.add_done_callback(self._heard)
+
+    def _heard(self, task: asyncio.Future[Message]) -> None:
+        if self.finished or task.cancelled():
+            return
+        if task.exception() is not None or task.result()["type"] == "http.disconnect":
+            self.gone = True
+            if self.upstream is not None:
+                self.upstream.abort()
+
+    def stop(self) -> None:
+        self.finished = True
+        self._task.cancel()
+
+
+async def _read_body(receive: Any) -> bytes | None:
+    """The request body; None when the client went away before sending all of it."""
+    message = await receive()
+    if message["type"] != "http.request":
+        return None
+    body: bytes = message.get("body", b"")
+    if not message.get("more_body"):
+        return body
+    pieces = [body]
+    while message.get("more_body"):
+        message = await receive()
+        if message["type"] != "http.request":
+            return None
+        pieces.append(message.get("body", b""))
+    return b"".join(pieces)
+
+
+async def send_error(send: Any, error: GatewayError) -> None:
+    body = error.body()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    headers += [(k.lower().encode(), v.encode()) for k, v in error.headers().items()]
+    await send({"type": "http.response.start", "status": error.status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
 
 
 class Proxy:
     def __init__(
         self,
         settings: GatewaySettings,
-        upstream: httpx.AsyncClient,
+        upstream: UpstreamPool,
         follower: RouteFollower,
         sessions: SessionEvents,
         metrics: GatewayMetrics,
@@ -49,26 +109,68 @@ class Proxy:
         self.metrics = metrics
         self._held: dict[str, int] = defaultdict(int)
 
-    async def handle(self, endpoint: Endpoint, body: bytes, headers: list[tuple[bytes, bytes]]) -> Response:
+    async def serve(self, endpoint: Endpoint, scope: Message, receive: Any, send: Any) -> None:
+        """The ASGI exchange of one POST: an OpenAI-shaped error for what the gateway refuses, else the engine's
+        answer passed through."""
         arrived = time.perf_counter()
-        session_header = next((v.decode("latin-1") for k, v in headers if k.lower() == b"x-session-id"), None)
-        facts = parse_request(body, endpoint, session_header)
+        body = await _read_body(receive)
+        if body is None:
+            return  # the client left before its request was complete: nothing to answer, nothing sent
+        headers: list[tuple[bytes, bytes]] = scope["headers"]
+        session_header = next((v.decode("latin-1") for k, v in headers if k == b"x-session-id"), None)
+        try:
+            facts = parse_request(body, endpoint, session_header)
+        except GatewayError as error:
+            await send_error(send, error)
+            return
         self.sessions.on_request(facts)
-        choice = await self._route(facts, arrived)
-        forwarded = [
-            (k.decode("latin-1"), v.decode("latin-1"))
-            for k, v in headers
-            if k.decode("latin-1").lower() not in _DROP_REQUEST
-        ]
+        watch = ClientWatch(receive)
+        upstream: UpstreamResponse | None = None
+        try:
+            choice = await self._route(facts, arrived)
+            if watch.gone:
+                raise ClientGone  # left while its model woke: the request was never sent
+            forwarded = [(k, v) for k, v in headers if k not in _DROP_REQUEST]
+            upstream, choice = await self._send(choice, facts, endpoint, body, forwarded, watch)
+            self.metrics.routed.labels(facts.model, "kv_holder" if choice.kv_holder else "other").inc()
+            self.metrics.ttft.labels(facts.model).observe(time.perf_counter() - arrived)
+            response_headers = [
+                (k, v) for k, v in ((k.lower(), v) for k, v in upstream.headers) if k not in _DROP_RESPONSE
+            ]
+            if facts.stream and upstream.status == 200:
+                await self._relay(upstream, response_headers, facts, choice, watch, send)
+            else:
+                await self._answer(upstream, response_headers, facts, choice, watch, send)
+        except GatewayError as error:
+            await send_error(send, error)
+        except ClientGone:
+            self.metrics.requests.labels(facts.model, "cancelled").inc()
+        finally:
+            watch.stop()
+            if upstream is not None:
+                upstream.release()
+
+    async def _send(
+        self,
+        choice: Choice,
+        facts: RequestFacts,
+        endpoint: Endpoint,
+        body: bytes,
+        headers: list[tuple[bytes, bytes]],
+        watch: ClientWatch,
+    ) -> tuple[UpstreamResponse, Choice]:
+        """The engine's answer once its headers came, and the instance that gave it: an instance that cannot be
+        reached is skipped for another (nothing was sent); one that fails after the request went out is a 502."""
         tried: set[str] = set()
         while True:
+            url = choice.instance.url
+            assert url is not None  # choose() returns instances with a URL only
             try:
-                upstream = await self._send(choice.instance, endpoint, body, forwarded)
+                upstream = await self.upstream.post(url, PATHS[endpoint], headers, body)
                 break
-            except (httpx.ConnectError, httpx.ConnectTimeout) as error:
-                # nothing reached the engine: the request may go to another instance
+            except ConnectFailed as error:
                 tried.add(choice.instance.id)
-                log.warning("instance %s unreachable (%s); trying another", choice.instance.id, type(error).__name__)
+                log.warning("instance %s unreachable (%s); trying another", choice.instance.id, error)
                 self.metrics.retries.labels(facts.model).inc()
                 retry = self.follower.table.choose(facts.model, facts.session, exclude=frozenset(tried))
                 if retry is None:
@@ -78,39 +180,79 @@ class Proxy:
                         RETRY_AFTER_SECONDS,
                     ) from error
                 choice = retry
-            except httpx.TransportError as error:
-                # the request may have started on the engine: never sent twice
+            except ValueError as error:  # the table's URL for the instance is not one the pool can reach
                 self.metrics.requests.labels(facts.model, "engine_error").inc()
-                raise GatewayError(
-                    502,
-                    f"instance {choice.instance.id} failed before answering ({type(error).__name__}); not resent",
-                    type="upstream_error",
-                ) from error
-        self.metrics.routed.labels(facts.model, "kv_holder" if choice.kv_holder else "other").inc()
-        self.metrics.ttft.labels(facts.model).observe(time.perf_counter() - arrived)
-        response_headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _DROP_RESPONSE}
-        outcome = "ok" if upstream.status_code < 400 else "engine_error"
-        if facts.stream and upstream.status_code == 200:
-            return StreamingResponse(
-                self._relay(upstream, facts),
-                status_code=upstream.status_code,
-                headers=response_headers,
-                background=BackgroundTask(upstream.aclose),
-            )
+                raise GatewayError(502, str(error), type="upstream_error") from error
+        watch.upstream = upstream  # from now on a client that leaves closes the engine's connection
         try:
-            content = await upstream.aread()
-        except httpx.TransportError as error:
+            await upstream.head()  # a non-streamed answer's headers come with its end: the client may leave first
+        except UpstreamBroken as error:
+            upstream.release()
+            if watch.gone:
+                raise ClientGone from error
             self.metrics.requests.labels(facts.model, "engine_error").inc()
             raise GatewayError(
-                502, f"instance {choice.instance.id} broke off its answer; not resent", type="upstream_error"
+                502,
+                f"instance {choice.instance.id} failed before answering ({error}); not resent",
+                type="upstream_error",
             ) from error
-        finally:
-            await upstream.aclose()
-        self.metrics.requests.labels(facts.model, outcome).inc()
-        if upstream.status_code == 200:
+        return upstream, choice
+
+    async def _relay(
+        self,
+        upstream: UpstreamResponse,
+        headers: list[tuple[bytes, bytes]],
+        facts: RequestFacts,
+        choice: Choice,
+        watch: ClientWatch,
+        send: Any,
+    ) -> None:
+        """The engine's SSE bytes as they come, one write per read from the engine; the last piece carries the
+        end of the response (one write fewer)."""
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        scanner = StreamScanner()
+        try:
+            while True:
+                piece, ended = await upstream.next_chunk()
+                scanner.feed(piece)
+                await send({"type": "http.response.body", "body": piece, "more_body": not ended})
+                if ended:
+                    break
+        except UpstreamBroken as error:
+            if watch.gone:
+                raise ClientGone from error
+            log.warning("stream of %s from %s broke off: %s", facts.model, choice.instance.id, error)
+            self.metrics.requests.labels(facts.model, "engine_error").inc()
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            return
+        self.metrics.requests.labels(facts.model, "ok").inc()
+        self.sessions.on_answer(facts, scanner.facts)
+
+    async def _answer(
+        self,
+        upstream: UpstreamResponse,
+        headers: list[tuple[bytes, bytes]],
+        facts: RequestFacts,
+        choice: Choice,
+        watch: ClientWatch,
+        send: Any,
+    ) -> None:
+        """A whole answer (not streamed, or an engine's error): read to its end, then sent at once."""
+        try:
+            content = await upstream.read()
+        except UpstreamBroken as error:
+            if watch.gone:
+                raise ClientGone from error
+            self.metrics.requests.labels(facts.model, "engine_error").inc()
+            raise GatewayError(
+                502, f"instance {choice.instance.id} broke off its answer ({error}); not resent", type="upstream_error"
+            ) from error
+        self.metrics.requests.labels(facts.model, "ok" if upstream.status < 400 else "engine_error").inc()
+        if upstream.status == 200:
             self.sessions.on_answer(facts, read_answer(content))
-        log.debug("routed model=%s instance=%s status=%d", facts.model, choice.instance.id, upstream.status_code)
-        return Response(content, status_code=upstream.status_code, headers=response_headers)
+        headers = [*headers, (b"content-length", str(len(content)).encode())]
+        await send({"type": "http.response.start", "status": upstream.status, "headers": headers})
+        await send({"type": "http.response.body", "body": content})
 
     async def _route(self, facts: RequestFacts, arrived: float) -> Choice:
         """An instance running the model now, else hold the request until the table shows one."""
@@ -153,33 +295,3 @@ class Proxy:
             self._held[facts.model] -= 1
             self.metrics.held.labels(facts.model).dec()
             self.metrics.wake_hold.labels(facts.model).observe(time.perf_counter() - arrived)
-
-    async def _send(
-        self, instance: RouteInstance, endpoint: Endpoint, body: bytes, headers: list[tuple[str, str]]
-    ) -> httpx.Response:
-        assert instance.url is not None  # choose() returns instances with a URL only
-        request = self.upstream.build_request(
-            "POST", instance.url.rstrip("/") + PATHS[endpoint], content=body, headers=headers
-        )
-        return await self.upstream.send(request, stream=True)
-
-    async def _relay(self, upstream: httpx.Response, facts: RequestFacts) -> AsyncIterator[bytes]:
-        """The engine's SSE bytes as they come; closing this (a client that went away) closes the upstream
-        connection, which is how an OpenAI server learns to abort the request."""
-        scanner = StreamScanner()
-        finished = False
-        try:
-            async for chunk in upstream.aiter_raw():
-                scanner.feed(chunk)
-                yield chunk
-            finished = True
-        except httpx.TransportError as error:
-            log.warning("stream of %s broke off: %s", facts.model, type(error).__name__)
-        except (asyncio.CancelledError, GeneratorExit):
-            self.metrics.requests.labels(facts.model, "cancelled").inc()
-            raise
-        finally:
-            if finished:
-                self.metrics.requests.labels(facts.model, "ok").inc()
-                self.sessions.on_answer(facts, scanner.facts)
-            await upstream.aclose()

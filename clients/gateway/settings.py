@@ -29,5 +29,5 @@ class GatewaySettings(BaseSettings):
     )
     upstream_connect_timeout_seconds: float = Field(2.0, gt=0, description="Connect timeout to an engine.")
     upstream_read_timeout_seconds: float = Field(600.0, gt=0, description="Longest silence from a streaming engine.")
-    max_connections: int = Field(2000, ge=1, description="Pooled connections to the engines, all together.")
+    max_connections: int = Field(2000, ge=1, description="Idle connections kept open to the engines, all together.")
     log_level: str = Field("info", description="debug, info, warning or error.")

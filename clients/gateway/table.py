@@ -21,6 +21,10 @@ class RouteTable:
         self.epoch = routes.epoch
         self.revision = routes.revision
         self._instances = {m.model: list(m.instances) for m in routes.models}
+        self._running = {
+            model: [i for i in instances if i.state is RouteState.RUNNING and i.url]
+            for model, instances in self._instances.items()
+        }
         self._kv_holder = {s.session: s.instance for s in routes.sessions if s.instance is not None}
 
     @classmethod
@@ -35,12 +39,13 @@ class RouteTable:
         return model in self._instances
 
     def running(self, model: str) -> list[RouteInstance]:
-        return [i for i in self._instances.get(model, []) if i.state is RouteState.RUNNING and i.url]
+        return list(self._running.get(model, []))
 
     def choose(self, model: str, session: str, *, exclude: frozenset[str] = frozenset()) -> Choice | None:
         """The session's KV holder where it runs the model, else the running instance the session hashes to
         (so a session without a holder yet keeps landing on one instance); None: none runs."""
-        candidates = [i for i in self.running(model) if i.id not in exclude]
+        running = self._running.get(model, [])
+        candidates = [i for i in running if i.id not in exclude] if exclude else running
         if not candidates:
             return None
         holder = self._kv_holder.get(session)

@@ -15,8 +15,9 @@ The fake's own model of generation, stated so tests can predict it: one token pe
 (the tokenizer), `max_tokens` output tokens (8 where unset) after a fixed latency each; where the request
 offers `tools` and the last message is not a tool result, the answer calls the first tool
 (`finish_reason: "tool_calls"`), as a model with `tool_choice: auto` that decides to call it.
-Closing the connection mid-stream aborts the request (vLLM cancels a handler whose client disconnected,
-vllm/entrypoints/utils.py `with_cancellation` racing `listen_for_disconnect`); `state.cancelled` counts those.
+Closing the connection before the answer is complete aborts the request, streamed or not (vLLM cancels a
+handler whose client disconnected: vllm/entrypoints/utils.py `with_cancellation` races each handler with
+`listen_for_disconnect`, and a streaming response stops when its client goes); `state.cancelled` counts those.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -77,6 +78,22 @@ def _usage(prompt: int, completion: int) -> dict[str, int]:
     return {"prompt_tokens": prompt, "total_tokens": prompt + completion, "completion_tokens": completion}
 
 
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[Response]) -> Response | None:
+    """vLLM's `with_cancellation`: the handler's work races a wait for the client's `http.disconnect`, and the
+    loser is cancelled; None where the client left first."""
+    handler = asyncio.ensure_future(work)
+    listener = asyncio.ensure_future(_disconnected(request))
+    done, pending = await asyncio.wait({handler, listener}, return_when=asyncio.FIRST_COMPLETED)
+    for task in pending:
+        task.cancel()
+    return handler.result() if handler in done else None
+
+
 def openai_router(state: ServingState) -> APIRouter:
     router = APIRouter()
 
@@ -97,6 +114,17 @@ def openai_router(state: ServingState) -> APIRouter:
             await asyncio.sleep(state.token_latency_seconds)
             yield i
 
+    async def generate_all(n: int) -> Response:
+        """A whole answer's generation (the caller builds the answer; the Response says it ended)."""
+        state.in_flight += 1
+        try:
+            async for _ in generate(n):
+                pass
+        finally:
+            state.in_flight -= 1
+        state.finished += 1
+        return Response()
+
     @router.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
         body = await request.json()
@@ -115,13 +143,10 @@ def openai_router(state: ServingState) -> APIRouter:
         call_id = f"chatcmpl-tool-{uuid.uuid4().hex}"
         arguments = json.dumps({"q": "x"})
         if not body.get("stream"):
-            state.in_flight += 1
-            try:
-                async for _ in generate(n):
-                    pass
-            finally:
-                state.in_flight -= 1
-            state.finished += 1
+            generated = await _unless_disconnected(request, generate_all(n))
+            if generated is None:
+                state.cancelled += 1
+                return JSONResponse(None)  # what vLLM's handler returns then (nobody reads it)
             message: dict[str, Any] = {
                 "role": "assistant",
                 "content": None if calls_tool else " ".join(f"w{i}" for i in range(n)),
@@ -212,9 +237,9 @@ def openai_router(state: ServingState) -> APIRouter:
         record(request, body)
         prompt = body["prompt"] if isinstance(body["prompt"], str) else " ".join(body["prompt"])
         n = int(body.get("max_tokens") or 16)  # CompletionRequest.max_tokens defaults to 16 (protocol.py)
-        async for _ in generate(n):
-            pass
-        state.finished += 1
+        if await _unless_disconnected(request, generate_all(n)) is None:
+            state.cancelled += 1
+            return JSONResponse(None)
         choice = {"index": 0, "text": " ".join(f"w{i}" for i in range(n)), "logprobs": None, "finish_reason": "length"}
         return JSONResponse(
             {

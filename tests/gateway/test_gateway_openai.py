@@ -105,6 +105,10 @@ def test_a_moved_model_is_followed_within_one_fetch(make_stack):
     stack.wait_for_table(lambda t: [i.node for i in t.running("alpha")] == ["n1"])
     client = _client(stack)
     client.chat.completions.create(model="alpha", messages=[{"role": "user", "content": "a"}])
+    # the first turn's events give the table a session (a new revision): let that fetch pass first
+    wait_until(lambda: any(e["type"] == "turn_end" for e in stack.events()), what="the first turn's events")
+    revision = stack.planner_http.get("/v1/routes").json()["revision"]
+    stack.wait_for_table(lambda t: t.revision == revision, "the table with the first turn's session")
     fetches = stack.follower.fetches
     stack.heartbeat("n1", [("alpha", "n1-g0", "stopped")])
     stack.heartbeat("n2", [("alpha", "n2-g0", "running")])
@@ -178,6 +182,33 @@ def test_a_client_disconnect_mid_stream_cancels_upstream(make_stack):
                 break
     wait_until(lambda: state.cancelled == 1, what="the engine's stream cancelled")
     assert state.finished == 0 and state.in_flight == 0
+
+
+def test_a_client_disconnect_before_a_whole_answer_cancels_upstream(make_stack):
+    stack = _one_engine(make_stack, token_latency_seconds=0.02)
+    state = stack.engines["e1"][1]
+    body = {"model": "alpha", "messages": [{"role": "user", "content": "long"}], "max_tokens": 500}  # ~10 s
+    short = httpx.Timeout(10.0, read=0.5)  # the client gives up mid-generation and closes its connection
+    # the fake, as vLLM, aborts a request whose client left (direct, without the gateway)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(stack.engines["e1"][0].url + "/v1/chat/completions", json=body, timeout=short)
+    wait_until(lambda: state.cancelled == 1, what="the engine's direct request cancelled")
+    # through the gateway: its client leaving closes the engine's connection, for chat and completions
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(stack.gateway_v1 + "/chat/completions", json=body, timeout=short)
+    wait_until(lambda: state.cancelled == 2, what="the engine's chat request cancelled")
+    with pytest.raises(httpx.ReadTimeout):
+        completion = {"model": "alpha", "prompt": "long", "max_tokens": 500}
+        httpx.post(stack.gateway_v1 + "/completions", json=completion, timeout=short)
+    wait_until(lambda: state.cancelled == 3, what="the engine's completion cancelled")
+    assert state.finished == 0 and state.in_flight == 0 and len(state.received) == 3
+    metrics = httpx.get(stack.gateway.url + "/metrics").text
+    assert 'statebudget_gateway_requests_total{model="alpha",outcome="cancelled"} 2.0' in metrics
+    # the gateway still answers whole requests on the same pool afterwards
+    answer = _client(stack).chat.completions.create(
+        model="alpha", messages=[{"role": "user", "content": "x"}], max_tokens=2
+    )
+    assert answer.choices[0].message.content == "w0 w1"
 
 
 def test_no_request_lost_or_sent_twice_when_an_engine_is_killed(make_stack, tmp_path):

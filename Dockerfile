@@ -8,6 +8,7 @@
 ARG PYTHON_IMAGE=python:3.11-slim
 
 # --- builder: build the wheel and install it with its dependencies into a virtual environment ---
+# (with the gateway's extra: the same image runs `statebudget gateway`, the Compose file's gateway service)
 FROM ${PYTHON_IMAGE} AS builder
 
 ENV PIP_NO_CACHE_DIR=1 \
@@ -28,8 +29,9 @@ RUN if [ "$STATEBUDGET_COMPILE" = 1 ]; then \
 COPY . .
 RUN if [ "$STATEBUDGET_COMPILE" = 1 ]; then isolation=--no-build-isolation; fi \
  && STATEBUDGET_COMPILE=$STATEBUDGET_COMPILE python -m pip wheel --no-deps $isolation --wheel-dir /wheels . \
- && /opt/venv/bin/pip install /wheels/*.whl \
+ && /opt/venv/bin/pip install "$(ls /wheels/statebudget-*.whl)[gateway]" \
  && /opt/venv/bin/statebudget --help > /dev/null \
+ && /opt/venv/bin/python -c "import httptools, uvloop" \
  && /opt/venv/bin/python -c "import os, planner_service.planner.greedy as g; assert g.__file__.endswith('.so') == (os.environ['STATEBUDGET_COMPILE'] == '1')"
 
 # --- runtime: the virtual environment on a clean slim image, no compilers, no sources ---

@@ -232,3 +232,15 @@ def test_build_context_carries_what_the_wheel_needs() -> None:
     for package_dir in ("planner_service", "clients"):
         if (REPO / package_dir).is_dir():
             assert package_dir in allowed, f"{package_dir}/ is a package the wheel includes"
+
+
+def test_the_image_installs_the_gateway_extra_the_compose_gateway_runs_on(build: list[Stage]) -> None:
+    """The Compose file's gateway service runs this image's `statebudget gateway`, which refuses to start without
+    its extra (httptools, uvloop): the builder installs the wheel with it and imports both."""
+    compose = yaml.safe_load(COMPOSE.read_text(encoding="utf-8"))
+    assert compose["services"]["gateway"]["command"][0] == "gateway"
+    extras = tomllib.loads(PYPROJECT.read_text(encoding="utf-8"))["project"]["optional-dependencies"]["gateway"]
+    runs = " ".join(i.arguments for stage in build for i in stage.instructions if i.keyword == "RUN")
+    assert ".whl)[gateway]" in runs
+    modules = sorted(requirement.split(">")[0] for requirement in extras)
+    assert f"import {', '.join(modules)}" in runs

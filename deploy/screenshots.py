@@ -28,11 +28,12 @@ from pathlib import Path
 import httpx
 
 from clients.sdk import StateBudgetClient, events
+from planner_service.domain.demo import demo_scenario_json
 from planner_service.wire.enums import ReportStatus
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS_WINDOW = "1400,1000"
-PAGE_WINDOW = "1400,1900"  # the whole status page of the demo (four nodes), down to its recent operations
+PAGE_WINDOW = "1400,2500"  # the whole status page of the demo (four nodes, their engines), down to its recent operations
 CHROMIUM_NAMES = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")
 # every fetch that is not to loopback goes to a closed port: the pictures show what an offline cluster sees
 OFFLINE_FLAGS = ("--proxy-server=127.0.0.1:9", "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1")
@@ -99,9 +100,16 @@ def wait_for_epoch(sb: StateBudgetClient, after: int, timeout_seconds: float = 2
 def drive(sb: StateBudgetClient) -> None:
     """A few minutes of a working cluster, as agents, routers and node agents would send it."""
     nodes = [n.id for n in sb.get_cluster().nodes]
+    declared = {n["id"]: n.get("engines", []) for n in demo_scenario_json()["cluster"]["nodes"]}
     for node in nodes:
-        sb.register_node(node, agent_version="statebudget-agent 0.1.0")
-        sb.heartbeat(node, engines={"vllm-0": "running"})
+        # each node's agent registers the engines the demo runs there (one vLLM per model), as its config lists them
+        engines = [
+            {"name": f"vllm-{e['model']}", "kind": e["kind"], "models": [e["model"]], "gpus": e.get("gpus", []),
+             "features": e["features"]}
+            for e in declared[node]
+        ]  # fmt: skip
+        sb.register_node(node, engines=engines, agent_version="statebudget-agent 0.1.0")
+        sb.heartbeat(node)
     epoch = sb.get_plan().epoch
     sb.post_events(
         events.tool_call_start("shot-1", session="s01", tool="pytest"),

@@ -173,8 +173,10 @@ def solve_milp(
     started = time.perf_counter()
     greedy_target = hint if hint is not None else plan_greedy(problem)
     greedy: Plan | None = None
+    greedy_errors: list[str] = []
     try:
         greedy = make_plan(problem, "greedy", greedy_target.placement, greedy_target.unserved, greedy_target.reasons)
+        greedy_errors = check_plan(problem, greedy.placement, greedy.operations, greedy.unserved)
     except ValueError:
         pass  # the greedy's target cannot be reached (e.g. expert chunks on a node with no copy to load from)
     form = build_formulation(problem, greedy_target.groups)
@@ -194,7 +196,8 @@ def solve_milp(
         candidate = make_plan(problem, "milp", target.placement, target.unserved, target.reasons)
         decoded = candidate.objective.total
         errors = check_plan(problem, candidate.placement, candidate.operations, candidate.unserved)
-        if not errors and (greedy is None or candidate.objective.total <= greedy.objective.total):
+        # a sound plan beats one the checker refuses, whatever their objectives
+        if not errors and (greedy is None or greedy_errors or candidate.objective.total <= greedy.objective.total):
             plan, source = candidate, "milp"
     if plan is None:
         raise ValueError(
@@ -204,6 +207,7 @@ def solve_milp(
     plan.status = _STATUS[result.status]
     plan.solve_seconds = time.perf_counter() - started
     plan.extra = _extra(form, result, plan, greedy, source, errors, start, decoded)
+    plan.extra["milp"]["greedy_invariant_errors"] = greedy_errors[:5]
     return plan
 
 
@@ -227,7 +231,7 @@ def _extra(
         "milp": {
             "backend": result.info.get("backend"),
             "solver_status": result.info.get("solver_status"),
-            "plan_from": source,  # "milp", or "greedy" when the greedy plan evaluates no worse
+            "plan_from": source,  # "milp", or "greedy" when the greedy plan is sound and evaluates no worse
             "model_objective": None if result.objective is None else round(result.objective, 6),
             "milp_plan_objective": None if decoded is None else round(decoded, 6),  # the evaluator on the solver's plan
             "greedy_objective": None if greedy is None else round(greedy.objective.total, 6),  # null: unreachable

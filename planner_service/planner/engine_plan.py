@@ -170,6 +170,56 @@ def immovable(problem: Problem) -> dict[str, tuple[str, str]]:
     }
 
 
+def pinned_instances(
+    problem: Problem, states: Mapping[Key, InstanceView] | None = None
+) -> dict[Key, tuple[str, tuple[str, ...]] | None]:
+    """(node, model) -> the one instance (precision, GPUs) its engine can run as after a plan, where it cannot
+    be started or restarted (an adopted engine: only someone else launches it): its present one where it
+    runs or can wake, None where it cannot run on the node at all. A solver that gives the model another
+    group or precision there plans a restart the engine does not offer; absent keys may run as anything."""
+    out: dict[Key, tuple[str, tuple[str, ...]] | None] = {}
+    for key, view in (confirmed_states(problem) if states is None else states).items():
+        probe = _instance(problem, view)
+        if may(probe, view.state, Transition.RESTART).allowed or may(probe, view.state, Transition.START).allowed:
+            continue
+        runs = view.state is EngineState.RUNNING or may(probe, view.state, Transition.WAKE).allowed
+        out[key] = (view.precision, view.gpus) if runs and view.precision is not None and view.gpus else None
+    return out
+
+
+def kept_contexts(states: Mapping[Key, InstanceView]) -> dict[Key, tuple[tuple[str, ...], int]]:
+    """(node, model) -> (GPUs, bytes on each) that an engine which cannot stop (adopted: it only sleeps and
+    wakes) keeps on its GPUs whatever a plan does: at least the CUDA context of its sleep (engines.holdings)."""
+    return {
+        key: (view.gpus, ENGINE_CONSTANTS.context_bytes_per_gpu)
+        for key, view in states.items()
+        if view.declared.management is Management.ADOPTED and view.gpus and view.state is not EngineState.STOPPED
+    }
+
+
+def pooled_kv(
+    problem: Problem, states: Mapping[Key, InstanceView]
+) -> dict[Key, tuple[str, tuple[str, ...], dict[tuple[StateObject, Location], int]]]:
+    """(node, model) -> (precision, GPUs, the sessions' KV on them) of each running engine: while it runs as
+    it is, that KV stays in its fixed pool (vLLM and SGLang free no one request's KV; only the pool's LRU
+    evicts, for the same model's new KV), so its room is that instance's, not another model's."""
+    running = {
+        (view.node, view.model): view
+        for view in states.values()
+        if view.state is EngineState.RUNNING and view.precision is not None and view.gpus
+    }
+    out: dict[Key, tuple[str, tuple[str, ...], dict[tuple[StateObject, Location], int]]] = {}
+    for (obj, loc), nbytes in problem.residency.items():
+        if obj.kind is not Kind.KV or loc.tier is not Tier.GPU or nbytes <= 0:
+            continue
+        view = running.get((problem.gpus[loc.id].node, obj.model))
+        if view is not None and loc.id in view.gpus:
+            assert view.precision is not None  # a running instance
+            entry = out.setdefault((view.node, view.model), (view.precision, view.gpus, {}))
+            entry[2][(obj, loc)] = nbytes
+    return out
+
+
 def confirmed_states(problem: Problem) -> dict[Key, InstanceView]:
     """The instances' states now: derived from the confirmed placement, with what the nodes reported."""
     return instance_states(problem, problem.residency, problem.observed_engines)
@@ -352,11 +402,14 @@ def _kv_predicted(
             kept[loc.id].append((key, out.get(key, 0)))
             _set(out, key, was)
     for (obj, node), nbytes in sorted(strays.items()):
-        if nbytes:  # the session's KV follows its engine's group, split evenly as the planner splits it
+        if nbytes:  # the session's KV follows its engine's group whole (never past its size), split evenly
             group = after[(node, obj.model)].gpus
-            total = nbytes + sum(out.get((obj, Location.gpu(g)), 0) for g in group)
+            held = sum(out.get((obj, Location.gpu(g)), 0) for g in group)
+            grow = min(nbytes, problem.size_of(obj) - held)
             for i, g in enumerate(group):
-                _set(out, (obj, Location.gpu(g)), total // len(group) + (1 if i < total % len(group) else 0))
+                add = grow // len(group) + (1 if i < grow % len(group) else 0)
+                if add > 0:
+                    _set(out, (obj, Location.gpu(g)), out.get((obj, Location.gpu(g)), 0) + add)
     if not kept:
         return
     used = _gpu_used(problem, out)
@@ -382,7 +435,7 @@ def _expert_share_fixed(
         if not spec.experts_bytes or not (b.state is a.state is EngineState.RUNNING and b.same_instance(a)):
             continue
         obj = StateObject.experts(key[1])
-        for g in b.gpus:
+        for g in problem.nodes[key[0]].gpus:  # its group's and none beside it: the engine's experts are its own
             _set(out, (obj, Location.gpu(g)), problem.residency.get((obj, Location.gpu(g)), 0))
 
 

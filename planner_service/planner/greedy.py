@@ -49,6 +49,12 @@ It rebuilds what the GPUs should hold, then settles the lower tiers:
    may be dropped; the last complete copy of weights or experts on a node
    never is). Host DRAM is filled with likely next models from NVMe.
 
+On engine nodes (vLLM, SGLang; `engine_plan.py`) the greedy plans only what the engines can reach: an
+adopted engine, which only its owner starts or relaunches, runs as it is or not at all there (its group
+and precision are pinned; one that cannot leave its GPUs is placed first), the CUDA context it would keep
+asleep is held on its GPUs, and a model that stays on its running engine keeps the sessions' KV in that
+engine's fixed pool (the engine frees no one request's KV), so that room is never given to another model.
+
 The result is a target placement; `operations.py` turns it into moves.
 
 Speed (`statebudget bench plan`): the predicted demand is one array
@@ -83,11 +89,19 @@ from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from planner_service.domain.engines import EngineState
 from planner_service.domain.problem import Gpu, ModelSpec, Node, Problem, Session
 from planner_service.domain.scenario import Capability, Slo
 from planner_service.domain.state import Kind, Location, Placement, StateObject, Tier
 from planner_service.domain.units import GIB
 from planner_service.planner import costs, joint
+from planner_service.planner.engine_plan import (
+    can_leave,
+    confirmed_states,
+    kept_contexts,
+    pinned_instances,
+    pooled_kv,
+)
 from planner_service.planner.errors import PlanningError
 from planner_service.planner.lateness import Lateness
 from planner_service.planner.objective import ColdLoad, Demand, cold_load, kv_ready
@@ -113,7 +127,9 @@ NODE_SHORTLIST = 4  # past 2x this many candidate nodes, a group search prices t
 _CostKey = tuple[float, int, int, str, float]  # (cost, precision rank, slack, node, load seconds): see `_group_options`
 _GroupOption = tuple[_CostKey, str, tuple[Gpu, ...]]  # (cost key, precision, GPUs); the key: see `_best_group`
 _GpuSpec = tuple[str, float, float, float, float]  # (type, bf16 FLOP/s, HBM, host->GPU, GPU->host bytes/s)
-_EngineShape = tuple[tuple[str, tuple[int, ...]], ...]  # (model, positions of its engine's GPUs), by model
+# (model, positions of its engine's GPUs, the precision it is pinned to or ""), by model
+_EngineShape = tuple[tuple[str, tuple[int, ...], str], ...]
+_Pinned = Mapping[tuple[str, str], tuple[str, tuple[str, ...]] | None]  # see `engine_plan.pinned_instances`
 _Look = tuple[tuple[float, tuple[_GpuSpec, ...], _EngineShape], tuple[int, ...]]  # see `_GpuBook`
 _Why = tuple[str, tuple[float, ...]]  # (template, the numbers it formats): see `_words`
 # `spend`'s offers: (value, bytes, kind, payload), the payload's shape set by its kind (see `spend`)
@@ -160,10 +176,16 @@ def _spec(gpu: Gpu) -> _GpuSpec:
     return (gpu.type, gpu.bf16_flops, gpu.hbm_bytes_per_s, gpu.h2d_bytes_per_s, gpu.d2h_bytes_per_s)
 
 
-def _engine_shape(node: Node) -> _EngineShape:
-    """The node's fixed engine groups as positions among its GPUs (by id): nodes alike must match in them too."""
+def _engine_shape(node: Node, pinned: _Pinned) -> _EngineShape:
+    """The node's fixed engine groups as positions among its GPUs (by id), with the instances its engines are
+    pinned to (`engine_plan.pinned_instances`; no GPUs: the model cannot run there): nodes alike must match
+    in them too."""
     position = {g: i for i, g in enumerate(sorted(node.gpus))}
-    return tuple(sorted((m, tuple(position[g] for g in gpus)) for m, gpus in node.engine_gpus.items()))
+    shape = {m: (tuple(position[g] for g in gpus), "") for m, gpus in node.engine_gpus.items()}
+    for (node_id, model), instance in pinned.items():
+        if node_id == node.id:
+            shape[model] = ((), "") if instance is None else (tuple(position[g] for g in instance[1]), instance[0])
+    return tuple(sorted((m, gpus, precision) for m, (gpus, precision) in shape.items()))
 
 
 def split_evenly(nbytes: int, parts: int) -> list[int]:
@@ -182,7 +204,7 @@ class _GpuBook:
     `free` through `take`: `alike` does not see changes made to it directly.
     """
 
-    def __init__(self, problem: Problem) -> None:
+    def __init__(self, problem: Problem, pinned: _Pinned) -> None:
         self.p = problem
         self.free = {g.id: g.capacity_bytes for g in problem.gpus.values()}
         self._dirty: set[str] = set()  # nodes whose look changed since the grouping was last brought up to date
@@ -194,7 +216,7 @@ class _GpuBook:
             n.id: (
                 n.nvme_read_bytes_per_s,
                 tuple(_spec(problem.gpus[g]) for g in self._gpu_ids[n.id]),
-                _engine_shape(n),
+                _engine_shape(n, pinned),
             )
             for n in problem.nodes.values()
         }
@@ -315,7 +337,20 @@ class GreedyPlanner:
         self.precisions = dict(precisions or {})
         self.c = problem.constants
         self.now = ResidencyIndex.build(problem, problem.residency)
-        self.book = _GpuBook(problem)
+        # engines that can run only as they are, or not at all (adopted ones: only their owner launches them)
+        states = confirmed_states(problem)
+        self._pinned = pinned_instances(problem, states)
+        self.book = _GpuBook(problem, self._pinned)
+        # the CUDA contexts that engines which cannot stop keep asleep: held until their weights land there
+        self._contexts = kept_contexts(states)
+        for gpu_ids, nbytes in self._contexts.values():
+            self.book.take([problem.gpus[g] for g in gpu_ids], [nbytes] * len(gpu_ids))
+        # (node, model) -> the KV in each running engine's fixed pool, kept while it runs as it is
+        self._pools = pooled_kv(problem, states)
+        self._pooled: set[StateObject] = set()  # KV placed where its engine's pool keeps it
+        self._stuck = {
+            key: view for key, view in states.items() if view.state is EngineState.RUNNING and not can_leave(view)
+        }
         self._at = {g: Location.gpu(g) for g in problem.gpus}  # GPU id -> its location
         self.target: Placement = {}
         self.groups: dict[str, Group] = {}
@@ -347,11 +382,14 @@ class GreedyPlanner:
                 self._sessions_below[(obj.model, node_id)].add(obj.session)
         self._savings: dict[tuple[str, str, float, float, bool], float] = {}  # see `_restore_saving`
         self._cold_groups: dict[tuple[str, str, str], tuple[Gpu, ...] | None] = {}
-        # node -> model -> the GPUs of its engine there, where it runs on fixed ones
+        # node -> model -> the GPUs of its engine there, where it runs on fixed ones or is pinned to its own
         self._fixed_groups = {
             n.id: {m: tuple(problem.gpus[g] for g in gpus) for m, gpus in n.engine_gpus.items()}
             for n in problem.nodes.values()
         }
+        for (node_id, model_id), instance in self._pinned.items():
+            if instance is not None:
+                self._fixed_groups[node_id][model_id] = tuple(problem.gpus[g] for g in instance[1])
         self._uniform = {  # nodes whose cards are all alike
             n.id: len(
                 {(g.type, g.capacity_bytes, g.h2d_bytes_per_s, g.bf16_flops) for g in (problem.gpus[i] for i in n.gpus)}
@@ -483,9 +521,17 @@ class GreedyPlanner:
             stay_node = None
             if current and current.precision == precision and self._may_serve_from(model, current.node, current.gpus):
                 stay = current.gpus
+                # the KV its running engine's pool keeps there counts whole, the active sessions' part of it
+                # within `extra_bytes`
+                kept, kept_active = self._kept_on(model.id, current.node, precision, stay)
                 shards = [
-                    a + b
-                    for a, b in zip(split_evenly(nbytes, len(stay)), split_evenly(extra_bytes, len(stay)), strict=True)
+                    a + b + c
+                    for a, b, c in zip(
+                        split_evenly(nbytes, len(stay)),
+                        split_evenly(max(0, extra_bytes - kept_active), len(stay)),
+                        kept,
+                        strict=True,
+                    )
                 ]
                 stay_node = current.node
                 if self.book.fits(stay, shards):
@@ -533,7 +579,17 @@ class GreedyPlanner:
                     options.append(((cost, rank, free - nbytes - extra_bytes, node_id, seconds), precision, gpus))
         if model.id in self.nodes:
             options = [option for option in options if option[0][3] == self.nodes[model.id]]
+        if self._pinned:
+            options = [option for option in options if self._reaches(model.id, option[0][3], option[1])]
         return options
+
+    def _reaches(self, model_id: str, node_id: str, precision: str) -> bool:
+        """Whether the model's engine on the node can run at `precision` (its group: `_fixed_groups`)."""
+        key = (node_id, model_id)
+        if key not in self._pinned:
+            return True
+        instance = self._pinned[key]
+        return instance is not None and instance[0] == precision
 
     def _active_context_seconds(self, model: ModelSpec) -> float:
         """Rough price of re-prefilling the active sessions' KV held on the current node (on the current group)."""
@@ -878,9 +934,49 @@ class GreedyPlanner:
                 return [wide, narrow]
         return [wide]
 
+    def _kept_on(self, model_id: str, node_id: str, precision: str, gpus: tuple[Gpu, ...]) -> tuple[list[int], int]:
+        """Bytes per GPU of `gpus` that staying there at `precision` takes beyond the weights: the sessions' KV
+        in the running engine's pool (`_keep_pool`), less the context a sleep would have kept (held already);
+        and how much of that KV is the active sessions'."""
+        out = [0] * len(gpus)
+        active_bytes = 0
+        ids = tuple(g.id for g in gpus)
+        key = (node_id, model_id)
+        context = self._contexts.get(key)
+        if context is not None and context[0] == ids:
+            out = [-context[1]] * len(gpus)
+        pool = self._pools.get(key)
+        if pool is not None and pool[:2] == (precision, ids):
+            active = {s.id for s in self.active.get(model_id, ())}
+            position = {g: i for i, g in enumerate(ids)}
+            for (kv, loc), nbytes in pool[2].items():
+                out[position[loc.id]] += nbytes
+                if kv.session in active:
+                    active_bytes += nbytes
+        return out, active_bytes
+
+    def _keep_pool(self, model: ModelSpec, group: Group) -> None:
+        """Where the model stays on its running engine as it is, the sessions' KV in that engine's pool stays
+        with it (the engine frees no one request's KV); the context held for its sleep is given back."""
+        key = (group.node, model.id)
+        ids = tuple(g.id for g in group.gpus)
+        context = self._contexts.get(key)
+        if context is not None and context[0] == ids:
+            del self._contexts[key]
+            self.book.take(group.gpus, [-context[1]] * len(ids))
+        pool = self._pools.get(key)
+        if pool is None or pool[:2] != (group.precision, ids):
+            return
+        self.book.take_from(group.node, [(loc.id, nbytes) for (_, loc), nbytes in pool[2].items()])
+        for (kv, loc), nbytes in pool[2].items():
+            self.target[(kv, loc)] = self.target.get((kv, loc), 0) + nbytes
+            self._pooled.add(kv)
+            self.reasons[kv] = "kept in the KV pool of its running engine, which frees no one request's KV"
+
     def _place_weights(self, model: ModelSpec, group: Group, reason: str) -> None:
         obj = StateObject.weights(model.id, group.precision)
         shards = split_evenly(model.weights_bytes[group.precision], len(group.gpus))
+        self._keep_pool(model, group)
         self.book.take(group.gpus, shards)
         for g, b in zip(group.gpus, shards, strict=True):
             if b:
@@ -915,16 +1011,29 @@ class GreedyPlanner:
 
         return sorted(self.active, key=urgency)
 
+    def _place_stuck(self) -> None:
+        """The running engines that cannot leave their GPUs (an adopted one launched without a sleep it may be
+        asked for) keep serving there, with their pools: placed first, whatever their demand."""
+        for (node_id, model_id), view in sorted(self._stuck.items()):
+            assert view.precision is not None  # a running instance
+            group = Group(node_id, view.precision, tuple(self.p.gpus[g] for g in view.gpus))
+            self._place_weights(self.p.models[model_id], group, "its engine cannot leave its GPUs (adopted)")
+
     def serve_active(self) -> None:
         active = self.active
+        self._place_stuck()
         order = self._serve_order()
         needs = {m: sum(self._kv_bytes(s, self.p.models[m]) for s in active[m]) for m in order}  # active KV bytes
         # a caller's choices (the local search's) stand as given; else the nodes are chosen together
-        pinned = self._pin_joint_choice(order, needs) if not self.nodes and not self.precisions else set()
+        free_order = [m for m in order if m not in self.groups]
+        pinned = self._pin_joint_choice(free_order, needs) if not self.nodes and not self.precisions else set()
         for model_id in order:
             model = self.p.models[model_id]
             sessions = active[model_id]
             need = needs[model_id]
+            if model_id in self.groups:  # its engine cannot leave its GPUs: its sessions' KV joins it there
+                self._serve_sessions(model, self.groups[model_id], sessions)
+                continue
             # where the weights and all the active KV fit nowhere, take the group that holds the most of that KV
             best = self._best_group(model, need) or self._roomiest_group(model, need)
             if best is None and model_id in pinned:  # the joint choice has no room left after all: any node
@@ -936,14 +1045,10 @@ class GreedyPlanner:
                 continue
             _, group = best
             self._place_weights(model, group, f"serves {len(sessions)} active session(s)")
-            served = {s.id for s in self._water_fill(model, group, sessions)}
-            for s in sessions:
-                if s.id not in served:
-                    self.unserved[s.id] = (
-                        f"kv capacity: the KV of session {s.id} does not fit on node {group.node}'s GPUs "
-                        f"beside {model.id}'s weights and other users' fair share"
-                    )
+            self._serve_sessions(model, group, sessions)
         for model_id in sorted(pinned - set(order)):  # an idle model the joint choice keeps warm
+            if model_id in self.groups:
+                continue
             model = self.p.models[model_id]
             best = self._best_group(model, 0)
             if best is None:  # no room left after all: `spend` may still offer it elsewhere
@@ -956,6 +1061,15 @@ class GreedyPlanner:
             self._place_weights(
                 model, group, _words((_KEPT_WARM, (self._demand(model_id), saved, value, nbytes / GIB)))
             )
+
+    def _serve_sessions(self, model: ModelSpec, group: Group, sessions: list[Session]) -> None:
+        served = {s.id for s in self._water_fill(model, group, sessions)}
+        for s in sessions:
+            if s.id not in served:
+                self.unserved[s.id] = (
+                    f"kv capacity: the KV of session {s.id} does not fit on node {group.node}'s GPUs "
+                    f"beside {model.id}'s weights and other users' fair share"
+                )
 
     def _pin_joint_choice(self, order: list[str], needs: Mapping[str, int]) -> set[str]:
         """Fix each active model's node and precision as `joint.assign` chooses them together on the greedy's
@@ -1003,7 +1117,7 @@ class GreedyPlanner:
         best: tuple[int, str] | None = None
         moes = []
         for model_id, model in self.p.models.items():
-            if model_id in self.active or self._demand(model_id) <= 0:
+            if model_id in self.active or model_id in self.groups or self._demand(model_id) <= 0:
                 continue
             if model.is_moe:
                 moes.append(model_id)
@@ -1161,11 +1275,15 @@ class GreedyPlanner:
         while turns:
             held, user = heapq.heappop(turns)
             s = by_user[user].popleft()
+            obj = StateObject.kv(model.id, s.id)
             nbytes = self._kv_bytes(s, model)
-            shards = split_evenly(nbytes, len(group.gpus))
+            if obj in self._pooled:  # in its engine's pool already: only the rest is prefilled
+                nbytes -= sum(self.target.get((obj, self._at[g.id]), 0) for g in group.gpus)
+            shards = split_evenly(max(0, nbytes), len(group.gpus))
             if self.book.fits(group.gpus, shards):
-                self._place_spread(StateObject.kv(model.id, s.id), group, shards)
-                held += nbytes
+                if nbytes > 0:
+                    self._place_spread(obj, group, shards)
+                held += self._kv_bytes(s, model)
                 served.append(s)
             if by_user[user]:
                 heapq.heappush(turns, (held, user))
@@ -1217,6 +1335,9 @@ class GreedyPlanner:
                     continue
                 model = self.p.models[model_id]
                 shards = split_evenly(model.weights_bytes[group.precision], len(group.gpus))
+                if self._pools or self._contexts:  # staying on its running engine keeps that engine's KV pool
+                    kept, _ = self._kept_on(model_id, group.node, group.precision, group.gpus)
+                    shards = [a + b for a, b in zip(shards, kept, strict=True)]
                 if offered != self._placed_on[group.node] or not self.book.fits(group.gpus, shards):
                     # weights were placed on its node since the offer was made, or its group filled up: its
                     # best group and value may have changed (lazy greedy: re-offer at the current value; it
@@ -1318,7 +1439,7 @@ class GreedyPlanner:
                 continue  # not predicted here, or already placed with the active request
             obj = StateObject.kv(model_id, session.id)
             nbytes = self._kv_bytes(session, model)
-            if nbytes == 0 or not self._kv_exists(obj, group):
+            if nbytes == 0 or obj in self._pooled or not self._kv_exists(obj, group):
                 continue
             without = self._kv_without_seconds(obj, session, model, group, kv_ok_below)
             value = w * without - costs.gpu_hold_cost(nbytes, self.c)
@@ -1396,8 +1517,10 @@ class GreedyPlanner:
         sourced = self.now.complete_source(obj, node) is not None
         free_of = self.book.free
         room: list[tuple[int, str]] = []
-        fixed = self.p.nodes[node].engine_gpus.get(obj.model)
-        for g in fixed or self.book.gpu_ids(node):  # in card order: of two like cards the first holds at least as much
+        fixed = self._fixed_groups[node].get(obj.model)
+        for g in (
+            [g.id for g in fixed] if fixed else self.book.gpu_ids(node)
+        ):  # in card order: of two like cards the first holds at least as much
             free = free_of[g]
             if not sourced:
                 key = (obj, self._at[g])

@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from planner_service.domain.engines import KIND_FEATURES, EngineFeature, EngineKind, Management
+from planner_service.domain.engines import KIND_FEATURES, EngineKind, Management
 from planner_service.domain.generate import random_scenario
 from planner_service.domain.predictions import problem_from_scenario
 from planner_service.domain.scenario import Scenario, load_scenario, parse_scenario
@@ -87,16 +87,15 @@ def random_scenarios(
 
 def with_random_engines(scenario: Scenario, rng: np.random.Generator) -> Scenario:
     """Every node serves every model through an engine of a random kind (vLLM, SGLang, local), each of the
-    kind's launch features with probability 1/2, adopted with probability 1/2 where it has sleep mode (an
-    adopted engine without it could never leave its GPUs), else managed; no fixed GPUs."""
+    kind's launch features with probability 1/2, adopted or managed with probability 1/2 (an adopted one
+    without sleep mode cannot leave its GPUs, one not running is started only by its owner); no fixed GPUs."""
     data = scenario.model_dump(mode="json")
     for node in data["cluster"]["nodes"]:
         node["engines"] = []
         for m in data["models"]:
             kind = ENGINE_KINDS[int(rng.integers(len(ENGINE_KINDS)))]
             features = sorted(f.value for f in sorted(KIND_FEATURES[kind]) if rng.random() < 0.5)
-            adopted = EngineFeature.SLEEP_MODE.value in features and rng.random() < 0.5
-            management = Management.ADOPTED if adopted else Management.MANAGED
+            management = Management.ADOPTED if rng.random() < 0.5 else Management.MANAGED
             node["engines"].append(
                 {"model": m["id"], "kind": kind.value, "features": features, "management": management.value}
             )

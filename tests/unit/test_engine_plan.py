@@ -8,7 +8,21 @@ import dataclasses
 from typing import Any
 
 import pytest
-from tiny_clusters import GIB, gpu, held, model, node, on_gpu, on_nvme, plan_for, scenario, session, weights
+from tiny_clusters import (
+    GIB,
+    experts,
+    gpu,
+    held,
+    kv,
+    model,
+    node,
+    on_gpu,
+    on_nvme,
+    plan_for,
+    scenario,
+    session,
+    weights,
+)
 
 from planner_service.domain.demo import demo_scenario_json
 from planner_service.domain.engines import EngineState, Transition
@@ -212,3 +226,58 @@ def test_the_checker_counts_a_sleeping_engine_s_context() -> None:
     asleep = problem_with(capacity / GIB, True)
     (error,) = check_plan(asleep, dict(asleep.residency), [])
     assert error.startswith("capacity: gpu:g0") and f"{GIB} of engine pools and sleeping engines' contexts" in error
+
+
+SGLANG_ADOPTED = {"kind": "sglang", "features": ["sleep_mode", "cpu_backup"], "management": "adopted"}
+
+
+def test_an_adopted_engine_is_not_regrouped_and_its_session_s_kv_stays_whole_on_its_gpu() -> None:
+    """a MoE's adopted SGLang engine runs on g0 alone; over both cards its experts would have more room, but
+    only its owner could relaunch it there: it stays on g0, with its active session's KV whole beside it."""
+    moe = model("a", 16, experts_bytes=64 * GIB, expert_bytes=GIB // 4)
+    problem, plan = plan_for(
+        scenario(
+            [{**node("n0", gpu("g0", 24), gpu("g1", 24)), "engines": [{"model": "a", **SGLANG_ADOPTED}]}],
+            [moe],
+            [session("s1", "a", active=True, tokens=16384)],
+            [
+                held(weights("a"), on_gpu("g0"), 16 * GIB),
+                held(kv("a", "s1"), on_gpu("g0"), 2 * GIB),
+                held(weights("a"), on_nvme("n0"), 16 * GIB),
+                held(experts("a"), on_nvme("n0"), 64 * GIB),
+            ],
+        )
+    )
+    assert check_plan(problem, plan.placement, plan.operations, plan.unserved) == []
+    assert Transition.RESTART not in transitions(plan)
+    assert plan.instances[("n0", "a")].gpus == ("g0",)
+    s1 = next(obj for obj, _ in plan.placement if obj.session == "s1")
+    assert {loc.id: n for (obj, loc), n in plan.placement.items() if obj == s1} == {"g0": 2 * GIB}
+
+
+def test_a_running_engine_s_kv_pool_is_not_given_to_another_model() -> None:
+    """a keeps serving on g0, where its pool holds s2's 6 GiB of KV that vLLM cannot free one request at a
+    time: that room is a's, so b, which would fit only in it, waits."""
+    engines = [{"model": "a", "gpus": ["g0"], **VLLM}, {"model": "b", "gpus": ["g0"], **VLLM}]
+    problem, plan = plan_for(
+        scenario(
+            [{**node("n0", gpu("g0", 26)), "engines": engines}],
+            [model("a", 16), model("b", 4)],
+            [
+                session("s1", "a", active=True),
+                session("s2", "a", tokens=6 * 8192),
+                session("s3", "b", active=True, slo="background"),
+            ],
+            [
+                held(weights("a"), on_gpu("g0"), 16 * GIB),
+                held(kv("a", "s1"), on_gpu("g0"), GIB),
+                held(kv("a", "s2"), on_gpu("g0"), 6 * GIB),
+                held(weights("a"), on_nvme("n0"), 16 * GIB),
+                held(weights("b"), on_nvme("n0"), 4 * GIB),
+            ],
+        )
+    )
+    assert check_plan(problem, plan.placement, plan.operations, plan.unserved) == []
+    s2 = next(obj for obj, _ in problem.residency if obj.session == "s2")
+    assert plan.placement.get((s2, next(loc for obj, loc in problem.residency if obj == s2))) == 6 * GIB
+    assert "s3" in plan.unserved

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from collections import defaultdict
 
+import numpy as np
 from tiny_clusters import (
     experts,
     gpu,
@@ -23,12 +24,17 @@ from tiny_clusters import (
 from typer.testing import CliRunner
 
 from planner_service.cli import app
+from planner_service.domain.generate import random_scenario
+from planner_service.domain.predictions import problem_from_scenario
+from planner_service.domain.problem import Problem
+from planner_service.domain.scenario import parse_scenario
 from planner_service.domain.state import Kind, Location, StateObject, Tier
 from planner_service.domain.units import GIB
 from planner_service.planner import costs
 from planner_service.planner.invariants import check_plan
 from planner_service.planner.objective import evaluate
 from planner_service.planner.operations import Action, build_operations
+from planner_service.solver.registry import solve
 
 
 def gpu_bytes(plan, obj: StateObject) -> dict[str, int]:
@@ -506,3 +512,28 @@ def test_the_checker_refuses_weights_moved_outside_an_engine_s_gpus() -> None:
     assert any(
         e.startswith("engine: weights(other, bf16) gains bytes on gpu:g0, but node n0 has no engine") for e in errors
     )
+
+
+def test_a_plan_depends_only_on_its_problem_not_on_plans_made_before() -> None:
+    """The same problem planned alone, twice, and after other problems (engine nodes of every kind) gives the
+    same plan: the planner keeps no cache, memo or mutable constant between plans."""
+
+    def engine_problem(seed: int) -> Problem:
+        data = random_scenario(np.random.default_rng(seed), 6, 4, 12).model_dump(mode="json")
+        kinds = [{"kind": "sglang", "features": ["sleep_mode", "cpu_backup"], "management": "adopted"},
+                 {"kind": "vllm", "features": ["lmcache", "sleep_mode", "dev_mode"]}, {"kind": "local"}]  # fmt: skip
+        for i, n in enumerate(data["cluster"]["nodes"]):
+            n["engines"] = [{"model": m["id"], **kinds[(i + j) % 3]} for j, m in enumerate(data["models"])]
+        return problem_from_scenario(parse_scenario(data))
+
+    def planned(problem: Problem) -> str:
+        out = solve(problem).to_json()
+        out.pop("solve_seconds")
+        return json.dumps(out, sort_keys=True)
+
+    problem = engine_problem(3)
+    first = planned(problem)
+    assert planned(problem) == first
+    for seed in (1, 2, 4):
+        planned(engine_problem(seed))
+    assert planned(engine_problem(3)) == first

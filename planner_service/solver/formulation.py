@@ -160,7 +160,11 @@ class Formulation:
             values[self.gain_vars[(model_id, gpu_id)]] = -(-max(0, values[var] * unit - now) // MIB)
         for combo in self.combos:
             option = chosen.get(combo.model)
-            if option is None or option.node != combo.node or option.decode_class != combo.decode_class:
+            if (
+                option is None
+                or option.launched
+                or (option.node, option.decode_class) != (combo.node, combo.decode_class)
+            ):
                 continue
             held = sum(
                 gpu_bytes.get((StateObject.experts(combo.model), g), 0) for g in self.problem.nodes[combo.node].gpus

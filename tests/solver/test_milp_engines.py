@@ -6,7 +6,7 @@ the solver's own plan sound where, without them, it is one the checker refuses."
 from __future__ import annotations
 
 import pytest
-from solver_cases import gpu, held, kv, model, node, problem_of, session, weights
+from solver_cases import experts, gpu, held, kv, model, node, problem_of, session, weights
 
 from planner_service.domain.engines import EngineState, Transition
 from planner_service.domain.problem import Problem
@@ -121,3 +121,28 @@ def test_milp_does_not_restart_an_adopted_engine() -> None:
     assert made <= {Transition.READAHEAD}
     assert plan.placement[(StateObject.weights("a", "bf16"), Location.gpu("g0"))] == 16 * GIB
     assert set(plan.unserved) == {"s2"}
+
+
+def test_milp_keeps_a_running_engines_expert_share() -> None:
+    """(C5', C11) the MoE's engine runs on g0 with 2 of its 16 expert chunks (8 GiB) on GPU, a launch
+    setting: the model keeps them (a free choice would take more, `test_milp.py`'s breakpoint case), so its
+    value is the evaluator's value of the plan the engines reach."""
+    moe = model(
+        "moe", {"bf16": 8}, experts_bytes=64 * GIB, expert_bytes=GIB // 4, active_expert_bytes_per_token=2 * GIB
+    )
+    problem = problem_of(
+        [{**node("n0", gpu("g0", 48)), "engines": [{"model": "moe", **VLLM}]}],
+        [moe],
+        [session("s1", "moe", active=True)],
+        [
+            held(weights("moe"), "gpu", "g0", 8 * GIB),
+            held(weights("moe"), "nvme", "n0", 8 * GIB),
+            held(experts("moe"), "gpu", "g0", 8 * GIB),
+            held(experts("moe"), "nvme", "n0", 64 * GIB),
+            held(kv("moe", "s1"), "gpu", "g0", GIB),
+        ],
+    )
+    plan = _own_plan_is_sound(problem)
+    assert plan.placement[(StateObject.experts("moe"), Location.gpu("g0"))] == 8 * GIB
+    details = plan.extra["milp"]
+    assert details["model_objective"] == pytest.approx(details["milp_plan_objective"], rel=1e-6)

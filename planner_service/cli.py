@@ -316,6 +316,12 @@ def gap(
     scenario_dir: Annotated[
         Path | None, typer.Option("--scenario-dir", help="Plan these scenario files instead.")
     ] = None,
+    engines: Annotated[
+        bool,
+        typer.Option(
+            "--engines", help="Random scenarios whose nodes serve every model through engines of random kinds."
+        ),
+    ] = False,
     as_json: JsonOpt = False,
 ) -> None:
     """The greedy's optimality gap: plan each scenario with greedy and MILP, print ratios on the avoidable objective."""
@@ -324,7 +330,7 @@ def gap(
     if scenario_dir is not None:
         cases = scenario_files(scenario_dir, scenarios)
     else:
-        cases = random_scenarios(scenarios, seed, gpus, models, sessions)
+        cases = random_scenarios(scenarios, seed, gpus, models, sessions, engines=engines)
 
     def progress(row) -> None:
         err.print(

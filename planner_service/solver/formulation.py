@@ -23,14 +23,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from planner_service.domain.engines import EngineState, Management, Transition, may
 from planner_service.domain.problem import Gpu, ModelSpec, Problem, Session
 from planner_service.domain.scenario import Capability
-from planner_service.domain.state import Location, Placement, StateObject, Tier
+from planner_service.domain.state import Kind, Location, Placement, StateObject, Tier
 from planner_service.domain.units import MIB
-from planner_service.planner import costs
+from planner_service.planner import costs, engine_plan
 from planner_service.planner.errors import PlanningError
 from planner_service.planner.greedy import EXPERT_CHUNKS, GreedyPlanner, Group, TargetPlan, split_evenly
-from planner_service.planner.objective import _arrival_latency, cold_load, kv_ready
+from planner_service.planner.objective import _arrival_latency, cold_load, kv_ready, promote_seconds
 from planner_service.planner.residency import ResidencyIndex, Serving
 from planner_service.solver.backends import IntModel
 
@@ -51,6 +52,11 @@ class Option:
     gpus: tuple[Gpu, ...]
     shards: tuple[int, ...]
     decode_class: int  # options on a node with the same sum of h2d bandwidth decode alike
+    # the running engine instance of a vLLM / SGLang node, kept as launched: its KV pool and GPU expert share
+    # per GPU of `gpus` are fixed (DESIGN.md §5); both are () for every other option
+    launched: bool = False
+    kv_pool: tuple[int, ...] = ()
+    experts: tuple[int, ...] = ()
 
     def group(self) -> Group:
         return Group(self.node, self.precision, self.gpus)
@@ -77,6 +83,16 @@ class ExpertCombo:
     nbytes: int
 
 
+@dataclass(frozen=True, slots=True)
+class KvPool:
+    """The KV of a launched option on one GPU beyond its fixed pool: `var` MiB (its pool is its own room)."""
+
+    var: int
+    option: Option
+    gpu: str
+    pool_bytes: int
+
+
 @dataclass
 class Formulation:
     problem: Problem
@@ -87,6 +103,7 @@ class Formulation:
     combos: list[ExpertCombo]
     expert_vars: dict[tuple[str, str], tuple[int, int]]  # (model, gpu) -> (var, unit): units of routed experts there
     gain_vars: dict[tuple[str, str], int]  # (model, gpu) -> MiB of experts promoted there
+    pools: list[KvPool]
     lower: ResidencyIndex  # lower tiers when no model is on GPU (the approximation)
     unavoidable: float  # sum over models of their best cost with unlimited HBM: a lower bound of every plan
 
@@ -120,13 +137,34 @@ class Formulation:
                     values[choice.var] = int(
                         sum(gpu_bytes.get((obj, g.id), 0) for g in choice.option.gpus) >= choice.nbytes
                     )
+        for pool in self.pools:
+            if chosen.get(pool.option.model) is pool.option:
+                kv = sum(
+                    b
+                    for (model_id, _), choices in self.kv.items()
+                    for ch in choices
+                    if ch.option is pool.option and values[ch.var]
+                    for g, b in zip(ch.option.gpus, split_evenly(ch.nbytes, len(ch.option.gpus)), strict=True)
+                    if g.id == pool.gpu
+                )
+                values[pool.var] = -(-max(0, kv - pool.pool_bytes) // MIB)
         for (model_id, gpu_id), (var, unit) in self.expert_vars.items():
+            if (
+                (option := chosen.get(model_id)) is not None
+                and option.launched
+                and option.node == self.problem.gpus[gpu_id].node
+            ):
+                continue  # a launched engine keeps its share: no v, no y
             values[var] = min(gpu_bytes.get((StateObject.experts(model_id), gpu_id), 0) // unit, self.ilp.ub[var])
             now = self.problem.residency.get((StateObject.experts(model_id), Location.gpu(gpu_id)), 0)
             values[self.gain_vars[(model_id, gpu_id)]] = -(-max(0, values[var] * unit - now) // MIB)
         for combo in self.combos:
             option = chosen.get(combo.model)
-            if option is None or option.node != combo.node or option.decode_class != combo.decode_class:
+            if (
+                option is None
+                or option.launched
+                or (option.node, option.decode_class) != (combo.node, combo.decode_class)
+            ):
                 continue
             held = sum(
                 gpu_bytes.get((StateObject.experts(combo.model), g), 0) for g in self.problem.nodes[combo.node].gpus
@@ -164,6 +202,10 @@ class _Builder:
         self.combos: list[ExpertCombo] = []
         self.expert_vars: dict[tuple[str, str], tuple[int, int]] = {}
         self.gain_vars: dict[tuple[str, str], int] = {}
+        self.pools: list[KvPool] = []
+        # engine instances on vLLM / SGLang nodes as they are now (planner/engine_plan.py)
+        self.states = engine_plan.confirmed_states(problem)
+        self.pinned = engine_plan.immovable(problem)  # model -> (node, precision): running, cannot leave
         self.gpu_terms: dict[str, dict[int, int]] = {g: defaultdict(int) for g in problem.gpus}
         self.model_gpu_terms: dict[tuple[str, str], dict[int, int]] = defaultdict(lambda: defaultdict(int))
         self.unavoidable = 0.0
@@ -188,9 +230,12 @@ class _Builder:
     def build(self) -> Formulation:
         for model_id in sorted(self.p.models):
             self._model(self.p.models[model_id])
-        # (C1) HBM capacity of every GPU: weights shards + KV shards + expert bytes
+        # (C10) a sleeping adopted engine keeps its CUDA context on every GPU of its group: R * (1 - x_{m,o_inst})
+        residue = self._residue()
+        # (C1) HBM capacity of every GPU: weights shards + KV shards (or a launched engine's pool) + expert bytes
+        # + the residue of adopted engines left asleep
         for gpu_id, terms in sorted(self.gpu_terms.items()):
-            self.ilp.row(terms, hi=self.p.gpus[gpu_id].capacity_bytes)
+            self.ilp.row(terms, hi=self.p.gpus[gpu_id].capacity_bytes - residue.get(gpu_id, 0))
         # (C9) one model's bytes on a GPU fit the card only while a group of that node serves the model: implied
         # by C1-C7 for integer values, it keeps the LP from spreading a fractional model's experts and KV over
         # whole cards (an optional row: the "plain" CBC variant drops it)
@@ -203,7 +248,7 @@ class _Builder:
             self.ilp.row(row, hi=0, optional=True)
         # (C8) symmetry: of two interchangeable GPUs (same node and card, nothing on either now), the first holds more
         if self.symmetry:
-            for a, b in _interchangeable_pairs(self.p, self.now):
+            for a, b in _interchangeable_pairs(self.p, self.now, self.states):
                 difference = defaultdict(int, self.gpu_terms[a])
                 for i, c in self.gpu_terms[b].items():
                     difference[i] -= c
@@ -217,6 +262,7 @@ class _Builder:
             self.combos,
             self.expert_vars,
             self.gain_vars,
+            self.pools,
             self.lower,
             self.unavoidable,
         )
@@ -268,22 +314,32 @@ class _Builder:
         holders_now = self.now.kv_sessions.get(model.id, set())
         holders_low = self.lower.kv_sessions.get(model.id, set())
         by_class: dict[tuple[str, int], list[Option]] = defaultdict(list)
+        if model.id in self.pinned:
+            # (C2') an adopted engine launched without sleep mode cannot leave its GPUs: its instance is chosen
+            pinned = [o.var for o in options if o.launched]
+            if pinned:
+                self.ilp.row({pinned[0]: 1}, lo=1, hi=1)
         for o in options:
-            by_class[(o.node, o.decode_class)].append(o)
+            if not o.launched:  # a launched engine's expert share is fixed: it takes no y
+                by_class[(o.node, o.decode_class)].append(o)
             obj = StateObject.weights(model.id, o.precision)
-            node = self.p.nodes[o.node]
             degraded = c.degraded_precision_seconds * (o.precision != model.preferred)
             cost = 0.0
-            # weights: the warm memory tax and the seconds spent promoting shards
+            # weights: the warm memory tax and the seconds spent promoting shards (the evaluator's move price)
             cost += costs.gpu_hold_cost(model.weights_bytes[o.precision], c)
-            source = self.now.complete_source(obj, o.node) or Tier.NVME
+            shard_target = {(obj, Location.gpu(g.id)): b for g, b in zip(o.gpus, o.shards, strict=True) if b}
+            cost += c.move_weight * promote_seconds(self.p, self.now, shard_target)
             for g, shard in zip(o.gpus, o.shards, strict=True):
-                gain = shard - self.now.placement.get((obj, Location.gpu(g.id)), 0)
-                if gain > 0:
-                    cost += c.move_weight * costs.copy_seconds([gain], [g], source, node)
                 if shard:
                     self.gpu_terms[g.id][o.var] += shard
                     self.model_gpu_terms[(model.id, g.id)][o.var] += shard
+            if o.launched:
+                # (C11) a launched engine keeps its KV pool and its GPU expert share on each of its GPUs
+                held = sum(o.kv_pool) + sum(o.experts)
+                cost += costs.gpu_hold_cost(held, c)
+                for g, pool, experts in zip(o.gpus, o.kv_pool, o.experts, strict=True):
+                    self.gpu_terms[g.id][o.var] += pool + experts
+                    self.model_gpu_terms[(model.id, g.id)][o.var] += pool + experts
             # requests in flight: the time to bring their state from C to T, charged on k below (without
             # its KV beside the weights the request waits instead)
             then = ResidencyIndex(
@@ -306,7 +362,8 @@ class _Builder:
                         kv[position[sid]] = kv_ready(self.p, self.lower, model, sid, o.node, o.gpus, 0)
             without_kv = request_costs(kv)
             cost += float(without_kv.sum()) + float(wq.sum()) * degraded
-            cost += served_weight * costs.decode_slowdown_seconds(model, 0.0, o.gpus, c)
+            fraction = sum(o.experts) / model.experts_bytes if o.launched and model.experts_bytes else 0.0
+            cost += served_weight * costs.decode_slowdown_seconds(model, fraction, o.gpus, c)
             self.ilp.cost[o.var] += cost
             relaxed = cost
             # k: KV of a session on this group's GPUs (whole, split evenly)
@@ -318,10 +375,12 @@ class _Builder:
                 and not invalidated
                 and self._kv_on_node(model.id, s.id, o.node)
             ]
+            pool_terms: dict[str, dict[int, int]] = defaultdict(dict)  # a launched option's KV, per GPU
             for s, is_active in candidates:
                 nbytes = s.context_tokens * model.kv_bytes_per_token
                 saved = float(without_kv[position[s.id]]) if s.id in position else 0.0
-                k_cost = costs.gpu_hold_cost(nbytes, c) - saved
+                # in a launched engine's pool the KV room is paid for by the pool (and by z beyond it)
+                k_cost = (0.0 if o.launched else costs.gpu_hold_cost(nbytes, c)) - saved
                 if is_active:
                     # (C3) an active request whose KV is not on the serving GPUs waits: the unserved penalty
                     unserved = c.unserved_penalty_seconds * c.slo_weights.of(s.slo)
@@ -334,16 +393,97 @@ class _Builder:
                 # (C4) KV only on the GPUs of the chosen group
                 self.ilp.row({var: 1, o.var: -1}, hi=0)
                 for g, b in zip(o.gpus, split_evenly(nbytes, len(o.gpus)), strict=True):
-                    if b:
+                    if b and o.launched:
+                        pool_terms[g.id][var] = b
+                    elif b:
                         self.gpu_terms[g.id][var] += b
                         self.model_gpu_terms[(model.id, g.id)][var] += b
                 self.kv.setdefault((model.id, s.id), []).append(KvChoice(var, s.id, o, nbytes))
                 relaxed += min(0.0, k_cost)
-            o_best = relaxed + (self._best_combo_cost(model, o, served_weight) if model.is_moe else 0.0)
+            if o.launched:
+                self._pool_rows(o, pool_terms)
+            o_best = relaxed + (
+                self._best_combo_cost(model, o, served_weight) if model.is_moe and not o.launched else 0.0
+            )
             best = min(best, o_best)
         if model.is_moe:
             self._experts(model, by_class, served_weight)
         self.unavoidable += best
+
+    def _residue(self) -> dict[str, int]:
+        """GPU -> bytes of sleeping adopted engines' contexts when none of them wakes; the wake's x is put into
+        gpu_terms with -R, so the row reads used + R * (1 - x) <= cap. A managed engine stops instead where its
+        context does not fit (engine_plan._sleep_or_stop): it needs no row."""
+        out: dict[str, int] = defaultdict(int)
+        for (node, model_id), view in sorted(self.states.items()):
+            if view.declared.management is not Management.ADOPTED or not view.gpus or model_id in self.pinned:
+                continue
+            if view.state is EngineState.STOPPED or view.precision is None:
+                continue
+            asleep = engine_plan.InstanceView(
+                node, model_id, view.declared, EngineState.ASLEEP_DISCARDED, view.precision, view.gpus
+            )
+            bytes_per_gpu = engine_plan.residue_bytes(self.p, asleep)
+            wake = next((o for o in self.options.get(model_id, []) if self._is_instance(o, view)), None)
+            for g in view.gpus:
+                out[g] += bytes_per_gpu
+                if wake is not None:
+                    self.gpu_terms[g][wake.var] -= bytes_per_gpu
+        return out
+
+    @staticmethod
+    def _is_instance(o: Option, view: engine_plan.InstanceView) -> bool:
+        return (o.node, o.precision, tuple(sorted(_ids(o.gpus)))) == (view.node, view.precision, tuple(view.gpus))
+
+    def _offered(self, model_id: str, node_id: str, precision: str, group: Sequence[Gpu]) -> bool:
+        """Whether the node's engine of the model can come to run on `group` at `precision` from its state now
+        (engines.may: no start, restart or stop of an adopted engine; a wake keeps the instance)."""
+        view = self.states.get((node_id, model_id))
+        if view is None or engine_plan.engine_of(self.p, node_id, model_id) is None:
+            return True
+        ids = tuple(sorted(_ids(group)))
+        running = engine_plan.InstanceView(
+            node_id, model_id, view.declared, EngineState.RUNNING, precision, ids
+        )  # fmt: skip
+        transition = engine_plan.transition_between(view, running)
+        if transition is None:
+            return True
+        subject = view if transition is Transition.WAKE else running
+        inst = engine_plan.instance_from_ref(self.p, engine_plan.instance_ref(self.p, subject))
+        return may(inst, view.state, transition).allowed
+
+    def _launched(self, model: ModelSpec, node_id: str, precision: str, group: Sequence[Gpu]) -> bool:
+        """Whether `group` at `precision` is the model's engine running on a vLLM / SGLang node now."""
+        view = self.states.get((node_id, model.id))
+        return (
+            view is not None
+            and engine_plan.engine_of(self.p, node_id, model.id) is not None
+            and view.state is EngineState.RUNNING
+            and (view.precision, view.gpus) == (precision, tuple(sorted(_ids(group))))
+        )
+
+    def _pool_rows(self, o: Option, pool_terms: Mapping[str, Mapping[int, int]]) -> None:
+        """KV beyond a launched engine's pool on each GPU: z MiB (warm tax per MiB), so the model's KV there
+        takes max(pool, chosen KV): the pool's room is its own, and the engine's LRU evicts its own KV only."""
+        for g, pool in zip(o.gpus, o.kv_pool, strict=True):
+            capacity_mib = -(-g.capacity_bytes // MIB)
+            z = self.ilp.var(
+                f"z[{o.model},{g.id}]", ub=capacity_mib, cost=costs.gpu_hold_cost(MIB, self.c)
+            )  # fmt: skip
+            self.pools.append(KvPool(z, o, g.id, pool))
+            self.gpu_terms[g.id][z] += MIB
+            self.model_gpu_terms[(o.model, g.id)][z] += MIB
+            # (C12) MiB * z >= sum_s kvshard_{s,g} k_{m,s,o} - pool_g x_{m,o};  z only with x_{m,o}
+            self.ilp.row({z: MIB, o.var: pool, **{k: -b for k, b in pool_terms.get(g.id, {}).items()}}, lo=0)
+            self.ilp.row({z: 1, o.var: -capacity_mib}, hi=0)
+
+    def _kv_now(self, model_id: str, gpu_id: str) -> int:
+        """KV bytes of the model on the GPU now: a running engine's pool holds at least these."""
+        return sum(
+            nbytes
+            for (obj, loc), nbytes in self.p.residency.items()
+            if obj.kind is Kind.KV and obj.model == model_id and loc == Location.gpu(gpu_id)
+        )
 
     def _kv_on_node(self, model: str, session: str, node: str) -> bool:
         obj = StateObject.kv(model, session)
@@ -390,11 +530,24 @@ class _Builder:
                     )
                     if moves and not has_source:
                         continue  # nothing on the node to load the shards from
+                    if not self._offered(model.id, node_id, precision, group):
+                        continue  # a transition the node's engine does not offer (e.g. a restart of an adopted one)
                     seen.add(key)
                     h2d = round(sum(g.h2d_bytes_per_s for g in group), -3)
                     cls = classes.setdefault((node_id, h2d), len(classes))
                     var = self.ilp.var(f"x[{model.id},{node_id},{precision},{'+'.join(_ids(group))}]")
-                    out.append(Option(var, model.id, node_id, precision, tuple(group), shards, cls))
+                    launched = self._launched(model, node_id, precision, group)
+                    pool = tuple(self._kv_now(model.id, g.id) for g in group) if launched else ()
+                    experts_obj = StateObject.experts(model.id)
+                    experts = (
+                        tuple(self.now.placement.get((experts_obj, Location.gpu(g.id)), 0) for g in group)
+                        if launched
+                        else ()
+                    )
+                    option = Option(
+                        var, model.id, node_id, precision, tuple(group), shards, cls, launched, pool, experts
+                    )
+                    out.append(option)
         return out
 
     # -- routed experts ---------------------------------------------------------
@@ -456,7 +609,6 @@ class _Builder:
             terms = self._combo_terms(model, node_id)
             if not terms:
                 continue
-            node = self.p.nodes[node_id]
             link: dict[int, int] = {}
             for (n, cls), options in sorted(by_class.items()):
                 if n != node_id:
@@ -473,7 +625,6 @@ class _Builder:
                 # (C5) at most one expert fraction, and only on a node whose group (of this decode class) serves the model
                 self.ilp.row({**dict.fromkeys(chosen, 1), **{o.var: -1 for o in options}}, hi=0)
             has_source = _experts_source(self.p, self.now, model.id, node_id)
-            source = self.now.complete_source(obj, node_id) or Tier.NVME
             unit = self._unit(model, node_id)
             for gpu_id in _expert_gpus(self.p, model.id, node_id):
                 g = self.p.gpus[gpu_id]
@@ -485,7 +636,7 @@ class _Builder:
                 self.model_gpu_terms[(model.id, gpu_id)][v] += unit
                 link[v] = 1
                 # (C6) promoted MiB: MiB * u >= unit * v - now, charged at the GPU's copy rate
-                rate = self.c.move_weight * costs.copy_seconds([MIB], [g], source, node)
+                rate = self.c.move_weight * promote_seconds(self.p, self.now, {(obj, Location.gpu(gpu_id)): now + MIB})
                 u = self.ilp.var(f"u[{model.id},{gpu_id}]", ub=-(-self.ilp.ub[v] * unit // MIB), cost=rate)
                 self.gain_vars[(model.id, gpu_id)] = u
                 self.ilp.row({u: MIB, v: -unit}, lo=-now)
@@ -493,7 +644,9 @@ class _Builder:
             self.ilp.row(link, lo=0, hi=0)
 
 
-def _interchangeable_pairs(problem: Problem, now: ResidencyIndex) -> list[tuple[str, str]]:
+def _interchangeable_pairs(
+    problem: Problem, now: ResidencyIndex, states: Mapping[engine_plan.Key, engine_plan.InstanceView]
+) -> list[tuple[str, str]]:
     """Consecutive GPUs (in id order) of one node that no cost or constraint tells apart.
 
     Swapping two such cards maps every candidate group to another candidate
@@ -506,6 +659,7 @@ def _interchangeable_pairs(problem: Problem, now: ResidencyIndex) -> list[tuple[
             continue
         cards = sorted((problem.gpus[g] for g in node.gpus), key=lambda g: g.id)
         fixed = {g for gpus in node.engine_gpus.values() for g in gpus}  # an engine's cards are told apart
+        fixed |= {g for view in states.values() if view.node == node.id for g in view.gpus}
         empty = [g for g in cards if now.used.get(Location.gpu(g.id), 0) == 0 and g.id not in fixed]
         for a, b in itertools.pairwise(empty):
             if (a.type, a.capacity_bytes, a.h2d_bytes_per_s, a.d2h_bytes_per_s, a.bf16_flops) == (
@@ -601,6 +755,9 @@ def decode(form: Formulation, values: Sequence[int]) -> TargetPlan:
                 for g, b in zip(o.gpus, o.shards, strict=True):
                     if b:
                         gpu_target[(obj, Location.gpu(g.id))] += b
+                for g, b in zip(o.gpus, o.experts, strict=False):  # a launched engine's fixed expert share (none else)
+                    if b:
+                        gpu_target[(StateObject.experts(model_id), Location.gpu(g.id))] += b
                 groups[model_id] = o.group()
                 reasons[obj] = "placed by the MILP oracle"
     for (model_id, sid), choices in sorted(form.kv.items()):

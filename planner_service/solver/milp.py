@@ -4,9 +4,10 @@ It decides the GPU tier: which group of GPUs serves each model at which
 precision, which sessions' KV sits beside it, and how much of a MoE's routed
 experts is on GPU. The lower tiers (host DRAM, NVMe) are then settled by the
 greedy's own rule, the plan is built by `make_plan` (same operations, same
-evaluator) and checked by `check_plan`. The oracle returns the better, by the
-evaluator, of its incumbent and the greedy plan (SCIP's and CP-SAT's warm
-start; CBC through pywraplp takes no hint).
+evaluator, the same engine model: planner/engine_plan.py) and checked by
+`check_plan`. The oracle returns the better, by the evaluator, of its
+incumbent and the greedy plan (SCIP's and CP-SAT's warm start; CBC through
+pywraplp takes no hint), a plan the checker refuses losing to a sound one.
 
 Sets
     N nodes, G_n GPUs of node n, M models, P_m precisions of m (preferred first),
@@ -19,6 +20,19 @@ Sets
         the node holds a complete copy to load from (unless no shard grows).
         Where m's engine runs on fixed GPUs E_{m,n} of n, g_o = E_{m,n} only;
         none on a node that serves through engines none of which serves m.
+        On a vLLM / SGLang node only groups its engine of m can come to run on
+        from its state now (engines.may on the one transition that gets there,
+        engine_plan.transition_between): an adopted engine offers only its own
+        instance (a wake, or staying up), a stopped adopted one none.
+    L_m ⊆ O_m the launched option: m's engine running now on a vLLM / SGLang
+        node, kept as launched (same precision and GPUs); its KV pool
+        pool_{m,g} (m's KV bytes on g now) and its GPU expert share
+        ex_{m,g} (m's expert bytes on g now) are launch settings, fixed.
+    Z adopted engines asleep now, or running and able to sleep, with their
+        group H_a and instance option o_a (if offered): left asleep, each
+        keeps R (its CUDA context, engines.holdings) on every g in H_a.
+    P pinned models: an adopted engine running now that cannot leave its GPUs
+        (no sleep mode; engine_plan.immovable).
     K_{m,o} sessions whose KV may sit on g_o: A_m, plus s in D_m whose KV for
         m exists on n_o now, when p_o does not invalidate it (a precision
         change drops KV, as the greedy does).
@@ -35,9 +49,13 @@ Variables
                            experts; a chunk may spread over the node's GPUs, the greedy keeps it on one;
                            g ∈ E_{m,n} where m's engine runs on fixed GPUs)
     u_{m,g} ∈ Z>=0         MiB of those promoted onto g (above what g holds now)
+    z_{m,g} ∈ Z>=0         MiB of m's KV on g beyond its launched engine's pool (o ∈ L_m, g ∈ g_o)
 
 Constraints (one family per comment in `formulation.py`)
-    (C1) HBM:       sum_o shard_{o,g} x + sum_k kvshard_{k,g} k + sum_m e_{m,n} v_{m,g} <= cap_g
+    (C1) HBM:       sum_o shard_{o,g} x + sum_k kvshard_{k,g} k + sum_m e_{m,n} v_{m,g}
+                    + sum_{o in L} (pool_{m,g} + ex_{m,g}) x_{m,o} + sum_m MiB * z_{m,g}
+                    + sum_{a in Z, g in H_a} R (1 - x_{m,o_a}) <= cap_g
+                    (the k of a launched option count in C12 instead)
     (C2) one choice: off_m + sum_o x_{m,o} = 1
     (C3) waiting:   an active request whose KV is not on its model's GPUs pays
                     the unserved penalty U*w_s (objective terms on x and k)
@@ -53,6 +71,18 @@ Constraints (one family per comment in `formulation.py`)
                     does not serve it); it keeps the LP relaxation from spreading a
                     fractionally served model's experts and KV over whole cards. An
                     optional row: one of the two CBC processes runs without it.
+    (C2') pinned:   x_{m,o} = 1 for m in P, o its running instance
+    (C5') launched: o ∈ L_m takes no y (its expert share is ex, not a choice), so
+                    C5 and C7 hold y = v = 0 on n_o while it is chosen
+    (C10) residue:  the R (1 - x_{m,o_a}) terms of C1: a sleeping adopted engine
+                    holds its context unless it wakes (a managed one stops where
+                    its context does not fit: engine_plan._sleep_or_stop)
+    (C11) pool:     pool_{m,g} + ex_{m,g} ride on x_{m,o} in C1 for o ∈ L_m
+    (C12) beyond:   MiB * z_{m,g} >= sum_{k on o} kvshard_{k,g} k - pool_{m,g} x_{m,o},
+                    z_{m,g} <= ceil(cap_g / MiB) x_{m,o}: m's KV on g takes
+                    max(pool, chosen KV); the pool's room is m's own (the engine's
+                    LRU evicts only its own KV, for its own new KV:
+                    engine_plan._kv_predicted)
 
 Objective (seconds; every coefficient computed by the evaluator's functions)
     off_m:   sum_{s in D_m} w q (L_cold + V [L_cold > t_s]) + decode at f=0 + U * sum_{A_m} w
@@ -62,6 +92,21 @@ Objective (seconds; every coefficient computed by the evaluator's functions)
              (an active one: + w (L_now + V [L_now > t_s] + degraded) - U w)
     y:       warm tax of the chunks - W_m * (decode(0) - decode(f_r)) on the class's group
     u:       move_weight * copy seconds of one MiB from the node's best complete copy
+    x_{m,o}, o ∈ L_m: + warm tax of pool + ex, decode at f = sum ex / experts (not 0);
+             its k carry no warm tax (the pool pays it), z the tax of one MiB
+
+Where the prices come from
+    Every coefficient calls the evaluator's functions (objective.py, costs.py):
+    promotion seconds are `objective.promote_seconds` of the option's own shards
+    (and of one MiB of experts), arrival latency `_arrival_latency`, cold loads
+    `cold_load`, KV `kv_ready`, the tax `costs.gpu_hold_cost`, MoE decode
+    `costs.decode_slowdown_seconds`. A change of those prices (engine
+    transitions priced by domain/engines.py) reaches the model with no change
+    here, as long as it stays a function of one model's group. Not in the
+    model: a price on the step of an instance the plan takes off or changes
+    (its stop, sleep or restart, and whether engine_target makes it a level-1
+    or level-2 sleep or a stop); `evaluate` of the decoded plan
+    (`milp_plan_objective`) counts whatever the evaluator counts for those.
 
 How the non-linear parts are made linear
     * min(restore, re-prefill) and the violation indicator [L > target]: for a
@@ -79,6 +124,11 @@ How the non-linear parts are made linear
       contention between models (and the group that prices a KV demotion)
       is all this can misprice; the plan reports `milp.model_objective`
       next to `milp.milp_plan_objective`, the evaluator's value of it.
+    * Engine nodes: a launched engine's KV on g is max(pool, chosen), exact
+      with z; the engine keeps every session's KV of its pool, so a k = 0
+      there underprices what the plan holds (the decoded plan keeps it and
+      `evaluate` credits it). The KV pool of a newly launched engine is what
+      the plan puts there (engine_plan.kv_pools): no row.
     * An active request whose KV is not beside its served model waits: U,
       as the evaluator charges it. W_m (the decode weight) counts it anyway,
       so the model overprices such a plan by w * its decode slowdown.
@@ -174,8 +224,10 @@ def solve_milp(
     started = time.perf_counter()
     greedy_target = hint if hint is not None else plan_greedy(problem)
     greedy: Plan | None = None
+    greedy_errors: list[str] = []
     try:
         greedy = make_plan(problem, "greedy", greedy_target.placement, greedy_target.unserved, greedy_target.reasons)
+        greedy_errors = check_plan(problem, greedy.placement, greedy.operations, greedy.unserved)
     except ValueError:
         pass  # the greedy's target cannot be reached (e.g. expert chunks on a node with no copy to load from)
     form = build_formulation(problem, greedy_target.groups)
@@ -195,7 +247,8 @@ def solve_milp(
         candidate = make_plan(problem, "milp", target.placement, target.unserved, target.reasons)
         decoded = candidate.objective.total
         errors = check_plan(problem, candidate.placement, candidate.operations, candidate.unserved)
-        if not errors and (greedy is None or candidate.objective.total <= greedy.objective.total):
+        # a sound plan beats one the checker refuses, whatever their objectives
+        if not errors and (greedy is None or greedy_errors or candidate.objective.total <= greedy.objective.total):
             plan, source = candidate, "milp"
     if plan is None:
         raise ValueError(
@@ -205,6 +258,7 @@ def solve_milp(
     plan.status = _STATUS[result.status]
     plan.solve_seconds = time.perf_counter() - started
     plan.extra = _extra(form, result, plan, greedy, source, errors, start, decoded)
+    plan.extra["milp"]["greedy_invariant_errors"] = greedy_errors[:5]
     return plan
 
 
@@ -228,7 +282,7 @@ def _extra(
         "milp": {
             "backend": result.info.get("backend"),
             "solver_status": result.info.get("solver_status"),
-            "plan_from": source,  # "milp", or "greedy" when the greedy plan evaluates no worse
+            "plan_from": source,  # "milp", or "greedy" when the greedy plan is sound and evaluates no worse
             "model_objective": None if result.objective is None else round(result.objective, 6),
             "milp_plan_objective": None if decoded is None else round(decoded, 6),  # the evaluator on the solver's plan
             "greedy_objective": None if greedy is None else round(greedy.objective.total, 6),  # null: unreachable

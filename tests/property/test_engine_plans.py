@@ -33,10 +33,11 @@ KINDS = [EngineKind.VLLM, EngineKind.SGLANG, EngineKind.LOCAL]
 
 
 @st.composite
-def engine_scenarios(draw: st.DrawFn) -> Scenario:
+def engine_scenarios(draw: st.DrawFn, *, max_gpus: int = 10, max_models: int = 5, max_sessions: int = 20) -> Scenario:
     seed = draw(st.integers(0, 2**32 - 1))
-    gpus = draw(st.integers(1, 10))
-    scenario = random_scenario(np.random.default_rng(seed), gpus, draw(st.integers(1, 5)), draw(st.integers(0, 20)))
+    gpus = draw(st.integers(1, max_gpus))
+    models, sessions = draw(st.integers(1, max_models)), draw(st.integers(0, max_sessions))
+    scenario = random_scenario(np.random.default_rng(seed), gpus, models, sessions)
     data = scenario.model_dump(mode="json")
     for node in data["cluster"]["nodes"]:
         node["engines"] = []

@@ -1,15 +1,20 @@
 """The MILP's plans on vLLM nodes go through the engine model as the greedy's do (planner/plan.py's
 make_plan) and pass the same checker: the restart that pays is one engine step, the shift that does not
-pay moves no engine."""
+pay moves no engine; the formulation's engine rows (C10-C12, no group an engine does not offer) each make
+the solver's own plan sound where, without them, it is one the checker refuses."""
 
 from __future__ import annotations
 
 import pytest
-from solver_cases import gpu, held, model, node, problem_of, session, weights
+from solver_cases import experts, gpu, held, kv, model, node, problem_of, session, weights
 
-from planner_service.domain.engines import Transition
+from planner_service.domain.engines import EngineState, Transition
+from planner_service.domain.problem import Problem
+from planner_service.domain.state import Location, StateObject
 from planner_service.domain.units import GIB
+from planner_service.planner.engine_plan import confirmed_states
 from planner_service.planner.invariants import check_plan
+from planner_service.planner.plan import Plan
 from planner_service.solver.registry import solve
 
 VLLM = {"kind": "vllm", "features": ["lmcache", "sleep_mode", "dev_mode"]}
@@ -34,3 +39,110 @@ def test_milp_plans_on_vllm_nodes_are_engine_steps(b_active: bool, steps: set[Tr
     assert check_plan(problem, plan.placement, plan.operations, plan.unserved) == []
     made = {op.engine.transition for op in plan.operations if op.engine is not None}
     assert made - {Transition.READAHEAD} == steps
+
+
+def _fast(gpu_id: str, hbm_gib: float) -> dict[str, object]:
+    """A card whose faster link makes it the MILP's first choice for a load."""
+    return {**gpu(gpu_id, hbm_gib), "h2d_bytes_per_s": 25e9}
+
+
+def _own_plan_is_sound(problem: Problem, seconds: float = 20) -> Plan:
+    plan = solve(problem, "milp", time_limit_seconds=seconds)
+    assert plan.extra["milp"]["plan_from"] == "milp"
+    assert plan.extra["milp"]["invariant_errors"] == []
+    assert check_plan(problem, plan.placement, plan.operations, plan.unserved) == []
+    return plan
+
+
+def test_milp_counts_the_context_a_sleeping_adopted_engine_keeps() -> None:
+    """(C10) a's adopted engine sleeps on g0 (26.5 GiB) and keeps its 1 GiB CUDA context there; b (24 GiB) and
+    its two active sessions' KV (1 GiB each) would fill 26 GiB: beside the context only one session fits (g1,
+    4 GiB, holds no shard of b). Without the row the MILP serves both and the checker refuses the plan."""
+    engines = [{"model": "a", "gpus": ["g0"], **VLLM, "management": "adopted"}, {"model": "b", **VLLM}]
+    problem = problem_of(
+        [{**node("n0", _fast("g0", 26.5), gpu("g1", 4)), "engines": engines}],
+        [model("a", {"bf16": 16}), model("b", {"bf16": 24})],
+        [session("s1", "b", active=True), session("s2", "b", active=True)],
+        [
+            held(weights("a"), "host", "n0", 16 * GIB),  # a's level-1 backup: a sleeps on its fixed g0
+            held(weights("a"), "nvme", "n0", 16 * GIB),
+            held(weights("b"), "nvme", "n0", 24 * GIB),
+            held(kv("b", "s1"), "host", "n0", GIB),
+            held(kv("b", "s2"), "host", "n0", GIB),
+        ],
+    )
+    assert confirmed_states(problem)[("n0", "a")].state is EngineState.ASLEEP_HOST
+    plan = _own_plan_is_sound(problem)
+    assert len(plan.unserved) == 1
+
+
+def test_milp_keeps_a_running_engines_kv_pool_its_own() -> None:
+    """(C11, C12) a's engine runs on g0 (40 GiB) with 16 GiB of KV in its pool (s1 active, s2 idle): the pool
+    stays while the engine runs, so b (20 GiB + 1 GiB of KV) goes to g1 (22 GiB), not beside a on the faster
+    g0, where dropping s2's KV would have made room and the engine would have kept it."""
+    engines = [{"model": "a", "gpus": ["g0"], **VLLM}, {"model": "b", **VLLM}]
+    problem = problem_of(
+        [{**node("n0", _fast("g0", 40), gpu("g1", 22)), "engines": engines}],
+        [model("a", {"bf16": 16}), model("b", {"bf16": 20})],
+        [session("s1", "a", active=True), session("s2", "a", tokens=15 * 8192), session("s3", "b", active=True)],
+        [
+            held(weights("a"), "gpu", "g0", 16 * GIB),
+            held(weights("a"), "nvme", "n0", 16 * GIB),
+            held(kv("a", "s1"), "gpu", "g0", GIB),
+            held(kv("a", "s2"), "gpu", "g0", 15 * GIB),
+            held(weights("b"), "nvme", "n0", 20 * GIB),
+        ],
+    )
+    plan = _own_plan_is_sound(problem)
+    assert plan.placement[(StateObject.weights("b", "bf16"), Location.gpu("g1"))] == 20 * GIB
+    assert plan.placement[(StateObject.kv("a", "s2"), Location.gpu("g0"))] == 15 * GIB
+
+
+def test_milp_does_not_restart_an_adopted_engine() -> None:
+    """The restart case of the first test with a's engine adopted: only sleep and wake are offered, so a stays
+    at bf16 on g0 (its active session keeps it awake) and b's request waits."""
+    engines = [
+        {"model": "a", "gpus": ["g0"], **VLLM, "management": "adopted"},
+        {"model": "b", "gpus": ["g0"], **VLLM},
+    ]
+    problem = problem_of(
+        [{**node("n0", gpu("g0", 26)), "engines": engines}],
+        [model("a", {"bf16": 16, "fp8": 8}), model("b", {"bf16": 12})],
+        [session("s1", "a", active=True, tokens=4096), session("s2", "b", active=True, tokens=8192)],
+        [
+            held(weights("a"), "gpu", "g0", 16 * GIB),
+            held(weights("a"), "nvme", "n0", 16 * GIB),
+            held(weights("a", "fp8"), "nvme", "n0", 8 * GIB),
+            held(weights("b"), "nvme", "n0", 12 * GIB),
+        ],
+    )
+    plan = _own_plan_is_sound(problem)
+    made = {op.engine.transition for op in plan.operations if op.engine is not None and op.object.model == "a"}
+    assert made <= {Transition.READAHEAD}
+    assert plan.placement[(StateObject.weights("a", "bf16"), Location.gpu("g0"))] == 16 * GIB
+    assert set(plan.unserved) == {"s2"}
+
+
+def test_milp_keeps_a_running_engines_expert_share() -> None:
+    """(C5', C11) the MoE's engine runs on g0 with 2 of its 16 expert chunks (8 GiB) on GPU, a launch
+    setting: the model keeps them (a free choice would take more, `test_milp.py`'s breakpoint case), so its
+    value is the evaluator's value of the plan the engines reach."""
+    moe = model(
+        "moe", {"bf16": 8}, experts_bytes=64 * GIB, expert_bytes=GIB // 4, active_expert_bytes_per_token=2 * GIB
+    )
+    problem = problem_of(
+        [{**node("n0", gpu("g0", 48)), "engines": [{"model": "moe", **VLLM}]}],
+        [moe],
+        [session("s1", "moe", active=True)],
+        [
+            held(weights("moe"), "gpu", "g0", 8 * GIB),
+            held(weights("moe"), "nvme", "n0", 8 * GIB),
+            held(experts("moe"), "gpu", "g0", 8 * GIB),
+            held(experts("moe"), "nvme", "n0", 64 * GIB),
+            held(kv("moe", "s1"), "gpu", "g0", GIB),
+        ],
+    )
+    plan = _own_plan_is_sound(problem)
+    assert plan.placement[(StateObject.experts("moe"), Location.gpu("g0"))] == 8 * GIB
+    details = plan.extra["milp"]
+    assert details["model_objective"] == pytest.approx(details["milp_plan_objective"], rel=1e-6)

@@ -25,6 +25,7 @@ from rich.table import Table
 
 from planner_service.domain.demo import demo_scenario
 from planner_service.domain.engines import EngineState
+from planner_service.domain.exceeds import exceeds_scenario
 from planner_service.domain.predictions import problem_from_scenario
 from planner_service.domain.scenario import Scenario, ScenarioError, load_scenario
 from planner_service.domain.state import Tier
@@ -54,8 +55,13 @@ out = Console()
 err = Console(stderr=True)
 
 ScenarioOpt = Annotated[
-    Path | None, typer.Option("--scenario", help="Scenario file (JSON or YAML); default: the demo.")
+    Path | None,
+    typer.Option(
+        "--scenario", help="Scenario file (JSON or YAML), or a built-in one: demo, exceeds-hbm; default: the demo."
+    ),
 ]
+# built-in scenarios by name, for a --scenario that names no file
+BUILTIN_SCENARIOS: dict[str, Callable[[], Scenario]] = {"demo": demo_scenario, "exceeds-hbm": exceeds_scenario}
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")]
 
 
@@ -67,6 +73,8 @@ def fail(message: str, code: int = 2) -> typer.Exit:
 def read_scenario(path: Path | None) -> Scenario:
     if path is None:
         return demo_scenario()
+    if not path.exists() and str(path) in BUILTIN_SCENARIOS:
+        return BUILTIN_SCENARIOS[str(path)]()
     try:
         return load_scenario(path)
     except ScenarioError as error:

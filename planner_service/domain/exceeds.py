@@ -34,7 +34,12 @@ from planner_service.domain.scenario import ModelIn, Scenario, parse_scenario
 
 EXCEEDS_MODELS: tuple[dict[str, Any], ...] = (
     {"id": "planner", "preset": "llama-3.1-8b-instruct", "precisions": ["bf16"]},
-    {"id": "coder", "preset": "qwen2.5-coder-32b-instruct", "precisions": ["bf16", "int4"], "min_gpus": {"rtx-3090": 4}},
+    {
+        "id": "coder",
+        "preset": "qwen2.5-coder-32b-instruct",
+        "precisions": ["bf16", "int4"],
+        "min_gpus": {"rtx-3090": 4},
+    },
     {"id": "reasoner", "preset": "qwen3-235b-a22b", "precisions": ["bf16", "fp8"]},
     {"id": "air", "preset": "glm-4.5-air", "precisions": ["bf16", "fp8"]},
     {"id": "summarizer", "preset": "qwen2.5-7b-instruct", "precisions": ["bf16"]},

@@ -70,7 +70,9 @@ def test_the_closed_loop_keeps_the_traces_gaps_from_each_arrival_and_never_count
     assert result.duration_seconds == pytest.approx(179.0, abs=1e-3)
     assert saturated(result.duration_seconds, 150.0)  # 179 s > 1.05 x 150 s
     # open loop: each turn at its trace time, after the previous answer
-    open_loop = simulate(tiny_scenario(10 * GB), one_session_three_turns(), create_policy("swap-ttl"), closed_loop=False)
+    open_loop = simulate(
+        tiny_scenario(10 * GB), one_session_three_turns(), create_policy("swap-ttl"), closed_loop=False
+    )
     assert [r.admitted_at for r in open_loop.requests] == pytest.approx([0.0, 39.0, 100.0], abs=1e-3)
 
 

@@ -12,7 +12,7 @@ COMPILED_VENV ?= .venv-compiled
 COMPILED_STAMP := $(COMPILED_VENV)/.installed
 
 .PHONY: run gateway test test-fast test-compiled soak lint format import-graph compiled bench schemas screenshots clean \
-	evidence evidence-quick evidence-demo
+	evidence evidence-quick evidence-demo evidence-exceeds
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -108,13 +108,23 @@ clean:
 # docs/evidence.md from the stored seed studies in docs/evidence/ (seconds, no replay)
 evidence: $(STAMP)
 	$(VENV)/bin/statebudget study evidence docs/evidence/*.json --out docs/evidence.md
-# the CI-sized study (3 seeds of 5 sessions x 15 min, static-tuned searched in 20 replays), stored, then rendered
+# the CI-sized study (3 seeds of 5 sessions x 15 min, gaps x8, precision held equal, static-tuned searched in 20
+# replays), stored, then rendered
 evidence-quick: $(STAMP)
-	$(VENV)/bin/statebudget study seeds --seeds 1,2,3 --train-seeds 101 --sessions 5 --hours 0.25 --tune-budget 20 \
-		--out build/evidence --json > docs/evidence/demo-quick.json
+	$(VENV)/bin/statebudget study seeds --seeds 1,2,3 --train-seeds 101 --sessions 5 --gap-scale 8 --hours 0.25 \
+		--precision native --tune-budget 20 --out build/evidence --json > docs/evidence/demo-quick.json
 	$(MAKE) evidence
-# the demo study docs/evidence.md reports (5 seeds of 10 sessions x 30 min, static-tuned: 200 training replays)
+# the demo study docs/evidence.md reports: three load levels (5 sessions x 1 h, gaps x16, x8, x4), 5 seeds each,
+# precision held equal, static-tuned searched in 200 training replays at each level
 evidence-demo: $(STAMP)
-	$(VENV)/bin/statebudget study seeds --seeds 1,2,3,4,5 --train-seeds 101,102 --sessions 10 --hours 0.5 \
-		--tune-budget 200 --out build/evidence --json > docs/evidence/demo.json
+	$(VENV)/bin/statebudget study seeds --seeds 1,2,3,4,5 --train-seeds 101,102 --sessions 5 --gap-scale 16,8,4 \
+		--hours 1 --precision native --tune-budget 200 --out build/evidence --json > docs/evidence/demo.json
+	$(MAKE) evidence
+# the light load level (gaps x16) on the catalog-exceeds-HBM scenario (999 GB of weights on 571 GB of HBM);
+# EXCEEDS_GAPS=16,8,4 runs the demo's three levels
+EXCEEDS_GAPS ?= 16
+evidence-exceeds: $(STAMP)
+	$(VENV)/bin/statebudget study seeds --scenario exceeds-hbm --seeds 1,2,3,4,5 --train-seeds 101,102 --sessions 5 \
+		--gap-scale $(EXCEEDS_GAPS) --hours 1 --precision native --tune-budget 200 --out build/evidence-exceeds \
+		--json > docs/evidence/exceeds-hbm.json
 	$(MAKE) evidence

@@ -25,6 +25,7 @@ from rich.table import Table
 
 from planner_service.domain.demo import demo_scenario
 from planner_service.domain.engines import EngineState
+from planner_service.domain.exceeds import exceeds_scenario
 from planner_service.domain.predictions import problem_from_scenario
 from planner_service.domain.scenario import Scenario, ScenarioError, load_scenario
 from planner_service.domain.state import Tier
@@ -54,8 +55,13 @@ out = Console()
 err = Console(stderr=True)
 
 ScenarioOpt = Annotated[
-    Path | None, typer.Option("--scenario", help="Scenario file (JSON or YAML); default: the demo.")
+    Path | None,
+    typer.Option(
+        "--scenario", help="Scenario file (JSON or YAML), or a built-in one: demo, exceeds-hbm; default: the demo."
+    ),
 ]
+# built-in scenarios by name, for a --scenario that names no file
+BUILTIN_SCENARIOS: dict[str, Callable[[], Scenario]] = {"demo": demo_scenario, "exceeds-hbm": exceeds_scenario}
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")]
 
 
@@ -67,6 +73,8 @@ def fail(message: str, code: int = 2) -> typer.Exit:
 def read_scenario(path: Path | None) -> Scenario:
     if path is None:
         return demo_scenario()
+    if not path.exists() and str(path) in BUILTIN_SCENARIOS:
+        return BUILTIN_SCENARIOS[str(path)]()
     try:
         return load_scenario(path)
     except ScenarioError as error:
@@ -920,6 +928,16 @@ def _seed_list(text: str, field: str) -> list[int]:
         raise fail(f"--{field}: comma-separated integers, got {text!r}") from None
 
 
+def _float_list(text: str, field: str) -> list[float]:
+    try:
+        values = [float(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise fail(f"--{field}: comma-separated numbers, got {text!r}") from None
+    if not values:
+        raise fail(f"--{field}: at least one number")
+    return values
+
+
 @study_app.command("seeds")
 def study_seeds(
     scenario: ScenarioOpt = None,
@@ -930,53 +948,98 @@ def study_seeds(
     train_seeds: Annotated[
         str, typer.Option(help="Training seeds for static-tuned's search, kept apart from the reported ones.")
     ] = "101",
-    sessions: Annotated[int, typer.Option(help="Sessions alive at a time in each trace.")] = 10,
+    sessions: Annotated[
+        str, typer.Option(help="Sessions alive at a time in each trace; comma-separated: one load level each.")
+    ] = "10",
+    gap_scale: Annotated[
+        str,
+        typer.Option(
+            "--gap-scale",
+            help="Every gap between a session's turns times this (4: a quarter of the fitted turn rate); "
+            "comma-separated: one load level each.",
+        ),
+    ] = "1",
     hours: Annotated[float, typer.Option(help="Length of each trace in hours.")] = 0.5,
-    tune_budget: Annotated[int, typer.Option(help="Replays static-tuned's search may run.")] = 200,
+    precision: Annotated[
+        str,
+        typer.Option(
+            help="allowed: every policy may serve any of a model's precisions; native: only its preferred one "
+            "(the same precision for every policy)."
+        ),
+    ] = "allowed",
+    tune_budget: Annotated[int, typer.Option(help="Replays static-tuned's search may run (at each load level).")] = 200,
     out_dir: StudyOutOpt = Path("."),
     as_json: JsonOpt = False,
 ) -> None:
-    """Every policy over N seeds: each metric's mean with its 95 % t-interval, saturated runs counted."""
+    """Every policy over N seeds at each load level: each metric's mean with its 95 % t-interval, saturated runs
+    counted. Load levels are every --sessions by every --gap-scale; static-tuned is searched at each one."""
+    from planner_service.domain.problem import native_precision_scenario
     from planner_service.sim import seeds as seed_runs
     from planner_service.sim.engine import SimulationError
     from planner_service.sim.synth import SynthParams
 
     parsed = read_scenario(scenario)
+    if precision not in ("allowed", "native"):
+        raise fail(f"--precision: allowed or native, got {precision!r}")
+    if precision == "native":
+        parsed = native_precision_scenario(parsed)
+    session_levels = _seed_list(sessions, "sessions")
+    if not session_levels:
+        raise fail("--sessions: at least one count")
+    scales = _float_list(gap_scale, "gap-scale")
     spread = min(1800.0, hours * 900.0)  # the team arrives and leaves within a quarter of a short trace
+    studies = []
     try:
-        params = SynthParams(
-            sessions=sessions, hours=hours, arrival_spread_seconds=spread, departure_spread_seconds=spread
-        )
-        study = seed_runs.seed_study(
-            parsed,
-            params,
-            [p.strip() for p in policies.split(",") if p.strip()],
-            _seed_list(seeds, "seeds"),
-            _seed_list(train_seeds, "train-seeds"),
-            tune_budget=tune_budget,
-            on_progress=lambda line: err.print(line, highlight=False),
-        )
+        for count in session_levels:
+            for scale in scales:
+                params = SynthParams(
+                    sessions=count,
+                    hours=hours,
+                    arrival_spread_seconds=spread,
+                    departure_spread_seconds=spread,
+                    gap_scale=scale,
+                )
+                err.print(f"load level: {count} sessions, gap scale {scale:g}", highlight=False)
+                studies.append(
+                    seed_runs.seed_study(
+                        parsed,
+                        params,
+                        [p.strip() for p in policies.split(",") if p.strip()],
+                        _seed_list(seeds, "seeds"),
+                        _seed_list(train_seeds, "train-seeds"),
+                        tune_budget=tune_budget,
+                        on_progress=lambda line: err.print(line, highlight=False),
+                    )
+                )
     except (SimulationError, ValueError) as error:
         raise fail(str(error)) from None
     if as_json:
-        emit_json(study.to_json())
+        name = str(scenario) if scenario is not None else "demo"
+        emit_json({"scenario": name, "precision": precision, "levels": [s.to_json() for s in studies]})
         return
-    columns, rows = seed_runs.table(study)
-    table = Table(title=f"{len(study.seeds)} seeds, {sessions} sessions x {hours:g} h: mean ± 95 % t-interval")
-    for col in columns:
-        table.add_column(col, overflow="fold")
-    for row in rows:
-        table.add_row(*row)
-    out.print(table)
-    if study.tuning is not None:
-        t = study.tuning
-        out.print(
-            f"static-tuned: trained on seeds {', '.join(map(str, study.train_seeds))}; space {t.space_size} "
-            f"partitions, {t.candidates_scored} scored in {t.replays} replays (budget {tune_budget}), "
-            f"{t.pruned} pruned by memory fit, {'exhaustive' if t.exhaustive else 'sampled'}",
-            highlight=False,
+    for study in studies:
+        columns, rows = seed_runs.table(study)
+        p = study.params
+        table = Table(
+            title=f"{len(study.seeds)} seeds, {p.sessions} sessions x {hours:g} h, gap scale {p.gap_scale:g}: "
+            "mean ± 95 % t-interval"
         )
-    err.print(f"wrote {seed_runs.plot(study, out_dir)}")
+        for col in columns:
+            table.add_column(col, overflow="fold")
+        for row in rows:
+            table.add_row(*row)
+        out.print(table)
+        if study.tuning is not None:
+            t = study.tuning
+            out.print(
+                f"static-tuned: trained on seeds {', '.join(map(str, study.train_seeds))}; space {t.space_size} "
+                f"partitions, {t.candidates_scored} scored in {t.replays} replays (budget {tune_budget}), "
+                f"{t.pruned} pruned by memory fit, {'exhaustive' if t.exhaustive else 'sampled'}",
+                highlight=False,
+            )
+    err.print(f"wrote {seed_runs.plot(studies[-1], out_dir)}")
+    if len(studies) > 1:
+        err.print(f"wrote {seed_runs.load_plot(studies, out_dir)}")
 
 
 EVIDENCE_PREAMBLE = """# Evidence: policies over seeds

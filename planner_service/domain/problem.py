@@ -299,3 +299,22 @@ def _check_residency_sizes(problem: Problem) -> None:
             raise ScenarioError(
                 f"residency: {loc.label()} holds {nbytes} bytes, more than its capacity {problem.capacity_of(loc)}"
             )
+
+
+def native_precision_scenario(scenario: Scenario) -> Scenario:
+    """The scenario with every model allowed only its preferred (first) precision, and the copies of its other
+    precisions left out: the same precision for every policy, so no policy buys latency with a degraded model."""
+    data = scenario.model_dump(mode="json")
+    preferred: dict[str, str] = {}
+    for i, spec in enumerate(scenario.models):
+        preferred[spec.id] = resolve_model(spec, f"models[{i}]").preferred
+    for model in data["models"]:
+        model["precisions"] = [preferred[model["id"]]]
+        if model.get("weights_bytes"):
+            model["weights_bytes"] = {preferred[model["id"]]: model["weights_bytes"][preferred[model["id"]]]}
+    data["residency"] = [
+        r
+        for r in data["residency"]
+        if r["object"]["kind"] != "weights" or r["object"]["precision"] == preferred[r["object"]["model"]]
+    ]
+    return Scenario.model_validate(data)

@@ -40,12 +40,20 @@ What is modelled (the same cost model as the planner, `planner/costs.py`):
   cheaper.
 
 **Sessions** run one turn at a time and, by default, in a closed loop: an
-agent sends its next turn only once the previous answer is back, so a turn
-arrives at its trace time plus its session's lag (how much later than in the
-trace the previous turn finished; the trace's gaps stay as tool and think
-time), and at most the trace's concurrency of sessions is open at once
-(`slots.py`): a session that arrives while every seat is taken starts when
-one ends, its timeline moved by the wait. With `closed_loop=False` a turn
+agent sends its next turn only once the previous answer is back. A trace's
+gaps run from one turn's start to the next's (the synthetic ones are fitted
+to TraceLab's round-to-round gaps, `synth.py`; imported logs record arrival
+times), so they hold the turn's own generation time as the trace saw it
+plus the agent's tool and think time. The next turn (or the end record) is
+therefore due its trace gap after the previous turn *arrived*, and never
+before that turn's answer: turn k+1 arrives at max(t[k+1] + lag[k], done[k])
+with lag[k] = arrival[k] - t[k] (how much later than in the trace turn k
+arrived). A replay that answers within the gap keeps the trace's times; one
+that answers later leaves the agent no think time and the lag grows by the
+overrun, which is never the gap and the service time both. At most the
+trace's concurrency of sessions is open at once (`slots.py`): a session that
+arrives while every seat is taken starts when one ends, its timeline moved
+by the wait. With `closed_loop=False` a turn
 arrives at its trace time and waits only for the previous turn to end; a
 slow cluster then falls ever further behind the trace and runs more
 sessions at once than the trace has.
@@ -372,10 +380,11 @@ class Simulator(SimState):
     def _pump(self, session_id: str) -> None:
         """Release a session's next turn (or end) when it is due; one turn runs at a time.
 
-        Closed loop (default): an agent sends its next turn only after the previous answer, so a turn
-        is due at its trace time plus the session's lag (how much later than in the trace its previous
-        turn finished): the trace's gap between two turns is kept as tool and think time. Otherwise
-        a turn is due at its trace time and waits only for the previous turn to end.
+        Closed loop (default): a turn is due at its trace time plus the session's lag (how much later
+        than in the trace its previous turn arrived), and only after the previous answer (this loop
+        runs once `session.request` is None): the trace's start-to-start gap is kept from the previous
+        arrival, never added to the replay's service time. Otherwise a turn is due at its trace time
+        and waits only for the previous turn to end.
         """
         session = self.sessions[session_id]
         queue = self._queues[session_id]
@@ -420,6 +429,8 @@ class Simulator(SimState):
         session.ended = False
         session.slo = req.slo
         req.admitted_at = self.now
+        if self.closed_loop:
+            session.lag_seconds = max(session.lag_seconds, self.now - req.t)  # later turns keep their gaps from here
         session.request = req
         self.demand[req.model] += 1
         self.waiting.append(req)
@@ -599,8 +610,6 @@ class Simulator(SimState):
                 kv, state.node, session.history_tokens * model.kv_bytes_per_token, session.history_tokens
             )
         session.request = None
-        if self.closed_loop:
-            session.lag_seconds = max(0.0, self.now - req.t)
         self.policy.on_done(self.view, req)
         self._pump(req.session)
         if session.request is None:

@@ -1,6 +1,8 @@
 """docs/evidence.md from stored seed-study results (`statebudget study seeds --json`), without a replay.
 
-Each stored result becomes a section: what was run (trace sizes, seeds, training seeds, static-tuned's
+Each stored result becomes a section: the scenario and whether precision was held equal, a load table
+(each policy's hand-off P95 at each load level, saturated levels marked) when it holds several load
+levels, then per level what was run (trace sizes, gap scale, seeds, training seeds, static-tuned's
 search), a table of every policy's metrics (mean ± 95 % t half width over the seeds) with its saturated
 runs, and the hand-off P95 ratios against the best baseline where no run of either policy is saturated.
 """
@@ -50,14 +52,52 @@ def _headline(data: dict[str, Any]) -> list[str]:
     return lines
 
 
+PRECISION = {
+    "native": "Precision held equal: every model served only at its preferred precision, by every policy.",
+    "allowed": "Precision not held equal: each policy may serve any precision a model allows; the degraded share "
+    "(requests served below the preferred one) is reported beside each figure.",
+}
+
+
+def _level_name(trace: dict[str, Any]) -> str:
+    return f"{trace['sessions']} sessions, gap ×{trace.get('gap_scale', 1.0):g}"
+
+
+def _load_table(levels: list[dict[str, Any]]) -> list[str]:
+    """Hand-off P95 (mean ± half width) of each policy at each load level; (sat k/n) where runs saturated."""
+    policies = levels[0]["policies"]
+    lines = ["| load level | " + " | ".join(policies) + " |", "|" + "---|" * (len(policies) + 1)]
+    for level in levels:
+        cells = []
+        for policy in policies:
+            cell = _cell(level["metrics"][policy]["handoff_p95_seconds"], 2)
+            over = level["saturated_runs"][policy]
+            cells.append(cell + (f" (sat {over}/{len(level['seeds'])})" if over else ""))
+        lines.append(f"| {_level_name(level['trace'])} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def render_section(name: str, data: dict[str, Any]) -> str:
+    if "levels" not in data:
+        return render_level(f"## {name}", data)
+    levels = data["levels"]
+    lines = [f"## {name}", "", f"Scenario `{data['scenario']}`. {PRECISION[data['precision']]}"]
+    if len(levels) > 1:
+        lines += ["", "Hand-off P95 s by load level (mean ± 95 % half width; sat: runs saturated):", ""]
+        lines += _load_table(levels)
+    sections = [render_level(f"### {name}: {_level_name(level['trace'])}", level) for level in levels]
+    return "\n".join([*lines, "", *sections])
+
+
+def render_level(heading: str, data: dict[str, Any]) -> str:
     trace = data["trace"]
     lines = [
-        f"## {name}",
+        heading,
         "",
         (
-            f"Synthetic traces of {trace['sessions']} sessions × {trace['hours']:g} h on the scenario, reported "
-            f"seeds {', '.join(map(str, data['seeds']))}; {data['interval']}."
+            f"Synthetic traces of {trace['sessions']} sessions × {trace['hours']:g} h on the scenario, every gap "
+            f"between turns × {trace.get('gap_scale', 1.0):g}, reported seeds {', '.join(map(str, data['seeds']))}; "
+            f"{data['interval']}."
         ),
     ]
     search = data.get("static_tuned_search")

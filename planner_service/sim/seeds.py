@@ -57,7 +57,12 @@ class SeedStudy:
             "policies": self.policies,
             "seeds": self.seeds,
             "train_seeds": self.train_seeds,
-            "trace": {"sessions": self.params.sessions, "hours": self.params.hours, "users": self.params.users},
+            "trace": {
+                "sessions": self.params.sessions,
+                "hours": self.params.hours,
+                "users": self.params.users,
+                "gap_scale": self.params.gap_scale,
+            },
             "interval": "95 % Student t over seeds",
             "metrics": {p: {k: v.to_json() for k, v in m.items()} for p, m in self.intervals.items()},
             "saturated_runs": self.saturated_runs,
@@ -156,6 +161,39 @@ def plot(study: SeedStudy, out_dir: Path) -> Path:
     fig.tight_layout()
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "seeds.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def load_label(params: SynthParams) -> str:
+    return f"{params.sessions} sessions, gap x{params.gap_scale:g}"
+
+
+def load_plot(studies: Sequence[SeedStudy], out_dir: Path) -> Path:
+    """Hand-off P95 per policy against the load levels (in the order run), a hollow marker where any of the
+    level's runs of that policy is saturated."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.0, 4.2))
+    x = np.arange(len(studies))
+    for name in studies[0].policies:
+        means = [s.intervals[name]["handoff_p95_seconds"].mean for s in studies]
+        (line,) = ax.plot(x, means, label=name)
+        for i, study in enumerate(studies):
+            full = study.saturated_runs[name] == 0
+            ax.plot(x[i], means[i], "o", color=line.get_color(), fillstyle="full" if full else "none")
+    ax.set_xticks(x, [load_label(s.params) for s in studies], rotation=15)
+    ax.set_ylabel("hand-off switch P95 (s)")
+    ax.set_title("hollow: a run of that policy at that load saturated")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / "load.png"
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path

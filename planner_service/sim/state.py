@@ -52,7 +52,7 @@ class SessionState:
     last_t: float = 0.0
     request: SimRequest | None = None  # waiting or running
     ended: bool = False
-    lag_seconds: float = 0.0  # how much later than in the trace its last turn finished (closed loop)
+    lag_seconds: float = 0.0  # how much later than in the trace its last turn arrived (closed loop)
     release_pending: bool = False
 
 

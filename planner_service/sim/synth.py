@@ -23,6 +23,9 @@ The generative model, in the order it runs:
    (../shared/traces/tracelab_sample: p50 7.8 s, p90 39 s; log-mean 2.16, log-sd 1.11). Those
    gaps run from round start to round start, so they include the model's own generation time.
    The mixture's mean is about 30 s, the demo scenario's `predictor.turn_gap_seconds`.
+   `gap_scale` multiplies every gap: the offered load's dimension besides the number of sessions
+   (a scale of 4 is a team whose agents send a quarter of the fitted turn rate). A closed-loop
+   replay keeps each start-to-start gap from the previous turn's arrival (`engine.py`).
 5. **Tokens.** `input_tokens` is what a turn appends to the history (trace.py): the first turn
    brings the system prompt, tool schemas and task (lognormal, median `first_input_median_tokens`),
    later turns a tool result or user message (median `turn_input_median_tokens`); each turn
@@ -79,6 +82,7 @@ class SynthParams:
     human_gap_median_seconds: float = 60.0
     human_gap_sigma: float = 1.2
     min_gap_seconds: float = 0.05
+    gap_scale: float = 1.0  # every gap between turns times this: a session offers 1 / gap_scale of the fitted turn rate
     first_input_median_tokens: float = 12_000.0  # system prompt + tools + task
     first_input_sigma: float = 0.6
     turn_input_median_tokens: float = 1_400.0  # tool result or user message
@@ -99,6 +103,8 @@ class SynthParams:
             raise ValueError("hours must be positive")
         if not 0 <= self.drift_weight <= 1 or not 0 <= self.focus_strength <= 1:
             raise ValueError("drift_weight and focus_strength must lie in [0, 1]")
+        if not self.gap_scale > 0:
+            raise ValueError("gap_scale must be positive")
         if not 0 <= self.human_turn_probability <= 1:
             raise ValueError("human_turn_probability must lie in [0, 1]")
         if len(self.slo_weights) != 3 or min(self.slo_weights) < 0 or sum(self.slo_weights) <= 0:
@@ -214,7 +220,7 @@ class _Generator:
             gap = self._lognormal(p.human_gap_median_seconds, p.human_gap_sigma)
         else:
             gap = self._lognormal(p.tool_gap_median_seconds, p.tool_gap_sigma)
-        return max(gap, p.min_gap_seconds)
+        return max(gap * p.gap_scale, p.min_gap_seconds)
 
     def _tokens(self, median: float, sigma: float, cap: int | None = None) -> int:
         value = max(1, round(self._lognormal(median, sigma)))

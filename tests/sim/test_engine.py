@@ -251,13 +251,16 @@ def test_a_request_that_can_never_fit_is_reported() -> None:
 
 
 def test_a_session_runs_in_a_closed_loop() -> None:
-    """The second turn keeps its 100 s trace gap after the first answer: 38 s late (a cold start), due at 138 s."""
+    """The second turn keeps its 100 s start-to-start trace gap from the first turn's arrival: the first answer
+    comes at 38 s (a cold start), within the gap, so the turn arrives at 100 s as in the trace, not 100 s after
+    the answer (that would count the first turn's service twice; tests/sim/test_slots.py checks a longer case)."""
     records = [
         TraceRequest(t=0.0, session="s1", model="a", input_tokens=0, output_tokens=0),
         TraceRequest(t=100.0, session="s1", model="a", input_tokens=0, output_tokens=0),
     ]
     closed = simulate(tiny_scenario(), records, create_policy("lru"))
-    assert [r.admitted_at for r in closed.requests] == pytest.approx([0.0, 138.0])
+    assert [r.admitted_at for r in closed.requests] == pytest.approx([0.0, 100.0])
+    assert closed.requests[0].done_at == pytest.approx(38.0)
     opened = simulate(tiny_scenario(), records, create_policy("lru"), closed_loop=False)
     assert [r.admitted_at for r in opened.requests] == pytest.approx([0.0, 100.0])
 

@@ -66,3 +66,15 @@ def test_the_stored_quick_result_renders(tmp_path: Path) -> None:
     page = render(tmp_path, data)
     assert all(f"| {policy} | " in page for policy in data["policies"])
     assert "static-tuned: trained on seeds 101" in page
+
+
+def test_a_load_study_renders_a_load_table_and_each_level(tmp_path: Path) -> None:
+    light = stored({"statebudget": 5.0, "sleep-router": 10.0}, {"statebudget": 0, "sleep-router": 0})
+    heavy = stored({"statebudget": 50.0, "sleep-router": 20.0}, {"statebudget": 2, "sleep-router": 1})
+    light["trace"]["gap_scale"], heavy["trace"]["gap_scale"] = 8.0, 2.0
+    page = render(tmp_path, {"scenario": "exceeds-hbm", "precision": "native", "levels": [light, heavy]})
+    assert "Scenario `exceeds-hbm`. Precision held equal" in page
+    assert "| 5 sessions, gap ×8 | 5.00 ± 1.00 | 10.00 ± 1.00 |" in page
+    assert "| 5 sessions, gap ×2 | 50.00 ± 1.00 (sat 2/2) | 20.00 ± 1.00 (sat 1/2) |" in page
+    assert "### case: 5 sessions, gap ×8" in page and "### case: 5 sessions, gap ×2" in page
+    assert page.count("goal reached") == 1 and page.count("No ratio is quoted") == 1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -9,6 +10,8 @@ from typer.testing import CliRunner
 
 from planner_service.cli import app
 from planner_service.domain.demo import demo_scenario
+from planner_service.domain.predictions import problem_from_scenario
+from planner_service.domain.problem import native_precision_scenario
 from planner_service.sim.intervals import t_critical, t_interval
 from planner_service.sim.seeds import check_seeds, seed_study
 from planner_service.sim.synth import SynthParams
@@ -54,3 +57,33 @@ def test_the_cli_names_the_field_of_bad_seeds() -> None:
     assert result.exit_code == 2 and "train_seeds" in result.output
     result = CliRunner().invoke(app, ["study", "seeds", "--seeds", "one"])
     assert result.exit_code == 2 and "--seeds" in result.output
+
+
+def test_the_cli_runs_a_study_per_load_level_with_precision_held_equal() -> None:
+    """Two load levels (gaps x4 and x8) of a 6-minute trace of two sessions, on the demo at native precision."""
+    args = ["study", "seeds", "--policies", "sleep-router,statebudget", "--seeds", "1", "--train-seeds", ""]
+    args += ["--sessions", "2", "--gap-scale", "4,8", "--hours", "0.1", "--precision", "native", "--json"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["precision"] == "native" and data["scenario"] == "demo"
+    assert [level["trace"]["gap_scale"] for level in data["levels"]] == [4.0, 8.0]
+    for level in data["levels"]:
+        assert all(run["degraded_share"] == 0.0 for runs in level["runs"].values() for run in runs)
+
+
+def test_the_cli_names_the_field_of_a_bad_load_or_precision() -> None:
+    result = CliRunner().invoke(app, ["study", "seeds", "--gap-scale", "slow"])
+    assert result.exit_code == 2 and "--gap-scale" in result.output
+    result = CliRunner().invoke(app, ["study", "seeds", "--gap-scale", "0", "--train-seeds", "", "--seeds", "1"])
+    assert result.exit_code == 2 and "gap_scale" in result.output
+    result = CliRunner().invoke(app, ["study", "seeds", "--precision", "best"])
+    assert result.exit_code == 2 and "--precision" in result.output
+
+
+def test_native_precision_leaves_each_model_its_preferred_precision_only() -> None:
+    scenario = native_precision_scenario(demo_scenario())
+    coder = next(m for m in scenario.models if m.id == "coder")
+    assert [str(p) for p in coder.precisions or []] == ["bf16"]  # the demo also allows int4
+    assert not [r for r in scenario.residency if r.object.model == "coder" and str(r.object.precision) == "int4"]
+    assert problem_from_scenario(scenario).models["coder"].precisions == ("bf16",)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from test_engine import GB, random_trace, tiny_scenario
 
@@ -9,6 +10,7 @@ from planner_service.domain.demo import demo_scenario
 from planner_service.sim.engine import simulate
 from planner_service.sim.policies import create_policy
 from planner_service.sim.slots import saturated, trace_concurrency
+from planner_service.sim.synth import SynthParams, synth_trace
 from planner_service.sim.trace import TraceEnd, TraceRequest
 
 
@@ -30,16 +32,57 @@ def test_trace_concurrency_counts_sessions_open_at_once() -> None:
 
 
 def test_a_session_waits_for_the_seat_of_the_one_before() -> None:
-    """Room for one model; swap-ttl cold-starts a (8 + 30 s), so s1's turn ends at 39 s and its end record,
-    10 s after its turn in the trace, is due at 49 s (the lag of 39 s). s2 arrives at 20 s but takes the
-    seat only at 49 s; its timeline moves by 29 s, and b cold-starts then (8 + 30 s)."""
+    """Room for one model; swap-ttl cold-starts a (8 + 30 s), so s1's turn ends at 39 s; its end record,
+    10 s after its turn in the trace, is due then (the answer came after the gap). s2 arrives at 20 s but
+    takes the seat only at 39 s; its timeline moves by 19 s, and b cold-starts then (8 + 30 s)."""
     result = simulate(tiny_scenario(6 * GB), two_sessions_in_turn(), create_policy("swap-ttl"))
     s2 = result.requests[1]
-    assert s2.admitted_at == pytest.approx(49.0, abs=1e-3)
+    assert s2.admitted_at == pytest.approx(39.0, abs=1e-3)
     assert s2.switch_seconds == pytest.approx(38.0, abs=1e-3)
     assert result.extra["session_seats"] == 1 and result.extra["peak_open_sessions"] == 1
     open_loop = simulate(tiny_scenario(6 * GB), two_sessions_in_turn(), create_policy("swap-ttl"), closed_loop=False)
     assert open_loop.requests[1].admitted_at == pytest.approx(20.0)  # open loop: on schedule
+
+
+def one_session_three_turns() -> list:
+    """One session on model a: turns at 0, 10 and 100 s (1000 new tokens each, no output), its end at 150 s."""
+    return [
+        TraceRequest(t=0.0, session="s1", model="a", input_tokens=1000, output_tokens=0),
+        TraceRequest(t=10.0, session="s1", model="a", input_tokens=1000, output_tokens=0),
+        TraceRequest(t=100.0, session="s1", model="a", input_tokens=1000, output_tokens=0),
+        TraceEnd(t=150.0, session="s1", event="end"),
+    ]
+
+
+def test_the_closed_loop_keeps_the_traces_gaps_from_each_arrival_and_never_counts_service_twice() -> None:
+    """By hand, on the tiny scenario (NVMe 0.5 GB/s, prefill 1 ms/token, a cold start 30 s after the copy):
+
+    turn 1 arrives at 0; swap-ttl cold-starts a: 4 GB / 0.5 GB/s = 8 s + 30 s, ready at 38; prefill of
+    1000 tokens 1 s: done at 39. Turn 2 is due 10 s after turn 1 arrived, at 10, but the answer comes at
+    39: it arrives then (lag 29 s), finds its 1000-token history in a's KV and prefills its own 1000
+    tokens: done at 40. Turn 3 keeps its 90 s gap from turn 2's arrival: 100 + 29 = 129, done at 130; the
+    end, 50 s later in the trace, at 179. Waiting the gap after each answer (start-to-start gap plus the
+    replay's service) would have put turn 2 at 49 and turn 3 at 140.
+    """
+    result = simulate(tiny_scenario(10 * GB), one_session_three_turns(), create_policy("swap-ttl"))
+    assert [r.admitted_at for r in result.requests] == pytest.approx([0.0, 39.0, 129.0], abs=1e-3)
+    assert [r.done_at for r in result.requests] == pytest.approx([39.0, 40.0, 130.0], abs=1e-3)
+    assert result.duration_seconds == pytest.approx(179.0, abs=1e-3)
+    assert saturated(result.duration_seconds, 150.0)  # 179 s > 1.05 x 150 s
+    # open loop: each turn at its trace time, after the previous answer
+    open_loop = simulate(
+        tiny_scenario(10 * GB), one_session_three_turns(), create_policy("swap-ttl"), closed_loop=False
+    )
+    assert [r.admitted_at for r in open_loop.requests] == pytest.approx([0.0, 39.0, 100.0], abs=1e-3)
+
+
+def test_every_synthetic_session_takes_a_seat() -> None:
+    """The synthetic generator writes an end record for every session, so none runs outside the seats."""
+    records = synth_trace(demo_scenario(), SynthParams(sessions=4, hours=0.5), np.random.default_rng(3))
+    sessions = {r.session for r in records}
+    ended = {r.session for r in records if isinstance(r, TraceEnd)}
+    assert sessions == ended
+    assert 1 <= trace_concurrency(records) <= 4  # a slot opens its next session only after its last one ended
 
 
 @pytest.mark.parametrize("policy", ["statebudget", "sleep-router", "swap-ttl", "static", "lru"])

@@ -2,6 +2,7 @@
 
 import itertools
 from collections import Counter, defaultdict
+from dataclasses import replace
 from pathlib import Path
 
 import jsonschema
@@ -92,6 +93,21 @@ def test_handoffs_happen_and_follow_the_chain(trace) -> None:
     assert pairs[("coder", "planner")] > pairs[("summarizer", "coder")]
 
 
+def test_the_gap_scale_stretches_every_gap_between_turns() -> None:
+    """The same seed draws the same gaps; a scale of 4 makes each one 4 times longer (the floor aside), so a
+    session offers a quarter of the turns per hour."""
+    scenario = demo_scenario()
+    params = SynthParams(sessions=2, hours=8, mean_turns_per_session=6)
+    base = synth_trace(scenario, params, np.random.default_rng(4))
+    slow = synth_trace(scenario, replace(params, gap_scale=4.0), np.random.default_rng(4))
+    first_session = sorted(r.t for r in requests(base) if r.session == "s0001")
+    stretched = sorted(r.t for r in requests(slow) if r.session == "s0001")
+    gaps, slow_gaps = np.diff(first_session), np.diff(stretched)
+    n = min(len(gaps), len(slow_gaps))
+    assert n >= 2
+    assert slow_gaps[:n] == pytest.approx(4 * gaps[:n], abs=2e-3)  # times are rounded to the millisecond
+
+
 def test_gaps_are_heavy_tailed(trace) -> None:
     times: dict[str, list[float]] = defaultdict(list)
     for r in requests(trace):
@@ -160,7 +176,14 @@ def test_scenario_without_priors_or_focus_models() -> None:
 
 @pytest.mark.parametrize(
     "bad",
-    [{"sessions": 0}, {"hours": 0}, {"drift_weight": 1.5}, {"slo_weights": (1.0,)}, {"mean_turns_per_session": 0.5}],
+    [
+        {"sessions": 0},
+        {"hours": 0},
+        {"drift_weight": 1.5},
+        {"slo_weights": (1.0,)},
+        {"mean_turns_per_session": 0.5},
+        {"gap_scale": 0.0},
+    ],
 )
 def test_bad_params_are_refused(bad: dict) -> None:
     with pytest.raises(ValueError):

@@ -33,7 +33,9 @@ from planner_service.wire.enums import ReportStatus
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS_WINDOW = "1400,1000"
-PAGE_WINDOW = "1400,2500"  # the whole status page of the demo (four nodes, their engines), down to its recent operations
+PAGE_WINDOW = (
+    "1400,2500"  # the whole status page of the demo (four nodes, their engines), down to its recent operations
+)
 CHROMIUM_NAMES = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")
 # every fetch that is not to loopback goes to a closed port: the pictures show what an offline cluster sees
 OFFLINE_FLAGS = ("--proxy-server=127.0.0.1:9", "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1")

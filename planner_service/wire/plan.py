@@ -63,6 +63,9 @@ class MilpInfo(WireModel):
     variables: int
     constraints: int
     invariant_errors: list[str]
+    greedy_invariant_errors: list[str] = Field(
+        default_factory=list, description="The greedy plan's invariant findings (the first five): why it lost."
+    )
 
 
 class PlanOut(WireModel):

@@ -220,6 +220,23 @@ def pooled_kv(
     return out
 
 
+def launched_experts(
+    problem: Problem, states: Mapping[Key, InstanceView]
+) -> dict[Key, tuple[str, tuple[str, ...], dict[str, int]]]:
+    """(node, model) -> (precision, GPUs, routed-expert bytes on each of the node's GPUs) of each running MoE
+    instance that holds experts there: its GPU expert share is a launch setting, so while it runs as it is
+    they stay exactly as they are (`engine_target` holds them there), and their room is not another's."""
+    out: dict[Key, tuple[str, tuple[str, ...], dict[str, int]]] = {}
+    for (node, model), view in states.items():
+        if view.state is not EngineState.RUNNING or view.precision is None or not problem.models[model].experts_bytes:
+            continue
+        obj = StateObject.experts(model)
+        held = {g: n for g in problem.nodes[node].gpus if (n := problem.residency.get((obj, Location.gpu(g)), 0))}
+        if held:
+            out[(node, model)] = (view.precision, view.gpus, held)
+    return out
+
+
 def confirmed_states(problem: Problem) -> dict[Key, InstanceView]:
     """The instances' states now: derived from the confirmed placement, with what the nodes reported."""
     return instance_states(problem, problem.residency, problem.observed_engines)

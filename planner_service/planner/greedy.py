@@ -99,6 +99,7 @@ from planner_service.planner.engine_plan import (
     can_leave,
     confirmed_states,
     kept_contexts,
+    launched_experts,
     pinned_instances,
     pooled_kv,
 )
@@ -348,6 +349,10 @@ class GreedyPlanner:
         # (node, model) -> the KV in each running engine's fixed pool, kept while it runs as it is
         self._pools = pooled_kv(problem, states)
         self._pooled: set[StateObject] = set()  # KV placed where its engine's pool keeps it
+        # (node, model) -> the routed experts each running MoE engine holds on the node's GPUs: its launch
+        # setting, kept while it runs as it is; the models whose expert share is so fixed in the target
+        self._launched_experts = launched_experts(problem, states)
+        self._experts_fixed: set[str] = set()
         self._stuck = {
             key: view for key, view in states.items() if view.state is EngineState.RUNNING and not can_leave(view)
         }
@@ -936,8 +941,8 @@ class GreedyPlanner:
 
     def _kept_on(self, model_id: str, node_id: str, precision: str, gpus: tuple[Gpu, ...]) -> tuple[list[int], int]:
         """Bytes per GPU of `gpus` that staying there at `precision` takes beyond the weights: the sessions' KV
-        in the running engine's pool (`_keep_pool`), less the context a sleep would have kept (held already);
-        and how much of that KV is the active sessions'."""
+        in the running engine's pool and its routed experts (`_keep_pool`), less the context a sleep would
+        have kept (held already); and how much of that KV is the active sessions'."""
         out = [0] * len(gpus)
         active_bytes = 0
         ids = tuple(g.id for g in gpus)
@@ -953,17 +958,32 @@ class GreedyPlanner:
                 out[position[loc.id]] += nbytes
                 if kv.session in active:
                     active_bytes += nbytes
+        experts = self._launched_experts.get(key)
+        if experts is not None and experts[:2] == (precision, ids):
+            for i, g in enumerate(ids):
+                out[i] += experts[2].get(g, 0)
         return out, active_bytes
 
     def _keep_pool(self, model: ModelSpec, group: Group) -> None:
         """Where the model stays on its running engine as it is, the sessions' KV in that engine's pool stays
-        with it (the engine frees no one request's KV); the context held for its sleep is given back."""
+        with it (the engine frees no one request's KV), and so do its routed experts (their GPU share is a
+        launch setting: the KV of new requests cannot take their room); the context held for its sleep is
+        given back."""
         key = (group.node, model.id)
         ids = tuple(g.id for g in group.gpus)
         context = self._contexts.get(key)
         if context is not None and context[0] == ids:
             del self._contexts[key]
             self.book.take(group.gpus, [-context[1]] * len(ids))
+        experts = self._launched_experts.get(key)
+        if experts is not None and experts[:2] == (group.precision, ids):
+            obj = StateObject.experts(model.id)
+            self.book.take_from(group.node, experts[2].items())
+            for g, nbytes in experts[2].items():
+                self.target[(obj, self._at[g])] = nbytes
+            self._experts_placed[model.id] += sum(experts[2].values())
+            self._experts_fixed.add(model.id)
+            self.reasons[obj] = "the GPU expert share its running engine was launched with, kept while it runs"
         pool = self._pools.get(key)
         if pool is None or pool[:2] != (group.precision, ids):
             return
@@ -1335,7 +1355,8 @@ class GreedyPlanner:
                     continue
                 model = self.p.models[model_id]
                 shards = split_evenly(model.weights_bytes[group.precision], len(group.gpus))
-                if self._pools or self._contexts:  # staying on its running engine keeps that engine's KV pool
+                # staying on its running engine keeps that engine's KV pool and experts
+                if self._pools or self._contexts or self._launched_experts:
                     kept, _ = self._kept_on(model_id, group.node, group.precision, group.gpus)
                     shards = [a + b for a, b in zip(shards, kept, strict=True)]
                 if offered != self._placed_on[group.node] or not self.book.fits(group.gpus, shards):
@@ -1483,7 +1504,7 @@ class GreedyPlanner:
     def _push_expert_chunks(self, model: ModelSpec, group: Group, push: _Push) -> None:
         obj = StateObject.experts(model.id)
         demand = self._served_weight(model.id)
-        if demand <= 0:
+        if demand <= 0 or model.id in self._experts_fixed:  # a running engine's expert share stays as launched
             return
         # chunks grow only up to what the node can load: a complete copy below its GPUs, or what they hold now
         shape = self._expert_shape(model, group.node)

@@ -11,9 +11,6 @@ from collections.abc import Mapping
 from typing import Any
 
 from planner_service.domain.problem import Problem
-from planner_service.domain.scenario import (
-    ScenarioError,
-)
 from planner_service.domain.state import (
     Location,
     StateObject,
@@ -24,12 +21,12 @@ from planner_service.planner.online import (
     pins,
     worth_adopting,
 )
-from planner_service.planner.operations import apply_operations
 from planner_service.planner.plan import Plan
 from planner_service.service.errors import (
     Conflict,
     SolverUnavailable,
 )
+from planner_service.service.landing import Landing, land
 from planner_service.service.live import (
     PLAN_ATTEMPTS,
     Live,
@@ -103,11 +100,17 @@ class Planning:
     def planning_snapshot(
         self, *, stand_ins: bool = False
     ) -> tuple[dict[str, Any], dict[str, dict[str, float]], list[OpRecord]]:
-        """Scenario JSON whose residency is the confirmed placement plus what leased operations will do
-        (and, for the planning loop, whose sessions include stand-ins for the recent load)."""
+        """Scenario JSON whose residency is where the confirmed placement lands once the leased operations
+        do, each as far as it fits (`landing.py`; and, for the planning loop, whose sessions include stand-ins
+        for the recent load)."""
         inflight = self.live.inflight()
-        residency = apply_operations(self.live.placement, [r.op for r in inflight])
-        data = self.live.scenario_data(residency)
+        landing = self.landing(inflight)
+        if landing.capped:
+            log.warning(
+                "operations in flight do not fit beside the confirmed state; planned as landing only what fits: %s",
+                ", ".join(sorted(landing.capped)),
+            )
+        data = self.live.scenario_data(landing.placement)
         if stand_ins:
             data["sessions"] += self._stand_ins(data)
         return data, self.live.next_model(data, self.live.clock()), inflight
@@ -235,12 +238,6 @@ class Planning:
                     self.live.urgent.clear()
                 try:
                     problem = self.live.compile(data, next_model)
-                except ScenarioError as error:
-                    # the operations in flight would overfill a location: nothing may be planned on top of
-                    # them (a plan from the confirmed placement alone would repeat their moves); they finish,
-                    # fail or expire, and the replan that follows sees where they left the cluster
-                    raise Conflict(f"the state in flight cannot be planned until it lands: {error}") from None
-                try:
                     try:
                         # pins are the greedy's: the search and the MILP choose every node
                         pinned = self._pins(problem, usage) if self.live.settings.solver == "greedy" else {}
@@ -264,7 +261,8 @@ class Planning:
                         self._answered = waiting
                         return {"epoch": self.live.epoch, "changed": False}, "unchanged"
                     # the same landing place, maybe other operations
-                    touched = self.queues.install(plan, self.live.inflight())
+                    inflight = self.live.inflight()
+                    touched = self.queues.install(plan, inflight, self.landing(inflight).capped)
                     self.live.metrics.replans.labels("installed").inc()
                     self._answered = waiting
                     self.live.force_replan = False
@@ -279,12 +277,17 @@ class Planning:
         self.live.notify(touched)
         return {"epoch": epoch, "changed": True}, "installed"
 
+    def landing(self, inflight: list[OpRecord]) -> Landing:
+        """Where the confirmed placement lands once `inflight` does, each operation as far as it fits."""
+        self.live.refresh_sizes()  # capacities, and the sizes of the sessions that events created since
+        assert self.live.sizes is not None
+        return land(self.live.placement, inflight, self.live.sizes)
+
     def _basis(self) -> tuple[frozenset[tuple[tuple[StateObject, Location], int]], int]:
         """What a plan is safe against: where the confirmed placement will be once the operations in flight
         land (an operation that lands changes nothing here; one leased, failed or expired since does), and
         the hardware and catalog. Sessions and demand may move on: the next replan catches up with them."""
-        landing = apply_operations(self.live.placement, [r.op for r in self.live.inflight()])
-        return frozenset(landing.items()), self.live.topology_changes
+        return frozenset(self.landing(self.live.inflight()).placement.items()), self.live.topology_changes
 
     def solve(self, problem: Problem, solver: str, **options: object) -> Plan:
         """Solve and time one problem (the planning-duration histogram counts it)."""

@@ -15,7 +15,7 @@ import logging
 import math
 import uuid
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from typing import Any
 
 from planner_service.domain.state import Location, StateObject
@@ -74,10 +74,11 @@ def in_order(operations: list[Operation]) -> bool:
     return True
 
 
-def must_wait(op: Operation, r: OpRecord) -> bool:
+def must_wait(op: Operation, r: OpRecord, capped: Collection[str] = ()) -> bool:
     """A new operation must not race `r`, still in flight: it would fill what `r` frees, read what `r`
-    writes, or free the source `r` reads."""
-    frees_dest = op.dest is not None and r.op.frees() == op.dest
+    writes, free the source `r` reads, or fill where `r` was planned as landing only what fits (`capped`,
+    `landing.py`: the plan counted that room as full)."""
+    frees_dest = op.dest is not None and (r.op.frees() == op.dest or (r.id in capped and r.op.dest == op.dest))
     reads_its_output = op.source is not None and r.op.dest == op.source and r.op.object == op.object
     drops_its_source = (
         op.frees() is not None and r.op.keep_source and r.op.source == op.frees() and r.op.object == op.object
@@ -95,8 +96,9 @@ class Queues:
         # only to explain a refused renewal: whether a lease holds anything is read from the operations alone
         self.ended: dict[str, EndedLease] = {}
 
-    def install(self, plan: Plan, inflight: list[OpRecord]) -> frozenset[str]:
-        """Install `plan` as the next epoch, incrementally; the nodes whose queues it changed.
+    def install(self, plan: Plan, inflight: list[OpRecord], capped: Collection[str] = ()) -> frozenset[str]:
+        """Install `plan` as the next epoch, incrementally; the nodes whose queues it changed. Its operations
+        wait for those in `inflight` they would race (`must_wait`; `capped`: those planned as landing less).
 
         An operation of the plan that is the same move as one still queued (`same_move`: action, object,
         source, destination, bytes and node) with the same dependencies once they are named as installed
@@ -121,7 +123,7 @@ class Queues:
         for seq, op in enumerate(plan.operations):
             if op.id in held:
                 continue
-            deps = [name[d] for d in op.depends_on] + [r.id for r in inflight if must_wait(op, r)]
+            deps = [name[d] for d in op.depends_on] + [r.id for r in inflight if must_wait(op, r, capped)]
             waits_on = self._waits_on(deps)
             same = next((r for r in queued.get(same_move(op), ()) if self._waits_on(r.op.depends_on) == waits_on), None)
             if same is not None:

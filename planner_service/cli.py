@@ -613,6 +613,7 @@ def serve(
         log_level=settings.log_level,
         log_config=serve_log_config(settings),
         timeout_graceful_shutdown=5,  # lease long-polls must not hold a shutdown for their whole wait
+        timeout_keep_alive=settings.keep_alive_seconds,
     )
 
 

@@ -11,11 +11,13 @@ import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from datetime import UTC, datetime
+from types import MappingProxyType
 from typing import Any
 
-from planner_service.domain.problem import Problem, compile_problem
+from planner_service.domain.problem import Problem, Session, compile_problem
 from planner_service.domain.scenario import (
     PredictorIn,
+    Slo,
     parse_scenario,
 )
 from planner_service.domain.state import (
@@ -122,7 +124,8 @@ class Live:
         self.quarantine: list[dict[str, Any]] = []  # placement entries a start took out: they broke an invariant
         self.predictor = SwitchPredictor([])
         self.sizes: Problem | None = None  # the live problem without residency: sizes, capacities, bandwidths
-        self._compiled_key: object = None  # what `sizes` was compiled from (`_sizes_key`)
+        self._compiled_key: str | None = None  # the catalog, cluster and calibration `sizes` was compiled from
+        self._sessions_key: tuple[tuple[str, str, Slo, str, bool, int], ...] = ()  # and its sessions
         self.serving: set[str] = set()
 
     def require_ready(self) -> None:
@@ -239,27 +242,37 @@ class Live:
     def refresh_sizes(self) -> None:
         """Recompute the live problem's sizes, capacities and bandwidths when what they are made of changed.
 
-        Compiling the live problem is the costly part and most changes (a done report, most events) leave
-        its inputs as they were: it is compiled again only when the catalog, the cluster, the calibration or
-        a session it includes changed."""
-        key = self._sizes_key()
+        Compiling the live problem is the costly part, and most changes (a done report, every event batch)
+        leave the catalog, the cluster and the calibration as they were: it is compiled again only when
+        those changed. A change of the sessions it includes (new ones, a context that grew, one that ended)
+        replaces its sessions alone, built as `compile_problem` builds them from `scenario_data`."""
+        key = json.dumps([self.base, self.calibration])  # edited in place, so compared as JSON
         if self.sizes is None or key != self._compiled_key:
             data = self.scenario_data(self.placement)
             data["residency"] = []
             self.sizes = self.compile(data, {})
             self._compiled_key = key
+            self._sessions_key = self._planned_sessions_key()
+            return
+        sessions_key = self._planned_sessions_key()
+        if sessions_key != self._sessions_key:
+            sessions = {
+                sid: Session(sid, user, slo, model, active, tokens)
+                for sid, user, slo, model, active, tokens in sessions_key
+            }
+            self.sizes = dataclasses.replace(self.sizes, sessions=MappingProxyType(sessions))
+            self._sessions_key = sessions_key
 
-    def _sizes_key(self) -> tuple[str, tuple[tuple[Any, ...], ...]]:
-        """What `scenario_data` without residency depends on: base and calibration (edited in place, so
-        compared as JSON) and the planning fields of the sessions it includes (those not ended, and the ended
-        ones that still hold KV)."""
+    def _planned_sessions_key(self) -> tuple[tuple[str, str, Slo, str, bool, int], ...]:
+        """The planning fields of the sessions `scenario_data` includes (those not ended on a model of the
+        catalog, and the ended ones that still hold KV), as the live problem holds them, by id."""
+        models = {m["id"] for m in self.base["models"]}
         with_kv = {obj.session for obj, _ in self.placement if obj.kind is Kind.KV}
-        sessions = tuple(
-            (s.id, s.user, s.slo, s.model, s.active, s.ended, s.context_tokens)
-            for s in self.sessions.values()
-            if not s.ended or s.id in with_kv
+        return tuple(
+            (s.id, s.user, s.slo, s.model, s.active and not s.ended, s.context_tokens)
+            for s in sorted(self.sessions.values(), key=lambda s: s.id)
+            if s.model in models and (not s.ended or s.id in with_kv)
         )
-        return json.dumps([self.base, self.calibration]), sessions
 
     def publish_srv(self, touched: Iterable[tuple[StateObject, Location]] | None = None) -> Placement:
         """Publish the SRV of the confirmed placement; `version` moves exactly when what it publishes does.

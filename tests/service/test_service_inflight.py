@@ -115,3 +115,25 @@ def test_operations_in_flight_that_no_longer_fit_are_planned_capped_and_waited_f
     assert service.replan(force=True)["changed"] is True
     assert gpu_bytes(service, service.live.placement, "n1-g1") <= service.live.sizes.gpus["n1-g1"].capacity_bytes  # type: ignore[union-attr]  # started
     service.close()
+
+
+def test_the_live_problem_follows_the_sessions_as_a_full_compile_would(tmp_path):
+    """A report, an event batch or a landing refreshes the live problem's sessions without compiling the
+    catalog again; what it holds is what compiling the live state from scratch gives."""
+    service, clock = open_service(tmp_path / "s.db")
+    rng = np.random.default_rng(3)
+    models = sorted(m["id"] for m in service.live.base["models"])
+    streams = [EventStream(rng, models, range(lane, 40, 8), run=f"r-{lane}") for lane in range(8)]
+    held = lease_all(service, rounds=1)
+    for step in range(60):
+        clock.t += 0.05
+        service.apply_events(EventsIn.model_validate({"events": [next(streams[step % 8]) for _ in range(10)]}).events)
+        if held:
+            op_id, lease_id = held.pop()
+            service.report(op_id, ReportIn(lease_id=lease_id, status="done"))
+        service.planning.landing(service.live.inflight())
+        data = service.live.scenario_data(service.live.placement)
+        data["residency"] = []
+        assert service.live.sizes is not None
+        assert dict(service.live.sizes.sessions) == dict(service.live.compile(data, {}).sessions), step
+    service.close()

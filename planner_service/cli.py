@@ -222,6 +222,26 @@ def bench_plan(
         out.print(result)
 
 
+@bench_app.command("ingest")
+def bench_ingest(
+    rounds: Annotated[int, typer.Option(help="Rounds of event batches, each then planned and reported done.")] = 10,
+    batches: Annotated[int, typer.Option(help="Event batches per round.")] = 20,
+    batch: Annotated[int, typer.Option(help="Events per batch.")] = 20,
+    sessions: Annotated[int, typer.Option(help="Concurrent sessions the events belong to.")] = 200,
+    as_json: JsonOpt = False,
+) -> None:
+    """Time event batches and done reports in process on the demo (no HTTP), and print p50/p95/mean, how often
+    the live problem was compiled, the machine and the load average."""
+    from planner_service.bench import machine
+    from planner_service.bench_ingest import run
+
+    result = {**run(rounds, batches, batch, sessions), "machine": machine()}
+    if as_json:
+        emit_json(result)
+    else:
+        out.print(result)
+
+
 @bench_app.command("gateway")
 def bench_gateway(
     rate: Annotated[

@@ -46,7 +46,7 @@ class Sessions:
         with self.live.change():
             server_time = ServerTime(self.live.clock(), self.live.settings.max_clock_skew_seconds)
             check_event_times(events, server_time, known_ids=self.live.event_ids)
-            models = sorted(m["id"] for m in self.live.base["models"])
+            models = sorted(self.live.model_ids())
             known_sessions = {sid for sid, s in self.live.sessions.items()}
             seen: set[str] = set()
             for i, ev in enumerate(events):

@@ -33,8 +33,8 @@ def open_service(db: Path, clock: Clock, **options: object) -> ClusterService:
 
 
 def stand_ins(service: ClusterService) -> list[tuple[str, str]]:
-    data, _, _ = service.planning.planning_snapshot(stand_ins=True)
-    return sorted((s["id"], s["model"]) for s in data["sessions"] if is_stand_in(s["id"]))
+    state, _, _ = service.planning.planning_snapshot(stand_ins=True)
+    return sorted((s.id, s.model) for s in state.sessions if is_stand_in(s.id))
 
 
 def busy(service: ClusterService) -> None:

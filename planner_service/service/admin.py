@@ -46,7 +46,7 @@ class Admin:
         except (edits.ChangeError, ScenarioError) as error:
             raise InvalidInput(str(error), field=edits.field_of(str(error))) from None
         self.live.declared = scenario
-        batch = Batch(meta={"base": self.live.declared_json(), "calibration": self.live.calibration})
+        batch = Batch(meta={"base": self.live.declared_json(), "calibration": self.live.calibration.to_json()})
         for sid in {s.id for s in before} - {s.id for s in scenario.sessions}:
             self.live.sessions.pop(sid, None)
             batch.sessions[sid] = None
@@ -75,7 +75,7 @@ class Admin:
                 ),
             ]
             for key, scope, field in explicit:  # the operator's figure wins over what was learned
-                self.live.calibration[scope].get(key, {}).pop(field, None)
+                self.live.calibration.forget(calibration.Link(scope, key, field))
             self._admin_edit(lambda s: edits.replace_cluster(s, cluster))
             return self.views.cluster_view()
 
@@ -131,13 +131,13 @@ class Admin:
             out = []
             for node in nodes:
                 scale = self.confirmed.node_scale(node.id)
-                gpus = [{"id": g.id, "calibrated": learned["gpus"].get(g.id, {})} for g in node.gpus]
+                gpus = [{"id": g.id, "calibrated": learned.of_json("gpus", g.id)} for g in node.gpus]
                 out.append(
                     {
                         "id": node.id,
                         "scale": scale,
                         "calibrates": scale >= 1,
-                        "calibrated": learned["nodes"].get(node.id, {}),
+                        "calibrated": learned.of_json("nodes", node.id),
                         "gpus": gpus,
                     }
                 )
@@ -150,9 +150,8 @@ class Admin:
         self.live.require_ready()
         with self.live.change():
             learned = self.live.calibration
-            targets: list[tuple[str, str, tuple[str, ...]]] = []  # (scope, key, fields)
             if scope is None:
-                targets = [(sc, k, tuple(fields)) for sc in ("nodes", "gpus") for k, fields in learned[sc].items()]
+                targets = sorted(learned.links(), key=lambda link: link.scope != "nodes")  # nodes first
             else:
                 assert key is not None
                 fields = calibration.NODE_FIELDS if scope == "nodes" else calibration.GPU_FIELDS
@@ -164,27 +163,26 @@ class Admin:
                 chosen = (field,) if field is not None else fields
                 if scope == "nodes":
                     self.live.require_node(key)
-                    targets.append(("nodes", key, chosen))
+                    targets = [calibration.Link("nodes", key, name) for name in chosen]
                     if field is None:
-                        node = self.live.node(key)
-                        targets += [("gpus", g.id, calibration.GPU_FIELDS) for g in node.gpus]
+                        targets += [
+                            calibration.Link("gpus", g.id, name)
+                            for g in self.live.node(key).gpus
+                            for name in calibration.GPU_FIELDS
+                        ]
                 else:
                     gpus = {g.id for n in self.live.declared.cluster.nodes for g in n.gpus}
                     if key not in gpus:
                         raise NotFound(f"unknown gpu {key!r}; known: {sorted(gpus)}")
-                    targets.append(("gpus", key, chosen))
+                    targets = [calibration.Link("gpus", key, name) for name in chosen]
             forgotten = 0
-            for sc, k, names in targets:
-                entries = learned[sc].get(k, {})
-                for name in names:
-                    if entries.pop(name, None) is not None:
-                        forgotten += 1
-                        log.warning("calibration of %s %s reset by an operator", k, name)
-                if k in learned[sc] and not entries:
-                    del learned[sc][k]
+            for link in targets:
+                if learned.forget(link):
+                    forgotten += 1
+                    log.warning("calibration of %s %s reset by an operator", link.key, link.field)
             if forgotten:
                 self.live.refresh_live()
-                self.live.write(Batch(meta={"calibration": learned}))
+                self.live.write(Batch(meta={"calibration": learned.to_json()}))
                 self.live.wake(force=True)
             return forgotten
 
@@ -335,7 +333,7 @@ class Admin:
             return {
                 "node": node_id,
                 "received_at": iso(now),
-                "calibration": self.live.calibration["nodes"].get(node_id, {}),
+                "calibration": self.live.calibration.of_json("nodes", node_id),
             }
 
     def _check_instances(self, node_id: str, body: HeartbeatIn, node_gpus: set[str]) -> None:

@@ -27,6 +27,7 @@ from planner_service.domain.scenario import ClusterIn, Scenario, parse_scenario
 from planner_service.metrics import Metrics, StateSnapshot
 from planner_service.planner.plan import Plan
 from planner_service.service.admin import Admin
+from planner_service.service.calibration import Calibration
 from planner_service.service.confirmed import Confirmed
 from planner_service.service.inputs import Event, HeartbeatIn, RegisterIn, ReportIn
 from planner_service.service.live import Live, placement_from_json, placement_of
@@ -124,7 +125,7 @@ class ClusterService:
                 "base": self.live.declared_json(),
                 "srv": self.live.srv_doc,
                 "epoch": 0,
-                "calibration": self.live.calibration,
+                "calibration": self.live.calibration.to_json(),
                 "nodes": self.live.nodes_info,
             },
             sessions={s.id: s.to_json() for s in self.live.sessions.values()},
@@ -150,7 +151,9 @@ class ClusterService:
         self.live.plan_placement = placement_from_json(self.live.plan_doc["placement"]) if self.live.plan_doc else {}
         # the failures that held moves back are not kept: the first replan queues them once more
         self.live.held_until = self.live.clock() if self.live.plan_doc and self.live.plan_doc.get("held_back") else None
-        self.live.calibration = meta.get("calibration", {"gpus": {}, "nodes": {}})
+        self.live.calibration, invalid = Calibration.from_json(meta.get("calibration"))
+        for link, entry in invalid:  # an infinite or absurd bandwidth an older build took
+            log.error("stored calibration of %s %s is not a bandwidth (%s): forgotten", link.key, link.field, entry)
         self.live.nodes_info = meta.get("nodes", {})
         self.live.quarantine = list(meta.get("quarantine", []))
         self.live.sessions = {k: SessionState.from_json(v) for k, v in stored.sessions.items()}
@@ -170,7 +173,6 @@ class ClusterService:
         for session in self.live.sessions.values():
             last = self.live.last_used.get(session.model, session.last_activity)
             self.live.last_used[session.model] = max(last, session.last_activity)
-        self.confirmed.drop_invalid_calibration()
         self.live.refresh_live()
         self.confirmed.repair_placement()
         log.info(

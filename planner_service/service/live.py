@@ -32,6 +32,7 @@ from planner_service.planner.predictor import SwitchPredictor
 from planner_service.planner.residency import ResidencyIndex
 from planner_service.planner.srv import srv_entries
 from planner_service.service.backoff import FailedMoves
+from planner_service.service.calibration import Calibration
 from planner_service.service.errors import NotFound, NotReady, ServiceError
 from planner_service.service.records import FINAL_STATES, OpenOps, OpRecord, OpState, SessionState
 from planner_service.service.store import FINAL_KEEP, Batch, Store
@@ -101,11 +102,11 @@ def session_of(s: SessionState) -> Session:
     return Session(s.id, s.user, s.slo, s.model, s.active and not s.ended, s.context_tokens)
 
 
-def calibrated(declared: Scenario, learned: Mapping[str, Mapping[str, Mapping[str, Any]]]) -> Scenario:
+def calibrated(declared: Scenario, learned: Calibration) -> Scenario:
     """`declared` with the bandwidths links learned (`service/calibration.py`) in place of the declared ones."""
 
     def values(scope: str, key: str) -> dict[str, float]:
-        return {name: float(entry["value"]) for name, entry in learned[scope].get(key, {}).items()}
+        return {name: e.value for name, e in learned.of(scope, key).items()}
 
     nodes = [
         node.model_copy(
@@ -177,7 +178,7 @@ class Live:
         self.ops: dict[str, OpRecord] = {}
         self.open_ops = OpenOps(self.ops)  # queued or leased
         self.next_lease_expiry = float("-inf")  # no lease ends before it: expiries need no scan until then
-        self.calibration: dict[str, dict[str, dict[str, dict[str, Any]]]] = {"gpus": {}, "nodes": {}}
+        self.calibration = Calibration()
         self.nodes_info: dict[str, dict[str, Any]] = {}
         self.quarantine: list[dict[str, Any]] = []  # placement entries a start took out: they broke an invariant
         self.predictor = SwitchPredictor([])
@@ -338,14 +339,7 @@ class Live:
         the sessions it plans for (`sizes`: the catalog with the planning fields of the sessions not ended and
         of the ended ones that still hold KV). No done report or event compiles the catalog again; an event
         that changes a session's planning fields redoes only the second, cheap layer."""
-        calibration = tuple(  # the learned values alone: a refused sample's bookkeeping changes no bandwidth
-            sorted(
-                (scope, key, name, float(entry["value"]))
-                for scope, keys in self.calibration.items()
-                for key, fields in keys.items()
-                for name, entry in fields.items()
-            )
-        )
+        calibration = self.calibration.values()  # a refused sample's bookkeeping changes no bandwidth
         if (
             self._compiled_from is None
             or self._compiled_from[0] is not self.declared

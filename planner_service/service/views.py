@@ -74,7 +74,7 @@ class Views:
                             "d2h_bytes_per_s": g.d2h_bytes_per_s,
                             "used_bytes": used[g.id],
                             "planned_bytes": planned[g.id],
-                            "calibrated": self.live.calibration["gpus"].get(g.id, {}),
+                            "calibrated": self.live.calibration.of_json("gpus", g.id),
                         }
                     )
                 nodes.append(
@@ -86,7 +86,7 @@ class Views:
                         "nvme_write_bytes_per_s": n.nvme_write_bytes_per_s,
                         "capabilities": sorted(c.value for c in n.capabilities),
                         "engines": engines_with_urls(declared.engines, info.get("registration")),
-                        "calibrated": self.live.calibration["nodes"].get(n.id, {}),
+                        "calibrated": self.live.calibration.of_json("nodes", n.id),
                         "registered_at": info.get("registered_at"),
                         "last_heartbeat": info.get("last_heartbeat"),
                         "telemetry": info.get("telemetry"),

@@ -23,9 +23,9 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any
 
-from planner_service.domain.bounds import MAX_BANDWIDTH_BYTES_PER_S, MIN_BANDWIDTH_BYTES_PER_S
 from planner_service.domain.state import Location, Tier
 from planner_service.domain.units import GIB
+from planner_service.wire.bounds import MAX_BANDWIDTH_BYTES_PER_S, MIN_BANDWIDTH_BYTES_PER_S
 
 ALPHA = 0.3  # weight of a full-sized sample in the running estimate
 FULL_WEIGHT_BYTES = GIB  # a copy this large or larger weighs the full ALPHA; a smaller one its share of it

@@ -10,14 +10,16 @@ service's own methods, with no HTTP in between:
   node and reported done with its bytes, one report at a time, until no node has work. The reports carry no
   measured duration, so they feed no calibration sample: what is timed is the live state's own work.
 
-It prints p50/p95/mean milliseconds (wall clock, and the mean CPU time) per event batch, per forced replan
-and per report, how often the live problem was compiled
-(`Live.compile`, where the build has one), and the load average, so that a change of the live state can be
-measured before and after on the same machine.
+It prints p50/p95/mean milliseconds (wall clock, and the mean CPU time) per event batch, per forced replan and
+per report, how often the live problem was compiled (`Live.compile`), a digest of the confirmed placement the
+rounds leave (equal digests: the same plans were made and carried out) and the load average, so that a change
+of the live state can be measured before and after on the same machine.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import statistics
 import tempfile
@@ -79,6 +81,7 @@ def run(rounds: int = 10, batches: int = 20, batch: int = 20, sessions: int = 20
             wall, cpu_ms = _drain(service, clock)
             report_ms += wall
             report_cpu_ms += cpu_ms
+        srv = service.srv_view()
         service.close()
     return {
         "sessions": sessions,
@@ -88,6 +91,9 @@ def run(rounds: int = 10, batches: int = 20, batch: int = 20, sessions: int = 20
         "replans": _summary(replan_ms, replan_cpu_ms),
         "compiles_during_event_batches": by_events,
         "compiles_in_all": compiles[0],
+        # what the rounds left confirmed: equal digests, equal results (timings aside)
+        "srv_version": srv["version"],
+        "srv_digest": hashlib.sha256(json.dumps(srv["placement"], sort_keys=True).encode()).hexdigest()[:16],
         "load_average": [round(x, 2) for x in os.getloadavg()],
     }
 

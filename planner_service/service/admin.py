@@ -38,10 +38,10 @@ class Admin:
 
     def _admin_edit(self, edit: Callable[[Scenario], Scenario]) -> None:
         """Apply an operator's edit to the live scenario; state at removed hardware or models is forgotten."""
-        placement = self.live.placement
-        before = self.live.planned_sessions(placement)
+        state = self.live.state(self.live.placement)  # the sessions and placement the catalog knows
+        before = state.sessions
         try:
-            scenario = edits.validated(edit(scenario_with(self.live.declared, before, placement)))
+            scenario = edits.validated(edit(scenario_with(self.live.declared, before, state.residency)))
             problem = compile_problem(scenario, {})
         except (edits.ChangeError, ScenarioError) as error:
             raise InvalidInput(str(error), field=edits.field_of(str(error))) from None

@@ -96,7 +96,7 @@ if TYPE_CHECKING:
 # once where the service waits `min_interval_seconds` for the rest of a burst): the gateway's event flush, the
 # replan and its install, the node agent's lease, its report and the gateway's route fetch. The p50 of
 # `statebudget bench wake` with the engine's own time left out (docs/benchmarks/control-path.md).
-CONTROL_PATH_SECONDS = 0.38
+CONTROL_PATH_SECONDS = 0.3
 
 
 class StatebudgetPolicy(Policy):

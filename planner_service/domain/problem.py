@@ -83,6 +83,14 @@ class ModelSpec:
         return self.precisions[0]
 
 
+STAND_IN = "expected-"  # the id prefix of the planner's stand-in sessions (the service refuses events for them)
+
+
+def is_stand_in(session_id: str | None) -> bool:
+    """Whether a session id names a stand-in: a seat the online planner keeps for the recent load."""
+    return session_id is not None and session_id.startswith(STAND_IN)
+
+
 @dataclass(frozen=True, slots=True)
 class Session:
     id: str
@@ -91,6 +99,10 @@ class Session:
     model: str
     active: bool
     context_tokens: int
+
+    @property
+    def stand_in(self) -> bool:
+        return is_stand_in(self.id)
 
 
 @dataclass(frozen=True, slots=True)

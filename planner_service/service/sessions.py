@@ -5,12 +5,9 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from planner_service.domain.problem import STAND_IN, is_stand_in
 from planner_service.domain.scenario import (
     Slo,
-)
-from planner_service.planner.online import (
-    STAND_IN,
-    is_stand_in,
 )
 from planner_service.service.errors import (
     InvalidInput,

@@ -7,9 +7,10 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 
+from planner_service.domain.problem import is_stand_in
 from planner_service.domain.scenario import load_scenario
 from planner_service.metrics import Metrics
-from planner_service.planner.online import MAX_DEMAND_WINDOW_SECONDS, is_stand_in
+from planner_service.planner.online import MAX_DEMAND_WINDOW_SECONDS
 from planner_service.service.engine import ClusterService
 from planner_service.service.errors import InvalidInput
 from planner_service.service.inputs import RequestEvent, TurnEndEvent

@@ -12,7 +12,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from planner_service.domain.bounds import DEFAULT_MAX_CLOCK_SKEW_SECONDS, MAX_SECONDS
+from planner_service.wire.bounds import DEFAULT_MAX_CLOCK_SKEW_SECONDS, MAX_SECONDS
 
 
 class Settings(BaseSettings):

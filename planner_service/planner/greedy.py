@@ -1019,12 +1019,16 @@ class GreedyPlanner:
         return session.context_tokens * model.kv_bytes_per_token
 
     def _serve_order(self) -> list[str]:
-        """Models with requests in flight, most urgent SLO first, then largest."""
+        """Models with requests in flight, most urgent SLO first, then largest; models with only stand-ins
+        (seats kept for the recent load) after every model a real request waits for, so that room kept for
+        predicted load never turns away a request that is here."""
 
-        def urgency(model_id: str) -> tuple[int, int, str]:
+        def urgency(model_id: str) -> tuple[bool, int, int, str]:
             model = self.p.models[model_id]
+            sessions = self.active[model_id]
             return (
-                min(SLO_RANK[s.slo] for s in self.active[model_id]),
+                all(s.stand_in for s in sessions),
+                min(SLO_RANK[s.slo] for s in sessions),
                 -model.weights_bytes[model.preferred],
                 model_id,
             )

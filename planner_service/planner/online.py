@@ -36,14 +36,13 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
-from planner_service.domain.problem import Problem, Session
+from planner_service.domain.problem import STAND_IN, Problem, Session, is_stand_in
 from planner_service.domain.scenario import Slo
 from planner_service.domain.state import Kind, Location, StateObject, Tier
 from planner_service.planner.objective import Demand, evaluate
 from planner_service.planner.plan import Plan, PlanStatus
 from planner_service.planner.residency import ResidencyIndex
 
-STAND_IN = "expected-"  # the id prefix of stand-in sessions
 REPLAN_SECONDS = 30.0  # the periodic replan
 DEBOUNCE_SECONDS = 0.2  # how long a plan for a waiting request waits for the rest of its burst
 MAX_DEMAND_WINDOW_SECONDS = 86400.0  # how far back the stand-ins' window reaches in a quiet spell
@@ -96,11 +95,6 @@ class RecentLoad:
             for m in sorted(seats)
             for k in range(in_flight.get(m, 0), seats[m])
         ]
-
-
-def is_stand_in(session_id: str | None) -> bool:
-    """Whether a session id names a stand-in (the service refuses events for such ids)."""
-    return session_id is not None and session_id.startswith(STAND_IN)
 
 
 @dataclass(frozen=True)

@@ -7,10 +7,9 @@ import logging
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Mapping
 from typing import Any
 
-from planner_service.domain.problem import Problem
+from planner_service.domain.problem import Problem, Session
 from planner_service.domain.state import (
     Location,
     StateObject,
@@ -30,6 +29,7 @@ from planner_service.service.landing import Landing, land
 from planner_service.service.live import (
     PLAN_ATTEMPTS,
     Live,
+    LiveState,
     Usage,
 )
 from planner_service.service.queues import Queues
@@ -99,10 +99,10 @@ class Planning:
 
     def planning_snapshot(
         self, *, stand_ins: bool = False
-    ) -> tuple[dict[str, Any], dict[str, dict[str, float]], list[OpRecord]]:
-        """Scenario JSON whose residency is where the confirmed placement lands once the leased operations
-        do, each as far as it fits (`landing.py`; and, for the planning loop, whose sessions include stand-ins
-        for the recent load)."""
+    ) -> tuple[LiveState, dict[str, dict[str, float]], list[OpRecord]]:
+        """The live state whose residency is where the confirmed placement lands once the leased operations do,
+        each as far as it fits (`landing.py`; and, for the planning loop, whose sessions include stand-ins for
+        the recent load), its sessions' predicted next models and the leased operations."""
         inflight = self.live.inflight()
         landing = self.landing(inflight)
         if landing.capped:
@@ -110,29 +110,17 @@ class Planning:
                 "operations in flight do not fit beside the confirmed state; planned as landing only what fits: %s",
                 ", ".join(sorted(landing.capped)),
             )
-        data = self.live.scenario_data(landing.placement)
+        state = self.live.state(landing.placement)
         if stand_ins:
-            data["sessions"] += self._stand_ins(data)
-        return data, self.live.next_model(data, self.live.clock()), inflight
+            state = dataclasses.replace(state, sessions=(*state.sessions, *self._stand_ins(state)))
+        return state, self.live.next_model(state.sessions, self.live.clock()), inflight
 
-    def _stand_ins(self, data: Mapping[str, Any]) -> list[dict[str, Any]]:
+    def _stand_ins(self, state: LiveState) -> list[Session]:
         """Stand-in active sessions for the recent load beyond the requests in flight (`online.RecentLoad`)."""
-        models = {m["id"] for m in data["models"]}
         in_flight: dict[str, int] = defaultdict(int)
-        for session in data["sessions"]:
-            in_flight[session["model"]] += session["active"]
-        return [
-            {
-                "id": s.id,
-                "user": s.user,
-                "slo": s.slo.value,
-                "model": s.model,
-                "active": True,
-                "context_tokens": s.context_tokens,
-            }
-            for s in self.live.load.stand_ins(self.live.clock(), in_flight)
-            if s.model in models
-        ]
+        for session in state.sessions:
+            in_flight[session.model] += session.active
+        return [s for s in self.live.load.stand_ins(self.live.clock(), in_flight) if s.model in state.catalog.models]
 
     def _usage(self) -> Usage:
         """When each model last ran, which wait past the unpin delay, which wait not served anywhere, and
@@ -229,7 +217,7 @@ class Planning:
             for _ in range(PLAN_ATTEMPTS):
                 with self.live.change():
                     self.queues.expire_and_write()
-                    data, next_model, _ = self.planning_snapshot(stand_ins=True)
+                    state, next_model, _ = self.planning_snapshot(stand_ins=True)
                     usage = self._usage()
                     waiting = self._waiting()
                     basis = self._basis()
@@ -237,7 +225,7 @@ class Planning:
                     force = force or self.live.force_replan or held_due
                     self.live.urgent.clear()
                 try:
-                    problem = self.live.compile(data, next_model)
+                    problem = state.problem(next_model)
                     try:
                         # pins are the greedy's: the search and the MILP choose every node
                         pinned = self._pins(problem, usage) if self.live.settings.solver == "greedy" else {}

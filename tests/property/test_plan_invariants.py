@@ -23,11 +23,11 @@ from hypothesis import strategies as st
 
 from planner_service.domain.generate import GPUS_PER_NODE, random_scenario
 from planner_service.domain.predictions import problem_from_scenario
-from planner_service.domain.problem import Problem
+from planner_service.domain.problem import Problem, is_stand_in
 from planner_service.domain.scenario import Capability, Scenario, parse_scenario
 from planner_service.domain.state import Kind, Location, StateObject
 from planner_service.planner.invariants import check_plan
-from planner_service.planner.online import RecentLoad, engines_in, for_real, is_stand_in, pins
+from planner_service.planner.online import RecentLoad, engines_in, for_real, pins
 from planner_service.planner.operations import Action, Operation
 from planner_service.solver.registry import solve
 

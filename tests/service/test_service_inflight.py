@@ -46,7 +46,7 @@ def open_service(db: Path) -> tuple[ClusterService, Clock]:
 def lease_all(service: ClusterService, rounds: int = 3) -> list[tuple[str, str]]:
     """Lease every node's ready operations, `rounds` leases of 8 per node; (operation id, lease id) pairs."""
     held = []
-    for node in [n["id"] for n in service.live.base["cluster"]["nodes"]]:
+    for node in [n.id for n in service.live.declared.cluster.nodes]:
         for _ in range(rounds):
             lease = service.lease(node, 8)
             held += [(op["id"], lease["lease_id"]) for op in lease["operations"]]
@@ -63,7 +63,7 @@ def test_replans_keep_installing_while_the_first_operations_run_under_load(tmp_p
     it was refused (409) while they ran."""
     service, clock = open_service(tmp_path / "s.db")
     rng, order = np.random.default_rng(0), random.Random(0)
-    models = sorted(m["id"] for m in service.live.base["models"])
+    models = sorted(m.id for m in service.live.declared.models)
     streams = [EventStream(rng, models, range(lane, 200, 64), run=f"r-{lane}") for lane in range(64)]
     held = lease_all(service)
     for step in range(40):  # 800 events of 200 sessions, as the load benchmark sends them
@@ -114,26 +114,4 @@ def test_operations_in_flight_that_no_longer_fit_are_planned_capped_and_waited_f
         assert "capacity" in answer["operation"]["conflict"]
     assert service.replan(force=True)["changed"] is True
     assert gpu_bytes(service, service.live.placement, "n1-g1") <= service.live.sizes.gpus["n1-g1"].capacity_bytes  # type: ignore[union-attr]  # started
-    service.close()
-
-
-def test_the_live_problem_follows_the_sessions_as_a_full_compile_would(tmp_path):
-    """A report, an event batch or a landing refreshes the live problem's sessions without compiling the
-    catalog again; what it holds is what compiling the live state from scratch gives."""
-    service, clock = open_service(tmp_path / "s.db")
-    rng = np.random.default_rng(3)
-    models = sorted(m["id"] for m in service.live.base["models"])
-    streams = [EventStream(rng, models, range(lane, 40, 8), run=f"r-{lane}") for lane in range(8)]
-    held = lease_all(service, rounds=1)
-    for step in range(60):
-        clock.t += 0.05
-        service.apply_events(EventsIn.model_validate({"events": [next(streams[step % 8]) for _ in range(10)]}).events)
-        if held:
-            op_id, lease_id = held.pop()
-            service.report(op_id, ReportIn(lease_id=lease_id, status="done"))
-        service.planning.landing(service.live.inflight())
-        data = service.live.scenario_data(service.live.placement)
-        data["residency"] = []
-        assert service.live.sizes is not None
-        assert dict(service.live.sizes.sessions) == dict(service.live.compile(data, {}).sessions), step
     service.close()

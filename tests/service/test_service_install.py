@@ -111,8 +111,8 @@ def test_adopted_operations_wait_only_on_live_records_through_leases_reports_and
     clock = service.live.clock
     assert isinstance(clock, Clock)
     rng = np.random.default_rng(7)
-    nodes = [n["id"] for n in service.live.base["cluster"]["nodes"]]
-    models = sorted(m["id"] for m in service.live.base["models"])
+    nodes = service.live.node_ids()
+    models = sorted(service.live.model_ids())
     for step in range(40):
         if step % 4 == 0:
             model = models[int(rng.integers(len(models)))]

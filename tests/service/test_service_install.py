@@ -237,8 +237,9 @@ def test_the_replan_metric_times_the_whole_replan(tmp_path, monkeypatch):
     solves = sample(service, "statebudget_plan_duration_seconds_sum", solver="greedy")
     service.replan(force=True)
     assert sample(service, "statebudget_replan_duration_seconds_count", outcome="installed") == 2
-    assert sample(service, "statebudget_replan_duration_seconds_sum", outcome="installed") - replans >= 0.05
-    assert sample(service, "statebudget_plan_duration_seconds_sum", solver="greedy") - solves < 0.05  # the solve alone
+    replan = sample(service, "statebudget_replan_duration_seconds_sum", outcome="installed") - replans
+    solve = sample(service, "statebudget_plan_duration_seconds_sum", solver="greedy") - solves
+    assert replan - solve >= 0.05  # the whole replan, the install's 50 ms among it; the solve metric is the solve alone
     service.close()
 
 

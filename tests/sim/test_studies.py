@@ -55,7 +55,6 @@ def tiny(hbm_bytes: int) -> dict:
             }
             for m in ("a", "b", "c")
         ],
-        "constants": {"engine_load_overhead_seconds": 0.5},
     }
 
 

@@ -642,8 +642,7 @@ class GreedyPlanner:
         requests re-prefill their history on the group's FLOP/s, and pay the
         violation penalty where that alone outlasts their target, less what
         those whose KV the node holds save (with `restores`: `_restore_saving`,
-        its GPUs' KV counting where the model is `staying`, and its active
-        requests readying their KV there: `_arrivals_cost`); a MoE's
+        its GPUs' KV counting where the model is `staying`); a MoE's
         requests pay the decode slowdown left after the best expert fraction
         the node's remaining room can hold; and a MoE already on the node loses
         the expert room the group takes. Without `experts`, the last two are
@@ -656,7 +655,6 @@ class GreedyPlanner:
         cost += per_token * self._context_demand[model.id] + self._late_penalty(model.id, per_token)
         if restores:
             cost -= self._restore_saving(model, node_id, gpus, per_token, staying)
-            cost += self._arrivals_cost(model, node_id, gpus, per_token, load_seconds, staying)
         if not experts:
             return cost
         others = [moe for m, moe in self._moe_on.get(node_id, {}).items() if m != model.id]

@@ -620,9 +620,10 @@ class GreedyPlanner:
         source = self._source(obj, node_id)
         if source is None:
             return None
+        assert obj.precision is not None  # a weights object
         fixed = engine_costs.up_fixed_seconds(
-            self.p, self.now, node_id, obj.model, obj.precision or "", [g.id for g in gpus], host_copy=source is _HOST
-        )  # a new group or precision of a running engine: a restart
+            self.p, self.now, node_id, obj.model, obj.precision, [g.id for g in gpus], host_copy=source is _HOST
+        )  # a new group of a running engine: a restart
         return costs.copy_seconds(gains, gpus, source, self.p.nodes[node_id]) + fixed
 
     def _group_cost(

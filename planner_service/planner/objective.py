@@ -6,15 +6,18 @@ For a target placement T reached from the confirmed placement C:
               + sum over sessions s, models m  w_s * q(s,m) * (L_T(s,m) + V * [L_T(s,m) > target_s])
               + sum over requests (active and predicted)  w_s * q * (decode slowdown + degraded precision)
               + price * GiB held on GPU in T
-              + move_weight * seconds spent promoting C -> T
+              + move_weight * seconds spent promoting C -> T (engine transitions included)
               + U * active requests T cannot serve
 
   w_s       SLO weight of the session's class; target_s its switch-latency target
   q(s,m)    predicted probability that s's next request goes to m
   L_T(s,m)  switch latency in T: weights ready (0 if served, else the cheapest
-            cold load from a complete copy) + KV ready (restore or re-prefill)
+            cold load from a complete copy: the copy plus the engine transition
+            that brings the model up, a wake where its engine sleeps, else a
+            cold start; planner/engine_costs.py) + KV ready (restore or re-prefill)
   L_now(s)  latency of the request being served now: the time to bring its
-            model's weights and its KV from C to where T puts them
+            model's weights (and its engine: a wake, start or restart) and its
+            KV from C to where T puts them
   V, U      violation and unserved penalties
 
 Everything is in seconds. `evaluate` also reports the predicted metrics

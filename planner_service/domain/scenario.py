@@ -277,9 +277,6 @@ class CostConstants(_Strict):
         600.0, description="Charged per active request the plan cannot serve (it waits)."
     )
     horizon_seconds: PositiveSeconds = Field(300.0, description="How far ahead the predicted requests reach.")
-    engine_load_overhead_seconds: Seconds = Field(
-        0.3, description="Per weight load, on top of the copy (vLLM sleep-mode wake, perf_anchors.md §1)."
-    )
     prefill_efficiency: float = Field(
         0.5, gt=0, le=1, description="Fraction of dense bf16 FLOP/s that prefill achieves."
     )

@@ -26,7 +26,6 @@ from dataclasses import dataclass
 
 from planner_service.domain.engines import (
     DeclaredEngine,
-    EngineConstants,
     EngineFeature,
     EngineInstance,
     EngineKind,
@@ -42,12 +41,13 @@ from planner_service.domain.engines import (
 )
 from planner_service.domain.problem import Problem
 from planner_service.domain.state import Kind, Location, Placement, StateObject, Tier
+from planner_service.planner import engine_costs
 from planner_service.planner.operations import Action, Operation
 from planner_service.wire.operations import EngineInstanceRef, EngineStep
 
 # the kinds whose engines carry out transitions, not byte moves (`local` moves bytes itself)
 ENGINE_NODE_KINDS = frozenset({EngineKind.VLLM, EngineKind.SGLANG})
-ENGINE_CONSTANTS = EngineConstants()
+ENGINE_CONSTANTS = engine_costs.ENGINE_CONSTANTS
 
 Key = tuple[str, str]  # (node, model)
 

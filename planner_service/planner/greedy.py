@@ -94,7 +94,7 @@ from planner_service.domain.problem import Gpu, ModelSpec, Node, Problem, Sessio
 from planner_service.domain.scenario import Capability, Slo
 from planner_service.domain.state import Kind, Location, Placement, StateObject, Tier
 from planner_service.domain.units import GIB
-from planner_service.planner import costs, joint
+from planner_service.planner import costs, engine_costs, joint
 from planner_service.planner.engine_plan import (
     can_leave,
     confirmed_states,
@@ -573,7 +573,7 @@ class GreedyPlanner:
                     if held:
                         seconds = self._regroup_seconds(obj, gpus, nbytes, node_id)
                     else:
-                        seconds = costs.weights_load_seconds(nbytes, gpus, source, node, self.c)
+                        seconds = engine_costs.bring_up_seconds(self.p, self.now, model, precision, gpus, source, node)
                     if seconds is None:
                         continue
                     cost = (
@@ -625,7 +625,11 @@ class GreedyPlanner:
         source = self._source(obj, node_id)
         if source is None:
             return None
-        return costs.copy_seconds(gains, gpus, source, self.p.nodes[node_id]) + self.c.engine_load_overhead_seconds
+        assert obj.precision is not None  # a weights object
+        fixed = engine_costs.up_fixed_seconds(
+            self.p, self.now, node_id, obj.model, obj.precision, [g.id for g in gpus], host_copy=source is _HOST
+        )  # a new group of a running engine: a restart
+        return costs.copy_seconds(gains, gpus, source, self.p.nodes[node_id]) + fixed
 
     def _group_cost(
         self,
@@ -1429,7 +1433,10 @@ class GreedyPlanner:
             node = self.p.nodes[cold.node]
             nbytes = model.weights_bytes[cold.precision]
             if _WEIGHTS_OFFLOAD in node.capabilities and self._host_room(cold.node) >= nbytes:
-                saved = min(saved, costs.weights_load_seconds(nbytes, cold.gpus, _HOST, node, self.c))
+                staged_load = engine_costs.bring_up_seconds(
+                    self.p, self.now, model, model.preferred, cold.gpus, _HOST, node, after_leaving=True
+                )
+                saved = min(saved, staged_load)
         value = total_w * saved
         value -= total_w * self.c.degraded_precision_seconds * (rank > 0)
         value -= costs.gpu_hold_cost(model.weights_bytes[model.precisions[rank]], self.c) + self.c.move_weight * seconds
@@ -1448,7 +1455,7 @@ class GreedyPlanner:
         """`cold_load` from the confirmed placement (the same on every look)."""
         cold = self._cold_loads.get(model.id)
         if cold is None:
-            cold = self._cold_loads[model.id] = cold_load(self.p, self.now, model)
+            cold = self._cold_loads[model.id] = cold_load(self.p, self.now, model, self.now)
         return cold
 
     def _push_followers(self, model_id: str, push: _Push) -> None:
@@ -1683,14 +1690,16 @@ class GreedyPlanner:
         for model_id in waiting:
             model = self.p.models[model_id]
             obj = StateObject.weights(model_id, model.preferred)
-            cold = cold_load(self.p, index, model)
+            cold = cold_load(self.p, index, model, self.now)
             if cold.node is None or cold.precision != model.preferred:
                 continue
             node = self.p.nodes[cold.node]
             if _WEIGHTS_OFFLOAD not in node.capabilities or index.complete(obj, cold.node, _HOST):
                 continue
             nbytes = model.weights_bytes[model.preferred]
-            from_host = costs.weights_load_seconds(nbytes, cold.gpus, _HOST, node, self.c)
+            from_host = engine_costs.bring_up_seconds(
+                self.p, self.now, model, model.preferred, cold.gpus, _HOST, node, after_leaving=True
+            )
             saved = self._demand(model_id) * (cold.seconds - from_host)
             stage = nbytes / node.nvme_read_bytes_per_s * self.c.move_weight
             if saved - stage > 0:

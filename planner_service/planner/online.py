@@ -19,8 +19,10 @@ replay measures the rules the service runs. Each rule answers a way a plan for o
   chooses its GPUs on that node, its KV and its experts), unless its requests have waited longer than
   the unpin delay: then it is free to move where it fits.
 * **Benefit over cost** (`worth_adopting`). A plan is adopted only when the objective it saves over
-  staying put exceeds the seconds its promotes take (the objective charges only `move_weight` of
-  those; here the whole), or when it brings a model that requests wait for; a plan with no operations,
+  staying put exceeds the seconds its promotes take, the engine transitions that bring weights onto
+  GPUs included (`objective.promote_seconds`: a cold start's 30 s, a restart's 32 s, a wake's 0.1 s;
+  the objective charges only `move_weight` of those, here the whole), or when it brings a model that
+  requests wait for; a plan with no operations,
   when the current plan's are not all started (staying put then means cancelling them). Leaving fewer
   requests unserved is not reason enough on its own: under overload it adopts swaps of engines that the
   objective prices far worse than staying put.

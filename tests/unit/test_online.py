@@ -85,8 +85,9 @@ def test_a_plan_is_adopted_when_it_serves_requests_staying_put_leaves_waiting() 
 
 
 def test_a_plan_whose_moves_cost_more_than_they_save_is_not_adopted() -> None:
-    # b is warm on g0 and idle; a plan that also loads a, which nobody asks for, only costs
-    problem = problem_from_scenario(parse_scenario(two_gpus([session("s1", "b")], on_gpus=("b",))))
+    # b is warm on g0 and idle; a plan that also loads a costs its cold start (30 s + the copy), more than the
+    # background session's 0.4 chance of a request to a saves (an interactive one's, at twice the weight, pays)
+    problem = problem_from_scenario(parse_scenario(two_gpus([session("s1", "b", slo="background")], on_gpus=("b",))))
     target = {**problem.residency, (StateObject.weights("a", "bf16"), Location.gpu("g1")): 10 * GIB}
     speculative = make_plan(problem, "greedy", target, {})
     assert speculative.operations

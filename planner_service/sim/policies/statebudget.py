@@ -272,6 +272,7 @@ class StatebudgetPolicy(Policy):
             sessions=MappingProxyType(sessions),
             residency=MappingProxyType(residency),
             next_model=MappingProxyType(self.next_models(sim, sessions)),
+            observed_engines=MappingProxyType(sim.sleeping_engines()),  # what the nodes' heartbeats report
         )
 
     def next_models(self, sim: SimView, sessions: Mapping[str, Session]) -> dict[str, dict[str, float]]:

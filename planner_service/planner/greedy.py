@@ -353,6 +353,8 @@ class GreedyPlanner:
         # setting, kept while it runs as it is; the models whose expert share is so fixed in the target
         self._launched_experts = launched_experts(problem, states)
         self._experts_fixed: set[str] = set()
+        # the engines whose experts' room is held until their model is placed (`_hold_launched_experts`)
+        self._experts_held: set[tuple[str, str]] = set()
         self._stuck = {
             key: view for key, view in states.items() if view.state is EngineState.RUNNING and not can_leave(view)
         }
@@ -539,7 +541,7 @@ class GreedyPlanner:
                     )
                 ]
                 stay_node = current.node
-                if self.book.fits(stay, shards):
+                if self._stay_fits(model.id, Group(stay_node, precision, stay), shards):
                     cost = self._group_cost(
                         model, stay, current.node, 0.0, size, experts, restores=price_kv, staying=True
                     )
@@ -945,8 +947,9 @@ class GreedyPlanner:
 
     def _kept_on(self, model_id: str, node_id: str, precision: str, gpus: tuple[Gpu, ...]) -> tuple[list[int], int]:
         """Bytes per GPU of `gpus` that staying there at `precision` takes beyond the weights: the sessions' KV
-        in the running engine's pool and its routed experts (`_keep_pool`), less the context a sleep would
-        have kept (held already); and how much of that KV is the active sessions'."""
+        in the running engine's pool and its routed experts unless held already (`_keep_pool`; those beside the
+        group: `_stay_fits`), less the context a sleep would have kept (held already); and how much of that KV
+        is the active sessions'."""
         out = [0] * len(gpus)
         active_bytes = 0
         ids = tuple(g.id for g in gpus)
@@ -963,10 +966,42 @@ class GreedyPlanner:
                 if kv.session in active:
                     active_bytes += nbytes
         experts = self._launched_experts.get(key)
-        if experts is not None and experts[:2] == (precision, ids):
+        if experts is not None and key not in self._experts_held and experts[:2] == (precision, ids):
             for i, g in enumerate(ids):
                 out[i] += experts[2].get(g, 0)
         return out, active_bytes
+
+    def _stay_fits(self, model_id: str, group: Group, shards: list[int]) -> bool:
+        """Whether `shards` (the weights with `_kept_on`) fit on the group's GPUs and, where the group is the
+        model's running engine as it is, so do the experts it keeps on the node's other GPUs (held already,
+        or not)."""
+        if not self.book.fits(group.gpus, shards):
+            return False
+        key = (group.node, model_id)
+        experts = self._launched_experts.get(key)
+        ids = tuple(g.id for g in group.gpus)
+        if experts is None or key in self._experts_held or experts[:2] != (group.precision, ids):
+            return True
+        free = self.book.free
+        return all(free[g] >= nbytes for g, nbytes in experts[2].items() if g not in ids)
+
+    def _hold_launched_experts(self) -> None:
+        """Hold the room of the experts of each running MoE engine whose model the node choice (the caller's or
+        the joint one) keeps on its node at its precision, until that model is placed: its expert share is a
+        launch setting, and it may lie on GPUs beside the engine's group, another model's, which a model
+        served before it would otherwise fill (the stay's fit checks the group alone)."""
+        for key, (precision, _, held) in self._launched_experts.items():
+            node_id, model_id = key
+            chosen = self.nodes.get(model_id) == node_id and self.precisions.get(model_id) == precision
+            if chosen and model_id not in self.groups:
+                self._experts_held.add(key)
+                self.book.take_from(node_id, held.items())
+
+    def _release_experts(self, model_id: str, staying: tuple[str, str] | None = None) -> None:
+        """Give back the hold on the experts of the model's running engines, but `staying`'s."""
+        for key in [k for k in self._experts_held if k[1] == model_id and k != staying]:
+            self._experts_held.discard(key)
+            self.book.take_from(key[0], [(g, -nbytes) for g, nbytes in self._launched_experts[key][2].items()])
 
     def _keep_pool(self, model: ModelSpec, group: Group) -> None:
         """Where the model stays on its running engine as it is, the sessions' KV in that engine's pool stays
@@ -980,9 +1015,14 @@ class GreedyPlanner:
             del self._contexts[key]
             self.book.take(group.gpus, [-context[1]] * len(ids))
         experts = self._launched_experts.get(key)
-        if experts is not None and experts[:2] == (group.precision, ids):
+        staying = experts is not None and experts[:2] == (group.precision, ids)
+        self._release_experts(model.id, key if staying else None)
+        if experts is not None and staying:
             obj = StateObject.experts(model.id)
-            self.book.take_from(group.node, experts[2].items())
+            if key in self._experts_held:  # the room held for them becomes the target's
+                self._experts_held.discard(key)
+            else:
+                self.book.take_from(group.node, experts[2].items())
             for g, nbytes in experts[2].items():
                 self.target[(obj, self._at[g])] = nbytes
             self._experts_placed[model.id] += sum(experts[2].values())
@@ -1055,6 +1095,7 @@ class GreedyPlanner:
         # a caller's choices (the local search's) stand as given; else the nodes are chosen together
         free_order = [m for m in order if m not in self.groups]
         pinned = self._pin_joint_choice(free_order, needs) if not self.nodes and not self.precisions else set()
+        self._hold_launched_experts()
         for model_id in order:
             model = self.p.models[model_id]
             sessions = active[model_id]
@@ -1089,6 +1130,9 @@ class GreedyPlanner:
             self._place_weights(
                 model, group, _words((_KEPT_WARM, (self._demand(model_id), saved, value, nbytes / GIB)))
             )
+        # a running MoE engine kept by the node choice but not placed after all may stop: `spend` offers its room
+        for model_id in sorted({m for _, m in self._experts_held} - set(self.groups)):
+            self._release_experts(model_id)
 
     def _serve_sessions(self, model: ModelSpec, group: Group, sessions: list[Session]) -> None:
         served = {s.id for s in self._water_fill(model, group, sessions)}
@@ -1367,7 +1411,7 @@ class GreedyPlanner:
                 if self._pools or self._contexts or self._launched_experts:
                     kept, _ = self._kept_on(model_id, group.node, group.precision, group.gpus)
                     shards = [a + b for a, b in zip(shards, kept, strict=True)]
-                if offered != self._placed_on[group.node] or not self.book.fits(group.gpus, shards):
+                if offered != self._placed_on[group.node] or not self._stay_fits(model_id, group, shards):
                     # weights were placed on its node since the offer was made, or its group filled up: its
                     # best group and value may have changed (lazy greedy: re-offer at the current value; it
                     # comes back at once if it still leads). Placements elsewhere only make other nodes worse.

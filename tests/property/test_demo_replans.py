@@ -25,6 +25,7 @@ from planner_service.domain.demo import demo_scenario
 from planner_service.domain.predictions import problem_from_scenario
 from planner_service.domain.problem import Problem, Session
 from planner_service.domain.scenario import Slo
+from planner_service.domain.state import StateObject, Tier
 from planner_service.planner.invariants import check_plan
 from planner_service.planner.online import engines_in, pins
 from planner_service.planner.operations import apply_operations
@@ -98,3 +99,17 @@ def test_a_running_moe_engine_keeps_its_expert_share_and_its_kv_fits_beside_it()
     problem = with_sessions(LANDED, drawn)
     plan = solve(problem, "greedy", **service_pins(problem))
     assert [e for e in check_plan(problem, plan.placement, plan.operations, plan.unserved) if "capacity" in e] == []
+
+
+def test_a_running_moe_engine_s_experts_beside_another_model_keep_their_room() -> None:
+    """The landed reasoner runs on n2-g2 and n2-g3 with part of its experts on n2-g0 and n2-g1, which the
+    coder's weights and pool fill to the byte. One new coder request: its KV, placed before the reasoner,
+    took the room of those experts, which stay while the reasoner runs as it is."""
+    experts = StateObject.experts("reasoner")
+    coder_gpus = [loc for obj, loc in LANDED.residency if obj.model == "coder" and loc.tier is Tier.GPU]
+    beside = {loc: LANDED.residency[(experts, loc)] for loc in coder_gpus if (experts, loc) in LANDED.residency}
+    assert beside  # the case: the reasoner's experts share the coder's GPUs
+    problem = with_sessions(LANDED, [("coder", 1_000, True, Slo.INTERACTIVE, 0)])
+    plan = solve(problem, "greedy", **service_pins(problem))
+    assert check_plan(problem, plan.placement, plan.operations, plan.unserved) == []
+    assert {loc: plan.placement.get((experts, loc)) for loc in beside} == beside

@@ -288,3 +288,41 @@ def test_a_running_engine_s_kv_pool_is_not_given_to_another_model() -> None:
     s2 = next(obj for obj, _ in problem.residency if obj.session == "s2")
     assert plan.placement.get((s2, next(loc for obj, loc in problem.residency if obj == s2))) == 6 * GIB
     assert "s3" in plan.unserved
+
+
+def test_a_running_moe_engine_s_experts_beside_its_group_keep_their_room() -> None:
+    """m runs on g1 and was launched with 4 GiB of its experts on g0, beside d's engine, which fills the rest of
+    g0 with its weights and s1's pool: s2, d's new request, is served first (interactive before background)
+    and finds no room there, since m's experts stay as launched while m runs as it is."""
+    engines = [{"model": "d", **VLLM}, {"model": "m", **VLLM}]
+    problem = problem_from_scenario(
+        parse_scenario(
+            scenario(
+                [{**node("n0", gpu("g0", 24), gpu("g1", 32)), "engines": engines}],
+                [model("d", 16), model("m", 4, experts_bytes=64 * GIB, expert_bytes=GIB // 4)],
+                [
+                    session("s1", "d", tokens=4 * 8192),
+                    session("s2", "d", active=True),
+                    session("s3", "m", active=True, slo="background"),
+                ],
+                [
+                    held(weights("d"), on_gpu("g0"), 16 * GIB),
+                    held(kv("d", "s1"), on_gpu("g0"), 4 * GIB),
+                    held(experts("m"), on_gpu("g0"), 4 * GIB),  # 24 GiB: g0 is full
+                    held(weights("m"), on_gpu("g1"), 4 * GIB),
+                    held(experts("m"), on_gpu("g1"), 24 * GIB),
+                    held(kv("m", "s3"), on_gpu("g1"), GIB),
+                    held(weights("d"), on_nvme("n0"), 16 * GIB),
+                    held(weights("m"), on_nvme("n0"), 4 * GIB),
+                    held(experts("m"), on_nvme("n0"), 64 * GIB),
+                ],
+            )
+        )
+    )
+    kept = {"nodes": {"d": "n0", "m": "n0"}, "precisions": {"d": "bf16", "m": "bf16"}}  # both served a moment ago
+    for options in (kept, {}):
+        plan = solve(problem, "greedy", **options)
+        assert check_plan(problem, plan.placement, plan.operations, plan.unserved) == []
+        on_g0 = {(obj.model, obj.kind.value): n for (obj, loc), n in plan.placement.items() if loc.id == "g0"}
+        assert on_g0[("m", "experts")] == 4 * GIB
+        assert "s2" in plan.unserved

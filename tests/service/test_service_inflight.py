@@ -19,7 +19,7 @@ from prometheus_client import CollectorRegistry
 from planner_service.bench_load import EventStream
 from planner_service.domain.demo import demo_scenario
 from planner_service.domain.scenario import ClusterIn
-from planner_service.domain.state import Location
+from planner_service.domain.state import Location, Tier
 from planner_service.metrics import Metrics
 from planner_service.service.engine import ClusterService
 from planner_service.service.inputs import EventsIn, ReportIn
@@ -90,13 +90,15 @@ def test_operations_in_flight_that_no_longer_fit_are_planned_capped_and_waited_f
     service, _ = open_service(tmp_path / "s.db")
     held = dict(lease_all(service))
     inflight = service.live.inflight()
-    filling = [r for r in inflight if r.op.dest == Location.gpu("n1-g1") and r.op.source != r.op.dest]
-    assert filling, "the demo's first plan fills n1-g1"
-    confirmed = gpu_bytes(service, service.live.placement, "n1-g1")
-    # the operator reserves all but what is confirmed on n1-g1: the operations filling it no longer fit
+    moving = [r for r in inflight if r.op.dest is not None and r.op.dest.tier is Tier.GPU and r.op.source != r.op.dest]
+    assert moving, "the demo's first plan fills GPUs"
+    filled = min(r.op.dest.id for r in moving)  # the first GPU the plan fills
+    filling = [r for r in moving if r.op.dest.id == filled]
+    confirmed = gpu_bytes(service, service.live.placement, filled)
+    # the operator reserves all but what is confirmed on it: the operations filling it no longer fit
     data = demo_scenario().cluster.model_dump(mode="json")
-    gpu = next(g for n in data["nodes"] for g in n["gpus"] if g["id"] == "n1-g1")
-    capacity = service.live.sizes.gpus["n1-g1"].capacity_bytes  # type: ignore[union-attr]  # started
+    gpu = next(g for n in data["nodes"] for g in n["gpus"] if g["id"] == filled)
+    capacity = service.live.sizes.gpus[filled].capacity_bytes  # type: ignore[union-attr]  # started
     gpu["reserved_bytes"] += capacity - confirmed
     service.put_cluster(ClusterIn.model_validate(data))
 
@@ -104,8 +106,8 @@ def test_operations_in_flight_that_no_longer_fit_are_planned_capped_and_waited_f
     capped = service.planning.landing(service.live.inflight()).capped
     assert {r.id for r in filling} <= capped
     new = [service.live.ops[i] for i in service.live.open_ops if service.live.ops[i].epoch == service.live.epoch]
-    for r in new:  # what the new plan puts on n1-g1 waits for the capped operations there
-        if r.op.dest == Location.gpu("n1-g1") and r.state is OpState.QUEUED:
+    for r in new:  # what the new plan puts on it waits for the capped operations there
+        if r.op.dest == Location.gpu(filled) and r.state is OpState.QUEUED:
             assert {f.id for f in filling} <= set(r.op.depends_on), r.id
 
     # the capped operations land: their reports are conflicts (no room), and planning goes on
@@ -113,5 +115,5 @@ def test_operations_in_flight_that_no_longer_fit_are_planned_capped_and_waited_f
         answer = service.report(r.id, ReportIn(lease_id=held[r.id], status="done"))
         assert "capacity" in answer["operation"]["conflict"]
     assert service.replan(force=True)["changed"] is True
-    assert gpu_bytes(service, service.live.placement, "n1-g1") <= service.live.sizes.gpus["n1-g1"].capacity_bytes  # type: ignore[union-attr]  # started
+    assert gpu_bytes(service, service.live.placement, filled) <= service.live.sizes.gpus[filled].capacity_bytes  # type: ignore[union-attr]  # started
     service.close()

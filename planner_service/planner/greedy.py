@@ -53,7 +53,10 @@ On engine nodes (vLLM, SGLang; `engine_plan.py`) the greedy plans only what the 
 adopted engine, which only its owner starts or relaunches, runs as it is or not at all there (its group
 and precision are pinned; one that cannot leave its GPUs is placed first), the CUDA context it would keep
 asleep is held on its GPUs, and a model that stays on its running engine keeps the sessions' KV in that
-engine's fixed pool (the engine frees no one request's KV), so that room is never given to another model.
+engine's fixed pool (the engine frees no one request's KV), so that room is never given to another model;
+a running MoE engine keeps its GPU expert share as launched, on its group's GPUs and beside them, and
+where the node choice keeps the model on its node at its precision that room is held from the start, so
+that no model served before it takes it.
 
 The result is a target placement; `operations.py` turns it into moves.
 

@@ -155,6 +155,24 @@ async def test_vllm_wake_after_level_1_copies_back_and_after_level_2_reloads() -
         await executor.aclose()
 
 
+async def test_vllm_a_wake_out_of_gpu_memory_is_temporary_and_the_next_wake_reloads_the_weights() -> None:
+    """A failed wake has freed the host backup of what it copied back (cumem.py): the engine still sleeps, but
+    not at level 1 any more, so it is not reported with its weights in host RAM and its next wake reloads them."""
+    room: list[str | None] = ["no room on device 1"]
+    with vllm_engine(reserve=lambda need: room[0]) as (engine, url):
+        executor = VLLMExecutor.from_config(vllm_config(url))
+        await executor.execute(op("demote", W, GPU, HOST))
+        with pytest.raises(TemporaryError, match="out of memory"):
+            await executor.execute(op("promote", W, HOST, GPU))
+        await executor.reconcile()
+        assert executor.telemetry().engines == {"vllm-coder": "asleep_discarded"} and engine.sleeping
+        room[0] = None
+        engine.calls.clear()
+        await executor.execute(op("promote", W, HOST, GPU))
+        assert "POST /collective_rpc" in engine.calls and engine.answers()
+        await executor.aclose()
+
+
 async def test_vllm_after_the_agent_restarts_a_sleeping_engine_is_read_not_remembered() -> None:
     with vllm_engine() as (engine, url):
         first = VLLMExecutor.from_config(vllm_config(url))

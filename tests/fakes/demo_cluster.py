@@ -17,7 +17,9 @@ would after a restart. At the end, once the service has nothing queued or leased
   state, planner_service/domain/engines.py `holdings`), the weights and experts the SRV places there and the
   shards the fake engines hold there, and what the node's last heartbeat said;
 - `engines`: each fake engine process's state, and whether each had an LMCache instance id of its own;
-- `reconcile`: the state each node lost or had corrected.
+- `reconcile`: the state each node lost or had corrected;
+- whether the service accepted each node's heartbeats until the end (a refused one leaves the node's
+  telemetry as it was).
 
 `problems` lists every disagreement; the run exits 1 when there is one.
 """
@@ -36,6 +38,7 @@ import time
 from collections import Counter, defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -317,6 +320,7 @@ class DemoCluster:
         for node in self.nodes.values():
             held, shards, records = _driver_state(node)
             fakes += records
+            problems += _heartbeat_recent(node.id, cluster[node.id].get("last_heartbeat"), self.heartbeat_seconds)
             telemetry = cluster[node.id].get("telemetry") or {}
             beats = {g["id"]: g for g in telemetry.get("gpus", [])}
             engine_bytes: dict[str, int] = defaultdict(int)  # GPU -> context and KV pools of the reported engines
@@ -442,6 +446,16 @@ def _driver_state(node: Node) -> tuple[dict[int, int], dict[int, int], list[dict
             if record["level"] == 0:
                 shards[int(device)] += record["shard_bytes"]
     return held, shards, records
+
+
+def _heartbeat_recent(node: str, last: str | None, heartbeat_seconds: float) -> list[str]:
+    """Whether the service accepted one of the node's heartbeats lately: a refused heartbeat (422) leaves the
+    node's telemetry at the last one accepted, which says nothing of what happened since."""
+    if last is None:
+        return [f"{node}: the service has accepted no heartbeat"]
+    age = time.time() - datetime.fromisoformat(last).timestamp()  # 3.11 reads the Z
+    limit = max(10.0, 10 * heartbeat_seconds)  # far above the period: a loaded machine delays a heartbeat or two
+    return [f"{node}: the service accepted no heartbeat for {age:.1f} s (last at {last})"] if age > limit else []
 
 
 _LEVEL_STATES = {0: {"running"}, 1: {"asleep_host", "asleep_discarded"}, 2: {"asleep_discarded"}}

@@ -5,6 +5,10 @@ mode, dev mode, its own LMCache instance id) whose GPU memory the agent reads th
 time-compressed as session events.
 
     python tests/fakes/demo_cluster.py [--hour-seconds 30] [--seed 1] [--dir DIR] [--out report.json]
+        [--server URL]
+
+With `--server` the agents and their engines work for a planner already running the demo (`make run`'s,
+http://127.0.0.1:8080, started afresh), which is left running at the end.
 
 At the start the engines the demo's confirmed state runs (or keeps asleep) are started through the agent's
 own process manager (clients/agent/lifecycle.py), so each agent finds them by their launch records as it
@@ -132,6 +136,13 @@ class DemoCluster:
     sb: StateBudgetClient | None = None
 
     # -- the service -------------------------------------------------------------
+
+    def use_service(self, url: str) -> StateBudgetClient:
+        """A planner someone else runs (e.g. `make run`), left running at the end."""
+        self.url = url.rstrip("/")
+        self.sb = StateBudgetClient(self.url, timeout_seconds=30)
+        wait_for(lambda: self.sb is not None and self.sb.readyz().status == "ok", 60, f"the service at {url}")
+        return self.sb
 
     def start_service(self) -> StateBudgetClient:
         port = free_port()
@@ -507,20 +518,25 @@ def hour_trace(seed: int) -> list[TraceRecord]:
 
 
 @contextlib.contextmanager
-def demo_cluster(root: Path, *, heartbeat_seconds: float = 0.5) -> Iterator[DemoCluster]:
+def demo_cluster(root: Path, *, heartbeat_seconds: float = 0.5, server: str | None = None) -> Iterator[DemoCluster]:
     cluster = DemoCluster(root, heartbeat_seconds=heartbeat_seconds)
     try:
-        cluster.start_service()
+        if server is None:
+            cluster.start_service()
+        else:
+            cluster.use_service(server)
         cluster.configure()
         yield cluster
     finally:
         cluster.stop()
 
 
-def run(root: Path, *, hour_seconds: float, seed: int, settle_seconds: float = 60.0) -> dict[str, Any]:
+def run(
+    root: Path, *, hour_seconds: float, seed: int, settle_seconds: float = 60.0, server: str | None = None
+) -> dict[str, Any]:
     records = hour_trace(seed)
     started = time.monotonic()
-    with demo_cluster(root) as cluster:
+    with demo_cluster(root, server=server) as cluster:
         engines = cluster.start_confirmed_engines()
         cluster.start_agents()
         sent = cluster.replay(records, hour_seconds)
@@ -574,12 +590,20 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--dir", type=Path, default=None, help="Where the run's files go (default: a temp dir).")
     parser.add_argument("--out", type=Path, default=None, help="Write the report (JSON) here.")
+    parser.add_argument(
+        "--server", default=None, help="A planner running the demo already (e.g. `make run`'s) instead of a new one."
+    )
+    parser.add_argument(
+        "--settle-seconds", type=float, default=60.0, help="How long the operations may take to end after the hour."
+    )
     args = parser.parse_args()
     import tempfile
 
     root = args.dir or Path(tempfile.mkdtemp(prefix="statebudget-demo-cluster-"))
     root.mkdir(parents=True, exist_ok=True)
-    report = run(root, hour_seconds=args.hour_seconds, seed=args.seed)
+    report = run(
+        root, hour_seconds=args.hour_seconds, seed=args.seed, settle_seconds=args.settle_seconds, server=args.server
+    )
     text = json.dumps(report, indent=2)
     if args.out is not None:
         args.out.write_text(text)

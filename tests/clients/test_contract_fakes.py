@@ -3,17 +3,16 @@
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import os
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from types import ModuleType
 
 import httpx
 import pytest
+from clients_helpers import driver_nvml
 from fakes.lmcache import FakeLMCacheController, create_fake_lmcache
 from fakes.nvml import FakeNvml, NVMLError
 from fakes.serve import free_port
@@ -239,19 +238,6 @@ def vllm_process(driver: Path, totals: str, *, shard_gib: int) -> Iterator[str]:
     finally:
         process.terminate()
         process.wait(timeout=10)
-
-
-def driver_nvml(driver: Path, totals: str, monkeypatch: pytest.MonkeyPatch) -> ModuleType:
-    """The stand-in `pynvml` the agent imports on a node of fake engines (tests/fakes/nvml_driver)."""
-    monkeypatch.setenv("STATEBUDGET_FAKE_NVML_DIR", str(driver))
-    monkeypatch.setenv("STATEBUDGET_FAKE_NVML_TOTALS", totals)
-    spec = importlib.util.spec_from_file_location("fake_pynvml", FAKES / "nvml_driver" / "pynvml.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, module)  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    module.nvmlInit()
-    return module
 
 
 def test_fake_vllm_processes_never_take_more_of_a_device_than_it_has(

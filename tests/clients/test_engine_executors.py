@@ -14,7 +14,7 @@ from typing import Any
 
 import httpx
 import pytest
-from clients_helpers import async_client, make_app, request_event, served
+from clients_helpers import async_client, driver_nvml, make_app, request_event, served
 from fakes.nvml import FakeNvml
 from fakes.serve import free_port, serving
 from fakes.sglang import FakeSglangEngine, create_fake_sglang
@@ -142,7 +142,11 @@ async def test_vllm_wake_after_level_1_copies_back_and_after_level_2_reloads() -
             "POST /wake_up?tags=kv_cache",
         ]
         assert engine.answers() and engine.host_backup_bytes == 0 and woken.measured_bytes == 2 * 14 * GIB
-        await executor.execute(op("drop", W, GPU, None))
+        engine.calls.clear()
+        dropped = await executor.execute(op("drop", W, GPU, None))
+        assert control_calls(engine) == ["GET /is_sleeping", "POST /sleep?level=2&mode=wait"]
+        assert dropped.details["state"] == "asleep_discarded" and dropped.measured_bytes == 2 * 14 * GIB
+        assert engine.level == 2 and engine.host_backup_bytes == 0
         engine.calls.clear()
         await executor.execute(op("promote", W, NVME, GPU))
         assert control_calls(engine) == [
@@ -348,6 +352,8 @@ def managed_config(port: int, tmp_path: Path) -> AgentConfig:
             "{model}",
             "--kv-pool-bytes",
             "{kv_pool_bytes_per_gpu}",
+            "--driver-dir",  # the bytes it holds, for the fake NVML (its default shard: 1 GiB, context 0.5 GiB)
+            str(tmp_path / "driver"),
         ],
         "env": {"VLLM_SERVER_DEV_MODE": "1"},
         "port": port,
@@ -357,17 +363,22 @@ def managed_config(port: int, tmp_path: Path) -> AgentConfig:
     return vllm_config(f"http://127.0.0.1:{port}", management="managed", launch=launch)
 
 
-async def test_a_managed_engine_is_started_restarted_stopped_and_its_crash_is_reported(tmp_path: Path) -> None:
+async def test_a_managed_engine_is_started_restarted_stopped_and_its_crash_is_reported(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     port = free_port()
-    executor = VLLMExecutor.from_config(managed_config(port, tmp_path))
+    nvml = driver_nvml(tmp_path / "driver", f"{80 * GIB},{80 * GIB}", monkeypatch)
+    executor = VLLMExecutor.from_config(managed_config(port, tmp_path), probe=NvmlProbe({"n1-g0": 0, "n1-g1": 1}, nvml))
     assert isinstance(executor, EngineExecutor)
     started = await executor.execute(op("promote", W, NVME, GPU))
     assert started.details["state"] == "running" and started.details["calls"][-1].startswith("start")
+    assert started.details["taken_bytes"] == 2 * (GIB + GIB // 2)  # weights and context on each GPU, no KV pool
     async with httpx.AsyncClient() as http:
         assert (await http.get(f"http://127.0.0.1:{port}/is_sleeping")).json() == {"is_sleeping": False}
     restart = op("promote", W, NVME, GPU, engine=_step("restart", "running", kv_pool_bytes_per_gpu=2 * GIB))
     restarted = await executor.execute(restart)
     assert [c.split(" ")[0] for c in restarted.details["calls"]] == ["GET", "stop", "start"]
+    assert restarted.details["taken_bytes"] == 2 * 2 * GIB  # the new KV pool on each GPU
     process = executor.engines_by_model["coder"].process
     assert (
         process is not None
@@ -382,6 +393,7 @@ async def test_a_managed_engine_is_started_restarted_stopped_and_its_crash_is_re
     assert again.details["calls"][-1].startswith("start")
     stopped = await executor.execute(op("drop", W, GPU, None, engine=_step("stop", "running")))
     assert stopped.details["state"] == "stopped" and process.popen is None
+    assert stopped.details["freed_bytes"] == 2 * (GIB + GIB // 2)  # started again with no KV pool
     await executor.aclose()
 
 

@@ -287,6 +287,13 @@ class DemoCluster:
             time.sleep(batch_seconds)
         return sent
 
+    def get(self, path: str) -> Any:
+        return _get(self.url, path)
+
+    def processes(self, node: str) -> list[dict[str, Any]]:
+        """The node's living fake engine processes: pid, model, level, bytes per device, LMCache instance id."""
+        return _driver_state(self.nodes[node])[2]
+
     def leased(self, node: str) -> list[dict[str, Any]]:
         return [o for o in _get(self.url, "/v1/operations?state=leased") if o["node"] == node]
 

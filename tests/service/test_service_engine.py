@@ -14,6 +14,8 @@ from planner_service.service.errors import Conflict, InvalidInput, NotReady
 from planner_service.service.inputs import ReportIn, RequestEvent, SessionEndEvent
 from planner_service.service.store import SqliteStore
 from planner_service.settings import Settings
+from tests.service.test_service_reconcile import Clock as DemoClock
+from tests.service.test_service_reconcile import new_service
 
 TINY = Path(__file__).parent / "tiny_scenario.json"
 
@@ -67,6 +69,26 @@ def test_in_flight_work_is_not_planned_twice_and_new_work_waits_for_it(service):
     assert service.lease("n1", 10)["operations"] == []  # waiting on the epoch-1 drop
     service.report(dep, ReportIn(lease_id=drop["lease_id"], status="done"))
     assert {o["action"] for o in service.lease("n1", 10)["operations"]} == {"promote"}
+
+
+def test_every_move_of_an_engine_step_waits_on_what_is_in_flight_for_any_of_them(tmp_path):
+    """The demo's first plan stops the planner model's engine on n3-g0 and starts air on n3-g0..g3. With the
+    stop leased, the next epoch plans the start again: the step is one call for the whole group (made on the
+    first of its moves an agent runs), so each of its moves waits on the stop, not only the move onto n3-g0."""
+    svc = new_service(tmp_path / "demo.db", DemoClock())
+    try:
+        svc.replan()
+        stops = [o["id"] for o in svc.lease("n3", 100)["operations"]]
+        assert stops and all(
+            o["engine"]["transition"] == "stop" for o in svc.operations_view(node="n3", state="leased")
+        )
+        svc.replan(force=True)
+        starts = [o for o in svc.operations_view(node="n3", state="queued") if o["engine"]["transition"] == "start"]
+        assert len({o["to"]["gpu"] for o in starts}) == 4
+        assert all(set(stops) <= set(o["depends_on"]) for o in starts), [(o["id"], o["depends_on"]) for o in starts]
+        assert svc.lease("n3", 100)["operations"] == []  # nothing of the start runs before the stop is reported
+    finally:
+        svc.close()
 
 
 def test_switch_latency_is_observed_when_the_model_lands(service):

@@ -5,6 +5,7 @@ invariant checker refuses the steps an engine would refuse."""
 from __future__ import annotations
 
 import dataclasses
+from collections import defaultdict
 from typing import Any
 
 import pytest
@@ -68,6 +69,28 @@ def test_the_demo_s_plans_start_sleep_and_wake_engines() -> None:
     (wake,) = [op.engine for op in second.operations if op.engine and op.engine.transition is Transition.WAKE]
     assert wake is not None and (wake.instance.id, wake.from_state) == ("vision@bf16@n4-g1", EngineState.ASLEEP_HOST)
     assert Transition.SLEEP_LEVEL_1 in transitions(second)  # n2's vision engine sleeps in its place
+
+
+def test_every_move_of_a_step_waits_on_what_any_of_them_waits_on() -> None:
+    """A step is one call, made on the first of its moves an agent runs: the demo's first plan starts air on
+    n3's four GPUs while the planner model's engine stops on n3-g0, so every move of that start waits on the
+    stop, not only the move onto n3-g0 (else the move onto n3-g1 starts air on a GPU still full)."""
+    problem = demo_problem()
+    plan = solve(problem)
+    assert check_plan(problem, plan.placement, plan.operations, plan.unserved) == []
+    by_id = {op.id: op for op in plan.operations}
+    steps: dict[tuple[str, str, Transition], list[Operation]] = defaultdict(list)
+    for op in plan.operations:
+        if op.engine is not None:
+            steps[(op.node, op.engine.instance.id, op.engine.transition)].append(op)
+    for key, moves in steps.items():
+        own = {op.id for op in moves}
+        assert len({frozenset(set(op.depends_on) - own) for op in moves}) == 1, key
+    (start,) = [moves for (_, inst, t), moves in steps.items() if inst.startswith("air@") and t is Transition.START]
+    stops = [[by_id[d] for d in op.depends_on if by_id[d].engine is not None] for op in start]
+    assert len(start) > 1 and all(
+        any(d.engine is not None and d.engine.transition is Transition.STOP for d in deps) for deps in stops
+    )
 
 
 def switch_scenario(b_active: bool) -> dict[str, Any]:

@@ -34,6 +34,7 @@ import argparse
 import contextlib
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -82,6 +83,23 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def engine_ports(n: int, rng: random.Random) -> list[int]:
+    """`n` distinct ports free now for engines that start later: below the kernel's ephemeral range, so that
+    no outgoing connection takes one meanwhile (and not `free_port` n times, which may answer a port twice)."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    ports: list[int] = []
+    with contextlib.ExitStack() as held:
+        while len(ports) < n:
+            port = rng.randrange(10_000, low)
+            s = held.enter_context(socket.socket())
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue  # taken
+            ports.append(port)
+    return ports
 
 
 def total_bytes(gpu: dict[str, Any]) -> int:
@@ -165,6 +183,7 @@ class DemoCluster:
         """An agent configuration per demo node: every model a managed fake vLLM on its own port."""
         cluster = _get(self.url, "/v1/cluster")
         models = {m["id"]: m["resolved"] for m in _get(self.url, "/v1/models")}
+        ports = iter(engine_ports(len(cluster["nodes"]) * len(models), random.Random()))
         for raw in cluster["nodes"]:
             node_id = raw["id"]
             base = self.root / node_id
@@ -175,7 +194,7 @@ class DemoCluster:
             gpus = [{"id": g["id"], "type": g["type"], "device": i} for i, g in enumerate(raw["gpus"])]
             engines = {}
             for model, sizes in models.items():
-                port = free_port()
+                port = next(ports)
                 command = [
                     sys.executable,
                     str(RUN_VLLM),

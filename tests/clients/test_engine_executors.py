@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import signal
 import sys
@@ -341,7 +342,7 @@ async def test_readahead_reports_the_page_cache_bytes_mincore_measured(tmp_path:
         await executor.aclose()
 
 
-def managed_config(port: int, tmp_path: Path) -> AgentConfig:
+def managed_config(port: int, tmp_path: Path, **env: str) -> AgentConfig:
     launch = {
         "command": [
             sys.executable,
@@ -355,7 +356,7 @@ def managed_config(port: int, tmp_path: Path) -> AgentConfig:
             "--driver-dir",  # the bytes it holds, for the fake NVML (its default shard: 1 GiB, context 0.5 GiB)
             str(tmp_path / "driver"),
         ],
-        "env": {"VLLM_SERVER_DEV_MODE": "1"},
+        "env": {"VLLM_SERVER_DEV_MODE": "1", **env},
         "port": port,
         "ready_timeout_seconds": 30,
         "stop_timeout_seconds": 5,
@@ -394,6 +395,31 @@ async def test_a_managed_engine_is_started_restarted_stopped_and_its_crash_is_re
     stopped = await executor.execute(op("drop", W, GPU, None, engine=_step("stop", "running")))
     assert stopped.details["state"] == "stopped" and process.popen is None
     assert stopped.details["freed_bytes"] == 2 * (GIB + GIB // 2)  # started again with no KV pool
+    await executor.aclose()
+
+
+async def test_a_start_that_failed_is_not_tried_again_by_the_other_moves_of_its_step(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Each GPU of a group gets its own move of one start; the engine runs out of memory at start (each device
+    has 1 GiB, it needs 1.5), so the first move's start fails and the second fails with it, without a second
+    cold start; the next plan's start of the same instance is tried again."""
+    config = managed_config(free_port(), tmp_path, STATEBUDGET_FAKE_NVML_TOTALS=f"{GIB},{GIB}")
+    executor = VLLMExecutor.from_config(config)
+    step = _step("start", "stopped")
+    moves = [
+        op("promote", W, NVME, {"tier": "gpu", "gpu": g}, id=f"3.op-{i}", engine=step)
+        for i, g in enumerate(["n1-g0", "n1-g1"])
+    ]
+    with caplog.at_level(logging.INFO, logger="statebudget.agent.engines"):
+        with pytest.raises(PermanentError, match="CUDA out of memory"):
+            await executor.execute(moves[0])
+        with pytest.raises(PermanentError, match="failed for 3.op-0 of the same step: .*CUDA out of memory"):
+            await executor.execute(moves[1])
+        assert sum(r.getMessage().startswith("started vllm-coder") for r in caplog.records) == 1
+        with pytest.raises(PermanentError, match="CUDA out of memory"):
+            await executor.execute(op("promote", W, NVME, GPU, id="4.op-1", engine=step))
+        assert sum(r.getMessage().startswith("started vllm-coder") for r in caplog.records) == 2
     await executor.aclose()
 
 

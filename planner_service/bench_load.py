@@ -43,6 +43,7 @@ import httpx
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
+from clients.sdk import KEEPALIVE_EXPIRY_SECONDS
 from clients.sdk import events as sdk_events
 
 READY_TIMEOUT_SECONDS = 60.0
@@ -300,7 +301,10 @@ def _auth(token: str) -> dict[str, str]:
 
 @contextlib.asynccontextmanager
 async def _client(server: Server, token: str, connections: int) -> AsyncIterator[httpx.AsyncClient]:
-    limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
+    # idle connections are dropped before the server closes them (`keep_alive_seconds`), as the SDK's are
+    limits = httpx.Limits(
+        max_connections=connections, max_keepalive_connections=connections, keepalive_expiry=KEEPALIVE_EXPIRY_SECONDS
+    )
     async with httpx.AsyncClient(
         base_url=server.base_url, headers=_auth(token), limits=limits, timeout=httpx.Timeout(60.0)
     ) as client:

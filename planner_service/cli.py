@@ -222,6 +222,26 @@ def bench_plan(
         out.print(result)
 
 
+@bench_app.command("ingest")
+def bench_ingest(
+    rounds: Annotated[int, typer.Option(help="Rounds of event batches, each then planned and reported done.")] = 10,
+    batches: Annotated[int, typer.Option(help="Event batches per round.")] = 20,
+    batch: Annotated[int, typer.Option(help="Events per batch.")] = 20,
+    sessions: Annotated[int, typer.Option(help="Concurrent sessions the events belong to.")] = 200,
+    as_json: JsonOpt = False,
+) -> None:
+    """Time event batches and done reports in process on the demo (no HTTP), and print p50/p95/mean, how often
+    the live problem was compiled, the machine and the load average."""
+    from planner_service.bench import machine
+    from planner_service.bench_ingest import run
+
+    result = {**run(rounds, batches, batch, sessions), "machine": machine()}
+    if as_json:
+        emit_json(result)
+    else:
+        out.print(result)
+
+
 @bench_app.command("gateway")
 def bench_gateway(
     rate: Annotated[
@@ -303,6 +323,32 @@ def bench_load(
         emit_json({"phases": phases, "machine": machine()})
     else:
         out.print({"machine": machine()})
+
+
+@bench_app.command("wake")
+def bench_wake(
+    trials: Annotated[int, typer.Option(min=2, max=1000, help="Requests, alternating between the two models.")] = 40,
+    debounce: Annotated[
+        float | None,
+        typer.Option(min=0.0, max=10.0, help="The server's replan debounce, seconds (default: the server's own)."),
+    ] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """The control path of a wake on request against a real `statebudget serve` on loopback: from a request
+    event for a model that runs nowhere until the gateway's route table shows it running (the engine's own
+    wake counted as zero); p50/p95/p99 of each step. Figures, not a test."""
+    from planner_service.bench import machine
+    from planner_service.bench_wake import WakeConfig, run
+
+    try:
+        figures = run(WakeConfig(trials=trials, replan_debounce_seconds=debounce))
+    except RuntimeError as error:
+        raise fail(str(error), code=1) from None
+    figures["machine"] = machine()
+    if as_json:
+        emit_json(figures)
+    else:
+        out.print(figures)
 
 
 @app.command()
@@ -613,6 +659,7 @@ def serve(
         log_level=settings.log_level,
         log_config=serve_log_config(settings),
         timeout_graceful_shutdown=5,  # lease long-polls must not hold a shutdown for their whole wait
+        timeout_keep_alive=settings.keep_alive_seconds,
     )
 
 

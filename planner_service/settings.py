@@ -12,7 +12,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from planner_service.domain.bounds import DEFAULT_MAX_CLOCK_SKEW_SECONDS, MAX_SECONDS
+from planner_service.wire.bounds import DEFAULT_MAX_CLOCK_SKEW_SECONDS, MAX_SECONDS
 
 
 class Settings(BaseSettings):
@@ -42,6 +42,13 @@ class Settings(BaseSettings):
         7 * 86400.0, gt=0, description="How long an event id is remembered, so a resend within it is ignored."
     )
     max_wait_seconds: float = Field(30.0, ge=0, description="Longest a lease long-poll may wait.")
+    keep_alive_seconds: int = Field(
+        30,
+        ge=1,
+        description="How long an idle HTTP connection stays open (uvicorn's timeout_keep_alive). Longer than clients "
+        "keep theirs (the SDK, agent and gateway drop theirs after 5 s), so that no request is sent on a connection "
+        "the server is closing: uvicorn's default of 5 s, equal to httpx's, lost requests to that race under load.",
+    )
     # the planning rules' defaults are those of the simulator's `statebudget` policy (planner/online.py), so a
     # replay measures what the service runs; tests/unit/test_settings_defaults.py keeps them equal
     replan_debounce_seconds: float = Field(

@@ -102,35 +102,45 @@ class SessionEvents:
         self._seq += 1
         return f"gw-{self._prefix}-{self._seq}"
 
+    def _emit(self, make: Callable[..., dict[str, Any]], /, *args: Any, **fields: Any) -> None:
+        """Queue the event `make` builds from the wire model. One the model refuses (an id or a count out of its
+        bounds) is dropped and counted: queued, the planner would refuse its whole batch at every retry."""
+        try:
+            event = make(*args, **fields)
+        except ValueError as error:  # pydantic's ValidationError names the field
+            self.sink.metrics.events_dropped.inc()
+            log.warning("a session event the planner would refuse is dropped: %s", error)
+            return
+        self.sink.emit(event)
+
     def on_request(self, facts: RequestFacts) -> None:
         now = self.clock()
         s = self._sessions.get(facts.session)
         if s is None:
             s = self._sessions[facts.session] = _Session(last_seen=now)
         if s.in_tool_call:
-            self.sink.emit(ev.tool_call_end(self._id(), session=facts.session, tool=s.tool, at=now))
+            self._emit(ev.tool_call_end, self._id(), session=facts.session, tool=s.tool, at=now)
             s.in_tool_call, s.tool = False, None
         s.last_seen = now
-        self.sink.emit(
-            ev.request(
-                self._id(),
-                session=facts.session,
-                model=facts.model,
-                user=facts.user,
-                input_tokens=facts.input_tokens,
-                at=now,
-            )
+        self._emit(
+            ev.request,
+            self._id(),
+            session=facts.session,
+            model=facts.model,
+            user=facts.user,
+            input_tokens=facts.input_tokens,
+            at=now,
         )
 
     def on_answer(self, facts: RequestFacts, answer: AnswerFacts) -> None:
         now = self.clock()
         s = self._sessions.setdefault(facts.session, _Session(last_seen=now))
         s.last_seen = now
-        self.sink.emit(ev.turn_end(self._id(), session=facts.session, output_tokens=answer.output_tokens, at=now))
+        self._emit(ev.turn_end, self._id(), session=facts.session, output_tokens=answer.output_tokens, at=now)
         if answer.finish_reason == "tool_calls":
             s.in_tool_call = True
             s.tool = answer.tools[0] if answer.tools else None
-            self.sink.emit(ev.tool_call_start(self._id(), session=facts.session, tool=s.tool, at=now))
+            self._emit(ev.tool_call_start, self._id(), session=facts.session, tool=s.tool, at=now)
 
     def end_idle(self) -> int:
         """`session_end` for each session quiet for `idle_seconds`; how many ended."""
@@ -138,7 +148,7 @@ class SessionEvents:
         idle = [sid for sid, s in self._sessions.items() if now - s.last_seen >= self.idle_seconds]
         for sid in idle:
             del self._sessions[sid]
-            self.sink.emit(ev.session_end(self._id(), session=sid, at=now))
+            self._emit(ev.session_end, self._id(), session=sid, at=now)
         return len(idle)
 
     async def run_idle_sweep(self) -> None:

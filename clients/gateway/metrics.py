@@ -63,7 +63,7 @@ class GatewayMetrics:
         )
         self.events_dropped = Counter(
             "statebudget_gateway_events_dropped_total",
-            "Events dropped because the buffer was full while the planner was down.",
+            "Events dropped: the buffer was full while the planner was down, or the wire model refused the event.",
             registry=registry,
         )
         self.event_post_failures = Counter(

@@ -1,7 +1,7 @@
 """Python SDK of the StateBudget API: `StateBudgetClient`, `AsyncStateBudgetClient`, typed errors, event helpers."""
 
 from clients.sdk import events
-from clients.sdk._core import RetryPolicy
+from clients.sdk._core import KEEPALIVE_EXPIRY_SECONDS, RetryPolicy
 from clients.sdk.client import AsyncStateBudgetClient, StateBudgetClient
 from clients.sdk.errors import (
     APIError,
@@ -17,6 +17,7 @@ from clients.sdk.errors import (
 )
 
 __all__ = [
+    "KEEPALIVE_EXPIRY_SECONDS",
     "APIError",
     "AsyncStateBudgetClient",
     "AuthenticationError",

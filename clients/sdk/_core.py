@@ -31,6 +31,11 @@ T = TypeVar("T")
 P = ParamSpec("P")
 Method = Literal["GET", "POST", "PUT", "DELETE"]
 DEFAULT_TIMEOUT_SECONDS = 30.0
+KEEPALIVE_EXPIRY_SECONDS = 5.0
+"""How long an idle connection waits in the pool for the next request: well below the server's
+`keep_alive_seconds` (30 s), so that a request never goes out on a connection the server is closing. That
+race answers with a ReadError, which for a lease cannot be told from a lost answer (and so is not retried)."""
+POOL_LIMITS = httpx.Limits(max_connections=100, max_keepalive_connections=20, keepalive_expiry=KEEPALIVE_EXPIRY_SECONDS)
 LONG_POLL_MARGIN_SECONDS = 10.0  # a lease long-poll may hold the request this much past its wait
 
 

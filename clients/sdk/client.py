@@ -22,6 +22,7 @@ import stamina
 from clients.sdk import _calls
 from clients.sdk._core import (
     NO_RETRY,
+    POOL_LIMITS,
     AsyncSender,
     Call,
     ClientConfig,
@@ -83,7 +84,9 @@ class StateBudgetClient(SyncSender, Endpoints):
         self.config = ClientConfig(base_url, token, timeout_seconds, retry or RetryPolicy())
         self._owned = http_client is None
         self._http = (
-            http_client if http_client is not None else httpx.Client(base_url=base_url, timeout=timeout_seconds)
+            http_client
+            if http_client is not None
+            else httpx.Client(base_url=base_url, timeout=timeout_seconds, limits=POOL_LIMITS)
         )
 
     def _send(self, call: Call[T]) -> T:
@@ -126,7 +129,7 @@ class AsyncStateBudgetClient(AsyncSender, Endpoints):
         self._http = (
             http_client
             if http_client is not None
-            else httpx.AsyncClient(base_url=base_url, transport=transport, timeout=timeout_seconds)
+            else httpx.AsyncClient(base_url=base_url, transport=transport, timeout=timeout_seconds, limits=POOL_LIMITS)
         )
 
     async def _send(self, call: Call[T]) -> T:  # the async twin of StateBudgetClient._send

@@ -29,22 +29,33 @@ class QueueSignal:
 
     def __init__(self) -> None:
         self._events: dict[str, asyncio.Event] = {}
+        self._any: asyncio.Event | None = None
         self._draining = False
 
     def event(self, node: str) -> asyncio.Event:
         """What the next change of `node`'s queue sets (take it before looking at the queue)."""
         return self._events.setdefault(node, asyncio.Event())
 
+    def any_change(self) -> asyncio.Event:
+        """What the next change of any queue sets: a plan installed, an operation reported or expired (the route
+        table's long-poll takes it before looking at the table)."""
+        if self._any is None:
+            self._any = asyncio.Event()
+        return self._any
+
     @property
     def draining(self) -> bool:
         return self._draining
 
     def bump(self, nodes: Iterable[str] | None = None) -> None:
-        """Wake the long-polls of `nodes` (None: of every node)."""
+        """Wake the long-polls of `nodes` (None: of every node), and those waiting for any change."""
         for node in list(self._events) if nodes is None else nodes:
             event = self._events.pop(node, None)
             if event is not None:
                 event.set()
+        if self._any is not None:
+            self._any.set()
+            self._any = None
 
     def drain(self) -> None:
         self._draining = True

@@ -517,20 +517,56 @@ def load_seconds(instance: EngineInstance, links: GroupLinks, constants: EngineC
     return pipelined_copy_seconds(h2d, instance.shard_bytes, constants.page_cache_read_bytes_per_s)
 
 
+def bring_up_fixed_seconds(state: EngineState, same_instance: bool, constants: EngineConstants) -> float:
+    """The fixed part of bringing an instance to running from `state`, its copy of the weights priced apart
+    (`same_instance`: the instance in `state` is the one brought up, same precision, group and settings):
+
+        running, same instance           0                                nothing to do
+        asleep_host, same instance       wake_fixed                       level-1 wake
+        asleep_discarded, same instance  wake_fixed + reload_fixed        level-2 wake, then reload_weights
+        running or asleep, another one   stop_fixed + cold_start_fixed    a restart with new settings
+        stopped                          cold_start_fixed                 a cold start
+
+    The wake, cold-start and restart costs below are this plus their loads; the planner
+    (planner/engine_costs.py) and the simulator (sim/instances.py) add the same fixed part to the copies
+    they price or simulate, so that both charge one engine model.
+    """
+    if state is EngineState.STOPPED:
+        return constants.cold_start_fixed_seconds
+    if not same_instance:
+        return constants.stop_fixed_seconds + constants.cold_start_fixed_seconds
+    if state is EngineState.ASLEEP_HOST:
+        return constants.wake_fixed_seconds
+    if state is EngineState.ASLEEP_DISCARDED:
+        return constants.wake_fixed_seconds + constants.reload_fixed_seconds
+    return 0.0
+
+
+def leaving_transition(instance: EngineInstance, host_copy: bool) -> Transition | None:
+    """How a running instance leaves its GPUs: a level-1 sleep where host RAM holds the weights (its backup)
+    and its kind and features offer one, else a level-2 sleep, else None (it stops). SGLang launched with
+    --enable-weights-cpu-backup releases into host RAM whether or not a copy was there: its level 1."""
+    order = (Transition.SLEEP_LEVEL_1, Transition.SLEEP_LEVEL_2) if host_copy else (Transition.SLEEP_LEVEL_2,)
+    for transition in order:
+        if may(instance, EngineState.RUNNING, transition).allowed:
+            return transition
+    if not host_copy and may(instance, EngineState.RUNNING, Transition.SLEEP_LEVEL_1).allowed:
+        return Transition.SLEEP_LEVEL_1
+    return None
+
+
 def wake_from_host_seconds(instance: EngineInstance, links: GroupLinks, constants: EngineConstants) -> float:
     """Level-1 wake: wake_fixed + shard / h2d (the shards copy back in parallel, one per GPU link)."""
-    return constants.wake_fixed_seconds + instance.shard_bytes / links.h2d_bytes_per_s
+    fixed = bring_up_fixed_seconds(EngineState.ASLEEP_HOST, True, constants)
+    return fixed + instance.shard_bytes / links.h2d_bytes_per_s
 
 
 def wake_from_disk_seconds(
     instance: EngineInstance, links: GroupLinks, constants: EngineConstants, read_from: ReadFrom
 ) -> float:
     """Level-2 wake and reload: wake_fixed + reload_fixed + load(read_from)."""
-    return (
-        constants.wake_fixed_seconds
-        + constants.reload_fixed_seconds
-        + load_seconds(instance, links, constants, read_from)
-    )
+    fixed = bring_up_fixed_seconds(EngineState.ASLEEP_DISCARDED, True, constants)
+    return fixed + load_seconds(instance, links, constants, read_from)
 
 
 def sleep_seconds(
@@ -552,7 +588,9 @@ def cold_start_seconds(
     instance: EngineInstance, links: GroupLinks, constants: EngineConstants, read_from: ReadFrom = ReadFrom.NVME
 ) -> float:
     """A cold start of the configuration: cold_start_fixed (process, compilation, CUDA graphs) + load."""
-    return constants.cold_start_fixed_seconds + load_seconds(instance, links, constants, read_from)
+    return bring_up_fixed_seconds(EngineState.STOPPED, False, constants) + load_seconds(
+        instance, links, constants, read_from
+    )
 
 
 def readahead_seconds(instance: EngineInstance, links: GroupLinks) -> float:

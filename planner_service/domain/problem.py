@@ -7,8 +7,8 @@ confirmed placement.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 
 from planner_service.domain.architecture import PRECISION_BYTES, Architecture
@@ -83,6 +83,14 @@ class ModelSpec:
         return self.precisions[0]
 
 
+STAND_IN = "expected-"  # the id prefix of the planner's stand-in sessions (the service refuses events for them)
+
+
+def is_stand_in(session_id: str | None) -> bool:
+    """Whether a session id names a stand-in: a seat the online planner keeps for the recent load."""
+    return session_id is not None and session_id.startswith(STAND_IN)
+
+
 @dataclass(frozen=True, slots=True)
 class Session:
     id: str
@@ -91,6 +99,10 @@ class Session:
     model: str
     active: bool
     context_tokens: int
+
+    @property
+    def stand_in(self) -> bool:
+        return is_stand_in(self.id)
 
 
 @dataclass(frozen=True, slots=True)
@@ -283,6 +295,43 @@ def compile_problem(scenario: Scenario, next_model: Mapping[str, Mapping[str, fl
     )
     _check_residency_sizes(problem)
     return problem
+
+
+def with_state(
+    problem: Problem,
+    sessions: Iterable[Session],
+    residency: Mapping[tuple[StateObject, Location], int],
+    next_model: Mapping[str, Mapping[str, float]],
+) -> Problem:
+    """`problem` with other sessions, residency and predictions: what `compile_problem` gives for its scenario
+    with them, checked the same way, without resolving the catalog and the cluster again (the costly part).
+    Residency entries are kept in `placement_to_json`'s order, as a compiled scenario has them."""
+    by_id = {s.id: s for s in sessions}
+    placed: Placement = {}
+    for (obj, loc), nbytes in sorted(residency.items()):
+        if nbytes <= 0:
+            continue
+        where = f"residency: {obj.label()} at {loc.label()}"
+        model = problem.models.get(obj.model)
+        if model is None:
+            raise ScenarioError(f"{where}: unknown model {obj.model!r}")
+        if obj.kind == "kv" and obj.session not in by_id:
+            raise ScenarioError(f"{where}: unknown session {obj.session!r}")
+        if loc.id not in (problem.gpus if loc.tier == "gpu" else problem.nodes):
+            raise ScenarioError(f"{where}: unknown {loc.tier} location {loc.id!r}")
+        if obj.kind == "weights" and obj.precision not in model.weights_bytes:
+            raise ScenarioError(f"{where}: model {obj.model!r} is not served at {obj.precision}")
+        if obj.kind == "experts" and not model.is_moe:
+            raise ScenarioError(f"{where}: model {obj.model!r} has no routed experts")
+        placed[(obj, loc)] = nbytes
+    out = replace(
+        problem,
+        sessions=MappingProxyType(by_id),
+        residency=MappingProxyType(placed),
+        next_model=MappingProxyType(dict(next_model)),
+    )
+    _check_residency_sizes(out)
+    return out
 
 
 def _check_residency_sizes(problem: Problem) -> None:

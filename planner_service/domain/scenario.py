@@ -16,7 +16,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from planner_service.domain.architecture import Precision
-from planner_service.domain.bounds import (
+from planner_service.domain.engines import ENGINE_KINDS, KIND_FEATURES, EngineFeature, EngineKind, Management
+from planner_service.wire.bounds import (
     MAX_CONFIG_MAGNITUDE,
     MAX_TENSOR_PARALLEL,
     ByteCount,
@@ -32,7 +33,6 @@ from planner_service.domain.bounds import (
     Tokens,
     Weight,
 )
-from planner_service.domain.engines import ENGINE_KINDS, KIND_FEATURES, EngineFeature, EngineKind, Management
 from planner_service.wire.enums import Capability as Capability  # noqa: PLC0414 -- re-exported: it was defined here
 from planner_service.wire.enums import Slo as Slo  # noqa: PLC0414 -- re-exported: it was defined here
 
@@ -277,9 +277,6 @@ class CostConstants(_Strict):
         600.0, description="Charged per active request the plan cannot serve (it waits)."
     )
     horizon_seconds: PositiveSeconds = Field(300.0, description="How far ahead the predicted requests reach.")
-    engine_load_overhead_seconds: Seconds = Field(
-        0.3, description="Per weight load, on top of the copy (vLLM sleep-mode wake, perf_anchors.md §1)."
-    )
     prefill_efficiency: float = Field(
         0.5, gt=0, le=1, description="Fraction of dense bf16 FLOP/s that prefill achieves."
     )

@@ -2,7 +2,8 @@
 
 Every function returns seconds (or seconds per token) and takes bytes and
 bytes/s; the formulas, with units, are in each docstring. Planners, the
-evaluator and the simulator all use these, so their numbers agree.
+evaluator and the simulator all use these, so their numbers agree; what an engine transition adds
+to a copy is the engine model's (domain/engines.py, planner/engine_costs.py).
 """
 
 from __future__ import annotations
@@ -86,14 +87,6 @@ def write_down_seconds(nbytes: int, gpu: Gpu | None, target: Tier, node: Node) -
     if target is Tier.NVME:
         t = max(t, nbytes / node.nvme_write_bytes_per_s)
     return t
-
-
-def weights_load_seconds(nbytes: int, gpus: Sequence[Gpu], source: Tier, node: Node, constants: CostConstants) -> float:
-    """Promote a model's weights (split evenly over its tensor-parallel group) plus the engine's load overhead."""
-    if nbytes <= 0:
-        return 0.0
-    shard = math.ceil(nbytes / len(gpus))
-    return even_copy_seconds(shard, gpus, source, node) + constants.engine_load_overhead_seconds
 
 
 def prefill_seconds_per_token(model: ModelSpec, gpus: Sequence[Gpu], constants: CostConstants) -> float:

@@ -26,7 +26,6 @@ from dataclasses import dataclass
 
 from planner_service.domain.engines import (
     DeclaredEngine,
-    EngineConstants,
     EngineFeature,
     EngineInstance,
     EngineKind,
@@ -42,12 +41,13 @@ from planner_service.domain.engines import (
 )
 from planner_service.domain.problem import Problem
 from planner_service.domain.state import Kind, Location, Placement, StateObject, Tier
+from planner_service.planner import engine_costs
 from planner_service.planner.operations import Action, Operation
 from planner_service.wire.operations import EngineInstanceRef, EngineStep
 
 # the kinds whose engines carry out transitions, not byte moves (`local` moves bytes itself)
 ENGINE_NODE_KINDS = frozenset({EngineKind.VLLM, EngineKind.SGLANG})
-ENGINE_CONSTANTS = EngineConstants()
+ENGINE_CONSTANTS = engine_costs.ENGINE_CONSTANTS
 
 Key = tuple[str, str]  # (node, model)
 
@@ -217,6 +217,23 @@ def pooled_kv(
             assert view.precision is not None  # a running instance
             entry = out.setdefault((view.node, view.model), (view.precision, view.gpus, {}))
             entry[2][(obj, loc)] = nbytes
+    return out
+
+
+def launched_experts(
+    problem: Problem, states: Mapping[Key, InstanceView]
+) -> dict[Key, tuple[str, tuple[str, ...], dict[str, int]]]:
+    """(node, model) -> (precision, GPUs, routed-expert bytes on each of the node's GPUs) of each running MoE
+    instance that holds experts there: its GPU expert share is a launch setting, so while it runs as it is
+    they stay exactly as they are (`engine_target` holds them there), and their room is not another's."""
+    out: dict[Key, tuple[str, tuple[str, ...], dict[str, int]]] = {}
+    for (node, model), view in states.items():
+        if view.state is not EngineState.RUNNING or view.precision is None or not problem.models[model].experts_bytes:
+            continue
+        obj = StateObject.experts(model)
+        held = {g: n for g in problem.nodes[node].gpus if (n := problem.residency.get((obj, Location.gpu(g)), 0))}
+        if held:
+            out[(node, model)] = (view.precision, view.gpus, held)
     return out
 
 

@@ -94,11 +94,12 @@ from planner_service.domain.problem import Gpu, ModelSpec, Node, Problem, Sessio
 from planner_service.domain.scenario import Capability, Slo
 from planner_service.domain.state import Kind, Location, Placement, StateObject, Tier
 from planner_service.domain.units import GIB
-from planner_service.planner import costs, joint
+from planner_service.planner import costs, engine_costs, joint
 from planner_service.planner.engine_plan import (
     can_leave,
     confirmed_states,
     kept_contexts,
+    launched_experts,
     pinned_instances,
     pooled_kv,
 )
@@ -348,6 +349,10 @@ class GreedyPlanner:
         # (node, model) -> the KV in each running engine's fixed pool, kept while it runs as it is
         self._pools = pooled_kv(problem, states)
         self._pooled: set[StateObject] = set()  # KV placed where its engine's pool keeps it
+        # (node, model) -> the routed experts each running MoE engine holds on the node's GPUs: its launch
+        # setting, kept while it runs as it is; the models whose expert share is so fixed in the target
+        self._launched_experts = launched_experts(problem, states)
+        self._experts_fixed: set[str] = set()
         self._stuck = {
             key: view for key, view in states.items() if view.state is EngineState.RUNNING and not can_leave(view)
         }
@@ -568,7 +573,7 @@ class GreedyPlanner:
                     if held:
                         seconds = self._regroup_seconds(obj, gpus, nbytes, node_id)
                     else:
-                        seconds = costs.weights_load_seconds(nbytes, gpus, source, node, self.c)
+                        seconds = engine_costs.bring_up_seconds(self.p, self.now, model, precision, gpus, source, node)
                     if seconds is None:
                         continue
                     cost = (
@@ -620,7 +625,11 @@ class GreedyPlanner:
         source = self._source(obj, node_id)
         if source is None:
             return None
-        return costs.copy_seconds(gains, gpus, source, self.p.nodes[node_id]) + self.c.engine_load_overhead_seconds
+        assert obj.precision is not None  # a weights object
+        fixed = engine_costs.up_fixed_seconds(
+            self.p, self.now, node_id, obj.model, obj.precision, [g.id for g in gpus], host_copy=source is _HOST
+        )  # a new group of a running engine: a restart
+        return costs.copy_seconds(gains, gpus, source, self.p.nodes[node_id]) + fixed
 
     def _group_cost(
         self,
@@ -936,8 +945,8 @@ class GreedyPlanner:
 
     def _kept_on(self, model_id: str, node_id: str, precision: str, gpus: tuple[Gpu, ...]) -> tuple[list[int], int]:
         """Bytes per GPU of `gpus` that staying there at `precision` takes beyond the weights: the sessions' KV
-        in the running engine's pool (`_keep_pool`), less the context a sleep would have kept (held already);
-        and how much of that KV is the active sessions'."""
+        in the running engine's pool and its routed experts (`_keep_pool`), less the context a sleep would
+        have kept (held already); and how much of that KV is the active sessions'."""
         out = [0] * len(gpus)
         active_bytes = 0
         ids = tuple(g.id for g in gpus)
@@ -953,17 +962,32 @@ class GreedyPlanner:
                 out[position[loc.id]] += nbytes
                 if kv.session in active:
                     active_bytes += nbytes
+        experts = self._launched_experts.get(key)
+        if experts is not None and experts[:2] == (precision, ids):
+            for i, g in enumerate(ids):
+                out[i] += experts[2].get(g, 0)
         return out, active_bytes
 
     def _keep_pool(self, model: ModelSpec, group: Group) -> None:
         """Where the model stays on its running engine as it is, the sessions' KV in that engine's pool stays
-        with it (the engine frees no one request's KV); the context held for its sleep is given back."""
+        with it (the engine frees no one request's KV), and so do its routed experts (their GPU share is a
+        launch setting: the KV of new requests cannot take their room); the context held for its sleep is
+        given back."""
         key = (group.node, model.id)
         ids = tuple(g.id for g in group.gpus)
         context = self._contexts.get(key)
         if context is not None and context[0] == ids:
             del self._contexts[key]
             self.book.take(group.gpus, [-context[1]] * len(ids))
+        experts = self._launched_experts.get(key)
+        if experts is not None and experts[:2] == (group.precision, ids):
+            obj = StateObject.experts(model.id)
+            self.book.take_from(group.node, experts[2].items())
+            for g, nbytes in experts[2].items():
+                self.target[(obj, self._at[g])] = nbytes
+            self._experts_placed[model.id] += sum(experts[2].values())
+            self._experts_fixed.add(model.id)
+            self.reasons[obj] = "the GPU expert share its running engine was launched with, kept while it runs"
         pool = self._pools.get(key)
         if pool is None or pool[:2] != (group.precision, ids):
             return
@@ -999,12 +1023,16 @@ class GreedyPlanner:
         return session.context_tokens * model.kv_bytes_per_token
 
     def _serve_order(self) -> list[str]:
-        """Models with requests in flight, most urgent SLO first, then largest."""
+        """Models with requests in flight, most urgent SLO first, then largest; models with only stand-ins
+        (seats kept for the recent load) after every model a real request waits for, so that room kept for
+        predicted load never turns away a request that is here."""
 
-        def urgency(model_id: str) -> tuple[int, int, str]:
+        def urgency(model_id: str) -> tuple[bool, int, int, str]:
             model = self.p.models[model_id]
+            sessions = self.active[model_id]
             return (
-                min(SLO_RANK[s.slo] for s in self.active[model_id]),
+                all(s.stand_in for s in sessions),
+                min(SLO_RANK[s.slo] for s in sessions),
                 -model.weights_bytes[model.preferred],
                 model_id,
             )
@@ -1335,7 +1363,8 @@ class GreedyPlanner:
                     continue
                 model = self.p.models[model_id]
                 shards = split_evenly(model.weights_bytes[group.precision], len(group.gpus))
-                if self._pools or self._contexts:  # staying on its running engine keeps that engine's KV pool
+                # staying on its running engine keeps that engine's KV pool and experts
+                if self._pools or self._contexts or self._launched_experts:
                     kept, _ = self._kept_on(model_id, group.node, group.precision, group.gpus)
                     shards = [a + b for a, b in zip(shards, kept, strict=True)]
                 if offered != self._placed_on[group.node] or not self.book.fits(group.gpus, shards):
@@ -1404,7 +1433,10 @@ class GreedyPlanner:
             node = self.p.nodes[cold.node]
             nbytes = model.weights_bytes[cold.precision]
             if _WEIGHTS_OFFLOAD in node.capabilities and self._host_room(cold.node) >= nbytes:
-                saved = min(saved, costs.weights_load_seconds(nbytes, cold.gpus, _HOST, node, self.c))
+                staged_load = engine_costs.bring_up_seconds(
+                    self.p, self.now, model, model.preferred, cold.gpus, _HOST, node, after_leaving=True
+                )
+                saved = min(saved, staged_load)
         value = total_w * saved
         value -= total_w * self.c.degraded_precision_seconds * (rank > 0)
         value -= costs.gpu_hold_cost(model.weights_bytes[model.precisions[rank]], self.c) + self.c.move_weight * seconds
@@ -1423,7 +1455,7 @@ class GreedyPlanner:
         """`cold_load` from the confirmed placement (the same on every look)."""
         cold = self._cold_loads.get(model.id)
         if cold is None:
-            cold = self._cold_loads[model.id] = cold_load(self.p, self.now, model)
+            cold = self._cold_loads[model.id] = cold_load(self.p, self.now, model, self.now)
         return cold
 
     def _push_followers(self, model_id: str, push: _Push) -> None:
@@ -1483,7 +1515,7 @@ class GreedyPlanner:
     def _push_expert_chunks(self, model: ModelSpec, group: Group, push: _Push) -> None:
         obj = StateObject.experts(model.id)
         demand = self._served_weight(model.id)
-        if demand <= 0:
+        if demand <= 0 or model.id in self._experts_fixed:  # a running engine's expert share stays as launched
             return
         # chunks grow only up to what the node can load: a complete copy below its GPUs, or what they hold now
         shape = self._expert_shape(model, group.node)
@@ -1658,14 +1690,16 @@ class GreedyPlanner:
         for model_id in waiting:
             model = self.p.models[model_id]
             obj = StateObject.weights(model_id, model.preferred)
-            cold = cold_load(self.p, index, model)
+            cold = cold_load(self.p, index, model, self.now)
             if cold.node is None or cold.precision != model.preferred:
                 continue
             node = self.p.nodes[cold.node]
             if _WEIGHTS_OFFLOAD not in node.capabilities or index.complete(obj, cold.node, _HOST):
                 continue
             nbytes = model.weights_bytes[model.preferred]
-            from_host = costs.weights_load_seconds(nbytes, cold.gpus, _HOST, node, self.c)
+            from_host = engine_costs.bring_up_seconds(
+                self.p, self.now, model, model.preferred, cold.gpus, _HOST, node, after_leaving=True
+            )
             saved = self._demand(model_id) * (cold.seconds - from_host)
             stage = nbytes / node.nvme_read_bytes_per_s * self.c.move_weight
             if saved - stage > 0:

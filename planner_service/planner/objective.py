@@ -6,15 +6,18 @@ For a target placement T reached from the confirmed placement C:
               + sum over sessions s, models m  w_s * q(s,m) * (L_T(s,m) + V * [L_T(s,m) > target_s])
               + sum over requests (active and predicted)  w_s * q * (decode slowdown + degraded precision)
               + price * GiB held on GPU in T
-              + move_weight * seconds spent promoting C -> T
+              + move_weight * seconds spent promoting C -> T (engine transitions included)
               + U * active requests T cannot serve
 
   w_s       SLO weight of the session's class; target_s its switch-latency target
   q(s,m)    predicted probability that s's next request goes to m
   L_T(s,m)  switch latency in T: weights ready (0 if served, else the cheapest
-            cold load from a complete copy) + KV ready (restore or re-prefill)
+            cold load from a complete copy: the copy plus the engine transition
+            that brings the model up, a wake where its engine sleeps, else a
+            cold start; planner/engine_costs.py) + KV ready (restore or re-prefill)
   L_now(s)  latency of the request being served now: the time to bring its
-            model's weights and its KV from C to where T puts them
+            model's weights (and its engine: a wake, start or restart) and its
+            KV from C to where T puts them
   V, U      violation and unserved penalties
 
 Everything is in seconds. `evaluate` also reports the predicted metrics
@@ -33,7 +36,7 @@ import numpy as np
 from planner_service.domain.problem import Gpu, ModelSpec, Problem, Session
 from planner_service.domain.scenario import CostConstants, Slo
 from planner_service.domain.state import Kind, Location, StateObject, Tier
-from planner_service.planner import costs
+from planner_service.planner import costs, engine_costs
 from planner_service.planner.residency import ResidencyIndex, Serving
 
 # bound once: on Python 3.11 an `Enum.MEMBER` lookup costs about ten global reads
@@ -136,14 +139,16 @@ class Demand:
 class ColdLoad:
     """Where a model not on GPU would be loaded from, and how long that takes."""
 
-    seconds: float  # weights copy + engine overhead (+ degraded-precision cost)
+    seconds: float  # weights copy + its engine's transition (+ degraded-precision cost)
     node: str | None
     gpus: tuple[Gpu, ...]
     precision: str | None
 
 
-def cold_load(problem: Problem, index: ResidencyIndex, model: ModelSpec) -> ColdLoad:
-    """The cheapest way to bring a model onto GPUs from a complete copy below GPU, in `index`."""
+def cold_load(problem: Problem, index: ResidencyIndex, model: ModelSpec, now: ResidencyIndex) -> ColdLoad:
+    """The cheapest way to bring a model onto GPUs from a complete copy below GPU in `index`, its engine's
+    transition priced from its state in the confirmed placement `now` once it has left its GPUs
+    (`engine_costs`: a wake where it sleeps, on the group it sleeps on, else a cold start)."""
     best = ColdLoad(float("inf"), None, (), None)
     for rank, precision in enumerate(model.precisions):
         obj = StateObject.weights(model.id, precision)
@@ -155,11 +160,15 @@ def cold_load(problem: Problem, index: ResidencyIndex, model: ModelSpec) -> Cold
             group = costs.cold_group(problem, model, precision, node)
             if group is None:
                 continue
-            seconds = costs.weights_load_seconds(model.weights_bytes[precision], group, source, node, problem.constants)
-            if rank:
-                seconds += problem.constants.degraded_precision_seconds
-            if seconds < best.seconds:
-                best = ColdLoad(seconds, node_id, group, precision)
+            own = engine_costs.own_group(problem, now, model, precision, node)
+            for gpus in (group,) if own is None or own == group else (group, own):
+                seconds = engine_costs.bring_up_seconds(
+                    problem, now, model, precision, gpus, source, node, after_leaving=True
+                )
+                if rank:
+                    seconds += problem.constants.degraded_precision_seconds
+                if seconds < best.seconds:
+                    best = ColdLoad(seconds, node_id, gpus, precision)
     return best
 
 
@@ -323,7 +332,7 @@ def evaluate(
                 slowdown = _decode(problem, then, model, serving)
             degrade = c.degraded_precision_seconds * (serving.precision != model.preferred)
         else:
-            cold = cold_load(problem, then, model)
+            cold = cold_load(problem, then, model, now)
             if cold.node is None:  # no copy anywhere: nothing can serve it
                 weights_ready, node, gpus = c.unserved_penalty_seconds, None, ()
             else:
@@ -402,7 +411,8 @@ def _arrival_latency(
 def _weights_arrival(
     problem: Problem, now: ResidencyIndex, then: ResidencyIndex, model: ModelSpec, serving: Serving
 ) -> float:
-    """Seconds to copy the shards of the model's weights that `serving`'s GPUs lack now."""
+    """Seconds to copy the shards of the model's weights that `serving`'s GPUs lack now, plus the fixed part
+    of its engine's transition onto them (`engine_costs.up_fixed_seconds`: a wake, restart or cold start)."""
     obj = StateObject.weights(model.id, serving.precision)
     node = problem.nodes[serving.node]
     keys = [(obj, Location.gpu(g.id)) for g in serving.gpus]
@@ -410,7 +420,10 @@ def _weights_arrival(
     if not any(shards):
         return 0.0
     source = now.complete_source(obj, serving.node) or _NVME
-    return costs.copy_seconds(shards, serving.gpus, source, node) + problem.constants.engine_load_overhead_seconds
+    fixed = engine_costs.up_fixed_seconds(
+        problem, now, serving.node, model.id, serving.precision, [g.id for g in serving.gpus], host_copy=source is _HOST
+    )
+    return costs.copy_seconds(shards, serving.gpus, source, node) + fixed
 
 
 def _arrival_kv(
@@ -434,19 +447,33 @@ def _kv_arrival(problem: Problem, now: ResidencyIndex, model: ModelSpec, session
 
 
 def promote_seconds(problem: Problem, now: ResidencyIndex, target: Mapping[tuple[StateObject, Location], int]) -> float:
-    """Seconds of transfer the plan spends bringing state up to GPUs (each GPU's link on its own)."""
+    """Seconds the plan spends bringing state up to GPUs: the copies (each GPU's link on its own), plus the
+    fixed part of each engine transition that brings weights onto a group (`engine_costs.up_fixed_seconds`:
+    a start, restart or wake must pay for itself as its copies do)."""
     total = 0.0
-    kv_kind, before, gpus, nodes = Kind.KV, now.placement, problem.gpus, problem.nodes
+    kv_kind, weights_kind, before, gpus, nodes = Kind.KV, Kind.WEIGHTS, now.placement, problem.gpus, problem.nodes
+    groups: dict[tuple[StateObject, str], list[str]] = {}  # (weights, node) -> the target's GPUs holding them
+    raised: dict[tuple[StateObject, str], None] = {}  # (weights, node) whose shards grow, in order: a transition
     for key, nbytes in target.items():
         obj, loc = key
         if loc.tier is not _GPU or obj.kind is kv_kind:
             continue
+        gpu = gpus[loc.id]
+        if obj.kind is weights_kind and nbytes > 0:
+            groups.setdefault((obj, gpu.node), []).append(loc.id)
         gain = nbytes - before.get(key, 0)
         if gain <= 0:
             continue
-        gpu = gpus[loc.id]
         source = now.complete_source(obj, gpu.node) or _NVME
         total += costs.even_copy_seconds(gain, (gpu,), source, nodes[gpu.node])
+        if obj.kind is weights_kind:
+            raised[(obj, gpu.node)] = None
+    for obj, node_id in raised:
+        assert obj.precision is not None  # a weights object
+        below = now.complete_source(obj, node_id)
+        total += engine_costs.up_fixed_seconds(
+            problem, now, node_id, obj.model, obj.precision, groups[(obj, node_id)], host_copy=below is _HOST
+        )
     return total
 
 

@@ -19,8 +19,10 @@ replay measures the rules the service runs. Each rule answers a way a plan for o
   chooses its GPUs on that node, its KV and its experts), unless its requests have waited longer than
   the unpin delay: then it is free to move where it fits.
 * **Benefit over cost** (`worth_adopting`). A plan is adopted only when the objective it saves over
-  staying put exceeds the seconds its promotes take (the objective charges only `move_weight` of
-  those; here the whole), or when it brings a model that requests wait for; a plan with no operations,
+  staying put exceeds the seconds its promotes take, the engine transitions that bring weights onto
+  GPUs included (`objective.promote_seconds`: a cold start's 30 s, a restart's 32 s, a wake's 0.1 s;
+  the objective charges only `move_weight` of those, here the whole), or when it brings a model that
+  requests wait for; a plan with no operations,
   when the current plan's are not all started (staying put then means cancelling them). Leaving fewer
   requests unserved is not reason enough on its own: under overload it adopts swaps of engines that the
   objective prices far worse than staying put.
@@ -36,14 +38,13 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
-from planner_service.domain.problem import Problem, Session
+from planner_service.domain.problem import STAND_IN, Problem, Session, is_stand_in
 from planner_service.domain.scenario import Slo
 from planner_service.domain.state import Kind, Location, StateObject, Tier
 from planner_service.planner.objective import Demand, evaluate
 from planner_service.planner.plan import Plan, PlanStatus
 from planner_service.planner.residency import ResidencyIndex
 
-STAND_IN = "expected-"  # the id prefix of stand-in sessions
 REPLAN_SECONDS = 30.0  # the periodic replan
 DEBOUNCE_SECONDS = 0.2  # how long a plan for a waiting request waits for the rest of its burst
 MAX_DEMAND_WINDOW_SECONDS = 86400.0  # how far back the stand-ins' window reaches in a quiet spell
@@ -96,11 +97,6 @@ class RecentLoad:
             for m in sorted(seats)
             for k in range(in_flight.get(m, 0), seats[m])
         ]
-
-
-def is_stand_in(session_id: str | None) -> bool:
-    """Whether a session id names a stand-in (the service refuses events for such ids)."""
-    return session_id is not None and session_id.startswith(STAND_IN)
 
 
 @dataclass(frozen=True)

@@ -8,12 +8,7 @@ from typing import Any
 
 from planner_service.domain.engines import KIND_FEATURES, EngineKind
 from planner_service.domain.problem import compile_problem
-from planner_service.domain.scenario import (
-    ClusterIn,
-    ModelIn,
-    ScenarioError,
-    parse_scenario,
-)
+from planner_service.domain.scenario import ClusterIn, ModelIn, NodeEngineIn, Scenario, ScenarioError
 from planner_service.service import calibration
 from planner_service.service import changes as edits
 from planner_service.service.confirmed import Confirmed
@@ -26,10 +21,7 @@ from planner_service.service.inputs import (
     HeartbeatIn,
     RegisterIn,
 )
-from planner_service.service.live import (
-    Live,
-    iso,
-)
+from planner_service.service.live import Live, iso, scenario_with
 from planner_service.service.store import Batch
 from planner_service.service.views import Views, engines_with_urls
 
@@ -44,28 +36,25 @@ class Admin:
         self.confirmed = confirmed
         self.views = views
 
-    def _admin_edit(self, edit: Callable[[dict[str, Any]], None]) -> None:
+    def _admin_edit(self, edit: Callable[[Scenario], Scenario]) -> None:
         """Apply an operator's edit to the live scenario; state at removed hardware or models is forgotten."""
-        data = self.live.scenario_data(self.live.placement, calibrated=False)
-        before = {s["id"] for s in data["sessions"]}
+        state = self.live.state(self.live.placement)  # the sessions and placement the catalog knows
+        before = state.sessions
         try:
-            edit(data)
-            scenario = parse_scenario(data)
+            scenario = edits.validated(edit(scenario_with(self.live.declared, before, state.residency)))
             problem = compile_problem(scenario, {})
         except (edits.ChangeError, ScenarioError) as error:
             raise InvalidInput(str(error), field=edits.field_of(str(error))) from None
-        new = scenario.model_dump(mode="json")
-        self.live.base = {k: new[k] for k in ("cluster", "models", "predictor", "constants")}
-        batch = Batch(meta={"base": self.live.base, "calibration": self.live.calibration})
-        for sid in before - {s.id for s in scenario.sessions}:
+        self.live.declared = scenario
+        batch = Batch(meta={"base": self.live.declared_json(), "calibration": self.live.calibration.to_json()})
+        for sid in {s.id for s in before} - {s.id for s in scenario.sessions}:
             self.live.sessions.pop(sid, None)
             batch.sessions[sid] = None
-        placement = dict(problem.residency)
         for model in [m.id for m in scenario.models]:
             self.live.predictor.add_model(model)
         for model in set(self.live.predictor.models) - {m.id for m in scenario.models}:
             self.live.predictor.remove_model(model)
-        self.live.placement = placement
+        self.live.placement = dict(problem.residency)
         batch.placement.update(self.live.publish_srv())
         batch.meta["srv"] = self.live.srv_doc
         self.live.write(batch)
@@ -86,8 +75,8 @@ class Admin:
                 ),
             ]
             for key, scope, field in explicit:  # the operator's figure wins over what was learned
-                self.live.calibration[scope].get(key, {}).pop(field, None)
-            self._admin_edit(lambda data: edits.replace_cluster(data, cluster))
+                self.live.calibration.forget(calibration.Link(scope, key, field))
+            self._admin_edit(lambda s: edits.replace_cluster(s, cluster))
             return self.views.cluster_view()
 
     def put_model(
@@ -101,19 +90,17 @@ class Admin:
         except ValueError as error:
             raise InvalidInput(f"model: {error}", field="model") from None
         with self.live.change():
-            created = model_id not in {m["id"] for m in self.live.base["models"]}
-            self._admin_edit(lambda data: edits.put_model(data, model, nvme_nodes, "model"))
+            created = model_id not in self.live.model_ids()
+            self._admin_edit(lambda s: edits.put_model(s, model, nvme_nodes, "model"))
             return self.views.model_view(model_id), created
 
     def delete_model(self, model_id: str) -> None:
         self.live.require_ready()
         with self.live.change():
-            if model_id not in {m["id"] for m in self.live.base["models"]}:
-                raise NotFound(
-                    f"unknown model {model_id!r}; known: {sorted(m['id'] for m in self.live.base['models'])}"
-                )
+            if model_id not in self.live.model_ids():
+                raise NotFound(f"unknown model {model_id!r}; known: {sorted(self.live.model_ids())}")
             self._refuse_model_in_use(model_id)
-            self._admin_edit(lambda data: edits.remove_model(data, model_id, "model"))
+            self._admin_edit(lambda s: edits.remove_model(s, model_id, "model"))
 
     def _refuse_model_in_use(self, model_id: str) -> None:
         """A model is not deleted from under what uses it: an active session on it (its requests would fail),
@@ -136,21 +123,21 @@ class Admin:
         """Every node (or `node_id`) with its GPUs: what each link learned, and whether the node calibrates."""
         self.live.require_ready()
         with self.live.lock:
-            nodes = self.live.base["cluster"]["nodes"]
+            nodes = self.live.declared.cluster.nodes
             if node_id is not None:
                 self.live.require_node(node_id)
-                nodes = [n for n in nodes if n["id"] == node_id]
+                nodes = [n for n in nodes if n.id == node_id]
             learned = self.live.calibration
             out = []
             for node in nodes:
-                scale = self.confirmed.node_scale(node["id"])
-                gpus = [{"id": g["id"], "calibrated": learned["gpus"].get(g["id"], {})} for g in node.get("gpus", [])]
+                scale = self.confirmed.node_scale(node.id)
+                gpus = [{"id": g.id, "calibrated": learned.of_json("gpus", g.id)} for g in node.gpus]
                 out.append(
                     {
-                        "id": node["id"],
+                        "id": node.id,
                         "scale": scale,
                         "calibrates": scale >= 1,
-                        "calibrated": learned["nodes"].get(node["id"], {}),
+                        "calibrated": learned.of_json("nodes", node.id),
                         "gpus": gpus,
                     }
                 )
@@ -163,9 +150,8 @@ class Admin:
         self.live.require_ready()
         with self.live.change():
             learned = self.live.calibration
-            targets: list[tuple[str, str, tuple[str, ...]]] = []  # (scope, key, fields)
             if scope is None:
-                targets = [(sc, k, tuple(fields)) for sc in ("nodes", "gpus") for k, fields in learned[sc].items()]
+                targets = sorted(learned.links(), key=lambda link: link.scope != "nodes")  # nodes first
             else:
                 assert key is not None
                 fields = calibration.NODE_FIELDS if scope == "nodes" else calibration.GPU_FIELDS
@@ -177,27 +163,26 @@ class Admin:
                 chosen = (field,) if field is not None else fields
                 if scope == "nodes":
                     self.live.require_node(key)
-                    targets.append(("nodes", key, chosen))
+                    targets = [calibration.Link("nodes", key, name) for name in chosen]
                     if field is None:
-                        node = next(n for n in self.live.base["cluster"]["nodes"] if n["id"] == key)
-                        targets += [("gpus", g["id"], calibration.GPU_FIELDS) for g in node.get("gpus", [])]
+                        targets += [
+                            calibration.Link("gpus", g.id, name)
+                            for g in self.live.node(key).gpus
+                            for name in calibration.GPU_FIELDS
+                        ]
                 else:
-                    gpus = {g["id"] for n in self.live.base["cluster"]["nodes"] for g in n.get("gpus", [])}
+                    gpus = {g.id for n in self.live.declared.cluster.nodes for g in n.gpus}
                     if key not in gpus:
                         raise NotFound(f"unknown gpu {key!r}; known: {sorted(gpus)}")
-                    targets.append(("gpus", key, chosen))
+                    targets = [calibration.Link("gpus", key, name) for name in chosen]
             forgotten = 0
-            for sc, k, names in targets:
-                entries = learned[sc].get(k, {})
-                for name in names:
-                    if entries.pop(name, None) is not None:
-                        forgotten += 1
-                        log.warning("calibration of %s %s reset by an operator", k, name)
-                if k in learned[sc] and not entries:
-                    del learned[sc][k]
+            for link in targets:
+                if learned.forget(link):
+                    forgotten += 1
+                    log.warning("calibration of %s %s reset by an operator", link.key, link.field)
             if forgotten:
                 self.live.refresh_live()
-                self.live.write(Batch(meta={"calibration": learned}))
+                self.live.write(Batch(meta={"calibration": learned.to_json()}))
                 self.live.wake(force=True)
             return forgotten
 
@@ -206,15 +191,15 @@ class Admin:
         with self.live.change():
             self.live.require_node(node_id)
             now = self.live.clock()
-            node = next(n for n in self.live.base["cluster"]["nodes"] if n["id"] == node_id)
-            known = {g["id"]: g for g in node.get("gpus", [])}
+            node = self.live.node(node_id)
+            known = {g.id: g for g in node.gpus}
             warnings = []
             seen = {g.id for g in body.gpus}
             for i, g in enumerate(body.gpus):
                 if g.id not in known:
                     warnings.append(f"gpus[{i}].id: {g.id!r} is not in the cluster topology; PUT /v1/cluster to add it")
-                elif g.type and known[g.id].get("type") and g.type != known[g.id]["type"]:
-                    warnings.append(f"gpus[{i}].type: {g.type!r}, the topology says {known[g.id]['type']!r}")
+                elif g.type and known[g.id].type and g.type != known[g.id].type:
+                    warnings.append(f"gpus[{i}].type: {g.type!r}, the topology says {known[g.id].type!r}")
             if body.gpus:
                 warnings += [f"gpu {gid!r} of the topology was not reported" for gid in sorted(set(known) - seen)]
             if body.scale < 1:
@@ -222,17 +207,16 @@ class Admin:
                     f"scale {body.scale:g}: a scaled test run; this node's measurements do not calibrate bandwidths"
                 )
                 log.info("node %s registered at scale %g: its measured copies do not calibrate", node_id, body.scale)
-            engines = self._node_engines(body, set(known), node.get("engines") or [])
+            engines = self._node_engines(body, set(known), node.engines or [])
             batch = Batch()
-            changed = False
-            if body.capabilities is not None and sorted(body.capabilities) != sorted(node.get("capabilities", [])):
-                node["capabilities"] = [c.value for c in body.capabilities]
-                changed = True
-            if engines != node.get("engines"):
-                node["engines"] = engines
-                changed = True
-            if changed:
-                batch.meta["base"] = self.live.base
+            registered = node
+            if body.capabilities is not None and sorted(body.capabilities) != sorted(node.capabilities):
+                registered = registered.model_copy(update={"capabilities": list(body.capabilities)})
+            if engines != node.engines:
+                registered = registered.model_copy(update={"engines": engines})
+            if registered is not node:
+                self.live.replace_node(registered)
+                batch.meta["base"] = self.live.declared_json()
                 self.live.topology_changes += 1
                 self.live.wake(force=True)
             info = self.live.nodes_info.setdefault(node_id, {})
@@ -243,8 +227,8 @@ class Admin:
             return {
                 "node": node_id,
                 "registered_at": iso(now),
-                "capabilities": node.get("capabilities", []),
-                "engines": engines_with_urls(node.get("engines"), info["registration"]),
+                "capabilities": [c.value for c in registered.capabilities],
+                "engines": engines_with_urls(registered.engines, info["registration"]),
                 "gpus": sorted(known),
                 "lease_seconds": self.live.settings.lease_seconds,
                 "scale": body.scale,
@@ -252,16 +236,16 @@ class Admin:
             }
 
     def _node_engines(
-        self, body: RegisterIn, node_gpus: set[str], declared: list[dict[str, Any]]
-    ) -> list[dict[str, Any]] | None:
+        self, body: RegisterIn, node_gpus: set[str], declared: list[NodeEngineIn]
+    ) -> list[NodeEngineIn] | None:
         """The node's `engines` from a registration, checked: an entry per model its engines serve, with the
         GPUs of an engine launched on fixed ones, and for a vllm or sglang engine its kind, features and
         management (the registration's, else what the topology declared for that model's engine of that
         kind), so that the planner keeps planning engine transitions for it; None where no engine names a
         model (any model, any group)."""
-        models = {m["id"] for m in self.live.base["models"]}
-        before = {e["model"]: e for e in declared if e.get("kind")}
-        out: dict[str, dict[str, Any]] = {}
+        models = set(self.live.model_ids())
+        before = {e.model: e for e in declared if e.kind is not None}
+        out: dict[str, NodeEngineIn] = {}
         for i, engine in enumerate(body.engines):
             for j, gpu in enumerate(engine.gpus):
                 if gpu not in node_gpus:
@@ -285,23 +269,26 @@ class Admin:
                         f"engines[{i}].models[{j}]: unknown model {model!r}; known: {sorted(models)}",
                         field=f"engines.{i}.models.{j}",
                     )
-                if model in out and out[model]["gpus"] != sorted(engine.gpus):
+                if model in out and out[model].gpus != sorted(engine.gpus):
                     raise InvalidInput(
-                        f"engines[{i}].models[{j}]: {model!r} has another engine here, on {out[model]['gpus'] or 'any GPUs'}; "
+                        f"engines[{i}].models[{j}]: {model!r} has another engine here, on {out[model].gpus or 'any GPUs'}; "
                         "the planner serves a model from one group per node",
                         field=f"engines.{i}.models.{j}",
                     )
-                out[model] = {"model": model, "gpus": sorted(engine.gpus)}
-                if kind is not None:
-                    prior = before.get(model, {})
-                    prior = prior if prior.get("kind") == kind.value else {}
-                    features = engine.features if engine.features is not None else prior.get("features")
-                    management = engine.management or prior.get("management")
-                    out[model]["kind"] = kind.value
-                    if features:
-                        out[model]["features"] = sorted(str(f) for f in features)
-                    if management:
-                        out[model]["management"] = str(management)
+                if kind is None:
+                    out[model] = NodeEngineIn(model=model, gpus=sorted(engine.gpus))
+                    continue
+                prior = before.get(model)
+                prior = prior if prior is not None and prior.kind is kind else None
+                features = engine.features if engine.features is not None else (prior.features if prior else None)
+                management = engine.management or (prior.management if prior else None)
+                out[model] = NodeEngineIn(
+                    model=model,
+                    gpus=sorted(engine.gpus),
+                    kind=kind,
+                    features=sorted(features) if features else None,
+                    management=management or None,
+                )
         return [out[m] for m in sorted(out)] if out else None
 
     def heartbeat(self, node_id: str, body: HeartbeatIn) -> dict[str, Any]:
@@ -346,7 +333,7 @@ class Admin:
             return {
                 "node": node_id,
                 "received_at": iso(now),
-                "calibration": self.live.calibration["nodes"].get(node_id, {}),
+                "calibration": self.live.calibration.of_json("nodes", node_id),
             }
 
     def _check_instances(self, node_id: str, body: HeartbeatIn, node_gpus: set[str]) -> None:

@@ -20,12 +20,12 @@ An operator's explicit bandwidth (`PUT /v1/cluster`) resets the estimate for tha
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
-from planner_service.domain.bounds import MAX_BANDWIDTH_BYTES_PER_S, MIN_BANDWIDTH_BYTES_PER_S
 from planner_service.domain.state import Location, Tier
 from planner_service.domain.units import GIB
+from planner_service.wire.bounds import MAX_BANDWIDTH_BYTES_PER_S, MIN_BANDWIDTH_BYTES_PER_S
 
 ALPHA = 0.3  # weight of a full-sized sample in the running estimate
 FULL_WEIGHT_BYTES = GIB  # a copy this large or larger weighs the full ALPHA; a smaller one its share of it
@@ -74,20 +74,106 @@ def plausible_range(catalog: float) -> tuple[float, float]:
     return max(SPEC_FLOOR * catalog, MIN_BANDWIDTH_BYTES_PER_S), min(SPEC_CEILING * catalog, MAX_BANDWIDTH_BYTES_PER_S)
 
 
-def valid_entry(entry: Any) -> bool:
-    """A stored entry the live state can take (older builds stored whatever they were sent)."""
-    try:
-        value = float(entry["value"])
-    except (TypeError, KeyError, ValueError):
-        return False
-    return math.isfinite(value) and MIN_BANDWIDTH_BYTES_PER_S <= value <= MAX_BANDWIDTH_BYTES_PER_S
+@dataclass(frozen=True, slots=True)
+class Estimate:
+    """A link's learned bandwidth: the running estimate and what folded into it."""
+
+    value: float  # B/s
+    samples: int  # samples accepted into the estimate
+    last_measured: float | None = None  # the newest sample within the link's plausible range (B/s)
+    outliers: int = 0  # signed: consecutive outliers above (+) or below (-) the estimate
+    catalog: float | None = None  # the catalog bandwidth the plausible range is drawn around
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"value": self.value, "samples": self.samples}
+        if self.last_measured is not None:
+            out["last_measured"] = self.last_measured
+        out["outliers"] = self.outliers
+        if self.catalog is not None:
+            out["catalog"] = self.catalog
+        return out
+
+    @classmethod
+    def from_json(cls, entry: Any) -> Estimate | None:
+        """A stored entry, or None where it holds no bandwidth the live state can take (older builds stored
+        whatever they were sent)."""
+        try:
+            value = float(entry["value"])
+            last = entry.get("last_measured")
+            catalog = entry.get("catalog")
+            estimate = cls(
+                value=value,
+                samples=int(entry.get("samples", 0)),
+                last_measured=None if last is None else float(last),
+                outliers=int(entry.get("outliers", 0)),
+                catalog=None if catalog is None else float(catalog),
+            )
+        except (TypeError, KeyError, ValueError, AttributeError):
+            return None
+        if not (math.isfinite(value) and MIN_BANDWIDTH_BYTES_PER_S <= value <= MAX_BANDWIDTH_BYTES_PER_S):
+            return None
+        return estimate
+
+
+class Calibration:
+    """The bandwidths the links learned, by link. Stored as the `calibration` meta row:
+    {"nodes" | "gpus": {node or GPU id: {field: estimate}}}."""
+
+    def __init__(self, estimates: dict[Link, Estimate] | None = None) -> None:
+        self._estimates: dict[Link, Estimate] = dict(estimates or {})
+
+    def get(self, link: Link) -> Estimate | None:
+        return self._estimates.get(link)
+
+    def put(self, link: Link, estimate: Estimate) -> None:
+        self._estimates[link] = estimate
+
+    def forget(self, link: Link) -> bool:
+        """Forget the link's estimate (it plans with its catalog or declared bandwidth again); whether it had one."""
+        return self._estimates.pop(link, None) is not None
+
+    def links(self) -> list[Link]:
+        return list(self._estimates)
+
+    def of(self, scope: str, key: str) -> dict[str, Estimate]:
+        """Field -> estimate of one node's (scope "nodes") or GPU's ("gpus") links."""
+        return {link.field: e for link, e in self._estimates.items() if link.scope == scope and link.key == key}
+
+    def of_json(self, scope: str, key: str) -> dict[str, dict[str, Any]]:
+        return {name: e.to_json() for name, e in self.of(scope, key).items()}
+
+    def values(self) -> tuple[tuple[str, str, str, float], ...]:
+        """The learned values alone, ordered: what planning depends on (not the bookkeeping of refused samples)."""
+        return tuple(sorted((link.scope, link.key, link.field, e.value) for link, e in self._estimates.items()))
+
+    def to_json(self) -> dict[str, dict[str, dict[str, dict[str, Any]]]]:
+        out: dict[str, dict[str, dict[str, dict[str, Any]]]] = {"gpus": {}, "nodes": {}}
+        for link, e in self._estimates.items():
+            out[link.scope].setdefault(link.key, {})[link.field] = e.to_json()
+        return out
+
+    @classmethod
+    def from_json(cls, data: Any) -> tuple[Calibration, list[tuple[Link, Any]]]:
+        """The stored calibration, and the entries it holds that are no bandwidth (dropped)."""
+        estimates: dict[Link, Estimate] = {}
+        invalid: list[tuple[Link, Any]] = []
+        for scope in ("gpus", "nodes"):
+            for key, fields in (data or {}).get(scope, {}).items():
+                for name, entry in fields.items():
+                    link = Link(scope, key, name)
+                    estimate = Estimate.from_json(entry)
+                    if estimate is None:
+                        invalid.append((link, entry))
+                    else:
+                        estimates[link] = estimate
+        return cls(estimates), invalid
 
 
 def fold(
-    entry: dict[str, Any] | None, catalog: float, estimate: float, rate: float, copied: Copy | None
-) -> tuple[dict[str, Any] | None, str | None]:
-    """The link's entry after a sample of `rate` B/s (`copied`: the copy it was measured on; a heartbeat's own
-    reading of a link has none), and why the sample was refused, if it was."""
+    entry: Estimate | None, catalog: float, estimate: float, rate: float, copied: Copy | None
+) -> tuple[Estimate | None, str | None]:
+    """The link's estimate after a sample of `rate` B/s (`copied`: the copy it was measured on; a heartbeat's
+    own reading of a link has none), and why the sample was refused, if it was."""
     if not (math.isfinite(rate) and rate > 0):
         return entry, "no usable rate"
     if (
@@ -98,16 +184,16 @@ def fold(
     floor, ceiling = plausible_range(catalog)
     if not floor <= rate <= ceiling:
         return entry, f"{rate:.3g} B/s is outside the link's plausible range around its catalog {catalog:.3g} B/s"
-    before = entry or {"value": estimate, "samples": 0}
+    before = entry or Estimate(value=estimate, samples=0)
     side = 0 if estimate / OUTLIER_FACTOR <= rate <= estimate * OUTLIER_FACTOR else (1 if rate > estimate else -1)
     if side:
-        streak = before.get("outliers", 0)  # signed: consecutive outliers above (+) or below (-) the estimate
+        streak = before.outliers
         streak = streak + side if streak * side > 0 else side
         if abs(streak) < OUTLIER_PERSISTENCE:
-            return {**before, "last_measured": rate, "outliers": streak}, (
+            return replace(before, last_measured=rate, outliers=streak), (
                 f"{rate:.3g} B/s is an outlier against the running estimate {estimate:.3g} B/s "
                 f"({abs(streak)} of {OUTLIER_PERSISTENCE} in a row before the link counts as changed)"
             )
     weight = ALPHA * min(1.0, (copied.measured_bytes if copied else FULL_WEIGHT_BYTES) / FULL_WEIGHT_BYTES)
     value = (1 - weight) * estimate + weight * rate
-    return {"value": value, "samples": int(before["samples"]) + 1, "last_measured": rate, "outliers": 0}, None
+    return Estimate(value=value, samples=before.samples + 1, last_measured=rate, outliers=0), None

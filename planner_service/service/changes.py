@@ -1,18 +1,33 @@
-"""Changes to a scenario, as plain edits of its JSON form.
+"""Changes to a scenario, as typed edits: each takes a `Scenario` and returns the changed one.
 
 What-if questions apply them to a copy of the live scenario; the admin
 endpoints (PUT /v1/cluster, PUT/DELETE /v1/models) apply the same edits to the
-live one. Every error names the field it is about.
+live one. An edit builds its result without validating it; `validated` checks
+the whole result once, as a scenario file is checked. Every error names the
+field it is about.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from typing import Any, cast
 
+from planner_service.domain.architecture import Precision
 from planner_service.domain.problem import resolve_model
-from planner_service.domain.scenario import ClusterIn, ModelIn, ScenarioError
+from planner_service.domain.scenario import (
+    ClusterIn,
+    GpuSpecIn,
+    LocationIn,
+    ModelIn,
+    NodeEngineIn,
+    NodeIn,
+    ObjectIn,
+    ResidencyIn,
+    Scenario,
+    ScenarioError,
+    SessionIn,
+    parse_scenario,
+)
 from planner_service.service.inputs import (
     AddGpu,
     AddModel,
@@ -24,8 +39,6 @@ from planner_service.service.inputs import (
     RemoveNode,
     SetSlo,
 )
-
-ScenarioData = dict[str, Any]  # Scenario.model_dump(mode="json")
 
 
 class ChangeError(ValueError):
@@ -42,190 +55,203 @@ def field_of(message: str) -> str | None:
     return re.sub(r"\[(\d+)\]", r".\1", match.group(1)) if match else None
 
 
-def _node_ids(data: ScenarioData) -> list[str]:
-    return [n["id"] for n in data["cluster"]["nodes"]]
+def validated(scenario: Scenario) -> Scenario:
+    """The edited scenario checked as a whole, as a scenario file is (raises `ScenarioError` naming the
+    field): the edits build it without running the validators."""
+    return parse_scenario(scenario.model_dump())
 
 
-def _find_node(data: ScenarioData, node_id: str, where: str) -> dict[str, Any]:
-    for node in data["cluster"]["nodes"]:
-        if node["id"] == node_id:
-            return cast(dict[str, Any], node)
-    raise ChangeError(f"{where}: unknown node {node_id!r}; known: {sorted(_node_ids(data))}")
+def _node_ids(s: Scenario) -> list[str]:
+    return [n.id for n in s.cluster.nodes]
 
 
-def _new_gpu(data: ScenarioData, gpu_id: str, where: str) -> None:
+def _find_node(s: Scenario, node_id: str, where: str) -> NodeIn:
+    for node in s.cluster.nodes:
+        if node.id == node_id:
+            return node
+    raise ChangeError(f"{where}: unknown node {node_id!r}; known: {sorted(_node_ids(s))}")
+
+
+def _new_gpu(s: Scenario, gpu_id: str, where: str) -> None:
     """GPU ids are unique across the cluster (a location names the GPU alone)."""
-    for node in data["cluster"]["nodes"]:
-        if any(g["id"] == gpu_id for g in node.get("gpus", [])):
-            raise ChangeError(f"{where}: gpu {gpu_id!r} exists already, on node {node['id']!r}")
+    for node in s.cluster.nodes:
+        if any(g.id == gpu_id for g in node.gpus):
+            raise ChangeError(f"{where}: gpu {gpu_id!r} exists already, on node {node.id!r}")
 
 
-def _drop_residency(data: ScenarioData, keep: Callable[[dict[str, Any]], bool]) -> None:
-    data["residency"] = [r for r in data["residency"] if keep(r)]
+def _with_nodes(s: Scenario, nodes: list[NodeIn]) -> Scenario:
+    return s.model_copy(update={"cluster": s.cluster.model_copy(update={"nodes": nodes})})
 
 
-def _drop_engines(data: ScenarioData, keep: Callable[[dict[str, Any]], bool]) -> None:
+def _keep_residency(s: Scenario, keep: Callable[[ResidencyIn], bool]) -> Scenario:
+    return s.model_copy(update={"residency": [r for r in s.residency if keep(r)]})
+
+
+def _keep_engines(s: Scenario, keep: Callable[[NodeEngineIn], bool]) -> Scenario:
     """Forget the engines that lose their model or a GPU (a node serving through its engines keeps the rest)."""
-    for node in data["cluster"]["nodes"]:
-        if node.get("engines") is not None:
-            node["engines"] = [e for e in node["engines"] if keep(e)]
+    return _with_nodes(
+        s,
+        [
+            n if n.engines is None else n.model_copy(update={"engines": [e for e in n.engines if keep(e)]})
+            for n in s.cluster.nodes
+        ],
+    )
 
 
-def nvme_copies(data: ScenarioData, model: ModelIn, nodes: list[str] | None, where: str) -> None:
+def nvme_copies(s: Scenario, model: ModelIn, nodes: list[str] | None, where: str) -> Scenario:
     """Declare full copies of the model's weights (every precision) and routed experts on the nodes' NVMe."""
     try:
         spec = resolve_model(model, where)
     except ScenarioError as error:
         raise ChangeError(str(error)) from None
-    targets = _node_ids(data) if nodes is None else nodes
+    targets = _node_ids(s) if nodes is None else nodes
     for node_id in targets:
-        _find_node(data, node_id, f"{where}.nvme_nodes")
-    objects: list[tuple[dict[str, Any], int]] = [
-        ({"kind": "weights", "model": model.id, "precision": p}, spec.weights_bytes[p]) for p in spec.precisions
+        _find_node(s, node_id, f"{where}.nvme_nodes")
+    objects = [
+        (ObjectIn(kind="weights", model=model.id, precision=Precision(p)), spec.weights_bytes[p])
+        for p in spec.precisions
     ]
     if spec.is_moe:
-        objects.append(({"kind": "experts", "model": model.id}, spec.experts_bytes))
-    for node_id in targets:
-        for obj, nbytes in objects:
-            location = {"tier": "nvme", "node": node_id}
-            _drop_residency(data, _not_at(obj, location))
-            if nbytes > 0:
-                data["residency"].append({"object": obj, "location": location, "bytes": nbytes})
+        objects.append((ObjectIn(kind="experts", model=model.id), spec.experts_bytes))
+    copies = [
+        ResidencyIn(object=obj, location=LocationIn(tier="nvme", node=node_id), bytes=nbytes)
+        for node_id in targets
+        for obj, nbytes in objects
+    ]
+    replaced = {(c.object, c.location.node) for c in copies}
+    kept = [r for r in s.residency if r.location.tier != "nvme" or (r.object, r.location.node) not in replaced]
+    return s.model_copy(update={"residency": [*kept, *(c for c in copies if c.bytes > 0)]})
 
 
-def _not_at(obj: dict[str, Any], location: dict[str, Any]) -> Callable[[dict[str, Any]], bool]:
-    """Keeps the residency entries other than `obj` at `location`."""
-    return lambda r: not (_same_object(r["object"], obj) and r["location"] == location)
+def _location_on(location: LocationIn, nodes: set[str], gpus: set[str]) -> bool:
+    return location.gpu in gpus if location.tier == "gpu" else location.node in nodes
 
 
-def _same_object(a: dict[str, Any], b: dict[str, Any]) -> bool:
-    keys = ("kind", "model", "precision", "session")
-    return all(a.get(k) == b.get(k) for k in keys)
-
-
-def _location_on(location: dict[str, Any], nodes: set[str], gpus: set[str]) -> bool:
-    return location.get("gpu") in gpus if location["tier"] == "gpu" else location.get("node") in nodes
-
-
-def replace_cluster(data: ScenarioData, cluster: ClusterIn) -> None:
+def replace_cluster(s: Scenario, cluster: ClusterIn) -> Scenario:
     """New topology; state at locations that no longer exist is forgotten."""
-    data["cluster"] = cluster.model_dump(mode="json", exclude_none=True)
     nodes = {n.id for n in cluster.nodes}
     gpus = {g.id for n in cluster.nodes for g in n.gpus}
-    _drop_residency(data, lambda r: _location_on(r["location"], nodes, gpus))
+    s = s.model_copy(update={"cluster": cluster})
+    return _keep_residency(s, lambda r: _location_on(r.location, nodes, gpus))
 
 
-def put_model(data: ScenarioData, model: ModelIn, nvme_nodes: list[str] | None, where: str) -> None:
+def put_model(s: Scenario, model: ModelIn, nvme_nodes: list[str] | None, where: str) -> Scenario:
     """Add or replace a model; replaced, it keeps its sessions and the state that still fits its new sizes."""
-    entry = model.model_dump(mode="json", exclude_none=True)
-    models = data["models"]
-    replaced = False
-    for i, existing in enumerate(models):
-        if existing["id"] == model.id:
-            models[i] = entry
-            replaced = True
-    if not replaced:
-        models.append(entry)
+    replaced = any(m.id == model.id for m in s.models)
+    models = [model if m.id == model.id else m for m in s.models] if replaced else [*s.models, model]
+    s = s.model_copy(update={"models": models})
     try:
         spec = resolve_model(model, where)
     except ScenarioError as error:
         raise ChangeError(str(error)) from None
     if replaced:
 
-        def fits(r: dict[str, Any]) -> bool:
-            obj = r["object"]
-            if obj["model"] != model.id or obj["kind"] == "kv":
+        def fits(r: ResidencyIn) -> bool:
+            obj = r.object
+            if obj.model != model.id or obj.kind == "kv":
                 return True
-            if obj["kind"] == "weights":
-                return obj["precision"] in spec.weights_bytes and r["bytes"] <= spec.weights_bytes[obj["precision"]]
-            return spec.is_moe and r["bytes"] <= spec.experts_bytes
+            if obj.kind == "weights":
+                held = spec.weights_bytes.get(obj.precision) if obj.precision is not None else None
+                return held is not None and r.bytes <= held
+            return spec.is_moe and r.bytes <= spec.experts_bytes
 
-        _drop_residency(data, fits)
-    nvme_copies(data, model, nvme_nodes, where)
+        s = _keep_residency(s, fits)
+    return nvme_copies(s, model, nvme_nodes, where)
 
 
-def remove_model(data: ScenarioData, model_id: str, where: str) -> None:
-    known = [m["id"] for m in data["models"]]
+def remove_model(s: Scenario, model_id: str, where: str) -> Scenario:
+    known = [m.id for m in s.models]
     if model_id not in known:
         raise ChangeError(f"{where}: unknown model {model_id!r}; known: {sorted(known)}")
     if len(known) == 1:
         raise ChangeError(f"{where}: {model_id!r} is the last model; a catalog needs at least one")
-    data["models"] = [m for m in data["models"] if m["id"] != model_id]
-    gone_sessions = {s["id"] for s in data["sessions"] if s["model"] == model_id}
-    data["sessions"] = [s for s in data["sessions"] if s["id"] not in gone_sessions]
-    _drop_residency(
-        data, lambda r: r["object"]["model"] != model_id and r["object"].get("session") not in gone_sessions
+    gone_sessions = {x.id for x in s.sessions if x.model == model_id}
+    handoff = {
+        src: {dst: w for dst, w in row.items() if dst != model_id}
+        for src, row in s.predictor.handoff.items()
+        if src != model_id
+    }
+    s = s.model_copy(
+        update={
+            "models": [m for m in s.models if m.id != model_id],
+            "sessions": [x for x in s.sessions if x.id not in gone_sessions],
+            "predictor": s.predictor.model_copy(update={"handoff": handoff}),
+        }
     )
-    _drop_engines(data, lambda e: e["model"] != model_id)
-    handoff = data.get("predictor", {}).get("handoff", {})
-    handoff.pop(model_id, None)
-    for row in handoff.values():
-        row.pop(model_id, None)
+    s = _keep_residency(s, lambda r: r.object.model != model_id and r.object.session not in gone_sessions)
+    return _keep_engines(s, lambda e: e.model != model_id)
 
 
-def apply_change(data: ScenarioData, change: Change, where: str) -> None:
-    """Apply one what-if change to `data` in place."""
+def apply_change(s: Scenario, change: Change, where: str) -> Scenario:
+    """`s` with one what-if change applied."""
     if isinstance(change, AddGpu):
-        node = _find_node(data, change.node, f"{where}.node")
-        _new_gpu(data, change.gpu.id, f"{where}.gpu.id")
-        node.setdefault("gpus", []).append(change.gpu.model_dump(mode="json", exclude_none=True))
-    elif isinstance(change, RemoveGpu):
-        known = [g["id"] for n in data["cluster"]["nodes"] for g in n.get("gpus", [])]
+        node = _find_node(s, change.node, f"{where}.node")
+        _new_gpu(s, change.gpu.id, f"{where}.gpu.id")
+        grown = node.model_copy(update={"gpus": [*node.gpus, change.gpu]})
+        return _with_nodes(s, [grown if n.id == node.id else n for n in s.cluster.nodes])
+    if isinstance(change, RemoveGpu):
+        known = [g.id for n in s.cluster.nodes for g in n.gpus]
         if change.gpu not in known:
             raise ChangeError(f"{where}.gpu: unknown gpu {change.gpu!r}; known: {sorted(known)}")
-        for node in data["cluster"]["nodes"]:
-            node["gpus"] = [g for g in node.get("gpus", []) if g["id"] != change.gpu]
-        _drop_residency(data, lambda r: r["location"].get("gpu") != change.gpu)
-        _drop_engines(data, lambda e: change.gpu not in e["gpus"])
-    elif isinstance(change, AddNode):
-        if change.node.id in _node_ids(data):
+        s = _with_nodes(
+            s,
+            [n.model_copy(update={"gpus": _without_gpu(n.gpus, change.gpu)}) for n in s.cluster.nodes],
+        )
+        s = _keep_residency(s, lambda r: r.location.gpu != change.gpu)
+        return _keep_engines(s, lambda e: change.gpu not in e.gpus)
+    if isinstance(change, AddNode):
+        if change.node.id in _node_ids(s):
             raise ChangeError(f"{where}.node.id: node {change.node.id!r} exists already")
         for j, gpu in enumerate(change.node.gpus):
-            _new_gpu(data, gpu.id, f"{where}.node.gpus[{j}].id")
-        data["cluster"]["nodes"].append(change.node.model_dump(mode="json", exclude_none=True))
+            _new_gpu(s, gpu.id, f"{where}.node.gpus[{j}].id")
+        s = _with_nodes(s, [*s.cluster.nodes, change.node])
         if change.copy_models:
-            for i, m in enumerate(data["models"]):
-                nvme_copies(data, ModelIn.model_validate(m), [change.node.id], f"models[{i}]")
-    elif isinstance(change, RemoveNode):
-        node = _find_node(data, change.node, f"{where}.node")
-        if len(data["cluster"]["nodes"]) == 1:
+            for i, m in enumerate(s.models):
+                s = nvme_copies(s, m, [change.node.id], f"models[{i}]")
+        return s
+    if isinstance(change, RemoveNode):
+        node = _find_node(s, change.node, f"{where}.node")
+        if len(s.cluster.nodes) == 1:
             raise ChangeError(f"{where}.node: {change.node!r} is the last node; a cluster needs at least one")
-        data["cluster"]["nodes"].remove(node)
-        gpus = {g["id"] for g in node.get("gpus", [])}
-        _drop_residency(data, lambda r: not _location_on(r["location"], {change.node}, gpus))
-    elif isinstance(change, AddModel):
-        if change.model.id in {m["id"] for m in data["models"]}:
+        s = _with_nodes(s, [n for n in s.cluster.nodes if n.id != node.id])
+        gpus = {g.id for g in node.gpus}
+        return _keep_residency(s, lambda r: not _location_on(r.location, {change.node}, gpus))
+    if isinstance(change, AddModel):
+        if change.model.id in {m.id for m in s.models}:
             raise ChangeError(f"{where}.model.id: model {change.model.id!r} exists already")
-        put_model(data, change.model, change.nvme_nodes, f"{where}.model")
-    elif isinstance(change, RemoveModel):
-        remove_model(data, change.model, f"{where}.model")
-    elif isinstance(change, AddSessions):
-        known = [m["id"] for m in data["models"]]
+        return put_model(s, change.model, change.nvme_nodes, f"{where}.model")
+    if isinstance(change, RemoveModel):
+        return remove_model(s, change.model, f"{where}.model")
+    if isinstance(change, AddSessions):
+        known = [m.id for m in s.models]
         if change.model not in known:
             raise ChangeError(f"{where}.model: unknown model {change.model!r}; known: {sorted(known)}")
-        taken = {s["id"] for s in data["sessions"]}
+        taken = {x.id for x in s.sessions}
+        added = []
         k = 0
         for _ in range(change.count):
             while f"whatif-{k}" in taken:
                 k += 1
             taken.add(f"whatif-{k}")
-            data["sessions"].append(
-                {
-                    "id": f"whatif-{k}",
-                    "user": change.user,
-                    "slo": change.slo.value,
-                    "model": change.model,
-                    "active": change.active,
-                    "context_tokens": change.context_tokens,
-                }
+            added.append(
+                SessionIn(
+                    id=f"whatif-{k}",
+                    user=change.user,
+                    slo=change.slo,
+                    model=change.model,
+                    active=change.active,
+                    context_tokens=change.context_tokens,
+                )
             )
-    elif isinstance(change, SetSlo):
-        for s in data["sessions"]:
-            if s["id"] == change.session:
-                s["slo"] = change.slo.value
-                break
-        else:
-            known = sorted(s["id"] for s in data["sessions"])
-            raise ChangeError(f"{where}.session: unknown session {change.session!r}; known: {known}")
-    else:  # pragma: no cover - the union is closed
-        raise ChangeError(f"{where}.type: unsupported change")
+        return s.model_copy(update={"sessions": [*s.sessions, *added]})
+    if isinstance(change, SetSlo):
+        if change.session not in {x.id for x in s.sessions}:
+            known_sessions = sorted(x.id for x in s.sessions)
+            raise ChangeError(f"{where}.session: unknown session {change.session!r}; known: {known_sessions}")
+        sessions = [x.model_copy(update={"slo": change.slo}) if x.id == change.session else x for x in s.sessions]
+        return s.model_copy(update={"sessions": sessions})
+    raise ChangeError(f"{where}.type: unsupported change")  # pragma: no cover - the union is closed
+
+
+def _without_gpu(gpus: list[GpuSpecIn], gpu_id: str) -> list[GpuSpecIn]:
+    return [g for g in gpus if g.id != gpu_id]

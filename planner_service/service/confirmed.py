@@ -3,6 +3,7 @@ placement repaired at start."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections import defaultdict
 from typing import Any
@@ -148,17 +149,6 @@ class Confirmed:
         if corrected or newly_lost:
             self.live.wake(force=True)
 
-    def drop_invalid_calibration(self) -> None:
-        """Forget stored calibration no scenario may hold (an infinite or absurd bandwidth an older build took):
-        the link starts again from its catalog figure."""
-        for keys in self.live.calibration.values():
-            for key, fields in keys.items():
-                for field in [f for f, entry in fields.items() if not calibration.valid_entry(entry)]:
-                    log.error(
-                        "stored calibration of %s %s is not a bandwidth (%s): forgotten", key, field, fields[field]
-                    )
-                    del fields[field]
-
     def repair_placement(self) -> None:
         """Bring a stored placement that breaks a physical invariant back within them, so that a start never
         fails on a database this service wrote: an object over its full size at a location keeps its full size,
@@ -246,14 +236,13 @@ class Confirmed:
             self.live.metrics.calibration_samples.labels("refused").inc()
             log.debug("calibration of %s %s: %s runs at scale %g; not a sample", link.key, link.field, node, scale)
             return
-        entries = self.live.calibration[link.scope].setdefault(link.key, {})
-        entry = entries.get(link.field)
+        entry = self.live.calibration.get(link)
         estimate = float(getattr(specs[link.key], link.field))  # the calibrated value where an entry exists
-        catalog = float(entry.get("catalog", estimate)) if entry is not None else estimate
+        catalog = entry.catalog if entry is not None and entry.catalog is not None else estimate
         folded, why = calibration.fold(entry, catalog, estimate, rate, copied)
         self.live.metrics.calibration_samples.labels("refused" if why else "accepted").inc()
         if why is not None:
             log.warning("calibration of %s %s: the sample from %s is refused: %s", link.key, link.field, source, why)
         if folded is not None and folded is not entry:
-            entries[link.field] = {**folded, "catalog": catalog}
-        batch.meta["calibration"] = self.live.calibration
+            self.live.calibration.put(link, dataclasses.replace(folded, catalog=catalog))
+        batch.meta["calibration"] = self.live.calibration.to_json()

@@ -23,13 +23,14 @@ from collections.abc import Callable
 from typing import Any
 
 from planner_service.domain.problem import Problem
-from planner_service.domain.scenario import ClusterIn, Scenario
+from planner_service.domain.scenario import ClusterIn, Scenario, parse_scenario
 from planner_service.metrics import Metrics, StateSnapshot
 from planner_service.planner.plan import Plan
 from planner_service.service.admin import Admin
+from planner_service.service.calibration import Calibration
 from planner_service.service.confirmed import Confirmed
 from planner_service.service.inputs import Event, HeartbeatIn, RegisterIn, ReportIn
-from planner_service.service.live import Live, placement_from_json
+from planner_service.service.live import Live, placement_from_json, placement_of
 from planner_service.service.planning import Planning
 from planner_service.service.questions import LiveView
 from planner_service.service.queues import Queues
@@ -103,10 +104,7 @@ class ClusterService:
             self.live.store.close()
 
     def _seed(self, scenario: Scenario, now: float) -> None:
-        data = scenario.model_dump(mode="json")
-        residency = data.pop("residency")
-        data.pop("sessions")
-        self.live.base = data
+        self.live.declared = scenario
         for s in scenario.sessions:
             self.live.sessions[s.id] = SessionState(
                 id=s.id,
@@ -119,15 +117,15 @@ class ClusterService:
                 created_at=now,
                 last_activity=now,
             )
-        self.live.placement = placement_from_json(residency)
+        self.live.placement = placement_of(scenario)
         self.live.predictor = self.live.new_predictor()
         placement = self.live.publish_srv()
         batch = Batch(
             meta={
-                "base": self.live.base,
+                "base": self.live.declared_json(),
                 "srv": self.live.srv_doc,
                 "epoch": 0,
-                "calibration": self.live.calibration,
+                "calibration": self.live.calibration.to_json(),
                 "nodes": self.live.nodes_info,
             },
             sessions={s.id: s.to_json() for s in self.live.sessions.values()},
@@ -136,14 +134,14 @@ class ClusterService:
         self.live.write(batch)
         log.info(
             "seeded an empty database: %d nodes, %d models, %d sessions",
-            len(self.live.base["cluster"]["nodes"]),
-            len(self.live.base["models"]),
+            len(self.live.declared.cluster.nodes),
+            len(self.live.declared.models),
             len(self.live.sessions),
         )
 
     def _restore(self, stored: Stored) -> None:
         meta = stored.meta
-        self.live.base = meta["base"]
+        self.live.declared = parse_scenario(meta["base"])
         self.live.placement = dict(stored.placement)
         self.live.published_placement = dict(stored.placement)
         self.live.srv_doc = meta["srv"]
@@ -153,7 +151,9 @@ class ClusterService:
         self.live.plan_placement = placement_from_json(self.live.plan_doc["placement"]) if self.live.plan_doc else {}
         # the failures that held moves back are not kept: the first replan queues them once more
         self.live.held_until = self.live.clock() if self.live.plan_doc and self.live.plan_doc.get("held_back") else None
-        self.live.calibration = meta.get("calibration", {"gpus": {}, "nodes": {}})
+        self.live.calibration, invalid = Calibration.from_json(meta.get("calibration"))
+        for link, entry in invalid:  # an infinite or absurd bandwidth an older build took
+            log.error("stored calibration of %s %s is not a bandwidth (%s): forgotten", link.key, link.field, entry)
         self.live.nodes_info = meta.get("nodes", {})
         self.live.quarantine = list(meta.get("quarantine", []))
         self.live.sessions = {k: SessionState.from_json(v) for k, v in stored.sessions.items()}
@@ -173,7 +173,6 @@ class ClusterService:
         for session in self.live.sessions.values():
             last = self.live.last_used.get(session.model, session.last_activity)
             self.live.last_used[session.model] = max(last, session.last_activity)
-        self.confirmed.drop_invalid_calibration()
         self.live.refresh_live()
         self.confirmed.repair_placement()
         log.info(

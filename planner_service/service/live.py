@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import json
 import logging
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -13,11 +12,8 @@ from contextlib import contextmanager
 from datetime import UTC, datetime
 from typing import Any
 
-from planner_service.domain.problem import Problem, compile_problem
-from planner_service.domain.scenario import (
-    PredictorIn,
-    parse_scenario,
-)
+from planner_service.domain.problem import Problem, Session, compile_problem, with_state
+from planner_service.domain.scenario import NodeIn, ResidencyIn, Scenario, SessionIn
 from planner_service.domain.state import (
     Kind,
     Location,
@@ -36,6 +32,7 @@ from planner_service.planner.predictor import SwitchPredictor
 from planner_service.planner.residency import ResidencyIndex
 from planner_service.planner.srv import srv_entries
 from planner_service.service.backoff import FailedMoves
+from planner_service.service.calibration import Calibration
 from planner_service.service.errors import NotFound, NotReady, ServiceError
 from planner_service.service.records import FINAL_STATES, OpenOps, OpRecord, OpState, SessionState
 from planner_service.service.store import FINAL_KEEP, Batch, Store
@@ -73,6 +70,71 @@ def placement_from_json(entries: list[dict[str, Any]]) -> Placement:
     }
 
 
+@dataclasses.dataclass(frozen=True)
+class LiveState:
+    """A live problem's parts, copied under the lock and immutable, so that it is built outside the lock."""
+
+    catalog: Problem  # the compiled cluster and catalog, with calibrated bandwidths
+    scenario: Scenario  # what `catalog` was compiled from (its sessions and residency empty)
+    sessions: tuple[Session, ...]
+    residency: Placement
+
+    def problem(self, next_model: Mapping[str, Mapping[str, float]]) -> Problem:
+        """Raises `ScenarioError` when the residency overfills a location."""
+        return with_state(self.catalog, self.sessions, self.residency, next_model)
+
+    def full_scenario(self) -> Scenario:
+        """The typed scenario with the sessions and the residency: what a what-if edits."""
+        return scenario_with(self.scenario, self.sessions, self.residency)
+
+
+def placement_of(scenario: Scenario) -> Placement:
+    """A scenario's residency as a placement."""
+    return {
+        (object_from_json(r.object.model_dump()), location_from_json(r.location.model_dump())): r.bytes
+        for r in scenario.residency
+        if r.bytes > 0
+    }
+
+
+def session_of(s: SessionState) -> Session:
+    """A live session as a problem plans for it (an ended one is no longer active)."""
+    return Session(s.id, s.user, s.slo, s.model, s.active and not s.ended, s.context_tokens)
+
+
+def calibrated(declared: Scenario, learned: Calibration) -> Scenario:
+    """`declared` with the bandwidths links learned (`service/calibration.py`) in place of the declared ones."""
+
+    def values(scope: str, key: str) -> dict[str, float]:
+        return {name: e.value for name, e in learned.of(scope, key).items()}
+
+    nodes = [
+        node.model_copy(
+            update={
+                **values("nodes", node.id),
+                "gpus": [g.model_copy(update=values("gpus", g.id)) for g in node.gpus],
+            }
+        )
+        for node in declared.cluster.nodes
+    ]
+    return declared.model_copy(update={"cluster": declared.cluster.model_copy(update={"nodes": nodes})})
+
+
+def scenario_with(declared: Scenario, sessions: Iterable[Session], residency: Placement) -> Scenario:
+    """The typed scenario of `declared` with `sessions` and `residency`: what an edit changes and validates."""
+    return declared.model_copy(
+        update={
+            "sessions": [
+                SessionIn(
+                    id=s.id, user=s.user, slo=s.slo, model=s.model, active=s.active, context_tokens=s.context_tokens
+                )
+                for s in sessions
+            ],
+            "residency": [ResidencyIn.model_validate(entry) for entry in placement_to_json(residency)],
+        }
+    )
+
+
 class Live:
     """The one authoritative state in memory, with the helpers that read it the same way everywhere."""
 
@@ -103,7 +165,6 @@ class Live:
         )
         self.held_until: float | None = None  # when the first move the plan holds back may be queued again
         self.topology_changes = 0  # hardware, catalog or registration edits: a plan made before is void
-        self.base: dict[str, Any] = {}
         self.sessions: dict[str, SessionState] = {}
         self.event_ids: dict[str, float] = {}  # applied event id -> when (a resend within retention is ignored)
         self.pruned_at = float("-inf")
@@ -117,12 +178,16 @@ class Live:
         self.ops: dict[str, OpRecord] = {}
         self.open_ops = OpenOps(self.ops)  # queued or leased
         self.next_lease_expiry = float("-inf")  # no lease ends before it: expiries need no scan until then
-        self.calibration: dict[str, dict[str, dict[str, dict[str, Any]]]] = {"gpus": {}, "nodes": {}}
+        self.calibration = Calibration()
         self.nodes_info: dict[str, dict[str, Any]] = {}
         self.quarantine: list[dict[str, Any]] = []  # placement entries a start took out: they broke an invariant
         self.predictor = SwitchPredictor([])
-        self.sizes: Problem | None = None  # the live problem without residency: sizes, capacities, bandwidths
-        self._compiled_key: object = None  # what `sizes` was compiled from (`_sizes_key`)
+        self._declared: Scenario | None = None
+        self.calibrated: Scenario | None = None  # `declared` with the calibrated bandwidths
+        self.catalog: Problem | None = None  # `calibrated` compiled: no sessions, no residency
+        self.sizes: Problem | None = None  # `catalog` with the planned sessions: sizes, capacities, bandwidths
+        self._compiled_from: tuple[Scenario, object] | None = None  # (declared, calibration) `catalog` is of
+        self._sessions_key: object = None  # the planning fields `sizes` has its sessions from
         self.serving: set[str] = set()
 
     def require_ready(self) -> None:
@@ -182,50 +247,80 @@ class Live:
         if urgent or force:
             self.urgent.set()
 
+    @property
+    def declared(self) -> Scenario:
+        """The scenario as operators declared it: the cluster, the model catalog, the predictor's priors and the
+        cost constants. Its sessions and residency are empty: those live in `sessions` and `placement`.
+        Immutable: an edit replaces it, so whatever was compiled from it stays true of it."""
+        assert self._declared is not None, "the service has not started"
+        return self._declared
+
+    @declared.setter
+    def declared(self, scenario: Scenario) -> None:
+        self._declared = scenario.model_copy(update={"sessions": [], "residency": []})
+
+    def declared_json(self) -> dict[str, Any]:
+        """The declared scenario as the store keeps it (the `base` meta row: a scenario file without sessions
+        and residency)."""
+        return self.declared.model_dump(mode="json", exclude={"sessions", "residency"})
+
+    def node(self, node_id: str) -> NodeIn:
+        return next(n for n in self.declared.cluster.nodes if n.id == node_id)
+
+    def replace_node(self, node: NodeIn) -> None:
+        """Declare `node` in place of the node of its id (a registration's capabilities and engines)."""
+        nodes = [node if n.id == node.id else n for n in self.declared.cluster.nodes]
+        self.declared = self.declared.model_copy(
+            update={"cluster": self.declared.cluster.model_copy(update={"nodes": nodes})}
+        )
+
+    def node_ids(self) -> list[str]:
+        return [n.id for n in self.declared.cluster.nodes]
+
+    def model_ids(self) -> list[str]:
+        return [m.id for m in self.declared.models]
+
     def new_predictor(self) -> SwitchPredictor:
-        priors = PredictorIn.model_validate(self.base.get("predictor", {}))
-        return SwitchPredictor([m["id"] for m in self.base["models"]], priors, window_seconds=PREDICTOR_WINDOW_SECONDS)
+        return SwitchPredictor(self.model_ids(), self.declared.predictor, window_seconds=PREDICTOR_WINDOW_SECONDS)
 
-    def scenario_data(self, residency: Placement, *, calibrated: bool = True) -> dict[str, Any]:
-        """The live state as scenario JSON: base + sessions + `residency` (+ bandwidth calibration)."""
-        data = copy.deepcopy(self.base)
-        if calibrated:
-            for node in data["cluster"]["nodes"]:
-                node.update({k: v["value"] for k, v in self.calibration["nodes"].get(node["id"], {}).items()})
-                for gpu in node.get("gpus", []):
-                    gpu.update({k: v["value"] for k, v in self.calibration["gpus"].get(gpu["id"], {}).items()})
-        models = {m["id"] for m in data["models"]}
+    def planned_sessions(self, residency: Placement) -> list[Session]:
+        """The sessions a problem holding `residency` plans for, by id: those of catalog models not ended, and
+        the ended ones whose KV it still holds."""
+        models = set(self.model_ids())
         with_kv = {obj.session for obj, _ in residency if obj.kind is Kind.KV}
-        sessions = [s for s in self.sessions.values() if s.model in models and (not s.ended or s.id in with_kv)]
-        included = {s.id for s in sessions}
-        data["sessions"] = [
-            {
-                "id": s.id,
-                "user": s.user,
-                "slo": s.slo.value,
-                "model": s.model,
-                "active": s.active and not s.ended,
-                "context_tokens": s.context_tokens,
-            }
-            for s in sorted(sessions, key=lambda s: s.id)
+        return [
+            session_of(s)
+            for _, s in sorted(self.sessions.items())
+            if s.model in models and (not s.ended or s.id in with_kv)
         ]
-        data["residency"] = [
-            e
-            for e in placement_to_json(residency)
-            if e["object"]["model"] in models and (e["object"]["kind"] != "kv" or e["object"]["session"] in included)
-        ]
-        return data
 
-    def next_model(self, data: Mapping[str, Any], now: float) -> dict[str, dict[str, float]]:
-        current = {
-            s["id"]: s["model"]
-            for s in data["sessions"]
-            if not (s["id"] in self.sessions and self.sessions[s["id"]].ended)
-        }
+    def next_model(self, sessions: Iterable[Session], now: float) -> dict[str, dict[str, float]]:
+        current = {s.id: s.model for s in sessions if not (s.id in self.sessions and self.sessions[s.id].ended)}
         return self.predictor.predict_sessions(current, now)
 
-    def compile(self, data: dict[str, Any], next_model: Mapping[str, Mapping[str, float]]) -> Problem:
-        return compile_problem(parse_scenario(data), next_model)
+    def compile(self, scenario: Scenario) -> Problem:
+        """Resolve presets, configs and the cluster into a `Problem`: the costly step, taken only when the
+        declared scenario or the calibration changed (`refresh_sizes`)."""
+        return compile_problem(scenario, {})
+
+    def state(self, residency: Placement) -> LiveState:
+        """What the live problem holding `residency` is made of: the compiled catalog, the planned sessions and
+        the residency restricted to the models and sessions it knows."""
+        self.refresh_sizes()
+        assert self.catalog is not None
+        sessions = self.planned_sessions(residency)
+        included = {s.id for s in sessions}
+        kept = {
+            (obj, loc): n
+            for (obj, loc), n in residency.items()
+            if obj.model in self.catalog.models and (obj.kind is not Kind.KV or obj.session in included)
+        }
+        assert self.calibrated is not None
+        return LiveState(self.catalog, self.calibrated, tuple(sessions), kept)
+
+    def problem(self, residency: Placement, next_model: Mapping[str, Mapping[str, float]]) -> Problem:
+        """The live problem holding `residency`; raises `ScenarioError` when it overfills a location."""
+        return self.state(residency).problem(next_model)
 
     def refresh_live(self) -> Placement:
         """Recompute sizes (sessions, calibration) and the served models from the confirmed placement; the
@@ -239,27 +334,31 @@ class Live:
     def refresh_sizes(self) -> None:
         """Recompute the live problem's sizes, capacities and bandwidths when what they are made of changed.
 
-        Compiling the live problem is the costly part and most changes (a done report, most events) leave
-        its inputs as they were: it is compiled again only when the catalog, the cluster, the calibration or
-        a session it includes changed."""
-        key = self._sizes_key()
-        if self.sizes is None or key != self._compiled_key:
-            data = self.scenario_data(self.placement)
-            data["residency"] = []
-            self.sizes = self.compile(data, {})
-            self._compiled_key = key
-
-    def _sizes_key(self) -> tuple[str, tuple[tuple[Any, ...], ...]]:
-        """What `scenario_data` without residency depends on: base and calibration (edited in place, so
-        compared as JSON) and the planning fields of the sessions it includes (those not ended, and the ended
-        ones that still hold KV)."""
+        Two layers, each redone only when its inputs changed: the catalog and the cluster with its calibrated
+        bandwidths (`catalog`, compiled when the declared scenario is replaced or the calibration changes), and
+        the sessions it plans for (`sizes`: the catalog with the planning fields of the sessions not ended and
+        of the ended ones that still hold KV). No done report or event compiles the catalog again; an event
+        that changes a session's planning fields redoes only the second, cheap layer."""
+        calibration = self.calibration.values()  # a refused sample's bookkeeping changes no bandwidth
+        if (
+            self._compiled_from is None
+            or self._compiled_from[0] is not self.declared
+            or self._compiled_from[1] != calibration
+        ):
+            self.calibrated = calibrated(self.declared, self.calibration)
+            self.catalog = self.compile(self.calibrated)
+            self._compiled_from = (self.declared, calibration)
+            self._sessions_key = None
         with_kv = {obj.session for obj, _ in self.placement if obj.kind is Kind.KV}
-        sessions = tuple(
+        key = tuple(
             (s.id, s.user, s.slo, s.model, s.active, s.ended, s.context_tokens)
             for s in self.sessions.values()
             if not s.ended or s.id in with_kv
         )
-        return json.dumps([self.base, self.calibration]), sessions
+        if self.sizes is None or key != self._sessions_key:
+            assert self.catalog is not None
+            self.sizes = with_state(self.catalog, self.planned_sessions(self.placement), {}, {})
+            self._sessions_key = key
 
     def publish_srv(self, touched: Iterable[tuple[StateObject, Location]] | None = None) -> Placement:
         """Publish the SRV of the confirmed placement; `version` moves exactly when what it publishes does.
@@ -308,7 +407,7 @@ class Live:
         )
 
     def require_node(self, node_id: str) -> None:
-        nodes = [n["id"] for n in self.base["cluster"]["nodes"]]
+        nodes = self.node_ids()
         if node_id not in nodes:
             raise NotFound(f"unknown node {node_id!r}; known: {sorted(nodes)}")
 

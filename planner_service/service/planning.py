@@ -7,13 +7,9 @@ import logging
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Mapping
 from typing import Any
 
-from planner_service.domain.problem import Problem
-from planner_service.domain.scenario import (
-    ScenarioError,
-)
+from planner_service.domain.problem import Problem, Session
 from planner_service.domain.state import (
     Location,
     StateObject,
@@ -24,15 +20,16 @@ from planner_service.planner.online import (
     pins,
     worth_adopting,
 )
-from planner_service.planner.operations import apply_operations
 from planner_service.planner.plan import Plan
 from planner_service.service.errors import (
     Conflict,
     SolverUnavailable,
 )
+from planner_service.service.landing import Landing, land
 from planner_service.service.live import (
     PLAN_ATTEMPTS,
     Live,
+    LiveState,
     Usage,
 )
 from planner_service.service.queues import Queues
@@ -102,34 +99,28 @@ class Planning:
 
     def planning_snapshot(
         self, *, stand_ins: bool = False
-    ) -> tuple[dict[str, Any], dict[str, dict[str, float]], list[OpRecord]]:
-        """Scenario JSON whose residency is the confirmed placement plus what leased operations will do
-        (and, for the planning loop, whose sessions include stand-ins for the recent load)."""
+    ) -> tuple[LiveState, dict[str, dict[str, float]], list[OpRecord]]:
+        """The live state whose residency is where the confirmed placement lands once the leased operations do,
+        each as far as it fits (`landing.py`; and, for the planning loop, whose sessions include stand-ins for
+        the recent load), its sessions' predicted next models and the leased operations."""
         inflight = self.live.inflight()
-        residency = apply_operations(self.live.placement, [r.op for r in inflight])
-        data = self.live.scenario_data(residency)
+        landing = self.landing(inflight)
+        if landing.capped:
+            log.warning(
+                "operations in flight do not fit beside the confirmed state; planned as landing only what fits: %s",
+                ", ".join(sorted(landing.capped)),
+            )
+        state = self.live.state(landing.placement)
         if stand_ins:
-            data["sessions"] += self._stand_ins(data)
-        return data, self.live.next_model(data, self.live.clock()), inflight
+            state = dataclasses.replace(state, sessions=(*state.sessions, *self._stand_ins(state)))
+        return state, self.live.next_model(state.sessions, self.live.clock()), inflight
 
-    def _stand_ins(self, data: Mapping[str, Any]) -> list[dict[str, Any]]:
+    def _stand_ins(self, state: LiveState) -> list[Session]:
         """Stand-in active sessions for the recent load beyond the requests in flight (`online.RecentLoad`)."""
-        models = {m["id"] for m in data["models"]}
         in_flight: dict[str, int] = defaultdict(int)
-        for session in data["sessions"]:
-            in_flight[session["model"]] += session["active"]
-        return [
-            {
-                "id": s.id,
-                "user": s.user,
-                "slo": s.slo.value,
-                "model": s.model,
-                "active": True,
-                "context_tokens": s.context_tokens,
-            }
-            for s in self.live.load.stand_ins(self.live.clock(), in_flight)
-            if s.model in models
-        ]
+        for session in state.sessions:
+            in_flight[session.model] += session.active
+        return [s for s in self.live.load.stand_ins(self.live.clock(), in_flight) if s.model in state.catalog.models]
 
     def _usage(self) -> Usage:
         """When each model last ran, which wait past the unpin delay, which wait not served anywhere, and
@@ -226,7 +217,7 @@ class Planning:
             for _ in range(PLAN_ATTEMPTS):
                 with self.live.change():
                     self.queues.expire_and_write()
-                    data, next_model, _ = self.planning_snapshot(stand_ins=True)
+                    state, next_model, _ = self.planning_snapshot(stand_ins=True)
                     usage = self._usage()
                     waiting = self._waiting()
                     basis = self._basis()
@@ -234,13 +225,7 @@ class Planning:
                     force = force or self.live.force_replan or held_due
                     self.live.urgent.clear()
                 try:
-                    problem = self.live.compile(data, next_model)
-                except ScenarioError as error:
-                    # the operations in flight would overfill a location: nothing may be planned on top of
-                    # them (a plan from the confirmed placement alone would repeat their moves); they finish,
-                    # fail or expire, and the replan that follows sees where they left the cluster
-                    raise Conflict(f"the state in flight cannot be planned until it lands: {error}") from None
-                try:
+                    problem = state.problem(next_model)
                     try:
                         # pins are the greedy's: the search and the MILP choose every node
                         pinned = self._pins(problem, usage) if self.live.settings.solver == "greedy" else {}
@@ -264,7 +249,8 @@ class Planning:
                         self._answered = waiting
                         return {"epoch": self.live.epoch, "changed": False}, "unchanged"
                     # the same landing place, maybe other operations
-                    touched = self.queues.install(plan, self.live.inflight())
+                    inflight = self.live.inflight()
+                    touched = self.queues.install(plan, inflight, self.landing(inflight).capped)
                     self.live.metrics.replans.labels("installed").inc()
                     self._answered = waiting
                     self.live.force_replan = False
@@ -279,12 +265,17 @@ class Planning:
         self.live.notify(touched)
         return {"epoch": epoch, "changed": True}, "installed"
 
+    def landing(self, inflight: list[OpRecord]) -> Landing:
+        """Where the confirmed placement lands once `inflight` does, each operation as far as it fits."""
+        self.live.refresh_sizes()  # capacities, and the sizes of the sessions that events created since
+        assert self.live.sizes is not None
+        return land(self.live.placement, inflight, self.live.sizes)
+
     def _basis(self) -> tuple[frozenset[tuple[tuple[StateObject, Location], int]], int]:
         """What a plan is safe against: where the confirmed placement will be once the operations in flight
         land (an operation that lands changes nothing here; one leased, failed or expired since does), and
         the hardware and catalog. Sessions and demand may move on: the next replan catches up with them."""
-        landing = apply_operations(self.live.placement, [r.op for r in self.live.inflight()])
-        return frozenset(landing.items()), self.live.topology_changes
+        return frozenset(self.landing(self.live.inflight()).placement.items()), self.live.topology_changes
 
     def solve(self, problem: Problem, solver: str, **options: object) -> Plan:
         """Solve and time one problem (the planning-duration histogram counts it)."""

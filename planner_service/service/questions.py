@@ -14,13 +14,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from planner_service.domain.problem import Problem, compile_problem
-from planner_service.domain.scenario import ScenarioError, parse_scenario
+from planner_service.domain.scenario import ScenarioError
 from planner_service.domain.state import Kind, Placement, StateObject, Tier
 from planner_service.planner.plan import Plan
 from planner_service.planner.predictor import SwitchPredictor
 from planner_service.service import changes as edits
 from planner_service.service.errors import Conflict, InvalidInput, NotFound
 from planner_service.service.inputs import WhatIfIn
+from planner_service.service.live import LiveState
 from planner_service.service.records import OpRecord, SessionState
 
 GIB = 2**30
@@ -32,7 +33,7 @@ Solve = Callable[..., Plan]
 
 @dataclass(frozen=True)
 class LiveView:
-    data: dict[str, Any]  # scenario JSON: confirmed placement plus what leased operations will do
+    state: LiveState  # the confirmed placement plus what leased operations will do
     next_model: dict[str, dict[str, float]]
     predictor: SwitchPredictor  # a copy
     ended: frozenset[str]
@@ -49,11 +50,11 @@ class LiveView:
 
 def what_if(view: LiveView, body: WhatIfIn, solve: Solve) -> dict[str, Any]:
     """Apply the changes to a copy of the live scenario and plan it."""
-    data = view.data
+    scenario = view.state.full_scenario()
     try:
         for i, change in enumerate(body.changes):
-            edits.apply_change(data, change, f"changes[{i}]")
-        scenario = parse_scenario(data)
+            scenario = edits.apply_change(scenario, change, f"changes[{i}]")
+        scenario = edits.validated(scenario)
         for m in scenario.models:
             view.predictor.add_model(m.id)
         current = {s.id: s.model for s in scenario.sessions if s.id not in view.ended}
@@ -86,7 +87,7 @@ def pareto(view: LiveView, solve: Solve) -> dict[str, Any]:
     P95 seconds each extra GiB buys between neighbours.
     """
     try:
-        problem = compile_problem(parse_scenario(view.data), view.next_model)
+        problem = view.state.problem(view.next_model)
     except ScenarioError as error:
         raise Conflict(f"the live state cannot be planned: {error}") from None
     points: list[dict[str, Any]] = []

@@ -15,7 +15,7 @@ import logging
 import math
 import uuid
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from typing import Any
 
 from planner_service.domain.state import Location, StateObject
@@ -74,10 +74,11 @@ def in_order(operations: list[Operation]) -> bool:
     return True
 
 
-def must_wait(op: Operation, r: OpRecord) -> bool:
+def must_wait(op: Operation, r: OpRecord, capped: Collection[str] = ()) -> bool:
     """A new operation must not race `r`, still in flight: it would fill what `r` frees, read what `r`
-    writes, or free the source `r` reads."""
-    frees_dest = op.dest is not None and r.op.frees() == op.dest
+    writes, free the source `r` reads, or fill where `r` was planned as landing only what fits (`capped`,
+    `landing.py`: the plan counted that room as full)."""
+    frees_dest = op.dest is not None and (r.op.frees() == op.dest or (r.id in capped and r.op.dest == op.dest))
     reads_its_output = op.source is not None and r.op.dest == op.source and r.op.object == op.object
     drops_its_source = (
         op.frees() is not None and r.op.keep_source and r.op.source == op.frees() and r.op.object == op.object
@@ -90,7 +91,9 @@ def _step_key(op: Operation) -> tuple[str, str, str] | None:
     return None if op.engine is None else (op.node, op.engine.instance.id, op.engine.transition.value)
 
 
-def _step_waits(ops: list[Operation], inflight: list[OpRecord]) -> dict[tuple[str, str, str] | None, set[str]]:
+def _step_waits(
+    ops: list[Operation], inflight: list[OpRecord], capped: Collection[str] = ()
+) -> dict[tuple[str, str, str] | None, set[str]]:
     """Per engine step, the operations in flight any of its moves must wait on: the step is one call for the
     whole instance, made on the first of its moves an agent runs, so every move waits on them (as every move
     of a step waits on what any of them waits on within the plan, planner/operations.py)."""
@@ -98,7 +101,7 @@ def _step_waits(ops: list[Operation], inflight: list[OpRecord]) -> dict[tuple[st
     for op in ops:
         key = _step_key(op)
         if key is not None:
-            waits[key].update(r.id for r in inflight if must_wait(op, r))
+            waits[key].update(r.id for r in inflight if must_wait(op, r, capped))
     return waits
 
 
@@ -112,8 +115,9 @@ class Queues:
         # only to explain a refused renewal: whether a lease holds anything is read from the operations alone
         self.ended: dict[str, EndedLease] = {}
 
-    def install(self, plan: Plan, inflight: list[OpRecord]) -> frozenset[str]:
-        """Install `plan` as the next epoch, incrementally; the nodes whose queues it changed.
+    def install(self, plan: Plan, inflight: list[OpRecord], capped: Collection[str] = ()) -> frozenset[str]:
+        """Install `plan` as the next epoch, incrementally; the nodes whose queues it changed. Its operations
+        wait for those in `inflight` they would race (`must_wait`; `capped`: those planned as landing less).
 
         An operation of the plan that is the same move as one still queued (`same_move`: action, object,
         source, destination, bytes and node) with the same dependencies once they are named as installed
@@ -132,7 +136,7 @@ class Queues:
         if not in_order(plan.operations):  # a record may be adopted only once its dependencies are named
             queued.clear()
         name = {op.id: f"{epoch}.{op.id}" for op in plan.operations}  # plan id -> installed id
-        step_waits = _step_waits(plan.operations, inflight)
+        step_waits = _step_waits(plan.operations, inflight, capped)
         adopted: set[str] = set()
         records: list[OpRecord] = []
         batch = Batch()
@@ -140,7 +144,8 @@ class Queues:
             if op.id in held:
                 continue
             shared = step_waits.get(_step_key(op), ())
-            deps = [name[d] for d in op.depends_on] + [r.id for r in inflight if r.id in shared or must_wait(op, r)]
+            waits = [r.id for r in inflight if r.id in shared or must_wait(op, r, capped)]
+            deps = [name[d] for d in op.depends_on] + waits
             waits_on = self._waits_on(deps)
             same = next((r for r in queued.get(same_move(op), ()) if self._waits_on(r.op.depends_on) == waits_on), None)
             if same is not None:

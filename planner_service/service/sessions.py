@@ -5,12 +5,9 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from planner_service.domain.problem import STAND_IN, is_stand_in
 from planner_service.domain.scenario import (
     Slo,
-)
-from planner_service.planner.online import (
-    STAND_IN,
-    is_stand_in,
 )
 from planner_service.service.errors import (
     InvalidInput,
@@ -46,7 +43,7 @@ class Sessions:
         with self.live.change():
             server_time = ServerTime(self.live.clock(), self.live.settings.max_clock_skew_seconds)
             check_event_times(events, server_time, known_ids=self.live.event_ids)
-            models = sorted(m["id"] for m in self.live.base["models"])
+            models = sorted(self.live.model_ids())
             known_sessions = {sid for sid, s in self.live.sessions.items()}
             seen: set[str] = set()
             for i, ev in enumerate(events):

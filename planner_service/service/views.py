@@ -10,9 +10,7 @@ from collections import defaultdict
 from typing import Any
 
 from planner_service.domain.problem import resolve_model
-from planner_service.domain.scenario import (
-    ModelIn,
-)
+from planner_service.domain.scenario import NodeEngineIn
 from planner_service.domain.state import (
     Kind,
     Tier,
@@ -46,8 +44,9 @@ class Views:
     def cluster_view(self) -> dict[str, Any]:
         self.live.require_ready()
         with self.live.change():
-            data = self.live.scenario_data({})
-            problem = self.live.compile(data, {})
+            self.live.refresh_sizes()
+            problem = self.live.sizes
+            assert problem is not None
             used: dict[str, int] = defaultdict(int)
             planned: dict[str, int] = defaultdict(int)
             for (_, loc), nbytes in self.live.placement.items():
@@ -57,25 +56,25 @@ class Views:
                 if loc.tier is Tier.GPU:
                     planned[loc.id] += nbytes
             nodes = []
-            for raw in self.live.base["cluster"]["nodes"]:
-                n = problem.nodes[raw["id"]]
+            for declared in self.live.declared.cluster.nodes:
+                n = problem.nodes[declared.id]
                 info = self.live.nodes_info.get(n.id, {})
                 gpus = []
-                for graw in raw.get("gpus", []):
-                    g = problem.gpus[graw["id"]]
+                for gpu in declared.gpus:
+                    g = problem.gpus[gpu.id]
                     gpus.append(
                         {
                             "id": g.id,
                             "type": g.type,
                             "capacity_bytes": g.capacity_bytes,
-                            "reserved_bytes": graw.get("reserved_bytes", 0),
+                            "reserved_bytes": gpu.reserved_bytes,
                             "hbm_bytes_per_s": g.hbm_bytes_per_s,
                             "bf16_flops": g.bf16_flops,
                             "h2d_bytes_per_s": g.h2d_bytes_per_s,
                             "d2h_bytes_per_s": g.d2h_bytes_per_s,
                             "used_bytes": used[g.id],
                             "planned_bytes": planned[g.id],
-                            "calibrated": self.live.calibration["gpus"].get(g.id, {}),
+                            "calibrated": self.live.calibration.of_json("gpus", g.id),
                         }
                     )
                 nodes.append(
@@ -86,8 +85,8 @@ class Views:
                         "nvme_read_bytes_per_s": n.nvme_read_bytes_per_s,
                         "nvme_write_bytes_per_s": n.nvme_write_bytes_per_s,
                         "capabilities": sorted(c.value for c in n.capabilities),
-                        "engines": engines_with_urls(raw.get("engines"), info.get("registration")),
-                        "calibrated": self.live.calibration["nodes"].get(n.id, {}),
+                        "engines": engines_with_urls(declared.engines, info.get("registration")),
+                        "calibrated": self.live.calibration.of_json("nodes", n.id),
                         "registered_at": info.get("registered_at"),
                         "last_heartbeat": info.get("last_heartbeat"),
                         "telemetry": info.get("telemetry"),
@@ -98,10 +97,10 @@ class Views:
             return {"nodes": nodes, "quarantine": copy.deepcopy(self.live.quarantine)}
 
     def model_view(self, model_id: str) -> dict[str, Any]:
-        raw = next(m for m in self.live.base["models"] if m["id"] == model_id)
-        spec = resolve_model(ModelIn.model_validate(raw), "model")
+        model = next(m for m in self.live.declared.models if m.id == model_id)
+        spec = resolve_model(model, "model")
         return {
-            **{k: v for k, v in raw.items() if v is not None},
+            **model.model_dump(mode="json", exclude_none=True),
             "resolved": {
                 "precisions": list(spec.precisions),
                 "weights_bytes": dict(spec.weights_bytes),
@@ -117,7 +116,7 @@ class Views:
     def models_view(self) -> list[dict[str, Any]]:
         self.live.require_ready()
         with self.live.change():
-            return [self.model_view(m["id"]) for m in self.live.base["models"]]
+            return [self.model_view(m) for m in self.live.model_ids()]
 
     def _session_view(self, s: SessionState) -> dict[str, Any]:
         kv: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
@@ -161,7 +160,7 @@ class Views:
         """The engine nodes' instances now and once the current plan is done (planner/engine_plan.py)."""
         self.live.require_ready()
         with self.live.change():
-            problem = self.live.compile(self.live.scenario_data(self.live.placement), {})
+            problem = self.live.problem(self.live.placement, {})
             planned = self.live.plan_placement if self.live.plan_doc is not None else None
             return engine_plan.engine_rows(problem, planned)
 
@@ -235,11 +234,11 @@ class Views:
                 elif obj.kind is Kind.KV and obj.session is not None:
                     kv_on[(obj.session, obj.model)].add(loc.id)
             instances: dict[str, list[dict[str, Any]]] = defaultdict(list)
-            for raw in self.live.base["cluster"]["nodes"]:
-                for model, entry in _node_instances(raw["id"], self.live.nodes_info.get(raw["id"], {}), gpu_node):
+            for node_id in self.live.node_ids():
+                for model, entry in _node_instances(node_id, self.live.nodes_info.get(node_id, {}), gpu_node):
                     if entry["state"] is None:
                         held = weights_on[model] & set(
-                            entry["gpus"] or [g for g, n in gpu_node.items() if n == raw["id"]]
+                            entry["gpus"] or [g for g, n in gpu_node.items() if n == node_id]
                         )
                         entry["state"] = "running" if held else "stopped"
                     instances[model].append(entry)
@@ -269,9 +268,9 @@ class Views:
         self.live.require_ready()
         with self.live.change():
             assert self.live.sizes is not None
-            data, next_model, _ = self.planning.planning_snapshot()
+            state, next_model, _ = self.planning.planning_snapshot()
             return LiveView(
-                data=data,
+                state=state,
                 next_model=next_model,
                 predictor=copy.deepcopy(self.live.predictor),
                 ended=frozenset(sid for sid, s in self.live.sessions.items() if s.ended),
@@ -292,13 +291,15 @@ class Views:
 
 
 def engines_with_urls(
-    engines: list[dict[str, Any]] | None, registration: dict[str, Any] | None
+    engines: list[NodeEngineIn] | None, registration: dict[str, Any] | None
 ) -> list[dict[str, Any]] | None:
-    """A node's {model, gpus} engine entries with the URL its registration gave the engine serving each."""
+    """A node's declared engines as {model, gpus, ...} entries with the URL its registration gave the engine
+    serving each."""
     if engines is None:
         return None
     urls = {m: e["url"] for e in (registration or {}).get("engines") or [] if e.get("url") for m in e.get("models", [])}
-    return [{**e, "url": urls[e["model"]]} if e["model"] in urls else dict(e) for e in engines]
+    entries = [e.model_dump(mode="json", exclude_none=True) for e in engines]
+    return [{**e, "url": urls[e["model"]]} if e["model"] in urls else e for e in entries]
 
 
 _STATE_ORDER = {"running": 0, "asleep": 1, "stopped": 2}

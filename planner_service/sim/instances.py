@@ -88,32 +88,19 @@ class EngineBook:
 
     def start_fixed_seconds(self, node_id: str, model_id: str, precision: str, gpus: tuple[Gpu, ...]) -> float:
         """The fixed part of bringing the model up on `gpus`: a wake of the instance sleeping there, else a
-        cold start (the copy of the weights is simulated on its own)."""
-        c = self.constants
+        cold start (the copy of the weights is simulated on its own); `engines.bring_up_fixed_seconds`, as
+        the planner prices it."""
         sleeping = self.asleep.get((model_id, node_id))
         if sleeping is not None and sleeping.instance == self.instance(node_id, model_id, precision, gpus):
-            if sleeping.state is EngineState.ASLEEP_HOST:
-                return c.wake_fixed_seconds
-            return c.wake_fixed_seconds + c.reload_fixed_seconds
-        return c.cold_start_fixed_seconds
+            return engines.bring_up_fixed_seconds(sleeping.state, True, self.constants)
+        return engines.bring_up_fixed_seconds(EngineState.STOPPED, False, self.constants)
 
     def sleep_level(self, instance: engines.EngineInstance, host_copy: bool) -> Transition | None:
-        """How a running instance leaves its GPUs: a level-1 sleep where host RAM holds the weights (the
-        backup) and its kind allows it, else level 2, else None (it stops)."""
+        """How a running instance leaves its GPUs (`engines.leaving_transition`), remembered per instance."""
         key = (instance, host_copy)
         if key not in self._levels:
-            self._levels[key] = self._sleep_level(instance, host_copy)
+            self._levels[key] = engines.leaving_transition(instance, host_copy)
         return self._levels[key]
-
-    @staticmethod
-    def _sleep_level(instance: engines.EngineInstance, host_copy: bool) -> Transition | None:
-        order = (Transition.SLEEP_LEVEL_1, Transition.SLEEP_LEVEL_2) if host_copy else (Transition.SLEEP_LEVEL_2,)
-        for transition in order:
-            if engines.may(instance, EngineState.RUNNING, transition).allowed:
-                return transition
-        if not host_copy and engines.may(instance, EngineState.RUNNING, Transition.SLEEP_LEVEL_1).allowed:
-            return Transition.SLEEP_LEVEL_1  # (sglang with a CPU backup: its release keeps a host copy)
-        return None
 
     def may_leave(self, instance: engines.EngineInstance) -> bool:
         """Whether a running instance can leave its GPUs at all: sleep at some level, or stop."""

@@ -21,7 +21,8 @@ import numpy as np
 from planner_service.domain.scenario import Scenario
 from planner_service.domain.state import Tier
 from planner_service.domain.units import GIB
-from planner_service.planner import costs
+from planner_service.planner import costs, engine_costs
+from planner_service.planner.residency import ResidencyIndex
 from planner_service.sim.engine import base_problem, simulate
 from planner_service.sim.metrics import summarize
 from planner_service.sim.policies import create_policy
@@ -230,17 +231,16 @@ def study_h3(scenario: Scenario, records: Sequence[TraceRecord], out_dir: Path) 
 
 
 def _cold_load_seconds(problem, model_id: str) -> float:
-    """The fastest load of the model's weights from NVMe onto one node's GPUs (costs.weights_load_seconds)."""
+    """The fastest cold start of the model on one node's GPUs, its weights read from NVMe
+    (engine_costs.bring_up_seconds from an empty placement: every engine stopped)."""
     model = problem.models[model_id]
+    empty = ResidencyIndex.build(problem, {})
     best = math.inf
     for node in problem.nodes.values():
         group = costs.cold_group(problem, model, model.preferred, node)
         if group is None:
             continue
-        best = min(
-            best,
-            costs.weights_load_seconds(model.weights_bytes[model.preferred], group, Tier.NVME, node, problem.constants),
-        )
+        best = min(best, engine_costs.bring_up_seconds(problem, empty, model, model.preferred, group, Tier.NVME, node))
     return best
 
 

@@ -13,6 +13,7 @@ from collections.abc import Set as AbstractSet
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Protocol
 
+from planner_service.domain.engines import EngineState
 from planner_service.domain.problem import Gpu, Problem
 from planner_service.domain.scenario import CostConstants, Scenario
 from planner_service.domain.state import Kind, Location, StateObject, Tier
@@ -115,6 +116,12 @@ class SimView:
     def needs_kv_room(self) -> AbstractSet[str]:
         """Models whose last group could not hold a waiting request's KV."""
         return self._sim.needs_kv_room
+
+    def sleeping_engines(self) -> dict[tuple[str, str], tuple[EngineState, tuple[str, ...]]]:
+        """(node, model) -> the state and GPU group of each sleeping engine instance: what a node agent's
+        heartbeat reports of them (`Problem.observed_engines`)."""
+        asleep = self._sim.engines.asleep
+        return {(e.node, e.instance.model): (e.state, e.instance.gpus) for e in (asleep[k] for k in sorted(asleep))}
 
     def kv_footprint(self, req: SimRequest) -> int:
         return self._sim.kv_footprint(req)

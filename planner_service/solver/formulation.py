@@ -288,7 +288,7 @@ class _Builder:
             return seconds
 
         # -- x_off: no group serves the model; its requests cold-load from the lower tiers
-        cold = cold_load(self.p, self.lower, model)
+        cold = cold_load(self.p, self.lower, model, self.now)
         if cold.node is None:
             latency = np.full(len(sessions), c.unserved_penalty_seconds)
             slowdown = 0.0

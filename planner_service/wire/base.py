@@ -13,3 +13,10 @@ class WireModel(BaseModel):
     """
 
     model_config = ConfigDict(frozen=True, extra="ignore", validate_by_name=True, serialize_by_alias=True)
+
+
+class WireIn(BaseModel):
+    """A body a client sends: immutable, and strict (an unknown field is refused with its name, as is a number
+    that is not finite)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)

@@ -1,10 +1,14 @@
-"""Operations as the planner emits them, as a node leases them, and as the queues record them."""
+"""Operations as the planner emits them, as a node leases them, and as the queues record them; a node's lease
+request and its report of an operation."""
 
 from __future__ import annotations
 
+from typing import Annotated, Literal
+
 from pydantic import Field
 
-from planner_service.wire.base import WireModel
+from planner_service.wire.base import WireIn, WireModel
+from planner_service.wire.bounds import ByteCount, Name, Seconds
 from planner_service.wire.enums import (
     Action,
     EngineFeature,
@@ -149,3 +153,16 @@ class HeldBack(WireModel):
     until: str | None = Field(description="ISO 8601, UTC.")
     failures: int
     error: str | None
+
+
+class LeaseIn(WireIn):
+    max_operations: Annotated[int, Field(ge=1, le=1000)] = 8
+    wait_seconds: Annotated[float, Field(ge=0, le=300)] = 0.0
+
+
+class ReportIn(WireIn):
+    lease_id: Name
+    status: Literal["done", "failed"]
+    measured_seconds: Seconds | None = None
+    measured_bytes: ByteCount | None = None
+    error: Annotated[str, Field(max_length=2000)] | None = None

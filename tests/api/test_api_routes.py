@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import threading
-import time
 
 from api_helpers import NODE1, OPERATOR, assert_problem, request
+from support import CallLog
 
 ROUTER = {"Authorization": "Bearer router-token"}
 
@@ -66,24 +66,23 @@ def test_sessions_name_their_model(make_app):
 
 
 def test_long_poll_answers_on_a_change_and_after_wait(make_app):
-    app = make_app(tiny=True)
+    app = make_app(tiny=True, max_wait_seconds=60.0)
     first = app.get("/v1/routes").json()
-    started = time.monotonic()
-    same = app.get("/v1/routes", params={"after_revision": first["revision"], "wait": 0.3}).json()
-    assert time.monotonic() - started >= 0.3
+    looks = CallLog(app.client.app.state.service, "routes_view")
+    same = app.get("/v1/routes", params={"after_revision": first["revision"], "wait": 0.2}).json()
     assert same["revision"] == first["revision"]
-
-    def register_soon() -> None:
-        time.sleep(0.2)
-        _register(app, "n1", [{"name": "vllm-a", "models": ["alpha"], "url": "http://n1:8000"}])
-
-    thread = threading.Thread(target=register_soon)
+    assert len(looks.calls) >= 2  # it looked, waited for a change that never came, and looked again
+    looks.calls.clear()
+    result: dict = {}
+    params = {"after_epoch": first["epoch"], "after_revision": first["revision"], "wait": 60}
+    thread = threading.Thread(target=lambda: result.update(body=app.get("/v1/routes", params=params).json()))
     thread.start()
-    changed = app.get(
-        "/v1/routes", params={"after_epoch": first["epoch"], "after_revision": first["revision"], "wait": 10}
-    ).json()
-    thread.join()
-    assert changed["revision"] != first["revision"]
+    looks.wait_for(lambda calls: len(calls) >= 1, what="the long-poll's first look at the table")
+    assert thread.is_alive()  # nothing changed: it waits
+    _register(app, "n1", [{"name": "vllm-a", "models": ["alpha"], "url": "http://n1:8000"}])
+    thread.join(timeout=20)
+    assert not thread.is_alive(), "the registration did not end the long-poll, which would have waited its 60 s"
+    assert result["body"]["revision"] != first["revision"]
 
 
 def test_router_token_reaches_events_routes_and_plan_only(make_app):

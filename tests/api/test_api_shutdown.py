@@ -47,6 +47,19 @@ def test_a_change_wakes_only_the_long_polls_of_its_node():
     assert asyncio.run(scenario()) == (True, False, True)
 
 
+def test_any_change_wakes_the_route_tables_long_polls():
+    async def scenario() -> tuple[bool, bool, bool, bool]:
+        queues = QueueSignal()
+        first = queues.any_change()
+        queues.bump({"n1"})  # one node's queue: a report, say
+        second = queues.any_change()
+        fresh = second is not first and not second.is_set()
+        queues.bump()
+        return first.is_set(), fresh, second.is_set(), queues.any_change().is_set()
+
+    assert asyncio.run(scenario()) == (True, True, True, False)
+
+
 def test_an_exit_signal_drains_then_reaches_the_servers_own_handler():
     seen: list[int] = []
 

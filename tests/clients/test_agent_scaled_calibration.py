@@ -15,15 +15,15 @@ from planner_service.wire.enums import CalibrationScope
 pytestmark = pytest.mark.anyio
 
 
-def readme_config(tmp_path):
+def readme_config(tmp_path, node: str = "n1"):
     """The flags of clients/README's `statebudget-agent run` line, with this test's directories."""
     flags = {
         "server_url": "http://127.0.0.1:8080",
-        "node_id": "n1",
+        "node_id": node,
         "executor": "local",
         "scale": 1e-6,
-        "nvme_dir": tmp_path / "n1" / "nvme",
-        "host_dir": tmp_path / "n1" / "host",
+        "nvme_dir": tmp_path / node / "nvme",
+        "host_dir": tmp_path / node / "host",
     }
     quick = {"lease_wait_seconds": 0.2, "heartbeat_seconds": 0.05, "retry_delay_seconds": 0.01}
     return load_config(None, {**flags, **quick})
@@ -36,17 +36,17 @@ async def test_a_scaled_run_calibrates_nothing_and_leaves_the_plan_as_it_was(tmp
         sb = async_client(http)
         cluster_before = await sb.get_cluster()
         first = await sb.get_plan()
-        mine = [o for o in first.operations if o.node == "n1"]
+        mine = [o for o in first.operations if o.node == "n2"]
         assert any(o.source is not None and o.source.tier == "nvme" for o in mine)  # NVMe reads: the link item 1 hit
-        config = readme_config(tmp_path)
+        config = readme_config(tmp_path, "n2")
         agent = Agent(config, sb, LocalExecutor.from_config(config))
-        await run_until_idle(agent, sb, "n1")
+        await run_until_idle(agent, sb, "n2")
         assert agent.stats["done"] == len(mine) and agent.stats["heartbeats"] >= 1
         assert any(r.get("measured_seconds") for r in agent.reports)  # the reports did carry measurements
 
         calibration = await sb.get_calibration()
-        n1 = next(n for n in calibration.nodes if n.id == "n1")
-        assert n1.scale == 1e-6 and not n1.calibrates
+        n2 = next(n for n in calibration.nodes if n.id == "n2")
+        assert n2.scale == 1e-6 and not n2.calibrates
         assert all(not n.calibrated and not any(g.calibrated for g in n.gpus) for n in calibration.nodes)
         after = await sb.get_cluster()
         assert [(n.nvme_read_bytes_per_s, [g.h2d_bytes_per_s for g in n.gpus]) for n in after.nodes] == [
@@ -68,19 +68,19 @@ async def test_a_scaled_run_calibrates_nothing_and_leaves_the_plan_as_it_was(tmp
         ]
         assert samples and samples_total.get("refused", 0) >= len(samples) and not samples_total.get("accepted")
 
-        # the next plan keeps what the run moved to n1 where the first plan put it
+        # the next plan keeps what the run moved to n2 (the reasoner's start) where the first plan put it
         await sb.replan()
         second = await sb.get_plan()
 
-        def on_n1(plan):
+        def on_n2(plan):
             return sorted(
                 (e.object.key(), e.location.label(), e.bytes)
                 for e in plan.placement
-                if e.location.node == "n1" or (e.location.gpu or "").startswith("n1-")
+                if e.location.node == "n2" or (e.location.gpu or "").startswith("n2-")
             )
 
-        assert on_n1(second) == on_n1(first)
-        assert not [o for o in second.operations if o.node == "n1"]  # nothing to undo
+        assert on_n2(second) == on_n2(first)
+        assert not [o for o in second.operations if o.node == "n2"]  # nothing to undo
 
 
 async def test_an_operator_sees_and_resets_calibration_per_node_and_link(tmp_path):
@@ -118,13 +118,13 @@ async def test_a_scaled_node_calibrates_nothing_even_from_plausible_samples(tmp_
     rates that look like a link's, and those must not count either: the scale alone decides."""
     async with served(make_app(tmp_path)) as http:
         sb = async_client(http)
-        catalog = next(n for n in (await sb.get_cluster()).nodes if n.id == "n1")
-        registered = await sb.register_node("n1", scale=1e-6)
+        catalog = next(n for n in (await sb.get_cluster()).nodes if n.id == "n2")
+        registered = await sb.register_node("n2", scale=1e-6)
         assert registered.scale == 1e-6 and any("scale 1e-06" in w for w in registered.warnings)
         plausible = catalog.nvme_read_bytes_per_s * 0.8
-        beat = await sb.heartbeat("n1", nvme_read_bytes_per_s=plausible)
+        beat = await sb.heartbeat("n2", nvme_read_bytes_per_s=plausible)
         assert beat.calibration == {}
-        lease = await sb.lease("n1", max_operations=100)
+        lease = await sb.lease("n2", max_operations=100)
         read = next(o for o in lease.operations if o.source is not None and o.source.tier == "nvme")
         await sb.report(
             read.id,
@@ -133,9 +133,9 @@ async def test_a_scaled_node_calibrates_nothing_even_from_plausible_samples(tmp_
             measured_seconds=read.bytes / plausible,
             measured_bytes=read.bytes,
         )
-        assert not (await sb.get_calibration(node="n1")).nodes[0].calibrated
+        assert not (await sb.get_calibration(node="n2")).nodes[0].calibrated
 
-        assert (await sb.register_node("n1")).scale == 1.0  # a real agent registers again: its samples count
-        beat = await sb.heartbeat("n1", nvme_read_bytes_per_s=plausible)
+        assert (await sb.register_node("n2")).scale == 1.0  # a real agent registers again: its samples count
+        beat = await sb.heartbeat("n2", nvme_read_bytes_per_s=plausible)
         assert beat.calibration["nvme_read_bytes_per_s"].samples == 1
-        assert (await sb.get_calibration(node="n1")).nodes[0].calibrates
+        assert (await sb.get_calibration(node="n2")).nodes[0].calibrates

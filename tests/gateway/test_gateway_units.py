@@ -138,3 +138,22 @@ def test_idle_sessions_end_once():
     now[0] += 6
     assert sessions.end_idle() == 1 and sessions.end_idle() == 0
     assert [e["type"] for e in sink.events] == ["request", "session_end"]
+
+
+class _Dropped:
+    def __init__(self) -> None:
+        self.count = 0
+
+    def inc(self) -> None:
+        self.count += 1
+
+
+def test_an_event_the_wire_model_refuses_is_dropped_and_counted_not_queued():
+    """Queued, the planner would refuse the whole batch at every retry and hold every later event behind it."""
+    sink = _Sink()
+    sink.metrics = type("M", (), {"events_dropped": _Dropped()})()  # type: ignore[attr-defined]  # only the counter the tracker uses
+    sessions = SessionEvents(sink, idle_seconds=10, clock=lambda: 1000.0)  # type: ignore[arg-type]  # a test sink, not a Planner client
+    sessions.on_request(parse_request(_body(user="u" * 201), "chat", "s0"))  # a user past the wire's 200 characters
+    sessions.on_request(parse_request(_body(user="u1"), "chat", "s1"))
+    assert [(e["type"], e["session"], e["user"]) for e in sink.events] == [("request", "s1", "u1")]
+    assert sink.metrics.events_dropped.count == 1  # type: ignore[attr-defined]

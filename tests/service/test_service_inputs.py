@@ -7,9 +7,9 @@ import math
 import pytest
 from pydantic import ValidationError
 
-from planner_service.domain.bounds import DEFAULT_MAX_CLOCK_SKEW_SECONDS, MAX_UNIX_SECONDS
 from planner_service.service.errors import InvalidInput
 from planner_service.service.inputs import SERVER_TIME, EventsIn, ServerTime, TurnEndEvent, check_event_times
+from planner_service.wire.bounds import DEFAULT_MAX_CLOCK_SKEW_SECONDS, MAX_UNIX_SECONDS
 
 NOW = 1_800_000_000.0
 DAY = 86_400.0

@@ -20,6 +20,7 @@ from planner_service.service.queues import same_move
 from planner_service.service.records import OpRecord, OpState
 from planner_service.service.store import SqliteStore
 from planner_service.settings import Settings
+from planner_service.wire.enums import Priority
 
 TINY = Path(__file__).parent / "tiny_scenario.json"
 
@@ -96,8 +97,14 @@ def test_only_what_changed_is_superseded_and_inserted(tmp_path):
     assert kept and all(
         service.live.ops[i].epoch == 2 and same_move(service.live.ops[i].op) in moves_after for i in kept
     )
-    # s03 ended: moves that served its request are background work now, on the same records
-    assert any(service.live.ops[i].op.priority is not before[i][1] for i in kept)
+    # s03 ended: no move that served its request keeps a request's priority (each is superseded, or kept on
+    # its record as background work)
+    served = [i for i, (_, priority) in before.items() if priority in (Priority.BLOCKING, Priority.INTERACTIVE)]
+    assert served
+    assert all(
+        i in superseded or service.live.ops[i].op.priority not in (Priority.BLOCKING, Priority.INTERACTIVE)
+        for i in served
+    )
     assert_memory_is_the_database(service, db)
     service.close()
     restarted = open_service(db)  # a restart reads the adopted, reprioritised and superseded rows back
@@ -111,8 +118,8 @@ def test_adopted_operations_wait_only_on_live_records_through_leases_reports_and
     clock = service.live.clock
     assert isinstance(clock, Clock)
     rng = np.random.default_rng(7)
-    nodes = [n["id"] for n in service.live.base["cluster"]["nodes"]]
-    models = sorted(m["id"] for m in service.live.base["models"])
+    nodes = service.live.node_ids()
+    models = sorted(service.live.model_ids())
     for step in range(40):
         if step % 4 == 0:
             model = models[int(rng.integers(len(models)))]
@@ -237,8 +244,9 @@ def test_the_replan_metric_times_the_whole_replan(tmp_path, monkeypatch):
     solves = sample(service, "statebudget_plan_duration_seconds_sum", solver="greedy")
     service.replan(force=True)
     assert sample(service, "statebudget_replan_duration_seconds_count", outcome="installed") == 2
-    assert sample(service, "statebudget_replan_duration_seconds_sum", outcome="installed") - replans >= 0.05
-    assert sample(service, "statebudget_plan_duration_seconds_sum", solver="greedy") - solves < 0.05  # the solve alone
+    replan = sample(service, "statebudget_replan_duration_seconds_sum", outcome="installed") - replans
+    solve = sample(service, "statebudget_plan_duration_seconds_sum", solver="greedy") - solves
+    assert replan - solve >= 0.05  # the whole replan, the install's 50 ms among it; the solve metric is the solve alone
     service.close()
 
 

@@ -7,9 +7,10 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 
+from planner_service.domain.problem import is_stand_in
 from planner_service.domain.scenario import load_scenario
 from planner_service.metrics import Metrics
-from planner_service.planner.online import MAX_DEMAND_WINDOW_SECONDS, is_stand_in
+from planner_service.planner.online import MAX_DEMAND_WINDOW_SECONDS
 from planner_service.service.engine import ClusterService
 from planner_service.service.errors import InvalidInput
 from planner_service.service.inputs import RequestEvent, TurnEndEvent
@@ -33,8 +34,8 @@ def open_service(db: Path, clock: Clock, **options: object) -> ClusterService:
 
 
 def stand_ins(service: ClusterService) -> list[tuple[str, str]]:
-    data, _, _ = service.planning.planning_snapshot(stand_ins=True)
-    return sorted((s["id"], s["model"]) for s in data["sessions"] if is_stand_in(s["id"]))
+    state, _, _ = service.planning.planning_snapshot(stand_ins=True)
+    return sorted((s.id, s.model) for s in state.sessions if is_stand_in(s.id))
 
 
 def busy(service: ClusterService) -> None:

@@ -14,6 +14,7 @@ from planner_service.domain.scenario import load_scenario
 from planner_service.domain.state import Location, StateObject
 from planner_service.metrics import Metrics
 from planner_service.planner.operations import Action, Operation
+from planner_service.service.calibration import Estimate, Link
 from planner_service.service.engine import ClusterService
 from planner_service.service.inputs import ReportIn, RequestEvent
 from planner_service.service.records import OpenOps, OpRecord
@@ -98,17 +99,25 @@ def test_the_live_problem_is_compiled_again_only_when_what_it_is_made_of_changed
     live = svc.live
     compiled = []
     original = live.compile
-    live.compile = lambda data, next_model: compiled.append(1) or original(data, next_model)
+    live.compile = lambda scenario: compiled.append(1) or original(scenario)
     live.refresh_live()
     assert compiled == []  # nothing changed since the start
     svc.apply_events([RequestEvent(id="e1", type="request", session="s1", model="beta", input_tokens=1000)])
     live.refresh_live()
-    assert "s1" in live.sizes.sessions and len(compiled) == 1  # a new session
+    assert "s1" in live.sizes.sessions and compiled == []  # a new session: the catalog stays as compiled
+    assert live.sizes.sessions["s1"].context_tokens == 1000
+    link = Link("nodes", "n1", "nvme_read_bytes_per_s")
+    live.calibration.put(link, Estimate(value=1e9, samples=1, last_measured=1e9))
+    live.refresh_live()
+    assert len(compiled) == 1 and live.sizes.nodes["n1"].nvme_read_bytes_per_s == 1e9
+    live.calibration.put(link, Estimate(value=1e9, samples=1, last_measured=9e10, outliers=1))  # a refused sample
     live.refresh_live()
     assert len(compiled) == 1
-    live.calibration["nodes"]["n1"] = {"nvme_read_bytes_per_s": {"value": 1e9}}  # edited in place, as the service does
+    assert "s1" in live.sizes.sessions
+    node = live.node("n1")
+    host = live.sizes.nodes["n1"].host_bytes
+    live.replace_node(node.model_copy(update={"host_dram_bytes": host // 2}))
     live.refresh_live()
-    assert len(compiled) == 2 and live.sizes.nodes["n1"].nvme_read_bytes_per_s == 1e9
-    live.base["cluster"]["nodes"][0]["host_dram_bytes"] //= 2
+    assert len(compiled) == 2 and live.sizes.nodes["n1"].host_bytes == host // 2
     live.refresh_live()
-    assert len(compiled) == 3
+    assert len(compiled) == 2

@@ -24,8 +24,7 @@ def tiny_scenario(gpu_bytes: int = 10 * GB) -> Scenario:
     Prefill: 2 FLOPs * 2.5e8 active params / (1e12 FLOP/s * 0.5 efficiency) = 1e-3 s/token.
     Weights of each model 4 GB: from NVMe max(4/1, 4/0.5) = 8 s, from host 4 s. The node declares no
     engines, so it runs `local` ones: a cold start adds `cold_start_fixed_seconds` (30 s), a level-1 wake
-    `wake_fixed_seconds` (0.1 s), by the engine model's defaults (domain/engines.py). The scenario's
-    `engine_load_overhead_seconds` is the planner's and no part of the replay.
+    `wake_fixed_seconds` (0.1 s), by the engine model's defaults (domain/engines.py).
     """
     model = {"weights_bytes": {"bf16": 4 * GB}, "kv_bytes_per_token": 1000, "active_params": 250_000_000}
     return parse_scenario(
@@ -60,7 +59,6 @@ def tiny_scenario(gpu_bytes: int = 10 * GB) -> Scenario:
                 }
                 for m in ("a", "b")
             ],
-            "constants": {"engine_load_overhead_seconds": 0.5},
         }
     )
 

@@ -1,4 +1,5 @@
-"""Planner and replay price a hand-off with one cost model: the same state gives the same switch latency."""
+"""Planner and replay price a hand-off with one cost model: the same state gives the same switch latency,
+the engine transition that brings its model up included (engines.bring_up_fixed_seconds)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,10 @@ import pytest
 from planner_service.domain.problem import Session
 from planner_service.domain.scenario import Slo
 from planner_service.domain.state import Kind, Location, StateObject, Tier
-from planner_service.planner.objective import kv_ready
+from planner_service.planner.objective import cold_load, kv_ready
 from planner_service.planner.residency import ResidencyIndex
 from planner_service.sim.engine import Simulator
+from planner_service.sim.policies.lru import LruPolicy
 from planner_service.sim.policies.oracle import OraclePolicy
 from planner_service.sim.state import SimRequest
 from planner_service.sim.view import SimView
@@ -58,3 +60,60 @@ def test_the_planners_switch_latency_for_a_hand_off_equals_the_replays() -> None
     predicted = kv_ready(problem, index, problem.models["a"], "s1", "n1", gpus, gpu_kv)
     assert predicted == pytest.approx(handoff.switch_seconds, abs=1e-9)
     assert predicted == pytest.approx(1.001, abs=1e-6)  # a real restore, not a plain re-prefill
+
+
+class ArrivalSnapshot(LruPolicy):
+    """lru, noting what the planner would see as each request arrives, before its model is brought up: the
+    residency (a KV copy's bytes are the tokens it covers), the session's history and the sleeping engines
+    (what a node agent's heartbeat reports)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: dict[int, tuple[dict[tuple[StateObject, Location], int], int, dict]] = {}
+
+    def on_arrival(self, sim: SimView, req: SimRequest) -> None:
+        kvpt = sim.problem.models[req.model].kv_bytes_per_token
+        residency = {}
+        for (obj, loc), nbytes in sim.cluster.placed.items():
+            if obj.kind is Kind.KV:
+                tokens = sim.gpu_tokens.get(obj, 0) if loc.tier is Tier.GPU else sim.host_tokens.get(obj, 0)
+                nbytes = min(nbytes, tokens * kvpt)
+            if nbytes > 0:
+                residency[(obj, loc)] = nbytes
+        history = sim.sessions[req.session].history_tokens
+        self.seen[req.index] = (residency, history, sim.sleeping_engines())
+        super().on_arrival(sim, req)
+
+
+@pytest.mark.parametrize(
+    ("index", "model", "expected"),
+    [
+        # b's engine was never started: a cold start, 30 s + 8 s of copy from NVMe, and a re-prefill of the
+        # 1000-token history (1 s)
+        (1, "b", 39.0),
+        # a's engine sleeps at level 1 (its weights in host RAM, the backup): a wake, 0.1 s + 4 s of copy from
+        # the host; its turn-1 KV written through to host restores in 1 ms, b's 1000 tokens re-prefill in 1 s
+        (2, "a", 5.101),
+    ],
+)
+def test_the_planners_latency_for_a_hand_off_onto_a_stopped_or_sleeping_engine_equals_the_replays(
+    index: int, model: str, expected: float
+) -> None:
+    policy = ArrivalSnapshot()
+    sim = Simulator(tiny_scenario(6 * GB), tiny_trace(), policy)
+    handoff = sim.run().requests[index]
+    residency, history, asleep = policy.seen[index]
+    session = Session("s1", "s1", Slo.INTERACTIVE, model, True, history)
+    problem = dataclasses.replace(
+        sim.problem,
+        sessions=MappingProxyType({"s1": session}),
+        residency=MappingProxyType(residency),
+        observed_engines=asleep,
+    )
+    index_now = ResidencyIndex.build(problem, residency)
+    assert model not in index_now.serving  # its engine is stopped or asleep
+    cold = cold_load(problem, index_now, problem.models[model], index_now)
+    assert cold.node == "n1"
+    predicted = cold.seconds + kv_ready(problem, index_now, problem.models[model], "s1", "n1", cold.gpus, 0)
+    assert predicted == pytest.approx(handoff.switch_seconds, abs=1e-9)
+    assert predicted == pytest.approx(expected, abs=1e-6)

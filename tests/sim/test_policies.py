@@ -45,7 +45,6 @@ def scenario(gpus: int = 1, gpu_bytes: int = 10 * GB):
                 }
                 for m in ("a", "b", "c")
             ],
-            "constants": {"engine_load_overhead_seconds": 0.5},
         }
     )
 

@@ -14,6 +14,7 @@ from planner_service.sim.policies import create_policy
 from planner_service.sim.policies.clairvoyant import ClairvoyantPolicy
 from planner_service.sim.policies.statebudget import StatebudgetPolicy
 from planner_service.sim.trace import TraceRequest
+from tests.sim.test_engine import tiny_scenario, tiny_trace
 
 GB = 10**9
 
@@ -207,3 +208,16 @@ def test_clairvoyant_predicts_each_session_s_real_next_model_and_nothing_after_i
     arrive(sim, policy, 5.0, "x", "c", 300)
     sim.sessions["x"].model = "c"
     assert policy.problem(sim.view).next_model["x"] == {}
+
+
+def test_the_control_path_is_charged_to_the_requests_a_plan_serves() -> None:
+    # room for one model: the hand-off to b waits for a plan that loads it, which reaches the node's engine
+    # `control_path_seconds` after it is made; the hand-off back to a, prefetched within its gap, does not wait
+    def switch_seconds(control_path_seconds: float) -> list[float]:
+        policy = StatebudgetPolicy(control_path_seconds=control_path_seconds)
+        result = Simulator(tiny_scenario(6 * GB), tiny_trace(), policy).run()
+        return [r.switch_seconds for r in result.requests]
+
+    direct, charged = switch_seconds(0.0), switch_seconds(2.0)
+    assert charged[1] == pytest.approx(direct[1] + 2.0)
+    assert charged[2] == pytest.approx(direct[2])

@@ -328,7 +328,8 @@ def test_cli_plan_milp_and_gap_print_json() -> None:
     greedy = json.loads(runner.invoke(app, ["plan", "--json"]).stdout)
     assert data["objective"] <= greedy["objective"] + 1e-6  # warm-started from the greedy: never worse
     if data["bound"] is not None:
-        assert data["bound"] <= data["objective"] + 1e-6
+        # (the solver's bound and the evaluator's objective are each rounded: equal within 1e-7 of the objective)
+        assert data["bound"] <= data["objective"] * (1 + 1e-7) + 1e-6
         expected_gap = max(0.0, data["objective"] - data["bound"]) / max(abs(data["objective"]), 1e-9)
         assert data["gap"] == pytest.approx(expected_gap, abs=1e-5)
     result = runner.invoke(

@@ -50,10 +50,10 @@ def test_copy_seconds_waits_for_the_slowest_link() -> None:
 def test_tensor_parallel_shards_load_in_parallel() -> None:
     one, two = [gpu("a")], [gpu("a"), gpu("b")]
     n = node("a", "b")
-    # 20 GB from host: 1.0 s over one link, 0.5 s over two, + 0.3 s engine overhead each
-    assert costs.weights_load_seconds(20 * GB, one, Tier.HOST, n, C) == pytest.approx(1.3)
-    assert costs.weights_load_seconds(20 * GB, two, Tier.HOST, n, C) == pytest.approx(0.8)
-    assert costs.weights_load_seconds(0, two, Tier.HOST, n, C) == 0.0
+    # 20 GB from host: 1.0 s over one link, 0.5 s over two (each GPU copies its 10 GB shard at 20 GB/s)
+    assert costs.even_copy_seconds(20 * GB, one, Tier.HOST, n) == pytest.approx(1.0)
+    assert costs.even_copy_seconds(10 * GB, two, Tier.HOST, n) == pytest.approx(0.5)
+    assert costs.even_copy_seconds(0, two, Tier.HOST, n) == 0.0
 
 
 def test_write_down_seconds() -> None:

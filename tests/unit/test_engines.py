@@ -31,10 +31,12 @@ from planner_service.domain.engines import (
     ReadFrom,
     RuntimeMove,
     Transition,
+    bring_up_fixed_seconds,
     cold_start_seconds,
     drain_seconds,
     fold_measurement,
     holdings,
+    leaving_transition,
     may,
     offers,
     restart_seconds,
@@ -397,3 +399,32 @@ def test_the_readme_gives_every_constant_with_its_value() -> None:
     section = readme_section()
     for name in EngineConstants.__dataclass_fields__:
         assert f"`{name}`" in section, name
+
+
+def test_the_fixed_part_of_bringing_an_instance_up_from_each_state() -> None:
+    # what the planner and the replay add to a copy (engines.bring_up_fixed_seconds), by the constants above
+    cases = {
+        (EngineState.RUNNING, True): 0.0,
+        (EngineState.ASLEEP_HOST, True): 0.1,  # wake_fixed
+        (EngineState.ASLEEP_DISCARDED, True): 0.1 + 0.7,  # wake_fixed + reload_fixed
+        (EngineState.RUNNING, False): 2.0 + 30.0,  # a restart with new settings: stop_fixed + cold_start_fixed
+        (EngineState.ASLEEP_HOST, False): 2.0 + 30.0,
+        (EngineState.STOPPED, False): 30.0,  # cold_start_fixed
+    }
+    for (state, same), seconds in cases.items():
+        assert bring_up_fixed_seconds(state, same, C) == pytest.approx(seconds), (state, same)
+    # the wake and cold-start formulas are that part plus their loads
+    assert wake_from_host_seconds(llama(), L40_LINKS, C) == pytest.approx(0.1 + LLAMA_BYTES / 24e9)
+    assert cold_start_seconds(llama(), L40_LINKS, C) - 30.0 == pytest.approx(LLAMA_BYTES / 7e9)
+
+
+def test_how_a_running_instance_leaves_its_gpus() -> None:
+    sleepy = frozenset({EngineFeature.SLEEP_MODE, EngineFeature.DEV_MODE})
+    vllm = EngineInstance(EngineKind.VLLM, "m", "bf16", ("g0",), GIB, LaunchSettings(0, features=sleepy))
+    assert leaving_transition(vllm, host_copy=True) is Transition.SLEEP_LEVEL_1
+    assert leaving_transition(vllm, host_copy=False) is Transition.SLEEP_LEVEL_2
+    plain = EngineInstance(EngineKind.VLLM, "m", "bf16", ("g0",), GIB, LaunchSettings(0))
+    assert leaving_transition(plain, host_copy=True) is None  # no sleep mode: it stops
+    backup = frozenset({EngineFeature.SLEEP_MODE, EngineFeature.CPU_BACKUP})
+    sglang = EngineInstance(EngineKind.SGLANG, "m", "bf16", ("g0",), GIB, LaunchSettings(0, features=backup))
+    assert leaving_transition(sglang, host_copy=False) is Transition.SLEEP_LEVEL_1  # its release keeps a copy

@@ -8,6 +8,7 @@ from planner_service.domain.predictions import problem_from_scenario
 from planner_service.domain.scenario import parse_scenario
 from planner_service.domain.state import Location, StateObject
 from planner_service.domain.units import GIB
+from planner_service.planner.greedy import plan_greedy
 from planner_service.planner.online import (
     MAX_DEMAND_WINDOW_SECONDS,
     Engine,
@@ -84,8 +85,9 @@ def test_a_plan_is_adopted_when_it_serves_requests_staying_put_leaves_waiting() 
 
 
 def test_a_plan_whose_moves_cost_more_than_they_save_is_not_adopted() -> None:
-    # b is warm on g0 and idle; a plan that also loads a, which nobody asks for, only costs
-    problem = problem_from_scenario(parse_scenario(two_gpus([session("s1", "b")], on_gpus=("b",))))
+    # b is warm on g0 and idle; a plan that also loads a costs its cold start (30 s + the copy), more than the
+    # background session's 0.4 chance of a request to a saves (an interactive one's, at twice the weight, pays)
+    problem = problem_from_scenario(parse_scenario(two_gpus([session("s1", "b", slo="background")], on_gpus=("b",))))
     target = {**problem.residency, (StateObject.weights("a", "bf16"), Location.gpu("g1")): 10 * GIB}
     speculative = make_plan(problem, "greedy", target, {})
     assert speculative.operations
@@ -126,3 +128,28 @@ def test_a_plan_for_real_drops_the_stand_ins_and_is_priced_without_them() -> Non
     assert real.placement == without_stand_ins(planned.placement)
     alone = problem_from_scenario(parse_scenario(two_gpus([session("s1", "a", active=True)])))
     assert real.objective.total == make_plan(alone, "greedy", real.placement, {}).objective.total
+
+
+def test_room_kept_for_the_recent_load_never_turns_away_a_request_that_is_here() -> None:
+    # one 24 GiB card holds one model at a time; `big` (the larger, warm, pinned where it runs) has only stand-ins
+    # for its recent load, `small` a real request: the request is served and the stand-ins wait
+    data = scenario(
+        [node("n1", gpu("g0", 24))],
+        [model("big", 16), model("small", 15)],
+        [
+            session("s0", "big"),
+            *(session(f"expected-big-{k}", "big", active=True, tokens=1024) for k in range(5)),
+            session("s1", "small", active=True, tokens=1024),
+        ],
+        [
+            held(weights("big"), on_gpu("g0"), 16 * GIB),
+            held(weights("big"), on_nvme("n1"), 16 * GIB),
+            held(weights("small"), on_nvme("n1"), 15 * GIB),
+        ],
+    )
+    problem = problem_from_scenario(parse_scenario(data))
+    engines = engines_in(problem, {"big": 0.0})
+    plan = plan_greedy(problem, *pins(engines, set(), 1.0, problem.constants.horizon_seconds))
+    assert "s1" not in plan.unserved
+    assert (StateObject.weights("small", "bf16"), Location.gpu("g0")) in plan.placement
+    assert all(sid.startswith("expected-big-") for sid in plan.unserved)

@@ -446,7 +446,8 @@ def test_where_all_active_kv_fits_nowhere_the_model_goes_where_most_of_it_fits()
 def test_nodes_of_custom_gpus_that_differ_in_flops_do_not_look_alike() -> None:
     # two one-card nodes under one type name ("custom"), 10 and 100 TFLOP/s: a 20,000-token history
     # re-prefills in 2e9 / (0.5 * FLOP/s) * 20,000 = 8 s on n1 and 0.8 s on n2, so the model goes to n2
-    # (priced as look-alikes, only the first, n1, was tried)
+    # (priced as look-alikes, only the first, n1, was tried); s2's predicted request re-prefills its history
+    # there (s1's, in flight, is priced as arriving with the model: either node's cold start costs the same)
     def card(gpu_id: str, flops: float) -> dict:
         return {**gpu(gpu_id, 24), "bf16_flops": flops}
 
@@ -454,7 +455,7 @@ def test_nodes_of_custom_gpus_that_differ_in_flops_do_not_look_alike() -> None:
         scenario(
             [node("n1", card("g1", 10e12)), node("n2", card("g2", 100e12))],
             [model("m", 8, active_params=10**9)],
-            [session("s1", "m", tokens=20000, active=True)],
+            [session("s1", "m", tokens=20000, active=True), session("s2", "m", tokens=20000)],
             [held(weights("m"), on_nvme(n), 8 * GIB) for n in ("n1", "n2")],
         )
     )

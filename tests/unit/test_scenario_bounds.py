@@ -1,4 +1,4 @@
-"""Every number of a scenario is finite and within the physical bounds of domain/bounds.py, else the error names it."""
+"""Every number of a scenario is finite and within the physical bounds of wire/bounds.py, else the error names it."""
 
 from __future__ import annotations
 
@@ -7,11 +7,11 @@ from typing import Any
 
 import pytest
 
-from planner_service.domain import bounds
 from planner_service.domain.demo import demo_scenario_json
 from planner_service.domain.hardware import GPU_PRESETS
 from planner_service.domain.model_presets import MODEL_PRESETS
 from planner_service.domain.scenario import ModelIn, ScenarioError, parse_scenario
+from planner_service.wire import bounds
 
 
 def minimal() -> dict[str, Any]:

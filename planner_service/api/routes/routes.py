@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from typing import Annotated
 
@@ -12,7 +13,8 @@ from planner_service.wire.routes import RoutesOut
 
 router = APIRouter(prefix="/v1/routes", tags=["routes"])
 
-# a heartbeat that wakes an instance changes the table without a new epoch: the long-poll looks again this often
+# a heartbeat that wakes an instance changes the table without touching a queue: the long-poll looks again this
+# often (a plan, a report or an expiry wakes it at once)
 _RECHECK_SECONDS = 0.1
 
 
@@ -35,6 +37,7 @@ async def get_routes(
     when either changed (or when `wait` ran out, with the table as it is)."""
     deadline = time.monotonic() + min(wait, settings.max_wait_seconds)
     while True:
+        change = signal.any_change()  # taken before the look, so a change during it ends the wait below
         table = await run_in_threadpool(service.routes_view)
         unchanged = (after_epoch is None or table["epoch"] == after_epoch) and (
             after_revision is None or table["revision"] == after_revision
@@ -42,4 +45,5 @@ async def get_routes(
         remaining = deadline - time.monotonic()
         if (after_epoch is None and after_revision is None) or not unchanged or remaining <= 0 or signal.draining:
             return RoutesOut.model_validate(table)
-        await asyncio.sleep(min(remaining, _RECHECK_SECONDS))
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(change.wait(), min(remaining, _RECHECK_SECONDS))

@@ -14,6 +14,9 @@ next-model probabilities from a `SwitchPredictor` fed the hand-offs observed so 
 stand-in sessions for the last hour's load (`RecentLoad`), pin the engines that served within the window
 unless their requests waited over `unpin_after_seconds` (`pins`), and adopt a plan only when it is worth
 its moves (`worth_adopting`). It calls the greedy (`plan_greedy`) and prices its target with `make_plan`.
+An adopted plan's operations start `control_path_seconds` after it was made: what the service's path from
+an event to an agent's engine call and back to the gateway's route table takes, as baselines pay their own
+direct wake.
 
 Hysteresis in execution, so that engines and plans do not undo what the other just did:
 
@@ -89,6 +92,13 @@ if TYPE_CHECKING:
     from planner_service.sim.view import SimView
 
 
+# What the service's control path adds to a plan's engine calls, the debounce included (the replay plans at
+# once where the service waits `min_interval_seconds` for the rest of a burst): the gateway's event flush, the
+# replan and its install, the node agent's lease, its report and the gateway's route fetch. The p50 of
+# `statebudget bench wake` with the engine's own time left out (docs/benchmarks/control-path.md).
+CONTROL_PATH_SECONDS = 0.3
+
+
 class StatebudgetPolicy(Policy):
     name = PolicyName.STATEBUDGET
 
@@ -103,8 +113,10 @@ class StatebudgetPolicy(Policy):
         demand_seats: int = 10,
         demand_min_requests: int = 1000,
         unpin_after_seconds: float = 60.0,
+        control_path_seconds: float = CONTROL_PATH_SECONDS,
     ) -> None:
         self.min_interval_seconds = min_interval_seconds
+        self.control_path_seconds = control_path_seconds
         self.replan_seconds = replan_seconds  # periodic replan, at most; None of it when nothing changed
         self.fallback_after_seconds = fallback_after_seconds
         self.min_residency_seconds = min_residency_seconds  # None: the planner's horizon
@@ -123,6 +135,7 @@ class StatebudgetPolicy(Policy):
         self.evicted: dict[tuple[StateObject, Location], float] = {}  # when the engine last evicted experts from a GPU
         self.last_plan = float("-inf")
         self.scheduled_at: float | None = None
+        self.adopting: Plan | None = None  # made, and on its way through the control path
         self.plans = 0
         self.adopted = 0
         self.failed_plans = 0
@@ -156,6 +169,11 @@ class StatebudgetPolicy(Policy):
         self.act.schedule_plan(at, at)
 
     def on_plan_event(self, sim: SimView, payload: object) -> None:
+        if isinstance(payload, Plan):  # through the control path: its operations may start now
+            if payload is self.adopting:  # (unless a newer plan overtook it)
+                self.adopting = None
+                self.adopt(sim, payload)
+            return
         if payload != self.scheduled_at:
             return  # superseded by an earlier call
         self.scheduled_at = None
@@ -177,7 +195,7 @@ class StatebudgetPolicy(Policy):
                 self.act.count_fallback()
             return
         if sim.now - req.admitted_at < self.fallback_after_seconds:
-            if self.scheduled_at is not None or self._brings(req.model):
+            if self.scheduled_at is not None or self.adopting is not None or self._brings(req.model):
                 return  # a plan is coming, or its operations are on the way
         if self.act.load_model(req.model):
             self.act.count_fallback()
@@ -254,6 +272,7 @@ class StatebudgetPolicy(Policy):
             sessions=MappingProxyType(sessions),
             residency=MappingProxyType(residency),
             next_model=MappingProxyType(self.next_models(sim, sessions)),
+            observed_engines=MappingProxyType(sim.sleeping_engines()),  # what the nodes' heartbeats report
         )
 
     def next_models(self, sim: SimView, sessions: Mapping[str, Session]) -> dict[str, dict[str, float]]:
@@ -299,7 +318,10 @@ class StatebudgetPolicy(Policy):
             self.act.report_plan_seconds(time.perf_counter() - started)
             return
         self.act.report_plan_seconds(time.perf_counter() - started)
-        if adopt:
+        if adopt and self.control_path_seconds > 0:
+            self.adopting = plan
+            self.act.schedule_plan(sim.now + self.control_path_seconds, plan)
+        elif adopt:
             self.adopt(sim, plan)
 
     def adopt(self, sim: SimView, plan: Plan) -> None:

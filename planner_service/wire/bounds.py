@@ -1,4 +1,5 @@
-"""Physical bounds on every number a client sends: telemetry, reports, events, the cluster and scenarios.
+"""Physical bounds on every number a client sends: telemetry, reports, events, the cluster and scenarios; and on
+the length of the names and ids it sends.
 
 A number outside them is not a measurement but a fault (a stuck clock, a unit
 mistake, a counter that wrapped, a fuzzer), and once accepted it does lasting
@@ -17,13 +18,13 @@ from typing import Annotated
 
 from pydantic import Field
 
-from planner_service.domain.units import TB
-
 MIN_BANDWIDTH_BYTES_PER_S = 10**6  # 1 MB/s
 """Slower than a failing hard disk. A lower figure is a stalled copy, not a link: priced as a bandwidth it makes
 one promote of a 10 GB model take three hours, and the planner would route around healthy hardware."""
 
-MAX_BANDWIDTH_BYTES_PER_S = 10 * TB  # 10 TB/s
+_TB = 10**12  # domain/units.py's TB: the wire package imports nothing above it
+
+MAX_BANDWIDTH_BYTES_PER_S = 10 * _TB  # 10 TB/s
 """Twice the fastest HBM shipping (H200 4.8 TB/s; B200 8 TB/s). No link in a node (PCIe, NVMe, DRAM) moves bytes
 faster than a GPU reads its own memory, so a higher figure is a unit mistake or a copy that did not happen."""
 
@@ -31,7 +32,7 @@ MAX_BYTES = 10**15  # 1 PB
 """More than the HBM, DRAM and NVMe of a whole cell; and below 2**53 (9.0e15), so byte counts and sums of a few of
 them stay exact when the cost model turns them into floats."""
 
-MAX_GPU_BYTES = 2 * TB
+MAX_GPU_BYTES = 2 * _TB
 """Memory of one GPU: seven times the largest HBM shipping (B300, 288 GB)."""
 
 MAX_SECONDS = 86_400.0  # a day
@@ -86,3 +87,7 @@ Fraction = Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)]
 Weight = Annotated[float, Field(ge=0, le=MAX_WEIGHT, allow_inf_nan=False)]
 PositiveWeight = Annotated[float, Field(gt=0, le=MAX_WEIGHT, allow_inf_nan=False)]
 UnixSeconds = Annotated[float, Field(ge=0, le=MAX_UNIX_SECONDS, allow_inf_nan=False)]
+
+Name = Annotated[str, Field(min_length=1, max_length=200)]
+"""An id or name a client sends (a session, a node, a GPU, an engine, a lease)."""
+EventId = Name

@@ -1,0 +1,117 @@
+"""Replans while operations are in flight: the controller keeps installing plans, whatever is in flight.
+
+The load benchmark's condition: the demo's first operations leased and still
+running, hundreds of session events, forced replans, and leases and done
+reports between them. And the case no plan can prevent: operations in
+flight that no longer fit beside the confirmed state (here an operator
+reserves more of a GPU while they run); they are planned as landing only
+what fits (`service/landing.py`), and what fills their GPU waits for them.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import numpy as np
+from prometheus_client import CollectorRegistry
+
+from planner_service.bench_load import EventStream
+from planner_service.domain.demo import demo_scenario
+from planner_service.domain.scenario import ClusterIn
+from planner_service.domain.state import Location
+from planner_service.metrics import Metrics
+from planner_service.service.engine import ClusterService
+from planner_service.service.inputs import EventsIn, ReportIn
+from planner_service.service.records import OpState
+from planner_service.service.store import SqliteStore
+from planner_service.settings import Settings
+
+
+class Clock:
+    t = 1_000_000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def open_service(db: Path) -> tuple[ClusterService, Clock]:
+    clock = Clock()
+    service = ClusterService(SqliteStore(db), Metrics(CollectorRegistry()), Settings(), clock=clock)
+    service.start(demo_scenario)
+    service.replan()
+    return service, clock
+
+
+def lease_all(service: ClusterService, rounds: int = 3) -> list[tuple[str, str]]:
+    """Lease every node's ready operations, `rounds` leases of 8 per node; (operation id, lease id) pairs."""
+    held = []
+    for node in [n.id for n in service.live.declared.cluster.nodes]:
+        for _ in range(rounds):
+            lease = service.lease(node, 8)
+            held += [(op["id"], lease["lease_id"]) for op in lease["operations"]]
+    return held
+
+
+def gpu_bytes(service: ClusterService, placement: dict, gpu: str) -> int:
+    return sum(n for (_, loc), n in placement.items() if loc == Location.gpu(gpu))
+
+
+def test_replans_keep_installing_while_the_first_operations_run_under_load(tmp_path):
+    """Before the greedy kept a running MoE engine's expert share, the second plan gave the active sessions'
+    KV the room of the reasoner's experts on n1: its prefills overfilled n1's L40s, and every replan after
+    it was refused (409) while they ran."""
+    service, clock = open_service(tmp_path / "s.db")
+    rng, order = np.random.default_rng(0), random.Random(0)
+    models = sorted(m.id for m in service.live.declared.models)
+    streams = [EventStream(rng, models, range(lane, 200, 64), run=f"r-{lane}") for lane in range(64)]
+    held = lease_all(service)
+    for step in range(40):  # 800 events of 200 sessions, as the load benchmark sends them
+        clock.t += 0.05
+        service.apply_events(EventsIn.model_validate({"events": [next(streams[step % 64]) for _ in range(20)]}).events)
+    conflicts = []
+    for _ in range(4):
+        assert service.replan(force=True)["changed"] is True
+        held += lease_all(service)
+        order.shuffle(held)
+        for op_id, lease_id in held[: len(held) // 2]:
+            answer = service.report(op_id, ReportIn(lease_id=lease_id, status="done"))
+            conflicts += [answer["operation"]["conflict"]] if answer["operation"].get("conflict") else []
+        held = held[len(held) // 2 :]
+    assert conflicts == []
+    sizes = service.live.sizes
+    assert sizes is not None
+    for gpu in sizes.gpus:  # the confirmed state within every capacity
+        assert gpu_bytes(service, service.live.placement, gpu) <= sizes.gpus[gpu].capacity_bytes
+    service.close()
+
+
+def test_operations_in_flight_that_no_longer_fit_are_planned_capped_and_waited_for(tmp_path):
+    service, _ = open_service(tmp_path / "s.db")
+    held = dict(lease_all(service))
+    inflight = service.live.inflight()
+    filling = [r for r in inflight if r.op.dest == Location.gpu("n1-g1") and r.op.source != r.op.dest]
+    assert filling, "the demo's first plan fills n1-g1"
+    confirmed = gpu_bytes(service, service.live.placement, "n1-g1")
+    # the operator reserves all but what is confirmed on n1-g1: the operations filling it no longer fit
+    data = demo_scenario().cluster.model_dump(mode="json")
+    gpu = next(g for n in data["nodes"] for g in n["gpus"] if g["id"] == "n1-g1")
+    capacity = service.live.sizes.gpus["n1-g1"].capacity_bytes  # type: ignore[union-attr]  # started
+    gpu["reserved_bytes"] += capacity - confirmed
+    service.put_cluster(ClusterIn.model_validate(data))
+
+    assert service.replan(force=True)["changed"] is True  # was 409: "the state in flight cannot be planned"
+    capped = service.planning.landing(service.live.inflight()).capped
+    assert {r.id for r in filling} <= capped
+    new = [service.live.ops[i] for i in service.live.open_ops if service.live.ops[i].epoch == service.live.epoch]
+    for r in new:  # what the new plan puts on n1-g1 waits for the capped operations there
+        if r.op.dest == Location.gpu("n1-g1") and r.state is OpState.QUEUED:
+            assert {f.id for f in filling} <= set(r.op.depends_on), r.id
+
+    # the capped operations land: their reports are conflicts (no room), and planning goes on
+    for r in filling:
+        answer = service.report(r.id, ReportIn(lease_id=held[r.id], status="done"))
+        assert "capacity" in answer["operation"]["conflict"]
+    assert service.replan(force=True)["changed"] is True
+    assert gpu_bytes(service, service.live.placement, "n1-g1") <= service.live.sizes.gpus["n1-g1"].capacity_bytes  # type: ignore[union-attr]  # started
+    service.close()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import defaultdict
 from pathlib import Path
 
 import pytest
@@ -72,21 +73,21 @@ def test_in_flight_work_is_not_planned_twice_and_new_work_waits_for_it(service):
 
 
 def test_every_move_of_an_engine_step_waits_on_what_is_in_flight_for_any_of_them(tmp_path):
-    """The demo's first plan stops the planner model's engine on n3-g0 and starts air on n3-g0..g3. With the
-    stop leased, the next epoch plans the start again: the step is one call for the whole group (made on the
-    first of its moves an agent runs), so each of its moves waits on the stop, not only the move onto n3-g0."""
+    """With the demo's first ready operations leased (n1's reasoner leaves n1-g3 first), the next epoch plans
+    around them: a start on n1-g0..g3 is one call for the whole group, made on the first of its moves an agent
+    runs, so each of its moves waits on the free in flight on n1-g3, not only the move onto n1-g3."""
     svc = new_service(tmp_path / "demo.db", DemoClock())
     try:
         svc.replan()
-        stops = [o["id"] for o in svc.lease("n3", 100)["operations"]]
-        assert stops and all(
-            o["engine"]["transition"] == "stop" for o in svc.operations_view(node="n3", state="leased")
-        )
+        inflight = {o["id"] for n in ("n1", "n2", "n3", "n4") for o in svc.lease(n, 100)["operations"]}
         svc.replan(force=True)
-        starts = [o for o in svc.operations_view(node="n3", state="queued") if o["engine"]["transition"] == "start"]
-        assert len({o["to"]["gpu"] for o in starts}) == 4
-        assert all(set(stops) <= set(o["depends_on"]) for o in starts), [(o["id"], o["depends_on"]) for o in starts]
-        assert svc.lease("n3", 100)["operations"] == []  # nothing of the start runs before the stop is reported
+        steps: dict[tuple[str, str, str], list[dict]] = defaultdict(list)
+        for o in svc.operations_view(state="queued"):
+            if o["engine"] and o["engine"]["transition"] in ("start", "wake", "restart"):
+                steps[(o["node"], o["engine"]["instance"]["id"], o["engine"]["transition"])].append(o)
+        waits = {key: [inflight & set(o["depends_on"]) for o in moves] for key, moves in steps.items()}
+        assert all(all(w == ws[0] for w in ws) for ws in waits.values()), waits
+        assert any(len(ws) > 1 and ws[0] for ws in waits.values()), waits  # a group start waits on a free in flight
     finally:
         svc.close()
 

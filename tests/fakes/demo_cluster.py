@@ -317,19 +317,24 @@ class DemoCluster:
         return [o for o in _get(self.url, "/v1/operations?state=leased") if o["node"] == node]
 
     def settle(self, timeout_seconds: float, quiet_seconds: float = 3.0) -> None:
-        """Wait until nothing is queued or leased for `quiet_seconds`."""
+        """Wait until nothing is queued or leased, and no plan was installed and no operation confirmed, for
+        `quiet_seconds`: an operation leased and done between two looks is seen by the SRV version it bumped,
+        and the engines' reported states are compared only once no operation runs."""
         quiet_since: float | None = None
+        seen: tuple[int, int] | None = None
         deadline = time.monotonic() + timeout_seconds
         while time.monotonic() < deadline:
+            ready = _get(self.url, "/readyz")
+            now = (ready["epoch"], ready["srv_version"])
             open_ops = _get(self.url, "/v1/operations?state=queued") + _get(self.url, "/v1/operations?state=leased")
-            if open_ops:
-                quiet_since = None
+            if open_ops or now != seen:
+                quiet_since, seen = None, now
             elif quiet_since is None:
                 quiet_since = time.monotonic()
             elif time.monotonic() - quiet_since >= quiet_seconds:
                 return
             time.sleep(0.3)
-        raise TimeoutError(f"operations still open after {timeout_seconds:g} s")
+        raise TimeoutError(f"operations still open, or plans still changing, after {timeout_seconds:g} s")
 
     # -- the end -----------------------------------------------------------------
 

@@ -11,7 +11,7 @@ DEMO_DB ?= statebudget-demo.db
 COMPILED_VENV ?= .venv-compiled
 COMPILED_STAMP := $(COMPILED_VENV)/.installed
 
-.PHONY: run gateway test test-fast test-compiled soak lint format import-graph compiled bench schemas screenshots clean \
+.PHONY: run gateway fake-agents test test-fast test-compiled soak lint format import-graph compiled bench schemas screenshots clean \
 	evidence evidence-quick evidence-demo evidence-exceeds
 
 $(PY):
@@ -37,6 +37,12 @@ run: $(RUN_STAMP)
 PLANNER ?= http://127.0.0.1:8080
 gateway: $(GATEWAY_STAMP)
 	$(VENV)/bin/statebudget gateway --planner $(PLANNER) --host 127.0.0.1 --port 8090
+
+# one agent per demo node for a planner (PLANNER, default the `make run` one, started afresh), every model a managed
+# fake vLLM with its own LMCache instance id, then an hour of demo traffic in HOUR_SECONDS: tests/fakes/demo_cluster.py
+HOUR_SECONDS ?= 300
+fake-agents: $(RUN_STAMP)
+	$(PY) tests/fakes/demo_cluster.py --server $(PLANNER) --hour-seconds $(HOUR_SECONDS)
 
 # the whole suite but the compiled-build comparison (minutes of mypyc), which `make test-compiled` runs
 test: $(STAMP)

@@ -13,7 +13,8 @@ What it does, with nothing downloaded:
      with another KV pool (`--kv-cache-memory-bytes`), stop;
   3. after each wake, start and restart, sends `POST /v1/completions` and checks it answers;
   4. checks the contract rules the fake vLLM (tests/fakes/vllm.py) claims: `/is_sleeping` after each sleep and
-     wake, `/collective_rpc` without `method` is a 400, the dev endpoints exist;
+     wake, a level-0 sleep only pauses (`/is_sleeping` true until `wake_up?tags=scheduling`), `/collective_rpc`
+     without `method` is a 400, the dev endpoints exist;
   5. writes a JSON report: per transition the executor's wall seconds, the GPU bytes NVML saw before and
      after, the calls made, and `constants`: figures for planner_service/domain/engines.py's defaults.
 
@@ -238,6 +239,11 @@ async def drive(checkpoint: Path, port: int, gpu: int, kv_pool_bytes: int) -> di
             if name == "start":
                 r = await http.post(f"{url}/collective_rpc", json={})
                 await check("/collective_rpc without method is a 400", r.status_code == 400, r.status_code)
+            if name == "wake_with_reload":  # level 0 pauses the scheduler and moves no memory (vllm/v1/engine/core.py)
+                await http.post(f"{url}/sleep", params={"level": 0, "mode": "wait"})
+                await sleeping(True, "sleep level 0")
+                await http.post(f"{url}/wake_up", params={"tags": "scheduling"})
+                await sleeping(False, "wake_up tags=scheduling")
     await executor.aclose()
     return {"steps": steps, "checks": checks, "constants": constants(steps)}
 

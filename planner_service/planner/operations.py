@@ -507,6 +507,40 @@ def kahn_order(ops: list[Operation], deps: Mapping[int, set[int]], children: Map
     return order
 
 
+def share_step_dependencies(ops: list[Operation]) -> list[Operation]:
+    """Every move of one engine step waits on what any of them waits on, and `ops` in an order that respects it.
+
+    A step is one call for the whole instance, made on the first of its moves an agent runs (the moves of the
+    other GPUs of the group find it done): a start on four GPUs whose first GPU must be freed first would
+    otherwise run on the move of the second GPU, which waits on nothing, and find the first GPU full. A wait
+    is not shared where it would close a circle (the dependency waits on the move itself, as a free that
+    waits on the gain does). `ops` is returned as it is when nothing changes; else in Kahn's order again,
+    ids renumbered."""
+    groups: dict[tuple[str, str, str], list[int]] = defaultdict(list)
+    for i, op in enumerate(ops):
+        if op.engine is not None:
+            groups[(op.node, op.engine.instance.id, op.engine.transition.value)].append(i)
+    shared = [members for members in groups.values() if len(members) > 1 and any(ops[m].depends_on for m in members)]
+    if not shared:
+        return ops
+    position = {op.id: i for i, op in enumerate(ops)}
+    deps: dict[int, set[int]] = {i: {position[d] for d in op.depends_on} for i, op in enumerate(ops) if op.depends_on}
+    waiting: dict[int, set[int]] = defaultdict(set)  # op -> the ops that wait on it directly
+    for i, ds in deps.items():
+        for d in ds:
+            waiting[d].add(i)
+    changed = False
+    for members in shared:
+        union = {d for m in members for d in deps.get(m, ())} - set(members)
+        for m in members:
+            after_m = _downstream(waiting, m)  # waiting on one of these, m would close a circle
+            for d in union - deps.get(m, set()) - after_m:
+                deps.setdefault(m, set()).add(d)
+                waiting[d].add(m)
+                changed = True
+    return kahn_order(ops, deps, waiting) if changed else ops
+
+
 def _downstream(waiting: Mapping[int, set[int]], start: int) -> set[int]:
     """Every operation that waits on `start`, directly or through others."""
     seen: set[int] = set()

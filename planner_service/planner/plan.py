@@ -23,7 +23,7 @@ from planner_service.planner.engine_plan import (
     unserved_by_engines,
 )
 from planner_service.planner.objective import Demand, Objective, Predicted, evaluate
-from planner_service.planner.operations import Operation, build_operations
+from planner_service.planner.operations import Operation, build_operations, share_step_dependencies
 from planner_service.planner.residency import ResidencyIndex, copy_placement
 from planner_service.wire.enums import PlanStatus as PlanStatus  # noqa: PLC0414 -- re-exported: it was defined here
 
@@ -100,6 +100,7 @@ def make_plan(
         kv_pools(problem, placement, engines.after),
         expert_fractions(problem, placement, engines.after),
     )
+    operations = share_step_dependencies(operations)  # a step is one call: it waits on all its moves' waits
     objective, predicted = evaluate(problem, placement, now, then, demand)
     if status is None:
         status = PlanStatus.PARTIAL if unserved else PlanStatus.OK

@@ -86,6 +86,25 @@ def must_wait(op: Operation, r: OpRecord, capped: Collection[str] = ()) -> bool:
     return frees_dest or reads_its_output or drops_its_source
 
 
+def _step_key(op: Operation) -> tuple[str, str, str] | None:
+    """The engine step `op` is one move of (node, instance, transition), or None."""
+    return None if op.engine is None else (op.node, op.engine.instance.id, op.engine.transition.value)
+
+
+def _step_waits(
+    ops: list[Operation], inflight: list[OpRecord], capped: Collection[str] = ()
+) -> dict[tuple[str, str, str] | None, set[str]]:
+    """Per engine step, the operations in flight any of its moves must wait on: the step is one call for the
+    whole instance, made on the first of its moves an agent runs, so every move waits on them (as every move
+    of a step waits on what any of them waits on within the plan, planner/operations.py)."""
+    waits: dict[tuple[str, str, str] | None, set[str]] = defaultdict(set)
+    for op in ops:
+        key = _step_key(op)
+        if key is not None:
+            waits[key].update(r.id for r in inflight if must_wait(op, r, capped))
+    return waits
+
+
 class Queues:
     """Operation queues and leases: plans installed as epochs of operations, leased to nodes, renewed,
     reported."""
@@ -117,13 +136,16 @@ class Queues:
         if not in_order(plan.operations):  # a record may be adopted only once its dependencies are named
             queued.clear()
         name = {op.id: f"{epoch}.{op.id}" for op in plan.operations}  # plan id -> installed id
+        step_waits = _step_waits(plan.operations, inflight, capped)
         adopted: set[str] = set()
         records: list[OpRecord] = []
         batch = Batch()
         for seq, op in enumerate(plan.operations):
             if op.id in held:
                 continue
-            deps = [name[d] for d in op.depends_on] + [r.id for r in inflight if must_wait(op, r, capped)]
+            shared = step_waits.get(_step_key(op), ())
+            waits = [r.id for r in inflight if r.id in shared or must_wait(op, r, capped)]
+            deps = [name[d] for d in op.depends_on] + waits
             waits_on = self._waits_on(deps)
             same = next((r for r in queued.get(same_move(op), ()) if self._waits_on(r.op.depends_on) == waits_on), None)
             if same is not None:

@@ -1,13 +1,18 @@
-"""Helpers for the client tests: the real app on a temp SQLite file, served in-process."""
+"""Helpers for the client tests: the real app on a temp SQLite file, served in-process; the fake NVML of a
+node of fake engine processes."""
 
 from __future__ import annotations
 
 import contextlib
+import importlib.util
+import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
+from types import ModuleType
 from typing import Any, TypeVar, get_args, get_origin
 
 import httpx
+import pytest
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
 from support import TINY_SCENARIO, FakeClock
@@ -18,6 +23,7 @@ from planner_service.api.app import create_app
 from planner_service.settings import Settings
 
 TINY = TINY_SCENARIO
+FAKES = Path(__file__).resolve().parents[1] / "fakes"
 OPERATOR_TOKEN = "op-token"
 NODE_TOKENS = {"n1": "n1-token", "n2": "n2-token"}
 T = TypeVar("T")
@@ -85,3 +91,16 @@ def async_client(http: httpx.AsyncClient, token: str | None = None) -> AsyncStat
 
 def request_event(event_id: str, session: str, model: str, **extra: Any) -> dict[str, Any]:
     return {"id": event_id, "type": "request", "session": session, "model": model, **extra}
+
+
+def driver_nvml(driver: Path, totals: str, monkeypatch: pytest.MonkeyPatch) -> ModuleType:
+    """The stand-in `pynvml` the agent imports on a node of fake engines (tests/fakes/nvml_driver)."""
+    monkeypatch.setenv("STATEBUDGET_FAKE_NVML_DIR", str(driver))
+    monkeypatch.setenv("STATEBUDGET_FAKE_NVML_TOTALS", totals)
+    spec = importlib.util.spec_from_file_location("fake_pynvml", FAKES / "nvml_driver" / "pynvml.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    module.nvmlInit()
+    return module

@@ -135,7 +135,7 @@ async def test_a_refused_renewal_hands_the_lease_on_and_nothing_of_it_is_reporte
         sb = Recorded(async_client(http))
         timeline, executor = Timeline(clock, late_by=LEASE_SECONDS), Slow()  # every renewal comes too late
         agent = Agent(
-            config(tmp_path, max_parallel=2, max_operations=2),
+            config(tmp_path, node_id="n2", max_parallel=2, max_operations=2),  # two ready there
             sb,  # type: ignore[arg-type]  # the SDK client, wrapped
             executor,
             sleep=timeline.sleep,
@@ -150,14 +150,14 @@ async def test_a_refused_renewal_hands_the_lease_on_and_nothing_of_it_is_reporte
 
         (renewal,) = [lease_id for call, lease_id in sb.calls if call == "renew"]
         assert not [c for c in sb.calls if c[0] == "report"] and agent.reports == []
-        ops = [o for o in await sb.list_operations(node="n1") if o.id in executor.started]
+        ops = [o for o in await sb.list_operations(node="n2") if o.id in executor.started]
         assert len(ops) == len(executor.started) == 2, executor.started
         assert all(o.state == "queued" and o.leases == 1 for o in ops)  # the service has them back
         assert agent.stats["not_reported"] == len(executor.started)
         handed_on = [r for r in caplog.records if "was handed on" in r.getMessage()]
         assert len(handed_on) == 1 and handed_on[0].levelno == logging.WARNING
         message = handed_on[0].getMessage()
-        assert f"lease {renewal} of node n1" in message and "re-queued" in message
+        assert f"lease {renewal} of node n2" in message and "re-queued" in message
         assert all(op_id in message for op_id in executor.started)
 
 

@@ -2,10 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
 import httpx
 import pytest
+from clients_helpers import driver_nvml
 from fakes.lmcache import FakeLMCacheController, create_fake_lmcache
 from fakes.nvml import FakeNvml, NVMLError
+from fakes.serve import free_port
 from fakes.sglang import FakeSglangEngine, create_fake_sglang
 from fakes.vllm import FakeVllmEngine, create_fake_vllm
 from fastapi import FastAPI
@@ -72,6 +82,42 @@ async def test_vllm_level_1_keeps_a_host_backup_that_wake_frees_and_level_2_need
         assert not engine.answers()  # uninitialised weights
         assert (await http.post("/collective_rpc", json={})).status_code == 400
         assert (await http.post("/collective_rpc", json={"method": "reload_weights"})).status_code == 200
+        assert engine.answers()
+
+
+async def test_vllm_every_sleep_pauses_level_0_only_pauses_and_a_second_sleep_changes_nothing() -> None:
+    engine = vllm()
+    async with client(create_fake_vllm(engine)) as http:
+        awake = engine.gpu_bytes()
+        await http.post("/sleep", params={"level": 0})
+        assert (await http.get("/is_sleeping")).json() == {"is_sleeping": True}  # core.py: the scheduler is paused
+        assert engine.gpu_bytes() == awake
+        await http.post("/wake_up", params={"tags": "scheduling"})
+        assert (await http.get("/is_sleeping")).json() == {"is_sleeping": False}
+        await http.post("/sleep", params={"level": 1})
+        await http.post("/sleep", params={"level": 2})  # abstract.py: "Executor is already sleeping."
+        assert engine.level == 1 and engine.host_backup_bytes == 8 * GIB
+        await http.post("/wake_up", params={"tags": "weights"})
+        await http.post("/wake_up", params={"tags": "weights"})  # awake already: nothing is woken
+        assert (await http.get("/is_sleeping")).json() == {"is_sleeping": True}  # until every tag is awake
+        await http.post("/wake_up", params={"tags": "kv_cache"})
+        assert (await http.get("/is_sleeping")).json() == {"is_sleeping": False} and engine.answers()
+
+
+async def test_vllm_a_wake_without_room_on_the_gpus_fails_stays_asleep_and_needs_a_reload() -> None:
+    room: list[str | None] = ["CUDA out of memory on device 1"]
+    engine = vllm(reserve=lambda need: room[0])
+    async with client(create_fake_vllm(engine)) as http:
+        await http.post("/sleep", params={"level": 1})
+        asleep = engine.gpu_bytes()
+        failed = await http.post("/wake_up", params={"tags": "weights"})
+        assert failed.status_code == 500 and "out of memory" in failed.text
+        assert (await http.get("/is_sleeping")).json() == {"is_sleeping": True}
+        assert engine.gpu_bytes() == asleep and engine.host_backup_bytes == 0  # cumem.py: rolled back, backup gone
+        room[0] = None
+        await http.post("/wake_up")
+        assert not engine.answers()  # the weights' memory is mapped again, but holds nothing
+        await http.post("/collective_rpc", json={"method": "reload_weights"})
         assert engine.answers()
 
 
@@ -165,3 +211,48 @@ def test_fake_nvml_follows_the_engines_and_refuses_what_nvml_refuses() -> None:
     assert memory.used == engine.context_bytes and memory.free == 80 * GIB - engine.context_bytes
     assert nvml.nvmlDeviceGetMemoryInfo(2).used == 0
     assert [p.pid for p in nvml.nvmlDeviceGetComputeRunningProcesses(0)] == [engine.pid]
+
+
+FAKES = Path(__file__).resolve().parents[1] / "fakes"
+
+
+@contextlib.contextmanager
+def vllm_process(driver: Path, totals: str, *, shard_gib: int) -> Iterator[str]:
+    """tests/fakes/run_vllm.py on device 0, holding a 1 GiB context, `shard_gib` of weights and a 2 GiB KV pool."""
+    port = free_port()
+    argv = [sys.executable, str(FAKES / "run_vllm.py"), "--port", str(port), "--model", "m"]
+    argv += ["--shard-bytes", str(shard_gib * GIB), "--kv-pool-bytes", str(2 * GIB), "--context-bytes", str(GIB)]
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "0", "VLLM_SERVER_DEV_MODE": "1"}
+    env["STATEBUDGET_FAKE_NVML_TOTALS"] = totals
+    process = subprocess.Popen([*argv, "--driver-dir", str(driver)], env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            with contextlib.suppress(httpx.TransportError):
+                if httpx.get(f"{url}/health").status_code == 200:
+                    break
+            assert process.poll() is None and time.monotonic() < deadline, "the fake vLLM did not start"
+            time.sleep(0.1)
+        yield url
+    finally:
+        process.terminate()
+        process.wait(timeout=10)
+
+
+def test_fake_vllm_processes_never_take_more_of_a_device_than_it_has(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A wake onto a device another engine filled meanwhile fails (CUDA out of memory, cumem.py), so NVML, as
+    on a real device, never counts more in use than the device has."""
+    totals = str(12 * GIB)
+    nvml = driver_nvml(tmp_path, totals, monkeypatch)
+    with vllm_process(tmp_path, totals, shard_gib=4) as first:
+        httpx.post(f"{first}/sleep", params={"level": 1}).raise_for_status()  # 7 GiB -> its 1 GiB context
+        with vllm_process(tmp_path, totals, shard_gib=5):  # 8 GiB: 9 of 12 in use
+            woken = httpx.post(f"{first}/wake_up", params={"tags": "weights"})
+            memory = nvml.nvmlDeviceGetMemoryInfo(nvml.nvmlDeviceGetHandleByIndex(0))
+            assert woken.status_code == 500 and "out of memory" in woken.text
+            assert (memory.used, memory.free) == (9 * GIB, 3 * GIB)
+        assert httpx.post(f"{first}/wake_up").status_code == 200  # the other one has stopped: room again
+        assert nvml.nvmlDeviceGetMemoryInfo(0).used == 7 * GIB

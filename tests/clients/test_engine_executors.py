@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import signal
 import sys
@@ -14,7 +15,7 @@ from typing import Any
 
 import httpx
 import pytest
-from clients_helpers import async_client, make_app, request_event, served
+from clients_helpers import async_client, driver_nvml, make_app, request_event, served
 from fakes.nvml import FakeNvml
 from fakes.serve import free_port, serving
 from fakes.sglang import FakeSglangEngine, create_fake_sglang
@@ -142,7 +143,11 @@ async def test_vllm_wake_after_level_1_copies_back_and_after_level_2_reloads() -
             "POST /wake_up?tags=kv_cache",
         ]
         assert engine.answers() and engine.host_backup_bytes == 0 and woken.measured_bytes == 2 * 14 * GIB
-        await executor.execute(op("drop", W, GPU, None))
+        engine.calls.clear()
+        dropped = await executor.execute(op("drop", W, GPU, None))
+        assert control_calls(engine) == ["GET /is_sleeping", "POST /sleep?level=2&mode=wait"]
+        assert dropped.details["state"] == "asleep_discarded" and dropped.measured_bytes == 2 * 14 * GIB
+        assert engine.level == 2 and engine.host_backup_bytes == 0
         engine.calls.clear()
         await executor.execute(op("promote", W, NVME, GPU))
         assert control_calls(engine) == [
@@ -152,6 +157,24 @@ async def test_vllm_wake_after_level_1_copies_back_and_after_level_2_reloads() -
             "POST /wake_up?tags=kv_cache",
         ]
         assert engine.answers()
+        await executor.aclose()
+
+
+async def test_vllm_a_wake_out_of_gpu_memory_is_temporary_and_the_next_wake_reloads_the_weights() -> None:
+    """A failed wake has freed the host backup of what it copied back (cumem.py): the engine still sleeps, but
+    not at level 1 any more, so it is not reported with its weights in host RAM and its next wake reloads them."""
+    room: list[str | None] = ["no room on device 1"]
+    with vllm_engine(reserve=lambda need: room[0]) as (engine, url):
+        executor = VLLMExecutor.from_config(vllm_config(url))
+        await executor.execute(op("demote", W, GPU, HOST))
+        with pytest.raises(TemporaryError, match="out of memory"):
+            await executor.execute(op("promote", W, HOST, GPU))
+        await executor.reconcile()
+        assert executor.telemetry().engines == {"vllm-coder": "asleep_discarded"} and engine.sleeping
+        room[0] = None
+        engine.calls.clear()
+        await executor.execute(op("promote", W, HOST, GPU))
+        assert "POST /collective_rpc" in engine.calls and engine.answers()
         await executor.aclose()
 
 
@@ -319,7 +342,7 @@ async def test_readahead_reports_the_page_cache_bytes_mincore_measured(tmp_path:
         await executor.aclose()
 
 
-def managed_config(port: int, tmp_path: Path) -> AgentConfig:
+def managed_config(port: int, tmp_path: Path, **env: str) -> AgentConfig:
     launch = {
         "command": [
             sys.executable,
@@ -330,8 +353,10 @@ def managed_config(port: int, tmp_path: Path) -> AgentConfig:
             "{model}",
             "--kv-pool-bytes",
             "{kv_pool_bytes_per_gpu}",
+            "--driver-dir",  # the bytes it holds, for the fake NVML (its default shard: 1 GiB, context 0.5 GiB)
+            str(tmp_path / "driver"),
         ],
-        "env": {"VLLM_SERVER_DEV_MODE": "1"},
+        "env": {"VLLM_SERVER_DEV_MODE": "1", **env},
         "port": port,
         "ready_timeout_seconds": 30,
         "stop_timeout_seconds": 5,
@@ -339,17 +364,22 @@ def managed_config(port: int, tmp_path: Path) -> AgentConfig:
     return vllm_config(f"http://127.0.0.1:{port}", management="managed", launch=launch)
 
 
-async def test_a_managed_engine_is_started_restarted_stopped_and_its_crash_is_reported(tmp_path: Path) -> None:
+async def test_a_managed_engine_is_started_restarted_stopped_and_its_crash_is_reported(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     port = free_port()
-    executor = VLLMExecutor.from_config(managed_config(port, tmp_path))
+    nvml = driver_nvml(tmp_path / "driver", f"{80 * GIB},{80 * GIB}", monkeypatch)
+    executor = VLLMExecutor.from_config(managed_config(port, tmp_path), probe=NvmlProbe({"n1-g0": 0, "n1-g1": 1}, nvml))
     assert isinstance(executor, EngineExecutor)
     started = await executor.execute(op("promote", W, NVME, GPU))
     assert started.details["state"] == "running" and started.details["calls"][-1].startswith("start")
+    assert started.details["taken_bytes"] == 2 * (GIB + GIB // 2)  # weights and context on each GPU, no KV pool
     async with httpx.AsyncClient() as http:
         assert (await http.get(f"http://127.0.0.1:{port}/is_sleeping")).json() == {"is_sleeping": False}
     restart = op("promote", W, NVME, GPU, engine=_step("restart", "running", kv_pool_bytes_per_gpu=2 * GIB))
     restarted = await executor.execute(restart)
     assert [c.split(" ")[0] for c in restarted.details["calls"]] == ["GET", "stop", "start"]
+    assert restarted.details["taken_bytes"] == 2 * 2 * GIB  # the new KV pool on each GPU
     process = executor.engines_by_model["coder"].process
     assert (
         process is not None
@@ -364,6 +394,32 @@ async def test_a_managed_engine_is_started_restarted_stopped_and_its_crash_is_re
     assert again.details["calls"][-1].startswith("start")
     stopped = await executor.execute(op("drop", W, GPU, None, engine=_step("stop", "running")))
     assert stopped.details["state"] == "stopped" and process.popen is None
+    assert stopped.details["freed_bytes"] == 2 * (GIB + GIB // 2)  # started again with no KV pool
+    await executor.aclose()
+
+
+async def test_a_start_that_failed_is_not_tried_again_by_the_other_moves_of_its_step(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Each GPU of a group gets its own move of one start; the engine runs out of memory at start (each device
+    has 1 GiB, it needs 1.5), so the first move's start fails and the second fails with it, without a second
+    cold start; the next plan's start of the same instance is tried again."""
+    config = managed_config(free_port(), tmp_path, STATEBUDGET_FAKE_NVML_TOTALS=f"{GIB},{GIB}")
+    executor = VLLMExecutor.from_config(config)
+    step = _step("start", "stopped")
+    moves = [
+        op("promote", W, NVME, {"tier": "gpu", "gpu": g}, id=f"3.op-{i}", engine=step)
+        for i, g in enumerate(["n1-g0", "n1-g1"])
+    ]
+    with caplog.at_level(logging.INFO, logger="statebudget.agent.engines"):
+        with pytest.raises(PermanentError, match="CUDA out of memory"):
+            await executor.execute(moves[0])
+        with pytest.raises(PermanentError, match="failed for 3.op-0 of the same step: .*CUDA out of memory"):
+            await executor.execute(moves[1])
+        assert sum(r.getMessage().startswith("started vllm-coder") for r in caplog.records) == 1
+        with pytest.raises(PermanentError, match="CUDA out of memory"):
+            await executor.execute(op("promote", W, NVME, GPU, id="4.op-1", engine=step))
+        assert sum(r.getMessage().startswith("started vllm-coder") for r in caplog.records) == 2
     await executor.aclose()
 
 

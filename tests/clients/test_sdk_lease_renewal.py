@@ -17,21 +17,21 @@ pytestmark = pytest.mark.filterwarnings("ignore:You should not use the 'timeout'
 
 
 def test_a_renewed_lease_outlives_its_length_and_a_late_renewal_is_a_conflict(sync_client):
-    sb, _, clock = sync_client()
-    lease = sb.lease("n1", max_operations=2)
+    sb, _, clock = sync_client()  # n2: the demo's first plan has several operations ready there
+    lease = sb.lease("n2", max_operations=2)
     assert lease.lease_id is not None and len(lease.operations) == 2
     ids = [o.id for o in lease.operations]
     clock.advance(20.0)
-    renewed = sb.renew_lease("n1", lease.lease_id)
+    renewed = sb.renew_lease("n2", lease.lease_id)
     assert isinstance(renewed, RenewOut)
-    assert (renewed.lease_id, renewed.node, renewed.operations) == (lease.lease_id, "n1", ids)
+    assert (renewed.lease_id, renewed.node, renewed.operations) == (lease.lease_id, "n2", ids)
     assert renewed.expires_in_seconds == LEASE_SECONDS
     clock.advance(20.0)  # 40 s after the lease: it would have run out unrenewed
     assert sb.report(ids[0], lease_id=lease.lease_id, status=ReportStatus.DONE).operation.state == "done"
-    assert sb.renew_lease("n1", lease.lease_id).operations == ids[1:]
+    assert sb.renew_lease("n2", lease.lease_id).operations == ids[1:]
     clock.advance(LEASE_SECONDS)
     with pytest.raises(ConflictError) as info:
-        sb.renew_lease("n1", lease.lease_id)
+        sb.renew_lease("n2", lease.lease_id)
     assert info.value.status == 409 and f"({ids[1]} re-queued)" in info.value.detail
 
 

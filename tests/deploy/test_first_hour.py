@@ -1,6 +1,7 @@
 """What a new user meets first: `make run` installs only what serving needs and starts the demo afresh,
-`make clean` removes the demo's database, `serve --reset` deletes a database before starting, and CI still runs
-the compiled-build comparison that `make test` leaves to `make test-compiled`."""
+`make fake-agents` runs agents on fake engines for that planner, `make clean` removes the demo's database,
+`serve --reset` deletes a database before starting, and CI still runs the compiled-build comparison that
+`make test` leaves to `make test-compiled`."""
 
 from __future__ import annotations
 
@@ -29,6 +30,13 @@ def test_make_run_installs_no_extras_and_starts_a_fresh_demo() -> None:
     assert "--demo" in serve and "--reset" in serve and "--db statebudget-demo.db" in serve
     (kept,) = [c for c in dry_run("run", "KEEP=1") if " serve " in c]
     assert "--reset" not in kept
+
+
+def test_make_fake_agents_works_for_the_make_run_planner() -> None:
+    (line,) = [c for c in dry_run("fake-agents") if "demo_cluster.py" in c]
+    assert "--server http://127.0.0.1:8080" in line and "--hour-seconds 300" in line
+    (other,) = [c for c in dry_run("fake-agents", "PLANNER=http://10.0.0.5:8080") if "demo_cluster.py" in c]
+    assert "--server http://10.0.0.5:8080" in other
 
 
 def test_make_clean_removes_the_demo_database() -> None:

@@ -5,6 +5,10 @@ mode, dev mode, its own LMCache instance id) whose GPU memory the agent reads th
 time-compressed as session events.
 
     python tests/fakes/demo_cluster.py [--hour-seconds 30] [--seed 1] [--dir DIR] [--out report.json]
+        [--server URL]
+
+With `--server` the agents and their engines work for a planner already running the demo (`make run`'s,
+http://127.0.0.1:8080, started afresh), which is left running at the end.
 
 At the start the engines the demo's confirmed state runs (or keeps asleep) are started through the agent's
 own process manager (clients/agent/lifecycle.py), so each agent finds them by their launch records as it
@@ -17,7 +21,9 @@ would after a restart. At the end, once the service has nothing queued or leased
   state, planner_service/domain/engines.py `holdings`), the weights and experts the SRV places there and the
   shards the fake engines hold there, and what the node's last heartbeat said;
 - `engines`: each fake engine process's state, and whether each had an LMCache instance id of its own;
-- `reconcile`: the state each node lost or had corrected.
+- `reconcile`: the state each node lost or had corrected;
+- whether the service accepted each node's heartbeats until the end (a refused one leaves the node's
+  telemetry as it was).
 
 `problems` lists every disagreement; the run exits 1 when there is one.
 """
@@ -28,6 +34,7 @@ import argparse
 import contextlib
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -36,6 +43,7 @@ import time
 from collections import Counter, defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -75,6 +83,23 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def engine_ports(n: int, rng: random.Random) -> list[int]:
+    """`n` distinct ports free now for engines that start later: below the kernel's ephemeral range, so that
+    no outgoing connection takes one meanwhile (and not `free_port` n times, which may answer a port twice)."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    ports: list[int] = []
+    with contextlib.ExitStack() as held:
+        while len(ports) < n:
+            port = rng.randrange(10_000, low)
+            s = held.enter_context(socket.socket())
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue  # taken
+            ports.append(port)
+    return ports
 
 
 def total_bytes(gpu: dict[str, Any]) -> int:
@@ -130,6 +155,13 @@ class DemoCluster:
 
     # -- the service -------------------------------------------------------------
 
+    def use_service(self, url: str) -> StateBudgetClient:
+        """A planner someone else runs (e.g. `make run`), left running at the end."""
+        self.url = url.rstrip("/")
+        self.sb = StateBudgetClient(self.url, timeout_seconds=30)
+        wait_for(lambda: self.sb is not None and self.sb.readyz().status == "ok", 60, f"the service at {url}")
+        return self.sb
+
     def start_service(self) -> StateBudgetClient:
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
@@ -151,6 +183,7 @@ class DemoCluster:
         """An agent configuration per demo node: every model a managed fake vLLM on its own port."""
         cluster = _get(self.url, "/v1/cluster")
         models = {m["id"]: m["resolved"] for m in _get(self.url, "/v1/models")}
+        ports = iter(engine_ports(len(cluster["nodes"]) * len(models), random.Random()))
         for raw in cluster["nodes"]:
             node_id = raw["id"]
             base = self.root / node_id
@@ -161,7 +194,7 @@ class DemoCluster:
             gpus = [{"id": g["id"], "type": g["type"], "device": i} for i, g in enumerate(raw["gpus"])]
             engines = {}
             for model, sizes in models.items():
-                port = free_port()
+                port = next(ports)
                 command = [
                     sys.executable,
                     str(RUN_VLLM),
@@ -273,23 +306,35 @@ class DemoCluster:
             time.sleep(batch_seconds)
         return sent
 
+    def get(self, path: str) -> Any:
+        return _get(self.url, path)
+
+    def processes(self, node: str) -> list[dict[str, Any]]:
+        """The node's living fake engine processes: pid, model, level, bytes per device, LMCache instance id."""
+        return _driver_state(self.nodes[node])[2]
+
     def leased(self, node: str) -> list[dict[str, Any]]:
         return [o for o in _get(self.url, "/v1/operations?state=leased") if o["node"] == node]
 
     def settle(self, timeout_seconds: float, quiet_seconds: float = 3.0) -> None:
-        """Wait until nothing is queued or leased for `quiet_seconds`."""
+        """Wait until nothing is queued or leased, and no plan was installed and no operation confirmed, for
+        `quiet_seconds`: an operation leased and done between two looks is seen by the SRV version it bumped,
+        and the engines' reported states are compared only once no operation runs."""
         quiet_since: float | None = None
+        seen: tuple[int, int] | None = None
         deadline = time.monotonic() + timeout_seconds
         while time.monotonic() < deadline:
+            ready = _get(self.url, "/readyz")
+            now = (ready["epoch"], ready["srv_version"])
             open_ops = _get(self.url, "/v1/operations?state=queued") + _get(self.url, "/v1/operations?state=leased")
-            if open_ops:
-                quiet_since = None
+            if open_ops or now != seen:
+                quiet_since, seen = None, now
             elif quiet_since is None:
                 quiet_since = time.monotonic()
             elif time.monotonic() - quiet_since >= quiet_seconds:
                 return
             time.sleep(0.3)
-        raise TimeoutError(f"operations still open after {timeout_seconds:g} s")
+        raise TimeoutError(f"operations still open, or plans still changing, after {timeout_seconds:g} s")
 
     # -- the end -----------------------------------------------------------------
 
@@ -317,6 +362,7 @@ class DemoCluster:
         for node in self.nodes.values():
             held, shards, records = _driver_state(node)
             fakes += records
+            problems += _heartbeat_recent(node.id, cluster[node.id].get("last_heartbeat"), self.heartbeat_seconds)
             telemetry = cluster[node.id].get("telemetry") or {}
             beats = {g["id"]: g for g in telemetry.get("gpus", [])}
             engine_bytes: dict[str, int] = defaultdict(int)  # GPU -> context and KV pools of the reported engines
@@ -444,6 +490,16 @@ def _driver_state(node: Node) -> tuple[dict[int, int], dict[int, int], list[dict
     return held, shards, records
 
 
+def _heartbeat_recent(node: str, last: str | None, heartbeat_seconds: float) -> list[str]:
+    """Whether the service accepted one of the node's heartbeats lately: a refused heartbeat (422) leaves the
+    node's telemetry at the last one accepted, which says nothing of what happened since."""
+    if last is None:
+        return [f"{node}: the service has accepted no heartbeat"]
+    age = time.time() - datetime.fromisoformat(last).timestamp()  # 3.11 reads the Z
+    limit = max(10.0, 10 * heartbeat_seconds)  # far above the period: a loaded machine delays a heartbeat or two
+    return [f"{node}: the service accepted no heartbeat for {age:.1f} s (last at {last})"] if age > limit else []
+
+
 _LEVEL_STATES = {0: {"running"}, 1: {"asleep_host", "asleep_discarded"}, 2: {"asleep_discarded"}}
 
 
@@ -493,20 +549,25 @@ def hour_trace(seed: int) -> list[TraceRecord]:
 
 
 @contextlib.contextmanager
-def demo_cluster(root: Path, *, heartbeat_seconds: float = 0.5) -> Iterator[DemoCluster]:
+def demo_cluster(root: Path, *, heartbeat_seconds: float = 0.5, server: str | None = None) -> Iterator[DemoCluster]:
     cluster = DemoCluster(root, heartbeat_seconds=heartbeat_seconds)
     try:
-        cluster.start_service()
+        if server is None:
+            cluster.start_service()
+        else:
+            cluster.use_service(server)
         cluster.configure()
         yield cluster
     finally:
         cluster.stop()
 
 
-def run(root: Path, *, hour_seconds: float, seed: int, settle_seconds: float = 60.0) -> dict[str, Any]:
+def run(
+    root: Path, *, hour_seconds: float, seed: int, settle_seconds: float = 60.0, server: str | None = None
+) -> dict[str, Any]:
     records = hour_trace(seed)
     started = time.monotonic()
-    with demo_cluster(root) as cluster:
+    with demo_cluster(root, server=server) as cluster:
         engines = cluster.start_confirmed_engines()
         cluster.start_agents()
         sent = cluster.replay(records, hour_seconds)
@@ -560,12 +621,20 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--dir", type=Path, default=None, help="Where the run's files go (default: a temp dir).")
     parser.add_argument("--out", type=Path, default=None, help="Write the report (JSON) here.")
+    parser.add_argument(
+        "--server", default=None, help="A planner running the demo already (e.g. `make run`'s) instead of a new one."
+    )
+    parser.add_argument(
+        "--settle-seconds", type=float, default=60.0, help="How long the operations may take to end after the hour."
+    )
     args = parser.parse_args()
     import tempfile
 
     root = args.dir or Path(tempfile.mkdtemp(prefix="statebudget-demo-cluster-"))
     root.mkdir(parents=True, exist_ok=True)
-    report = run(root, hour_seconds=args.hour_seconds, seed=args.seed)
+    report = run(
+        root, hour_seconds=args.hour_seconds, seed=args.seed, settle_seconds=args.settle_seconds, server=args.server
+    )
     text = json.dumps(report, indent=2)
     if args.out is not None:
         args.out.write_text(text)

@@ -11,19 +11,24 @@ the non-expert weights at `--precision` plus the GPU share of the routed experts
 With `--driver-dir` the process keeps `DIR/<pid>.json` up to date with the bytes it holds on each GPU (after
 every request), the "driver" state that the fake NVML module (tests/fakes/nvml_driver/pynvml.py) reads, and
 removes it when it exits cleanly; a killed process leaves it, and the fake NVML counts only living pids, as
-the driver frees a dead process's memory. `--startup-seconds` waits before serving, as a real engine loads
-its weights and compiles before `/health` answers.
+the driver frees a dead process's memory. Memory is taken as the driver gives it: the start and each wake
+check the devices' free bytes and record what they take under one lock on the directory, so that two
+processes never both get the last free bytes (a device never holds more than it has, as NVML never shows).
+`--startup-seconds` waits before serving, as a real engine loads its weights and compiles before `/health`
+answers.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import fcntl
 import json
 import math
 import os
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import uvicorn
@@ -46,11 +51,13 @@ def shard_bytes(args: argparse.Namespace, tp: int) -> int:
     return math.ceil((int(by_precision[args.precision]) + gpu_experts) / max(tp, 1))
 
 
-def write_holdings(engine: FakeVllmEngine, path: Path) -> None:
+def write_holdings(engine: FakeVllmEngine, path: Path, gpu_bytes: dict[int, int] | None = None) -> None:
+    """The engine's record for the fake NVML: what it holds now, or `gpu_bytes` while a wake maps them."""
+    held = engine.gpu_bytes() if gpu_bytes is None else gpu_bytes
     record = {
         "pid": engine.pid,
         "model": engine.model,
-        "gpu_bytes": {str(d): b for d, b in engine.gpu_bytes().items()},
+        "gpu_bytes": {str(d): b for d, b in held.items()},
         "level": engine.level,
         "shard_bytes": engine.shard_bytes,
         "kv_pool_bytes": engine.kv_pool_bytes,
@@ -63,11 +70,22 @@ def write_holdings(engine: FakeVllmEngine, path: Path) -> None:
     tmp.replace(path)  # the reader never sees half a file
 
 
-def out_of_memory(engine: FakeVllmEngine, driver_dir: Path) -> str | None:
-    """Why the engine cannot start on its GPUs: what it allocates at start (context, weights, KV pool) is
-    more than the device has free beside the other living processes. vLLM fails its start the same way
-    (vllm/v1/worker/gpu_worker.py: the free memory at start must cover the requested share, else a
-    ValueError, and an allocation past it is a CUDA out-of-memory error)."""
+@contextlib.contextmanager
+def driver_lock(driver_dir: Path) -> Iterator[None]:
+    """The devices' allocator, one at a time across the fake engine processes of a node."""
+    with (driver_dir / ".lock").open("a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def out_of_memory(engine: FakeVllmEngine, driver_dir: Path, need: dict[int, int]) -> str | None:
+    """Why the engine cannot hold `need` bytes on its GPUs: more than each device has free beside the other
+    living processes. vLLM fails a start the same way (vllm/v1/worker/gpu_worker.py: the free memory at start
+    must cover the requested share, else a ValueError, and an allocation past it is a CUDA out-of-memory
+    error), and a wake (vllm/device_allocator/cumem.py: `create_and_map` raises, the wake is rolled back)."""
     totals = os.environ.get("STATEBUDGET_FAKE_NVML_TOTALS")
     if not totals:
         return None
@@ -79,11 +97,20 @@ def out_of_memory(engine: FakeVllmEngine, driver_dir: Path) -> str | None:
             if int(record["pid"]) != engine.pid and _alive(int(record["pid"])):
                 for device, n in record["gpu_bytes"].items():
                     used[int(device)] += int(n)
-    for device, need in engine.gpu_bytes().items():
+    for device, wanted in need.items():
         free = capacity[device] - used[device]
-        if need > free:
-            return f"CUDA out of memory on device {device}: {need} bytes needed, {free} free of {capacity[device]}"
+        if wanted > free:
+            return f"CUDA out of memory on device {device}: {wanted} bytes needed, {free} free of {capacity[device]}"
     return None
+
+
+def reserve(engine: FakeVllmEngine, driver_dir: Path, holdings: Path, need: dict[int, int]) -> str | None:
+    """Take `need` (the engine's bytes per device once a wake has mapped them) if the devices have room."""
+    with driver_lock(driver_dir):
+        why = out_of_memory(engine, driver_dir, need)
+        if why is None:
+            write_holdings(engine, holdings, need)
+        return why
 
 
 def _alive(pid: int) -> bool:
@@ -123,10 +150,14 @@ def main() -> None:
     if args.driver_dir is not None:
         args.driver_dir.mkdir(parents=True, exist_ok=True)
         holdings = args.driver_dir / f"{engine.pid}.json"
-        oom = out_of_memory(engine, args.driver_dir)
-        if oom:
-            print(oom, file=sys.stderr, flush=True)
-            sys.exit(1)
+        with driver_lock(args.driver_dir):
+            oom = out_of_memory(engine, args.driver_dir, engine.gpu_bytes())
+            if oom:
+                print(oom, file=sys.stderr, flush=True)
+                sys.exit(1)
+            write_holdings(engine, holdings)
+        driver_dir = args.driver_dir
+        engine.reserve = lambda need: reserve(engine, driver_dir, holdings, need)
 
         @app.middleware("http")
         async def after_each_request(request: Request, call_next):  # type: ignore[no-untyped-def]
@@ -134,7 +165,6 @@ def main() -> None:
             write_holdings(engine, holdings)
             return response
 
-        write_holdings(engine, holdings)
     try:
         uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning")
     finally:

@@ -12,10 +12,23 @@ Rules, each from vLLM's source (vllm-project/vllm, v1 engine):
 - Level 1 offloads the allocations tagged "weights" to pinned host memory and discards the KV cache; level 2
   discards both (vllm/v1/worker/gpu_worker.py `sleep`: `offload_tags = ("weights",) if level == 1 else ()`).
   The CUDA context stays on every GPU.
-- `/wake_up` takes repeatable `tags` (none: every tag). Waking an allocation copies its CPU backup back and
-  frees the backup (vllm/device_allocator/cumem.py `wake_up`); waking weights that a level-2 sleep
-  discarded maps fresh, uninitialised memory, so the model answers garbage until
-  `POST /collective_rpc {"method": "reload_weights"}` reads the checkpoint again (docs/features/sleep_mode.md).
+- Every sleep first pauses the scheduler (vllm/v1/engine/core.py `sleep` calls `pause_scheduler`); level 0
+  only pauses it and changes no GPU memory. A sleep of an executor that sleeps already changes nothing
+  ("Executor is already sleeping.", vllm/v1/executor/abstract.py `sleep`): level 2 after level 1 keeps the
+  host backup. `GET /is_sleeping` is true while the scheduler is paused or the executor sleeps
+  (core.py `is_sleeping`).
+- `/wake_up` takes repeatable `tags` (none: every tag; `scheduling` only resumes a level-0 pause). The
+  executor wakes nothing when it is not asleep or when one of the tags is awake already (abstract.py
+  `wake_up`), and stays asleep until every tag is awake; the scheduler resumes then (core.py `wake_up`).
+  Waking an allocation maps GPU memory, copies its CPU backup back and frees the backup
+  (vllm/device_allocator/cumem.py `wake_up`); waking weights that a level-2 sleep discarded maps fresh,
+  uninitialised memory, so the model answers garbage until `POST /collective_rpc {"method":
+  "reload_weights"}` reads the checkpoint again (docs/features/sleep_mode.md).
+- A wake the device has no room for fails: `create_and_map` (cuMemCreate) raises CUDA out of memory, cumem.py
+  unmaps what it mapped and re-raises, so the executor stays asleep and the route answers 500. The backups
+  of the allocations copied back before the failure were freed and their memory unmapped: which ones is not
+  known from outside, so the fake takes the case where any were, and the weights need a reload.
+  (`reserve`, given by whoever keeps the device's books, says whether the bytes fit.)
 - `/collective_rpc` without `method` is a 400 ("Missing 'method' in request body"); an unknown method fails on
   the workers (a 500 here).
 - `/reset_prefix_cache` answers 200 without checking the reset (the router's docstring says so).
@@ -41,6 +54,11 @@ from fastapi.responses import JSONResponse
 
 SLEEP_MODES = ("abort", "wait", "keep")  # vLLM's PauseMode
 TAGS = ("weights", "kv_cache")  # the CuMemAllocator tags a sleep frees
+SCHEDULING = "scheduling"  # the wake-up tag of a level-0 pause (core.py `wake_up`)
+
+
+class OutOfMemory(RuntimeError):
+    """CUDA out of memory while mapping an allocation (cumem.py `create_and_map`)."""
 
 
 @dataclass
@@ -55,8 +73,12 @@ class FakeVllmEngine:
     dev_mode: bool = True
     sleep_mode: bool = True
     pid: int = field(default_factory=os.getpid)
+    # asked before a wake maps memory, with the bytes this process would hold on each device after it: why
+    # the devices cannot take them (CUDA out of memory), or None once they are reserved; None: always room
+    reserve: Callable[[dict[int, int]], str | None] | None = None
     # state
-    level: int = 0  # 0 awake, else the level of the last sleep
+    level: int = 0  # the executor: 0 awake, else the level of the sleep it is in
+    paused: bool = False  # the scheduler (every sleep pauses it; the last wake resumes it)
     weights_on_gpu: bool = True
     weights_valid: bool = True  # False after a level-2 sleep until reload_weights
     kv_on_gpu: bool = True
@@ -70,15 +92,18 @@ class FakeVllmEngine:
 
     @property
     def sleeping(self) -> bool:
-        return self.level > 0
+        return self.paused or self.level > 0
 
-    def gpu_bytes(self) -> dict[int, int]:
-        """Bytes this process holds on each GPU of its group, as NVML would count them."""
+    def gpu_bytes(self, *, weights: bool | None = None, kv: bool | None = None) -> dict[int, int]:
+        """Bytes this process holds on each GPU of its group, as NVML would count them (with the weights or
+        the KV pool on the GPU or not, where given, instead of as they are)."""
         if not self.alive:
             return {}
+        weights = self.weights_on_gpu if weights is None else weights
+        kv = self.kv_on_gpu if kv is None else kv
         per_gpu = self.context_bytes
-        per_gpu += self.shard_bytes if self.weights_on_gpu else 0
-        per_gpu += self.kv_pool_bytes if self.kv_on_gpu else 0
+        per_gpu += self.shard_bytes if weights else 0
+        per_gpu += self.kv_pool_bytes if kv else 0
         return dict.fromkeys(self.gpus, per_gpu)
 
     def sleep(self, level: int, mode: str) -> None:
@@ -91,7 +116,8 @@ class FakeVllmEngine:
         else:
             self.completed += self.in_flight
         self.in_flight = 0
-        if level == 0:
+        self.paused = True
+        if level == 0 or self.level > 0:  # a pause only, or an executor asleep already
             return
         if level == 1 and self.weights_on_gpu:
             self.host_backup_bytes = self.shard_bytes * len(self.gpus)
@@ -103,8 +129,23 @@ class FakeVllmEngine:
         self.level = level
 
     def wake_up(self, tags: list[str] | None) -> None:
-        wanted = set(tags or TAGS)
-        if "weights" in wanted and not self.weights_on_gpu:
+        memory = [t for t in tags if t != SCHEDULING] if tags is not None else None
+        if memory is None or memory:
+            self._wake_executor(set(memory or TAGS))
+        if self.level == 0:
+            self.paused = False
+
+    def _wake_executor(self, wanted: set[str]) -> None:
+        asleep = {t for t, on_gpu in (("weights", self.weights_on_gpu), ("kv_cache", self.kv_on_gpu)) if not on_gpu}
+        if self.level == 0 or not wanted <= asleep:
+            return  # abstract.py: not sleeping, or a tag awake already: nothing is woken
+        weights, kv = self.weights_on_gpu or "weights" in wanted, self.kv_on_gpu or "kv_cache" in wanted
+        why = self.reserve(self.gpu_bytes(weights=weights, kv=kv)) if self.reserve is not None else None
+        if why is not None:
+            if "weights" in wanted:
+                self.host_backup_bytes = 0  # the backups copied back before the failure are gone
+            raise OutOfMemory(why)
+        if "weights" in wanted:
             self.weights_on_gpu = True
             self.weights_valid = self.host_backup_bytes > 0
             self.host_backup_bytes = 0  # cumem.py frees the CPU backup once it is copied back
@@ -173,7 +214,10 @@ def create_fake_vllm(
     @dev.post("/wake_up")
     async def wake_up(request: Request) -> Response:
         tags = request.query_params.getlist("tags") or None
-        engine.wake_up(tags)
+        try:
+            engine.wake_up(tags)
+        except OutOfMemory as error:
+            raise HTTPException(500, f"CUDA out of memory: {error}") from error
         return Response(status_code=200)
 
     @dev.get("/is_sleeping")

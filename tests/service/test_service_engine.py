@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import defaultdict
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,8 @@ from planner_service.service.errors import Conflict, InvalidInput, NotReady
 from planner_service.service.inputs import ReportIn, RequestEvent, SessionEndEvent
 from planner_service.service.store import SqliteStore
 from planner_service.settings import Settings
+from tests.service.test_service_reconcile import Clock as DemoClock
+from tests.service.test_service_reconcile import new_service
 
 TINY = Path(__file__).parent / "tiny_scenario.json"
 
@@ -67,6 +70,26 @@ def test_in_flight_work_is_not_planned_twice_and_new_work_waits_for_it(service):
     assert service.lease("n1", 10)["operations"] == []  # waiting on the epoch-1 drop
     service.report(dep, ReportIn(lease_id=drop["lease_id"], status="done"))
     assert {o["action"] for o in service.lease("n1", 10)["operations"]} == {"promote"}
+
+
+def test_every_move_of_an_engine_step_waits_on_what_is_in_flight_for_any_of_them(tmp_path):
+    """With the demo's first ready operations leased (n1's reasoner leaves n1-g3 first), the next epoch plans
+    around them: a start on n1-g0..g3 is one call for the whole group, made on the first of its moves an agent
+    runs, so each of its moves waits on the free in flight on n1-g3, not only the move onto n1-g3."""
+    svc = new_service(tmp_path / "demo.db", DemoClock())
+    try:
+        svc.replan()
+        inflight = {o["id"] for n in ("n1", "n2", "n3", "n4") for o in svc.lease(n, 100)["operations"]}
+        svc.replan(force=True)
+        steps: dict[tuple[str, str, str], list[dict]] = defaultdict(list)
+        for o in svc.operations_view(state="queued"):
+            if o["engine"] and o["engine"]["transition"] in ("start", "wake", "restart"):
+                steps[(o["node"], o["engine"]["instance"]["id"], o["engine"]["transition"])].append(o)
+        waits = {key: [inflight & set(o["depends_on"]) for o in moves] for key, moves in steps.items()}
+        assert all(all(w == ws[0] for w in ws) for ws in waits.values()), waits
+        assert any(len(ws) > 1 and ws[0] for ws in waits.values()), waits  # a group start waits on a free in flight
+    finally:
+        svc.close()
 
 
 def test_switch_latency_is_observed_when_the_model_lands(service):

@@ -5,6 +5,7 @@ invariant checker refuses the steps an engine would refuse."""
 from __future__ import annotations
 
 import dataclasses
+from collections import defaultdict
 from typing import Any
 
 import pytest
@@ -75,6 +76,22 @@ def test_the_demo_s_plans_start_sleep_and_wake_engines() -> None:
     ][:1]
     assert left.transition in {Transition.SLEEP_LEVEL_1, Transition.SLEEP_LEVEL_2, Transition.STOP}
     assert left.from_state is EngineState.RUNNING and left.instance.node != "n4"
+
+
+def test_every_move_of_a_step_waits_on_what_any_of_them_waits_on() -> None:
+    """A step is one call, made on the first of its moves an agent runs: the demo's first plan starts engines
+    on n1's four GPUs as the reasoner's engine leaves them, so every move of such a start waits on every GPU's
+    free, not only on its own GPU's (else the move whose GPU is free first starts the engine on full GPUs)."""
+    problem = demo_problem()
+    plan = solve(problem)
+    assert check_plan(problem, plan.placement, plan.operations, plan.unserved) == []
+    steps: dict[tuple[str, str, Transition], list[Operation]] = defaultdict(list)
+    for op in plan.operations:
+        if op.engine is not None and op.engine.transition in (Transition.START, Transition.WAKE, Transition.RESTART):
+            steps[(op.node, op.engine.instance.id, op.engine.transition)].append(op)
+    waits = {key: [set(op.depends_on) - {o.id for o in moves} for op in moves] for key, moves in steps.items()}
+    assert all(all(w == ws[0] for w in ws) for ws in waits.values()), waits
+    assert any(len(ws) > 1 and ws[0] for ws in waits.values())  # a group start that waits on frees
 
 
 def switch_scenario(b_active: bool) -> dict[str, Any]:

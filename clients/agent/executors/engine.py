@@ -49,6 +49,7 @@ from planner_service.wire.operations import EngineInstanceRef
 log = logging.getLogger("statebudget.agent.engines")
 
 _ASLEEP = (EngineState.ASLEEP_HOST, EngineState.ASLEEP_DISCARDED)
+FAILED_STARTS_KEPT = 64  # failed starts remembered (one per step), so that a long-running agent's memory is bounded
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,6 +165,9 @@ class EngineExecutor:
     clock: Callable[[], float] = time.perf_counter
     drift: list[str] = field(default_factory=list)
     _locks: dict[str, asyncio.Lock] = field(default_factory=dict, repr=False)
+    # the starts and restarts that failed permanently, by step (`_step_id`): the operation and why. The other
+    # moves of the step (one per GPU of the group) fail with it instead of starting the engine again.
+    _failed_starts: dict[str, tuple[str, str]] = field(default_factory=dict, repr=False)
 
     @classmethod
     def build(
@@ -314,8 +318,21 @@ class EngineExecutor:
         if not verdict.allowed:
             raise PermanentError(f"{engine.name}: {transition.value} refused: {verdict.why}")
         measured_gpus = sorted({*engine.gpus, *(op.engine.instance.gpus if op.engine is not None else ())})
+        start = _step_id(op, transition)
+        failed = self._failed_starts.get(start) if start is not None else None
+        if failed is not None:  # a cold start costs minutes on a GPU: one that failed is not tried once per GPU
+            raise PermanentError(
+                f"{engine.name}: {transition.value} failed for {failed[0]} of the same step: {failed[1]}"
+            )
         before = self._gpu_used(measured_gpus)
-        calls = await self._carry_out(engine, transition, op)
+        try:
+            calls = await self._carry_out(engine, transition, op)
+        except PermanentError as error:
+            if start is not None:
+                self._failed_starts[start] = (op.id, error.reason)
+                if len(self._failed_starts) > FAILED_STARTS_KEPT:  # the oldest plans' are done with
+                    del self._failed_starts[next(iter(self._failed_starts))]
+            raise
         after = self._gpu_used(measured_gpus)
         engine.last = AFTER.get(transition, observed.state)
         details["calls"] = details.get("calls", []) + calls
@@ -428,6 +445,15 @@ def _already(transition: Transition, state: EngineState) -> bool:
     if transition is Transition.STOP:
         return state is EngineState.STOPPED
     return False
+
+
+def _step_id(op: Operation, transition: Transition) -> str | None:
+    """The start or restart `op` is one move of: its plan epoch (the prefix of its id), instance and
+    transition; None for any other transition, or a move that names no step."""
+    if op.engine is None or transition not in (Transition.START, Transition.RESTART):
+        return None
+    epoch = op.id.split(".", 1)[0] if "." in op.id else ""
+    return f"{epoch}|{op.engine.instance.id}|{transition.value}"
 
 
 def _launch_values(op: Operation) -> dict[str, object]:

@@ -7,7 +7,8 @@ vLLM's source (vllm-project/vllm) that each call rests on:
   * wake: `POST /wake_up?tags=weights`, then after a level-2 sleep (or one this agent did not see: `/is_sleeping`
     does not tell the level) `POST /collective_rpc {"method": "reload_weights"}` to read the checkpoint again,
     then `POST /wake_up?tags=kv_cache` (vllm/entrypoints/serve/rpc/api_router.py, docs/features/sleep_mode.md).
-    The wake frees the host backup (vllm/device_allocator/cumem.py).
+    The wake frees the host backup (vllm/device_allocator/cumem.py), also when it fails for want of GPU memory
+    (the backups copied back before the failure are gone), so after a failed wake the next one reloads.
   * state: `GET /health` (503 once the engine died), `GET /is_sleeping`, `GET /v1/models`.
   * drain before a stop: `GET /metrics`' `vllm:num_requests_running` and `vllm:num_requests_waiting`
     (vllm/v1/metrics/loggers.py), polled until both are 0.
@@ -93,6 +94,10 @@ class VllmDriver:
         return [_label(request)]
 
     async def wake(self, http: EngineHttp, engine: EngineHandle, *, reload: bool) -> list[str]:
+        # a wake that fails part way (CUDA out of memory) has freed the host backup of each allocation it copied
+        # back before failing (cumem.py `wake_up`): until a wake succeeds, the level is not known, and the
+        # next wake reloads the weights
+        engine.level = None
         requests = [WAKE_WEIGHTS, *([RELOAD_WEIGHTS] if reload else []), WAKE_KV_CACHE]
         for request in requests:
             await http.call(engine.name, engine.url, request)

@@ -42,7 +42,8 @@ class Served:
             time.sleep(0.01)
 
     def stop(self) -> None:
-        self.server.should_exit = True
+        # a test's end needs no graceful shutdown: uvicorn would wait for the gateway's route long-poll to run out
+        self.server.should_exit = self.server.force_exit = True
         self.thread.join(15)
 
 

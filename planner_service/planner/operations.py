@@ -134,6 +134,11 @@ def apply_operation(placement: Placement, op: Operation) -> None:
     if op.dest is not None:
         key = (op.object, op.dest)
         placement[key] = placement.get(key, 0) + op.bytes
+    free_source(placement, op)
+
+
+def free_source(placement: Placement, op: Operation) -> None:
+    """Take what `op` moves off its source, in place (nothing for a copy that keeps its source)."""
     if op.source is not None and not op.keep_source:
         key = (op.object, op.source)
         left = placement.get(key, 0) - op.bytes

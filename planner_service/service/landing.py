@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 from planner_service.domain.problem import Problem
 from planner_service.domain.state import Kind, Location, Placement, StateObject, Tier
+from planner_service.planner.operations import free_source
 from planner_service.service.records import OpRecord
 
 
@@ -38,14 +39,7 @@ def land(placement: Placement, inflight: Sequence[OpRecord], sizes: Problem) -> 
     """The landing place of `inflight` (in their plans' order) on `placement`, with `sizes`' capacities."""
     out = dict(placement)
     for r in inflight:  # frees first: every one of them makes room once they have all landed
-        op = r.op
-        if op.source is not None and not op.keep_source:
-            key = (op.object, op.source)
-            left = out.get(key, 0) - op.bytes
-            if left > 0:
-                out[key] = left
-            else:
-                out.pop(key, None)
+        free_source(out, r.op)
     used: dict[Location, int] = defaultdict(int)
     for (_, loc), nbytes in out.items():
         used[loc] += nbytes

@@ -232,6 +232,12 @@ class DeclaredEngine:
     features: frozenset[EngineFeature] = frozenset()
     management: Management = Management.MANAGED
 
+    def probe(self) -> EngineInstance:
+        """An instance of this declaration, for the rules that read only its kind, features and management
+        (`may`, `leaving_transition`): what any instance of it may do."""
+        return EngineInstance(self.kind, "probe", "bf16", ("g",), 1, LaunchSettings(0, features=self.features),
+                              management=self.management)  # fmt: skip
+
 
 # LMCache's `max_local_cpu_size` default, 5.0, allocated as `max_local_cpu_size * 1024**3` bytes of host RAM
 # by each worker (lmcache/v1/config.py, lmcache/v1/cache_engine.py): one worker per GPU of the group.

@@ -56,12 +56,6 @@ def declared_engine(problem: Problem, node_id: str, model_id: str) -> DeclaredEn
     return problem.nodes[node_id].declared_engines.get(model_id, UNDECLARED)
 
 
-def _probe(declared: DeclaredEngine) -> engines.EngineInstance:
-    """An instance of the declared engine: what the engine model's rules read of it is its kind and launch."""
-    launch = engines.LaunchSettings(0, features=declared.features)
-    return engines.EngineInstance(declared.kind, "probe", "bf16", ("g",), 1, launch, management=declared.management)
-
-
 def instance_now(
     problem: Problem, now: ResidencyIndex, node_id: str, model_id: str
 ) -> tuple[EngineState, str | None, tuple[str, ...]]:
@@ -79,7 +73,7 @@ def instance_now(
         return seen[0], cached or spec.preferred, tuple(sorted(seen[1]))
     fixed = problem.nodes[node_id].engine_gpus.get(model_id)
     if cached is not None and fixed and seen is None:
-        level = engines.leaving_transition(_probe(declared_engine(problem, node_id, model_id)), host_copy=True)
+        level = engines.leaving_transition(declared_engine(problem, node_id, model_id).probe(), host_copy=True)
         if level is engines.Transition.SLEEP_LEVEL_1:
             return EngineState.ASLEEP_HOST, cached, fixed
     return _STOPPED, cached, ()
@@ -102,7 +96,7 @@ def up_fixed_seconds(
     state, precision_now, group = instance_now(problem, now, node_id, model_id)
     if state is _RUNNING and after_leaving:
         state = _AFTER_LEAVING[
-            engines.leaving_transition(_probe(declared_engine(problem, node_id, model_id)), host_copy)
+            engines.leaving_transition(declared_engine(problem, node_id, model_id).probe(), host_copy)
         ]
     if state is EngineState.ASLEEP_HOST and not host_copy:
         state = _STOPPED  # its backup is gone: the engine stopped (engine_plan._stays_asleep_or_stops)

@@ -108,8 +108,7 @@ def _weights_where(
 
 def offers_level_1(declared: DeclaredEngine) -> bool:
     """Whether the declared engine's kind and launch features offer a level-1 sleep (weights kept in host RAM)."""
-    probe = EngineInstance(declared.kind, "probe", "bf16", ("g",), 1, LaunchSettings(0, features=declared.features))
-    return may(probe, EngineState.RUNNING, Transition.SLEEP_LEVEL_1).allowed
+    return may(declared.probe(), EngineState.RUNNING, Transition.SLEEP_LEVEL_1).allowed
 
 
 def instance_states(
@@ -152,10 +151,7 @@ def instance_states(
 
 def can_leave(view: InstanceView) -> bool:
     """Whether a running instance can leave its GPUs at all: a stop (managed) or a sleep its kind offers."""
-    probe = EngineInstance(
-        view.declared.kind, "probe", "bf16", ("g",), 1, LaunchSettings(0, features=view.declared.features),
-        management=view.declared.management,
-    )  # fmt: skip
+    probe = view.declared.probe()
     leaving = (Transition.STOP, Transition.SLEEP_LEVEL_2, Transition.SLEEP_LEVEL_1)
     return any(may(probe, EngineState.RUNNING, t).allowed for t in leaving)
 

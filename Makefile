@@ -46,10 +46,10 @@ fake-agents: $(RUN_STAMP)
 
 # the whole suite but the compiled-build comparison (minutes of mypyc), which `make test-compiled` runs
 test: $(STAMP)
-	$(PY) -m pytest --ignore=tests/deploy/test_compiled_build.py
+	$(PY) -m pytest -n 2 --dist loadfile --ignore=tests/deploy/test_compiled_build.py
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -m 'not slow' --ignore=tests/deploy/test_compiled_build.py
+	$(PY) -m pytest -n 2 --dist loadfile -m "not slow" --ignore=tests/deploy/test_compiled_build.py
 
 test-compiled: $(STAMP)
 	$(PY) -m pytest tests/deploy/test_compiled_build.py

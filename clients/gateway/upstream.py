@@ -263,7 +263,8 @@ class UpstreamPool:
         while idle:
             connection = idle.pop()  # the most recently used: the least likely to have expired
             self._idle_count -= 1
-            if not connection.closed and connection.idle_since > fresh_after:
+            closing = connection.transport is None or connection.transport.is_closing()
+            if not (connection.closed or closing) and connection.idle_since > fresh_after:
                 return connection
             connection.close()
         return None
@@ -289,8 +290,6 @@ class UpstreamPool:
         """POST `body` to `url` + `path` with the client's `headers` (hop-by-hop ones already dropped); the answer
         to come (its `head()` next). Only `ConnectFailed` here: once this returns, the request is out."""
         origin = self.origin(url)
-        connection = self._take(origin) or await self._connect(origin)
-        connection.begin()
         head = [
             b"POST ",
             origin.base_path,
@@ -304,8 +303,19 @@ class UpstreamPool:
         for name, value in headers:
             head += (name, b": ", value, b"\r\n")
         head += (b"\r\n", body)
+        request = b"".join(head)
+        connection = self._take(origin)
+        if connection is not None:
+            try:
+                return self._send(connection, request)
+            except RuntimeError:  # uvloop refuses a write to a transport closed since: nothing went out
+                connection.close()
+        return self._send(await self._connect(origin), request)
+
+    def _send(self, connection: _Connection, request: bytes) -> UpstreamResponse:
+        connection.begin()
         assert connection.transport is not None  # set when the connection was made
-        connection.transport.write(b"".join(head))
+        connection.transport.write(request)
         return UpstreamResponse(self, connection)
 
     def close(self) -> None:

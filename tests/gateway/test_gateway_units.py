@@ -157,3 +157,61 @@ def test_an_event_the_wire_model_refuses_is_dropped_and_counted_not_queued():
     sessions.on_request(parse_request(_body(user="u1"), "chat", "s1"))
     assert [(e["type"], e["session"], e["user"]) for e in sink.events] == [("request", "s1", "u1")]
     assert sink.metrics.events_dropped.count == 1  # type: ignore[attr-defined]
+
+
+def test_a_pooled_connection_closed_under_the_pool_costs_a_fresh_one_not_the_request():
+    """An engine killed between two requests: its idle connection may be closed at the transport before the
+    pool hears of it (uvloop then refuses the write). Nothing went out, so the request goes on a new connection."""
+    import asyncio
+    import contextlib
+
+    import uvloop
+
+    from clients.gateway.upstream import UpstreamPool
+
+    requests: list[bytes] = []
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(asyncio.IncompleteReadError):
+            while True:
+                requests.append(await reader.readuntil(b"\r\n\r\n") + await reader.readexactly(2))
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+                await writer.drain()
+
+    class Refusing:  # a uvloop transport whose handle closed before the protocol heard: it refuses writes
+        def __init__(self, transport: asyncio.Transport) -> None:
+            self.transport = transport
+
+        def is_closing(self) -> bool:
+            return False
+
+        def write(self, data: bytes) -> None:
+            raise RuntimeError("unable to perform operation on <TCPTransport closed=True>; the handler is closed")
+
+        def close(self) -> None:
+            self.transport.close()
+
+    async def main() -> tuple[bytes, bytes, bytes, int]:
+        server = await asyncio.start_server(answer, "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        pool = UpstreamPool(connect_timeout_seconds=2, read_timeout_seconds=2, max_idle=4)
+        bodies = []
+        for step in range(3):
+            if step == 1:  # closing: the pool must not take it
+                (idle,) = pool._idle[pool.origin(url)]
+                assert idle.transport is not None
+                idle.transport.close()
+            if step == 2:  # closed under the pool, unnoticed: the write is refused as uvloop refuses it
+                (idle,) = pool._idle[pool.origin(url)]
+                assert idle.transport is not None
+                idle.transport = Refusing(idle.transport)  # type: ignore[assignment]
+            response = await pool.post(url, b"/v1/chat/completions", [], b"{}")
+            await response.head()
+            bodies.append(await response.read())
+            response.release()
+        pool.close()
+        server.close()
+        return (*bodies, pool.connections_opened)  # type: ignore[return-value]
+
+    *bodies, opened = uvloop.run(main())
+    assert bodies == [b"ok", b"ok", b"ok"] and opened == 3 and len(requests) == 3

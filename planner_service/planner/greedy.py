@@ -1430,7 +1430,7 @@ class GreedyPlanner:
                     self.reasons[obj] = _words(why)
             else:
                 obj, group, nbytes, why = payload
-                if self.groups.get(obj.model) is group and self._place_expert_chunk(obj, group.node, nbytes):
+                if self.groups.get(obj.model) is group and self._place_expert_chunk(obj, group, nbytes):
                     self.reasons[obj] = _words(why)
 
     def _push_weights(self, model: ModelSpec, push: _Push) -> None:
@@ -1576,7 +1576,7 @@ class GreedyPlanner:
             push(saved - price * nbytes, nbytes, "experts", (obj, group, nbytes, why))
         # chunks are valued in order (concave hit rate), so the heap takes them hottest first
 
-    def _place_expert_chunk(self, obj: StateObject, node: str, nbytes: int) -> bool:
+    def _place_expert_chunk(self, obj: StateObject, group: Group, nbytes: int) -> bool:
         """Routed experts may sit on any GPU of the serving node (expert parallel): filled in card order, in whole experts.
 
         A chunk splits over cards in pieces that divide every chunk where it
@@ -1584,26 +1584,27 @@ class GreedyPlanner:
         units), else in whole experts; without partial_experts it stays on one
         card. Without a complete copy below the node's GPUs to load from, a
         GPU keeps at most the expert bytes it holds now (nothing could fill more).
+        Under a vLLM or SGLang engine the experts are the engine's own: equal
+        shares on its group's cards (`_place_engine_experts`).
         """
         refused = self._refused_chunk.get(obj)
         if refused is not None and nbytes >= refused:
             return False  # a chunk this size found no room already, and room only shrinks
+        node = group.node
+        sourced = self.now.complete_source(obj, node) is not None
+        if self.p.nodes[node].engine_kind(obj.model) is not None:
+            return self._place_engine_experts(obj, group, nbytes, sourced)
         model = self.p.models[obj.model]
         if _PARTIAL_EXPERTS in self.p.nodes[node].capabilities:
             units: tuple[int, ...] = (self._expert_split_unit(model, node), model.expert_bytes)
         else:
             units = (nbytes,)
-        sourced = self.now.complete_source(obj, node) is not None
-        free_of = self.book.free
         room: list[tuple[int, str]] = []
         fixed = self._fixed_groups[node].get(obj.model)
         for g in (
             [g.id for g in fixed] if fixed else self.book.gpu_ids(node)
         ):  # in card order: of two like cards the first holds at least as much
-            free = free_of[g]
-            if not sourced:
-                key = (obj, self._at[g])
-                free = min(free, self.p.residency.get(key, 0) - self.target.get(key, 0))
+            free = self._expert_room(obj, g, sourced)
             if free > 0:
                 room.append((free, g))
         for unit in units:
@@ -1627,6 +1628,27 @@ class GreedyPlanner:
             self.target[key] = self.target.get(key, 0) + take
         self._experts_placed[obj.model] += nbytes
         return True
+
+    def _place_engine_experts(self, obj: StateObject, group: Group, nbytes: int, sourced: bool) -> bool:
+        """An engine's GPU expert share is one launch setting for its whole group: every tensor-parallel rank
+        holds the same bytes of routed experts (domain/engines.py: shard = (weights + GPU experts) / tp), and
+        none lie beside the group. So a chunk goes on the group's cards in equal shares, or not at all."""
+        shards = split_evenly(nbytes, len(group.gpus))
+        if any(self._expert_room(obj, g.id, sourced) < share for g, share in zip(group.gpus, shards, strict=True)):
+            self._refused_chunk[obj] = nbytes
+            return False
+        self._place_spread(obj, group, shards)
+        self._experts_placed[obj.model] += nbytes
+        return True
+
+    def _expert_room(self, obj: StateObject, gpu: str, sourced: bool) -> int:
+        """Bytes of `obj`'s experts the GPU may take: its free room, and without a complete copy below the
+        node's GPUs to load from, no more than it holds now (nothing could fill more)."""
+        free = self.book.free[gpu]
+        if not sourced:
+            key = (obj, self._at[gpu])
+            free = min(free, self.p.residency.get(key, 0) - self.target.get(key, 0))
+        return free
 
     # -- step 3: lower tiers ---------------------------------------------
 

@@ -26,6 +26,9 @@ is sound):
     kind's rule, its source states and preconditions), one transition per
     instance so that it holds in any order; a session's KV leaves the GPUs
     only with its engine's step, and reaches them by prefill or from LMCache;
+  * where a node declares its engine's kind, a MoE's routed experts that the
+    plan puts on GPU lie in equal shares on the GPUs of its weights there,
+    none beside them (the GPU share is one launch setting of the engine);
   * GPU capacities hold with the KV pools of the instances the plan launches
     and the CUDA contexts that sleeping instances keep (`engines.holdings`),
     in the target and in every order.
@@ -70,6 +73,7 @@ def check_plan(
     errors += _every_order_safe(problem, ops)
     errors += _capabilities(problem, ops, target)
     errors += _engine_groups(problem, target)
+    errors += _engine_expert_shares(problem, target)
     refused = _engine_moves(problem, ops, target)
     errors += refused
     errors += _engine_steps(problem, ops, {e.split()[1] for e in refused})
@@ -294,6 +298,35 @@ def _engine_groups(problem: Problem, target: Mapping[tuple[StateObject, Location
             errors.append(
                 f"engine: {obj.label()} gains bytes on {loc.label()}, outside the GPUs of {obj.model}'s engine on node "
                 f"{node.id} ({', '.join(fixed)})"
+            )
+    return errors
+
+
+def _engine_expert_shares(problem: Problem, target: Mapping[tuple[StateObject, Location], int]) -> list[str]:
+    on_gpus: dict[tuple[str, str], dict[str, int]] = defaultdict(dict)  # (node, model) -> GPU -> expert bytes
+    groups: dict[tuple[str, str], set[str]] = defaultdict(set)  # (node, model) -> GPUs of its weights
+    for (obj, loc), nbytes in target.items():
+        if loc.tier is not Tier.GPU or obj.kind is Kind.KV:
+            continue
+        key = (problem.gpus[loc.id].node, obj.model)
+        if obj.kind is Kind.EXPERTS:
+            on_gpus[key][loc.id] = nbytes
+        else:
+            groups[key].add(loc.id)
+    errors = []
+    for (node, model), shares in sorted(on_gpus.items()):
+        if problem.nodes[node].engine_kind(model) is None:
+            continue
+        experts = StateObject.experts(model)
+        now = {g: problem.residency.get((experts, Location.gpu(g)), 0) for g in problem.nodes[node].gpus}
+        if {g: b for g, b in now.items() if b} == shares:
+            continue  # as its running engine holds them now
+        group = groups[(node, model)]
+        held = [shares.get(g, 0) for g in sorted(group)]
+        if not set(shares) <= group or (held and max(held) - min(held) > 1):
+            errors.append(
+                f"engine: {experts.label()} on node {node} is not in equal shares on its weights' GPUs "
+                f"({', '.join(sorted(group))}): {', '.join(f'{g} {b}' for g, b in sorted(shares.items()))}"
             )
     return errors
 

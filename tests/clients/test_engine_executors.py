@@ -519,3 +519,20 @@ async def test_heartbeats_carry_each_instance_its_state_and_the_gpus_nvml_total(
             assert registered["features"] == ["dev_mode", "lmcache", "sleep_mode"]
             assert executor.engines_by_model["coder"].lmcache_instance_id == "n1-coder"  # one per engine
         await executor.aclose()
+
+
+async def test_a_start_that_finds_the_engine_running_otherwise_relaunches_it_as_the_step_says(tmp_path: Path) -> None:
+    """The plan thinks the engine stopped (its stop was superseded, say) and starts it with a 2 GiB KV pool; the
+    engine runs with none. Running is not enough: the start relaunches it, once for the step's moves."""
+    executor = VLLMExecutor.from_config(managed_config(free_port(), tmp_path))
+    await executor.execute(op("promote", W, NVME, GPU, engine=_step("start", "stopped")))
+    step = _step("start", "stopped", kv_pool_bytes_per_gpu=2 * GIB)
+    moves = [
+        op("promote", W, NVME, {"tier": "gpu", "gpu": g}, id=f"5.op-{i}", engine=step)
+        for i, g in enumerate(["n1-g0", "n1-g1"])
+    ]
+    relaunched = await executor.execute(moves[0])
+    assert [c.split(" ")[0] for c in relaunched.details["calls"]] == ["GET", "stop", "start"]
+    assert executor.engines_by_model["coder"].launched["kv_pool_bytes_per_gpu"] == 2 * GIB
+    assert "nothing_to_do" in (await executor.execute(moves[1])).details
+    await executor.aclose()

@@ -1,8 +1,8 @@
 """Property tests: replans of the demo cluster under many sessions keep every capacity in every order.
 
 The situation of a loaded service: the demo's first plan has landed (the
-reasoner's engine restarted across n1's four L40s with a quarter of its
-routed experts on each), then many sessions arrive, most of them with a
+reasoner's engine restarted on two of n2's cards with its GPU share of
+routed experts in equal halves on them), then many sessions arrive, most of them with a
 request in flight for the reasoner, and the greedy plans again (with the
 service's pins: engines that served recently stay where they are). Each
 plan must pass the invariant checker, and its operations, run in random
@@ -25,7 +25,7 @@ from planner_service.domain.demo import demo_scenario
 from planner_service.domain.predictions import problem_from_scenario
 from planner_service.domain.problem import Problem, Session
 from planner_service.domain.scenario import Slo
-from planner_service.domain.state import StateObject, Tier
+from planner_service.domain.state import Kind, StateObject, Tier
 from planner_service.planner.invariants import check_plan
 from planner_service.planner.online import engines_in, pins
 from planner_service.planner.operations import apply_operations
@@ -101,15 +101,15 @@ def test_a_running_moe_engine_keeps_its_expert_share_and_its_kv_fits_beside_it()
     assert [e for e in check_plan(problem, plan.placement, plan.operations, plan.unserved) if "capacity" in e] == []
 
 
-def test_a_running_moe_engine_s_experts_beside_another_model_keep_their_room() -> None:
-    """The landed reasoner runs on n2-g2 and n2-g3 with part of its experts on n2-g0 and n2-g1, which the
-    coder's weights and pool fill to the byte. One new coder request: its KV, placed before the reasoner,
-    took the room of those experts, which stay while the reasoner runs as it is."""
+def test_a_running_moe_engine_keeps_its_experts_in_equal_shares_on_its_own_gpus() -> None:
+    """vLLM gives every tensor-parallel rank the same GPU expert share: the landed reasoner's experts lie on
+    the GPUs of its weights, equal, none beside them (where the coder's weights and pool fill n2-g0 and n2-g1).
+    One new coder request: its KV, placed before the reasoner, leaves them as they are while the reasoner runs."""
     experts = StateObject.experts("reasoner")
-    coder_gpus = [loc for obj, loc in LANDED.residency if obj.model == "coder" and loc.tier is Tier.GPU]
-    beside = {loc: LANDED.residency[(experts, loc)] for loc in coder_gpus if (experts, loc) in LANDED.residency}
-    assert beside  # the case: the reasoner's experts share the coder's GPUs
+    on_gpus = {loc: b for (obj, loc), b in LANDED.residency.items() if obj == experts and loc.tier is Tier.GPU}
+    weights = {loc for (obj, loc) in LANDED.residency if obj.model == "reasoner" and obj.kind is Kind.WEIGHTS}
+    assert set(on_gpus) == {loc for loc in weights if loc.tier is Tier.GPU} and len(set(on_gpus.values())) == 1
     problem = with_sessions(LANDED, [("coder", 1_000, True, Slo.INTERACTIVE, 0)])
     plan = solve(problem, "greedy", **service_pins(problem))
     assert check_plan(problem, plan.placement, plan.operations, plan.unserved) == []
-    assert {loc: plan.placement.get((experts, loc)) for loc in beside} == beside
+    assert {loc: plan.placement.get((experts, loc)) for loc in on_gpus} == on_gpus

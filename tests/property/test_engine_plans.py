@@ -55,8 +55,15 @@ def engine_scenarios(draw: st.DrawFn, *, max_gpus: int = 10, max_models: int = 5
 def _steps_hold_in_some_order(problem: Problem, ops: list[Operation], rng: random.Random, *, fits: bool) -> None:
     """Run the operations in a random order allowed by `depends_on`: each instance's transition is offered
     from the state it is in when it runs, and (where the checker finds the plan within capacity: `fits`) GPU
-    bytes plus sleeping engines' contexts stay within capacity at every step."""
+    bytes plus sleeping engines' contexts stay within capacity at every step. The moves that carry one step
+    happen together, as the engine's one call makes them (a sleep frees the weights and the KV it puts away
+    at once, keeping the context)."""
     states = engine_plan.confirmed_states(problem)
+    moves_of: dict[tuple[str, str, str, str], list[Operation]] = defaultdict(list)
+    for op in ops:
+        if op.engine is not None:
+            moves_of[(op.node, op.object.model, op.engine.transition.value, op.engine.instance.id)].append(op)
+    moved: set[str] = set()
     residue = {key: engine_plan.residue_bytes(problem, view) for key, view in states.items()}
     used: dict[str, int] = defaultdict(int)
     for (_, loc), nbytes in problem.residency.items():
@@ -74,6 +81,7 @@ def _steps_hold_in_some_order(problem: Problem, ops: list[Operation], rng: rando
         op = rng.choice(ready)
         waiting.remove(op)
         step, key = op.engine, (op.node, op.object.model)
+        together = [op]
         if step is not None and step.transition.value != "readahead" and key not in applied:
             applied.add(key)
             view = states[key]
@@ -90,10 +98,15 @@ def _steps_hold_in_some_order(problem: Problem, ops: list[Operation], rng: rando
             residue[key] = engine_plan.residue_bytes(problem, new)
             for g in new.gpus:
                 used[g] += residue[key]
-        if op.source is not None and not op.keep_source and op.source.tier is Tier.GPU:
-            used[op.source.id] -= op.bytes
-        if op.dest is not None and op.dest.tier is Tier.GPU:
-            used[op.dest.id] += op.bytes
+            together = moves_of[(op.node, key[1], step.transition.value, step.instance.id)]
+        for move in together:
+            if move.id in moved:
+                continue
+            moved.add(move.id)
+            if move.source is not None and not move.keep_source and move.source.tier is Tier.GPU:
+                used[move.source.id] -= move.bytes
+            if move.dest is not None and move.dest.tier is Tier.GPU:
+                used[move.dest.id] += move.bytes
         for g, nbytes in used.items():
             assert not fits or nbytes <= problem.gpus[g].capacity_bytes, f"{op.id}: gpu:{g} holds {nbytes} bytes"
         done.add(op.id)

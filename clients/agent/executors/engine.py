@@ -290,6 +290,14 @@ class EngineExecutor:
             transition = Transition.START  # stopped already (crashed, or the stop was done): the start is left
         elif transition is Transition.START and observed.state in _ASLEEP:
             transition = Transition.WAKE  # asleep, not stopped (e.g. a sleep the plan did not see): waking is enough
+        elif (
+            transition is Transition.START
+            and observed.state is EngineState.RUNNING
+            and op.engine is not None
+            and engine.launched
+            and not _runs_as(engine, op)
+        ):  # running, but launched otherwise (GPUs, precision, pool, expert share): the step's instance is a relaunch
+            transition = Transition.RESTART
         if (
             op.engine is None
             and self.driver.kind is EngineKind.SGLANG

@@ -129,6 +129,13 @@ class Metrics:
             ["outcome"],
             registry=registry,
         )
+        self.plan_invariant_violations = Counter(
+            "statebudget_plan_invariant_violations",
+            "Invariants (planner/invariants.py) that the plans of the planning loop broke, by kind (capacity, "
+            "engine, ...): a planner bug, logged as an error with the sentence.",
+            ["kind"],
+            registry=registry,
+        )
         self.lease_expiries = Counter(
             "statebudget_lease_expiries",
             "Leases that expired and re-queued their operations.",

@@ -1632,8 +1632,11 @@ class GreedyPlanner:
     def _place_engine_experts(self, obj: StateObject, group: Group, nbytes: int, sourced: bool) -> bool:
         """An engine's GPU expert share is one launch setting for its whole group: every tensor-parallel rank
         holds the same bytes of routed experts (domain/engines.py: shard = (weights + GPU experts) / tp), and
-        none lie beside the group. So a chunk goes on the group's cards in equal shares, or not at all."""
-        shards = split_evenly(nbytes, len(group.gpus))
+        none lie beside the group. So a chunk goes on the group's cards in equal shares, or not at all: each card's
+        new share of all the chunks placed so far, less what it holds already."""
+        held = [self.target.get((obj, self._at[g.id]), 0) for g in group.gpus]
+        total = split_evenly(sum(held) + nbytes, len(group.gpus))
+        shards = [after - before for after, before in zip(total, held, strict=True)]
         if any(self._expert_room(obj, g.id, sourced) < share for g, share in zip(group.gpus, shards, strict=True)):
             self._refused_chunk[obj] = nbytes
             return False

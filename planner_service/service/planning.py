@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import re
 import threading
 import time
 from collections import defaultdict
@@ -14,6 +15,7 @@ from planner_service.domain.state import (
     Location,
     StateObject,
 )
+from planner_service.planner.invariants import check_plan
 from planner_service.planner.online import (
     engines_in,
     for_real,
@@ -235,6 +237,7 @@ class Planning:
                         plan = self._solve(problem, "greedy", **self._pins(problem, usage))
                 except ValueError as error:  # ScenarioError included: the live state itself cannot be planned
                     raise Conflict(f"the live state cannot be planned: {error}") from None
+                self._check(problem, plan)
                 adopt = worth_adopting(problem, plan, usage.waiting, pending=usage.pending)
                 if not force and self.live.plan_doc is not None and not adopt:
                     self.live.metrics.replans.labels("kept").inc()
@@ -264,6 +267,17 @@ class Planning:
                 return {"epoch": self.live.epoch, "changed": False}, "stale"
         self.live.notify(touched)
         return {"epoch": epoch, "changed": True}, "installed"
+
+    def _check(self, problem: Problem, plan: Plan) -> None:
+        """Count and log what the plan breaks of planner/invariants.py (a planner bug, which the property and
+        soak tests hold at zero): the plan is still installed, as the state it plans from may itself be one
+        no plan can make sound (operations in flight landed only as far as they fit, say), and a planning loop
+        that installs nothing would hold every node where it is."""
+        broken = check_plan(problem, plan.placement, plan.operations, plan.unserved)
+        for sentence in broken:  # the kind: the sentence's first word (capacity, engine, active, order, ...)
+            self.live.metrics.plan_invariant_violations.labels(re.findall(r"^[a-z]*", sentence)[0]).inc()
+        if broken:
+            log.error("the plan breaks %d invariant(s), first: %s", len(broken), "; ".join(broken[:3]))
 
     def landing(self, inflight: list[OpRecord]) -> Landing:
         """Where the confirmed placement lands once `inflight` does, each operation as far as it fits."""

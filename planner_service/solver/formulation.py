@@ -84,6 +84,16 @@ class ExpertCombo:
 
 
 @dataclass(frozen=True, slots=True)
+class EngineExperts:
+    """`nbytes` of a MoE's routed experts on the GPUs of `option`, in equal shares: under a vLLM or SGLang
+    engine the GPU expert share is one launch setting of the instance (domain/engines.py)."""
+
+    var: int
+    option: Option
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
 class KvPool:
     """The KV of a launched option on one GPU beyond its fixed pool: `var` MiB (its pool is its own room)."""
 
@@ -102,6 +112,7 @@ class Formulation:
     kv: dict[tuple[str, str], list[KvChoice]]  # (model, session) -> one choice per option that may hold it
     combos: list[ExpertCombo]
     expert_vars: dict[tuple[str, str], tuple[int, int]]  # (model, gpu) -> (var, unit): units of routed experts there
+    engine_experts: list[EngineExperts]  # on engine nodes, in place of combos and expert_vars
     gain_vars: dict[tuple[str, str], int]  # (model, gpu) -> MiB of experts promoted there
     pools: list[KvPool]
     lower: ResidencyIndex  # lower tiers when no model is on GPU (the approximation)
@@ -158,6 +169,18 @@ class Formulation:
             values[var] = min(gpu_bytes.get((StateObject.experts(model_id), gpu_id), 0) // unit, self.ilp.ub[var])
             now = self.problem.residency.get((StateObject.experts(model_id), Location.gpu(gpu_id)), 0)
             values[self.gain_vars[(model_id, gpu_id)]] = -(-max(0, values[var] * unit - now) // MIB)
+        for fraction in self.engine_experts:
+            on = fraction.option
+            if chosen.get(on.model) is not on:
+                continue
+            experts = StateObject.experts(on.model)
+            shares = [gpu_bytes.get((experts, g.id), 0) for g in on.gpus]
+            if shares != split_evenly(fraction.nbytes, len(on.gpus)):
+                continue
+            values[fraction.var] = 1
+            for g, b in zip(on.gpus, shares, strict=True):
+                was = self.problem.residency.get((experts, Location.gpu(g.id)), 0)
+                values[self.gain_vars[(on.model, g.id)]] = -(-max(0, b - was) // MIB)
         for combo in self.combos:
             option = chosen.get(combo.model)
             if (
@@ -201,6 +224,7 @@ class _Builder:
         self.kv: dict[tuple[str, str], list[KvChoice]] = {}
         self.combos: list[ExpertCombo] = []
         self.expert_vars: dict[tuple[str, str], tuple[int, int]] = {}
+        self.engine_experts: list[EngineExperts] = []
         self.gain_vars: dict[tuple[str, str], int] = {}
         self.pools: list[KvPool] = []
         # engine instances on vLLM / SGLang nodes as they are now (planner/engine_plan.py)
@@ -261,6 +285,7 @@ class _Builder:
             self.kv,
             self.combos,
             self.expert_vars,
+            self.engine_experts,
             self.gain_vars,
             self.pools,
             self.lower,
@@ -609,6 +634,10 @@ class _Builder:
             terms = self._combo_terms(model, node_id)
             if not terms:
                 continue
+            if self.p.nodes[node_id].engine_kind(model.id) is not None:
+                options = [o for (n, _), of_class in sorted(by_class.items()) if n == node_id for o in of_class]
+                self._engine_experts(model, node_id, options, terms, served_weight)
+                continue
             link: dict[int, int] = {}
             for (n, cls), options in sorted(by_class.items()):
                 if n != node_id:
@@ -642,6 +671,45 @@ class _Builder:
                 self.ilp.row({u: MIB, v: -unit}, lo=-now)
             # (C7) the expert bytes spread over the node's GPUs add up to the chosen fraction
             self.ilp.row(link, lo=0, hi=0)
+
+    def _engine_experts(
+        self,
+        model: ModelSpec,
+        node_id: str,
+        options: Sequence[Option],
+        terms: Sequence[tuple[int, int, int]],
+        served_weight: float,
+    ) -> None:
+        """On a vLLM / SGLang node each option's fraction of experts lies in equal shares on its own GPUs."""
+        obj = StateObject.experts(model.id)
+        has_source = _experts_source(self.p, self.now, model.id, node_id)
+        shares_on: dict[str, dict[int, int]] = defaultdict(dict)  # GPU -> {w: its share there}
+        for o in options:
+            chosen = []
+            for r, last, nbytes in terms:
+                shares = split_evenly(nbytes, len(o.gpus))
+                held = [self.now.placement.get((obj, Location.gpu(g.id)), 0) for g in o.gpus]
+                if not has_source and any(b > h for b, h in zip(shares, held, strict=True)):
+                    continue  # nothing to fill more from
+                var = self.ilp.var(
+                    f"w[{model.id},{o.var},{r},{last}]", cost=self._combo_cost(model, o.gpus, nbytes, served_weight)
+                )
+                self.engine_experts.append(EngineExperts(var, o, nbytes))
+                chosen.append(var)
+                for g, b in zip(o.gpus, shares, strict=True):
+                    self.gpu_terms[g.id][var] += b
+                    self.model_gpu_terms[(model.id, g.id)][var] += b
+                    shares_on[g.id][var] = b
+            # (C5e) at most one expert fraction, and only with the option it lies on
+            if chosen:
+                self.ilp.row({**dict.fromkeys(chosen, 1), o.var: -1}, hi=0)
+        for gpu_id, by_var in sorted(shares_on.items()):
+            # (C6e) promoted MiB: MiB * u >= sum_w share * w - now, charged at the GPU's copy rate
+            was = self.now.placement.get((obj, Location.gpu(gpu_id)), 0)
+            rate = self.c.move_weight * promote_seconds(self.p, self.now, {(obj, Location.gpu(gpu_id)): was + MIB})
+            u = self.ilp.var(f"u[{model.id},{gpu_id}]", ub=-(-max(by_var.values()) // MIB), cost=rate)
+            self.gain_vars[(model.id, gpu_id)] = u
+            self.ilp.row({u: MIB, **{w: -b for w, b in by_var.items()}}, lo=-was)
 
 
 def _interchangeable_pairs(
@@ -770,6 +838,12 @@ def decode(form: Formulation, values: Sequence[int]) -> TargetPlan:
     for (model_id, gpu_id), (var, unit) in sorted(form.expert_vars.items()):
         if values[var]:
             gpu_target[(StateObject.experts(model_id), Location.gpu(gpu_id))] += int(values[var]) * unit
+    for fraction in form.engine_experts:
+        if values[fraction.var]:
+            on = fraction.option
+            for g, b in zip(on.gpus, split_evenly(fraction.nbytes, len(on.gpus)), strict=True):
+                if b:
+                    gpu_target[(StateObject.experts(on.model), Location.gpu(g.id))] += b
     for s in sorted(p.sessions.values(), key=lambda s: s.id):
         if not s.active:
             continue

@@ -48,6 +48,8 @@ Variables
     v_{m,g} ∈ Z>=0         m's routed experts on GPU g, in units e_{m,n} (gcd of the chunk sizes, whole
                            experts; a chunk may spread over the node's GPUs, the greedy keeps it on one;
                            g ∈ E_{m,n} where m's engine runs on fixed GPUs)
+    w_{m,o,r} ∈ {0,1}      on a vLLM / SGLang node, in place of y and v: fraction r of m's routed experts in
+                           equal shares split_r,g on the GPUs of option o (one launch setting per instance)
     u_{m,g} ∈ Z>=0         MiB of those promoted onto g (above what g holds now)
     z_{m,g} ∈ Z>=0         MiB of m's KV on g beyond its launched engine's pool (o ∈ L_m, g ∈ g_o)
 
@@ -63,6 +65,8 @@ Constraints (one family per comment in `formulation.py`)
     (C5) experts:   sum_r y_{m,n,c,r} <= sum_{o in class c of n} x_{m,o}
     (C6) promoted:  MiB * u_{m,g} >= e_{m,n} v_{m,g} - now_{m,g}   (e v <= now without a source)
     (C7) spread:    sum_{g in G_n} e_{m,n} v_{m,g} = sum_{c,r} bytes_r * y_{m,n,c,r}
+    (C5e) engine:   sum_r w_{m,o,r} <= x_{m,o}; w's shares count in C1 and C9 on g_o
+    (C6e) promoted: MiB * u_{m,g} >= sum_{o,r} split_r,g w_{m,o,r} - now_{m,g}   (w = 0 past now without a source)
     (C8) symmetry:  of two interchangeable GPUs (same node and card, both empty
                     now), the first in id order holds at least as many bytes
     (C9) per model: sum_{o on n_g} shard_{o,g} x + sum kvshard_{k,g} k + e_{m,n} v_{m,g}

@@ -79,6 +79,8 @@ def test_replans_keep_installing_while_the_first_operations_run_under_load(tmp_p
             conflicts += [answer["operation"]["conflict"]] if answer["operation"].get("conflict") else []
         held = held[len(held) // 2 :]
     assert conflicts == []
+    broken = service.live.metrics.plan_invariant_violations.collect()[0].samples
+    assert [(b.labels, b.value) for b in broken if b.name.endswith("_total")] == []  # every plan was sound
     sizes = service.live.sizes
     assert sizes is not None
     for gpu in sizes.gpus:  # the confirmed state within every capacity

@@ -31,6 +31,7 @@ from planner_service.service.calibration import Calibration
 from planner_service.service.confirmed import Confirmed
 from planner_service.service.inputs import Event, HeartbeatIn, RegisterIn, ReportIn
 from planner_service.service.live import Live, placement_from_json, placement_of
+from planner_service.service.nodes import nodes_from_json, nodes_to_json
 from planner_service.service.planning import Planning
 from planner_service.service.questions import LiveView
 from planner_service.service.queues import Queues
@@ -126,7 +127,7 @@ class ClusterService:
                 "srv": self.live.srv_doc,
                 "epoch": 0,
                 "calibration": self.live.calibration.to_json(),
-                "nodes": self.live.nodes_info,
+                "nodes": nodes_to_json(self.live.node_records),
             },
             sessions={s.id: s.to_json() for s in self.live.sessions.values()},
             placement=placement,
@@ -154,7 +155,7 @@ class ClusterService:
         self.live.calibration, invalid = Calibration.from_json(meta.get("calibration"))
         for link, entry in invalid:  # an infinite or absurd bandwidth an older build took
             log.error("stored calibration of %s %s is not a bandwidth (%s): forgotten", link.key, link.field, entry)
-        self.live.nodes_info = meta.get("nodes", {})
+        self.live.node_records = nodes_from_json(meta.get("nodes"))
         self.live.quarantine = list(meta.get("quarantine", []))
         self.live.sessions = {k: SessionState.from_json(v) for k, v in stored.sessions.items()}
         self.live.event_ids = dict(stored.event_ids)

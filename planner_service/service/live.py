@@ -34,6 +34,7 @@ from planner_service.planner.srv import srv_entries
 from planner_service.service.backoff import FailedMoves
 from planner_service.service.calibration import Calibration
 from planner_service.service.errors import NotFound, NotReady, ServiceError
+from planner_service.service.nodes import NodeRecord, nodes_to_json
 from planner_service.service.records import FINAL_STATES, OpenOps, OpRecord, OpState, SessionState
 from planner_service.service.store import FINAL_KEEP, Batch, Store
 from planner_service.settings import Settings
@@ -179,7 +180,7 @@ class Live:
         self.open_ops = OpenOps(self.ops)  # queued or leased
         self.next_lease_expiry = float("-inf")  # no lease ends before it: expiries need no scan until then
         self.calibration = Calibration()
-        self.nodes_info: dict[str, dict[str, Any]] = {}
+        self.node_records: dict[str, NodeRecord] = {}  # node -> its agent's registration, telemetry, reconcile
         self.quarantine: list[dict[str, Any]] = []  # placement entries a start took out: they broke an invariant
         self.predictor = SwitchPredictor([])
         self._declared: Scenario | None = None
@@ -273,6 +274,15 @@ class Live:
         self.declared = self.declared.model_copy(
             update={"cluster": self.declared.cluster.model_copy(update={"nodes": nodes})}
         )
+
+    def node_record(self, node_id: str) -> NodeRecord:
+        """What the node's agent said last (an empty record where it said nothing yet)."""
+        return self.node_records.get(node_id) or NodeRecord()
+
+    def put_node_record(self, node_id: str, record: NodeRecord, batch: Batch) -> None:
+        """Replace the node's record; `batch` stores the `nodes` row with it."""
+        self.node_records[node_id] = record
+        batch.meta["nodes"] = nodes_to_json(self.node_records)
 
     def node_ids(self) -> list[str]:
         return [n.id for n in self.declared.cluster.nodes]

@@ -56,7 +56,7 @@ class Admin:
             self.live.predictor.remove_model(model)
         self.live.placement = dict(problem.residency)
         batch.placement.update(self.live.publish_srv())
-        batch.meta["srv"] = self.live.srv_doc
+        batch.meta["srv"] = self.live.stored_srv()
         self.live.write(batch)
         self.live.topology_changes += 1
         self.live.wake(force=True)

@@ -55,7 +55,7 @@ class Confirmed:
             apply_operation(self.live.placement, op)
         self.live.purge_ended_sessions(batch)
         batch.placement.update(self.live.publish_srv((op.object, loc) for loc in (op.source, op.dest) if loc))
-        batch.meta["srv"] = self.live.srv_doc
+        batch.meta["srv"] = self.live.stored_srv()
         self._calibrate_from(r, batch)
         for s in self.live.sessions.values():
             if s.waiting_since is not None and s.model in self.live.serving:
@@ -149,7 +149,7 @@ class Confirmed:
         if corrected:
             self.live.purge_ended_sessions(batch)
             batch.placement.update(self.live.publish_srv((g.object, g.location) for g in corrected))
-            batch.meta["srv"] = self.live.srv_doc
+            batch.meta["srv"] = self.live.stored_srv()
         if corrected or newly_lost:
             self.live.wake(force=True)
         return status
@@ -209,7 +209,7 @@ class Confirmed:
         self.live.placement = placement
         changed = self.live.publish_srv()
         quarantined = [*self.live.quarantine, *removed]
-        self.live.write(Batch(meta={"srv": self.live.srv_doc, "quarantine": quarantined}, placement=changed))
+        self.live.write(Batch(meta={"srv": self.live.stored_srv(), "quarantine": quarantined}, placement=changed))
         self.live.quarantine = quarantined
         self.live.force_replan = True
 

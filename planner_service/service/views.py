@@ -163,15 +163,15 @@ class Views:
         self.live.require_ready()
         with self.live.change():
             problem = self.live.problem(self.live.placement, {})
-            planned = self.live.plan_placement if self.live.plan_doc is not None else None
+            planned = self.live.plan_placement if self.live.plan is not None else None
             return engine_plan.engine_rows(problem, planned)
 
     def plan_view(self) -> dict[str, Any]:
         self.live.require_ready()
         with self.live.change():
-            if self.live.plan_doc is None:
+            if self.live.plan is None:
                 raise NotFound("no plan yet; POST /v1/plan to plan now")
-            return copy.deepcopy(self.live.plan_doc)
+            return self.live.plan.public_json()
 
     def operations_view(self, node: str | None = None, state: str | None = None) -> list[dict[str, Any]]:
         self.live.require_ready()
@@ -207,12 +207,12 @@ class Views:
                 r = self.live.ops[i]
                 key = (r.node, r.op.priority.value, r.state.value)
                 snap.queue[key] = snap.queue.get(key, 0) + 1
-            if self.live.plan_doc is not None:
-                for held in self.live.plan_doc.get("held_back", []):
-                    key = (held["operation"]["node"], held["operation"]["priority"], "held_back")
+            if (plan := self.live.plan) is not None:
+                for held in plan.held_back:
+                    key = (held.operation.node, held.operation.priority.value, "held_back")
                     snap.queue[key] = snap.queue.get(key, 0) + 1
-                snap.predicted_p95_seconds = float(self.live.plan_doc["predicted"]["switch_latency_p95_seconds"])
-                snap.unserved_sessions = len(self.live.plan_doc["unserved"])
+                snap.predicted_p95_seconds = plan.predicted.switch_latency_p95_seconds
+                snap.unserved_sessions = len(plan.unserved)
             snap.plan_epoch = self.live.epoch
         return snap
 
@@ -279,7 +279,7 @@ class Views:
                 now=self.live.clock(),
                 epoch=self.live.epoch,
                 srv_version=self.live.srv_version,
-                plan_doc=copy.deepcopy(self.live.plan_doc),
+                plan=self.live.plan,
                 sizes=self.live.sizes,
                 placement=dict(self.live.placement),
                 plan_placement=dict(self.live.plan_placement),

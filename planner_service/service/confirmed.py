@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections import defaultdict
-from typing import Any
 
 from planner_service.domain.state import (
     Kind,
@@ -22,7 +21,7 @@ from planner_service.service.live import (
     iso,
 )
 from planner_service.service.nodes import Correction, Pending, ReconcileStatus
-from planner_service.service.records import OpRecord, OpState
+from planner_service.service.records import OpRecord, OpState, Quarantined
 from planner_service.service.store import Batch
 
 log = logging.getLogger(__name__)
@@ -162,10 +161,10 @@ class Confirmed:
         the nodes' next reports and the plans after them rebuild it."""
         p = self.live.sizes
         assert p is not None
-        removed: list[dict[str, Any]] = []
+        removed: list[Quarantined] = []
 
         def quarantine(obj: StateObject, loc: Location, nbytes: int, why: str) -> None:
-            removed.append({"object": obj.to_json(), "location": loc.to_json(), "bytes": nbytes, "why": why})
+            removed.append(Quarantined(obj, loc, nbytes, why))
 
         placement = dict(self.live.placement)
         live = self.live.valid_placement(placement)
@@ -205,11 +204,12 @@ class Confirmed:
         if not removed:
             return
         for entry in removed:
-            log.error("the stored placement broke an invariant; quarantined: %s", entry)
+            log.error("the stored placement broke an invariant; quarantined: %s", entry.to_json())
         self.live.placement = placement
         changed = self.live.publish_srv()
-        quarantined = [*self.live.quarantine, *removed]
-        self.live.write(Batch(meta={"srv": self.live.stored_srv(), "quarantine": quarantined}, placement=changed))
+        quarantined = (*self.live.quarantine, *removed)
+        stored = [q.to_json() for q in quarantined]
+        self.live.write(Batch(meta={"srv": self.live.stored_srv(), "quarantine": stored}, placement=changed))
         self.live.quarantine = quarantined
         self.live.force_replan = True
 

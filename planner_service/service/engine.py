@@ -36,7 +36,7 @@ from planner_service.service.planning import Planning
 from planner_service.service.published import InstalledPlan, PublishedSrv
 from planner_service.service.questions import LiveView
 from planner_service.service.queues import Queues
-from planner_service.service.records import FINAL_STATES, OpenOps, OpRecord, SessionState
+from planner_service.service.records import FINAL_STATES, OpenOps, OpRecord, Quarantined, SessionState
 from planner_service.service.sessions import Sessions
 from planner_service.service.store import Batch, Store, Stored
 from planner_service.service.views import Views
@@ -156,7 +156,7 @@ class ClusterService:
         for link, entry in invalid:  # an infinite or absurd bandwidth an older build took
             log.error("stored calibration of %s %s is not a bandwidth (%s): forgotten", link.key, link.field, entry)
         self.live.node_records = nodes_from_json(meta.get("nodes"))
-        self.live.quarantine = list(meta.get("quarantine", []))
+        self.live.quarantine = tuple(Quarantined.from_json(q) for q in meta.get("quarantine", []))
         self.live.sessions = {k: SessionState.from_json(v) for k, v in stored.sessions.items()}
         self.live.event_ids = dict(stored.event_ids)
         self.live.ops = {k: OpRecord.from_json(v) for k, v in stored.operations.items()}

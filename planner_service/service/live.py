@@ -35,7 +35,7 @@ from planner_service.service.calibration import Calibration
 from planner_service.service.errors import NotFound, NotReady, ServiceError
 from planner_service.service.nodes import NodeRecord, nodes_to_json
 from planner_service.service.published import InstalledPlan, PublishedSrv
-from planner_service.service.records import FINAL_STATES, OpenOps, OpRecord, OpState, SessionState
+from planner_service.service.records import FINAL_STATES, OpenOps, OpRecord, OpState, Quarantined, SessionState
 from planner_service.service.store import FINAL_KEEP, Batch, Store
 from planner_service.settings import Settings
 
@@ -180,7 +180,7 @@ class Live:
         self.next_lease_expiry = float("-inf")  # no lease ends before it: expiries need no scan until then
         self.calibration = Calibration()
         self.node_records: dict[str, NodeRecord] = {}  # node -> its agent's registration, telemetry, reconcile
-        self.quarantine: list[dict[str, Any]] = []  # placement entries a start took out: they broke an invariant
+        self.quarantine: tuple[Quarantined, ...] = ()  # placement entries a start took out: they broke an invariant
         self.predictor = SwitchPredictor([])
         self._declared: Scenario | None = None
         self.calibrated: Scenario | None = None  # `declared` with the calibrated bandwidths

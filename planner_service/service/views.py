@@ -96,7 +96,7 @@ class Views:
                         "gpus": gpus,
                     }
                 )
-            return {"nodes": nodes, "quarantine": copy.deepcopy(self.live.quarantine)}
+            return {"nodes": nodes, "quarantine": [q.to_json() for q in self.live.quarantine]}
 
     def model_view(self, model_id: str) -> dict[str, Any]:
         model = next(m for m in self.live.declared.models if m.id == model_id)

@@ -20,6 +20,7 @@ from rich.console import Console
 from rich.table import Table
 
 from clients.agent.config import AgentConfig, ExecutorName, load_config
+from clients.agent.errors import invalid_fields
 from clients.agent.executors import UnknownExecutor, default_registry
 from clients.agent.runner import Agent
 from clients.sdk import APIError, AsyncStateBudgetClient, RetryPolicy
@@ -36,16 +37,6 @@ class LogLevel(StrEnum):
     INFO = "info"
     WARNING = "warning"
     ERROR = "error"
-
-
-def config_error(error: ValidationError) -> str:
-    """A settings error in one line per field, as `field: problem (got value)`, without pydantic's links."""
-    parts = []
-    for e in error.errors(include_url=False):
-        where = ".".join(str(p) for p in e["loc"]) or "settings"
-        given = f" (got {e['input']!r})" if e["type"] not in ("missing",) and not isinstance(e["input"], dict) else ""
-        parts.append(f"{where}: {e['msg']}{given}")
-    return "; ".join(parts)
 
 
 def install_signal_handlers(loop: asyncio.AbstractEventLoop, stop: asyncio.Event) -> None:
@@ -134,7 +125,7 @@ def run(
         config = load_config(config_path, overrides)
         default_registry().create(config.executor, config)  # fail before connecting when the executor cannot start
     except ValidationError as error:
-        typer.echo(f"invalid agent configuration: {config_error(error)}", err=True)
+        typer.echo(f"invalid agent configuration: {invalid_fields(error, whole='settings')}", err=True)
         raise typer.Exit(2) from None
     except (UnknownExecutor, ValueError, OSError) as error:
         typer.echo(f"invalid agent configuration: {error}", err=True)
@@ -144,6 +135,9 @@ def run(
     except APIError as error:  # e.g. an unknown node (404) or a token that does not reach it (401/403)
         typer.echo(f"the service refused the agent: {error}", err=True)
         raise typer.Exit(1) from error
+    except ValidationError as error:  # a registration or lease the API's models refuse: no retry can help
+        typer.echo(f"the agent's request is invalid: {invalid_fields(error)}", err=True)
+        raise typer.Exit(1) from None
 
 
 @app.command()

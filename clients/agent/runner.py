@@ -14,6 +14,11 @@ they were handed on: the agent logs it once, starts none of them that has not
 started, and reports none of them under that lease; one already running runs
 to its end (a move cut short is worse than one done twice).
 
+A request the SDK refuses before sending it (pydantic's `ValidationError`: a body the API's models do not
+admit) is a permanent failure of that call, logged with its fields and never retried: a bad registration or
+lease ends the agent (each would be the same again), a bad heartbeat is skipped (the next one is built from
+new telemetry), a bad report is not delivered (its lease expires and the service re-queues the operation).
+
 Executors raise `TemporaryError` (retried with backoff while the lease lasts)
 or `PermanentError` (reported `failed` at once). Stopping (`stop` set, e.g. by
 SIGTERM) ends leasing, lets running operations finish and report within
@@ -33,9 +38,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import stamina
+from pydantic import ValidationError
 
 from clients.agent.config import AgentConfig, ExecutorName
-from clients.agent.errors import ExecutionError, PermanentError, TemporaryError
+from clients.agent.errors import ExecutionError, PermanentError, TemporaryError, invalid_fields
 from clients.agent.executors.base import Executor, Reconciling, Seedable
 from clients.agent.operations import LeasedOperation, Operation, Outcome, Tier
 from clients.sdk import (
@@ -223,6 +229,9 @@ class Agent:
                     agent_version=AGENT_VERSION,
                     scale=self.scale,
                 )
+            except ValidationError as error:
+                log.error("register: the registration is invalid, not sent: %s", invalid_fields(error))
+                raise
             except (SdkConnectionError, ServerError) as error:
                 log.warning("register failed (%s); retrying", error)
                 await self._backoff(stop, attempt)
@@ -280,6 +289,9 @@ class Agent:
             try:
                 await self.client.heartbeat(self.config.node_id, **self.heartbeat_body())
                 self.stats["heartbeats"] += 1
+            except ValidationError as error:
+                log.error("heartbeat invalid, not sent: %s", invalid_fields(error))
+                self.stats["heartbeats_invalid"] += 1
             except APIError as error:
                 log.warning("heartbeat refused: %s", error)
             except SdkConnectionError as error:
@@ -292,11 +304,14 @@ class Agent:
     async def _lease(self, stop: asyncio.Event, max_operations: int) -> LeaseOut | None:
         """One long-poll, abandoned if `stop` is set first (operations it leased then expire and re-queue)."""
         cfg = self.config
-        poll = asyncio.create_task(
-            self.client.lease(
+        try:
+            request = self.client.lease(
                 cfg.node_id, max_operations=min(max_operations, cfg.max_operations), wait_seconds=cfg.lease_wait_seconds
             )
-        )
+        except ValidationError as error:
+            log.error("lease: the request is invalid, not sent: %s", invalid_fields(error))
+            raise
+        poll = asyncio.create_task(request)
         stopper = asyncio.create_task(stop.wait())
         await asyncio.wait({poll, stopper}, return_when=asyncio.FIRST_COMPLETED)
         stopper.cancel()
@@ -449,6 +464,14 @@ class Agent:
             ):
                 with attempt:
                     await self.client.report(op.id, **body)
+        except ValidationError as invalid:
+            log.error(
+                "%s: the report is invalid, not sent: %s; the lease will expire and re-queue it",
+                op.id,
+                invalid_fields(invalid),
+            )
+            self.stats["unreported"] += 1
+            return False
         except ConflictError as conflict:
             log.warning("%s: the service refused the report: %s", op.id, conflict.detail)
             self.stats["conflicts"] += 1

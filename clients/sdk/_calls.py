@@ -7,9 +7,11 @@ tests/clients/test_sdk_schema.py checks it against the route's answer in `schema
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from clients.sdk._core import DEFAULT_TIMEOUT_SECONDS, LONG_POLL_MARGIN_SECONDS, Call, compact
+from planner_service.wire.base import WireIn
 from planner_service.wire.calibration import CalibrationOut, CalibrationResetOut
 from planner_service.wire.cluster import ClusterOut, ModelOut
 from planner_service.wire.engines import EngineOut
@@ -22,12 +24,30 @@ from planner_service.wire.enums import (
     SolverName,
 )
 from planner_service.wire.health import Health
-from planner_service.wire.nodes import HeartbeatOut, RegisterOut
-from planner_service.wire.operations import LeaseOut, OperationRecord, RenewOut, ReportOut
+from planner_service.wire.nodes import (
+    EngineIn,
+    EngineInstanceStateIn,
+    GpuInventoryIn,
+    GpuTelemetryIn,
+    HeartbeatIn,
+    HeartbeatOut,
+    RegisterIn,
+    RegisterOut,
+)
+from planner_service.wire.operations import LeaseIn, LeaseOut, OperationRecord, RenewOut, ReportIn, ReportOut
 from planner_service.wire.plan import CurrentPlanOut, ExplainOut, ParetoOut, ReplanOut, WhatIfOut
 from planner_service.wire.routes import RoutesOut
 from planner_service.wire.sessions import EventsOut, SessionOut
 from planner_service.wire.state import SrvOut
+
+
+def request_body(model: type[WireIn], fields: Mapping[str, Any]) -> dict[str, Any]:
+    """`fields` checked against the request's wire model before anything is sent, as the JSON the service
+    reads: a bad body raises pydantic's `ValidationError` naming the field (`gpus.0.id`), here rather than as
+    a 422 after a round trip. Fields left unset or None, at any depth, are left out: the service's defaults
+    apply (every field that may be null defaults to null)."""
+    return model.model_validate(compact(dict(fields))).model_dump(mode="json", exclude_unset=True, exclude_none=True)
+
 
 # -- health ------------------------------------------------------------------
 
@@ -171,17 +191,18 @@ def reset_calibration(
 def register_node(
     node_id: str,
     *,
-    capabilities: list[Capability] | None = None,
-    gpus: list[dict[str, Any]] | None = None,
+    capabilities: Sequence[Capability] | None = None,
+    gpus: Sequence[GpuInventoryIn | Mapping[str, Any]] | None = None,
     host_dram_bytes: int | None = None,
     nvme_bytes: int | None = None,
-    engines: list[dict[str, Any]] | None = None,
+    engines: Sequence[EngineIn | Mapping[str, Any]] | None = None,
     agent_version: str | None = None,
     scale: float | None = None,
 ) -> Call[RegisterOut]:
     """A node's inventory and the moves its engines can carry out. `scale` below 1 declares a scaled test run:
-    the node's measurements do not calibrate."""
-    body = compact(
+    the node's measurements do not calibrate. The body is a `RegisterIn`: a bad one raises `ValidationError`."""
+    body = request_body(
+        RegisterIn,
         {
             "capabilities": capabilities,
             "gpus": gpus,
@@ -190,7 +211,7 @@ def register_node(
             "engines": engines,
             "agent_version": agent_version,
             "scale": scale,
-        }
+        },
     )
     return Call("POST", f"/v1/nodes/{node_id}/register", RegisterOut, json=body)
 
@@ -198,31 +219,34 @@ def register_node(
 def heartbeat(
     node_id: str,
     *,
-    gpus: list[dict[str, Any]] | None = None,
+    gpus: Sequence[GpuTelemetryIn | Mapping[str, Any]] | None = None,
     nvme_read_bytes_per_s: float | None = None,
     nvme_write_bytes_per_s: float | None = None,
-    engines: dict[str, ReportedEngineState] | None = None,
-    instances: list[dict[str, Any]] | None = None,
-    expert_hit_rates: dict[str, float] | None = None,
+    engines: Mapping[str, ReportedEngineState] | None = None,
+    instances: Sequence[EngineInstanceStateIn | Mapping[str, Any]] | None = None,
+    expert_hit_rates: Mapping[str, float] | None = None,
 ) -> Call[HeartbeatOut]:
     """Telemetry. `gpus[]`: `{id, used_bytes, free_bytes, total_bytes, h2d_bytes_per_s, d2h_bytes_per_s}`;
-    `instances[]`: `{instance: EngineInstanceRef, state: EngineState}`."""
-    body = compact(
+    `instances[]`: `{instance: EngineInstanceRef, state: EngineState}`. The body is a `HeartbeatIn`: a bad one
+    raises `ValidationError`."""
+    body = request_body(
+        HeartbeatIn,
         {
-            "gpus": [compact(g) for g in gpus] if gpus is not None else None,
+            "gpus": gpus,
             "nvme_read_bytes_per_s": nvme_read_bytes_per_s,
             "nvme_write_bytes_per_s": nvme_write_bytes_per_s,
             "engines": engines,
             "instances": instances,
             "expert_hit_rates": expert_hit_rates,
-        }
+        },
     )
     return Call("POST", f"/v1/nodes/{node_id}/heartbeat", HeartbeatOut, json=body)
 
 
 def lease(node_id: str, *, max_operations: int = 8, wait_seconds: float = 0.0) -> Call[LeaseOut]:
-    """Long-poll the node's ready operations. Never retried (see `clients/sdk/_core.py`)."""
-    body = {"max_operations": max_operations, "wait_seconds": wait_seconds}
+    """Long-poll the node's ready operations. Never retried (see `clients/sdk/_core.py`). The body is a `LeaseIn`:
+    a bad one raises `ValidationError`."""
+    body = request_body(LeaseIn, {"max_operations": max_operations, "wait_seconds": wait_seconds})
     timeout = max(wait_seconds + LONG_POLL_MARGIN_SECONDS, DEFAULT_TIMEOUT_SECONDS)
     return Call("POST", f"/v1/nodes/{node_id}/lease", LeaseOut, json=body, idempotent=False, timeout_seconds=timeout)
 
@@ -243,15 +267,17 @@ def report(
     measured_bytes: int | None = None,
     error: str | None = None,
 ) -> Call[ReportOut]:
-    """`done` or `failed` for a leased operation. The service answers a repeat the same way, so it is retried."""
-    body = compact(
+    """`done` or `failed` for a leased operation. The service answers a repeat the same way, so it is retried.
+    The body is a `ReportIn` (an `error` cut to its 2,000 characters): a bad one raises `ValidationError`."""
+    body = request_body(
+        ReportIn,
         {
             "lease_id": lease_id,
             "status": status,
             "measured_seconds": measured_seconds,
             "measured_bytes": measured_bytes,
             "error": error[:2000] if error else None,
-        }
+        },
     )
     return Call("POST", f"/v1/operations/{op_id}/report", ReportOut, json=body)
 

@@ -19,14 +19,41 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from planner_service.domain.problem import Problem
 from planner_service.domain.state import Kind, Location, StateObject, Tier
 
 
-def srv_entries(problem: Problem, placement: Mapping[tuple[StateObject, Location], int]) -> list[dict[str, Any]]:
-    """SRV rows `{model, state, tier, fraction, bytes}`, sorted, one per (model, kind, tier) with bytes > 0."""
+@dataclass(frozen=True, slots=True)
+class SrvRow:
+    """fraction[m,s,t] and bytes[m,s,t] of one model `m`, state kind `s` and tier `t`."""
+
+    model: str
+    state: Kind
+    tier: Tier
+    fraction: float
+    bytes: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "model": self.model,
+            "state": self.state.value,
+            "tier": self.tier.value,
+            "fraction": self.fraction,
+            "bytes": self.bytes,
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> SrvRow:
+        return cls(
+            str(data["model"]), Kind(data["state"]), Tier(data["tier"]), float(data["fraction"]), int(data["bytes"])
+        )
+
+
+def srv_rows(problem: Problem, placement: Mapping[tuple[StateObject, Location], int]) -> tuple[SrvRow, ...]:
+    """The SRV, sorted, one row per (model, kind, tier) with bytes > 0."""
     held: dict[tuple[StateObject, Tier], int] = defaultdict(int)
     for (obj, loc), nbytes in placement.items():
         if nbytes > 0 and obj.model in problem.models:
@@ -52,13 +79,5 @@ def srv_entries(problem: Problem, placement: Mapping[tuple[StateObject, Location
         else:
             full = kv_full[(model, tier)]
             fraction = nbytes / full if full else 1.0
-        rows.append(
-            {
-                "model": model,
-                "state": kind.value,
-                "tier": tier.value,
-                "fraction": round(min(1.0, fraction), 6),
-                "bytes": int(nbytes),
-            }
-        )
-    return rows
+        rows.append(SrvRow(model, kind, tier, round(min(1.0, fraction), 6), int(nbytes)))
+    return tuple(rows)

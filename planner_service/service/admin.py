@@ -56,7 +56,7 @@ class Admin:
             self.live.predictor.remove_model(model)
         self.live.placement = dict(problem.residency)
         batch.placement.update(self.live.publish_srv())
-        batch.meta["srv"] = self.live.srv_doc
+        batch.meta["srv"] = self.live.stored_srv()
         self.live.write(batch)
         self.live.topology_changes += 1
         self.live.wake(force=True)
@@ -219,16 +219,13 @@ class Admin:
                 batch.meta["base"] = self.live.declared_json()
                 self.live.topology_changes += 1
                 self.live.wake(force=True)
-            info = self.live.nodes_info.setdefault(node_id, {})
-            info["registration"] = body.model_dump(mode="json")
-            info["registered_at"] = iso(now)
-            batch.meta["nodes"] = self.live.nodes_info
+            self.live.put_node_record(node_id, self.live.node_record(node_id).registered(body, iso(now)), batch)
             self.live.write(batch)
             return {
                 "node": node_id,
                 "registered_at": iso(now),
                 "capabilities": [c.value for c in registered.capabilities],
-                "engines": engines_with_urls(registered.engines, info["registration"]),
+                "engines": engines_with_urls(registered.engines, body),
                 "gpus": sorted(known),
                 "lease_seconds": self.live.settings.lease_seconds,
                 "scale": body.scale,
@@ -324,11 +321,8 @@ class Admin:
                     self.confirmed.calibrate(
                         calibration.Link("nodes", node_id, field), getattr(body, field), None, batch, heard
                     )
-            self.confirmed.reconcile(node_id, body, now, batch)
-            info = self.live.nodes_info.setdefault(node_id, {})
-            info["telemetry"] = body.model_dump(mode="json")
-            info["last_heartbeat"] = iso(now)
-            batch.meta["nodes"] = self.live.nodes_info
+            reconciled = self.confirmed.reconcile(node_id, body, now, batch)
+            self.live.put_node_record(node_id, self.live.node_record(node_id).heard(body, iso(now), reconciled), batch)
             self.live.write(batch)
             return {
                 "node": node_id,

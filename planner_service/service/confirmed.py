@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections import defaultdict
-from typing import Any
 
 from planner_service.domain.state import (
     Kind,
@@ -21,7 +20,8 @@ from planner_service.service.live import (
     Live,
     iso,
 )
-from planner_service.service.records import OpRecord, OpState
+from planner_service.service.nodes import Correction, Pending, ReconcileStatus
+from planner_service.service.records import OpRecord, OpState, Quarantined
 from planner_service.service.store import Batch
 
 log = logging.getLogger(__name__)
@@ -54,7 +54,7 @@ class Confirmed:
             apply_operation(self.live.placement, op)
         self.live.purge_ended_sessions(batch)
         batch.placement.update(self.live.publish_srv((op.object, loc) for loc in (op.source, op.dest) if loc))
-        batch.meta["srv"] = self.live.srv_doc
+        batch.meta["srv"] = self.live.stored_srv()
         self._calibrate_from(r, batch)
         for s in self.live.sessions.values():
             if s.waiting_since is not None and s.model in self.live.serving:
@@ -96,16 +96,15 @@ class Confirmed:
             return f"{op.dest.label()} would hold {used} bytes, more than its capacity {p.capacity_of(op.dest)}"
         return None
 
-    def reconcile(self, node_id: str, body: HeartbeatIn, now: float, batch: Batch) -> None:
+    def reconcile(self, node_id: str, body: HeartbeatIn, now: float, batch: Batch) -> ReconcileStatus:
         """Hold the confirmed placement to what the node's heartbeat measured (`service/reconcile.py`): the
         objects its engines report gone are taken out, a GPU that still holds less than recorded is recorded
         as lost state (metric, the node's `reconcile` status), and either replans. A finding counts when the
-        previous heartbeat showed it too."""
+        previous heartbeat showed it too. Answers the node's reconcile status after this heartbeat."""
         p = self.live.sizes
         assert p is not None
-        info = self.live.nodes_info.setdefault(node_id, {})
-        before = info.get("reconcile") or {}
-        pending = before.get("pending") or {}
+        before = self.live.node_record(node_id).reconcile
+        pending = before.pending if before is not None else Pending()
         node_ops = (self.live.ops[i] for i in self.live.open_ops.of_node(node_id))
         inflight = [r.op for r in node_ops if r.state is OpState.LEASED]
         moving = {(op.object, loc) for op in inflight for loc in (op.source, op.dest) if loc is not None}
@@ -114,16 +113,16 @@ class Confirmed:
             if op.source is not None and op.source.tier is Tier.GPU and not op.keep_source:
                 leaving[op.source.id] += op.bytes
         gone = reconcile.gone(self.live.placement, body.instances, moving)
-        corrected = [g for g in gone if g.key() in pending.get("gone", [])]
+        corrected = [g for g in gone if g.key() in pending.gone]
         for g in corrected:
             del self.live.placement[(g.object, g.location)]
             self.live.metrics.reconciled_objects.labels(node_id).inc()
-            log.warning("%s: %s taken out of the confirmed state (%s)", node_id, g.key(), g.to_json()["why"])
+            log.warning("%s: %s taken out of the confirmed state (%s)", node_id, g.key(), g.why)
         # measured against the corrected placement: what the engines explained is not missing
         capacity = {g: p.capacity_of(Location.gpu(g)) for g in p.nodes[node_id].gpus}
         short = reconcile.shortfalls(self.live.placement, body.gpus, capacity, leaving)
-        lost = [s for s in short if s.gpu in pending.get("gpus", [])]
-        known_lost = {e["gpu"] for e in before.get("lost", [])}
+        lost = [s for s in short if s.gpu in pending.gpus]
+        known_lost = {s.gpu for s in before.lost} if before is not None else set()
         newly_lost = [s for s in lost if s.gpu not in known_lost]
         for s in newly_lost:
             self.live.metrics.state_lost.labels(node_id, s.gpu).inc()
@@ -134,20 +133,25 @@ class Confirmed:
                 s.used_bytes,
                 s.confirmed_bytes,
             )
-        history = [*before.get("corrected", []), *({**g.to_json(), "at": iso(now)} for g in corrected)]
-        info["reconcile"] = {
-            "checked_at": iso(now),
-            "lost": [s.to_json() for s in lost],
-            "corrected": history[-RECONCILE_HISTORY:],
-            "pending": {"gpus": [s.gpu for s in short], "gone": [g.key() for g in gone if g not in corrected]},
-        }
-        batch.meta["nodes"] = self.live.nodes_info
+        checked_at = iso(now)
+        assert checked_at is not None
+        history = [
+            *(before.corrected if before is not None else ()),
+            *(Correction.of(g, checked_at) for g in corrected),
+        ]
+        status = ReconcileStatus(
+            checked_at,
+            tuple(lost),
+            tuple(history[-RECONCILE_HISTORY:]),
+            Pending(tuple(s.gpu for s in short), tuple(g.key() for g in gone if g not in corrected)),
+        )
         if corrected:
             self.live.purge_ended_sessions(batch)
             batch.placement.update(self.live.publish_srv((g.object, g.location) for g in corrected))
-            batch.meta["srv"] = self.live.srv_doc
+            batch.meta["srv"] = self.live.stored_srv()
         if corrected or newly_lost:
             self.live.wake(force=True)
+        return status
 
     def repair_placement(self) -> None:
         """Bring a stored placement that breaks a physical invariant back within them, so that a start never
@@ -157,10 +161,10 @@ class Confirmed:
         the nodes' next reports and the plans after them rebuild it."""
         p = self.live.sizes
         assert p is not None
-        removed: list[dict[str, Any]] = []
+        removed: list[Quarantined] = []
 
         def quarantine(obj: StateObject, loc: Location, nbytes: int, why: str) -> None:
-            removed.append({"object": obj.to_json(), "location": loc.to_json(), "bytes": nbytes, "why": why})
+            removed.append(Quarantined(obj, loc, nbytes, why))
 
         placement = dict(self.live.placement)
         live = self.live.valid_placement(placement)
@@ -200,11 +204,12 @@ class Confirmed:
         if not removed:
             return
         for entry in removed:
-            log.error("the stored placement broke an invariant; quarantined: %s", entry)
+            log.error("the stored placement broke an invariant; quarantined: %s", entry.to_json())
         self.live.placement = placement
         changed = self.live.publish_srv()
-        quarantined = [*self.live.quarantine, *removed]
-        self.live.write(Batch(meta={"srv": self.live.srv_doc, "quarantine": quarantined}, placement=changed))
+        quarantined = (*self.live.quarantine, *removed)
+        stored = [q.to_json() for q in quarantined]
+        self.live.write(Batch(meta={"srv": self.live.stored_srv(), "quarantine": stored}, placement=changed))
         self.live.quarantine = quarantined
         self.live.force_replan = True
 
@@ -220,8 +225,7 @@ class Confirmed:
 
     def node_scale(self, node_id: str) -> float:
         """The scale the node's agent registered (1 where none did: real copies)."""
-        registration = self.live.nodes_info.get(node_id, {}).get("registration") or {}
-        return float(registration.get("scale", 1.0))
+        return self.live.node_record(node_id).scale
 
     def calibrate(
         self, link: calibration.Link, rate: float, copied: calibration.Copy | None, batch: Batch, source: str

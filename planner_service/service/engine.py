@@ -31,10 +31,12 @@ from planner_service.service.calibration import Calibration
 from planner_service.service.confirmed import Confirmed
 from planner_service.service.inputs import Event, HeartbeatIn, RegisterIn, ReportIn
 from planner_service.service.live import Live, placement_from_json, placement_of
+from planner_service.service.nodes import nodes_from_json, nodes_to_json
 from planner_service.service.planning import Planning
+from planner_service.service.published import InstalledPlan, PublishedSrv
 from planner_service.service.questions import LiveView
 from planner_service.service.queues import Queues
-from planner_service.service.records import FINAL_STATES, OpenOps, OpRecord, SessionState
+from planner_service.service.records import FINAL_STATES, OpenOps, OpRecord, Quarantined, SessionState
 from planner_service.service.sessions import Sessions
 from planner_service.service.store import Batch, Store, Stored
 from planner_service.service.views import Views
@@ -123,10 +125,10 @@ class ClusterService:
         batch = Batch(
             meta={
                 "base": self.live.declared_json(),
-                "srv": self.live.srv_doc,
+                "srv": self.live.stored_srv(),
                 "epoch": 0,
                 "calibration": self.live.calibration.to_json(),
-                "nodes": self.live.nodes_info,
+                "nodes": nodes_to_json(self.live.node_records),
             },
             sessions={s.id: s.to_json() for s in self.live.sessions.values()},
             placement=placement,
@@ -144,18 +146,17 @@ class ClusterService:
         self.live.declared = parse_scenario(meta["base"])
         self.live.placement = dict(stored.placement)
         self.live.published_placement = dict(stored.placement)
-        self.live.srv_doc = meta["srv"]
-        self.live.srv_version = int(self.live.srv_doc["version"])
+        self.live.srv = PublishedSrv.from_json(meta["srv"])
         self.live.epoch = int(meta.get("epoch", 0))
-        self.live.plan_doc = meta.get("plan")
-        self.live.plan_placement = placement_from_json(self.live.plan_doc["placement"]) if self.live.plan_doc else {}
+        plan = self.live.plan = InstalledPlan.from_stored(meta.get("plan"))
+        self.live.plan_placement = placement_from_json(plan.placement_json()) if plan is not None else {}
         # the failures that held moves back are not kept: the first replan queues them once more
-        self.live.held_until = self.live.clock() if self.live.plan_doc and self.live.plan_doc.get("held_back") else None
+        self.live.held_until = self.live.clock() if plan is not None and plan.held_back else None
         self.live.calibration, invalid = Calibration.from_json(meta.get("calibration"))
         for link, entry in invalid:  # an infinite or absurd bandwidth an older build took
             log.error("stored calibration of %s %s is not a bandwidth (%s): forgotten", link.key, link.field, entry)
-        self.live.nodes_info = meta.get("nodes", {})
-        self.live.quarantine = list(meta.get("quarantine", []))
+        self.live.node_records = nodes_from_json(meta.get("nodes"))
+        self.live.quarantine = tuple(Quarantined.from_json(q) for q in meta.get("quarantine", []))
         self.live.sessions = {k: SessionState.from_json(v) for k, v in stored.sessions.items()}
         self.live.event_ids = dict(stored.event_ids)
         self.live.ops = {k: OpRecord.from_json(v) for k, v in stored.operations.items()}

@@ -3,7 +3,6 @@ derived sizes of the live problem and the SRV published from the confirmed place
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import logging
 import threading
@@ -30,11 +29,13 @@ from planner_service.planner.online import (
 )
 from planner_service.planner.predictor import SwitchPredictor
 from planner_service.planner.residency import ResidencyIndex
-from planner_service.planner.srv import srv_entries
+from planner_service.planner.srv import srv_rows
 from planner_service.service.backoff import FailedMoves
 from planner_service.service.calibration import Calibration
 from planner_service.service.errors import NotFound, NotReady, ServiceError
-from planner_service.service.records import FINAL_STATES, OpenOps, OpRecord, OpState, SessionState
+from planner_service.service.nodes import NodeRecord, nodes_to_json
+from planner_service.service.published import InstalledPlan, PublishedSrv
+from planner_service.service.records import FINAL_STATES, OpenOps, OpRecord, OpState, Quarantined, SessionState
 from planner_service.service.store import FINAL_KEEP, Batch, Store
 from planner_service.settings import Settings
 
@@ -170,17 +171,16 @@ class Live:
         self.pruned_at = float("-inf")
         self.placement: Placement = {}
         self.published_placement: Placement = {}  # the placement as the last publish (and commit) left it
-        self.srv_version = 0
-        self.srv_doc: dict[str, Any] = {}  # {"version", "srv": rows}: what the store keeps in its `srv` row
+        self.srv: PublishedSrv | None = None  # None until the first publish
         self.epoch = 0
-        self.plan_doc: dict[str, Any] | None = None
+        self.plan: InstalledPlan | None = None  # the plan of `epoch`; None until the first
         self.plan_placement: Placement = {}
         self.ops: dict[str, OpRecord] = {}
         self.open_ops = OpenOps(self.ops)  # queued or leased
         self.next_lease_expiry = float("-inf")  # no lease ends before it: expiries need no scan until then
         self.calibration = Calibration()
-        self.nodes_info: dict[str, dict[str, Any]] = {}
-        self.quarantine: list[dict[str, Any]] = []  # placement entries a start took out: they broke an invariant
+        self.node_records: dict[str, NodeRecord] = {}  # node -> its agent's registration, telemetry, reconcile
+        self.quarantine: tuple[Quarantined, ...] = ()  # placement entries a start took out: they broke an invariant
         self.predictor = SwitchPredictor([])
         self._declared: Scenario | None = None
         self.calibrated: Scenario | None = None  # `declared` with the calibrated bandwidths
@@ -273,6 +273,15 @@ class Live:
         self.declared = self.declared.model_copy(
             update={"cluster": self.declared.cluster.model_copy(update={"nodes": nodes})}
         )
+
+    def node_record(self, node_id: str) -> NodeRecord:
+        """What the node's agent said last (an empty record where it said nothing yet)."""
+        return self.node_records.get(node_id) or NodeRecord()
+
+    def put_node_record(self, node_id: str, record: NodeRecord, batch: Batch) -> None:
+        """Replace the node's record; `batch` stores the `nodes` row with it."""
+        self.node_records[node_id] = record
+        batch.meta["nodes"] = nodes_to_json(self.node_records)
 
     def node_ids(self) -> list[str]:
         return [n.id for n in self.declared.cluster.nodes]
@@ -372,21 +381,34 @@ class Live:
         changed = {
             k: self.placement.get(k, 0) for k in keys if self.placement.get(k, 0) != self.published_placement.get(k, 0)
         }
-        rows = srv_entries(self.sizes, valid)
+        rows = srv_rows(self.sizes, valid)
         for k, n in changed.items():
             if n > 0:
                 self.published_placement[k] = n
             else:
                 self.published_placement.pop(k, None)
-        if self.srv_doc and not changed and rows == self.srv_doc["srv"]:
+        if self.srv is not None and not changed and rows == self.srv.rows:
             return changed
-        self.srv_version = self.srv_version + 1 if self.srv_doc else 1
-        self.srv_doc = {"version": self.srv_version, "srv": rows}
+        self.srv = PublishedSrv(self.srv.version + 1 if self.srv is not None else 1, rows)
         return changed
+
+    @property
+    def srv_version(self) -> int:
+        return self.srv.version if self.srv is not None else 0
+
+    def stored_srv(self) -> dict[str, Any]:
+        """The published SRV as the store keeps it (its `srv` row)."""
+        assert self.srv is not None, "nothing published yet"
+        return self.srv.to_json()
 
     def srv_view(self) -> dict[str, Any]:
         """The published SRV with the placement it was computed from, as `GET /v1/srv` answers it."""
-        return {**copy.deepcopy(self.srv_doc), "placement": placement_to_json(self.published_placement)}
+        assert self.srv is not None, "nothing published yet"
+        return {
+            "version": self.srv.version,
+            "srv": [row.to_json() for row in self.srv.rows],
+            "placement": placement_to_json(self.published_placement),
+        }
 
     def valid_placement(self, placement: Placement) -> Placement:
         p = self.sizes
@@ -427,7 +449,7 @@ class Live:
 
     def status(self) -> dict[str, int | None]:
         with self.lock:
-            ready = self.ready and self.broken is None and self.plan_doc is not None
+            ready = self.ready and self.broken is None and self.plan is not None
             return {"epoch": self.epoch if ready else None, "srv_version": self.srv_version if ready else None}
 
     def purge_ended_sessions(self, batch: Batch) -> None:

@@ -199,7 +199,7 @@ class Planning:
         with self.live.change():
             now = self.live.clock()
             held_due = self.live.held_until is not None and now >= self.live.held_until
-            forced = self.live.force_replan or held_due or self.live.plan_doc is None
+            forced = self.live.force_replan or held_due or self.live.plan is None
             covered = not forced and self._waiting() <= self._answered
         if covered:
             self.live.metrics.replan_duration.labels("covered").observe(time.perf_counter() - started)
@@ -239,7 +239,7 @@ class Planning:
                     raise Conflict(f"the live state cannot be planned: {error}") from None
                 self._check(problem, plan)
                 adopt = worth_adopting(problem, plan, usage.waiting, pending=usage.pending)
-                if not force and self.live.plan_doc is not None and not adopt:
+                if not force and self.live.plan is not None and not adopt:
                     self.live.metrics.replans.labels("kept").inc()
                     self._answered = waiting
                     return {"epoch": self.live.epoch, "changed": False}, "kept"  # staying put is the better deal
@@ -247,7 +247,7 @@ class Planning:
                 with self.live.change():
                     if self._basis() != basis:
                         continue  # operations went in flight, landed elsewhere or failed while solving: again
-                    if not force and self.live.plan_doc is not None and plan.placement == self.live.plan_placement:
+                    if not force and self.live.plan is not None and plan.placement == self.live.plan_placement:
                         self.live.metrics.replans.labels("unchanged").inc()
                         self._answered = waiting
                         return {"epoch": self.live.epoch, "changed": False}, "unchanged"

@@ -22,6 +22,7 @@ from planner_service.service import changes as edits
 from planner_service.service.errors import Conflict, InvalidInput, NotFound
 from planner_service.service.inputs import WhatIfIn
 from planner_service.service.live import LiveState
+from planner_service.service.published import InstalledPlan
 from planner_service.service.records import OpRecord, SessionState
 
 GIB = 2**30
@@ -40,7 +41,7 @@ class LiveView:
     now: float
     epoch: int
     srv_version: int
-    plan_doc: dict[str, Any] | None
+    plan: InstalledPlan | None  # immutable: shared, not copied
     sizes: Problem  # sizes, capacities and bandwidths of the live state
     placement: Placement  # confirmed
     plan_placement: Placement
@@ -71,7 +72,7 @@ def what_if(view: LiveView, body: WhatIfIn, solve: Solve) -> dict[str, Any]:
         "changes": len(body.changes),
         "based_on_epoch": view.epoch,
         "predicted": plan.predicted.as_dict(),
-        "baseline_predicted": view.plan_doc["predicted"] if view.plan_doc else None,
+        "baseline_predicted": view.plan.predicted.model_dump(mode="json") if view.plan is not None else None,
         "plan": plan.to_json(),
     }
 
@@ -156,7 +157,7 @@ def explain(view: LiveView, *, model: str | None = None, session: str | None = N
         objects += [StateObject.weights(s.model, p) for p in sizes.models[s.model].precisions]
         subject = {"session": session, "session_model": s.model, "session_active": s.active}
         models = [s.model]
-    unserved = {u["session"]: u["constraint"] for u in (view.plan_doc or {}).get("unserved", [])}
+    unserved = {u.session: u.constraint for u in view.plan.unserved} if view.plan is not None else {}
     active = {
         m: sorted(sid for sid, s in view.sessions.items() if s.model == m and s.active and not s.ended) for m in models
     }

@@ -36,6 +36,7 @@ from planner_service.service.live import (
     Live,
     iso,
 )
+from planner_service.service.published import InstalledPlan
 from planner_service.service.records import OpRecord, OpState
 from planner_service.service.store import Batch
 
@@ -194,13 +195,14 @@ class Queues:
         doc["epoch"] = epoch
         doc["planned_at"] = iso(now)
         doc["based_on_srv_version"] = self.live.srv_version
-        batch.meta.update({"epoch": epoch, "plan": doc})
+        installed = InstalledPlan.model_validate(doc)
+        batch.meta.update({"epoch": epoch, "plan": installed.to_json()})
         self.live.write(batch)
-        self.live.epoch, self.live.plan_doc, self.live.plan_placement = epoch, doc, dict(plan.placement)
+        self.live.epoch, self.live.plan, self.live.plan_placement = epoch, installed, dict(plan.placement)
         log.info(
             "plan epoch %d: %s, %d operations (%d kept from the queue, %d new, %d superseded), %d unserved",
             epoch,
-            doc["status"],
+            installed.status.value,
             len(records),
             len(adopted),
             len(records) - len(adopted),

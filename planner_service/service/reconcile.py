@@ -45,6 +45,10 @@ class Shortfall:
             "missing_bytes": self.missing_bytes,
         }
 
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Shortfall:
+        return cls(str(data["gpu"]), int(data["confirmed_bytes"]), int(data["used_bytes"]))
+
 
 @dataclass(frozen=True, slots=True)
 class Gone:
@@ -59,12 +63,16 @@ class Gone:
     def key(self) -> str:
         return f"{self.object.label()}@{self.location.label()}"
 
+    @property
+    def why(self) -> str:
+        return f"engine instance {self.instance} reported {self.state.value}"
+
     def to_json(self) -> dict[str, Any]:
         return {
             "object": self.object.to_json(),
             "location": self.location.to_json(),
             "bytes": self.bytes,
-            "why": f"engine instance {self.instance} reported {self.state.value}",
+            "why": self.why,
         }
 
 

@@ -1,4 +1,5 @@
-"""The service's live records: sessions and queued operations, with their JSON forms."""
+"""The service's live records: sessions, queued operations and quarantined placement entries, with their JSON
+forms."""
 
 from __future__ import annotations
 
@@ -9,9 +10,33 @@ from enum import StrEnum
 from typing import Any
 
 from planner_service.domain.scenario import Slo
-from planner_service.domain.state import location_from_json, object_from_json
+from planner_service.domain.state import Location, StateObject, location_from_json, object_from_json
 from planner_service.planner.operations import Action, Operation, Priority
 from planner_service.wire.operations import EngineStep
+
+
+@dataclass(frozen=True, slots=True)
+class Quarantined:
+    """A placement entry a start took out of the stored state because it broke a physical invariant."""
+
+    object: StateObject
+    location: Location
+    bytes: int
+    why: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "object": self.object.to_json(),
+            "location": self.location.to_json(),
+            "bytes": self.bytes,
+            "why": self.why,
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Quarantined:
+        return cls(
+            object_from_json(data["object"]), location_from_json(data["location"]), int(data["bytes"]), str(data["why"])
+        )
 
 
 class OpState(StrEnum):

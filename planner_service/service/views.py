@@ -20,10 +20,12 @@ from planner_service.planner import engine_plan
 from planner_service.service.errors import (
     NotFound,
 )
+from planner_service.service.inputs import RegisterIn
 from planner_service.service.live import (
     Live,
     iso,
 )
+from planner_service.service.nodes import NodeRecord
 from planner_service.service.planning import Planning
 from planner_service.service.questions import LiveView
 from planner_service.service.queues import Queues
@@ -58,7 +60,7 @@ class Views:
             nodes = []
             for declared in self.live.declared.cluster.nodes:
                 n = problem.nodes[declared.id]
-                info = self.live.nodes_info.get(n.id, {})
+                record = self.live.node_record(n.id)
                 gpus = []
                 for gpu in declared.gpus:
                     g = problem.gpus[gpu.id]
@@ -85,16 +87,16 @@ class Views:
                         "nvme_read_bytes_per_s": n.nvme_read_bytes_per_s,
                         "nvme_write_bytes_per_s": n.nvme_write_bytes_per_s,
                         "capabilities": sorted(c.value for c in n.capabilities),
-                        "engines": engines_with_urls(declared.engines, info.get("registration")),
+                        "engines": engines_with_urls(declared.engines, record.registration),
                         "calibrated": self.live.calibration.of_json("nodes", n.id),
-                        "registered_at": info.get("registered_at"),
-                        "last_heartbeat": info.get("last_heartbeat"),
-                        "telemetry": info.get("telemetry"),
-                        "reconcile": _public_reconcile(info.get("reconcile")),
+                        "registered_at": record.registered_at,
+                        "last_heartbeat": record.last_heartbeat,
+                        "telemetry": record.telemetry.model_dump(mode="json") if record.telemetry else None,
+                        "reconcile": record.reconcile.public_json() if record.reconcile else None,
                         "gpus": gpus,
                     }
                 )
-            return {"nodes": nodes, "quarantine": copy.deepcopy(self.live.quarantine)}
+            return {"nodes": nodes, "quarantine": [q.to_json() for q in self.live.quarantine]}
 
     def model_view(self, model_id: str) -> dict[str, Any]:
         model = next(m for m in self.live.declared.models if m.id == model_id)
@@ -161,15 +163,15 @@ class Views:
         self.live.require_ready()
         with self.live.change():
             problem = self.live.problem(self.live.placement, {})
-            planned = self.live.plan_placement if self.live.plan_doc is not None else None
+            planned = self.live.plan_placement if self.live.plan is not None else None
             return engine_plan.engine_rows(problem, planned)
 
     def plan_view(self) -> dict[str, Any]:
         self.live.require_ready()
         with self.live.change():
-            if self.live.plan_doc is None:
+            if self.live.plan is None:
                 raise NotFound("no plan yet; POST /v1/plan to plan now")
-            return copy.deepcopy(self.live.plan_doc)
+            return self.live.plan.public_json()
 
     def operations_view(self, node: str | None = None, state: str | None = None) -> list[dict[str, Any]]:
         self.live.require_ready()
@@ -205,12 +207,12 @@ class Views:
                 r = self.live.ops[i]
                 key = (r.node, r.op.priority.value, r.state.value)
                 snap.queue[key] = snap.queue.get(key, 0) + 1
-            if self.live.plan_doc is not None:
-                for held in self.live.plan_doc.get("held_back", []):
-                    key = (held["operation"]["node"], held["operation"]["priority"], "held_back")
+            if (plan := self.live.plan) is not None:
+                for held in plan.held_back:
+                    key = (held.operation.node, held.operation.priority.value, "held_back")
                     snap.queue[key] = snap.queue.get(key, 0) + 1
-                snap.predicted_p95_seconds = float(self.live.plan_doc["predicted"]["switch_latency_p95_seconds"])
-                snap.unserved_sessions = len(self.live.plan_doc["unserved"])
+                snap.predicted_p95_seconds = plan.predicted.switch_latency_p95_seconds
+                snap.unserved_sessions = len(plan.unserved)
             snap.plan_epoch = self.live.epoch
         return snap
 
@@ -235,7 +237,7 @@ class Views:
                     kv_on[(obj.session, obj.model)].add(loc.id)
             instances: dict[str, list[dict[str, Any]]] = defaultdict(list)
             for node_id in self.live.node_ids():
-                for model, entry in _node_instances(node_id, self.live.nodes_info.get(node_id, {}), gpu_node):
+                for model, entry in _node_instances(node_id, self.live.node_record(node_id), gpu_node):
                     if entry["state"] is None:
                         held = weights_on[model] & set(
                             entry["gpus"] or [g for g, n in gpu_node.items() if n == node_id]
@@ -277,7 +279,7 @@ class Views:
                 now=self.live.clock(),
                 epoch=self.live.epoch,
                 srv_version=self.live.srv_version,
-                plan_doc=copy.deepcopy(self.live.plan_doc),
+                plan=self.live.plan,
                 sizes=self.live.sizes,
                 placement=dict(self.live.placement),
                 plan_placement=dict(self.live.plan_placement),
@@ -291,13 +293,14 @@ class Views:
 
 
 def engines_with_urls(
-    engines: list[NodeEngineIn] | None, registration: dict[str, Any] | None
+    engines: list[NodeEngineIn] | None, registration: RegisterIn | None
 ) -> list[dict[str, Any]] | None:
     """A node's declared engines as {model, gpus, ...} entries with the URL its registration gave the engine
     serving each."""
     if engines is None:
         return None
-    urls = {m: e["url"] for e in (registration or {}).get("engines") or [] if e.get("url") for m in e.get("models", [])}
+    registered = registration.engines if registration is not None else []
+    urls = {m: e.url for e in registered if e.url for m in e.models}
     entries = [e.model_dump(mode="json", exclude_none=True) for e in engines]
     return [{**e, "url": urls[e["model"]]} if e["model"] in urls else e for e in entries]
 
@@ -312,48 +315,38 @@ def _instance_order(entry: dict[str, Any]) -> tuple[int, str]:
 _ROUTE_STATE = {"running": "running", "asleep_host": "asleep", "asleep_discarded": "asleep", "stopped": "stopped"}
 
 
-def _node_instances(node: str, info: dict[str, Any], gpu_node: dict[str, str]) -> list[tuple[str, dict[str, Any]]]:
+def _node_instances(node: str, record: NodeRecord, gpu_node: dict[str, str]) -> list[tuple[str, dict[str, Any]]]:
     """(model, instance entry) per engine instance of a node: the heartbeat's instances with the URL of the
     registered engine serving that model there, then registered engines with a URL no heartbeat reports
     (state None: the caller draws it from the placement)."""
-    engines = (info.get("registration") or {}).get("engines") or []
-    reported = (info.get("telemetry") or {}).get("instances") or []
+    engines = record.registration.engines if record.registration is not None else []
+    reported = record.telemetry.instances if record.telemetry is not None else []
 
     def url_for(model: str, gpus: list[str]) -> str | None:
         for e in engines:
-            if model in e.get("models", []) and (not e.get("gpus") or sorted(e["gpus"]) == sorted(gpus)):
-                url: str | None = e.get("url")
-                return url
+            if model in e.models and (not e.gpus or sorted(e.gpus) == sorted(gpus)):
+                return e.url
         return None
 
     out: list[tuple[str, dict[str, Any]]] = []
     seen: set[str] = set()
     for r in reported:
-        inst = r["instance"]
-        seen.add(inst["model"])
+        inst = r.instance
+        seen.add(inst.model)
         entry = {
-            "id": inst["id"],
+            "id": inst.id,
             "node": node,
-            "gpus": list(inst["gpus"]),
-            "state": _ROUTE_STATE[r["state"]],
-            "url": url_for(inst["model"], inst["gpus"]),
+            "gpus": list(inst.gpus),
+            "state": _ROUTE_STATE[r.state.value],
+            "url": url_for(inst.model, inst.gpus),
         }
-        out.append((inst["model"], entry))
+        out.append((inst.model, entry))
     for e in engines:
-        if not e.get("url"):
+        if not e.url:
             continue
-        gpus = [g for g in e.get("gpus", []) if gpu_node.get(g) == node]
-        for model in e.get("models", []):
+        gpus = [g for g in e.gpus if gpu_node.get(g) == node]
+        for model in e.models:
             if model not in seen:
                 seen.add(model)
-                out.append(
-                    (model, {"id": f"{node}/{e['name']}", "node": node, "gpus": gpus, "state": None, "url": e["url"]})
-                )
+                out.append((model, {"id": f"{node}/{e.name}", "node": node, "gpus": gpus, "state": None, "url": e.url}))
     return out
-
-
-def _public_reconcile(status: dict[str, Any] | None) -> dict[str, Any] | None:
-    """A node's reconcile status without the findings still waiting for a second heartbeat."""
-    if status is None:
-        return None
-    return {k: copy.deepcopy(v) for k, v in status.items() if k != "pending"}

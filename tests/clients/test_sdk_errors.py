@@ -5,6 +5,7 @@ from __future__ import annotations
 import httpx
 import pytest
 from clients_helpers import FAST_RETRY, NODE_TOKENS, OPERATOR_TOKEN, request_event
+from pydantic import ValidationError
 
 from clients.sdk import (
     AsyncStateBudgetClient,
@@ -19,27 +20,57 @@ from clients.sdk import (
     UnexpectedStatusError,
 )
 from planner_service.wire.enums import ReportStatus
+from planner_service.wire.nodes import GpuInventoryIn, GpuTelemetryIn
 
 # the SDK passes a per-call timeout on long polls; starlette's TestClient warns that it ignores it
 pytestmark = pytest.mark.filterwarnings("ignore:You should not use the 'timeout' argument")
 
 
-def test_validation_error_names_the_field(sync_client):
+@pytest.mark.parametrize(
+    ("send", "field"),
+    [
+        (lambda sb: sb.lease("n1", max_operations=0), "max_operations"),
+        (lambda sb: sb.lease("n1", wait_seconds=float("inf")), "wait_seconds"),
+        (lambda sb: sb.register_node("n1", gpus=[{"id": "n1-g0", "hbm_bytes": -1}]), "gpus.0.hbm_bytes"),
+        (lambda sb: sb.register_node("n1", engines=[{"name": "e", "kind": "tgi"}]), "engines.0.kind"),
+        (lambda sb: sb.register_node("n1", scale=2.0), "scale"),
+        (lambda sb: sb.heartbeat("n1", gpus=[{"id": "n1-g0", "used_bytes": -1}]), "gpus.0.used_bytes"),
+        (lambda sb: sb.heartbeat("n1", gpus=[{"id": "n1-g0", "colour": "red"}]), "gpus.0.colour"),
+        (lambda sb: sb.heartbeat("n1", expert_hit_rates={"coder": 1.5}), "expert_hit_rates.coder"),
+        (lambda sb: sb.report("1.op-1", lease_id="", status=ReportStatus.DONE), "lease_id"),
+        (lambda sb: sb.report("1.op-1", lease_id="l", status="ok"), "status"),
+        (lambda sb: sb.report("1.op-1", lease_id="l", status=ReportStatus.DONE, measured_bytes=-1), "measured_bytes"),
+    ],
+)
+def test_a_bad_node_body_is_refused_locally_naming_the_field(sync_client, send, field):
+    """Register, heartbeat, lease and report bodies are the wire's request models: a bad one never leaves."""
+    sb, http, _ = sync_client()
+    sent: list[str] = []
+    http.event_hooks["request"].append(lambda request: sent.append(request.url.path))
+    with pytest.raises(ValidationError) as info:
+        send(sb)
+    assert [".".join(str(p) for p in e["loc"]) for e in info.value.errors()] == [field]
+    assert field in str(info.value) and sent == []
+
+
+def test_typed_request_parts_are_sent_as_the_service_reads_them(sync_client):
     sb, _, _ = sync_client()
-    with pytest.raises(BadRequestError) as info:
-        sb.lease("n1", max_operations=0)
-    error = info.value
-    assert error.status == 422 and error.title == "Invalid input"
-    assert error.field == "max_operations" and "max_operations" in error.detail
-    assert error.errors[0].field == "max_operations" and error.problem is not None
-    assert error.problem.status == 422 and error.problem.errors == error.errors
+    assert sb.register_node("n1", gpus=[GpuInventoryIn(id="n1-g0")]).warnings[0].startswith("gpu 'n1-g1'")
+    assert sb.heartbeat("n1", gpus=[GpuTelemetryIn(id="n1-g0", used_bytes=0)]).node == "n1"
+    n1 = next(n for n in sb.get_cluster().nodes if n.id == "n1")
+    assert n1.telemetry is not None and n1.telemetry.gpus[0].used_bytes == 0
 
 
 def test_service_invalid_input_is_a_bad_request_with_its_field(sync_client):
+    """What only the service can judge (a GPU of another node) is its 422 problem, mapped to `BadRequestError`."""
     sb, _, _ = sync_client()
     with pytest.raises(BadRequestError) as info:
         sb.heartbeat("n1", gpus=[{"id": "n2-g0"}])
-    assert info.value.status == 422 and info.value.field == "gpus.0.id" and "n2-g0" in info.value.detail
+    error = info.value
+    assert error.status == 422 and error.title == "Invalid input"
+    assert error.field == "gpus.0.id" and "n2-g0" in error.detail
+    assert error.errors[0].field == "gpus.0.id" and error.problem is not None
+    assert error.problem.status == 422 and error.problem.errors == error.errors
 
 
 def test_unknown_event_model_is_a_bad_request(sync_client):

@@ -4,6 +4,8 @@ repaired at start. Each case is the one under load that once applied a move twic
 
 from __future__ import annotations
 
+import json
+import sqlite3
 from collections import defaultdict
 from typing import Any
 
@@ -162,6 +164,10 @@ def test_a_start_repairs_a_stored_placement_over_capacity_and_says_what_it_took_
     assert quarantine and all(q["location"] == loc.to_json() for q in quarantine)
     assert sum(q["bytes"] for q in quarantine) >= 3 * n - min(n, capacity)
     again.close()
+    with sqlite3.connect(tmp_path / "over.db") as conn:  # stored as the view shows it
+        (row,) = conn.execute("SELECT value FROM meta WHERE key = 'quarantine'").fetchone()
+    assert json.loads(row) == quarantine
+    assert set(quarantine[0]) == {"object", "location", "bytes", "why"}
     third = new_service(tmp_path / "over.db", clock)  # the repair was committed: nothing more to take out
     assert third.cluster_view()["quarantine"] == quarantine
     third.close()

@@ -6,7 +6,7 @@ from planner_service.domain.problem import compile_problem
 from planner_service.domain.scenario import parse_scenario
 from planner_service.domain.state import Location, StateObject
 from planner_service.domain.units import GIB
-from planner_service.planner.srv import srv_entries
+from planner_service.planner.srv import srv_rows
 
 KV_PER_TOKEN = 1024
 
@@ -66,7 +66,7 @@ def problem():
 
 
 def rows(placement):
-    return {(r["model"], r["state"], r["tier"]): (r["fraction"], r["bytes"]) for r in srv_entries(problem(), placement)}
+    return {(r.model, r.state.value, r.tier.value): (r.fraction, r.bytes) for r in srv_rows(problem(), placement)}
 
 
 def test_tensor_parallel_shards_add_up_and_copies_cap_at_one():
@@ -108,4 +108,4 @@ def test_experts_and_kv_fractions():
 
 
 def test_empty_placement_has_no_rows():
-    assert srv_entries(problem(), {}) == []
+    assert srv_rows(problem(), {}) == ()

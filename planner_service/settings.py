@@ -54,7 +54,8 @@ class Settings(BaseSettings):
     replan_debounce_seconds: float = Field(
         0.2,
         ge=0,
-        description="Quiet time before replanning for a request that waits for a model served nowhere (or a broken plan).",
+        description="At most one replan per this many seconds for requests that wait for a model served nowhere "
+        "(or a broken plan): the first is planned at once, those within the window when it ends.",
     )
     replan_interval_seconds: float = Field(
         30.0, gt=0, description="Replan this often; other changes wait for it (planner/online.py says why)."

@@ -4,8 +4,8 @@ its moves are worth making.
 The service's planning loop and the simulator's `statebudget` policy both plan this way, so the trace
 replay measures the rules the service runs. Each rule answers a way a plan for one instant goes wrong:
 
-* **When to plan.** At once (after a short debounce) when a request waits for a model served nowhere or
-  the plan broke, otherwise every `REPLAN_SECONDS`. A turn on a warm model does not call for a plan: its
+* **When to plan.** At once when a request waits for a model served nowhere or the plan broke (at most
+  one such plan per short debounce: one within it waits for its end), otherwise every `REPLAN_SECONDS`. A turn on a warm model does not call for a plan: its
   engine serves it, and a plan per request reshuffles the cluster after every turn.
 * **Stand-in sessions** (`RecentLoad`). An instant holds few requests in flight; a plan for them alone
   gives away the room the next ones need. `seats` stand-in active sessions (a team's engineers) are

@@ -2,8 +2,11 @@
 nowhere or the plan broke (the service's `urgent`), and otherwise every `interval_seconds`, so that
 changes the engines absorb on their own (turns on warm models, reports) do not reshuffle the cluster.
 
-Wakes coalesce: one replan runs at a time, the wakes during it make one more after the debounce, and a
-wake for models that the current plan already brings makes none (`Planning.covers_waiting`)."""
+Wakes are throttled on the leading edge: a wake after a quiet `debounce_seconds` plans at once (the first
+request of a burst waits for no timer: the gateway's control path, docs/benchmarks/control-path.md), and the
+wakes within `debounce_seconds` of a replan make one more when that window ends, so a burst costs at most two
+replans; a wake for models that the current plan already brings makes none (`Planning.covers_waiting`). The
+simulator's `statebudget` policy throttles the same way (planner/online.py)."""
 
 from __future__ import annotations
 
@@ -48,8 +51,9 @@ class PlanningLoop:
             due = time.monotonic() - last_plan >= self._interval
             if not (triggered or due):
                 continue
-            if triggered and self._stop.wait(self._debounce):  # let the burst finish
-                return
+            since = time.monotonic() - last_plan
+            if triggered and since < self._debounce and self._stop.wait(self._debounce - since):
+                return  # within a replan's window: the rest of the burst is planned once it ends
             try:
                 if not due:  # woken by requests for models served nowhere, or a broken plan
                     self._service.urgent.clear()  # before looking: a request after it wakes the loop again

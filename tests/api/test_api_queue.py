@@ -283,7 +283,7 @@ def test_background_loop_replans_after_an_event_burst(make_app, fast_ticks):
     assert any(o["object"].get("session") == "fresh" for o in plan["operations"]), json.dumps(plan["operations"])[:500]
 
 
-def test_an_event_burst_is_planned_once(make_app, fast_ticks):
+def test_an_event_burst_is_planned_at_its_first_event_and_once_more_for_the_rest(make_app, fast_ticks):
     app = make_app(background_planning=True, replan_debounce_seconds=0.5, replan_interval_seconds=3600.0)
     service = app.client.app.state.service
     log = CallLog(service, "replan", "tick")
@@ -293,9 +293,11 @@ def test_an_event_burst_is_planned_once(make_app, fast_ticks):
         lambda calls: any(n == "replan" for n, _ in calls) and _ticks_after_last_replan(calls) >= 3,
         what="a replan followed by three quiet turns of the planning loop",
     )
-    assert [r for n, r in calls if n == "replan"] == [{"epoch": 2, "changed": True}]  # one plan for the burst
+    replans = [r for n, r in calls if n == "replan"]
+    # the first event is planned at once; the rest of the burst (within the window) at most once more
+    assert replans[0] == {"epoch": 2, "changed": True} and len(replans) <= 2, replans
     plan = app.get("/v1/plan").json()
-    assert plan["epoch"] == 2
+    assert plan["epoch"] == replans[-1]["epoch"]
     assert {f"burst-{i}" for i in range(5)} <= {o["object"].get("session") for o in plan["operations"]}
 
 

@@ -92,11 +92,11 @@ if TYPE_CHECKING:
     from planner_service.sim.view import SimView
 
 
-# What the service's control path adds to a plan's engine calls, the debounce included (the replay plans at
-# once where the service waits `min_interval_seconds` for the rest of a burst): the gateway's event flush, the
-# replan and its install, the node agent's lease, its report and the gateway's route fetch. The p50 of
-# `statebudget bench wake` with the engine's own time left out (docs/benchmarks/control-path.md).
-CONTROL_PATH_SECONDS = 0.3
+# What the service's control path adds to a plan's engine calls: the gateway's event flush, the replan (at once
+# on a quiet planner: its debounce throttles on the leading edge, as this replay plans) and its install, the node
+# agent's lease, its report and the gateway's route fetch. The p50 of `statebudget bench wake`'s
+# `routed_with_flush`, with the engine's own time left out (docs/benchmarks/control-path.md).
+CONTROL_PATH_SECONDS = 0.12
 
 
 class StatebudgetPolicy(Policy):

@@ -672,7 +672,15 @@ class GreedyPlanner:
         if model.is_moe or others:
             # the MoE models on the node share its free room for experts: price the joint change
             room = self.book.room(node_id)
-            after = [*others, (model, sum(map(_H2D, gpus)))] if model.is_moe else others
+            if model.is_moe and self.p.nodes[node_id].engine_kind(model.id) is not None:
+                # an engine's experts lie in equal shares on its own group (`_place_engine_experts`): its room
+                # is what every card of the group keeps beside its shard, times the cards
+                free = self.book.free
+                own = len(gpus) * max(0, min(free[g.id] for g in gpus) - -(-need // len(gpus)))
+                cost += self._experts_cost(node_id, [(model, sum(map(_H2D, gpus)))], own)
+                after = others
+            else:
+                after = [*others, (model, sum(map(_H2D, gpus)))] if model.is_moe else others
             cost += self._experts_cost(node_id, after, max(0, room - need)) - self._experts_cost(node_id, others, room)
         return cost
 

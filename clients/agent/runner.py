@@ -54,6 +54,7 @@ from clients.sdk import (
 )
 from clients.sdk import ConnectionError as SdkConnectionError
 from planner_service.wire.enums import ReportStatus
+from planner_service.wire.nodes import GpuTelemetryIn
 from planner_service.wire.operations import LeaseOut
 
 log = logging.getLogger("statebudget.agent")
@@ -280,8 +281,19 @@ class Agent:
             if gpu_id in self.gpu_ids:
                 gpus.setdefault(gpu_id, {"id": gpu_id}).update(rates)
         instances = [i for i in telemetry.instances if set(i["instance"]["gpus"]) <= self.gpu_ids]
-        body = {"gpus": list(gpus.values()), "engines": telemetry.engines, **node_rates}
+        body = {"gpus": [g for g in gpus.values() if self._valid_gpu(g)], "engines": telemetry.engines, **node_rates}
         return {**body, "instances": instances} if instances else body
+
+    @staticmethod
+    def _valid_gpu(entry: dict[str, Any]) -> bool:
+        """Whether the service would take this GPU's telemetry: one GPU's bad reading (a driver's count caught
+        mid-change, a rate measured over too few bytes) leaves that GPU out, not the whole heartbeat."""
+        try:
+            GpuTelemetryIn.model_validate(entry)
+        except ValidationError as error:
+            log.warning("heartbeat leaves out gpu %s: %s", entry["id"], invalid_fields(error, whole="gpu"))
+            return False
+        return True
 
     async def _heartbeats(self, stop: asyncio.Event) -> None:
         while not stop.is_set():

@@ -41,10 +41,28 @@ class CountingClient:
 
 
 class OverfullGpu(LocalExecutor):
-    """Reports more HBM in use than its GPU has: a heartbeat `HeartbeatIn` refuses."""
+    """Reports more HBM in use than its GPU has: `GpuTelemetryIn` refuses that GPU's reading."""
 
     def telemetry(self) -> Telemetry:
         return Telemetry(gpus=[GpuUsage("n1-g0", used_bytes=2 * 2**30, free_bytes=0, total_bytes=2**30)])
+
+
+INSTANCE = {
+    "id": "coder@bf16@n1-g0",
+    "node": "n1",
+    "kind": "vllm",
+    "model": "coder",
+    "precision": "bf16",
+    "gpus": ["n1-g0"],
+    "kv_pool_bytes_per_gpu": 0,
+}
+
+
+class InstanceTwice(LocalExecutor):
+    """Reports one engine instance twice: a heartbeat `HeartbeatIn` refuses as a whole."""
+
+    def telemetry(self) -> Telemetry:
+        return Telemetry(instances=[{"instance": INSTANCE, "state": "running"}] * 2)
 
 
 class NegativeBytes(LocalExecutor):
@@ -68,12 +86,31 @@ async def wait_for(condition, timeout: float = 10.0) -> None:
             await asyncio.sleep(0.02)
 
 
+async def test_one_gpus_bad_reading_leaves_that_gpu_out_of_the_heartbeat(tmp_path, caplog):
+    caplog.set_level(logging.WARNING, "statebudget.agent")
+    async with served(make_app(tmp_path)) as http:
+        sb = async_client(http)
+        config = agent_config(tmp_path, "n1")
+        agent = Agent(config, sb, OverfullGpu.from_config(config))
+        stop = asyncio.Event()
+        task = asyncio.create_task(agent.run(stop))
+        await wait_for(lambda: agent.stats["heartbeats"] >= 2)
+        stop.set()
+        await asyncio.wait_for(task, timeout=10)
+        assert agent.stats["heartbeats_invalid"] == 0
+        n1 = next(n for n in (await sb.get_cluster()).nodes if n.id == "n1")
+        assert n1.last_heartbeat is not None  # the rest of the heartbeat reached the service
+        assert n1.telemetry is not None and all(g.used_bytes is None for g in n1.telemetry.gpus)
+    left_out = [r.getMessage() for r in caplog.records if "leaves out gpu n1-g0" in r.getMessage()]
+    assert left_out and "used_bytes: 2147483648 is more than the GPU's total_bytes" in left_out[0]
+
+
 async def test_an_invalid_heartbeat_is_logged_with_its_field_and_skipped(tmp_path, caplog):
     caplog.set_level(logging.ERROR, "statebudget.agent")
     async with served(make_app(tmp_path)) as http:
         sb = CountingClient(async_client(http))
         config = agent_config(tmp_path, "n1")
-        agent = Agent(config, sb, OverfullGpu.from_config(config))  # type: ignore[arg-type] # a counting proxy
+        agent = Agent(config, sb, InstanceTwice.from_config(config))  # type: ignore[arg-type] # a counting proxy
         stop = asyncio.Event()
         task = asyncio.create_task(agent.run(stop))
         await wait_for(lambda: agent.stats["heartbeats_invalid"] >= 2)
@@ -85,7 +122,7 @@ async def test_an_invalid_heartbeat_is_logged_with_its_field_and_skipped(tmp_pat
         n1 = next(n for n in (await sb.client.get_cluster()).nodes if n.id == "n1")
         assert n1.last_heartbeat is None and n1.telemetry is None  # nothing reached the service
     refusals = [r.getMessage() for r in caplog.records if "heartbeat invalid" in r.getMessage()]
-    assert refusals and "gpus.0: Value error, used_bytes: 2147483648 is more than the GPU's total_bytes" in refusals[0]
+    assert refusals and "instances[1].instance.id: 'coder@bf16@n1-g0' is instances[0]" in refusals[0]
 
 
 async def test_an_invalid_report_is_not_sent_nor_retried_and_its_lease_expires(tmp_path, caplog):

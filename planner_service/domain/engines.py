@@ -208,6 +208,14 @@ RUNTIME_REFUSALS: Mapping[RuntimeMove, str] = MappingProxyType(
 )
 
 
+def tensor_parallel_ok(kind: EngineKind | None, attention_heads: int, tp: int) -> bool:
+    """Whether an engine of `kind` can split a model with `attention_heads` heads over `tp` GPUs. vLLM refuses
+    a size that does not divide the heads (vllm/config/__init__.py, `ModelConfig.verify_with_parallel_config`:
+    "Total number of attention heads (...) must be divisible by tensor parallel size (...)"); other kinds, and a
+    model whose heads are unknown (0), take any size."""
+    return kind is not EngineKind.VLLM or attention_heads <= 0 or attention_heads % tp == 0
+
+
 def offers(kind: EngineKind, move: RuntimeMove) -> bool:
     """Whether an engine of `kind` can carry out `move` while it runs (only `local` can)."""
     return move in _RUNTIME_MOVES.get(kind, frozenset())

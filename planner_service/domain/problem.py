@@ -73,6 +73,9 @@ class ModelSpec:
     active_params: int
     active_expert_bytes_per_token: int
     min_gpus: Mapping[str, int]
+    # attention heads, where the preset or config gives them (0: unknown): vLLM and SGLang split them over a
+    # tensor-parallel group and refuse a group size that does not divide them (`tensor_parallel_ok`)
+    attention_heads: int = 0
 
     @property
     def is_moe(self) -> bool:
@@ -208,6 +211,7 @@ def resolve_model(spec: ModelIn, where: str) -> ModelSpec:
         active_params=active_params,
         active_expert_bytes_per_token=active_expert_per_token,
         min_gpus=MappingProxyType(dict(spec.min_gpus)),
+        attention_heads=arch.num_attention_heads if arch is not None else 0,
     )
 
 

@@ -256,7 +256,15 @@ def cold_group(problem: Problem, model: ModelSpec, precision: str, node: Node) -
         group = tuple(problem.gpus[g] for g in fixed)
         return group if holds_evenly(group, model, nbytes) else None
     gpus = sorted((problem.gpus[g] for g in node.gpus), key=lambda g: (-g.capacity_bytes, g.id))
-    return next((tuple(gpus[:k]) for k in range(1, len(gpus) + 1) if holds_evenly(gpus[:k], model, nbytes)), None)
+    kind = node.engine_kind(model.id)
+    return next(
+        (
+            tuple(gpus[:k])
+            for k in range(1, len(gpus) + 1)
+            if engines.tensor_parallel_ok(kind, model.attention_heads, k) and holds_evenly(gpus[:k], model, nbytes)
+        ),
+        None,
+    )
 
 
 def holds_evenly(group: Sequence[Gpu], model: ModelSpec, nbytes: int) -> bool:

@@ -92,7 +92,7 @@ from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from planner_service.domain.engines import EngineState
+from planner_service.domain.engines import EngineState, tensor_parallel_ok
 from planner_service.domain.problem import Gpu, ModelSpec, Node, Problem, Session
 from planner_service.domain.scenario import Capability, Slo
 from planner_service.domain.state import Kind, Location, Placement, StateObject, Tier
@@ -940,9 +940,11 @@ class GreedyPlanner:
                 return []
             return [(fixed, sum(self.book.free[g.id] for g in fixed))]
         gpus, free = self.book.by_free(node_id)
+        kind = self.p.nodes[node_id].engine_kind(model.id)
+        widths = [k for k in range(len(gpus), 0, -1) if tensor_parallel_ok(kind, model.attention_heads, k)]
         # plain loops over a module function rather than a closure and generators: the hot loop of a group search
         wide = None
-        for k in range(len(gpus), 0, -1):
+        for k in widths:
             wide = _tightest_group(gpus, free, k, model, nbytes)
             if wide is not None:
                 break
@@ -950,7 +952,9 @@ class GreedyPlanner:
             return []
         if self._uniform[node_id]:
             return [wide]  # like cards: the widest is never worse (more FLOP/s and links, the same bytes)
-        for k in range(1, len(wide[0])):  # the fewest GPUs, if fewer than the widest's fit
+        for k in reversed(widths):  # the fewest GPUs, if fewer than the widest's fit
+            if k >= len(wide[0]):
+                break
             narrow = _tightest_group(gpus, free, k, model, nbytes)
             if narrow is not None:
                 return [wide, narrow]

@@ -29,6 +29,8 @@ is sound):
   * where a node declares its engine's kind, a MoE's routed experts that the
     plan puts on GPU lie in equal shares on the GPUs of its weights there,
     none beside them (the GPU share is one launch setting of the engine);
+  * a vLLM instance the plan places anew runs on a group whose size divides
+    its model's attention heads (`engines.tensor_parallel_ok`);
   * GPU capacities hold with the KV pools of the instances the plan launches
     and the CUDA contexts that sleeping instances keep (`engines.holdings`),
     in the target and in every order.
@@ -49,6 +51,7 @@ from planner_service.domain.engines import (
     Transition,
     may,
     offers,
+    tensor_parallel_ok,
 )
 from planner_service.domain.problem import Problem
 from planner_service.domain.scenario import Capability
@@ -74,6 +77,7 @@ def check_plan(
     errors += _capabilities(problem, ops, target)
     errors += _engine_groups(problem, target)
     errors += _engine_expert_shares(problem, target)
+    errors += _tensor_parallel_groups(problem, target)
     refused = _engine_moves(problem, ops, target)
     errors += refused
     errors += _engine_steps(problem, ops, {e.split()[1] for e in refused})
@@ -328,6 +332,26 @@ def _engine_expert_shares(problem: Problem, target: Mapping[tuple[StateObject, L
                 f"engine: {experts.label()} on node {node} is not in equal shares on its weights' GPUs "
                 f"({', '.join(sorted(group))}): {', '.join(f'{g} {b}' for g, b in sorted(shares.items()))}"
             )
+    return errors
+
+
+def _tensor_parallel_groups(problem: Problem, target: Mapping[tuple[StateObject, Location], int]) -> list[str]:
+    groups: dict[tuple[str, StateObject], set[str]] = defaultdict(set)  # (node, weights) -> its GPUs
+    for (obj, loc), nbytes in target.items():
+        if loc.tier is Tier.GPU and obj.kind is Kind.WEIGHTS and nbytes > 0:
+            groups[(problem.gpus[loc.id].node, obj)].add(loc.id)
+    errors = []
+    for (node, obj), gpus in sorted(groups.items(), key=lambda item: (item[0][0], item[0][1].label())):
+        model = problem.models[obj.model]
+        kind = problem.nodes[node].engine_kind(obj.model)
+        if tensor_parallel_ok(kind, model.attention_heads, len(gpus)):
+            continue
+        if all(problem.residency.get((obj, Location.gpu(g)), 0) == target[(obj, Location.gpu(g))] for g in gpus):
+            continue  # as it runs now
+        errors.append(
+            f"engine: {obj.label()} on {len(gpus)} GPUs of node {node}: {kind.value if kind else kind} needs a group "
+            f"size that divides its {model.attention_heads} attention heads"
+        )
     return errors
 
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from planner_service.domain.engines import EngineState, Management, Transition, may
+from planner_service.domain.engines import EngineState, Management, Transition, may, tensor_parallel_ok
 from planner_service.domain.problem import Gpu, ModelSpec, Problem, Session
 from planner_service.domain.scenario import Capability
 from planner_service.domain.state import Kind, Location, Placement, StateObject, Tier
@@ -546,6 +546,10 @@ class _Builder:
                         continue
                     if len(group) < max(model.min_gpus.get(g.type, 1) for g in group):
                         continue
+                    if not tensor_parallel_ok(node.engine_kind(model.id), model.attention_heads, len(group)) and not (
+                        current and current.node == node_id and _ids(group) == _ids(current.gpus)
+                    ):
+                        continue  # (a group running now stays on offer: it runs, whatever launched it)
                     shards = tuple(split_evenly(nbytes, len(group)))
                     if any(b > g.capacity_bytes for g, b in zip(group, shards, strict=True)):
                         continue

@@ -18,7 +18,8 @@ The GPUs are the first `--tp-size` of `CUDA_VISIBLE_DEVICES` (SGLang's rank r us
 gpu_id_step`, server_args.py; both default to 0 and 1). The KV pool is sized at start as SGLang sizes it
 (python/sglang/srt/model_executor/model_runner_kv_cache_mixin.py `profile_max_num_token` and `init_memory`):
 after the weights are loaded, the pool gets what each GPU has free beyond the `1 - mem_fraction_static`
-share of its total kept back, the least over the TP group, in whole tokens, capped by `--max-total-tokens`;
+share of its total kept back, in whole tokens, capped by `--max-total-tokens`; over a TP group, the least
+any GPU has free (python/sglang/srt/utils/common.py `get_available_gpu_memory`: an all-reduce MIN);
 no token left is "Not enough memory. Please try to increase --mem-fraction-static." and weights that do not
 fit are a CUDA out-of-memory error, either way before the server answers, with exit code 1. (Without
 `--mem-fraction-static` SGLang picks a share from the GPU's size, server_args.py; the fake then keeps

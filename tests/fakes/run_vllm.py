@@ -24,6 +24,7 @@ import argparse
 import contextlib
 import math
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -137,6 +138,8 @@ def main() -> None:
             write_holdings(engine, holdings)
             return response
 
+    # uvicorn shuts down on SIGTERM, then raises it again under the handler it found: this one, an exit 0
+    signal.signal(signal.SIGTERM, lambda _signum, _frame: sys.exit(0))
     try:
         uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning")
     finally:

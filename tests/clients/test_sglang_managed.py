@@ -1,7 +1,8 @@
 """A managed SGLang engine driven by the agent's executor against the fake SGLang server process
 (tests/fakes/run_sglang.py, launched from the launch template as `python -m sglang.launch_server` would be):
 start until ready, the release/resume cycle with generation paused and continued around it, a restart with
-another KV pool, a stop, a crash, a start out of memory; after each step, the bytes the fake NVML shows."""
+another KV pool, a stop, a crash (killed, or taken down by its scheduler's error), a start out of memory; after
+each step, the bytes the fake NVML shows."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+import httpx
 import pytest
 from clients_helpers import FAKES, driver_nvml
 from fakes.gpu_driver import alive
@@ -270,5 +272,23 @@ async def test_a_start_the_gpus_cannot_hold_is_a_permanent_error_saying_why(
     with pytest.raises(PermanentError, match="sglang-coder exited with code 1: .*" + why.replace(".", r"\.")):
         await executor.execute(start())
     assert records(driver) == [] and used(nvml) == [0, 0]
+    assert executor.telemetry().engines == {"sglang-coder": "stopped"}
+    await executor.aclose()
+
+
+async def test_an_engine_its_own_scheduler_error_takes_down_is_reported_crashed(sglang_node: Node) -> None:
+    """A resume of memory that was not released fails in SGLang's scheduler, which takes the server down
+    (fakes/sglang.py, run_sglang.py): the agent did not ask for that exit, so it is a crash."""
+    executor, nvml, _driver = sglang_node()
+    await executor.execute(start())
+    process = executor.engines_by_model["coder"].process
+    assert process is not None and process.popen is not None
+    async with httpx.AsyncClient() as http:
+        url = executor.engines_by_model["coder"].url
+        answer = await http.post(f"{url}/resume_memory_occupation", json={"tags": ["weights"]})
+    assert answer.status_code == 500
+    assert process.popen.wait(timeout=10) == -signal.SIGKILL and used(nvml) == [0, 0]
+    drift = await executor.reconcile()
+    assert len(drift) == 1 and f"exited with code {-signal.SIGKILL}" in drift[0]
     assert executor.telemetry().engines == {"sglang-coder": "stopped"}
     await executor.aclose()

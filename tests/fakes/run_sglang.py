@@ -29,12 +29,16 @@ nothing back.) Where the devices have no known size (no `STATEBUDGET_FAKE_NVML_T
 With `--driver-dir` the process keeps `DIR/<pid>.json` (tests/fakes/gpu_driver.py) up to date with the bytes
 it holds on each GPU after every request, for the fake NVML, and removes it when it exits cleanly (SIGTERM);
 a killed process leaves it, and the fake NVML counts only living pids. The HTTP API and its rules are those
-of tests/fakes/sglang.py.
+of tests/fakes/sglang.py; where they end the engine (a release while requests run, a resume of memory not
+released: the scheduler's error) the process dies as SGLang's does: the failed scheduler sends SIGQUIT to the
+launching process, which kills its process tree and itself with SIGKILL (python/sglang/srt/entrypoints/engine.py
+`sigquit_handler`, python/sglang/srt/utils/common.py `kill_process_tree`).
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import os
 import signal
@@ -157,14 +161,15 @@ def main() -> None:
             write_holdings(engine, holdings)
 
     app = create_fake_sglang(engine)
-    if holdings is not None:
-        written = holdings
 
-        @app.middleware("http")
-        async def after_each_request(request: Request, call_next):  # type: ignore[no-untyped-def]
-            response = await call_next(request)
-            write_holdings(engine, written)
-            return response
+    @app.middleware("http")
+    async def after_each_request(request: Request, call_next):  # type: ignore[no-untyped-def]
+        response = await call_next(request)
+        if holdings is not None:
+            write_holdings(engine, holdings)
+        if not engine.alive:  # the scheduler failed: the server goes down with it, once this answer is out
+            asyncio.get_running_loop().call_later(0.1, os.kill, os.getpid(), signal.SIGKILL)
+        return response
 
     print(f"KV pool: {tokens} tokens, {engine.kv_pool_bytes} bytes per GPU on {list(devices)}", flush=True)
     # uvicorn shuts down on SIGTERM, then raises it again under the handler it found: this one, an exit 0

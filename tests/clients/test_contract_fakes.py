@@ -256,3 +256,58 @@ def test_fake_vllm_processes_never_take_more_of_a_device_than_it_has(
             assert (memory.used, memory.free) == (9 * GIB, 3 * GIB)
         assert httpx.post(f"{first}/wake_up").status_code == 200  # the other one has stopped: room again
         assert nvml.nvmlDeviceGetMemoryInfo(0).used == 7 * GIB
+
+
+def sglang_argv(driver: Path, port: int, *flags: str) -> list[str]:
+    """tests/fakes/run_sglang.py with a 0.5 GiB context and a 1 GiB weights shard on each GPU, a KV cell of a
+    byte (so that `--max-total-tokens` is the pool in bytes)."""
+    argv = [sys.executable, str(FAKES / "run_sglang.py"), "--model-path", "/m", "--port", str(port), *flags]
+    return [*argv, "--enable-memory-saver", "--driver-dir", str(driver)]
+
+
+@contextlib.contextmanager
+def sglang_process(driver: Path, totals: str, devices: str, *flags: str) -> Iterator[str]:
+    port = free_port()
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": devices, "STATEBUDGET_FAKE_NVML_TOTALS": totals}
+    process = subprocess.Popen(sglang_argv(driver, port, *flags), env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            with contextlib.suppress(httpx.TransportError):
+                if httpx.get(f"{url}/health").status_code == 200:
+                    break
+            assert process.poll() is None and time.monotonic() < deadline, "the fake SGLang did not start"
+            time.sleep(0.1)
+        yield url
+    finally:
+        process.terminate()
+        assert process.wait(timeout=10) == 0  # SIGTERM: a clean exit
+
+
+@pytest.mark.slow
+def test_fake_sglang_process_sizes_its_kv_pool_at_start_as_sglang_does(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The pool is what the TP group's fullest GPU has free after the weights, less the share
+    `--mem-fraction-static` keeps back, capped by `--max-total-tokens`, and nothing left is SGLang's "Not enough
+    memory" before the server answers (model_runner_kv_cache_mixin.py `profile_max_num_token`, `init_memory`)."""
+    totals = f"{8 * GIB},{8 * GIB}"
+    nvml = driver_nvml(tmp_path, totals, monkeypatch)
+    with sglang_process(tmp_path, totals, "1", "--max-total-tokens", str(2 * GIB)):  # 3.5 GiB on device 1
+        with sglang_process(tmp_path, totals, "0,1", "--tp-size", "2", "--mem-fraction-static", "0.9",
+                            "--max-total-tokens", str(4 * GIB)):  # fmt: skip
+            kept_back = int(8 * GIB * (1 - 0.9))
+            pool = 8 * GIB - 7 * GIB // 2 - GIB // 2 - GIB - kept_back  # device 1: its neighbour, context, weights
+            assert nvml.nvmlDeviceGetMemoryInfo(0).used == GIB // 2 + GIB + pool < 4 * GIB  # less than asked
+            assert nvml.nvmlDeviceGetMemoryInfo(1).used == 7 * GIB // 2 + GIB // 2 + GIB + pool
+            for device, flags, why in [
+                ("1", [], "CUDA out of memory on device 1 loading the weights"),  # 0.8 GiB free: no room for them
+                ("0", ["--mem-fraction-static", "0.5"], "Not enough memory. Please try to increase --mem-fraction"),
+            ]:  # 4.3 GiB free on device 0: the weights fit, then 4 GiB are kept back and nothing is left
+                env = {**os.environ, "CUDA_VISIBLE_DEVICES": device, "STATEBUDGET_FAKE_NVML_TOTALS": totals}
+                argv = sglang_argv(tmp_path, free_port(), *flags)
+                refused = subprocess.run(argv, env=env, capture_output=True, text=True, check=False)
+                assert refused.returncode == 1 and why in refused.stderr
+        assert nvml.nvmlDeviceGetMemoryInfo(0).used == 0  # the TP-2 engine has exited: its bytes are freed
+    assert list(tmp_path.glob("*.json")) == []  # each clean exit took its record with it

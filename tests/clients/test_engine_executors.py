@@ -379,6 +379,8 @@ async def test_a_managed_engine_is_started_restarted_stopped_and_its_crash_is_re
     restart = op("promote", W, NVME, GPU, engine=_step("restart", "running", kv_pool_bytes_per_gpu=2 * GIB))
     restarted = await executor.execute(restart)
     assert [c.split(" ")[0] for c in restarted.details["calls"]] == ["GET", "stop", "start"]
+    assert "stop (exit code 0)" in restarted.details["calls"]  # SIGTERM: a clean exit, its NVML record removed
+    assert len(list((tmp_path / "driver").glob("*.json"))) == 1
     assert restarted.details["taken_bytes"] == 2 * 2 * GIB  # the new KV pool on each GPU
     process = executor.engines_by_model["coder"].process
     assert (

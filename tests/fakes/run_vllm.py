@@ -22,13 +22,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import fcntl
-import json
 import math
 import os
+import signal
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import uvicorn
@@ -36,7 +34,8 @@ from starlette.requests import Request
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from fakes.vllm import FakeVllmEngine, create_fake_vllm  # after the path is set
+from fakes.gpu_driver import driver_lock, free_bytes, totals, write_record  # after the path is set
+from fakes.vllm import FakeVllmEngine, create_fake_vllm
 
 LMCACHE_INSTANCE_ENV = "LMCACHE_LMCACHE_INSTANCE_ID"  # as the agent sets it (lmcache/v1/config.py `_from_env`)
 
@@ -65,20 +64,7 @@ def write_holdings(engine: FakeVllmEngine, path: Path, gpu_bytes: dict[int, int]
         "lmcache_instance_id": os.environ.get(LMCACHE_INSTANCE_ENV),
         "argv": sys.argv,
     }
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(record))
-    tmp.replace(path)  # the reader never sees half a file
-
-
-@contextlib.contextmanager
-def driver_lock(driver_dir: Path) -> Iterator[None]:
-    """The devices' allocator, one at a time across the fake engine processes of a node."""
-    with (driver_dir / ".lock").open("a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+    write_record(path, record)
 
 
 def out_of_memory(engine: FakeVllmEngine, driver_dir: Path, need: dict[int, int]) -> str | None:
@@ -86,21 +72,16 @@ def out_of_memory(engine: FakeVllmEngine, driver_dir: Path, need: dict[int, int]
     living processes. vLLM fails a start the same way (vllm/v1/worker/gpu_worker.py: the free memory at start
     must cover the requested share, else a ValueError, and an allocation past it is a CUDA out-of-memory
     error), and a wake (vllm/device_allocator/cumem.py: `create_and_map` raises, the wake is rolled back)."""
-    totals = os.environ.get("STATEBUDGET_FAKE_NVML_TOTALS")
-    if not totals:
+    free = free_bytes(driver_dir, engine.pid)
+    if free is None:
         return None
-    capacity = [int(t) for t in totals.split(",")]
-    used = [0] * len(capacity)
-    for path in driver_dir.glob("*.json"):
-        with contextlib.suppress(OSError, ValueError):
-            record = json.loads(path.read_text())
-            if int(record["pid"]) != engine.pid and _alive(int(record["pid"])):
-                for device, n in record["gpu_bytes"].items():
-                    used[int(device)] += int(n)
+    capacity = totals() or []
     for device, wanted in need.items():
-        free = capacity[device] - used[device]
-        if wanted > free:
-            return f"CUDA out of memory on device {device}: {wanted} bytes needed, {free} free of {capacity[device]}"
+        if wanted > free[device]:
+            return (
+                f"CUDA out of memory on device {device}: {wanted} bytes needed, {free[device]} free of "
+                f"{capacity[device]}"
+            )
     return None
 
 
@@ -111,14 +92,6 @@ def reserve(engine: FakeVllmEngine, driver_dir: Path, holdings: Path, need: dict
         if why is None:
             write_holdings(engine, holdings, need)
         return why
-
-
-def _alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[-1].split()[0] != "Z"
 
 
 def main() -> None:
@@ -165,6 +138,8 @@ def main() -> None:
             write_holdings(engine, holdings)
             return response
 
+    # uvicorn shuts down on SIGTERM, then raises it again under the handler it found: this one, an exit 0
+    signal.signal(signal.SIGTERM, lambda _signum, _frame: sys.exit(0))
     try:
         uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning")
     finally:

@@ -3,9 +3,10 @@ PYTHONPATH and `import pynvml` finds it instead of nvidia-ml-py, so the agent's 
 (clients/agent/probes.py `default_probe`) reads the fake engines' memory.
 
 The device totals come from `STATEBUDGET_FAKE_NVML_TOTALS` (bytes per device index, comma-separated), the
-processes from `STATEBUDGET_FAKE_NVML_DIR`: each fake engine process (tests/fakes/run_vllm.py `--driver-dir`)
-keeps `<pid>.json` there with the bytes it holds per device. A file whose pid no longer runs counts for
-nothing: the driver frees a dead process's memory. The calls and errors are those of tests/fakes/nvml.py.
+processes from `STATEBUDGET_FAKE_NVML_DIR`: each fake engine process (tests/fakes/run_vllm.py and
+run_sglang.py `--driver-dir`, on the books of tests/fakes/gpu_driver.py) keeps `<pid>.json` there with the
+bytes it holds per device. A file whose pid no longer runs counts for nothing: the driver frees a dead
+process's memory. The calls and errors are those of tests/fakes/nvml.py.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from fakes.nvml import FakeNvml, NVMLError  # after the path is set
+from fakes.gpu_driver import alive  # after the path is set
+from fakes.nvml import FakeNvml, NVMLError
 
 __all__ = [
     "NVMLError",
@@ -40,14 +42,6 @@ class _Process:
         return self.held
 
 
-def _alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[-1].split()[0] != "Z"
-
-
 def _processes() -> list[_Process]:
     out = []
     for path in sorted(Path(os.environ["STATEBUDGET_FAKE_NVML_DIR"]).glob("*.json")):
@@ -55,7 +49,7 @@ def _processes() -> list[_Process]:
             record = json.loads(path.read_text())
         except (OSError, ValueError):
             continue  # removed while listed
-        if _alive(int(record["pid"])):
+        if alive(int(record["pid"])):
             out.append(_Process(int(record["pid"]), {int(d): int(b) for d, b in record["gpu_bytes"].items()}))
     return out
 

@@ -3,7 +3,13 @@ nowhere or the plan broke (the service's `urgent`), and otherwise every `interva
 changes the engines absorb on their own (turns on warm models, reports) do not reshuffle the cluster.
 
 Wakes coalesce: one replan runs at a time, the wakes during it make one more after the debounce, and a
-wake for models that the current plan already brings makes none (`Planning.covers_waiting`)."""
+wake for models that the current plan already brings makes none (`Planning.covers_waiting`).
+
+Under load every new session that asks for a model served nowhere wakes the loop, and a replan's snapshot
+and install hold the state lock that events, leases and reports wait for, so woken replans are also spaced
+by their own cost: after one that took `d` seconds the next waits at least `d * (1 / URGENT_DUTY - 1)`
+(the debounce when that is shorter). On a quiet machine a replan takes tens of milliseconds and the debounce
+rules; when replans slow down because the service is busy, they take at most a third of its time."""
 
 from __future__ import annotations
 
@@ -17,6 +23,7 @@ from planner_service.service.errors import ServiceError
 log = logging.getLogger(__name__)
 
 TICK_SECONDS = 0.5  # how often leases are checked for expiry
+URGENT_DUTY = 1 / 3  # of the wall time, at most, that woken replans take back to back
 
 
 class PlanningLoop:
@@ -37,8 +44,13 @@ class PlanningLoop:
         if self._thread is not None:
             self._thread.join(timeout=10)
 
+    def quiet_seconds(self, replan_seconds: float) -> float:
+        """How long a woken replan waits after the last replan, which took `replan_seconds`."""
+        return max(self._debounce, replan_seconds * (1 / URGENT_DUTY - 1))
+
     def _run(self) -> None:
         last_plan = time.monotonic()
+        last_took = 0.0  # wall seconds of the last replan
         while not self._stop.is_set():
             triggered = self._service.urgent.wait(timeout=TICK_SECONDS)
             if self._stop.is_set():
@@ -48,8 +60,12 @@ class PlanningLoop:
             due = time.monotonic() - last_plan >= self._interval
             if not (triggered or due):
                 continue
-            if triggered and self._stop.wait(self._debounce):  # let the burst finish
+            # let the burst finish, and keep woken replans from taking more than their share of the service
+            if triggered and self._stop.wait(
+                max(self._debounce, last_plan + self.quiet_seconds(last_took) - time.monotonic())
+            ):
                 return
+            started = time.monotonic()
             try:
                 if not due:  # woken by requests for models served nowhere, or a broken plan
                     self._service.urgent.clear()  # before looking: a request after it wakes the loop again
@@ -65,3 +81,4 @@ class PlanningLoop:
             else:
                 log.debug("replan: %s", result)
             last_plan = time.monotonic()
+            last_took = last_plan - started

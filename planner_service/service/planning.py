@@ -26,7 +26,7 @@ from planner_service.service.live import (
     LiveState,
     Usage,
 )
-from planner_service.service.queues import Queues
+from planner_service.service.queues import Queues, plan_document
 from planner_service.service.records import OpRecord, OpState
 from planner_service.service.solving import PlanRequest, PlanRunner, plan_from
 from planner_service.solver.registry import solve
@@ -225,6 +225,7 @@ class Planning:
                     self._answered = waiting
                     return {"epoch": self.live.epoch, "changed": False}, "kept"  # staying put is the better deal
                 plan = result.plan
+                document = plan_document(plan)  # its placement serialized before the lock, not under it
                 with self.live.change():
                     if self._basis() != basis:
                         continue  # operations went in flight, landed elsewhere or failed while solving: again
@@ -234,7 +235,7 @@ class Planning:
                         return {"epoch": self.live.epoch, "changed": False}, "unchanged"
                     # the same landing place, maybe other operations
                     inflight = self.live.inflight()
-                    touched = self.queues.install(plan, inflight, self.landing(inflight).capped)
+                    touched = self.queues.install(plan, inflight, self.landing(inflight).capped, document)
                     self.live.metrics.replans.labels("installed").inc()
                     self._answered = waiting
                     self.live.force_replan = False

@@ -139,6 +139,11 @@ def _step_waits(ops: list[Operation], races: Races) -> dict[tuple[str, str, str]
     return waits
 
 
+def plan_document(plan: Plan) -> dict[str, Any]:
+    """The plan as the store and `GET /v1/plan` keep it, less its operations (the install names them)."""
+    return dataclasses.replace(plan, operations=[]).to_json()
+
+
 class Queues:
     """Operation queues and leases: plans installed as epochs of operations, leased to nodes, renewed,
     reported."""
@@ -149,9 +154,12 @@ class Queues:
         # only to explain a refused renewal: whether a lease holds anything is read from the operations alone
         self.ended: dict[str, EndedLease] = {}
 
-    def install(self, plan: Plan, inflight: list[OpRecord], capped: Collection[str] = ()) -> frozenset[str]:
+    def install(
+        self, plan: Plan, inflight: list[OpRecord], capped: Collection[str] = (), document: dict[str, Any] | None = None
+    ) -> frozenset[str]:
         """Install `plan` as the next epoch, incrementally; the nodes whose queues it changed. Its operations
         wait for those in `inflight` they would race (`must_wait`; `capped`: those planned as landing less).
+        `document`: `plan_document(plan)`, when the caller made it before taking the state lock.
 
         An operation of the plan that is the same move as one still queued (`same_move`: action, object,
         source, destination, bytes and node) with the same dependencies once they are named as installed
@@ -210,7 +218,7 @@ class Queues:
                 self.live.open_ops.discard(oid)
                 batch.operation_updates[oid] = {"state": r.state.value, "superseded_by": epoch, "updated_at": now}
                 superseded += 1
-        doc = dataclasses.replace(plan, operations=[]).to_json()
+        doc = dict(document) if document is not None else plan_document(plan)
         doc["operations"] = [r.op.to_json() for r in records]
         doc["held_back"] = [
             {

@@ -456,9 +456,14 @@ class Live:
             return {"epoch": self.epoch if ready else None, "srv_version": self.srv_version if ready else None}
 
     def purge_ended_sessions(self, batch: Batch) -> None:
-        with_kv = {obj.session for obj, _ in self.placement if obj.kind is Kind.KV}
-        busy = {self.ops[i].op.object.session for i in self.open_ops if self.ops[i].op.object.kind is Kind.KV}
-        for sid in [s.id for s in self.sessions.values() if s.ended and s.id not in with_kv | busy]:
+        """Forget the ended sessions that hold no KV and have none in flight (every event batch and done
+        report calls this: the placement and the open operations are looked at only when one has ended)."""
+        ended = {s.id for s in self.sessions.values() if s.ended}
+        if not ended:
+            return
+        ended -= {obj.session for obj, _ in self.placement if obj.kind is Kind.KV}
+        ended -= {self.ops[i].op.object.session for i in self.open_ops if self.ops[i].op.object.kind is Kind.KV}
+        for sid in sorted(ended):
             del self.sessions[sid]
             batch.sessions[sid] = None
 

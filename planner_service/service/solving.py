@@ -130,7 +130,9 @@ class PlanWorker:
     """`plan_from` in one worker process (spawned: the service has threads, so no fork), started once.
 
     A worker that died (killed, out of memory) costs one replan planned in this process instead, and the
-    next replan starts a new worker."""
+    next replan starts a new worker. Any other failure on the way (a snapshot that cannot be sent, say)
+    plans in this process, as does every replan after it: the worker never makes a replan fail that would
+    have succeeded without it."""
 
     def __init__(self) -> None:
         self._pool: concurrent.futures.ProcessPoolExecutor | None = None
@@ -170,6 +172,10 @@ class PlanWorker:
                 if self._pool is pool:
                     self._pool = None
             pool.shutdown(wait=False, cancel_futures=True)
+            return plan_from(request)
+        except Exception:  # never a new way for a replan to fail: plan here, as without a worker
+            log.exception("planning in the worker process failed; replans are solved in the service from now on")
+            self.close()
             return plan_from(request)
 
     def close(self) -> None:

@@ -152,3 +152,25 @@ def alive(pid: int) -> bool:
             return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def test_a_snapshot_the_worker_cannot_take_is_planned_here_from_then_on(tmp_path: Path) -> None:
+    class Local(dict[str, Any]):  # next-model predictions in a class pickle cannot name
+        pass
+
+    service = busy_demo(tmp_path / "p.db")
+    request = request_of(service)
+    unsendable = PlanRequest(request.state, Local(request.next_model), request.usage, request.solver, force=True)
+    expected = plan_from(request).plan
+    assert expected is not None
+    worker = PlanWorker()
+    try:
+        worker.start()
+        answered = worker(unsendable)
+        assert answered.plan is not None and untimed(answered.plan.to_json()) == untimed(expected.to_json())
+        assert worker._executor() is None  # closed: the replans after it plan in the service
+        again = worker(request)
+        assert again.plan is not None and untimed(again.plan.to_json()) == untimed(expected.to_json())
+    finally:
+        worker.close()
+    service.close()

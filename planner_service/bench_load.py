@@ -18,7 +18,7 @@ bounded time:
 It prints p50/p95/p99 of event, lease (the drain poll) and report latency, every answer that was not a
 2xx, events per second achieved, the forced replans' wall time, and the server's own replan counters and
 durations scraped from `/metrics` at the end, with the CPU time the server process used (`server_cpu_cores`:
-1.0 is one core busy the whole time). Client and server share the machine: `machine()` says which.
+1.0 is one core busy the whole time) and its planning worker process beside it (`worker_cpu_cores`). Client and server share the machine: `machine()` says which.
 """
 
 from __future__ import annotations
@@ -155,11 +155,34 @@ class Server:
 
     def cpu_seconds(self) -> float:
         """User + system CPU seconds the server process has used (Linux /proc; 0 elsewhere)."""
+        return _cpu_seconds(self.process.pid)
+
+    def children_cpu_seconds(self) -> float:
+        """The same for the processes it started and still runs (its planning worker)."""
+        return sum(_cpu_seconds(pid) for pid in _children(self.process.pid))
+
+
+def _children(parent: int) -> list[int]:
+    """The processes whose parent is `parent` (Linux /proc; none elsewhere)."""
+    found = []
+    for entry in Path("/proc").iterdir() if Path("/proc").is_dir() else ():
+        if not entry.name.isdigit():
+            continue
         try:
-            fields = Path(f"/proc/{self.process.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            return 0.0
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue  # gone meanwhile
+        if ppid == parent:
+            found.append(int(entry.name))
+    return found
+
+
+def _cpu_seconds(pid: int) -> float:
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
 
 
 @contextlib.contextmanager
@@ -220,8 +243,10 @@ def run_phase(config: LoadConfig) -> dict[str, Any]:
     nodes = node_ids_of(config)
     with tempfile.TemporaryDirectory(prefix="statebudget-load-") as tmp, serve(config, Path(tmp), nodes) as server:
         cpu_before, client_before = server.cpu_seconds(), time.process_time()
+        worker_before = server.children_cpu_seconds()
         samples, wall = asyncio.run(_drive(config, server))
         cpu = server.cpu_seconds() - cpu_before
+        worker_cpu = server.children_cpu_seconds() - worker_before
         client_cpu = time.process_time() - client_before
         scraped = httpx.get(
             f"{server.base_url}/metrics", headers=_auth(server.operator_token), timeout=30.0
@@ -248,6 +273,7 @@ def run_phase(config: LoadConfig) -> dict[str, Any]:
         "errors_total": sum(samples.errors.values()),
         "server": counters,
         "server_cpu_cores": round(cpu / wall, 2),
+        "worker_cpu_cores": round(worker_cpu / wall, 2),
         "client_cpu_cores": round(client_cpu / wall, 2),
     }
 

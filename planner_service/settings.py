@@ -63,6 +63,11 @@ class Settings(BaseSettings):
     background_planning: bool = Field(
         True, description="Run the planning loop thread (tests turn it off and replan with POST /v1/plan)."
     )
+    plan_in_worker: bool = Field(
+        True,
+        description="Solve replans in a worker process, so the planner's CPU does not hold the GIL against the HTTP "
+        "requests (tests turn it off to plan in the service's own thread).",
+    )
     solver: Literal["greedy", "search", "milp"] = Field("greedy", description="Solver of the online planning loop.")
     demand_window_seconds: float = Field(
         3600.0,

@@ -13,6 +13,7 @@ import signal
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
+from concurrent.futures.process import BrokenProcessPool
 from contextlib import asynccontextmanager, contextmanager
 from types import FrameType
 from typing import Any
@@ -53,6 +54,7 @@ from planner_service.metrics import Metrics
 from planner_service.service.engine import ClusterService
 from planner_service.service.errors import ServiceError
 from planner_service.service.loop import PlanningLoop
+from planner_service.service.solving import PlanWorker
 from planner_service.service.store import SqliteStore, Store
 from planner_service.settings import Settings
 
@@ -149,6 +151,17 @@ def create_app(
                 loop.call_soon_threadsafe(queues.bump, nodes)
 
         service.add_listener(wake)
+        worker = PlanWorker() if settings.plan_in_worker else None
+        if worker is not None:
+            try:
+                pid = await run_in_threadpool(worker.start)
+            except (OSError, BrokenProcessPool) as error:  # a start never fails on the worker either
+                log.error("no planning worker process (%s): replans are solved in the service", error)
+                await run_in_threadpool(worker.close)
+                worker = None
+            else:
+                service.planning.runner = worker
+                log.info("replans are solved in the worker process %d", pid)
         try:
             await run_in_threadpool(service.replan)
         except ServiceError as error:  # a start never fails on a plan: the planning loop tries again
@@ -168,6 +181,8 @@ def create_app(
             queues.drain()
             if planner is not None:
                 await run_in_threadpool(planner.stop)
+            if worker is not None:
+                await run_in_threadpool(worker.close)
             service.close()
 
     app = _App(

@@ -1,4 +1,9 @@
-"""Typed dependencies: the service, the settings, and who is calling."""
+"""Typed dependencies: the service, the settings, and who is calling.
+
+Each is an `async def` although none awaits: FastAPI runs a plain `def` dependency in a worker thread, and
+these only read the app's state and compare tokens, so a thread hand-off (a wake-up through a `Condition`,
+and the GIL taken back and forth) would cost more than the work. Only the routes that take the state lock
+run in a thread."""
 
 from __future__ import annotations
 
@@ -62,17 +67,17 @@ class QueueSignal:
         self.bump()
 
 
-def get_service(request: Request) -> ClusterService:
+async def get_service(request: Request) -> ClusterService:
     service: ClusterService = request.app.state.service
     return service
 
 
-def get_settings(request: Request) -> Settings:
+async def get_settings(request: Request) -> Settings:
     settings: Settings = request.app.state.settings
     return settings
 
 
-def get_signal(request: Request) -> QueueSignal:
+async def get_signal(request: Request) -> QueueSignal:
     signal: QueueSignal = request.app.state.signal
     return signal
 
@@ -93,7 +98,7 @@ class Principal:
     node: str | None = None
 
 
-def get_principal(
+async def get_principal(
     settings: SettingsDep,
     credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
 ) -> Principal:
@@ -115,7 +120,7 @@ def get_principal(
 PrincipalDep = Annotated[Principal, Depends(get_principal)]
 
 
-def require_operator(principal: PrincipalDep) -> Principal:
+async def require_operator(principal: PrincipalDep) -> Principal:
     if principal.kind == "node":
         raise Forbidden(
             f"this endpoint needs an operator token; the token of node {principal.node!r} reaches only "
@@ -129,7 +134,7 @@ def require_operator(principal: PrincipalDep) -> Principal:
 _ROUTER_REACH = "this endpoint needs an operator token; a router token reaches only POST /v1/events, GET /v1/routes and GET /v1/plan"
 
 
-def require_router_access(principal: PrincipalDep) -> Principal:
+async def require_router_access(principal: PrincipalDep) -> Principal:
     """An operator or a gateway (router token): events in, routes and the plan out."""
     if principal.kind == "node":
         raise Forbidden(
@@ -139,7 +144,7 @@ def require_router_access(principal: PrincipalDep) -> Principal:
     return principal
 
 
-def require_node_access(node_id: str, principal: PrincipalDep) -> Principal:
+async def require_node_access(node_id: str, principal: PrincipalDep) -> Principal:
     if principal.kind == "router":
         raise Forbidden(_ROUTER_REACH)
     if principal.kind == "node" and principal.node != node_id:

@@ -90,7 +90,8 @@ class ClusterService:
             else:
                 self._restore(stored)
             self.live.ready = True
-            return seeded
+        self.live.durable()  # the seed, or the repairs a restore wrote
+        return seeded
 
     def _reload(self) -> None:
         """Memory from the database alone, as a restart would have it (what only memory held is forgotten:

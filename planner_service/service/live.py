@@ -145,6 +145,7 @@ class Live:
         self.settings = settings
         self.clock = clock
         self.lock = threading.RLock()
+        self._thread = threading.local()  # per thread: how deep in `change()`, and whether it committed unsynced
         self.plan_lock = threading.Lock()  # one replan at a time
         self.listeners: list[Callable[[frozenset[str] | None], None]] = []
         self.urgent = threading.Event()  # set when a request waits for a model served nowhere, or the plan broke
@@ -198,26 +199,50 @@ class Live:
 
     def write(self, batch: Batch) -> None:
         """Commit `batch`. When that fails, memory already holds a change the database does not: memory goes
-        back to what the database holds, and the caller is told nothing happened."""
+        back to what the database holds, and the caller is told nothing happened. The outermost `change()`
+        makes it durable (`durable()`) once the state lock is released, before the caller answers."""
         try:
             self.store.write(batch)
         except Exception as error:  # noqa: BLE001 -- whatever a write raises, memory must not stay ahead
             self.recover(f"a database write failed ({error})")
             raise NotReady(f"a database write failed ({error}); nothing changed, retry") from None
+        if batch:
+            self._thread.unsynced = True
 
     @contextmanager
     def change(self) -> Iterator[None]:
         """Hold the state lock for a change. Refusals (`ServiceError`) are raised before anything changes;
         any other exception may leave memory half changed and uncommitted, so memory is reloaded from the
-        database before it propagates: nothing the service publishes was not committed."""
-        with self.lock:
-            try:
-                yield
-            except ServiceError:
-                raise
-            except Exception as error:
-                self.recover(f"{type(error).__name__}: {error}")
-                raise
+        database before it propagates: nothing the service publishes was not committed. What the change
+        committed is flushed to disk after the lock is released (group commit), before this returns."""
+        depth = getattr(self._thread, "depth", 0)
+        self._thread.depth = depth + 1
+        try:
+            with self.lock:
+                try:
+                    yield
+                except ServiceError:
+                    raise
+                except Exception as error:
+                    self.recover(f"{type(error).__name__}: {error}")
+                    raise
+        finally:
+            self._thread.depth = depth
+            if depth == 0:
+                self.durable()
+
+    def durable(self) -> None:
+        """Flush what this thread committed, outside the state lock (`Store.sync`: writers that committed
+        meanwhile share the flush). A flush that fails stops the service: what it answered may not be on disk."""
+        if not getattr(self._thread, "unsynced", False):
+            return
+        self._thread.unsynced = False
+        try:
+            self.store.sync()
+        except OSError as error:
+            self.broken = f"flushing the database to disk failed ({error}): restart the service"
+            log.critical("%s", self.broken)
+            raise NotReady(self.broken) from None
 
     def recover(self, why: str) -> None:
         """Make memory the database's state again, or stop serving when even that fails."""
@@ -453,9 +478,14 @@ class Live:
             return {"epoch": self.epoch if ready else None, "srv_version": self.srv_version if ready else None}
 
     def purge_ended_sessions(self, batch: Batch) -> None:
-        with_kv = {obj.session for obj, _ in self.placement if obj.kind is Kind.KV}
-        busy = {self.ops[i].op.object.session for i in self.open_ops if self.ops[i].op.object.kind is Kind.KV}
-        for sid in [s.id for s in self.sessions.values() if s.ended and s.id not in with_kv | busy]:
+        """Forget the ended sessions that hold no KV and have none in flight (every event batch and done
+        report calls this: the placement and the open operations are looked at only when one has ended)."""
+        ended = {s.id for s in self.sessions.values() if s.ended}
+        if not ended:
+            return
+        ended -= {obj.session for obj, _ in self.placement if obj.kind is Kind.KV}
+        ended -= {self.ops[i].op.object.session for i in self.open_ops if self.ops[i].op.object.kind is Kind.KV}
+        for sid in sorted(ended):
             del self.sessions[sid]
             batch.sessions[sid] = None
 

@@ -15,13 +15,6 @@ from planner_service.domain.state import (
     Location,
     StateObject,
 )
-from planner_service.planner.invariants import check_plan
-from planner_service.planner.online import (
-    engines_in,
-    for_real,
-    pins,
-    worth_adopting,
-)
 from planner_service.planner.plan import Plan
 from planner_service.service.errors import (
     Conflict,
@@ -34,8 +27,9 @@ from planner_service.service.live import (
     LiveState,
     Usage,
 )
-from planner_service.service.queues import Queues
+from planner_service.service.queues import Queues, plan_document
 from planner_service.service.records import OpRecord, OpState
+from planner_service.service.solving import PlanRequest, PlanRunner, plan_from
 from planner_service.solver.registry import solve
 
 log = logging.getLogger(__name__)
@@ -93,9 +87,10 @@ class _Gate:
 class Planning:
     """Planning from the live state: snapshots, the online rules' inputs, solves, compare-and-swap installs."""
 
-    def __init__(self, live: Live, queues: Queues) -> None:
+    def __init__(self, live: Live, queues: Queues, runner: PlanRunner = plan_from) -> None:
         self.live = live
         self.queues = queues
+        self.runner = runner  # the solve between snapshot and install: here, or in a worker process (`solving.py`)
         self._gate = _Gate()
         self._answered: frozenset[tuple[str, str]] = frozenset()  # `_waiting()` when the last replan decided
 
@@ -140,14 +135,6 @@ class Planning:
             {model for model, _ in waiting if model not in self.live.serving},
             any(self.live.ops[i].state is OpState.QUEUED for i in self.live.open_ops),
         )
-
-    @staticmethod
-    def _pins(problem: Problem, usage: Usage) -> dict[str, dict[str, str]]:
-        """The greedy's `nodes` and `precisions`: engines that served within the planning horizon stay where
-        they are, unless a request has waited for its model past the unpin delay (`online.pins`)."""
-        engines = engines_in(problem, usage.last_used)
-        nodes, precisions = pins(engines, usage.stuck, usage.now, problem.constants.horizon_seconds)
-        return {"nodes": nodes, "precisions": precisions}
 
     def _solve(self, problem: Problem, solver: str, **options: object) -> Plan:
         started = time.perf_counter()
@@ -225,25 +212,22 @@ class Planning:
                     basis = self._basis()
                     held_due = self.live.held_until is not None and usage.now >= self.live.held_until
                     force = force or self.live.force_replan or held_due
+                    force_all = force or self.live.plan is None  # installed whatever it buys
                     self.live.urgent.clear()
-                try:
-                    problem = state.problem(next_model)
-                    try:
-                        # pins are the greedy's: the search and the MILP choose every node
-                        pinned = self._pins(problem, usage) if self.live.settings.solver == "greedy" else {}
-                        plan = self._solve(problem, self.live.settings.solver, **pinned)
-                    except SolverUnavailable as error:
-                        log.warning("%s; the planning loop falls back to greedy", error.message)
-                        plan = self._solve(problem, "greedy", **self._pins(problem, usage))
-                except ValueError as error:  # ScenarioError included: the live state itself cannot be planned
-                    raise Conflict(f"the live state cannot be planned: {error}") from None
-                self._check(problem, plan)
-                adopt = worth_adopting(problem, plan, usage.waiting, pending=usage.pending)
-                if not force and self.live.plan is not None and not adopt:
+                result = self.runner(PlanRequest(state, next_model, usage, self.live.settings.solver, force_all))
+                for solver, seconds in result.solves:
+                    self.live.metrics.plan_duration.labels(solver).observe(seconds)
+                if result.warning is not None:
+                    log.warning("%s", result.warning)
+                if result.plan is None:  # the live state itself cannot be planned
+                    raise Conflict(f"the live state cannot be planned: {result.unplannable}")
+                self._count_broken(result.broken)
+                if not force_all and not result.adopt:
                     self.live.metrics.replans.labels("kept").inc()
                     self._answered = waiting
                     return {"epoch": self.live.epoch, "changed": False}, "kept"  # staying put is the better deal
-                plan = for_real(problem, plan)
+                plan = result.plan
+                document = plan_document(plan)  # its placement serialized before the lock, not under it
                 with self.live.change():
                     if self._basis() != basis:
                         continue  # operations went in flight, landed elsewhere or failed while solving: again
@@ -253,7 +237,7 @@ class Planning:
                         return {"epoch": self.live.epoch, "changed": False}, "unchanged"
                     # the same landing place, maybe other operations
                     inflight = self.live.inflight()
-                    touched = self.queues.install(plan, inflight, self.landing(inflight).capped)
+                    touched = self.queues.install(plan, inflight, self.landing(inflight).capped, document)
                     self.live.metrics.replans.labels("installed").inc()
                     self._answered = waiting
                     self.live.force_replan = False
@@ -268,12 +252,11 @@ class Planning:
         self.live.notify(touched)
         return {"epoch": epoch, "changed": True}, "installed"
 
-    def _check(self, problem: Problem, plan: Plan) -> None:
+    def _count_broken(self, broken: tuple[str, ...]) -> None:
         """Count and log what the plan breaks of planner/invariants.py (a planner bug, which the property and
         soak tests hold at zero): the plan is still installed, as the state it plans from may itself be one
         no plan can make sound (operations in flight landed only as far as they fit, say), and a planning loop
         that installs nothing would hold every node where it is."""
-        broken = check_plan(problem, plan.placement, plan.operations, plan.unserved)
         for sentence in broken:  # the kind: the sentence's first word (capacity, engine, active, order, ...)
             self.live.metrics.plan_invariant_violations.labels(re.findall(r"^[a-z]*", sentence)[0]).inc()
         if broken:

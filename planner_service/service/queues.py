@@ -87,14 +87,48 @@ def must_wait(op: Operation, r: OpRecord, capped: Collection[str] = ()) -> bool:
     return frees_dest or reads_its_output or drops_its_source
 
 
+class Races:
+    """The operations in flight, indexed by what a new operation could race them on (`must_wait`): finding
+    those one operation must wait for is a few look-ups instead of a scan of everything in flight, which an
+    install of several hundred operations over a hundred in flight would make tens of thousands of times."""
+
+    def __init__(self, inflight: list[OpRecord], capped: Collection[str] = ()) -> None:
+        self._order = {r.id: i for i, r in enumerate(inflight)}
+        self._freeing: dict[Location, list[OpRecord]] = defaultdict(list)  # what each frees, or fills capped
+        self._writing: dict[tuple[StateObject, Location], list[OpRecord]] = defaultdict(list)  # (object, dest)
+        self._reading_kept: dict[tuple[StateObject, Location], list[OpRecord]] = defaultdict(list)  # (object, source)
+        for r in inflight:
+            if (freed := r.op.frees()) is not None:
+                self._freeing[freed].append(r)
+            if r.op.dest is not None:
+                if r.id in capped:
+                    self._freeing[r.op.dest].append(r)
+                self._writing[(r.op.object, r.op.dest)].append(r)
+            if r.op.keep_source and r.op.source is not None:
+                self._reading_kept[(r.op.object, r.op.source)].append(r)
+
+    def of(self, op: Operation) -> set[str]:
+        """The ids of the operations in flight `op` must wait for: those `must_wait(op, r, capped)` holds for."""
+        found: set[str] = set()
+        if op.dest is not None:
+            found.update(r.id for r in self._freeing.get(op.dest, ()))
+        if op.source is not None:
+            found.update(r.id for r in self._writing.get((op.object, op.source), ()))
+        if (freed := op.frees()) is not None:
+            found.update(r.id for r in self._reading_kept.get((op.object, freed), ()))
+        return found
+
+    def ordered(self, ids: Iterable[str]) -> list[str]:
+        """`ids` in the order of the operations in flight (their plans' order)."""
+        return sorted(ids, key=self._order.__getitem__)
+
+
 def _step_key(op: Operation) -> tuple[str, str, str] | None:
     """The engine step `op` is one move of (node, instance, transition), or None."""
     return None if op.engine is None else (op.node, op.engine.instance.id, op.engine.transition.value)
 
 
-def _step_waits(
-    ops: list[Operation], inflight: list[OpRecord], capped: Collection[str] = ()
-) -> dict[tuple[str, str, str] | None, set[str]]:
+def _step_waits(ops: list[Operation], races: Races) -> dict[tuple[str, str, str] | None, set[str]]:
     """Per engine step, the operations in flight any of its moves must wait on: the step is one call for the
     whole instance, made on the first of its moves an agent runs, so every move waits on them (as every move
     of a step waits on what any of them waits on within the plan, planner/operations.py)."""
@@ -102,8 +136,13 @@ def _step_waits(
     for op in ops:
         key = _step_key(op)
         if key is not None:
-            waits[key].update(r.id for r in inflight if must_wait(op, r, capped))
+            waits[key].update(races.of(op))
     return waits
+
+
+def plan_document(plan: Plan) -> dict[str, Any]:
+    """The plan as the store and `GET /v1/plan` keep it, less its operations (the install names them)."""
+    return dataclasses.replace(plan, operations=[]).to_json()
 
 
 class Queues:
@@ -116,9 +155,12 @@ class Queues:
         # only to explain a refused renewal: whether a lease holds anything is read from the operations alone
         self.ended: dict[str, EndedLease] = {}
 
-    def install(self, plan: Plan, inflight: list[OpRecord], capped: Collection[str] = ()) -> frozenset[str]:
+    def install(
+        self, plan: Plan, inflight: list[OpRecord], capped: Collection[str] = (), document: dict[str, Any] | None = None
+    ) -> frozenset[str]:
         """Install `plan` as the next epoch, incrementally; the nodes whose queues it changed. Its operations
         wait for those in `inflight` they would race (`must_wait`; `capped`: those planned as landing less).
+        `document`: `plan_document(plan)`, when the caller made it before taking the state lock.
 
         An operation of the plan that is the same move as one still queued (`same_move`: action, object,
         source, destination, bytes and node) with the same dependencies once they are named as installed
@@ -137,15 +179,15 @@ class Queues:
         if not in_order(plan.operations):  # a record may be adopted only once its dependencies are named
             queued.clear()
         name = {op.id: f"{epoch}.{op.id}" for op in plan.operations}  # plan id -> installed id
-        step_waits = _step_waits(plan.operations, inflight, capped)
+        races = Races(inflight, capped)
+        step_waits = _step_waits(plan.operations, races)
         adopted: set[str] = set()
         records: list[OpRecord] = []
         batch = Batch()
         for seq, op in enumerate(plan.operations):
             if op.id in held:
                 continue
-            shared = step_waits.get(_step_key(op), ())
-            waits = [r.id for r in inflight if r.id in shared or must_wait(op, r, capped)]
+            waits = races.ordered(step_waits.get(_step_key(op), set()) | races.of(op))
             deps = [name[d] for d in op.depends_on] + waits
             waits_on = self._waits_on(deps)
             same = next((r for r in queued.get(same_move(op), ()) if self._waits_on(r.op.depends_on) == waits_on), None)
@@ -177,7 +219,7 @@ class Queues:
                 self.live.open_ops.discard(oid)
                 batch.operation_updates[oid] = {"state": r.state.value, "superseded_by": epoch, "updated_at": now}
                 superseded += 1
-        doc = dataclasses.replace(plan, operations=[]).to_json()
+        doc = dict(document) if document is not None else plan_document(plan)
         doc["operations"] = [r.op.to_json() for r in records]
         doc["held_back"] = [
             {

@@ -2,16 +2,22 @@
 
 The service keeps its authoritative state in memory and writes every
 acknowledged change through a `Store` as one atomic `Batch` before it answers.
-`SqliteStore` is the embedded default (WAL, synchronous=FULL: a committed
-batch survives `kill -9` and power loss); a replicated database (PostgreSQL)
-can implement the same protocol.
+`SqliteStore` is the embedded default: WAL with synchronous=NORMAL, so a
+committed batch survives `kill -9` at once (its frames are in the operating
+system's cache), and power loss once `sync()` has flushed the log. The
+service commits under its state lock and syncs after releasing it, before it
+answers: callers that committed meanwhile share one flush (group commit), so
+the lock is not held for a disk flush per change. A replicated database
+(PostgreSQL) can implement the same protocol.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import sqlite3
+import threading
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -85,7 +91,11 @@ class Store(Protocol):
     def load(self, observations_since: float) -> Stored: ...
 
     def write(self, batch: Batch) -> None:
-        """Commit `batch` atomically and durably before returning."""
+        """Commit `batch` atomically before returning: durable against a crash of this process at once."""
+
+    def sync(self) -> None:
+        """Make every batch committed so far durable against power loss too. Called without the service's
+        lock; concurrent callers share one flush."""
 
     def prune(self, observations_before: float, events_before: float) -> None:
         """Forget what no longer matters: old observations and event ids, the oldest finished operations."""
@@ -223,6 +233,10 @@ class SqliteStore:
     def __init__(self, path: Path) -> None:
         self._path = path
         self._db: sqlite3.Connection | None = None
+        self._flush = threading.Condition()  # guards the three below
+        self._committed = 0  # batches committed
+        self._synced = 0  # of them, flushed to disk
+        self._flushing = False  # a caller is flushing (the others wait for it, then flush what it did not cover)
 
     def open(self) -> None:
         if str(self._path) != ":memory:":
@@ -230,7 +244,7 @@ class SqliteStore:
         # the service serializes every call under its own lock
         self._db = sqlite3.connect(str(self._path), check_same_thread=False, isolation_level=None)
         self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=FULL")
+        self._db.execute("PRAGMA synchronous=NORMAL")  # the commit writes the log; `sync()` flushes it
         try:
             migrate(self._db, self._path)
         except BaseException:
@@ -309,6 +323,37 @@ class SqliteStore:
         except BaseException:
             db.execute("ROLLBACK")
             raise
+        with self._flush:
+            self._committed += 1
+
+    def sync(self) -> None:
+        """Flush the write-ahead log once for every batch committed before the call (group commit): a caller
+        that finds a flush running waits for it, and the first to find none flushes for all that wait."""
+        with self._flush:
+            target = self._committed
+            while self._synced < target:
+                if self._flushing:
+                    self._flush.wait()
+                    continue
+                self._flushing, covered = True, self._committed
+                self._flush.release()
+                try:
+                    self._flush_log()
+                finally:
+                    self._flush.acquire()
+                    self._flushing = False
+                    self._flush.notify_all()
+                self._synced = max(self._synced, covered)
+
+    def _flush_log(self) -> None:
+        """fsync the write-ahead log: the commits it holds (a checkpoint flushes what it moves out of it)."""
+        if str(self._path) == ":memory:":
+            return
+        fd = os.open(f"{self._path}-wal", os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
     def prune(self, observations_before: float, events_before: float) -> None:
         """Forget observations that left the window, event ids past their retention, old finished operations."""

@@ -24,6 +24,7 @@ def make_app(tmp_path: Path) -> Iterator[Callable[..., Harness]]:
         settings: dict[str, Any] = {
             "db_path": tmp_path / "statebudget.db",
             "background_planning": False,
+            "plan_in_worker": False,  # the API is the subject here; tests/service/test_plan_worker.py plans in the worker
             "lease_seconds": 30.0,
             **overrides,
         }

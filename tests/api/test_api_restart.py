@@ -46,7 +46,7 @@ class FailingStore(SqliteStore):
 
 def test_a_failed_database_write_changes_nothing_and_the_service_goes_on(tmp_path):
     store = FailingStore(tmp_path / "f.db")
-    settings = Settings(db_path=tmp_path / "f.db", scenario_path=TINY, background_planning=False)
+    settings = Settings(db_path=tmp_path / "f.db", scenario_path=TINY, background_planning=False, plan_in_worker=False)
     with TestClient(create_app(settings, registry=CollectorRegistry(), store=store)) as client:
         assert client.post("/v1/events", json={"events": [request("e1", "s1", "beta")]}).status_code == 200
         store.failing = True
@@ -71,7 +71,7 @@ class UnreadableStore(FailingStore):
 
 def test_a_failed_write_whose_reload_fails_too_stops_the_service_until_a_restart(tmp_path):
     store = UnreadableStore(tmp_path / "u.db")
-    settings = Settings(db_path=tmp_path / "u.db", scenario_path=TINY, background_planning=False)
+    settings = Settings(db_path=tmp_path / "u.db", scenario_path=TINY, background_planning=False, plan_in_worker=False)
     with TestClient(create_app(settings, registry=CollectorRegistry(), store=store)) as client:
         assert client.post("/v1/events", json={"events": [request("e1", "s1", "beta")]}).status_code == 200
         store.failing = True

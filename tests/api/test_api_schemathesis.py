@@ -75,6 +75,7 @@ def app_for(tmp_path: Path) -> Iterator[Any]:
             db_path=tmp_path / "statebudget.db",
             scenario_path=TINY,
             background_planning=False,
+            plan_in_worker=False,
             max_wait_seconds=0,  # lease long-polls answer at once
             **tokens,
         )

@@ -36,6 +36,7 @@ def make_app(
     settings: dict[str, Any] = {
         "db_path": tmp_path / "statebudget.db",
         "background_planning": False,
+        "plan_in_worker": False,  # the API is the subject here; tests/service/test_plan_worker.py plans in the worker
         "lease_seconds": 30.0,
         "max_wait_seconds": 5.0,
         **overrides,

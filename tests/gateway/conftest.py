@@ -28,6 +28,7 @@ def make_stack(tmp_path: Path) -> Iterator[Callable[..., Stack]]:
             db_path=tmp_path / "planner.db",
             scenario_path=TINY_SCENARIO,
             background_planning=False,
+            plan_in_worker=False,
             operator_tokens=["op-token"],
             router_tokens=[ROUTER_TOKEN],
             max_wait_seconds=5.0,

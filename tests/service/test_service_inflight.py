@@ -10,6 +10,7 @@ what fits (`service/landing.py`), and what fills their GPU waits for them.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from pathlib import Path
 
@@ -23,7 +24,9 @@ from planner_service.domain.state import Location, Tier
 from planner_service.metrics import Metrics
 from planner_service.service.engine import ClusterService
 from planner_service.service.inputs import EventsIn, ReportIn
+from planner_service.service.queues import Races, must_wait
 from planner_service.service.records import OpState
+from planner_service.service.solving import PlanRequest, plan_from
 from planner_service.service.store import SqliteStore
 from planner_service.settings import Settings
 
@@ -119,3 +122,41 @@ def test_operations_in_flight_that_no_longer_fit_are_planned_capped_and_waited_f
     assert service.replan(force=True)["changed"] is True
     assert gpu_bytes(service, service.live.placement, filled) <= service.live.sizes.gpus[filled].capacity_bytes  # type: ignore[union-attr]  # started
     service.close()
+
+
+def test_the_race_index_finds_what_must_wait_finds(tmp_path):
+    """`Races` (the install's index of the operations in flight) names, for every operation, exactly the
+    operations in flight `must_wait` says it must wait for: the plan's own operations, and operations made
+    to race each one in flight on each of its three rules (fills what it frees or lands capped, reads what
+    it writes, drops the source it reads)."""
+    service, clock = open_service(tmp_path / "r.db")
+    rng = np.random.default_rng(1)
+    models = sorted(m.id for m in service.live.declared.models)
+    stream = EventStream(rng, models, range(200), run="r")
+    lease_all(service)
+    for _ in range(20):
+        clock.t += 0.05
+        service.apply_events(EventsIn.model_validate({"events": [next(stream) for _ in range(20)]}).events)
+    inflight = service.live.inflight()
+    capped = {r.id for r in inflight[::3]}
+    with service.live.change():
+        state, next_model, _ = service.planning.planning_snapshot(stand_ins=True)
+        usage = service.planning._usage()
+    plan = plan_from(PlanRequest(state, next_model, usage, "greedy", force=True)).plan
+    assert plan is not None
+    racing = []
+    for r in inflight:
+        if r.op.frees() is not None:
+            racing.append(dataclasses.replace(r.op, id="fills", source=None, dest=r.op.frees(), keep_source=True))
+        if r.op.dest is not None:
+            racing.append(dataclasses.replace(r.op, id="reads", source=r.op.dest, dest=None, keep_source=True))
+            racing.append(dataclasses.replace(r.op, id="capped", source=None, keep_source=True))
+        if r.op.keep_source and r.op.source is not None:
+            racing.append(dataclasses.replace(r.op, id="drops", source=r.op.source, dest=None, keep_source=False))
+    races = Races(inflight, capped)
+    found = 0
+    for op in [*plan.operations, *racing]:
+        expected = [r.id for r in inflight if must_wait(op, r, capped)]
+        assert races.ordered(races.of(op)) == expected, op
+        found += bool(expected)
+    assert len(inflight) >= 10 and found >= len(inflight)  # every one in flight was raced, at least

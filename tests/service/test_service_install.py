@@ -198,7 +198,7 @@ def test_a_replan_error_reaches_every_caller_that_joined_it(tmp_path, monkeypatc
     with service.live.plan_lock:
         threads[0].start()
         wait_until(lambda: gate._running)
-        monkeypatch.setattr(service.planning, "_solve", fail)
+        monkeypatch.setattr(service.planning, "runner", fail)
         threads[1].start()
         wait_until(lambda: gate._pending is not None)
         threads[2].start()

@@ -72,7 +72,7 @@ def test_a_move_leased_while_the_planner_solves_is_never_planned_again(demo: Clu
     repeat a move that went in flight after its snapshot was taken."""
     demo.apply_events([RequestEvent(id="e1", type="request", session="s1", model="reasoner", input_tokens=2000)])
     demo.replan(force=True)
-    solve = demo.planning._solve
+    solve = demo.planning.runner
 
     def solve_while_agents_work(*args: Any, **kwargs: Any) -> Any:
         for node in nodes(demo):  # each agent finishes what it holds and leases what became eligible
@@ -81,11 +81,11 @@ def test_a_move_leased_while_the_planner_solves_is_never_planned_again(demo: Clu
             demo.lease(node, 1)
         return solve(*args, **kwargs)
 
-    demo.planning._solve = solve_while_agents_work  # type: ignore[method-assign]  # the agents' timing, made certain
+    demo.planning.runner = solve_while_agents_work  # the agents' timing, made certain
     for i in range(6):
         demo.apply_events([RequestEvent(id=f"x{i}", type="request", session=f"t{i}", model="coder")])
         demo.replan(force=True)
-    demo.planning._solve = solve  # type: ignore[method-assign]  # the agents now drain the queues undisturbed
+    demo.planning.runner = solve  # the agents now drain the queues undisturbed
     for _ in range(50):
         leases = [demo.lease(node, 100) for node in nodes(demo)]
         if not any(lease["operations"] for lease in leases):

@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+import os
 import sqlite3
+import threading
+import time
 
 import pytest
+from prometheus_client import CollectorRegistry
 
+from planner_service.domain.demo import demo_scenario
+from planner_service.metrics import Metrics
+from planner_service.service.engine import ClusterService
+from planner_service.service.inputs import RequestEvent
 from planner_service.service.store import Batch, SqliteStore
+from planner_service.settings import Settings
 
 
 def op(op_id: str, state: str = "queued") -> dict:
@@ -126,3 +135,77 @@ def test_prune_keeps_the_newest_finished_operations_by_plan_position_as_memory_d
     assert set(kept) == {"1.op-1", "2.op-4", "2.op-3"}
     assert kept["1.op-1"]["state"] == "done"
     store.close()
+
+
+def test_writers_that_commit_while_the_log_is_flushed_share_the_next_flush(tmp_path, monkeypatch):
+    """Group commit: eight writers, the first still flushing while the other seven commit: the seven wait
+    and one flush covers them all, so eight commits cost two flushes, and a sync with nothing new costs none."""
+    store = SqliteStore(tmp_path / "g.db")
+    store.open()
+    flushed: list[int] = []
+    first_flush_may_end = threading.Event()
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        flushed.append(fd)
+        if len(flushed) == 1:
+            assert first_flush_may_end.wait(timeout=30)
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+
+    state_lock = threading.Lock()  # the service's: writes one at a time, flushes outside it
+
+    def writer(i: int) -> None:
+        with state_lock:
+            store.write(Batch(operations={f"1.op-{i}": op(f"1.op-{i}")}))
+        store.sync()
+
+    first = threading.Thread(target=writer, args=(0,))
+    first.start()
+    deadline = time.monotonic() + 30
+    while not flushed:  # the first writer is inside its flush
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    others = [threading.Thread(target=writer, args=(i,)) for i in range(1, 8)]
+    for t in others:
+        t.start()
+    while store._committed < 8:  # the seven committed: none of them is covered by the running flush
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    first_flush_may_end.set()
+    for t in [first, *others]:
+        t.join(timeout=30)
+    assert len(flushed) == 2
+    store.sync()  # nothing committed since
+    assert len(flushed) == 2
+    store.close()
+    reopened = SqliteStore(tmp_path / "g.db")
+    reopened.open()
+    assert set(reopened.load(0).operations) == {f"1.op-{i}" for i in range(8)}
+    reopened.close()
+
+
+def test_a_change_is_flushed_after_the_state_lock_is_released_and_a_read_flushes_nothing(tmp_path):
+    """The service commits under its lock and flushes outside it, before the caller gets its answer."""
+    store = SqliteStore(tmp_path / "l.db")
+    service = ClusterService(store, Metrics(CollectorRegistry()), Settings(), clock=lambda: 1_000.0)
+    service.start(demo_scenario)
+    service.replan()
+    syncs: list[bool] = []  # whether the state lock was held at each flush
+    real_sync = store.sync
+
+    def sync() -> None:
+        syncs.append(service.live.lock._is_owned())  # type: ignore[attr-defined]  # does this thread hold it
+        real_sync()
+
+    store.sync = sync  # type: ignore[method-assign]
+    service.apply_events([RequestEvent(id="e1", type="request", session="s1", model=service.live.model_ids()[0])])
+    assert syncs == [False]
+    service.sessions_view()
+    node = service.live.node_ids()[0]
+    service.lease(node, 0)  # leases nothing: writes nothing
+    assert syncs == [False]
+    service.replan(force=True)  # its snapshot (expiries) and its install: each flushed after the lock
+    assert syncs and not any(syncs)
+    service.close()

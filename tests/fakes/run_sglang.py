@@ -163,7 +163,7 @@ def main() -> None:
     app = create_fake_sglang(engine)
 
     @app.middleware("http")
-    async def after_each_request(request: Request, call_next):  # type: ignore[no-untyped-def]
+    async def after_each_request(request: Request, call_next):  # type: ignore[no-untyped-def]  # Starlette types call_next loosely
         response = await call_next(request)
         if holdings is not None:
             write_holdings(engine, holdings)

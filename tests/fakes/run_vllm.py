@@ -133,7 +133,7 @@ def main() -> None:
         engine.reserve = lambda need: reserve(engine, driver_dir, holdings, need)
 
         @app.middleware("http")
-        async def after_each_request(request: Request, call_next):  # type: ignore[no-untyped-def]
+        async def after_each_request(request: Request, call_next):  # type: ignore[no-untyped-def]  # Starlette types call_next loosely
             response = await call_next(request)
             write_holdings(engine, holdings)
             return response

@@ -199,7 +199,7 @@ def test_a_change_is_flushed_after_the_state_lock_is_released_and_a_read_flushes
         syncs.append(service.live.lock._is_owned())  # type: ignore[attr-defined]  # does this thread hold it
         real_sync()
 
-    store.sync = sync  # type: ignore[method-assign]
+    store.sync = sync  # type: ignore[method-assign]  # counting the flushes
     service.apply_events([RequestEvent(id="e1", type="request", session="s1", model=service.live.model_ids()[0])])
     assert syncs == [False]
     service.sessions_view()

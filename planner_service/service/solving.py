@@ -16,6 +16,7 @@ import dataclasses
 import logging
 import multiprocessing
 import os
+import pickle
 import signal
 import threading
 import time
@@ -141,6 +142,7 @@ class PlanWorker:
         self._pool: concurrent.futures.ProcessPoolExecutor | None = None
         self._lock = threading.Lock()
         self._closed = False
+        self._crosses = False  # a request went to the worker and back in this process's pickle once
 
     def start(self) -> int:
         """Start the worker and wait until it answers (its imports take a second); its pid."""
@@ -167,6 +169,23 @@ class PlanWorker:
         pool = self._executor()
         if pool is None:  # the service is stopping: a replan still asked for plans here
             return plan_from(request)
+        if not self._crosses:
+            # A request that cannot be unpickled kills the worker as it reads it, which would look like a death
+            # at every replan: mypyc's compiled frozen dataclasses (the deployed build) refuse the attribute
+            # writes pickle restores them with. Tried here first, once: such a build plans in the service.
+            try:
+                ForkingPickler.loads(ForkingPickler.dumps(request))
+            except (
+                pickle.PicklingError,
+                AttributeError,
+                TypeError,
+            ) as error:  # (FrozenInstanceError: an AttributeError)
+                log.warning(
+                    "a replan's snapshot does not pickle in this build (%s): replans plan in the service", error
+                )
+                self.close()
+                return plan_from(request)
+            self._crosses = True
         try:
             return pool.submit(plan_from, request).result()
         except BrokenProcessPool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import subprocess
@@ -173,4 +174,35 @@ def test_a_snapshot_the_worker_cannot_take_is_planned_here_from_then_on(tmp_path
         assert again.plan is not None and untimed(again.plan.to_json()) == untimed(expected.to_json())
     finally:
         worker.close()
+    service.close()
+
+
+def _refuse_to_load() -> None:
+    raise dataclasses.FrozenInstanceError("cannot assign to field 'id'")
+
+
+class FrozenOnLoad(dict[str, Any]):
+    """Pickles, but refuses to load, as mypyc's compiled frozen dataclasses do (the deployed build)."""
+
+    def __reduce__(self) -> tuple[Any, tuple[()]]:
+        return _refuse_to_load, ()
+
+
+def test_a_build_whose_snapshot_does_not_load_plans_here_without_killing_a_worker(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    service = busy_demo(tmp_path / "p.db")
+    request = request_of(service)
+    frozen = PlanRequest(request.state, FrozenOnLoad(request.next_model), request.usage, request.solver, force=True)
+    expected = plan_from(request).plan
+    assert expected is not None
+    worker = PlanWorker()
+    try:
+        worker.start()
+        answered = worker(frozen)
+        assert answered.plan is not None and untimed(answered.plan.to_json()) == untimed(expected.to_json())
+        assert worker._executor() is None  # closed: the replans after it plan in the service
+    finally:
+        worker.close()
+    assert "does not pickle in this build" in caplog.text and "died" not in caplog.text
     service.close()

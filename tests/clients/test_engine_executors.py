@@ -538,3 +538,23 @@ async def test_a_start_that_finds_the_engine_running_otherwise_relaunches_it_as_
     assert executor.engines_by_model["coder"].launched["kv_pool_bytes_per_gpu"] == 2 * GIB
     assert "nothing_to_do" in (await executor.execute(moves[1])).details
     await executor.aclose()
+
+
+async def test_a_host_drop_that_finds_the_engine_asleep_at_level_1_stops_it(tmp_path: Path) -> None:
+    """The plan drops the host copy of a model whose engine it took for stopped (it planned before the heartbeat
+    that reported the level-1 sleep): no call frees that backup alone, so a managed engine is stopped; an
+    adopted one refuses, saying why."""
+    executor = VLLMExecutor.from_config(managed_config(free_port(), tmp_path))
+    await executor.execute(op("promote", W, NVME, GPU, engine=_step("start", "stopped")))
+    await executor.execute(op("demote", W, GPU, HOST))  # a level-1 sleep
+    assert executor.telemetry().engines == {"vllm-coder": "asleep_host"}
+    dropped = await executor.execute(op("drop", W, HOST, None))
+    assert dropped.details["state"] == "stopped" and executor.engines_by_model["coder"].process is not None
+    assert executor.engines_by_model["coder"].process.popen is None  # the process that held the backup ended
+    await executor.aclose()
+    with vllm_engine() as (_, url):
+        adopted = VLLMExecutor.from_config(vllm_config(url))
+        await adopted.execute(op("demote", W, GPU, HOST))
+        with pytest.raises(PermanentError, match="stop refused"):
+            await adopted.execute(op("drop", W, HOST, None))
+        await adopted.aclose()

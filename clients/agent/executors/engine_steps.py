@@ -8,8 +8,10 @@ drop of the SRV's vocabulary, read as the transition it means on an engine (DESI
                         host -> GPU            wake
                         NVMe -> GPU            wake, or start when the engine is stopped
                         NVMe -> host           read-ahead into the page cache
-                        host drop, host->NVMe  nothing once the engine woke (the wake freed its backup);
-                                               refused while it sleeps at level 1 (no engine frees that backup)
+                        host drop, host->NVMe  nothing once the engine woke (the wake freed its backup); a stop
+                                               while it sleeps at level 1 (no call frees that backup alone: the
+                                               plan wants the model off the node, and the stop ends the process
+                                               that holds it; an adopted engine refuses it)
                         GPU -> host, keeping   refused: an engine keeps a host copy only while it sleeps
     kv                  made by prefill        nothing: the engine computes it on the session's next request
                         GPU drop               nothing: the engine's pool is LRU inside a fixed size
@@ -59,10 +61,11 @@ def step_for(op: Operation, state: EngineState, *, lmcache: bool) -> Step:
     if src is Tier.NVME and dst is Tier.HOST:
         return Step(Transition.READAHEAD)
     if src is Tier.HOST and dst in (Tier.NVME, None):
-        if state is EngineState.ASLEEP_HOST:
-            raise PermanentError(
-                f"{op.label()}: the engine sleeps at level 1 and frees its host backup only by waking "
-                "(vllm/device_allocator/cumem.py); no call drops it alone"
+        if state is EngineState.ASLEEP_HOST:  # the plan took it for stopped (it planned before the sleep's heartbeat)
+            return Step(
+                Transition.STOP,
+                "the engine sleeps at level 1 and frees its host backup only by waking or ending "
+                "(vllm/device_allocator/cumem.py): stopped",
             )
         return Step(None, "the host copy is gone already: the engine's wake freed its backup")
     raise PermanentError(f"{op.label()}: no engine transition moves {op.object.kind.value} this way")

@@ -104,13 +104,14 @@ def location_from_json(data: Mapping[str, Any]) -> Location:
     return Location(tier, data["gpu"] if tier is Tier.GPU else data["node"])
 
 
+def entry_json(obj: StateObject, loc: Location, nbytes: int) -> dict[str, Any]:
+    """One placement entry as the API and the store write it."""
+    return {"object": obj.to_json(), "location": loc.to_json(), "bytes": int(nbytes)}
+
+
 def placement_to_json(placement: Mapping[tuple[StateObject, Location], int]) -> list[dict[str, Any]]:
     """Entries sorted by object then location, so equal placements serialize equally."""
-    return [
-        {"object": obj.to_json(), "location": loc.to_json(), "bytes": int(nbytes)}
-        for (obj, loc), nbytes in sorted(placement.items())
-        if nbytes > 0
-    ]
+    return [entry_json(obj, loc, nbytes) for (obj, loc), nbytes in sorted(placement.items()) if nbytes > 0]
 
 
 def placement_from_entries(entries: Iterable[tuple[StateObject, Location, int]]) -> Placement:

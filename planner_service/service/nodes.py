@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 
 from pydantic import ValidationError
 
-from planner_service.domain.state import Location, StateObject, location_from_json, object_from_json
+from planner_service.domain.state import Location, StateObject, entry_json, location_from_json, object_from_json
 from planner_service.service.reconcile import Gone, Shortfall
 from planner_service.wire.nodes import HeartbeatIn, RegisterIn
 
@@ -39,13 +39,7 @@ class Correction:
         return cls(gone.object, gone.location, gone.bytes, gone.why, at)
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "object": self.object.to_json(),
-            "location": self.location.to_json(),
-            "bytes": self.bytes,
-            "why": self.why,
-            "at": self.at,
-        }
+        return entry_json(self.object, self.location, self.bytes) | {"why": self.why, "at": self.at}
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> Correction:

@@ -10,7 +10,7 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from planner_service.domain.state import Kind, Location, Placement, StateObject, Tier
+from planner_service.domain.state import Kind, Location, Placement, StateObject, Tier, entry_json
 from planner_service.service.inputs import EngineInstanceStateIn, GpuTelemetryIn
 from planner_service.wire.enums import EngineState
 
@@ -68,12 +68,7 @@ class Gone:
         return f"engine instance {self.instance} reported {self.state.value}"
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "object": self.object.to_json(),
-            "location": self.location.to_json(),
-            "bytes": self.bytes,
-            "why": self.why,
-        }
+        return entry_json(self.object, self.location, self.bytes) | {"why": self.why}
 
 
 def gpu_bytes(placement: Placement) -> dict[str, int]:

@@ -10,7 +10,7 @@ from enum import StrEnum
 from typing import Any
 
 from planner_service.domain.scenario import Slo
-from planner_service.domain.state import Location, StateObject, location_from_json, object_from_json
+from planner_service.domain.state import Location, StateObject, entry_json, location_from_json, object_from_json
 from planner_service.planner.operations import Action, Operation, Priority
 from planner_service.wire.operations import EngineStep
 
@@ -25,12 +25,7 @@ class Quarantined:
     why: str
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "object": self.object.to_json(),
-            "location": self.location.to_json(),
-            "bytes": self.bytes,
-            "why": self.why,
-        }
+        return entry_json(self.object, self.location, self.bytes) | {"why": self.why}
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> Quarantined:

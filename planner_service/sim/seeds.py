@@ -102,9 +102,7 @@ def seed_study(
         if not train_seeds:
             raise ValueError("train_seeds: static-tuned is tuned on training seeds; give at least one")
         training = [trace(scenario, params, s) for s in train_seeds]
-        tuning = tune_static(
-            scenario, training, budget=tune_budget, seed=min(train_seeds), max_context_tokens=params.max_context_tokens
-        )
+        tuning = tune_static(scenario, training, budget=tune_budget, seed=min(train_seeds))
         if on_progress:
             on_progress(f"static-tuned: {tuning.replays} training replays over a space of {tuning.space_size}")
     runs: dict[str, list[dict[str, Any]]] = {n: [] for n in names}

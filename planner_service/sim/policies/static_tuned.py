@@ -6,9 +6,8 @@ that node, at least the model's minimum there) and a precision from its allowed 
 `static` does: where the catalog exceeds HBM some models must be). A candidate is
 materialised by giving each model (largest weights first) the `k` GPUs of its node with the most room
 left; it is pruned when a GPU's weights would leave less than `KV_HEADROOM` of it for KV, so every
-engine of a candidate is up at once and never moves, when an engine's GPUs keep no room for one request of
-the longest context the workload sends (vLLM would not start it), or when a model it serves on demand fits
-beside them nowhere; a candidate whose training replay cannot finish is infeasible. Candidates are scored by replaying training
+engine of a candidate is up at once and never moves, or when a model it serves on demand fits beside
+them nowhere; a candidate whose training replay cannot finish is infeasible. Candidates are scored by replaying training
 traces (seeds kept apart from the reported ones) under this policy; the score is the mean over the
 training traces of the hand-off switch P95 (all requests' where a trace has no hand-off), then the
 completion P95. The search is exhaustive where the pruned space fits the replay budget, otherwise the
@@ -104,13 +103,8 @@ def model_options(problem: Problem, model_id: str) -> list[Option]:
     return [*out, None]
 
 
-def materialise(
-    problem: Problem, choice: dict[str, Option], max_context_tokens: int = 0
-) -> dict[str, FixedEngine] | None:
-    """The partition a choice of options means, or None when it cannot run (pruned): its weights do not fit at
-    once, or an engine's GPUs keep no room beside the shards for the KV of one request of `max_context_tokens`
-    (vLLM refuses to start such an engine: vllm/v1/core/kv_cache_utils.py, `check_enough_kv_cache_memory`; a
-    team sets the engine up for the longest context its agents send)."""
+def materialise(problem: Problem, choice: dict[str, Option]) -> dict[str, FixedEngine] | None:
+    """The partition a choice of options means, or None when its weights do not fit at once (pruned)."""
     used = dict.fromkeys(problem.gpus, 0)
     out: dict[str, FixedEngine] = {}
     fixed = {m: o for m, o in choice.items() if o is not None}
@@ -124,14 +118,6 @@ def materialise(
         for g in group:
             used[g] += shard
         out[model_id] = FixedEngine(model_id, node_id, precision, tuple(problem.gpus[g] for g in group))
-    pools = dict.fromkeys(problem.gpus, 0)  # each engine's room for one longest request, on each of its GPUs
-    for engine in out.values():
-        for card in engine.gpus:
-            pools[card.id] += math.ceil(
-                problem.models[engine.model].kv_bytes_per_token * max_context_tokens / len(engine.gpus)
-            )
-    if any(used[g] + pools[g] > problem.gpus[g].capacity_bytes for g in problem.gpus):
-        return None
     for model_id in sorted(m for m, o in choice.items() if o is None):
         if not _room_on_demand(problem, model_id, used):
             return None  # a model served on demand must fit beside the fixed engines somewhere
@@ -201,10 +187,8 @@ def tune_static(
     budget: int = 200,
     seed: int = 0,
     max_draws: int = 100_000,
-    max_context_tokens: int = 0,
 ) -> TuneResult:
-    """Search fixed partitions by replaying `training` traces (module doc); `budget` bounds the replays;
-    every engine of a candidate holds one request of `max_context_tokens` (`materialise`)."""
+    """Search fixed partitions by replaying `training` traces (module doc); `budget` bounds the replays."""
     if not training:
         raise ValueError("training: at least one training trace is needed")
     problem = base_problem(scenario)
@@ -225,7 +209,7 @@ def tune_static(
         if key in seen:
             continue
         seen.add(key)
-        partition = materialise(problem, choice, max_context_tokens)
+        partition = materialise(problem, choice)
         if partition is None:
             pruned += 1
             continue

@@ -221,3 +221,24 @@ def test_the_control_path_is_charged_to_the_requests_a_plan_serves() -> None:
     direct, charged = switch_seconds(0.0), switch_seconds(2.0)
     assert charged[1] == pytest.approx(direct[1] + 2.0)
     assert charged[2] == pytest.approx(direct[2])
+
+
+def test_engines_are_prelaunched_asleep_as_sleep_router_s_are() -> None:
+    """A deployment that has run before starts no engine cold for its first request: like `sleep-router`'s, every
+    engine the warm start leaves off is launched once before the trace and sleeps on the operator's group, so
+    the same demo hour costs fewer cold starts than starting those engines inside the trace."""
+    from planner_service.domain.demo import demo_scenario
+    from planner_service.domain.problem import native_precision_scenario
+    from planner_service.sim.engine import simulate
+    from planner_service.sim.metrics import summarize
+    from planner_service.sim.seeds import trace
+    from planner_service.sim.synth import SynthParams
+
+    scenario = native_precision_scenario(demo_scenario())
+    records = trace(scenario, SynthParams(sessions=5, hours=1.0, gap_scale=16), 2)
+
+    def cold_starts(prelaunch: bool) -> int:
+        result = simulate(scenario, records, StatebudgetPolicy(prelaunch=prelaunch), seed=2)
+        return int(summarize(result)["engine_transitions"].get("cold_start", 0))
+
+    assert cold_starts(prelaunch=True) < cold_starts(prelaunch=False)

@@ -16,7 +16,9 @@ unless their requests waited over `unpin_after_seconds` (`pins`), and adopt a pl
 its moves (`worth_adopting`). It calls the greedy (`plan_greedy`) and prices its target with `make_plan`.
 An adopted plan's operations start `control_path_seconds` after it was made: what the service's path from
 an event to an agent's engine call and back to the gateway's route table takes, as baselines pay their own
-direct wake.
+direct wake. At t=0 the replay starts where `static` does (`warm_start`), and every other engine has been
+launched once and sleeps on the operator's group (`prelaunch`), as `sleep-router`'s engines have: both
+start from a deployment that ran before, not one whose first requests pay cold starts.
 
 Hysteresis in execution, so that engines and plans do not undo what the other just did:
 
@@ -84,6 +86,7 @@ from planner_service.planner.plan import Plan, make_plan
 from planner_service.planner.predictor import SwitchPredictor
 from planner_service.planner.registry import SolverName
 from planner_service.sim.policies.base import Policy, PolicyName
+from planner_service.sim.policies.groups import engine_fits, operator_partition
 from planner_service.sim.policies.static import apply_placement, static_placement
 
 if TYPE_CHECKING:
@@ -109,6 +112,7 @@ class StatebudgetPolicy(Policy):
         fallback_after_seconds: float = 10.0,
         min_residency_seconds: float | None = None,
         warm_start: bool = True,
+        prelaunch: bool = True,
         demand_window_seconds: float = 3600.0,
         demand_seats: int = 10,
         demand_min_requests: int = 1000,
@@ -121,6 +125,7 @@ class StatebudgetPolicy(Policy):
         self.fallback_after_seconds = fallback_after_seconds
         self.min_residency_seconds = min_residency_seconds  # None: the planner's horizon
         self.warm_start = warm_start
+        self.prelaunch = prelaunch
         self.unpin_after_seconds = unpin_after_seconds
         # the load stand-in sessions are made for
         self.load = RecentLoad(demand_window_seconds, demand_seats, demand_min_requests)
@@ -150,6 +155,20 @@ class StatebudgetPolicy(Policy):
             self.min_residency_seconds = sim.c.horizon_seconds
         if self.warm_start:
             apply_placement(sim, self.act, static_placement(sim))  # start from the same state as `static`
+        if self.prelaunch:
+            # every other engine launched once before the trace and asleep, on the operator's group, as
+            # `sleep-router`'s are: a deployment that has run before starts no engine cold for its first request
+            partition = operator_partition(sim.problem)
+            for model_id in sorted(partition):
+                engine = partition[model_id]
+                if model_id in sim.models or not engine_fits(
+                    sim.problem, model_id, engine.node, engine.precision, engine.gpus
+                ):
+                    continue
+                shard = -(-sim.problem.models[model_id].weights_bytes[engine.precision] // len(engine.gpus))
+                if all(sim.cluster.free(Location.gpu(g.id)) >= shard for g in engine.gpus):
+                    self.act.place_now(model_id, engine.node, engine.precision, engine.gpus)
+                    self.act.evict(StateObject.weights(model_id, engine.precision), Location.gpu(engine.gpus[0].id))
 
     def observe(self, sim: SimView, session: SessionState, req: SimRequest) -> None:
         assert self.predictor is not None

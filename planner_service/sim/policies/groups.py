@@ -86,6 +86,25 @@ def operator_partition(problem: Problem) -> dict[str, FixedEngine]:
     return out
 
 
+def shards_fit_now(sim: SimView, engine: FixedEngine) -> bool:
+    """Whether the weights' shards fit in the group's free bytes and the residue their engine's wake frees."""
+    shard = -(-sim.problem.models[engine.model].weights_bytes[engine.precision] // len(engine.gpus))
+    return all(sim.cluster.free(Location.gpu(g.id)) + sim.own_residue(engine.model, g.id) >= shard for g in engine.gpus)
+
+
+def launch_asleep(sim: SimView, policy: Policy, engine: FixedEngine) -> bool:
+    """Launch the model's engine on its group once and put it to sleep, as a deployment that ran before has it
+    at t=0; False (nothing done) where the engine does not fit there or its shards do not fit now."""
+    model_id = engine.model
+    if not engine_fits(sim.problem, model_id, engine.node, engine.precision, engine.gpus):
+        return False
+    if not shards_fit_now(sim, engine):
+        return False
+    policy.act.place_now(model_id, engine.node, engine.precision, engine.gpus)
+    policy.act.evict(StateObject.weights(model_id, engine.precision), Location.gpu(engine.gpus[0].id))
+    return True
+
+
 def bring_up(sim: SimView, policy: Policy, engine: FixedEngine) -> bool:
     """Start or wake the model's engine on exactly its group, making room there (least recently used
     other engines first); False when the group cannot make room now (the request waits)."""

@@ -21,9 +21,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from planner_service.domain.state import Location, StateObject
 from planner_service.sim.policies.base import PolicyName
-from planner_service.sim.policies.groups import FixedGroupsPolicy, engine_fits
+from planner_service.sim.policies.groups import FixedGroupsPolicy, launch_asleep, shards_fit_now
 
 if TYPE_CHECKING:
     from planner_service.sim.view import SimView
@@ -36,19 +35,8 @@ class SleepRouterPolicy(FixedGroupsPolicy):
         super().place(sim)
         order = self.demand_order(sim)
         for model_id in reversed(order):  # launch each engine once, then put it to sleep
-            engine = self.partition[model_id]
-            if not engine_fits(sim.problem, model_id, engine.node, engine.precision, engine.gpus):
-                continue
-            if self._room_for(sim, model_id):
-                self.act.place_now(model_id, engine.node, engine.precision, engine.gpus)
-                self.act.evict(StateObject.weights(model_id, engine.precision), Location.gpu(engine.gpus[0].id))
+            launch_asleep(sim, self, self.partition[model_id])
         for model_id in order:  # then wake the most requested that fit together
             engine = self.partition[model_id]
-            if model_id not in sim.models and self._room_for(sim, model_id):
+            if model_id not in sim.models and shards_fit_now(sim, engine):
                 self.act.place_now(model_id, engine.node, engine.precision, engine.gpus)
-
-    def _room_for(self, sim: SimView, model_id: str) -> bool:
-        """Whether the weights' shards fit in the group's free bytes and the residue their engine's wake frees."""
-        engine = self.partition[model_id]
-        shard = -(-sim.problem.models[model_id].weights_bytes[engine.precision] // len(engine.gpus))
-        return all(sim.cluster.free(Location.gpu(g.id)) + sim.own_residue(model_id, g.id) >= shard for g in engine.gpus)

@@ -86,7 +86,7 @@ from planner_service.planner.plan import Plan, make_plan
 from planner_service.planner.predictor import SwitchPredictor
 from planner_service.planner.registry import SolverName
 from planner_service.sim.policies.base import Policy, PolicyName
-from planner_service.sim.policies.groups import engine_fits, operator_partition
+from planner_service.sim.policies.groups import launch_asleep, operator_partition
 from planner_service.sim.policies.static import apply_placement, static_placement
 
 if TYPE_CHECKING:
@@ -160,15 +160,8 @@ class StatebudgetPolicy(Policy):
             # `sleep-router`'s are: a deployment that has run before starts no engine cold for its first request
             partition = operator_partition(sim.problem)
             for model_id in sorted(partition):
-                engine = partition[model_id]
-                if model_id in sim.models or not engine_fits(
-                    sim.problem, model_id, engine.node, engine.precision, engine.gpus
-                ):
-                    continue
-                shard = -(-sim.problem.models[model_id].weights_bytes[engine.precision] // len(engine.gpus))
-                if all(sim.cluster.free(Location.gpu(g.id)) >= shard for g in engine.gpus):
-                    self.act.place_now(model_id, engine.node, engine.precision, engine.gpus)
-                    self.act.evict(StateObject.weights(model_id, engine.precision), Location.gpu(engine.gpus[0].id))
+                if model_id not in sim.models:
+                    launch_asleep(sim, self, partition[model_id])
 
     def observe(self, sim: SimView, session: SessionState, req: SimRequest) -> None:
         assert self.predictor is not None

@@ -48,6 +48,7 @@ from clients.sdk import events as sdk_events
 
 READY_TIMEOUT_SECONDS = 60.0
 STOP_TIMEOUT_SECONDS = 10.0
+LOOP_PROBE_SECONDS = 0.01  # the client's event-loop probe: a timer this often
 LEASE_BATCH = 8  # operations an agent leases at a time (the agent's default)
 TOOL_CALL_SHARE = 0.5  # of a session's steps after a request: a tool call, else the turn ends
 HANDOFF_SHARE = 0.3  # of a session's requests: to another model than its last
@@ -68,6 +69,7 @@ class LoadConfig:
     op_seconds: float = 0.05  # how long an agent takes to run one operation
     lease_wait_seconds: float = 5.0  # an agent's long-poll when its queue is empty
     connections: int = 64  # the router's connections: event requests in flight at most
+    warmup_seconds: float = 2.0  # latencies of requests sent before this are reported apart (`warmup`)
     seed: int = 0
     scenario: Path | None = None  # default: the demo
     server_log_level: str = "warning"  # "info" adds uvicorn's access log line per request
@@ -78,8 +80,16 @@ class Samples:
     """What the client saw: latencies in seconds by kind, answers that were not a 2xx."""
 
     latency: dict[str, list[float]] = field(default_factory=lambda: {k: [] for k in ("events", "lease", "report")})
+    # the same, of requests sent in the warm-up: every agent and lane opens its connection then, all at once
+    warmup: dict[str, list[float]] = field(default_factory=lambda: {k: [] for k in ("events", "lease", "report")})
+    measure_from: float = 0.0  # perf_counter() at the warm-up's end
+
+    def record(self, kind: str, began: float, elapsed: float) -> None:
+        (self.latency if began >= self.measure_from else self.warmup)[kind].append(elapsed)
+
     forced_replans: list[float] = field(default_factory=list)
     long_poll_late: list[float] = field(default_factory=list)  # seconds an empty long-poll answered past its wait
+    loop_lag: list[float] = field(default_factory=list)  # how late the client's own event loop ran a due timer
     errors: Counter[str] = field(default_factory=Counter)
     events_sent: int = 0
     events_acknowledged: int = 0
@@ -260,13 +270,18 @@ def run_phase(config: LoadConfig) -> dict[str, Any]:
             "achieved_per_s": round(samples.events_acknowledged / wall, 1),
             "sent": samples.events_sent,
             "acknowledged": samples.events_acknowledged,
-            "requests": len(samples.latency["events"]),
+            "requests": len(samples.latency["events"]) + len(samples.warmup["events"]),
             "max_lag_ms": round(samples.max_lag * 1000, 1),
             **percentiles_ms(samples.latency["events"]),
         },
         "lease": {"polls": len(samples.latency["lease"]), **percentiles_ms(samples.latency["lease"])},
         "report": {"reports": len(samples.latency["report"]), **percentiles_ms(samples.latency["report"])},
         "long_poll_late": {"polls": len(samples.long_poll_late), **percentiles_ms(samples.long_poll_late)},
+        "warmup": {
+            "seconds": config.warmup_seconds,
+            **{kind: {"requests": len(v), **percentiles_ms(v)} for kind, v in samples.warmup.items()},
+        },
+        "client_loop_lag": {"samples": len(samples.loop_lag), **percentiles_ms(samples.loop_lag)},
         "operations_done": samples.operations_done,
         "forced_replans": {"count": len(samples.forced_replans), **percentiles_ms(samples.forced_replans)},
         "errors": dict(sorted(samples.errors.items())),
@@ -351,6 +366,7 @@ async def _drive(config: LoadConfig, server: Server) -> tuple[Samples, float]:
         node_ids = list(server.node_tokens)
         started = loop.time()
         stop_at = started + config.duration_seconds
+        samples.measure_from = time.perf_counter() + config.warmup_seconds
         async with contextlib.AsyncExitStack() as stack:
             nodes = {
                 node: await stack.enter_async_context(
@@ -365,14 +381,22 @@ async def _drive(config: LoadConfig, server: Server) -> tuple[Samples, float]:
             tasks.append(_send_events(router, streams, config, stop_at, samples))
             if config.replan_every_seconds > 0:
                 tasks.append(_force_replans(router, config, stop_at, samples))
+            tasks.append(_watch_loop(stop_at, samples))
             await asyncio.gather(*tasks)
         return samples, loop.time() - started
 
 
 async def _timed(
-    samples: Samples, kind: str, client: httpx.AsyncClient, path: str, body: dict[str, Any] | None = None
+    samples: Samples,
+    kind: str,
+    client: httpx.AsyncClient,
+    path: str,
+    body: dict[str, Any] | None = None,
+    *,
+    measured: bool = False,
 ) -> tuple[httpx.Response | None, float]:
-    """POST `body` to `path`; an answer that is not a 2xx (or no answer) is counted as an error of `kind`."""
+    """POST `body` to `path`; an answer that is not a 2xx (or no answer) is counted as an error of `kind`, a
+    2xx's latency is recorded as one of `kind` when `measured`."""
     began = time.perf_counter()
     try:
         response = await client.post(path, json=body)
@@ -383,6 +407,8 @@ async def _timed(
     if not response.is_success:
         samples.errors[f"{kind}: {response.status_code}"] += 1
         return None, elapsed
+    if measured:
+        samples.record(kind, began, elapsed)
     return response, elapsed
 
 
@@ -390,11 +416,12 @@ async def _agent(client: httpx.AsyncClient, node: str, config: LoadConfig, stop_
     loop = asyncio.get_running_loop()
     lease_path = f"/v1/nodes/{node}/lease"
     while loop.time() < stop_at:
-        response, elapsed = await _timed(samples, "lease", client, lease_path, {"max_operations": LEASE_BATCH})
+        response, elapsed = await _timed(
+            samples, "lease", client, lease_path, {"max_operations": LEASE_BATCH}, measured=True
+        )
         if response is None:
             await asyncio.sleep(0.1)
             continue
-        samples.latency["lease"].append(elapsed)
         lease = response.json()
         if not lease["operations"]:  # nothing ready: wait for the queue to change, as the agent does
             wait = min(config.lease_wait_seconds, stop_at - loop.time())
@@ -412,9 +439,10 @@ async def _agent(client: httpx.AsyncClient, node: str, config: LoadConfig, stop_
         await asyncio.sleep(config.op_seconds * len(lease["operations"]))
         for op in lease["operations"]:
             report = {"lease_id": lease["lease_id"], "status": "done"}
-            response, elapsed = await _timed(samples, "report", client, f"/v1/operations/{op['id']}/report", report)
+            response, elapsed = await _timed(
+                samples, "report", client, f"/v1/operations/{op['id']}/report", report, measured=True
+            )
             if response is not None:
-                samples.latency["report"].append(elapsed)
                 samples.operations_done += 1
 
 
@@ -435,9 +463,8 @@ async def _send_events(
             samples.max_lag = max(samples.max_lag, loop.time() - due)
             events = [next(stream) for _ in range(config.batch)]
             samples.events_sent += len(events)
-            response, elapsed = await _timed(samples, "events", client, "/v1/events", {"events": events})
+            response, _ = await _timed(samples, "events", client, "/v1/events", {"events": events}, measured=True)
             if response is not None:
-                samples.latency["events"].append(elapsed)
                 samples.events_acknowledged += len(events)
 
     workers = [asyncio.create_task(lane(stream, due_times)) for stream, due_times in zip(streams, lanes, strict=True)]
@@ -451,6 +478,16 @@ async def _send_events(
     for due_times in lanes:
         due_times.put_nowait(None)
     await asyncio.gather(*workers)
+
+
+async def _watch_loop(stop_at: float, samples: Samples) -> None:
+    """How late the client's event loop wakes a timer: every latency it measures includes such a delay, so a
+    latency much above the server's own comes from a client too busy to read its answers in time."""
+    loop = asyncio.get_running_loop()
+    while loop.time() < stop_at:
+        due = loop.time() + LOOP_PROBE_SECONDS
+        await asyncio.sleep(LOOP_PROBE_SECONDS)
+        samples.loop_lag.append(max(0.0, loop.time() - due))
 
 
 async def _force_replans(client: httpx.AsyncClient, config: LoadConfig, stop_at: float, samples: Samples) -> None:

@@ -283,6 +283,14 @@ def bench_load(
         int,
         typer.Option(min=1, max=1000, help="The router's connections: each sends its sessions' events in order."),
     ] = 64,
+    warmup: Annotated[
+        float,
+        typer.Option(
+            min=0.0,
+            max=600.0,
+            help="Seconds at the start whose latencies are reported apart (every agent and lane connects then).",
+        ),
+    ] = 2.0,
     scenario: Annotated[Path | None, typer.Option("--scenario", help="Seed scenario; default: the demo.")] = None,
     server_log_level: Annotated[
         str, typer.Option(help="The server's log level (info adds an access log line per request).")
@@ -309,6 +317,7 @@ def bench_load(
             replan_every_seconds=replan_every,
             op_seconds=op_seconds,
             connections=connections,
+            warmup_seconds=min(warmup, duration / 2),
             seed=seed,
             scenario=scenario,
             server_log_level=server_log_level,

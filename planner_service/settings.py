@@ -42,6 +42,14 @@ class Settings(BaseSettings):
         7 * 86400.0, gt=0, description="How long an event id is remembered, so a resend within it is ignored."
     )
     max_wait_seconds: float = Field(30.0, ge=0, description="Longest a lease long-poll may wait.")
+    worker_threads: int = Field(
+        256,
+        ge=1,
+        le=4096,
+        description="Threads that run the requests touching the state (anyio's default is 40). A request waits in its "
+        "thread for the state lock, and urgent ones (leases, events) go first there: with too few threads a burst of "
+        "done reports would hold them all and leases would queue for a thread instead.",
+    )
     keep_alive_seconds: int = Field(
         30,
         ge=1,

@@ -36,6 +36,7 @@ from planner_service.service.errors import NotFound, NotReady, ServiceError
 from planner_service.service.nodes import NodeRecord, nodes_to_json
 from planner_service.service.published import InstalledPlan, PublishedSrv
 from planner_service.service.records import FINAL_STATES, OpenOps, OpRecord, OpState, Quarantined, SessionState
+from planner_service.service.state_lock import StateLock, Urgency
 from planner_service.service.store import FINAL_KEEP, Batch, Store
 from planner_service.settings import Settings
 
@@ -144,7 +145,7 @@ class Live:
         self.metrics = metrics
         self.settings = settings
         self.clock = clock
-        self.lock = threading.RLock()
+        self.lock = StateLock()
         self._thread = threading.local()  # per thread: how deep in `change()`, and whether it committed unsynced
         self.plan_lock = threading.Lock()  # one replan at a time
         self.listeners: list[Callable[[frozenset[str] | None], None]] = []
@@ -210,22 +211,25 @@ class Live:
             self._thread.unsynced = True
 
     @contextmanager
-    def change(self) -> Iterator[None]:
-        """Hold the state lock for a change. Refusals (`ServiceError`) are raised before anything changes;
+    def change(self, urgency: Urgency = Urgency.ROUTINE) -> Iterator[None]:
+        """Hold the state lock for a change (`Urgency.URGENT` when a caller waits on it to go on: it goes before
+        the routine ones waiting, `state_lock.py`). Refusals (`ServiceError`) are raised before anything changes;
         any other exception may leave memory half changed and uncommitted, so memory is reloaded from the
         database before it propagates: nothing the service publishes was not committed. What the change
         committed is flushed to disk after the lock is released (group commit), before this returns."""
         depth = getattr(self._thread, "depth", 0)
         self._thread.depth = depth + 1
         try:
-            with self.lock:
-                try:
-                    yield
-                except ServiceError:
-                    raise
-                except Exception as error:
-                    self.recover(f"{type(error).__name__}: {error}")
-                    raise
+            self.lock.acquire(urgency)
+            try:
+                yield
+            except ServiceError:
+                raise
+            except Exception as error:
+                self.recover(f"{type(error).__name__}: {error}")
+                raise
+            finally:
+                self.lock.release()
         finally:
             self._thread.depth = depth
             if depth == 0:
@@ -473,7 +477,7 @@ class Live:
         self.pruned_at = now
 
     def status(self) -> dict[str, int | None]:
-        with self.lock:
+        with self.change(Urgency.URGENT):
             ready = self.ready and self.broken is None and self.plan is not None
             return {"epoch": self.epoch if ready else None, "srv_version": self.srv_version if ready else None}
 

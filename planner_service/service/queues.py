@@ -38,6 +38,7 @@ from planner_service.service.live import (
 )
 from planner_service.service.published import InstalledPlan
 from planner_service.service.records import OpRecord, OpState
+from planner_service.service.state_lock import Urgency
 from planner_service.service.store import Batch
 
 log = logging.getLogger(__name__)
@@ -332,7 +333,7 @@ class Queues:
     def lease(self, node_id: str, max_operations: int) -> dict[str, Any]:
         """Lease up to `max_operations` of the node's queued operations whose dependencies are done."""
         self.live.require_ready()
-        with self.live.change():
+        with self.live.change(Urgency.URGENT):
             self.live.require_node(node_id)
             now = self.live.clock()
             batch = Batch()
@@ -373,7 +374,7 @@ class Queues:
         `node_id`, `NotFound`. One batch commits the renewal with the expiries it applied, refused or not.
         """
         self.live.require_ready()
-        with self.live.change():
+        with self.live.change(Urgency.URGENT):
             self.live.require_node(node_id)
             now = self.live.clock()
             batch = Batch()

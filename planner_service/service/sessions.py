@@ -26,6 +26,7 @@ from planner_service.service.live import (
     Live,
 )
 from planner_service.service.records import SessionState
+from planner_service.service.state_lock import Urgency
 from planner_service.service.store import Batch
 
 log = logging.getLogger(__name__)
@@ -40,7 +41,7 @@ class Sessions:
     def apply_events(self, events: list[Event]) -> dict[str, Any]:
         """Apply a batch atomically: all new events apply, or none when one refers to something unknown."""
         self.live.require_ready()
-        with self.live.change():
+        with self.live.change(Urgency.URGENT):
             server_time = ServerTime(self.live.clock(), self.live.settings.max_clock_skew_seconds)
             check_event_times(events, server_time, known_ids=self.live.event_ids)
             models = sorted(self.live.model_ids())

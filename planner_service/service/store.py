@@ -229,6 +229,46 @@ def _placement_entry(
 FINAL_KEEP = 5000
 
 
+_UPSERT_META = "INSERT INTO meta (key, value) VALUES (?, ?) ON CONFLICT (key) DO UPDATE SET value = excluded.value"
+_UPSERT_SESSION = "INSERT INTO sessions (id, value) VALUES (?, ?) ON CONFLICT (id) DO UPDATE SET value = excluded.value"
+_DELETE_SESSION = "DELETE FROM sessions WHERE id = ?"
+_INSERT_EVENT = "INSERT OR IGNORE INTO events (id, type, at) VALUES (?, ?, ?)"
+_UPSERT_OPERATION = (
+    "INSERT INTO operations (id, epoch, node, state, value) VALUES (?, ?, ?, ?, ?) "
+    "ON CONFLICT (id) DO UPDATE SET state = excluded.state, value = excluded.value"
+)
+_INSERT_OBSERVATION = (
+    "INSERT INTO observations (t, kind, from_model, to_model, gap_seconds, tokens) VALUES (?, ?, ?, ?, ?, ?)"
+)
+_UPSERT_PLACEMENT = (
+    "INSERT INTO placement (kind, model, precision, session, tier, location, bytes) VALUES (?, ?, ?, ?, ?, ?, ?) "
+    "ON CONFLICT (kind, model, precision, session, tier, location) DO UPDATE SET bytes = excluded.bytes"
+)
+_DELETE_PLACEMENT = (
+    "DELETE FROM placement WHERE kind = ? AND model = ? AND precision = ? AND session = ? AND tier = ? AND location = ?"
+)
+
+
+def _statements(batch: Batch) -> list[tuple[str, list[tuple[Any, ...]]]]:
+    """The statements that commit `batch`, each with its rows, leaving out those with none."""
+    placement = [(*_placement_row(obj, loc), n) for (obj, loc), n in batch.placement.items()]
+    statements: list[tuple[str, list[tuple[Any, ...]]]] = [
+        (_UPSERT_META, [(k, json.dumps(v)) for k, v in batch.meta.items()]),
+        (_UPSERT_SESSION, [(k, json.dumps(v)) for k, v in batch.sessions.items() if v is not None]),
+        (_DELETE_SESSION, [(k,) for k, v in batch.sessions.items() if v is None]),
+        (_INSERT_EVENT, list(batch.events)),
+        (
+            _UPSERT_OPERATION,
+            [(k, v["epoch"], v["node"], v["state"], json.dumps(v)) for k, v in batch.operations.items()],
+        ),
+        *_field_updates(batch.operation_updates),
+        (_INSERT_OBSERVATION, list(batch.observations)),
+        (_UPSERT_PLACEMENT, [row for row in placement if row[-1] > 0]),
+        (_DELETE_PLACEMENT, [row[:-1] for row in placement if row[-1] <= 0]),
+    ]
+    return [(statement, rows) for statement, rows in statements if rows]
+
+
 class SqliteStore:
     def __init__(self, path: Path) -> None:
         self._path = path
@@ -284,41 +324,12 @@ class SqliteStore:
     def write(self, batch: Batch) -> None:
         if not batch:
             return
-        db = self.db
+        statements = _statements(batch)  # rows made first: every call into SQLite lets go of the GIL, and
+        db = self.db  # under load each costs a turn of it, so only the statements with rows are run
         db.execute("BEGIN IMMEDIATE")
         try:
-            db.executemany(
-                "INSERT INTO meta (key, value) VALUES (?, ?) ON CONFLICT (key) DO UPDATE SET value = excluded.value",
-                [(k, json.dumps(v)) for k, v in batch.meta.items()],
-            )
-            db.executemany(
-                "INSERT INTO sessions (id, value) VALUES (?, ?) ON CONFLICT (id) DO UPDATE SET value = excluded.value",
-                [(k, json.dumps(v)) for k, v in batch.sessions.items() if v is not None],
-            )
-            db.executemany("DELETE FROM sessions WHERE id = ?", [(k,) for k, v in batch.sessions.items() if v is None])
-            db.executemany("INSERT OR IGNORE INTO events (id, type, at) VALUES (?, ?, ?)", batch.events)
-            db.executemany(
-                "INSERT INTO operations (id, epoch, node, state, value) VALUES (?, ?, ?, ?, ?) "
-                "ON CONFLICT (id) DO UPDATE SET state = excluded.state, value = excluded.value",
-                [(k, v["epoch"], v["node"], v["state"], json.dumps(v)) for k, v in batch.operations.items()],
-            )
-            for statement, rows in _field_updates(batch.operation_updates):
+            for statement, rows in statements:
                 db.executemany(statement, rows)
-            db.executemany(
-                "INSERT INTO observations (t, kind, from_model, to_model, gap_seconds, tokens) VALUES (?, ?, ?, ?, ?, ?)",
-                batch.observations,
-            )
-            db.executemany(
-                "INSERT INTO placement (kind, model, precision, session, tier, location, bytes) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?) "
-                "ON CONFLICT (kind, model, precision, session, tier, location) DO UPDATE SET bytes = excluded.bytes",
-                [(*_placement_row(obj, loc), n) for (obj, loc), n in batch.placement.items() if n > 0],
-            )
-            db.executemany(
-                "DELETE FROM placement WHERE kind = ? AND model = ? AND precision = ? AND session = ? "
-                "AND tier = ? AND location = ?",
-                [_placement_row(obj, loc) for (obj, loc), n in batch.placement.items() if n <= 0],
-            )
             db.execute("COMMIT")
         except BaseException:
             db.execute("ROLLBACK")

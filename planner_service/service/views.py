@@ -30,6 +30,7 @@ from planner_service.service.planning import Planning
 from planner_service.service.questions import LiveView
 from planner_service.service.queues import Queues
 from planner_service.service.records import SessionState
+from planner_service.service.state_lock import Urgency
 from planner_service.service.store import Batch
 
 log = logging.getLogger(__name__)
@@ -223,7 +224,7 @@ class Views:
         reports yet counts as running where its model's weights sit on its node's GPUs, else stopped.
         """
         self.live.require_ready()
-        with self.live.change():
+        with self.live.change(Urgency.URGENT):
             assert self.live.sizes is not None
             gpu_node = {g.id: g.node for g in self.live.sizes.gpus.values()}
             weights_on: dict[str, set[str]] = defaultdict(set)  # model -> GPUs holding its weights

@@ -196,7 +196,7 @@ def test_a_change_is_flushed_after_the_state_lock_is_released_and_a_read_flushes
     real_sync = store.sync
 
     def sync() -> None:
-        syncs.append(service.live.lock._is_owned())  # type: ignore[attr-defined]  # does this thread hold it
+        syncs.append(service.live.lock.held())
         real_sync()
 
     store.sync = sync  # type: ignore[method-assign]  # counting the flushes

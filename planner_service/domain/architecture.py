@@ -119,6 +119,8 @@ class Architecture:
     n_shared_experts: int = 0
     router_correction_bias: bool = False  # sigmoid router's per-expert score bias (DeepSeek-V3, GLM-4.5)
     extra_params: int = 0  # weights outside the LM (e.g. a vision tower); counted in total, dense and active
+    # the config's max_position_embeddings (0: absent): vLLM's default max_model_len and SGLang's context_len
+    max_position_embeddings: int = 0
 
     @classmethod
     def from_hf_config(cls, config: Mapping[str, Any], *, extra_params: int = 0) -> Architecture:
@@ -211,6 +213,7 @@ class Architecture:
             num_kv_heads=num_kv_heads,
             head_dim=_int(cfg, "head_dim", default=hidden_size // num_heads),
             intermediate_size=intermediate_size,
+            max_position_embeddings=_int(cfg, "max_position_embeddings", default=0, minimum=0),
             # Every supported family's config class defaults to untied embeddings.
             tie_word_embeddings=_bool(cfg, "tie_word_embeddings", False),
             extra_params=extra_params,

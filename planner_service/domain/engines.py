@@ -252,6 +252,44 @@ class DeclaredEngine:
 LMCACHE_DEFAULT_HOST_BYTES_PER_GPU = 5 * _GIB
 
 
+# --- KV pools ---------------------------------------------------------------------------------------------
+#
+# An engine's KV pool is a launch setting. vLLM sizes it from gpu_memory_utilization and refuses to start
+# when it cannot hold one request of max_model_len (vllm/v1/core/kv_cache_utils.py,
+# `check_enough_kv_cache_memory`: "To serve at least one request with the models's max seq len ..."). SGLang
+# sizes max_total_num_tokens from mem_fraction_static, refuses to start at none
+# (python/sglang/srt/model_executor/model_runner.py: "Not enough memory. Please try to increase
+# --mem-fraction-static") and caps every request's input at max_total_num_tokens - 1
+# (python/sglang/srt/managers/tp_worker.py, `max_req_input_len`), so a smaller pool cannot serve the
+# model's longest request either. Both keep the pool as launched until a restart.
+
+
+def min_kv_pool_bytes_per_gpu(kv_bytes_per_token: int, max_context_tokens: int, tp: int) -> int:
+    """The smallest pool an engine starts with, per GPU of its group: one request of its maximum context,
+    its KV split over the tensor-parallel group as the planner splits every KV object,
+
+        ceil(kv_bytes_per_token x max_context_tokens / tp)
+
+    0 where the maximum context or the KV per token is unknown (0)."""
+    if kv_bytes_per_token < 0 or max_context_tokens < 0 or tp <= 0:
+        raise ValueError(f"min pool: kv_bytes_per_token {kv_bytes_per_token}, max_context_tokens "
+                         f"{max_context_tokens}, tp {tp}")  # fmt: skip
+    return -(-kv_bytes_per_token * max_context_tokens // tp)
+
+
+def launch_kv_pool_bytes_per_gpu(minimum: int, planned: int) -> int:
+    """The pool a start or restart is launched with, per GPU: what the plan means to keep there, and never
+    less than the minimum the engine starts with."""
+    return max(minimum, planned)
+
+
+def kv_held_in_pool(pool_bytes_per_gpu: int, wanted_bytes_per_gpu: int) -> int:
+    """The KV a running engine holds on one GPU of its group when `wanted_bytes_per_gpu` of its sessions' KV
+    would be there: no more than its pool (the rest is evicted by the pool's LRU: in LMCache's tiers where
+    the node has them, else gone and re-prefilled)."""
+    return max(0, min(pool_bytes_per_gpu, wanted_bytes_per_gpu))
+
+
 @dataclass(frozen=True, slots=True)
 class LaunchSettings:
     """What an engine is started with; none of it changes until a restart."""
@@ -290,6 +328,8 @@ class EngineInstance:
     launch: LaunchSettings
     experts_bytes: int = 0  # all routed experts; 0 for a dense model
     management: Management = Management.MANAGED
+    kv_bytes_per_token: int = 0  # the model's KV per token of context, all layers (0: unknown)
+    model_max_context_tokens: int = 0  # the model's own limit, where the launch sets none (0: unknown)
 
     def __post_init__(self) -> None:
         if self.kind not in ENGINE_KINDS:
@@ -298,6 +338,21 @@ class EngineInstance:
             raise ValueError(f"gpus: {list(self.gpus)} is not a group of distinct GPUs")
         if self.weights_bytes <= 0 or self.experts_bytes < 0:
             raise ValueError(f"sizes: weights {self.weights_bytes}, experts {self.experts_bytes}")
+        if self.kv_bytes_per_token < 0 or self.model_max_context_tokens < 0:
+            raise ValueError(
+                f"kv_bytes_per_token {self.kv_bytes_per_token}, model_max_context_tokens "
+                f"{self.model_max_context_tokens}: not non-negative"
+            )
+
+    @property
+    def max_context_tokens(self) -> int:
+        """The longest request it serves: the launch's limit, else the model's own (0: unknown)."""
+        return self.launch.max_context_tokens or self.model_max_context_tokens
+
+    @property
+    def min_kv_pool_bytes_per_gpu(self) -> int:
+        """The smallest KV pool it starts with (`min_kv_pool_bytes_per_gpu`)."""
+        return min_kv_pool_bytes_per_gpu(self.kv_bytes_per_token, self.max_context_tokens, self.tp)
 
     @property
     def tp(self) -> int:

@@ -22,6 +22,9 @@ the totals. At native precision (bf16), GB = 10^9 bytes:
 HBM: 4 x 45 GiB (L40) + 4 x 40 GiB (A100) + 8 x 24 GiB (RTX 3090) = 532 GiB = 571 GB, less 2 GiB
 reserved per card. Nothing starts on a GPU: the day begins with every checkpoint on NVMe.
 The hand-off prior is the demo's, with the small MoE reached from the planner and the coder.
+Every engine but longctx's is launched with --max-model-len 32768 (`max_context_tokens`), as an operator
+of these cards would: at its config's own limit each would need a KV pool of one such request per group
+before it starts (engines.min_kv_pool_bytes_per_gpu), e.g. 16 GiB for the planner on one card.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ EXCEEDS_MODELS: tuple[dict[str, Any], ...] = (
     {"id": "fastmoe", "preset": "qwen3-30b-a3b", "precisions": ["bf16"]},
 )
 ENGINE_FEATURES = ["lmcache", "sleep_mode", "dev_mode"]  # as the demo's engines
+SERVED_CONTEXT_TOKENS = 32_768  # --max-model-len of every engine but longctx's (see the docstring)
 
 
 def exceeds_sizes() -> dict[str, dict[str, int]]:
@@ -65,6 +69,7 @@ def exceeds_scenario_json() -> dict[str, Any]:
     data = demo_scenario_json()
     sizes = exceeds_sizes()
     models = [m["id"] for m in EXCEEDS_MODELS]
+    limits = {m: SERVED_CONTEXT_TOKENS for m in models if m != "longctx"}
     for node in data["cluster"]["nodes"]:
         node["engines"] = [{"model": m, "kind": "vllm", "features": list(ENGINE_FEATURES)} for m in models]
     residency = []
@@ -91,7 +96,8 @@ def exceeds_scenario_json() -> dict[str, Any]:
     handoff["planner"]["fastmoe"] = 0.05
     handoff["coder"]["fastmoe"] = 0.05
     handoff["fastmoe"] = {"fastmoe": 0.5, "planner": 0.3, "coder": 0.2}
-    data.update(models=[dict(m) for m in EXCEEDS_MODELS], sessions=[], residency=residency)
+    served = [{**m, "max_context_tokens": limits[m["id"]]} if m["id"] in limits else dict(m) for m in EXCEEDS_MODELS]
+    data.update(models=served, sessions=[], residency=residency)
     return data
 
 

@@ -76,6 +76,9 @@ class ModelSpec:
     # attention heads, where the preset or config gives them (0: unknown): vLLM and SGLang split them over a
     # tensor-parallel group and refuse a group size that does not divide them (`tensor_parallel_ok`)
     attention_heads: int = 0
+    # the longest request its engines serve, in tokens (0: unknown): an engine's KV pool must hold one such
+    # request (engines.min_kv_pool_bytes_per_gpu)
+    max_context_tokens: int = 0
 
     @property
     def is_moe(self) -> bool:
@@ -121,6 +124,9 @@ class Problem:
     # (node, model) -> the state and GPU group its engine reported (a node agent's heartbeat); where given it
     # wins over the state derived from the placement (planner/engine_plan.py)
     observed_engines: Mapping[tuple[str, str], tuple[EngineState, tuple[str, ...]]] = field(default_factory=dict)
+    # (node, model) -> the KV pool per GPU its running engine was launched with, where a node reported it (the
+    # heartbeat's `kv_pool_bytes_per_gpu`); where absent the planner derives it (engine_plan.launched_pools)
+    engine_pools: Mapping[tuple[str, str], int] = field(default_factory=dict)
 
     def size_of(self, obj: StateObject) -> int:
         """Full size of an object: what residency fractions are measured against."""
@@ -212,6 +218,7 @@ def resolve_model(spec: ModelIn, where: str) -> ModelSpec:
         active_expert_bytes_per_token=active_expert_per_token,
         min_gpus=MappingProxyType(dict(spec.min_gpus)),
         attention_heads=arch.num_attention_heads if arch is not None else 0,
+        max_context_tokens=spec.max_context_tokens or (arch.max_position_embeddings if arch is not None else 0),
     )
 
 

@@ -174,6 +174,11 @@ class ModelIn(_Strict):
     min_gpus: dict[str, Annotated[int, Field(ge=1, le=MAX_TENSOR_PARALLEL)]] = Field(
         default_factory=dict, description="Minimum tensor-parallel degree per GPU type."
     )
+    max_context_tokens: Annotated[int, Field(gt=0)] | None = Field(
+        None,
+        description="The longest request its engines serve (vLLM --max-model-len, SGLang --context-length). "
+        "None: the config's max_position_embeddings, as the engines default to; unknown without a preset or config.",
+    )
 
     @field_validator("precisions")
     @classmethod

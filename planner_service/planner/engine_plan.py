@@ -36,7 +36,10 @@ from planner_service.domain.engines import (
     ReadFrom,
     Transition,
     holdings,
+    kv_held_in_pool,
+    launch_kv_pool_bytes_per_gpu,
     may,
+    min_kv_pool_bytes_per_gpu,
     transition_seconds,
 )
 from planner_service.domain.problem import Problem
@@ -216,6 +219,72 @@ def pooled_kv(
     return out
 
 
+def min_pool_bytes_per_gpu(problem: Problem, model_id: str, tp: int) -> int:
+    """The smallest KV pool, per GPU, an engine of the model on `tp` GPUs starts with: one request of the
+    model's maximum context (engines.min_kv_pool_bytes_per_gpu). Where the catalog does not know that
+    context, the longest any of the model's sessions holds stands in: the engine serves it, so its limit is
+    no shorter."""
+    spec = problem.models[model_id]
+    context = spec.max_context_tokens or _longest_contexts(problem).get(model_id, 0)
+    return min_kv_pool_bytes_per_gpu(spec.kv_bytes_per_token, context, tp)
+
+
+_LONGEST: list[tuple[Problem, dict[str, int]]] = []  # the last problems' longest session context per model
+
+
+def _longest_contexts(problem: Problem) -> dict[str, int]:
+    for seen, longest in _LONGEST:
+        if seen is problem:
+            return longest
+    longest = {}
+    for s in problem.sessions.values():
+        longest[s.model] = max(longest.get(s.model, 0), s.context_tokens)
+    _LONGEST.insert(0, (problem, longest))
+    del _LONGEST[4:]
+    return longest
+
+
+def kv_per_gpu(
+    placement: Mapping[tuple[StateObject, Location], int], model_id: str | None = None
+) -> dict[tuple[str, str], int]:
+    """(model, GPU) -> the sessions' KV bytes the placement puts there (of one model, where given)."""
+    out: dict[tuple[str, str], int] = defaultdict(int)
+    for (obj, loc), nbytes in placement.items():
+        if obj.kind is Kind.KV and loc.tier is Tier.GPU and nbytes > 0 and (model_id is None or obj.model == model_id):
+            out[(obj.model, loc.id)] += nbytes
+    return out
+
+
+def launched_pools(
+    problem: Problem, states: Mapping[Key, InstanceView], kv_now: Mapping[tuple[str, str], int] | None = None
+) -> dict[Key, int]:
+    """(node, model) -> the KV pool per GPU each running engine holds now: the one its node reported
+    (`Problem.engine_pools`), else the pool the launch rule (engines.launch_kv_pool_bytes_per_gpu) gives for
+    the most KV it holds on one GPU of its group, no larger than the room its GPUs have beside everything
+    else confirmed there (the engine runs, so its pool fit) and never below the KV it holds. A pool that LRU
+    has since emptied below its launch size reads smaller: the planner then keeps less KV there than the
+    engine could, never more. `kv_now`: the (model, GPU) KV bytes to derive from, where not the confirmed
+    placement's."""
+    now = kv_per_gpu(problem.residency) if kv_now is None else kv_now
+    used: dict[str, int] = defaultdict(int)
+    for (_, loc), nbytes in problem.residency.items():
+        if loc.tier is Tier.GPU:
+            used[loc.id] += nbytes
+    out = {}
+    for key, view in states.items():
+        if view.state is not EngineState.RUNNING or not view.gpus:
+            continue
+        reported = problem.engine_pools.get(key)
+        if reported is not None:
+            out[key] = reported
+            continue
+        held = max((now.get((view.model, g), 0) for g in view.gpus), default=0)
+        room = min(problem.gpus[g].capacity_bytes - used.get(g, 0) + now.get((view.model, g), 0) for g in view.gpus)
+        rule = launch_kv_pool_bytes_per_gpu(min_pool_bytes_per_gpu(problem, view.model, len(view.gpus)), held)
+        out[key] = max(held, min(rule, room))
+    return out
+
+
 def launched_experts(
     problem: Problem, states: Mapping[Key, InstanceView]
 ) -> dict[Key, tuple[str, tuple[str, ...], dict[str, int]]]:
@@ -279,9 +348,15 @@ def engine_target(
     derived = instance_states(problem, out)
     # which instances run is the solver's; KV and expert shares follow them, then the rest sleep or stop
     _kv_predicted(problem, out, before, derived)
+    _kv_within_pools(problem, out, before, derived)
     _expert_share_fixed(problem, out, before, derived)
     after: dict[Key, InstanceView] = {}
     used = _gpu_used(problem, out)
+    # a running engine's pool takes its room whole, the KV in it or not: sleeping residue fits beside it
+    kv_on = kv_per_gpu(out)
+    for key, pool in kv_pools(problem, out, derived, before).items():
+        for g in derived[key].gpus:
+            used[g] += max(0, pool - kv_on.get((key[1], g), 0))
     for key, b in before.items():
         a = derived[key]
         if b.state is EngineState.RUNNING and a.state is not EngineState.RUNNING:
@@ -438,6 +513,54 @@ def _kv_predicted(
                 _set(out, key, wanted)
 
 
+def _kv_within_pools(
+    problem: Problem, out: Placement, before: Mapping[Key, InstanceView], after: Mapping[Key, InstanceView]
+) -> None:
+    """A running engine that runs on as it is holds no more KV on a GPU than the pool it was launched with
+    (engines.kv_held_in_pool): the KV the target grows there beyond it is not on the GPU (its pool's LRU
+    keeps it out; it is where LMCache keeps it below, or gone and re-prefilled)."""
+    staying = {
+        key: a
+        for key, a in after.items()
+        if a.state is EngineState.RUNNING and (b := before[key]).state is EngineState.RUNNING and b.same_instance(a)
+    }
+    if not staying:
+        return
+    pools = launched_pools(problem, {key: before[key] for key in staying})
+    groups = {(a.model, g) for a in staying.values() for g in a.gpus}
+    on: dict[tuple[str, str], list[tuple[tuple[StateObject, Location], int]]] = defaultdict(list)
+    for k, n in out.items():
+        if k[0].kind is Kind.KV and k[1].tier is Tier.GPU and (k[0].model, k[1].id) in groups:
+            on[(k[0].model, k[1].id)].append((k, n))
+    for key, a in staying.items():
+        pool = pools[key]
+        for g in a.gpus:
+            held = on.get((a.model, g), [])
+            total = sum(n for _, n in held)
+            over = total - kv_held_in_pool(pool, total)
+            if over <= 0:
+                continue
+            # the pool's LRU evicts what was used least recently: idle sessions' KV before the active ones',
+            # the KV a plan would grow before what the engine holds now
+            cuts = []
+            for k, n in held:
+                active = _active(problem, k[0])
+                was = min(n, problem.residency.get(k, 0))
+                cuts += [((active, 0, k), k, n - was), ((active, 1, k), k, was)]
+            for _, k, nbytes in sorted(cuts, key=lambda c: c[0]):
+                cut = min(over, nbytes)
+                if cut > 0:
+                    _set(out, k, out.get(k, 0) - cut)
+                    over -= cut
+                if over <= 0:
+                    break
+
+
+def _active(problem: Problem, obj: StateObject) -> bool:
+    session = problem.sessions.get(obj.session or "")
+    return session is not None and session.active
+
+
 def _expert_share_fixed(
     problem: Problem, out: Placement, before: Mapping[Key, InstanceView], after: Mapping[Key, InstanceView]
 ) -> None:
@@ -460,19 +583,29 @@ def _set(out: Placement, key: tuple[StateObject, Location], nbytes: int) -> None
 
 
 def kv_pools(
-    problem: Problem, placement: Mapping[tuple[StateObject, Location], int], after: Mapping[Key, InstanceView]
+    problem: Problem,
+    placement: Mapping[tuple[StateObject, Location], int],
+    after: Mapping[Key, InstanceView],
+    before: Mapping[Key, InstanceView] | None = None,
 ) -> dict[Key, int]:
-    """(node, model) -> the KV pool a running instance is launched with: the most KV the placement puts on
-    one GPU of its group (sessions' KV, predicted, lives in this fixed pool)."""
-    per_gpu: dict[tuple[str, str], int] = defaultdict(int)  # (model, gpu) -> KV bytes
-    for (obj, loc), nbytes in placement.items():
-        if obj.kind is Kind.KV and loc.tier is Tier.GPU:
-            per_gpu[(obj.model, loc.id)] += nbytes
-    return {
-        key: max((per_gpu.get((view.model, g), 0) for g in view.gpus), default=0)
-        for key, view in after.items()
-        if view.state is EngineState.RUNNING
-    }
+    """(node, model) -> the KV pool per GPU of each instance running after the plan: an instance that runs on
+    as it is keeps the pool it was launched with (`launched_pools`); one the plan starts, wakes or restarts
+    is launched with engines.launch_kv_pool_bytes_per_gpu(its minimum, the most KV the placement puts on
+    one GPU of its group)."""
+    before = confirmed_states(problem) if before is None else before
+    kept = launched_pools(problem, before)
+    per_gpu = kv_per_gpu(placement)
+    out = {}
+    for key, view in after.items():
+        if view.state is not EngineState.RUNNING:
+            continue
+        b = before.get(key)
+        if b is not None and b.state is EngineState.RUNNING and b.same_instance(view) and key in kept:
+            out[key] = kept[key]
+            continue
+        planned = max((per_gpu.get((view.model, g), 0) for g in view.gpus), default=0)
+        out[key] = launch_kv_pool_bytes_per_gpu(min_pool_bytes_per_gpu(problem, view.model, len(view.gpus)), planned)
+    return out
 
 
 def expert_fractions(
@@ -510,6 +643,8 @@ def _instance(
         LaunchSettings(kv_pool_bytes_per_gpu, gpu_expert_fraction, features=features),
         spec.experts_bytes,
         view.declared.management,
+        spec.kv_bytes_per_token,
+        spec.max_context_tokens,
     )
 
 
@@ -546,6 +681,8 @@ def instance_from_ref(problem: Problem, ref: EngineInstanceRef) -> EngineInstanc
         ),
         spec.experts_bytes,
         ref.management,
+        spec.kv_bytes_per_token,
+        spec.max_context_tokens,
     )
 
 
@@ -648,7 +785,8 @@ def attach_derived_steps(
     """`attach_steps` with the states derived from the confirmed placement and `target` as they are (for
     operations built without `engine_target`)."""
     before = confirmed_states(problem)
-    attach_steps(problem, ops, before, instance_states(problem, target))
+    after = instance_states(problem, target)
+    attach_steps(problem, ops, before, after, kv_pools(problem, target, after, before))
 
 
 def _step(

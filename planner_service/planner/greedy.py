@@ -101,8 +101,11 @@ from planner_service.planner import costs, engine_costs, joint
 from planner_service.planner.engine_plan import (
     can_leave,
     confirmed_states,
+    engine_of,
     kept_contexts,
     launched_experts,
+    launched_pools,
+    min_pool_bytes_per_gpu,
     pinned_instances,
     pooled_kv,
 )
@@ -352,12 +355,19 @@ class GreedyPlanner:
         # (node, model) -> the KV in each running engine's fixed pool, kept while it runs as it is
         self._pools = pooled_kv(problem, states)
         self._pooled: set[StateObject] = set()  # KV placed where its engine's pool keeps it
+        # (node, model) -> the pool per GPU each running engine was launched with (engine_plan.launched_pools)
+        self._launched_pools = launched_pools(problem, states)
+        # model -> (its group's GPU ids, the room per GPU its engine's KV pool holds beyond the KV placed in it):
+        # a launched pool takes its room whole, and the sessions' KV placed there fills it first
+        self._pool_room: dict[str, tuple[tuple[str, ...], list[int]]] = {}
+        self._fixed_pools: set[str] = set()  # models on their running engine as it is: its pool does not grow
         # (node, model) -> the routed experts each running MoE engine holds on the node's GPUs: its launch
         # setting, kept while it runs as it is; the models whose expert share is so fixed in the target
         self._launched_experts = launched_experts(problem, states)
         self._experts_fixed: set[str] = set()
         # the engines whose experts' room is held until their model is placed (`_hold_launched_experts`)
         self._experts_held: set[tuple[str, str]] = set()
+        self._running = {key: view for key, view in states.items() if view.state is EngineState.RUNNING}
         self._stuck = {
             key: view for key, view in states.items() if view.state is EngineState.RUNNING and not can_leave(view)
         }
@@ -534,12 +544,14 @@ class GreedyPlanner:
                 # the KV its running engine's pool keeps there counts whole, the active sessions' part of it
                 # within `extra_bytes`
                 kept, kept_active = self._kept_on(model.id, current.node, precision, stay)
+                room = self._launch_room(model.id, current.node, precision, stay)
                 shards = [
-                    a + b + c
-                    for a, b, c in zip(
+                    a + max(b, r) + c
+                    for a, b, c, r in zip(
                         split_evenly(nbytes, len(stay)),
                         split_evenly(max(0, extra_bytes - kept_active), len(stay)),
                         kept,
+                        room,
                         strict=True,
                     )
                 ]
@@ -551,7 +563,9 @@ class GreedyPlanner:
                     cost += penalty
                     options.append(((cost, rank, 0, stay_node, 0.0), precision, stay))
                 # other groups on the same node: only the shards a card lacks now are copied
-                for gpus, free in self._fits_by_width(stay_node, model, nbytes + extra_bytes):
+                for gpus, free in self._fits_by_width(
+                    stay_node, model, nbytes + self._kv_room(model, stay_node, extra_bytes)
+                ):
                     if gpus == stay:
                         continue
                     seconds = self._regroup_seconds(obj, gpus, nbytes, stay_node)
@@ -574,7 +588,9 @@ class GreedyPlanner:
                 held = self.now.on(
                     obj, node_id, _GPU
                 )  # a copy there besides the one serving: cards copy what they lack
-                for gpus, free in self._fits_by_width(node_id, model, nbytes + extra_bytes):
+                for gpus, free in self._fits_by_width(
+                    node_id, model, nbytes + self._kv_room(model, node_id, extra_bytes)
+                ):
                     if held:
                         seconds = self._regroup_seconds(obj, gpus, nbytes, node_id)
                     else:
@@ -986,6 +1002,55 @@ class GreedyPlanner:
                 out[i] += experts[2].get(g, 0)
         return out, active_bytes
 
+    def _kv_room(self, model: ModelSpec, node_id: str, kv_bytes: int) -> int:
+        """The GPU bytes `kv_bytes` of the sessions' KV take in a new launch on the node: on a vLLM / SGLang
+        node the engine's pool, never less than one request of the model's maximum context
+        (engines.min_kv_pool_bytes_per_gpu; split over a group it totals the same, to rounding)."""
+        if engine_of(self.p, node_id, model.id) is None:
+            return kv_bytes
+        return max(kv_bytes, min_pool_bytes_per_gpu(self.p, model.id, 1))
+
+    def _launch_room(self, model_id: str, node_id: str, precision: str, gpus: Sequence[Gpu]) -> list[int]:
+        """Bytes per GPU of `gpus` the model's engine pool takes beyond the KV kept in it (`_kept_on`): on a
+        vLLM / SGLang node, a running engine that stays as it is keeps its launched pool (its room less the
+        KV it holds there); a new launch takes at least its minimum pool. Nothing elsewhere."""
+        if engine_of(self.p, node_id, model_id) is None:
+            return [0] * len(gpus)
+        key = (node_id, model_id)
+        ids = tuple(g.id for g in gpus)
+        pool = self._pools.get(key)
+        view_pool = self._launched_pools.get(key)
+        running = self._running.get(key)
+        if running is not None and view_pool is not None and (running.precision, running.gpus) == (precision, ids):
+            held = dict.fromkeys(ids, 0)
+            if pool is not None:
+                for (_, loc), nbytes in pool[2].items():
+                    held[loc.id] += nbytes
+            return [max(0, view_pool - held[g]) for g in ids]
+        return [min_pool_bytes_per_gpu(self.p, model_id, len(ids))] * len(ids)
+
+    def _hold_pool_room(self, model: ModelSpec, group: Group) -> None:
+        """Take the room of the model's engine pool beyond the KV kept in it (`_launch_room`)."""
+        room = self._launch_room(model.id, group.node, group.precision, group.gpus)
+        ids = tuple(g.id for g in group.gpus)
+        running = self._running.get((group.node, model.id))
+        if running is not None and (running.precision, running.gpus) == (group.precision, ids):
+            if engine_of(self.p, group.node, model.id) is not None:
+                self._fixed_pools.add(model.id)
+        if any(room) or model.id in self._fixed_pools:
+            self.book.take(group.gpus, room)
+            self._pool_room[model.id] = (ids, room)
+
+    def _kv_fits(self, obj: StateObject, group: Group, shards: list[int]) -> bool:
+        """Whether the KV shards fit on the group: in its engine pool's held room first, then in free room;
+        a running engine that stays as it is holds no more than its pool."""
+        held = self._pool_room.get(obj.model)
+        if held is None or held[0] != tuple(g.id for g in group.gpus):
+            return self.book.fits(group.gpus, shards)
+        if obj.model in self._fixed_pools:
+            return all(b <= r for b, r in zip(shards, held[1], strict=True))
+        return self.book.fits(group.gpus, [max(0, b - r) for b, r in zip(shards, held[1], strict=True)])
+
     def _stay_fits(self, model_id: str, group: Group, shards: list[int]) -> bool:
         """Whether `shards` (the weights with `_kept_on`) fit on the group's GPUs and, where the group is the
         model's running engine as it is, so do the experts it keeps on the node's other GPUs (held already,
@@ -1057,6 +1122,7 @@ class GreedyPlanner:
         shards = split_evenly(model.weights_bytes[group.precision], len(group.gpus))
         self._keep_pool(model, group)
         self.book.take(group.gpus, shards)
+        self._hold_pool_room(model, group)
         for g, b in zip(group.gpus, shards, strict=True):
             if b:
                 self.target[(obj, self._at[g.id])] = b
@@ -1067,8 +1133,19 @@ class GreedyPlanner:
             self._moe_on[group.node][model.id] = (model, sum(map(_H2D, group.gpus)))
 
     def _place_spread(self, obj: StateObject, group: Group, shards: list[int]) -> None:
-        """Place `obj` over the group's GPUs in the given shards (`split_evenly` of its bytes)."""
-        self.book.take(group.gpus, shards)
+        """Place `obj` over the group's GPUs in the given shards (`split_evenly` of its bytes); KV fills its
+        engine pool's held room first (`_hold_pool_room`)."""
+        held = self._pool_room.get(obj.model) if obj.kind is _KV else None
+        if held is not None and held[0] == tuple(g.id for g in group.gpus):
+            room = held[1]
+            taken = []
+            for i, b in enumerate(shards):
+                use = min(room[i], b)
+                room[i] -= use
+                taken.append(b - use)
+            self.book.take(group.gpus, taken)
+        else:
+            self.book.take(group.gpus, shards)
         for g, b in zip(group.gpus, shards, strict=True):
             if b:
                 key = (obj, self._at[g.id])
@@ -1367,7 +1444,7 @@ class GreedyPlanner:
             if obj in self._pooled:  # in its engine's pool already: only the rest is prefilled
                 nbytes -= sum(self.target.get((obj, self._at[g.id]), 0) for g in group.gpus)
             shards = split_evenly(max(0, nbytes), len(group.gpus))
-            if self.book.fits(group.gpus, shards):
+            if self._kv_fits(obj, group, shards):
                 if nbytes > 0:
                     self._place_spread(obj, group, shards)
                 held += self._kv_bytes(s, model)
@@ -1426,6 +1503,8 @@ class GreedyPlanner:
                 if self._pools or self._contexts or self._launched_experts:
                     kept, _ = self._kept_on(model_id, group.node, group.precision, group.gpus)
                     shards = [a + b for a, b in zip(shards, kept, strict=True)]
+                room = self._launch_room(model_id, group.node, group.precision, group.gpus)
+                shards = [a + b for a, b in zip(shards, room, strict=True)]
                 if offered != self._placed_on[group.node] or not self._stay_fits(model_id, group, shards):
                     # weights were placed on its node since the offer was made, or its group filled up: its
                     # best group and value may have changed (lazy greedy: re-offer at the current value; it
@@ -1437,7 +1516,7 @@ class GreedyPlanner:
             elif kind == "kv":  # a model's group is set once, before its followers are pushed
                 obj, group, nbytes, why = payload
                 shards = split_evenly(nbytes, len(group.gpus))
-                if self.groups.get(obj.model) is group and self.book.fits(group.gpus, shards):
+                if self.groups.get(obj.model) is group and self._kv_fits(obj, group, shards):
                     self._place_spread(obj, group, shards)
                     self.reasons[obj] = _words(why)
             else:

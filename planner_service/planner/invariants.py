@@ -535,10 +535,32 @@ def _engine_capacity(
             used[loc.id] += nbytes
             if obj.kind is Kind.KV:
                 kv[(obj.model, loc.id)] += nbytes
-    for (node, model), pool in pools.items():
-        for g in after[(node, model)].gpus:
-            extra[g] += max(0, pool - kv.get((model, g), 0))
     errors = []
+    for (node, model), pool in sorted(pools.items()):
+        tp = len(after[(node, model)].gpus)
+        least = engine_plan.min_pool_bytes_per_gpu(problem, model, tp) if tp else 0
+        if pool < least:
+            errors.append(
+                f"engine: {model}'s engine on {node} is launched with a KV pool of {pool} bytes per GPU, less than "
+                f"one request of its maximum context takes ({least}): the engine would refuse to start"
+            )
+    # an instance that runs on as it is keeps the pool it was launched with (its room is taken already: the
+    # capacity below counts the pools the plan launches)
+    kept = {
+        key: pool
+        for key, pool in engine_plan.launched_pools(problem, before).items()
+        if key not in pools and after[key].state is EngineState.RUNNING and after[key].gpus == before[key].gpus
+    }
+    for (node, model), pool in sorted({**pools, **kept}.items()):
+        for g in after[(node, model)].gpus:
+            held = kv.get((model, g), 0)
+            if held > pool:
+                errors.append(
+                    f"engine: {model}'s KV on gpu:{g} is planned at {held} bytes, beyond its engine's KV pool of "
+                    f"{pool}: the engine cannot hold it there"
+                )
+            if (node, model) in pools:
+                extra[g] += max(0, pool - held)
     for g, nbytes in sorted(extra.items()):
         capacity = problem.gpus[g].capacity_bytes
         if nbytes and used.get(g, 0) + nbytes > capacity:

@@ -12,7 +12,9 @@ where, per kind,
     kv       sum over sessions of bytes(kv(m,s) at t) / sum over those sessions of context * kv_bytes_per_token
 
 Several full copies (e.g. one per node's NVMe) still count as fraction 1.
-The per-device detail is the placement itself.
+The per-device detail is the placement itself, except on engine nodes (vLLM, SGLang): there a running
+engine holds no more KV on a GPU than its launched pool (engines.kv_held_in_pool), so the GPU KV counted
+is at most that pool.
 """
 
 from __future__ import annotations
@@ -22,8 +24,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from planner_service.domain.engines import EngineState, kv_held_in_pool
 from planner_service.domain.problem import Problem
 from planner_service.domain.state import Kind, Location, StateObject, Tier
+from planner_service.planner.engine_plan import instance_states, kv_per_gpu, launched_pools
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,8 +73,12 @@ def srv_rows(problem: Problem, placement: Mapping[tuple[StateObject, Location], 
             weight_fraction[(obj.model, tier)] = max(weight_fraction[(obj.model, tier)], share)
         elif obj.kind is Kind.KV and obj.session in problem.sessions:
             kv_full[(obj.model, tier)] += problem.size_of(obj)
+    for (model, _), beyond in _beyond_pools(problem, placement).items():
+        total_bytes[(model, Kind.KV, Tier.GPU)] -= beyond
     rows = []
     for (model, kind, tier), nbytes in sorted(total_bytes.items()):
+        if nbytes <= 0:
+            continue
         if kind is Kind.WEIGHTS:
             fraction = weight_fraction[(model, tier)]
         elif kind is Kind.EXPERTS:
@@ -81,3 +89,25 @@ def srv_rows(problem: Problem, placement: Mapping[tuple[StateObject, Location], 
             fraction = nbytes / full if full else 1.0
         rows.append(SrvRow(model, kind, tier, round(min(1.0, fraction), 6), int(nbytes)))
     return tuple(rows)
+
+
+def _beyond_pools(
+    problem: Problem, placement: Mapping[tuple[StateObject, Location], int]
+) -> dict[tuple[str, str], int]:
+    """(model, GPU) -> the KV bytes the placement puts on a GPU of a running engine beyond that engine's pool."""
+    states = instance_states(problem, placement, problem.observed_engines)
+    if not states:
+        return {}
+    running = {key: view for key, view in states.items() if view.state is EngineState.RUNNING}
+    on = kv_per_gpu(placement)
+    pools = launched_pools(problem, running, on)  # reported, else the launch rule over this placement
+    out: dict[tuple[str, str], int] = {}
+    for key, view in running.items():
+        pool = pools.get(key)
+        if pool is None:
+            continue
+        for g in view.gpus:
+            held = on.get((view.model, g), 0)
+            if held > kv_held_in_pool(pool, held):
+                out[(view.model, g)] = held - kv_held_in_pool(pool, held)
+    return out

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable, Sequence
 from functools import partial
 from typing import Protocol
 
+from planner_service.domain import engines
 from planner_service.domain.engines import EngineState, Management, Transition
 from planner_service.domain.problem import Gpu
 from planner_service.domain.scenario import Capability
@@ -359,7 +360,12 @@ class Executor:
         order = sorted(self.problem.nodes[state.node].gpus, key=lambda g: (g not in serving, g))
         pool_bytes = 0  # per serving GPU
         if not self.sim.engines.runtime_experts(state.node, model_id):
-            pool_bytes = -(-self.policy.kv_reserve(self.view, model_id) // len(state.gpus))
+            # the pool the engine is launched with, by the planner's rule: never below one longest request
+            instance = self.sim.engines.instance(state.node, model_id, state.precision, state.gpus)
+            pool_bytes = engines.launch_kv_pool_bytes_per_gpu(
+                instance.min_kv_pool_bytes_per_gpu,
+                -(-self.policy.kv_reserve(self.view, model_id) // len(state.gpus)),
+            )
         for gid in gpu_ids if gpu_ids is not None else order:
             loc = Location.gpu(gid)
             kept = int(headroom * self.cluster.capacity[loc])

@@ -57,19 +57,23 @@ class EngineBook:
         return self.problem.nodes[node_id].declared_engines.get(model_id, UNDECLARED)
 
     def instance(self, node_id: str, model_id: str, precision: str, gpus: tuple[Gpu, ...]) -> engines.EngineInstance:
-        """The instance that serves `model_id` at `precision` on `gpus` (the KV pool is the simulator's own
-        per-request allocation, so the launch settings carry none)."""
+        """The instance that serves `model_id` at `precision` on `gpus`, launched with its minimum KV pool
+        (engines.min_kv_pool_bytes_per_gpu; the simulator allocates KV per request inside the room the
+        launch leaves: `Executor.fill_experts`)."""
         model = self.problem.models[model_id]
         declared = self.declared(node_id, model_id)
+        least = engines.min_kv_pool_bytes_per_gpu(model.kv_bytes_per_token, model.max_context_tokens, len(gpus))
         return engines.EngineInstance(
             kind=declared.kind,
             model=model_id,
             precision=precision,
             gpus=tuple(g.id for g in gpus),
             weights_bytes=model.weights_bytes[precision],
-            launch=engines.LaunchSettings(kv_pool_bytes_per_gpu=0, features=declared.features),
+            launch=engines.LaunchSettings(kv_pool_bytes_per_gpu=least, features=declared.features),
             experts_bytes=model.experts_bytes,
             management=declared.management,
+            kv_bytes_per_token=model.kv_bytes_per_token,
+            model_max_context_tokens=model.max_context_tokens,
         )
 
     def moves_session_kv(self, node_id: str, model_id: str) -> bool:

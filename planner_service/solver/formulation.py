@@ -26,7 +26,7 @@ import numpy as np
 from planner_service.domain.engines import EngineState, Management, Transition, may, tensor_parallel_ok
 from planner_service.domain.problem import Gpu, ModelSpec, Problem, Session
 from planner_service.domain.scenario import Capability
-from planner_service.domain.state import Kind, Location, Placement, StateObject, Tier
+from planner_service.domain.state import Location, Placement, StateObject, Tier
 from planner_service.domain.units import MIB
 from planner_service.planner import costs, engine_plan
 from planner_service.planner.errors import PlanningError
@@ -95,7 +95,8 @@ class EngineExperts:
 
 @dataclass(frozen=True, slots=True)
 class KvPool:
-    """The KV of a launched option on one GPU beyond its fixed pool: `var` MiB (its pool is its own room)."""
+    """The room of a new engine's KV pool on one GPU beyond the sessions' KV chosen there: `var` MiB, so that
+    the pool takes max(its minimum, the KV) (engines.launch_kv_pool_bytes_per_gpu)."""
 
     var: int
     option: Option
@@ -158,7 +159,7 @@ class Formulation:
                     for g, b in zip(ch.option.gpus, split_evenly(ch.nbytes, len(ch.option.gpus)), strict=True)
                     if g.id == pool.gpu
                 )
-                values[pool.var] = -(-max(0, kv - pool.pool_bytes) // MIB)
+                values[pool.var] = -(-max(0, pool.pool_bytes - kv) // MIB)
         for (model_id, gpu_id), (var, unit) in self.expert_vars.items():
             if (
                 (option := chosen.get(model_id)) is not None
@@ -229,6 +230,7 @@ class _Builder:
         self.pools: list[KvPool] = []
         # engine instances on vLLM / SGLang nodes as they are now (planner/engine_plan.py)
         self.states = engine_plan.confirmed_states(problem)
+        self.launched_pools = engine_plan.launched_pools(problem, self.states)
         self.pinned = engine_plan.immovable(problem)  # model -> (node, precision): running, cannot leave
         self.gpu_terms: dict[str, dict[int, int]] = {g: defaultdict(int) for g in problem.gpus}
         self.model_gpu_terms: dict[tuple[str, str], dict[int, int]] = defaultdict(lambda: defaultdict(int))
@@ -400,11 +402,17 @@ class _Builder:
                 and not invalidated
                 and self._kv_on_node(model.id, s.id, o.node)
             ]
-            pool_terms: dict[str, dict[int, int]] = defaultdict(dict)  # a launched option's KV, per GPU
+            pool_terms: dict[str, dict[int, int]] = defaultdict(dict)  # an engine option's KV, per GPU
+            # a new engine's pool is at least one request of the model's maximum context (engine_plan)
+            least = (
+                engine_plan.min_pool_bytes_per_gpu(self.p, model.id, len(o.gpus))
+                if not o.launched and engine_plan.engine_of(self.p, o.node, model.id) is not None
+                else 0
+            )
             for s, is_active in candidates:
                 nbytes = s.context_tokens * model.kv_bytes_per_token
                 saved = float(without_kv[position[s.id]]) if s.id in position else 0.0
-                # in a launched engine's pool the KV room is paid for by the pool (and by z beyond it)
+                # in a launched engine's pool the KV room is paid for by the pool
                 k_cost = (0.0 if o.launched else costs.gpu_hold_cost(nbytes, c)) - saved
                 if is_active:
                     # (C3) an active request whose KV is not on the serving GPUs waits: the unserved penalty
@@ -418,15 +426,17 @@ class _Builder:
                 # (C4) KV only on the GPUs of the chosen group
                 self.ilp.row({var: 1, o.var: -1}, hi=0)
                 for g, b in zip(o.gpus, split_evenly(nbytes, len(o.gpus)), strict=True):
-                    if b and o.launched:
+                    if b and (o.launched or least):
                         pool_terms[g.id][var] = b
-                    elif b:
+                    if b and not o.launched:
                         self.gpu_terms[g.id][var] += b
                         self.model_gpu_terms[(model.id, g.id)][var] += b
                 self.kv.setdefault((model.id, s.id), []).append(KvChoice(var, s.id, o, nbytes))
                 relaxed += min(0.0, k_cost)
             if o.launched:
                 self._pool_rows(o, pool_terms)
+            elif least:
+                self._min_pool_rows(o, pool_terms, least)
             o_best = relaxed + (
                 self._best_combo_cost(model, o, served_weight) if model.is_moe and not o.launched else 0.0
             )
@@ -488,27 +498,26 @@ class _Builder:
         )
 
     def _pool_rows(self, o: Option, pool_terms: Mapping[str, Mapping[int, int]]) -> None:
-        """KV beyond a launched engine's pool on each GPU: z MiB (warm tax per MiB), so the model's KV there
-        takes max(pool, chosen KV): the pool's room is its own, and the engine's LRU evicts its own KV only."""
+        """A launched engine's pool is fixed: the sessions' KV chosen on each GPU stays within it (its room is
+        held by C11; the engine's LRU keeps the rest out)."""
         for g, pool in zip(o.gpus, o.kv_pool, strict=True):
+            terms = pool_terms.get(g.id, {})
+            if terms:
+                # (C12) sum_s kvshard_{s,g} k_{m,s,o} <= pool_g x_{m,o}
+                self.ilp.row({o.var: -pool, **terms}, hi=0)
+
+    def _min_pool_rows(self, o: Option, pool_terms: Mapping[str, Mapping[int, int]], least: int) -> None:
+        """A new engine's pool takes max(its minimum, the sessions' KV chosen) on each GPU: z MiB of room
+        beyond that KV, taken from the GPU like any bytes (the evaluator charges no hold for an empty pool)."""
+        for g in o.gpus:
             capacity_mib = -(-g.capacity_bytes // MIB)
-            z = self.ilp.var(
-                f"z[{o.model},{g.id}]", ub=capacity_mib, cost=costs.gpu_hold_cost(MIB, self.c)
-            )  # fmt: skip
-            self.pools.append(KvPool(z, o, g.id, pool))
+            z = self.ilp.var(f"z[{o.model},{o.var},{g.id}]", ub=capacity_mib)
+            self.pools.append(KvPool(z, o, g.id, least))
             self.gpu_terms[g.id][z] += MIB
             self.model_gpu_terms[(o.model, g.id)][z] += MIB
-            # (C12) MiB * z >= sum_s kvshard_{s,g} k_{m,s,o} - pool_g x_{m,o};  z only with x_{m,o}
-            self.ilp.row({z: MIB, o.var: pool, **{k: -b for k, b in pool_terms.get(g.id, {}).items()}}, lo=0)
+            # (C12') MiB * z + sum_s kvshard_{s,g} k_{m,s,o} >= pool_min x_{m,o};  z only with x_{m,o}
+            self.ilp.row({z: MIB, o.var: -least, **pool_terms.get(g.id, {})}, lo=0)
             self.ilp.row({z: 1, o.var: -capacity_mib}, hi=0)
-
-    def _kv_now(self, model_id: str, gpu_id: str) -> int:
-        """KV bytes of the model on the GPU now: a running engine's pool holds at least these."""
-        return sum(
-            nbytes
-            for (obj, loc), nbytes in self.p.residency.items()
-            if obj.kind is Kind.KV and obj.model == model_id and loc == Location.gpu(gpu_id)
-        )
 
     def _kv_on_node(self, model: str, session: str, node: str) -> bool:
         obj = StateObject.kv(model, session)
@@ -566,7 +575,7 @@ class _Builder:
                     cls = classes.setdefault((node_id, h2d), len(classes))
                     var = self.ilp.var(f"x[{model.id},{node_id},{precision},{'+'.join(_ids(group))}]")
                     launched = self._launched(model, node_id, precision, group)
-                    pool = tuple(self._kv_now(model.id, g.id) for g in group) if launched else ()
+                    pool = (self.launched_pools[(node_id, model.id)],) * len(group) if launched else ()
                     experts_obj = StateObject.experts(model.id)
                     experts = (
                         tuple(self.now.placement.get((experts_obj, Location.gpu(g.id)), 0) for g in group)

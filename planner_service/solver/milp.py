@@ -128,11 +128,11 @@ How the non-linear parts are made linear
       contention between models (and the group that prices a KV demotion)
       is all this can misprice; the plan reports `milp.model_objective`
       next to `milp.milp_plan_objective`, the evaluator's value of it.
-    * Engine nodes: a launched engine's KV on g is max(pool, chosen), exact
-      with z; the engine keeps every session's KV of its pool, so a k = 0
-      there underprices what the plan holds (the decoded plan keeps it and
-      `evaluate` credits it). The KV pool of a newly launched engine is what
-      the plan puts there (engine_plan.kv_pools): no row.
+    * Engine nodes: a launched engine's pool is fixed (engine_plan.launched_pools): its room is held and
+      the KV chosen on each of its GPUs stays within it (C12); the engine keeps every session's KV of its
+      pool, so a k = 0 there underprices what the plan holds (the decoded plan keeps it and `evaluate`
+      credits it). A new engine's pool takes max(its minimum, the KV chosen) on each GPU, exact with z
+      (C12'), where the minimum is one request of the model's maximum context (engine_plan.kv_pools).
     * An active request whose KV is not beside its served model waits: U,
       as the evaluator charges it. W_m (the decode weight) counts it anyway,
       so the model overprices such a plan by w * its decode slowdown.

@@ -1,0 +1,206 @@
+"""KV pools are launch settings: an engine starts with at least one request of its model's maximum context,
+a running engine holds no more KV than the pool it was launched with, and the planner, the checker, the
+SRV and the simulator all read that one rule (planner_service/domain/engines.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+from tiny_clusters import GIB, gpu, held, model, node, on_gpu, on_nvme, plan_for, scenario, session, weights
+
+from planner_service.domain import engines
+from planner_service.domain.demo import demo_scenario_json
+from planner_service.domain.engines import EngineKind, LaunchSettings, Transition
+from planner_service.domain.predictions import problem_from_scenario
+from planner_service.domain.problem import Problem
+from planner_service.domain.scenario import ScenarioError, parse_scenario
+from planner_service.domain.state import Kind, Location, StateObject, Tier
+from planner_service.planner import engine_plan
+from planner_service.planner.invariants import check_plan
+from planner_service.planner.operations import Operation
+from planner_service.planner.plan import Plan
+from planner_service.planner.srv import srv_rows
+from planner_service.sim.instances import EngineBook
+from planner_service.solver.registry import solve
+
+VLLM = {"kind": "vllm", "features": ["lmcache", "sleep_mode", "dev_mode"]}
+
+
+def demo_problem() -> Problem:
+    return problem_from_scenario(parse_scenario(demo_scenario_json()))
+
+
+# --- the minimum pool, by hand ------------------------------------------------------------------------------
+
+
+def test_the_minimum_pool_of_a_dense_model_is_one_longest_request_per_gpu() -> None:
+    """The demo's planner is Llama-3.1-8B (32 layers, 8 KV heads of 128, bf16), served up to 32,768 tokens:
+
+    kv_bytes_per_token = 2 (K and V) x 32 layers x 8 heads x 128 x 2 bytes = 131,072
+    min pool per GPU   = ceil(131,072 x 32,768 / tp) = 4 GiB on one GPU, 2 GiB on two
+    """
+    problem = demo_problem()
+    spec = problem.models["planner"]
+    assert (spec.kv_bytes_per_token, spec.max_context_tokens) == (131_072, 32_768)
+    assert engine_plan.min_pool_bytes_per_gpu(problem, "planner", 1) == 4 * GIB
+    assert engine_plan.min_pool_bytes_per_gpu(problem, "planner", 2) == 2 * GIB
+
+
+def test_the_minimum_pool_of_a_moe_model_is_one_longest_request_per_gpu() -> None:
+    """The demo's reasoner is DeepSeek-V3 (MLA: one 512-wide latent and a 64-wide rope key per layer, 61
+    layers, bf16 cache), served up to 65,536 tokens; its routed experts take no KV:
+
+        kv_bytes_per_token = 61 x (512 + 64) x 2 bytes = 70,272
+        min pool per GPU   = ceil(70,272 x 65,536 / tp) = 4,605,345,792 on one GPU, 1,151,336,448 on four
+    """
+    problem = demo_problem()
+    spec = problem.models["reasoner"]
+    assert spec.is_moe and (spec.kv_bytes_per_token, spec.max_context_tokens) == (70_272, 65_536)
+    assert engine_plan.min_pool_bytes_per_gpu(problem, "reasoner", 1) == 4_605_345_792
+    assert engine_plan.min_pool_bytes_per_gpu(problem, "reasoner", 4) == 1_151_336_448
+
+
+def test_the_model_s_own_limit_is_its_config_s_max_position_embeddings() -> None:
+    """Without `max_context_tokens` a preset's config decides, as vLLM's max_model_len and SGLang's
+    context_len default to: the demo's longctx (Llama-3.3-70B) keeps 131,072."""
+    assert demo_problem().models["longctx"].max_context_tokens == 131_072
+    data = demo_scenario_json()
+    data["models"][0]["max_context_tokens"] = 0
+    with pytest.raises((ScenarioError, ValueError), match="max_context_tokens"):
+        parse_scenario(data)
+
+
+def test_the_launch_rule_and_what_a_pool_holds() -> None:
+    assert engines.min_kv_pool_bytes_per_gpu(1000, 3, 2) == 1500
+    assert engines.min_kv_pool_bytes_per_gpu(1000, 3, 4) == 750
+    assert engines.min_kv_pool_bytes_per_gpu(1000, 1, 3) == 334  # rounded up: the engine needs the whole request
+    assert engines.min_kv_pool_bytes_per_gpu(1000, 0, 2) == 0  # unknown context: no floor
+    assert engines.launch_kv_pool_bytes_per_gpu(1500, 900) == 1500
+    assert engines.launch_kv_pool_bytes_per_gpu(1500, 2000) == 2000
+    assert engines.kv_held_in_pool(1500, 2000) == 1500
+    assert engines.kv_held_in_pool(1500, 700) == 700
+    with pytest.raises(ValueError, match="tp 0"):
+        engines.min_kv_pool_bytes_per_gpu(1, 1, 0)
+
+
+def test_an_instance_s_minimum_follows_its_launch_limit() -> None:
+    """--max-model-len 8192 on two GPUs: 131,072 x 8,192 / 2 = 512 MiB per GPU, whatever the model's own limit."""
+    inst = engines.EngineInstance(
+        EngineKind.VLLM,
+        "m",
+        "bf16",
+        ("g0", "g1"),
+        GIB,
+        LaunchSettings(0, max_context_tokens=8192),
+        kv_bytes_per_token=131_072,
+        model_max_context_tokens=131_072,
+    )
+    assert inst.max_context_tokens == 8192
+    assert inst.min_kv_pool_bytes_per_gpu == 512 * 2**20
+
+
+# --- the planner launches pools the engines start with, and keeps KV within them ------------------------------
+
+
+def one_card(b_active: bool, b_tokens: int = 8192) -> dict[str, Any]:
+    """One 26 GiB card whose vLLM engine serves a (16 GiB) with s1's KV in its pool; b (4 GiB) is cold."""
+    engines_ = [{"model": "a", "gpus": ["g0"], **VLLM}, {"model": "b", "gpus": ["g0"], **VLLM}]
+    return scenario(
+        [{**node("n0", gpu("g0", 26)), "engines": engines_}],
+        [model("a", 16), model("b", 4)],
+        [
+            session("s1", "a", active=True, tokens=4096),
+            session("s3", "a", active=True, tokens=4096),
+            session("s2", "b", active=b_active, tokens=b_tokens),
+        ],
+        [
+            held(weights("a"), on_gpu("g0"), 16 * GIB),
+            held(weights("a"), on_nvme("n0"), 16 * GIB),
+            held({"kind": "kv", "model": "a", "session": "s1"}, on_gpu("g0"), 4096 * 4096),
+            held(weights("b"), on_nvme("n0"), 4 * GIB),
+        ],
+    )
+
+
+def launches(plan: Plan) -> dict[str, int]:
+    return {
+        op.engine.instance.model: op.engine.instance.kv_pool_bytes_per_gpu
+        for op in plan.operations
+        if op.engine is not None and op.engine.transition in (Transition.START, Transition.RESTART, Transition.WAKE)
+    }
+
+
+def test_a_start_launches_at_least_one_longest_request_of_pool() -> None:
+    """b's sessions are its longest request: 8,192 tokens x 4,096 bytes = 32 MiB, more than the KV the plan
+    puts in its pool when b has no session in flight."""
+    problem, plan = plan_for(one_card(b_active=True))
+    assert check_plan(problem, plan.placement, plan.operations, plan.unserved) == []
+    assert launches(plan)["b"] >= 8192 * 4096
+
+
+def test_the_planner_keeps_a_running_engine_s_kv_within_its_pool() -> None:
+    """a's engine reports a pool that holds s1 alone: s3's new KV cannot join it there (the pool's LRU evicts
+    an idle session's KV first, but both are in flight), so the plan predicts s3's KV off the GPU."""
+    problem = problem_from_scenario(parse_scenario(one_card(b_active=False)))
+    pool = 4096 * 4096
+    problem = dataclasses.replace(problem, engine_pools={("n0", "a"): pool})
+    plan = solve(problem)
+    assert check_plan(problem, plan.placement, plan.operations, plan.unserved) == []
+    on_g0 = sum(n for (obj, loc), n in plan.placement.items() if obj.kind is Kind.KV and loc == Location.gpu("g0"))
+    assert on_g0 <= pool
+    assert "b" not in launches(plan) or launches(plan)["b"] >= engine_plan.min_pool_bytes_per_gpu(problem, "b", 1)
+
+
+def with_pool(problem: Problem, plan: Plan, model_id: str, pool: int) -> list[str]:
+    ops: list[Operation] = []
+    for op in plan.operations:
+        if op.engine is not None and op.engine.instance.model == model_id:
+            instance = op.engine.instance.model_copy(update={"kv_pool_bytes_per_gpu": pool})
+            op = dataclasses.replace(op, engine=op.engine.model_copy(update={"instance": instance}))
+        ops.append(op)
+    return [e for e in check_plan(problem, plan.placement, ops, plan.unserved) if e.startswith("engine:")]
+
+
+def test_the_checker_refuses_a_start_below_the_minimum_pool() -> None:
+    problem, plan = plan_for(one_card(b_active=True))
+    least = engine_plan.min_pool_bytes_per_gpu(problem, "b", 1)
+    assert with_pool(problem, plan, "b", least) == []
+    errors = with_pool(problem, plan, "b", least - 1)
+    assert any("b's engine on n0 is launched with a KV pool" in e and "would refuse to start" in e for e in errors)
+
+
+def test_the_checker_refuses_kv_beyond_a_running_engine_s_pool() -> None:
+    """The plan made for a's engine as the placement implies it; a node then reports a smaller pool than the
+    KV the plan keeps there: the engine cannot hold it."""
+    problem, plan = plan_for(one_card(b_active=False))
+    assert check_plan(problem, plan.placement, plan.operations, plan.unserved) == []
+    on_g0 = sum(n for (obj, loc), n in plan.placement.items() if obj.kind is Kind.KV and obj.model == "a"
+                and loc == Location.gpu("g0"))  # fmt: skip
+    assert on_g0 > 0
+    reported = dataclasses.replace(problem, engine_pools={("n0", "a"): on_g0 - 1})
+    errors = [
+        e for e in check_plan(reported, plan.placement, plan.operations, plan.unserved) if e.startswith("engine:")
+    ]
+    assert any("a's KV on gpu:g0 is planned at" in e and "beyond its engine's KV pool" in e for e in errors)
+
+
+def test_the_srv_counts_no_gpu_kv_beyond_an_engine_s_pool() -> None:
+    problem = problem_from_scenario(parse_scenario(one_card(b_active=False)))
+    kv_s3 = (StateObject.kv("a", "s3"), Location.gpu("g0"))
+    placement = {**problem.residency, kv_s3: 4096 * 4096}
+    full = {(r.model, r.state, r.tier): r.bytes for r in srv_rows(problem, placement)}
+    assert full[("a", Kind.KV, Tier.GPU)] == 2 * 4096 * 4096  # the pool the placement implies holds both
+    reported = dataclasses.replace(problem, engine_pools={("n0", "a"): 4096 * 4096 + 5})
+    capped = {(r.model, r.state, r.tier): r.bytes for r in srv_rows(reported, placement)}
+    assert capped[("a", Kind.KV, Tier.GPU)] == 4096 * 4096 + 5
+
+
+def test_the_simulator_launches_the_same_minimum() -> None:
+    problem = demo_problem()
+    book = EngineBook(problem, engine_plan.ENGINE_CONSTANTS)
+    gpus = tuple(problem.gpus[g] for g in ("n1-g0", "n1-g1"))
+    inst = book.instance("n1", "planner", "bf16", gpus)
+    assert inst.launch.kv_pool_bytes_per_gpu == inst.min_kv_pool_bytes_per_gpu
+    assert inst.min_kv_pool_bytes_per_gpu == engine_plan.min_pool_bytes_per_gpu(problem, "planner", 2) == 2 * GIB

@@ -661,6 +661,8 @@ def instance_ref(
         precision=inst.precision,
         gpus=list(inst.gpus),
         kv_pool_bytes_per_gpu=kv_pool_bytes_per_gpu,
+        # the longest request it serves (vLLM --max-model-len): its pool's minimum is one such request
+        max_context_tokens=inst.max_context_tokens or None,
         gpu_expert_fraction=inst.launch.gpu_expert_fraction,
         features=sorted(inst.launch.features),
         management=inst.management,

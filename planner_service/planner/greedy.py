@@ -1335,7 +1335,7 @@ class GreedyPlanner:
             tuple[str, str], tuple[tuple[Gpu, ...], float, float]
         ] = {}  # (node, precision) -> group, load, `_kv_cost`
         for (cost, _, _, node_id, seconds), precision, gpus in self._group_options(model, need, False, price_kv=False):
-            nbytes = model.weights_bytes[precision] + need
+            nbytes = model.weights_bytes[precision] + self._kv_room(model, node_id, need)
             moe = (model, sum(map(_H2D, gpus))) if model.is_moe else None
             if whole:
                 nbytes = self.book.room(node_id)

@@ -427,8 +427,8 @@ class _Builder:
                 self.ilp.row({var: 1, o.var: -1}, hi=0)
                 for g, b in zip(o.gpus, split_evenly(nbytes, len(o.gpus)), strict=True):
                     if b and (o.launched or least):
-                        pool_terms[g.id][var] = b
-                    if b and not o.launched:
+                        pool_terms[g.id][var] = b  # a new engine's: on the GPUs once its pool is known
+                    elif b:
                         self.gpu_terms[g.id][var] += b
                         self.model_gpu_terms[(model.id, g.id)][var] += b
                 self.kv.setdefault((model.id, s.id), []).append(KvChoice(var, s.id, o, nbytes))
@@ -507,17 +507,29 @@ class _Builder:
                 self.ilp.row({o.var: -pool, **terms}, hi=0)
 
     def _min_pool_rows(self, o: Option, pool_terms: Mapping[str, Mapping[int, int]], least: int) -> None:
-        """A new engine's pool takes max(its minimum, the sessions' KV chosen) on each GPU: z MiB of room
-        beyond that KV, taken from the GPU like any bytes (the evaluator charges no hold for an empty pool)."""
+        """A new engine's pool takes max(its minimum, the sessions' KV chosen) on each GPU. Where all the KV it
+        may hold fits in the minimum, that is the minimum whenever the option is chosen (no variable); else z
+        MiB of room beyond the KV, one for the group (the KV splits evenly: its shards differ by a byte)."""
+        most = max((sum(terms.values()) for terms in pool_terms.values()), default=0)
+        if most <= least:
+            for g in o.gpus:
+                self.gpu_terms[g.id][o.var] += least
+                self.model_gpu_terms[(o.model, g.id)][o.var] += least
+            return
         for g in o.gpus:
-            capacity_mib = -(-g.capacity_bytes // MIB)
-            z = self.ilp.var(f"z[{o.model},{o.var},{g.id}]", ub=capacity_mib)
-            self.pools.append(KvPool(z, o, g.id, least))
+            for var, b in pool_terms.get(g.id, {}).items():
+                self.gpu_terms[g.id][var] += b
+                self.model_gpu_terms[(o.model, g.id)][var] += b
+        least_mib = -(-least // MIB)
+        z = self.ilp.var(f"z[{o.model},{o.var}]", ub=least_mib)
+        first = o.gpus[0]  # split_evenly puts the larger shards first
+        self.pools.append(KvPool(z, o, first.id, least))
+        for g in o.gpus:
             self.gpu_terms[g.id][z] += MIB
             self.model_gpu_terms[(o.model, g.id)][z] += MIB
-            # (C12') MiB * z + sum_s kvshard_{s,g} k_{m,s,o} >= pool_min x_{m,o};  z only with x_{m,o}
-            self.ilp.row({z: MIB, o.var: -least, **pool_terms.get(g.id, {})}, lo=0)
-            self.ilp.row({z: 1, o.var: -capacity_mib}, hi=0)
+        # (C12') MiB * z + sum_s kvshard_{s,g0} k_{m,s,o} >= pool_min x_{m,o};  z only with x_{m,o}
+        self.ilp.row({z: MIB, o.var: -least, **pool_terms.get(first.id, {})}, lo=0)
+        self.ilp.row({z: 1, o.var: -least_mib}, hi=0)
 
     def _kv_on_node(self, model: str, session: str, node: str) -> bool:
         obj = StateObject.kv(model, session)

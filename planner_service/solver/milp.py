@@ -55,7 +55,7 @@ Variables
 
 Constraints (one family per comment in `formulation.py`)
     (C1) HBM:       sum_o shard_{o,g} x + sum_k kvshard_{k,g} k + sum_m e_{m,n} v_{m,g}
-                    + sum_{o in L} (pool_{m,g} + ex_{m,g}) x_{m,o} + sum_m MiB * z_{m,g}
+                    + sum_{o in L} (pool_{m,g} + ex_{m,g}) x_{m,o} + sum_o MiB * z_o
                     + sum_{a in Z, g in H_a} R (1 - x_{m,o_a}) <= cap_g
                     (the k of a launched option count in C12 instead)
     (C2) one choice: off_m + sum_o x_{m,o} = 1
@@ -82,11 +82,15 @@ Constraints (one family per comment in `formulation.py`)
                     holds its context unless it wakes (a managed one stops where
                     its context does not fit: engine_plan._sleep_or_stop)
     (C11) pool:     pool_{m,g} + ex_{m,g} ride on x_{m,o} in C1 for o ∈ L_m
-    (C12) beyond:   MiB * z_{m,g} >= sum_{k on o} kvshard_{k,g} k - pool_{m,g} x_{m,o},
-                    z_{m,g} <= ceil(cap_g / MiB) x_{m,o}: m's KV on g takes
-                    max(pool, chosen KV); the pool's room is m's own (the engine's
-                    LRU evicts only its own KV, for its own new KV:
-                    engine_plan._kv_predicted)
+    (C12) within:   sum_{k on o} kvshard_{k,g} k <= pool_{m,g} x_{m,o} for o ∈ L_m: a launched
+                    engine's KV stays within the pool it was launched with
+                    (engine_plan.launched_pools; the engine's LRU keeps the rest out)
+    (C12') new pool: for o ∉ L_m on a vLLM / SGLang node, with least_o one request of
+                    the model's maximum context per GPU (engines.min_kv_pool_bytes_per_gpu):
+                    least_o rides on x_{m,o} in C1 where all the KV o may hold fits in it;
+                    else MiB * z_o + sum_{k on o} kvshard_{k,g_o} k >= least_o x_{m,o},
+                    z_o <= ceil(least_o / MiB) x_{m,o}, and MiB * z_o counts in C1 on
+                    every GPU of o: o's pool takes max(least_o, chosen KV)
 
 Objective (seconds; every coefficient computed by the evaluator's functions)
     off_m:   sum_{s in D_m} w q (L_cold + V [L_cold > t_s]) + decode at f=0 + U * sum_{A_m} w

@@ -166,14 +166,10 @@ def test_the_catalog_that_exceeds_hbm_starts_sleeps_and_wakes_engines_at_their_c
     steps.append(plan)
     seen = set().union(*map(transitions, steps))
     assert {Transition.START, Transition.SLEEP_LEVEL_1, Transition.WAKE} <= seen
-    # the first engines cold-start: their requests in flight are predicted to wait for it (30 s) ...
-    assert Transition.START in transitions(steps[0])
-    assert steps[0].predicted.switch_latency_p95_seconds >= C.cold_start_fixed_seconds
-    # ... the small models sleep at level 1 beside the MoEs' launched pools and come back by waking ...
-    assert {
-        op.engine.instance.model for op in steps[2].operations if op.engine and op.engine.transition is Transition.WAKE
-    } == set(SMALL)
-    assert steps[2].predicted.switch_latency_p95_seconds < C.cold_start_fixed_seconds
+    # the small models come back to engines stopped to make room for the MoEs: their requests in flight are
+    # predicted to wait for the cold start (30 s) ...
+    assert Transition.START in transitions(steps[2])
+    assert steps[2].predicted.switch_latency_p95_seconds >= C.cold_start_fixed_seconds
     # ... and the MoEs, asleep at level 1 meanwhile, wake for theirs: seconds, not a cold start
     woken = {
         op.engine.instance.model for op in steps[3].operations if op.engine and op.engine.transition is Transition.WAKE

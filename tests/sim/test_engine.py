@@ -9,10 +9,11 @@ import pytest
 
 from planner_service.domain.demo import demo_scenario
 from planner_service.domain.scenario import Scenario, parse_scenario
-from planner_service.sim.engine import SimulationError, simulate
+from planner_service.sim.engine import simulate
 from planner_service.sim.metrics import summarize
 from planner_service.sim.policies import create_policy
 from planner_service.sim.report import replay
+from planner_service.sim.state import SWITCH_PARTS
 from planner_service.sim.trace import TraceEnd, TraceRecord, TraceRequest
 
 GB = 10**9
@@ -206,6 +207,10 @@ def check_conservation(scenario: Scenario, policy: str) -> None:
     assert len(result.requests) == len(requests)
     assert all(r.state == "done" and math.isfinite(r.done_at) for r in result.requests)
     assert all(r.done_at >= r.t + r.switch_seconds - 1e-9 and r.switch_seconds >= 0 for r in result.requests)
+    for r in result.requests:  # where each switch latency went: non-negative parts that sum to it
+        assert r.parts is not None and set(r.parts) == set(SWITCH_PARTS)
+        assert min(r.parts.values()) >= -1e-9
+        assert sum(r.parts.values()) == pytest.approx(r.switch_seconds, abs=1e-6)
     assert result.violations == 0  # capacity at every change, bandwidth at every re-rate
     assert result.link_peak_ratio <= 1 + 1e-9
     capacity = sum(g.capacity_bytes for g in scenario_gpus(scenario))
@@ -242,10 +247,57 @@ def test_replay_is_deterministic() -> None:
     assert first == second
 
 
-def test_a_request_that_can_never_fit_is_reported() -> None:
-    records = [TraceRequest(t=0.0, session="s1", model="a", input_tokens=10_000_000, output_tokens=0)]
-    with pytest.raises(SimulationError, match="never finished"):
-        simulate(tiny_scenario(), records, create_policy("lru"))
+def test_a_request_no_engine_can_hold_fails_after_the_timeout_and_its_session_goes_on() -> None:
+    """s1's first turn needs 10 TB of KV: no GPU ever holds it. `lru` cold-starts a (8 s from NVMe + 30 s),
+    finds the KV stuck and takes a down; s2's b cold-starts meanwhile (38 s, switch 38). At 600 s (the
+    client's timeout) s1's turn fails: its whole wait is placement or cold start, never served. Its next turn
+    (due at 100 s, after the answer) arrives then with an unchanged (empty) history and wakes a from its
+    level-1 sleep: 4 s from host DRAM + 0.1 s, TTFT + 1,000 tokens x 1 ms. The replay ends at 605.1 s."""
+    records = [
+        TraceRequest(t=0.0, session="s1", model="a", input_tokens=10_000_000, output_tokens=0),
+        TraceRequest(t=100.0, session="s1", model="a", input_tokens=1000, output_tokens=0),
+        TraceRequest(t=10.0, session="s2", model="b", input_tokens=1000, output_tokens=0),
+    ]
+    result = simulate(tiny_scenario(), records, create_policy("lru"))
+    lost, later, other = result.requests[0], result.requests[2], result.requests[1]
+    assert (lost.state, lost.failed_at) == ("failed", 600.0) and math.isnan(lost.switch_seconds)
+    assert lost.parts == pytest.approx({"placement": 562.0, "cold_start": 38.0, "wake": 0.0, "queue": 0.0})
+    assert (later.state, later.admitted_at, later.history_tokens) == ("done", 600.0, 0)
+    assert (later.switch_seconds, later.ttft_seconds) == pytest.approx((4.1, 5.1))
+    assert later.parts is not None and later.parts["wake"] == pytest.approx(4.1)
+    assert (other.state, other.switch_seconds) == ("done", pytest.approx(38.0))
+    assert result.duration_seconds == pytest.approx(605.1)
+    summary = summarize(result)
+    assert summary["failed_requests"] == {"all": 1, "handoff": 0}
+    assert summary["requests"] == 3 and summary["switch_latency_seconds"]["all"]["p50"] == pytest.approx(21.05)
+
+
+def test_a_timeout_moves_no_clock_and_takes_a_bound() -> None:
+    """A request served in time leaves its timer behind without effect: the replay ends at its answer (38 s
+    cold start + 1 s), not at the timer's 600 s. The timeout must be positive."""
+    records = [TraceRequest(t=0.0, session="s1", model="a", input_tokens=1000, output_tokens=0)]
+    result = simulate(tiny_scenario(), records, create_policy("lru"))
+    assert result.duration_seconds == pytest.approx(39.0)
+    short = simulate(tiny_scenario(), records, create_policy("lru"), request_timeout_seconds=10.0)
+    assert short.requests[0].state == "failed" and short.requests[0].failed_at == pytest.approx(10.0)
+    with pytest.raises(ValueError, match="request_timeout_seconds"):
+        simulate(tiny_scenario(), records, create_policy("lru"), request_timeout_seconds=0.0)
+
+
+def test_a_hand_off_s_switch_latency_splits_into_its_parts() -> None:
+    """Room for both (10 GB): a cold-starts (38 s); the hand-off to b at 100 s cold-starts b (8 s from NVMe +
+    30 s) and re-prefills the 1,000-token history b never saw (1 s): 39 s = 38 cold start + 1 re-prefill."""
+    records = [
+        TraceRequest(t=0.0, session="s1", model="a", input_tokens=1000, output_tokens=0),
+        TraceRequest(t=100.0, session="s1", model="b", input_tokens=1000, output_tokens=0),
+    ]
+    result = simulate(tiny_scenario(), records, create_policy("lru"))
+    first, handoff = result.requests
+    assert first.parts == pytest.approx({**dict.fromkeys(SWITCH_PARTS, 0.0), "cold_start": 38.0})
+    assert handoff.handoff and handoff.switch_seconds == pytest.approx(39.0)
+    assert handoff.parts == pytest.approx({**dict.fromkeys(SWITCH_PARTS, 0.0), "cold_start": 38.0, "reprefill": 1.0})
+    parts = summarize(result)["handoff_switch_parts"]
+    assert parts["mean"]["cold_start"] == pytest.approx(38.0) and parts["tail_count"] == 1
 
 
 def test_a_session_runs_in_a_closed_loop() -> None:

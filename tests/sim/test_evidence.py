@@ -102,3 +102,16 @@ def test_a_stored_result_without_the_newer_columns_renders_a_dash(tmp_path: Path
         del metrics["failed_requests"]
     page = render(tmp_path, data)
     assert "| — | 0 / 2 |" in page and "Where the hand-off latency goes" not in page
+
+
+def test_findings_are_appended_and_a_missing_file_is_named(tmp_path: Path) -> None:
+    (tmp_path / "case.json").write_text(json.dumps(stored({"statebudget": 5.0}, {"statebudget": 0})))
+    (tmp_path / "findings.md").write_text("## Findings\n\nThe tail is cold starts.\n")
+    out = tmp_path / "evidence.md"
+    args = ["study", "evidence", str(tmp_path / "case.json"), "--out", str(out), "--findings"]
+    result = CliRunner().invoke(app, [*args, str(tmp_path / "findings.md")])
+    assert result.exit_code == 0, result.output
+    page = out.read_text()
+    assert page.index("## case") < page.index("## Findings") and page.endswith("The tail is cold starts.\n")
+    missing = CliRunner().invoke(app, [*args, str(tmp_path / "nope.md")])
+    assert missing.exit_code == 2 and "--findings" in missing.output

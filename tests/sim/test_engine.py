@@ -9,6 +9,7 @@ import pytest
 
 from planner_service.domain.demo import demo_scenario
 from planner_service.domain.scenario import Scenario, parse_scenario
+from planner_service.domain.state import Location
 from planner_service.sim.engine import simulate
 from planner_service.sim.metrics import summarize
 from planner_service.sim.policies import create_policy
@@ -370,3 +371,30 @@ def test_the_report_parts_a_hand_off_s_wait_for_its_cards_from_its_switch_latenc
     waits = summarize(result)["handoff_prefill_wait_seconds"]
     assert waits["wait"]["mean"] == pytest.approx(3.0)
     assert waits["switch_latency_without_wait"]["p95"] == pytest.approx(0.0)
+
+
+def two_gpu_scenario() -> Scenario:
+    """`tiny_scenario` with a second 10 GB GPU beside the first on the node (PCIe 1 GB/s each, NVMe 0.5 GB/s)."""
+    data = tiny_scenario().model_dump(mode="json")
+    node = data["cluster"]["nodes"][0]
+    node["gpus"].append({**node["gpus"][0], "id": "g1"})
+    return parse_scenario(data)
+
+
+def test_an_on_demand_load_wakes_the_instance_sleeping_on_a_wider_group() -> None:
+    """a's instance sleeps (level 1) on g0 + g1. One GPU would hold a's 4 GB as well, but a start there is a
+    cold start: 8 s from NVMe (0.5 GB/s) + 30 s = 38 s; the wake on both reads 2 GB per GPU over the one NVMe,
+    8 s + 0.1 s. The load wakes it where it sleeps."""
+    from planner_service.domain.engines import EngineState
+    from planner_service.sim.engine import Simulator
+    from planner_service.sim.instances import SleepingEngine
+
+    sim = Simulator(two_gpu_scenario(), [], create_policy("lru"))
+    book, gpus = sim.engines, tuple(sim.problem.gpus[g] for g in ("g0", "g1"))
+    book.asleep[("a", "n1")] = SleepingEngine(book.instance("n1", "a", "bf16", gpus), "n1", EngineState.ASLEEP_HOST)
+    for g in gpus:
+        sim.cluster.hold("a", Location.gpu(g.id), book.residue_bytes())
+    assert sim.view.choose_group("a") == ("n1", "bf16", gpus)
+    assert book.start_fixed_seconds("n1", "a", "bf16", gpus) == pytest.approx(0.1)
+    assert book.start_fixed_seconds("n1", "a", "bf16", gpus[:1]) == pytest.approx(30.0)
+    assert sim.view.choose_group("b") == ("n1", "bf16", gpus[:1])  # nothing of b sleeps: the fewest GPUs

@@ -488,3 +488,6 @@ class Executor:
                 sim.host_tokens[obj] = min(max(sim.host_tokens.get(obj, 0), tokens), on_host)
                 c.remove(obj, dest, c.bytes_of(obj, dest) - sim.host_tokens[obj] * kvpt)  # one copy, no more
         on_done(op, transfer)
+        if obj.kind is Kind.WEIGHTS and dest.tier is Tier.GPU and obj.model not in self.models:
+            if not any(t.obj == obj and t.dest.tier is Tier.GPU for t in c.transfers.values()):
+                sim.mark_engine(obj.model, "none")  # the copies that would start its engine ended without one

@@ -398,3 +398,21 @@ def test_an_on_demand_load_wakes_the_instance_sleeping_on_a_wider_group() -> Non
     assert book.start_fixed_seconds("n1", "a", "bf16", gpus) == pytest.approx(0.1)
     assert book.start_fixed_seconds("n1", "a", "bf16", gpus[:1]) == pytest.approx(30.0)
     assert sim.view.choose_group("b") == ("n1", "bf16", gpus[:1])  # nothing of b sleeps: the fewest GPUs
+
+
+def test_a_wait_is_split_by_the_engine_phases_it_overlaps() -> None:
+    """a's engine: none until 10 s, cold start 10-40 s, up 40-50 s, none again from 50 s (a change back at the
+    same instant as another keeps the later one). A wait from 5 s to 60 s: 5 + 10 s placement, 30 s cold start,
+    10 s queue; the parts sum to the 55 s."""
+    from planner_service.sim.engine import Simulator
+
+    sim = Simulator(tiny_scenario(), [], create_policy("lru"))
+    for at, phase in ((10.0, "cold_start"), (40.0, "wake"), (40.0, "ready"), (50.0, "none")):
+        sim.now = at
+        sim.mark_engine("a", phase)
+    assert sim.engine_phases["a"] == ([0.0, 10.0, 40.0, 50.0], ["none", "cold_start", "ready", "none"])
+    parts = sim.waited_parts("a", 5.0, 60.0)
+    assert parts == pytest.approx({"placement": 15.0, "cold_start": 30.0, "wake": 0.0, "queue": 10.0})
+    assert sim.waited_parts("b", 5.0, 60.0) == pytest.approx(
+        {"placement": 55.0, "cold_start": 0.0, "wake": 0.0, "queue": 0.0}
+    )

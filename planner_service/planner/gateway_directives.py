@@ -62,17 +62,20 @@ def decide_directives(
     of the plan touches. `free_bytes`: GPU -> its capacity less what is resident on it.
     """
     instances = list(instances)
-    sessions = sorted(sessions, key=lambda s: s.id)
+    sessions = list(sessions)
     by_id = {i.id: i for i in instances}
     by_model: dict[str, list[InstanceView]] = {}
     for i in instances:
         by_model.setdefault(i.model, []).append(i)
 
-    pins = [
-        PinDirective(session=s.id, instance=s.holder, tokens=s.context_tokens)
-        for s in sessions
-        if s.holder is not None and s.kept and s.holder in by_id and by_id[s.holder].routable
-    ]
+    pins = sorted(
+        (
+            PinDirective(session=s.id, instance=s.holder, tokens=s.context_tokens)
+            for s in sessions
+            if s.holder is not None and s.kept and s.holder in by_id and by_id[s.holder].routable
+        ),
+        key=lambda p: p.session,
+    )
 
     # a busy session occupies its KV holder's cards, or where it has none, every card of its model
     busy_gpus = set(queued_gpus)
@@ -82,16 +85,27 @@ def decide_directives(
         serving = [by_id[s.holder]] if s.holder in by_id else by_model.get(s.model, [])
         for i in serving:
             busy_gpus.update(i.gpus)
+    idle: dict[str, list[InstanceView]] = {}  # model -> its routable instances on idle cards, by id
+    for i in sorted(instances, key=lambda i: i.id):
+        if i.routable and i.gpus and limits.max_warmups_per_instance > 0 and not busy_gpus.intersection(i.gpus):
+            idle.setdefault(i.model, []).append(i)
+    if not idle:
+        return pins, []
 
+    # sessions on one model share their prediction row (the predictor is first-order): its best model once per row
+    best: dict[int, tuple[str, float]] = {}
     candidates: list[tuple[float, int, str, str]] = []  # (-probability, -tokens, session, model)
     for s in sessions:
         if not s.in_tool_call or s.busy or s.context_tokens <= 0:
             continue
-        row = next_model.get(s.id, {})
+        row = next_model.get(s.id)
         if not row:
             continue
-        model, probability = max(row.items(), key=lambda kv: (kv[1], kv[0]))
-        if probability < limits.min_probability or model not in kv_bytes_per_token:
+        top = best.get(id(row))
+        if top is None:
+            top = best[id(row)] = max(row.items(), key=lambda kv: (kv[1], kv[0]))
+        model, probability = top
+        if probability < limits.min_probability or model not in idle or model not in kv_bytes_per_token:
             continue
         if kv_holders.get((s.id, model)):
             continue  # an instance of that model holds the session's KV already: nothing to warm
@@ -103,9 +117,7 @@ def decide_directives(
     warmups: list[WarmupDirective] = []
     for neg_p, neg_tokens, sid, model in candidates:
         tokens = -neg_tokens
-        for i in sorted(by_model.get(model, []), key=lambda i: i.id):
-            if not i.routable or not i.gpus or busy_gpus.intersection(i.gpus):
-                continue
+        for i in idle[model]:
             if per_instance.get(i.id, 0) >= limits.max_warmups_per_instance:
                 continue
             share = -(-tokens * kv_bytes_per_token[model] // len(i.gpus))  # the KV is sharded over the group

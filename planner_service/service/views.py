@@ -263,13 +263,11 @@ class Views:
             for sid, s in sorted(self.live.sessions.items()):
                 if s.ended:
                     continue
-                holder = next(
-                    (e["id"] for e in instances.get(s.model, []) if e["id"] in kv_holders.get((sid, s.model), ())),
-                    None,
-                )
+                holders = kv_holders.get((sid, s.model))
+                holder = next((e["id"] for e in instances[s.model] if e["id"] in holders), None) if holders else None
                 sessions.append({"session": sid, "model": s.model, "instance": holder})
-                holder_gpus = next((set(e["gpus"]) for e in instances.get(s.model, []) if e["id"] == holder), set())
-                views.append(self._directive_session(s, holder, holder_gpus, planned_kv.get((sid, s.model), set())))
+                if holder is not None or s.active or s.in_tool_call:  # what a pin or a warm-up could concern
+                    views.append(self._directive_session(s, holder, instances, planned_kv))
             table = {
                 "models": models,
                 "sessions": sessions,
@@ -280,9 +278,15 @@ class Views:
 
     @staticmethod
     def _directive_session(
-        s: SessionState, holder: str | None, holder_gpus: set[str], planned_kv: set[str]
+        s: SessionState,
+        holder: str | None,
+        instances: dict[str, list[dict[str, Any]]],
+        planned_kv: dict[tuple[str, str], set[str]],
     ) -> SessionView:
-        """What the directives read of a session: `planned_kv` the GPUs the plan keeps its KV of its model on."""
+        """What the directives read of a session; `planned_kv`: (session, model) -> GPUs the plan keeps it on."""
+        kept = False
+        if holder is not None and (planned := planned_kv.get((s.id, s.model))):
+            kept = any(e["id"] == holder and planned.intersection(e["gpus"]) for e in instances.get(s.model, []))
         return SessionView(
             id=s.id,
             model=s.model,
@@ -290,7 +294,7 @@ class Views:
             in_tool_call=s.in_tool_call,
             context_tokens=s.context_tokens,
             holder=holder,
-            kept=holder is not None and bool(holder_gpus & planned_kv),
+            kept=kept,
         )
 
     def _directives(
@@ -313,7 +317,9 @@ class Views:
             for e in entries
         ]
         in_tool_call = {s.id: s.model for s in sessions if s.in_tool_call and not s.busy}
-        next_model = self.live.predictor.predict_sessions(in_tool_call, self.live.clock()) if in_tool_call else {}
+        now = self.live.clock()
+        rows = {m: self.live.predictor.next_model_probs(m, now) for m in set(in_tool_call.values())}  # one per model
+        next_model = {sid: rows[m] for sid, m in in_tool_call.items()}
         queued: set[str] = set()
         for i in self.live.open_ops:
             op = self.live.ops[i].op

@@ -1,9 +1,9 @@
 """The gateway carries out the planner's warm-up directives against fake vLLM servers: only on an idle instance,
 giving way at once to a real request, and not at all with warm-ups off.
 
-The planner is a stand-in serving a route table the test scripts (the real planner's directives are tested in
-tests/api/test_api_routes.py and tests/planner/test_gateway_directives.py); its long-poll answers when the test
-publishes a new revision.
+In most tests the planner is a stand-in serving a route table the test scripts (its long-poll answers when the
+test publishes a new revision); the last one runs the real planner end to end (its directives for scripted
+states: tests/api/test_api_routes.py and tests/planner/test_gateway_directives.py).
 """
 
 from __future__ import annotations
@@ -205,3 +205,36 @@ def test_warmups_off_sends_nothing(setup):
     assert s.metric("statebudget_gateway_warmups_total", model="beta", outcome="started") == 0
     body = json.dumps(s.planner.table)
     assert '"warmups": [{"session": "s1"' in body  # the directive was there; the setting kept it from running
+
+
+def test_the_real_planner_directs_a_warmup_the_gateway_carries_out(make_stack):
+    """Agents through the gateway teach the planner's predictor that alpha hands off to beta; a session whose
+    answer on alpha calls a tool gets a warm-up on beta's idle instance, which the gateway sends there."""
+    stack = make_stack(engines={"e1": ["alpha"], "e2": ["beta"]})
+    stack.register("n1", [{"name": "vllm", "models": ["alpha"], "url": stack.engines["e1"][0].url, "gpus": ["n1-g0"]}])
+    stack.register("n2", [{"name": "vllm", "models": ["beta"], "url": stack.engines["e2"][0].url, "gpus": ["n2-g0"]}])
+    stack.heartbeat("n1", [("alpha", "n1-g0", "running")])
+    stack.heartbeat("n2", [("beta", "n2-g0", "running")])
+    # the node agents carry out the plan's open operations: a card with one open is not idle
+    for node in ("n1", "n2"):
+        lease = stack.planner_http.post(f"/v1/nodes/{node}/lease", json={"max_operations": 100}).json()
+        for op in lease["operations"]:
+            report = {"lease_id": lease["lease_id"], "status": "done"}
+            assert stack.planner_http.post(f"/v1/operations/{op['id']}/report", json=report).status_code == 200
+    stack.wait_for_table(lambda t: bool(t.running("alpha")) and bool(t.running("beta")), "both running")
+    client = openai.OpenAI(base_url=stack.gateway_v1, api_key="k", max_retries=0)
+    for i in range(6):  # P(beta | alpha) = (6 + 10 * 0.4 + 0.1) / (6 + 10 + 0.2) = 0.62 (domain/predictions.py)
+        for model in ("alpha", "beta"):
+            client.chat.completions.create(
+                model=model, messages=[{"role": "user", "content": "go"}], extra_headers={"X-Session-Id": f"h{i}"}
+            )
+    beta = stack.engines["e2"][1]
+    before = len(beta.received)
+    answer = client.chat.completions.create(
+        model="alpha", messages=HISTORY, tools=TOOLS, max_tokens=1, extra_headers={"X-Session-Id": "s1"}
+    )
+    assert answer.choices[0].finish_reason == "tool_calls"
+    wait_until(lambda: len(beta.received) == before + 1, what="the warm-up reaching beta")
+    assert beta.received[-1] == {"messages": HISTORY, "tools": TOOLS, "max_tokens": 1, "model": "beta"}
+    [warmup] = stack.follower.table.warmups
+    assert (warmup.session, warmup.model, warmup.instance) == ("s1", "beta", "beta@bf16@n2-g0")

@@ -152,3 +152,29 @@ def test_warmups_for_sessions_in_a_tool_call_go_to_an_idle_card_of_the_predicted
     # the session's next request: no longer in a tool call, no warm-up
     assert app.events({"id": "s1-e", "type": "tool_call_end", "session": "s1", "tool": "grep"}).status_code == 200
     assert app.get("/v1/routes").json()["directives"]["warmups"] == []
+
+
+def _run_every_operation(app) -> None:
+    for _ in range(20):
+        open_ops = [o for o in app.get("/v1/operations").json() if o["state"] in ("queued", "leased")]
+        if not open_ops:
+            return
+        for node in sorted({o["node"] for o in open_ops}):
+            lease = app.lease(node, n=100).json()
+            for op in lease["operations"]:
+                assert app.report(op["id"], lease["lease_id"]).status_code == 200
+    raise AssertionError("the plan's operations never finished")
+
+
+def test_a_session_whose_kv_the_plan_keeps_on_its_holder_is_pinned_there(make_app):
+    app = make_app(tiny=True)
+    _register(app, "n1", [{"name": "vllm-a", "models": ["alpha"], "url": "http://n1:8000", "gpus": ["n1-g0"]}])
+    assert app.events(request("s1-r1", "s1", "alpha", input_tokens=1000)).status_code == 200
+    assert app.post("/v1/plan").status_code == 200
+    _run_every_operation(app)
+    # the plan put s1's KV (1,000 tokens) on n1-g0, the agent reported it done: n1/vllm-a holds it and keeps it
+    table = app.get("/v1/routes").json()
+    assert table["sessions"] == [{"session": "s1", "model": "alpha", "instance": "n1/vllm-a"}]
+    assert table["directives"]["pins"] == [{"session": "s1", "instance": "n1/vllm-a", "tokens": 1000}]
+    assert app.events({"id": "s1-end", "type": "session_end", "session": "s1"}).status_code == 200
+    assert app.get("/v1/routes").json()["directives"]["pins"] == []

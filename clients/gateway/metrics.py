@@ -71,7 +71,8 @@ class GatewayMetrics:
         )
         self.warmups = Counter(
             "statebudget_gateway_warmups_total",
-            "Warm-ups by model and outcome (started; then completed, cancelled for a real request, or failed).",
+            "Warm-ups by model and outcome (started; then completed, cancelled for a real request, failed, or "
+            "engine_busy: the engine's scheduler reported requests, the warm-up was not sent).",
             ["model", "outcome"],
             registry=registry,
         )

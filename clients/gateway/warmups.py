@@ -8,9 +8,10 @@ predicted model with `max_tokens: 1`, not streamed.
 
 A warm-up must never delay real work (issue 26: on a loaded trace warm-ups queued ahead of real prefills made
 the hand-off P95 fifty times worse). So one starts only on an instance with no request of the gateway's in
-flight, and a real request for the instance aborts every warm-up there before it is sent (closing the
-connection: an OpenAI server aborts a request whose client went away). A directive is carried out once per tool
-call: one cancelled is not retried until the session's next tool call.
+flight and whose engine reports no request running or waiting (its scheduler gauges at `/metrics`: requests
+that did not pass through this gateway count too), and a real request for the instance aborts every warm-up
+there before it is sent (closing the connection: an OpenAI server aborts a request whose client went away). A
+directive is carried out once per tool call: one cancelled is not retried until the session's next tool call.
 """
 
 from __future__ import annotations
@@ -33,6 +34,15 @@ PATHS: dict[Endpoint, bytes] = {"chat": b"/v1/chat/completions", "completions": 
 # what a warm-up's request carries of the client's headers: its credentials for the engine, nothing that names
 # the client's own request (an `X-Request-Id` reused would clash with the real request's in the engine)
 _KEEP_HEADERS = frozenset({b"authorization", b"api-key"})
+# the scheduler's gauges of requests running and waiting: vLLM's (vllm/v1/metrics/loggers.py) and SGLang's
+# (sglang/srt/metrics/collector.py); an engine that exposes neither is judged by the gateway's own count alone
+_QUEUE_GAUGES = (
+    b"vllm:num_requests_running",
+    b"vllm:num_requests_waiting",
+    b"sglang:num_running_reqs",
+    b"sglang:num_queue_reqs",
+)
+ENGINE_BUSY_RETRY_SECONDS = 1.0  # an engine busy with others' requests is asked again after this long
 WARMED_KEEP = 100_000  # completed warm-ups remembered until their session's next request, at most
 # fields of the client's request that would make the warm-up more than one prefill and one token
 _DROP_FIELDS = ("stream", "stream_options", "n", "best_of", "logprobs", "top_logprobs", "max_completion_tokens")
@@ -86,6 +96,7 @@ class Warmups:
         self._running: dict[tuple[str, str], _Running] = {}  # (session, instance)
         self._tried: dict[str, set[str]] = {}  # session -> instances warmed (or cancelled) in its current tool call
         self._warmed: dict[str, str] = {}  # session -> instance a completed warm-up prefilled
+        self._engine_busy_until: dict[str, float] = {}  # instance -> when to ask its engine's gauges again
 
     # -- what the request path tells it ---------------------------------------------------------------------------
 
@@ -154,6 +165,8 @@ class Warmups:
                 continue
             if self._busy.get(directive.instance):
                 continue
+            if self._engine_busy_until.get(directive.instance, 0.0) > asyncio.get_running_loop().time():
+                continue
             history = self._history.get(directive.session)
             instance = self.table.routable(directive.model, directive.instance)
             if history is None or instance is None or instance.url is None:
@@ -177,6 +190,12 @@ class Warmups:
         d = running.directive
         outcome = "failed"
         try:
+            if await self._engine_queue(url):
+                outcome = "engine_busy"
+                self._tried.get(d.session, set()).discard(d.instance)  # not carried out: asked again later
+                self._engine_busy_until[d.instance] = asyncio.get_running_loop().time() + ENGINE_BUSY_RETRY_SECONDS
+                asyncio.get_running_loop().call_later(ENGINE_BUSY_RETRY_SECONDS, self.consider)
+                return
             running.upstream = await self.upstream.post(
                 url, path, [(b"content-type", b"application/json"), *headers], body
             )
@@ -206,6 +225,25 @@ class Warmups:
                 running.upstream.release()
             self._running.pop((d.session, d.instance), None)
             self.metrics.warmups.labels(d.model, outcome).inc()
+
+    async def _engine_queue(self, url: str) -> float:
+        """Requests the engine's scheduler reports running or waiting (0 where it reports neither gauge)."""
+        response = await self.upstream.post(url, b"/metrics", [], b"", method=b"GET")
+        try:
+            await response.head()
+            text = await response.read()
+        finally:
+            response.release()
+        if response.status != 200:
+            return 0.0
+        total = 0.0
+        for line in text.splitlines():
+            if line.startswith(_QUEUE_GAUGES):
+                try:
+                    total += float(line.rsplit(b" ", 1)[1])
+                except (IndexError, ValueError):
+                    continue
+        return total
 
     def _cancel(self, running: _Running) -> None:
         running.cancelled = True

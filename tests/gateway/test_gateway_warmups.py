@@ -186,6 +186,27 @@ def test_a_real_request_cancels_a_running_warmup_at_once(setup):
     assert len(s.beta.received) == 2 and s.metric("statebudget_gateway_warmups_used_total", model="beta") == 0
 
 
+def test_no_warmup_while_the_engine_reports_requests_of_others(setup):
+    """A request sent to the engine around the gateway: the gateway has nothing in flight there, but the engine's
+    scheduler gauges say it is busy; the warm-up waits until they say it is idle."""
+    s = setup(token_latency_seconds=0.1)
+    s.tool_call("s1")
+    direct = openai.OpenAI(base_url=s.served[1].url + "/v1", api_key="k", max_retries=0)
+    around = threading.Thread(
+        target=lambda: direct.chat.completions.create(
+            model="beta", messages=[{"role": "user", "content": "direct"}], max_tokens=15
+        )
+    )
+    around.start()
+    wait_until(lambda: s.beta.in_flight == 1, what="B busy with a request around the gateway")
+    s.publish([WARM_S1])
+    wait_until(lambda: s.metric("statebudget_gateway_warmups_total", model="beta", outcome="engine_busy") >= 1)
+    assert len(s.beta.received) == 1
+    around.join(10)
+    wait_until(lambda: s.metric("statebudget_gateway_warmups_total", model="beta", outcome="completed") == 1)
+    assert s.beta.received[-1]["max_tokens"] == 1 and len(s.beta.received) == 2
+
+
 def test_the_planner_withdrawing_a_directive_cancels_its_warmup(setup):
     s = setup(token_latency_seconds=2.0)
     s.tool_call("s1")

@@ -71,8 +71,9 @@ class GatewayMetrics:
         )
         self.warmups = Counter(
             "statebudget_gateway_warmups_total",
-            "Warm-ups by model and outcome (started; then completed, cancelled for a real request, failed, or "
-            "engine_busy: the engine's scheduler reported requests, the warm-up was not sent).",
+            "Warm-ups by model and outcome: started (sent to the engine) and how each ended (completed, cancelled "
+            "for a real request or a withdrawn directive, failed); engine_busy: not sent, the engine's scheduler "
+            "reported requests.",
             ["model", "outcome"],
             registry=registry,
         )

@@ -179,7 +179,6 @@ class Warmups:
             running = _Running(directive)
             self._running[key] = running
             self._tried.setdefault(directive.session, set()).add(directive.instance)
-            self.metrics.warmups.labels(directive.model, "started").inc()
             running.task = asyncio.create_task(
                 self._run(running, instance.url, PATHS[history.endpoint], history.headers, body)
             )
@@ -196,6 +195,7 @@ class Warmups:
                 self._engine_busy_until[d.instance] = asyncio.get_running_loop().time() + ENGINE_BUSY_RETRY_SECONDS
                 asyncio.get_running_loop().call_later(ENGINE_BUSY_RETRY_SECONDS, self.consider)
                 return
+            self.metrics.warmups.labels(d.model, "started").inc()
             running.upstream = await self.upstream.post(
                 url, path, [(b"content-type", b"application/json"), *headers], body
             )

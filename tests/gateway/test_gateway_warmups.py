@@ -205,6 +205,8 @@ def test_no_warmup_while_the_engine_reports_requests_of_others(setup):
     around.join(10)
     wait_until(lambda: s.metric("statebudget_gateway_warmups_total", model="beta", outcome="completed") == 1)
     assert s.beta.received[-1]["max_tokens"] == 1 and len(s.beta.received) == 2
+    # only the warm-up sent counts as started; the looks at a busy engine count apart
+    assert s.metric("statebudget_gateway_warmups_total", model="beta", outcome="started") == 1
 
 
 def test_the_planner_withdrawing_a_directive_cancels_its_warmup(setup):

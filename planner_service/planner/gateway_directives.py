@@ -16,20 +16,19 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from planner_service.wire.routes import PinDirective, WarmupDirective
 
 
-@dataclass(frozen=True, slots=True)
-class InstanceView:
+class InstanceView(NamedTuple):
     id: str
     model: str
     gpus: tuple[str, ...]
     routable: bool  # running, with a URL the gateway can send to
 
 
-@dataclass(frozen=True, slots=True)
-class SessionView:
+class SessionView(NamedTuple):  # a tuple: the route table builds one per session under the state lock
     id: str
     model: str  # the model of its last request
     busy: bool  # a request of it runs or waits now

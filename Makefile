@@ -111,26 +111,29 @@ clean:
 	rm -rf $(VENV) $(COMPILED_VENV) build dist .pytest_cache .hypothesis
 	rm -f $(DEMO_DB) $(DEMO_DB)-wal $(DEMO_DB)-shm
 
-# docs/evidence.md from the stored seed studies in docs/evidence/ (seconds, no replay)
+# docs/evidence.md from the stored seed studies in docs/evidence/ and the findings written from them (seconds,
+# no replay)
 evidence: $(STAMP)
-	$(VENV)/bin/statebudget study evidence docs/evidence/*.json --out docs/evidence.md
-# the CI-sized study (3 seeds of 5 sessions x 15 min, gaps x8, precision held equal, static-tuned searched in 20
+	$(VENV)/bin/statebudget study evidence docs/evidence/*.json --findings docs/evidence/findings.md \
+		--out docs/evidence.md
+# the CI-sized study (10 seeds of 5 sessions x 15 min, gaps x8, precision held equal, static-tuned searched in 50
 # replays), stored, then rendered
 evidence-quick: $(STAMP)
-	$(VENV)/bin/statebudget study seeds --seeds 1,2,3 --train-seeds 101 --sessions 5 --gap-scale 8 --hours 0.25 \
-		--precision native --tune-budget 20 --out build/evidence --json > docs/evidence/demo-quick.json
+	$(VENV)/bin/statebudget study seeds --seeds 1,2,3,4,5,6,7,8,9,10 --train-seeds 101 --sessions 5 --gap-scale 8 \
+		--hours 0.25 --precision native --tune-budget 50 --out build/evidence --json > docs/evidence/demo-quick.json
 	$(MAKE) evidence
-# the demo study docs/evidence.md reports: three load levels (5 sessions x 1 h, gaps x16, x8, x4), 5 seeds each,
+# the demo study docs/evidence.md reports: three load levels (5 sessions x 1 h, gaps x16, x8, x4), 10 seeds each,
 # precision held equal, static-tuned searched in 200 training replays at each level
 evidence-demo: $(STAMP)
-	$(VENV)/bin/statebudget study seeds --seeds 1,2,3,4,5 --train-seeds 101,102 --sessions 5 --gap-scale 16,8,4 \
-		--hours 1 --precision native --tune-budget 200 --out build/evidence --json > docs/evidence/demo.json
+	$(VENV)/bin/statebudget study seeds --seeds 1,2,3,4,5,6,7,8,9,10 --train-seeds 101,102 --sessions 5 \
+		--gap-scale 16,8,4 --hours 1 --precision native --tune-budget 200 --out build/evidence \
+		--json > docs/evidence/demo.json
 	$(MAKE) evidence
-# the light load level (gaps x16) on the catalog-exceeds-HBM scenario (999 GB of weights on 571 GB of HBM);
-# EXCEEDS_GAPS=16,8,4 runs the demo's three levels
-EXCEEDS_GAPS ?= 16
+# the demo's three load levels (gaps x16, x8, x4) on the catalog-exceeds-HBM scenario (999 GB of weights on 571 GB
+# of HBM), 10 seeds each; EXCEEDS_GAPS=16 runs the light level alone
+EXCEEDS_GAPS ?= 16,8,4
 evidence-exceeds: $(STAMP)
-	$(VENV)/bin/statebudget study seeds --scenario exceeds-hbm --seeds 1,2,3,4,5 --train-seeds 101,102 --sessions 5 \
-		--gap-scale $(EXCEEDS_GAPS) --hours 1 --precision native --tune-budget 200 --out build/evidence-exceeds \
-		--json > docs/evidence/exceeds-hbm.json
+	$(VENV)/bin/statebudget study seeds --scenario exceeds-hbm --seeds 1,2,3,4,5,6,7,8,9,10 --train-seeds 101,102 \
+		--sessions 5 --gap-scale $(EXCEEDS_GAPS) --hours 1 --precision native --tune-budget 200 \
+		--out build/evidence-exceeds --json > docs/evidence/exceeds-hbm.json
 	$(MAKE) evidence

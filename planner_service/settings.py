@@ -77,6 +77,12 @@ class Settings(BaseSettings):
         "requests (tests turn it off to plan in the service's own thread).",
     )
     solver: Literal["greedy", "search", "milp"] = Field("greedy", description="Solver of the online planning loop.")
+    warmups_per_instance: int = Field(
+        2, ge=0, description="Warm-ups the route table directs to one idle engine instance at most (0: none)."
+    )
+    warmup_min_probability: float = Field(
+        0.5, ge=0, le=1, description="A warm-up needs the session's predicted next model to be at least this likely."
+    )
     demand_window_seconds: float = Field(
         3600.0,
         gt=0,

@@ -28,6 +28,7 @@ from clients.gateway.metrics import GatewayMetrics
 from clients.gateway.proxy import ROUTES, Proxy
 from clients.gateway.settings import GatewaySettings
 from clients.gateway.upstream import UpstreamPool
+from clients.gateway.warmups import Warmups
 from clients.sdk import AsyncStateBudgetClient, RetryPolicy
 
 # a failed planner call is not retried in place: the follower and the event batcher try again themselves
@@ -82,10 +83,13 @@ def create_gateway_app(
             retry_seconds=settings.planner_retry_seconds,
         )
         sessions = SessionEvents(sink, idle_seconds=settings.session_idle_seconds)
+        warmups = Warmups(upstream, metrics, enabled=settings.warmups, history_bytes=settings.warmup_history_bytes)
+        follower.listeners.append(warmups.on_table)
         app.state.follower = follower
         app.state.sink = sink
         app.state.sessions = sessions
-        app.state.proxy = Proxy(settings, upstream, follower, sessions, metrics)
+        app.state.warmups = warmups
+        app.state.proxy = Proxy(settings, upstream, follower, sessions, metrics, warmups)
         with contextlib.suppress(Exception):  # a planner down at start is what run() waits out
             await follower.fetch_once(wait=False)
         tasks = [asyncio.create_task(t) for t in (follower.run(), sink.run(), sessions.run_idle_sweep())]
@@ -95,6 +99,7 @@ def create_gateway_app(
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            warmups.close()
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(sink.flush(), timeout=2.0)  # a last try; what fails is lost with us
             upstream.close()

@@ -80,7 +80,14 @@ def backend_app(url: str, tokens: int, token_latency_seconds: float) -> Any:
         path = scope["path"]
         if path == "/v1/routes":
             if b"after_epoch" in scope.get("query_string", b""):
-                await asyncio.sleep(20)  # nothing changes: a long-poll holds to its wait
+                # nothing changes: a long-poll holds to its wait, or ends with the gateway's connection (so the
+                # backend's shutdown does not wait for it and cancel it)
+                try:
+                    message = await asyncio.wait_for(receive(), 20)
+                except TimeoutError:
+                    message = {}
+                if message.get("type") == "http.disconnect":
+                    return
             await _answer(send, 200, b"application/json", routes)
         elif path == "/v1/events":
             n = len(json.loads(body)["events"])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 
 from clients.gateway.metrics import GatewayMetrics
 from clients.gateway.table import RouteTable
@@ -33,6 +34,7 @@ class RouteFollower:
         self.last_fetch_at: float | None = None
         self.fetches = 0  # answered fetches, so a test can tell a change arrived within one
         self._changed = asyncio.Condition()
+        self.listeners: list[Callable[[RouteTable], None]] = []  # called with each new table, on the loop
 
     async def fetch_once(self, *, wait: bool) -> None:
         """One fetch; a long-poll on the current epoch and revision when `wait`."""
@@ -51,6 +53,8 @@ class RouteFollower:
         if routes.revision != self.table.revision or routes.epoch != self.table.epoch:
             self.table = RouteTable(routes)
             self.metrics.route_epoch.set(routes.epoch)
+            for listener in self.listeners:
+                listener(self.table)
             async with self._changed:
                 self._changed.notify_all()
 

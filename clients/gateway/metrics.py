@@ -69,3 +69,17 @@ class GatewayMetrics:
         self.event_post_failures = Counter(
             "statebudget_gateway_event_post_failures_total", "Failed POST /v1/events batches.", registry=registry
         )
+        self.warmups = Counter(
+            "statebudget_gateway_warmups_total",
+            "Warm-ups by model and outcome: started (sent to the engine) and how each ended (completed, cancelled "
+            "for a real request or a withdrawn directive, failed); engine_busy: not sent, the engine's scheduler "
+            "reported requests.",
+            ["model", "outcome"],
+            registry=registry,
+        )
+        self.warmups_used = Counter(
+            "statebudget_gateway_warmups_used_total",
+            "Requests sent to the instance a completed warm-up of their session had prefilled.",
+            ["model"],
+            registry=registry,
+        )

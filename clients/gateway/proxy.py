@@ -17,10 +17,11 @@ from clients.gateway.errors import GatewayError, unavailable
 from clients.gateway.events import SessionEvents
 from clients.gateway.follower import RouteFollower
 from clients.gateway.metrics import GatewayMetrics
-from clients.gateway.parsing import Endpoint, RequestFacts, StreamScanner, parse_request, read_answer
+from clients.gateway.parsing import AnswerFacts, Endpoint, RequestFacts, StreamScanner, parse_request, read_answer
 from clients.gateway.settings import GatewaySettings
 from clients.gateway.table import Choice
 from clients.gateway.upstream import ConnectFailed, UpstreamBroken, UpstreamPool, UpstreamResponse
+from clients.gateway.warmups import Warmups
 
 log = logging.getLogger("statebudget.gateway")
 
@@ -46,12 +47,13 @@ class ClientWatch:
     then closes the engine's connection: the way an OpenAI server learns to abort (vLLM's
     `with_cancellation`, vllm/entrypoints/utils.py, races each handler with a wait for `http.disconnect`)."""
 
-    __slots__ = ("_task", "finished", "gone", "upstream")
+    __slots__ = ("_task", "busy_on", "finished", "gone", "upstream")
 
     def __init__(self, receive: Any) -> None:
         self.gone = False
         self.finished = False
         self.upstream: UpstreamResponse | None = None
+        self.busy_on: str | None = None  # the instance the request counts as in flight on (warm-ups wait)
         self._task: asyncio.Future[Message] = asyncio.ensure_future(receive())
         self._task.add_done_callback(self._heard)
 
@@ -101,12 +103,14 @@ class Proxy:
         follower: RouteFollower,
         sessions: SessionEvents,
         metrics: GatewayMetrics,
+        warmups: Warmups,
     ) -> None:
         self.settings = settings
         self.upstream = upstream
         self.follower = follower
         self.sessions = sessions
         self.metrics = metrics
+        self.warmups = warmups
         self._held: dict[str, int] = defaultdict(int)
 
     async def serve(self, endpoint: Endpoint, scope: Message, receive: Any, send: Any) -> None:
@@ -124,6 +128,7 @@ class Proxy:
             await send_error(send, error)
             return
         self.sessions.on_request(facts)
+        self.warmups.on_request(facts.session)
         watch = ClientWatch(receive)
         upstream: UpstreamResponse | None = None
         try:
@@ -138,9 +143,11 @@ class Proxy:
                 (k, v) for k, v in ((k.lower(), v) for k, v in upstream.headers) if k not in _DROP_RESPONSE
             ]
             if facts.stream and upstream.status == 200:
-                await self._relay(upstream, response_headers, facts, choice, watch, send)
+                answer = await self._relay(upstream, response_headers, facts, choice, watch, send)
             else:
-                await self._answer(upstream, response_headers, facts, choice, watch, send)
+                answer = await self._answer(upstream, response_headers, facts, choice, watch, send)
+            if answer is not None and answer.finish_reason == "tool_calls":
+                self.warmups.remember(facts.session, endpoint, body, forwarded)
         except GatewayError as error:
             await send_error(send, error)
         except ClientGone:
@@ -149,6 +156,8 @@ class Proxy:
             watch.stop()
             if upstream is not None:
                 upstream.release()
+            if watch.busy_on is not None:
+                self.warmups.end(watch.busy_on)
 
     async def _send(
         self,
@@ -165,6 +174,10 @@ class Proxy:
         while True:
             url = choice.instance.url
             assert url is not None  # choose() returns instances with a URL only
+            if watch.busy_on is not None:
+                self.warmups.end(watch.busy_on)
+            watch.busy_on = choice.instance.id
+            self.warmups.begin(choice.instance.id, facts.session, facts.model)  # warm-ups there give way first
             try:
                 upstream = await self.upstream.post(url, PATHS[endpoint], headers, body)
                 break
@@ -206,9 +219,9 @@ class Proxy:
         choice: Choice,
         watch: ClientWatch,
         send: Any,
-    ) -> None:
+    ) -> AnswerFacts | None:
         """The engine's SSE bytes as they come, one write per read from the engine; the last piece carries the
-        end of the response (one write fewer)."""
+        end of the response (one write fewer). The answer's facts; None where the stream broke off."""
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         scanner = StreamScanner()
         try:
@@ -224,9 +237,10 @@ class Proxy:
             log.warning("stream of %s from %s broke off: %s", facts.model, choice.instance.id, error)
             self.metrics.requests.labels(facts.model, "engine_error").inc()
             await send({"type": "http.response.body", "body": b"", "more_body": False})
-            return
+            return None
         self.metrics.requests.labels(facts.model, "ok").inc()
         self.sessions.on_answer(facts, scanner.facts)
+        return scanner.facts
 
     async def _answer(
         self,
@@ -236,8 +250,9 @@ class Proxy:
         choice: Choice,
         watch: ClientWatch,
         send: Any,
-    ) -> None:
-        """A whole answer (not streamed, or an engine's error): read to its end, then sent at once."""
+    ) -> AnswerFacts | None:
+        """A whole answer (not streamed, or an engine's error): read to its end, then sent at once. The answer's
+        facts where the engine answered 200, else None."""
         try:
             content = await upstream.read()
         except UpstreamBroken as error:
@@ -248,11 +263,13 @@ class Proxy:
                 502, f"instance {choice.instance.id} broke off its answer ({error}); not resent", type="upstream_error"
             ) from error
         self.metrics.requests.labels(facts.model, "ok" if upstream.status < 400 else "engine_error").inc()
-        if upstream.status == 200:
-            self.sessions.on_answer(facts, read_answer(content))
+        answer = read_answer(content) if upstream.status == 200 else None
+        if answer is not None:
+            self.sessions.on_answer(facts, answer)
         headers = [*headers, (b"content-length", str(len(content)).encode())]
         await send({"type": "http.response.start", "status": upstream.status, "headers": headers})
         await send({"type": "http.response.body", "body": content})
+        return answer
 
     async def _route(self, facts: RequestFacts, arrived: float) -> Choice:
         """An instance running the model now, else hold the request until the table shows one."""

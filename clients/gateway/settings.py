@@ -30,4 +30,12 @@ class GatewaySettings(BaseSettings):
     upstream_connect_timeout_seconds: float = Field(2.0, gt=0, description="Connect timeout to an engine.")
     upstream_read_timeout_seconds: float = Field(600.0, gt=0, description="Longest silence from a streaming engine.")
     max_connections: int = Field(2000, ge=1, description="Idle connections kept open to the engines, all together.")
+    warmups: bool = Field(
+        True, description="Carry out the planner's warm-up directives (prefill a session's history on an idle card)."
+    )
+    warmup_history_bytes: int = Field(
+        64 * 2**20,
+        ge=0,
+        description="Request bodies kept for warm-ups (sessions in a tool call), all together; the oldest go first.",
+    )
     log_level: str = Field("info", description="debug, info, warning or error.")

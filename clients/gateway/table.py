@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from planner_service.wire.routes import Directives, RouteInstance, RoutesOut, RouteState
+from planner_service.wire.routes import Directives, RouteInstance, RoutesOut, RouteState, WarmupDirective
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,6 +26,9 @@ class RouteTable:
             for model, instances in self._instances.items()
         }
         self._kv_holder = {s.session: s.instance for s in routes.sessions if s.instance is not None}
+        self._pinned = {p.session: p.instance for p in routes.directives.pins}
+        self._by_id = {i.id: (model, i) for model, instances in self._instances.items() for i in instances}
+        self.warmups: list[WarmupDirective] = list(routes.directives.warmups)
 
     @classmethod
     def empty(cls) -> RouteTable:
@@ -41,17 +44,30 @@ class RouteTable:
     def running(self, model: str) -> list[RouteInstance]:
         return list(self._running.get(model, []))
 
+    def routable(self, model: str, instance_id: str) -> RouteInstance | None:
+        """The instance of `model` by id where it runs and has a URL, else None."""
+        found = self._by_id.get(instance_id)
+        if found is None or found[0] != model:
+            return None
+        instance = found[1]
+        return instance if instance.state is RouteState.RUNNING and instance.url else None
+
     def choose(self, model: str, session: str, *, exclude: frozenset[str] = frozenset()) -> Choice | None:
-        """The session's KV holder where it runs the model, else the running instance the session hashes to
-        (so a session without a holder yet keeps landing on one instance); None: none runs."""
+        """The session's KV holder where it runs the model, else the instance the plan pins the session to,
+        else the running instance the session hashes to (so a session without a holder yet keeps landing on one
+        instance); None: none runs."""
         running = self._running.get(model, [])
         candidates = [i for i in running if i.id not in exclude] if exclude else running
         if not candidates:
             return None
         holder = self._kv_holder.get(session)
+        pinned = self._pinned.get(session)
         for instance in candidates:
             if instance.id == holder:
                 return Choice(instance, kv_holder=True)
+        for instance in candidates:
+            if instance.id == pinned:
+                return Choice(instance, kv_holder=False)
         return Choice(candidates[_stable_index(session, len(candidates))], kv_holder=False)
 
 

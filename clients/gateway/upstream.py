@@ -286,12 +286,16 @@ class UpstreamPool:
         self.connections_opened += 1
         return connection
 
-    async def post(self, url: str, path: bytes, headers: list[tuple[bytes, bytes]], body: bytes) -> UpstreamResponse:
+    async def post(
+        self, url: str, path: bytes, headers: list[tuple[bytes, bytes]], body: bytes, *, method: bytes = b"POST"
+    ) -> UpstreamResponse:
         """POST `body` to `url` + `path` with the client's `headers` (hop-by-hop ones already dropped); the answer
-        to come (its `head()` next). Only `ConnectFailed` here: once this returns, the request is out."""
+        to come (its `head()` next). Only `ConnectFailed` here: once this returns, the request is out. `method`:
+        another method with the same framing (the warm-ups' GET of an engine's metrics)."""
         origin = self.origin(url)
         head = [
-            b"POST ",
+            method,
+            b" ",
             origin.base_path,
             path,
             b" HTTP/1.1\r\nhost: ",

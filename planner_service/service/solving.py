@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import importlib
 import logging
 import multiprocessing
 import os
@@ -23,7 +24,7 @@ import time
 from collections.abc import Callable, Mapping
 from concurrent.futures.process import BrokenProcessPool
 from multiprocessing.reduction import ForkingPickler
-from types import MappingProxyType
+from types import MappingProxyType, ModuleType
 from typing import Any, Protocol
 
 from planner_service.planner.invariants import check_plan
@@ -112,6 +113,48 @@ def _reduce_proxy(proxy: MappingProxyType[Any, Any]) -> tuple[Callable[..., Any]
 # the compiled problem's read-only mappings cross to the worker and back as plain dicts, read-only again there
 ForkingPickler.register(MappingProxyType, _reduce_proxy)
 
+# The modules the deployed build compiles with mypyc (setup.py's COMPILED): their frozen dataclasses refuse the
+# attribute writes pickle restores an object with, so they cross by their constructor instead, in every build.
+COMPILED_MODULES = tuple(
+    importlib.import_module(f"planner_service.{name}")
+    for name in (
+        "domain.problem",
+        "domain.state",
+        "planner.costs",
+        "planner.greedy",
+        "planner.joint",
+        "planner.lateness",
+        "planner.objective",
+        "planner.operations",
+        "planner.residency",
+    )
+)
+
+
+def _rebuild(cls: type[Any], fields: dict[str, Any]) -> Any:
+    return cls(**fields)
+
+
+def _reduce_frozen(obj: Any) -> tuple[Callable[..., Any], tuple[type[Any], dict[str, Any]]]:
+    return _rebuild, (type(obj), {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj) if f.init})
+
+
+def frozen_dataclasses(modules: tuple[ModuleType, ...] = COMPILED_MODULES) -> list[type[Any]]:
+    """The frozen dataclasses `modules` define."""
+    return [
+        cls
+        for module in modules
+        for cls in vars(module).values()
+        if isinstance(cls, type)
+        and cls.__module__ == module.__name__
+        and dataclasses.is_dataclass(cls)
+        and cls.__dataclass_params__.frozen  # type: ignore[attr-defined]  # set on every dataclass
+    ]
+
+
+for _cls in frozen_dataclasses():
+    ForkingPickler.register(_cls, _reduce_frozen)
+
 
 def _worker_started(parent: int) -> None:
     """In the worker: leave Ctrl-C to the service (it closes the worker), and exit once the service is gone
@@ -171,8 +214,8 @@ class PlanWorker:
             return plan_from(request)
         if not self._crosses:
             # A request that cannot be unpickled kills the worker as it reads it, which would look like a death
-            # at every replan: mypyc's compiled frozen dataclasses (the deployed build) refuse the attribute
-            # writes pickle restores them with. Tried here first, once: such a build plans in the service.
+            # at every replan (a frozen dataclass of a compiled module missing from `COMPILED_MODULES` would).
+            # Tried here first, once: such a build plans in the service.
             try:
                 ForkingPickler.loads(ForkingPickler.dumps(request))
             except (

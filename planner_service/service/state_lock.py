@@ -3,11 +3,11 @@
 Under load the lock is a queue, and its bursts come from node agents: fifty agents woken by a plan lease at
 once and report their operations done fifty milliseconds later, and each report holds the lock for a few
 milliseconds. Served by arrival, every event batch and lease behind such a burst waits for all of it.
-Requests someone waits on to go on (an agent's lease, a router's events, the cheap reads) are `URGENT` and go
-before the `ROUTINE` ones (done reports, replans, edits), whose answer only acknowledges what happened; the
-urgent ones hold the lock for well under a millisecond each. No waiter starves: one that has waited
-`max_wait` goes next whatever its urgency (the kube-apiserver's priority and fairness makes the same split
-between the requests controllers wait on and the bulk of writes).
+Requests someone waits on to go on (an agent's lease and its renewal, a router's event batch, the gateway's
+route table, the status) are `URGENT` and go before the `ROUTINE` ones (done reports, replans, edits, the
+operators' reads), whose answer only acknowledges what happened or can wait; the urgent ones hold the lock
+for a millisecond or two at most. No waiter starves: one that has waited `max_wait` goes next whatever its
+urgency.
 
 Reentrant, like `threading.RLock`: a thread holding it may take it again. A release hands the lock straight to
 the waiter chosen, waking that thread alone.
@@ -26,7 +26,7 @@ from typing import Self
 
 
 class Urgency(enum.IntEnum):
-    URGENT = 0  # a caller waits on the answer to go on: a lease, an event batch, a read
+    URGENT = 0  # a caller waits on the answer to go on: a lease, an event batch, the route table
     ROUTINE = 1  # the answer acknowledges what happened: a done report, a replan, an edit
 
 

@@ -17,6 +17,7 @@ from planner_service.domain.state import (
 )
 from planner_service.metrics import StateSnapshot
 from planner_service.planner import engine_plan
+from planner_service.planner.gateway_directives import DirectiveLimits, InstanceView, SessionView, decide_directives
 from planner_service.service.errors import (
     NotFound,
 )
@@ -249,22 +250,104 @@ class Views:
             for m in sorted(instances):
                 entries: list[dict[str, Any]] = instances[m]
                 models.append({"model": m, "instances": sorted(entries, key=_instance_order)})
+            planned_kv: dict[tuple[str, str], set[str]] = defaultdict(set)  # (session, model) -> GPUs the plan keeps
+            for (obj, loc), n in self.live.plan_placement.items():
+                if obj.kind is Kind.KV and obj.session is not None and loc.tier is Tier.GPU and n > 0:
+                    planned_kv[(obj.session, obj.model)].add(loc.id)
+            kv_holders = {
+                key: frozenset(e["id"] for e in instances.get(key[1], []) if set(e["gpus"]) & gpus)
+                for key, gpus in kv_on.items()
+            }
             sessions = []
+            views: list[SessionView] = []
             for sid, s in sorted(self.live.sessions.items()):
                 if s.ended:
                     continue
-                holder = next(
-                    (e["id"] for e in instances.get(s.model, []) if set(e["gpus"]) & kv_on.get((sid, s.model), set())),
-                    None,
-                )
+                holders = kv_holders.get((sid, s.model))
+                holder = next((e["id"] for e in instances[s.model] if e["id"] in holders), None) if holders else None
                 sessions.append({"session": sid, "model": s.model, "instance": holder})
+                if holder is not None or s.active or s.in_tool_call:  # what a pin or a warm-up could concern
+                    views.append(self._directive_session(s, holder, instances, planned_kv))
             table = {
                 "models": models,
                 "sessions": sessions,
-                "directives": {"decided": False, "pins": [], "warmups": []},
+                "directives": self._directives(instances, views, kv_holders),
             }
             digest = hashlib.sha256(json.dumps(table, sort_keys=True).encode()).hexdigest()[:16]
             return {"epoch": self.live.epoch, "revision": digest, **table}
+
+    @staticmethod
+    def _directive_session(
+        s: SessionState,
+        holder: str | None,
+        instances: dict[str, list[dict[str, Any]]],
+        planned_kv: dict[tuple[str, str], set[str]],
+    ) -> SessionView:
+        """What the directives read of a session; `planned_kv`: (session, model) -> GPUs the plan keeps it on."""
+        kept = False
+        if holder is not None and (planned := planned_kv.get((s.id, s.model))):
+            kept = any(e["id"] == holder and planned.intersection(e["gpus"]) for e in instances.get(s.model, []))
+        return SessionView(
+            id=s.id,
+            model=s.model,
+            busy=s.active,  # a request in flight, served or waiting for its model (turn_end clears it)
+            in_tool_call=s.in_tool_call,
+            context_tokens=s.context_tokens,
+            holder=holder,
+            kept=kept,
+        )
+
+    def _directives(
+        self,
+        instances: dict[str, list[dict[str, Any]]],
+        sessions: list[SessionView],
+        kv_holders: dict[tuple[str, str], frozenset[str]],
+    ) -> dict[str, Any]:
+        """The gateway's pins and warm-ups (planner/gateway_directives.py), under the state lock."""
+        assert self.live.sizes is not None
+        sizes = self.live.sizes
+        views = [
+            InstanceView(
+                id=e["id"],
+                model=model,
+                gpus=tuple(e["gpus"]),
+                routable=e["state"] == "running" and bool(e["url"]),
+            )
+            for model, entries in instances.items()
+            for e in entries
+        ]
+        in_tool_call = {s.id: s.model for s in sessions if s.in_tool_call and not s.busy}
+        now = self.live.clock()
+        rows = {m: self.live.predictor.next_model_probs(m, now) for m in set(in_tool_call.values())}  # one per model
+        next_model = {sid: rows[m] for sid, m in in_tool_call.items()}
+        queued: set[str] = set()
+        for i in self.live.open_ops:
+            op = self.live.ops[i].op
+            queued.update(loc.id for loc in (op.source, op.dest) if loc is not None and loc.tier is Tier.GPU)
+            if op.engine is not None:
+                queued.update(op.engine.instance.gpus)
+        free = {g: gpu.capacity_bytes for g, gpu in sizes.gpus.items()}
+        for (_, loc), n in self.live.placement.items():
+            if loc.tier is Tier.GPU and loc.id in free:
+                free[loc.id] -= n
+        pins, warmups = decide_directives(
+            views,
+            sessions,
+            next_model,
+            kv_holders,
+            frozenset(queued),
+            free,
+            {m: spec.kv_bytes_per_token for m, spec in sizes.models.items()},
+            DirectiveLimits(
+                max_warmups_per_instance=self.live.settings.warmups_per_instance,
+                min_probability=self.live.settings.warmup_min_probability,
+            ),
+        )
+        return {
+            "decided": True,
+            "pins": [p.model_dump(mode="json") for p in pins],
+            "warmups": [w.model_dump(mode="json") for w in warmups],
+        }
 
     def live_view(self) -> LiveView:
         """A consistent copy of what questions about the live state need (what-if, Pareto, explain)."""

@@ -62,7 +62,18 @@ sessions at once than the trace has.
 are on GPU and ready (the engine's cold start or wake included) and the session's history KV
 is ready to prefill (restore and re-prefill of the uncovered history included,
 as is waiting for room and for the group's prefill queue).
-**TTFT** = switch latency + prefill of the new input tokens.
+**TTFT** = switch latency + prefill of the new input tokens. Each request keeps where its switch
+latency went (`state.SWITCH_PARTS`): the wait before it starts is split by what its model's engine
+was doing meanwhile (nothing: placement; starting: cold start; waking: wake; up: queue for KV room),
+then KV restore, the prefill queue on its cards and the re-prefill; the parts sum to the switch latency.
+
+**Failed requests**: a request that has not started `request_timeout_seconds` after its arrival (600 s,
+the OpenAI Python client's default read timeout: `DEFAULT_TIMEOUT = httpx.Timeout(timeout=600.0,
+connect=5.0)` in openai-python `src/openai/_constants.py`; no byte comes back before the first token)
+is answered as failed: the agent's next turn follows (its history unchanged), and the replay goes on.
+A request no engine of a fixed deployment can hold (a partition whose group is too small for its
+KV) thus costs its session the timeout instead of stopping the replay; the metrics count failed
+requests per policy and compute latencies over the served ones.
 
 A policy (`policies/`) decides what moves and what is evicted; the mechanism
 here is the same for all of them.
@@ -89,11 +100,14 @@ from planner_service.sim.cluster import Transfer
 from planner_service.sim.executor import KV_HEADROOM, Executor, SimulationError
 from planner_service.sim.slots import SessionSlots, trace_concurrency
 from planner_service.sim.state import ModelState, SessionState, SimRequest, SimState
+
+REQUEST_TIMEOUT_SECONDS = 600.0  # the OpenAI Python client's default read timeout (module doc)
 from planner_service.sim.trace import TraceEnd, TraceRecord, TraceRequest
 from planner_service.sim.view import SimView
 
 __all__ = [
     "KV_HEADROOM",
+    "REQUEST_TIMEOUT_SECONDS",
     "ModelState",
     "PolicyHooks",
     "SessionState",
@@ -199,6 +213,7 @@ class Simulator(SimState):
         expert_miss_decode: bool = True,
         closed_loop: bool = True,
         engine_constants: EngineConstants | None = None,
+        request_timeout_seconds: float = REQUEST_TIMEOUT_SECONDS,
     ) -> None:
         super().__init__(scenario, base_problem(scenario), records, engine_constants)
         self.policy = policy
@@ -207,6 +222,9 @@ class Simulator(SimState):
         self.on_progress = on_progress
         self.expert_miss_decode = expert_miss_decode  # False: decode ignores routed experts off GPU
         self.closed_loop = closed_loop  # False: turns are due at their trace times
+        if not request_timeout_seconds > 0:
+            raise ValueError(f"request_timeout_seconds: must be > 0, got {request_timeout_seconds}")
+        self.request_timeout_seconds = request_timeout_seconds
         # closed loop: at most the trace's concurrency of sessions open at once (`slots.py`)
         self.slots = SessionSlots(records, trace_concurrency(records)) if closed_loop else None
         self._xfer_gen = 0
@@ -245,6 +263,7 @@ class Simulator(SimState):
             "done": self._on_done,
             "tick": self._on_tick,
             "release": self._on_release,
+            "timeout": self._on_timeout,
             "call": lambda payload: payload(),
             "plan": lambda payload: self.policy.on_plan_event(self.view, payload),
         }
@@ -252,6 +271,8 @@ class Simulator(SimState):
         idle_ticks = 0
         while self._heap:
             at, _, kind, payload = heapq.heappop(self._heap)
+            if kind == "timeout" and isinstance(payload, SimRequest) and payload.state != "waiting":
+                continue  # the request started in time: its timer moves nothing, not even the clock
             if kind in ("tick", "plan"):
                 idle_ticks += kind == "tick"
                 stalled = self.waiting and not any(self.running.values()) and not self.cluster.transfers
@@ -272,7 +293,7 @@ class Simulator(SimState):
             if self.on_progress is not None and at - last_progress >= 60.0:
                 last_progress = at
                 self.on_progress(at)
-        unfinished = [r for r in self.requests if r.state != "done"]
+        unfinished = [r for r in self.requests if r.state not in ("done", "failed")]
         if unfinished:
             r = unfinished[0]
             raise SimulationError(
@@ -323,7 +344,7 @@ class Simulator(SimState):
         self.executor.load_model(oldest.model)
 
     def _busy(self) -> bool:
-        return bool(self.cluster.transfers) or any(r.state != "done" for r in self.requests[-50:])
+        return bool(self.cluster.transfers) or any(r.state not in ("done", "failed") for r in self.requests[-50:])
 
     def _sample(self, at: float) -> None:
         dt = at - self._last_sample
@@ -434,7 +455,24 @@ class Simulator(SimState):
         session.request = req
         self.demand[req.model] += 1
         self.waiting.append(req)
+        self.push(self.now + self.request_timeout_seconds, "timeout", req)
         self.policy.on_arrival(self.view, req)
+
+    def _on_timeout(self, req: SimRequest) -> None:
+        """The client gives up on a request that has not started (module doc): the session's next turn follows."""
+        if req.state != "waiting":
+            return
+        session = self.sessions[req.session]
+        self.waiting.remove(req)
+        req.state = "failed"
+        req.failed_at = self.now
+        req.parts = self.waited_parts(req.model, req.admitted_at, self.now)
+        self.demand[req.model] -= 1
+        session.request = None
+        session.last_t = self.now
+        self._pump(req.session)
+        if session.request is None:
+            self._close_slot(req.session)
 
     def dispatch(self) -> None:
         """Start waiting requests whose model is ready and whose KV fits; ask the policy for the rest.
@@ -561,6 +599,11 @@ class Simulator(SimState):
             free_at[g.id] = first_token
         req.switch_seconds = ready - req.admitted_at
         req.ttft_seconds = first_token - req.admitted_at
+        parts = self.waited_parts(req.model, req.admitted_at, req.started_at)
+        parts["kv_restore"] = self.now - req.started_at
+        parts["prefill_queue"] = req.prefill_queue_seconds
+        parts["reprefill"] = ready - start
+        req.parts = parts
         decode = req.output_tokens * self.decode_seconds_per_token(req.model, state)
         self.push(first_token + decode, "done", req)
 

@@ -4,7 +4,8 @@ Each stored result becomes a section: the scenario and whether precision was hel
 (each policy's hand-off P95 at each load level, saturated levels marked) when it holds several load
 levels, then per level what was run (trace sizes, gap scale, seeds, training seeds, static-tuned's
 search), a table of every policy's metrics (mean ± 95 % t half width over the seeds) with its saturated
-runs, and the hand-off P95 ratios against the best baseline where no run of either policy is saturated.
+runs, the hand-off P95 ratios against the best baseline where no run of either policy is saturated, and
+where the hand-offs' switch latency went per policy (stored results that predate a column show a dash).
 """
 
 from __future__ import annotations
@@ -15,12 +16,15 @@ from pathlib import Path
 from typing import Any
 
 from planner_service.sim.seeds import METRICS
+from planner_service.sim.state import SWITCH_PARTS
 
 BASELINES = ("sleep-router", "swap-ttl", "static-tuned")
 GOAL = "hand-off P95 ≤ 0.6 × the best baseline at ≤ 1.2 × its GPU memory-time, without a worse completion P95"
 
 
-def _cell(interval: dict[str, Any], digits: int) -> str:
+def _cell(interval: dict[str, Any] | None, digits: int) -> str:
+    if interval is None:
+        return "—"
     if interval.get("half_width") is None:
         return f"{interval['mean']:.{digits}f}"
     return f"{interval['mean']:.{digits}f} ± {interval['half_width']:.{digits}f}"
@@ -50,6 +54,35 @@ def _headline(data: dict[str, Any]) -> list[str]:
         f"{'reached' if reached else 'not reached'} (ratios of means)."
     )
     return lines
+
+
+def _parts_table(data: dict[str, Any]) -> list[str]:
+    """Per policy, where its hand-offs' switch latency went: each part's mean seconds over the hand-offs at or
+    above each seed's P95 (what sets the P95), then over all hand-offs, averaged over the seeds."""
+    parts = data.get("handoff_switch_parts")
+    if not parts:
+        return []
+    label = {p: p.replace("_", " ") for p in SWITCH_PARTS}
+    lines = [
+        (
+            "Where the hand-off latency goes: mean seconds per part (state.SWITCH_PARTS: placement waits for an "
+            "engine to be placed, cold start / wake for it to start / wake, queue for KV room on an engine that "
+            "is up; then KV restore, the group's prefill queue, re-prefill of uncovered history) over the "
+            "hand-offs at or above each seed's hand-off P95, and over all hand-offs; means over the seeds."
+        ),
+        "",
+        "| policy | hand-offs | " + " | ".join(label[p] for p in SWITCH_PARTS) + " | sum |",
+        "|" + "---|" * (len(SWITCH_PARTS) + 3),
+    ]
+    for policy in data["policies"]:
+        for which, name in (("tail", "≥ P95"), ("mean", "all")):
+            row = parts[policy][which]
+            lines.append(
+                f"| {policy} | {name} | "
+                + " | ".join(f"{row[p]:.2f}" for p in SWITCH_PARTS)
+                + f" | {sum(row[p] for p in SWITCH_PARTS):.2f} |"
+            )
+    return [*lines, ""]
 
 
 PRECISION = {
@@ -111,11 +144,11 @@ def render_level(heading: str, data: dict[str, Any]) -> str:
     columns = ["policy", *(label for _, label, _ in METRICS), "saturated runs"]
     lines += ["", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for policy in data["policies"]:
-        cells = [_cell(data["metrics"][policy][key], 3 if key == "degraded_share" else 2) for key, _, _ in METRICS]
+        cells = [_cell(data["metrics"][policy].get(key), 3 if key == "degraded_share" else 2) for key, _, _ in METRICS]
         lines.append(
             f"| {policy} | " + " | ".join(cells) + f" | {data['saturated_runs'][policy]} / {len(data['seeds'])} |"
         )
-    lines += ["", *_headline(data), ""]
+    lines += ["", *_headline(data), "", *_parts_table(data)]
     return "\n".join(lines)
 
 

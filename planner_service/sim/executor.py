@@ -224,6 +224,7 @@ class Executor:
         if state is None or state.epoch != epoch:
             return
         state.status = "ready"
+        self.sim.mark_engine(model_id, "ready")
         self.sim.touch(StateObject.weights(model_id, state.precision))
         self.policy.on_model_ready(self.view, model_id)
 
@@ -251,6 +252,9 @@ class Executor:
             elif sleeping is not None:  # (always, when woken)
                 level = 1 if sleeping.state is EngineState.ASLEEP_HOST else 2
                 self.transitions[f"wake_level_{level}"] += 1
+            self.sim.mark_engine(model_id, "wake" if woken else "cold_start")
+        else:
+            self.sim.mark_engine(model_id, "ready")
         if sleeping is not None and (sleeping.instance == instance or book.may_stop(sleeping.instance)):
             self._release_residue(model_id, node_id)  # woken (its context serves again) or stopped
         state = ModelState(
@@ -275,6 +279,7 @@ class Executor:
         """The serving engine leaves its GPUs: it sleeps where its kind allows (its GPU KV discarded, its CUDA
         context left on each GPU of the group), else it stops."""
         del self.models[model_id]
+        self.sim.mark_engine(model_id, "none")
         book, c = self.sim.engines, self.cluster
         weights = StateObject.weights(model_id, state.precision)
         host = Location.host(state.node)
@@ -380,7 +385,8 @@ class Executor:
     def serve_from(self, model_id: str, node_id: str, precision: str, gpus: tuple[Gpu, ...]) -> None:
         """A new engine of the model on `gpus`, whose weights are complete there: it replaces the model's
         current engine (requests running on that one finish there)."""
-        self.models.pop(model_id, None)
+        if self.models.pop(model_id, None) is not None:
+            self.sim.mark_engine(model_id, "none")
         self.adopt_weights(model_id, node_id, precision, gpus)
 
     def add_experts(self, obj: StateObject, loc: Location, nbytes: int) -> bool:
@@ -420,6 +426,11 @@ class Executor:
         tokens = self.valid_tokens(obj, source)  # before the source copy leaves a GPU below
         c.start(self.sim.now, obj, source, dest, nbytes, op.keep_source, partial(self._copied, op, tokens, on_done))
         self.operations += 1
+        if obj.kind is Kind.WEIGHTS and dest.tier is Tier.GPU and obj.model not in self.models:
+            # a planned copy of weights to a GPU is the first part of the engine's start or wake, as an
+            # on-demand load's copy is (`_bring_up` names which when the copy is complete)
+            sleeping = self.sim.engines.asleep.get((obj.model, self.problem.node_of(dest)))
+            self.sim.mark_engine(obj.model, "wake" if sleeping and dest.id in sleeping.instance.gpus else "cold_start")
         if not op.keep_source and source.tier is Tier.GPU:
             self._left_gpu(obj, source)
         return "started"
@@ -483,3 +494,6 @@ class Executor:
                 sim.host_tokens[obj] = min(max(sim.host_tokens.get(obj, 0), tokens), on_host)
                 c.remove(obj, dest, c.bytes_of(obj, dest) - sim.host_tokens[obj] * kvpt)  # one copy, no more
         on_done(op, transfer)
+        if obj.kind is Kind.WEIGHTS and dest.tier is Tier.GPU and obj.model not in self.models:
+            if not any(t.obj == obj and t.dest.tier is Tier.GPU for t in c.transfers.values()):
+                sim.mark_engine(obj.model, "none")  # the copies that would start its engine ended without one

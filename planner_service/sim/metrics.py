@@ -9,6 +9,7 @@ import numpy as np
 
 from planner_service.domain.scenario import CostConstants, Slo, SloClassConstants
 from planner_service.sim.engine import SimRequest, SimResult
+from planner_service.sim.state import SWITCH_PARTS
 
 DEFAULT_TTFT_TARGETS = SloClassConstants(blocking=2.0, interactive=5.0, background=30.0)
 
@@ -49,16 +50,38 @@ def completion_by_model(requests: Sequence[SimRequest]) -> dict[str, dict[str, f
     return {model: _quantiles(seconds, ("p50", "p95")) for model, seconds in sorted(by_model.items())}
 
 
+def switch_parts(requests: Sequence[SimRequest]) -> dict[str, Any]:
+    """Where the requests' switch latency went (`SWITCH_PARTS`): each part's mean over all of them, and over
+    the tail (those at or above the switch latency's P95), which is what sets the P95."""
+    if not requests:
+        return {"mean": dict.fromkeys(SWITCH_PARTS, 0.0), "tail": dict.fromkeys(SWITCH_PARTS, 0.0), "tail_count": 0}
+    p95 = float(np.percentile([r.switch_seconds for r in requests], 95.0))
+    tail = [r for r in requests if r.switch_seconds >= p95]
+
+    def means(group: Sequence[SimRequest]) -> dict[str, float]:
+        return {
+            part: round(float(np.mean([(r.parts or {}).get(part, 0.0) for r in group])), 6) for part in SWITCH_PARTS
+        }
+
+    return {"mean": means(requests), "tail": means(tail), "tail_count": len(tail)}
+
+
 def summarize(result: SimResult, targets: SloClassConstants = DEFAULT_TTFT_TARGETS) -> dict[str, Any]:
-    requests = result.requests
+    """The replay's metrics; latencies are over the requests served (failed ones are counted apart)."""
+    failed = [r for r in result.requests if r.state == "failed"]
+    requests = [r for r in result.requests if r.state == "done"]
     switch = [r.switch_seconds for r in requests]
     handoffs = [r for r in requests if r.handoff]
     handoff = [r.switch_seconds for r in handoffs]
     duration = result.duration_seconds or 1.0
     return {
-        "requests": len(requests),
-        "handoffs": len(handoff),
+        "requests": len(result.requests),
+        "handoffs": sum(r.handoff for r in result.requests),
+        # requests the client gave up on before they started (`engine.REQUEST_TIMEOUT_SECONDS`)
+        "failed_requests": {"all": len(failed), "handoff": sum(r.handoff for r in failed)},
         "switch_latency_seconds": {"all": latency_summary(switch), "handoff": latency_summary(handoff)},
+        # the hand-offs' switch latency split into its parts (`state.SWITCH_PARTS`)
+        "handoff_switch_parts": switch_parts(handoffs),
         "ttft_seconds": _quantiles([r.ttft_seconds for r in requests]),
         # the part of the hand-offs' switch latency spent waiting for other prefills on their cards (the
         # compute models sharing a group contend for), and what the switch latency would be without it

@@ -33,7 +33,7 @@ def switch_latency_cdf(results: dict[str, SimResult], path: Path) -> Path:
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for name, result in results.items():
-        values = np.sort([max(r.switch_seconds, 1e-3) for r in result.requests])
+        values = np.sort([max(r.switch_seconds, 1e-3) for r in result.requests if r.state == "done"])
         if values.size:
             ax.step(values, np.arange(1, values.size + 1) / values.size, where="post", label=name)
     ax.set_xscale("log")

@@ -123,6 +123,7 @@ def table_rows(report: dict[str, Any]) -> list[list[str]]:
             [
                 name,
                 str(m["requests"]),
+                str(m["failed_requests"]["all"]),
                 f"{sw['p50']:.2f}",
                 f"{sw['p95']:.2f}",
                 f"{ho['p95']:.2f}",
@@ -146,6 +147,7 @@ def table_rows(report: dict[str, Any]) -> list[list[str]]:
 TABLE_COLUMNS = (
     "policy",
     "requests",
+    "failed",
     "switch P50 s",
     "switch P95 s",
     "hand-off P95 s",

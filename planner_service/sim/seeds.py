@@ -24,6 +24,7 @@ from planner_service.sim.metrics import summarize
 from planner_service.sim.policies import PolicyName, create_policy
 from planner_service.sim.policies.static_tuned import TuneResult, tune_static
 from planner_service.sim.slots import saturated
+from planner_service.sim.state import SWITCH_PARTS
 from planner_service.sim.synth import SynthParams, synth_trace
 from planner_service.sim.trace import TraceRecord
 
@@ -37,6 +38,7 @@ METRICS: tuple[tuple[str, str, Callable[[dict[str, Any]], float]], ...] = (
     ("moved_gib", "moved GiB", lambda s: s["bytes_moved"] / GIB),
     ("cold_starts", "cold starts", lambda s: float(s["engine_transitions"].get("cold_start", 0))),
     ("degraded_share", "degraded share", lambda s: s["degraded_precision_rate"]),
+    ("failed_requests", "failed requests", lambda s: float(s["failed_requests"]["all"])),
 )
 
 
@@ -68,6 +70,7 @@ class SeedStudy:
             "saturated_runs": self.saturated_runs,
             "runs": self.runs,
             "static_tuned_search": self.tuning.to_json() if self.tuning else None,
+            "handoff_switch_parts": {p: parts_over_seeds(rows) for p, rows in self.runs.items()},
         }
 
 
@@ -117,12 +120,25 @@ def seed_study(
             over = saturated(result.duration_seconds, end)
             row: dict[str, Any] = {key: float(read(summary)) for key, _, read in METRICS}
             row.update(seed=seed, saturated=over, simulated_seconds=result.duration_seconds, trace_seconds=end)
+            row["handoff_switch_parts"] = summary["handoff_switch_parts"]
             overran[name] += int(over)
             runs[name].append(row)
             if on_progress:
                 on_progress(f"seed {seed} {name}: hand-off P95 {row['handoff_p95_seconds']:.2f} s")
     intervals = {n: {key: t_interval([r[key] for r in runs[n]]) for key, _, _ in METRICS} for n in names}
     return SeedStudy(names, list(seeds), list(train_seeds), params, intervals, overran, runs, tuning)
+
+
+def parts_over_seeds(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Where the hand-offs' switch latency went (`state.SWITCH_PARTS`), each part's seconds averaged over the
+    seeds: `mean` over all hand-offs, `tail` over those at or above each seed's hand-off P95."""
+    out: dict[str, dict[str, float]] = {}
+    for which in ("mean", "tail"):
+        out[which] = {
+            part: round(float(np.mean([r["handoff_switch_parts"][which][part] for r in rows])), 6) if rows else 0.0
+            for part in SWITCH_PARTS
+        }
+    return out
 
 
 def trace(scenario: Scenario, params: SynthParams, seed: int) -> list[TraceRecord]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import itertools
 import math
@@ -30,7 +31,7 @@ class SimRequest:
     handoff: bool
     admitted_at: float = 0.0  # when the session released it (its arrival in the simulated cluster)
     history_tokens: int = 0  # the session's history when the request starts
-    state: str = "waiting"  # waiting -> running -> done
+    state: str = "waiting"  # waiting -> running -> done, or waiting -> failed (no first byte within the timeout)
     switch_seconds: float = math.nan
     ttft_seconds: float = math.nan
     done_at: float = math.nan
@@ -39,6 +40,22 @@ class SimRequest:
     reprefill_tokens: int = 0  # uncovered history it prefilled again
     degraded: bool = False  # served at a precision other than its model's preferred one
     engine: int = 0  # epoch of the engine that serves it (`ModelState.epoch`)
+    failed_at: float = math.nan  # when the client gave up on it (state "failed")
+    # where its switch latency went, in seconds (`SWITCH_PARTS`; they sum to `switch_seconds`)
+    parts: dict[str, float] | None = None
+
+
+# The parts of a request's switch latency, in the order they happen:
+# - placement: waiting while its model had no engine on any GPU and none starting (for the policy to
+#   place it, for room, for its old engine to stop; a planner's control path falls here)
+# - cold_start / wake: waiting while its model's engine was being started / woken (weight copies included)
+# - queue: waiting while its model's engine was up, for KV room on the group
+# - kv_restore: copying the session's history KV from host DRAM
+# - prefill_queue: waiting for earlier prefills on the group's cards
+# - reprefill: prefilling again the history no KV copy covered
+SWITCH_PARTS = ("placement", "cold_start", "wake", "queue", "kv_restore", "prefill_queue", "reprefill")
+# an engine's phase in `SimState.engine_phases`: what a request of its model that waits then is waiting for
+ENGINE_PHASE_PART = {"none": "placement", "cold_start": "cold_start", "wake": "wake", "ready": "queue"}
 
 
 @dataclass(slots=True)
@@ -108,6 +125,8 @@ class SimState:
         self.computed_tokens: dict[StateObject, int] = defaultdict(int)
         self.last_used: dict[StateObject, float] = {}
         self.planner_seconds: list[float] = []
+        # per model, when its serving engine changed phase (`ENGINE_PHASE_PART`'s keys): times, then phases
+        self.engine_phases: dict[str, tuple[list[float], list[str]]] = {}
 
     def push(self, at: float, kind: str, payload: object = None) -> None:
         heapq.heappush(self._heap, (at, next(self._seq), kind, payload))
@@ -115,6 +134,34 @@ class SimState:
     def next_epoch(self) -> int:
         """A new engine's number: requests remember the engine that served them."""
         return next(self._epochs)
+
+    def mark_engine(self, model_id: str, phase: str) -> None:
+        """The model's serving engine is now in `phase` (none, cold_start, wake or ready)."""
+        times, phases = self.engine_phases.setdefault(model_id, ([0.0], ["none"]))
+        if phases[-1] == phase:
+            return
+        if times[-1] == self.now:
+            phases[-1] = phase  # two changes at one instant: the later one holds
+            if len(phases) > 1 and phases[-2] == phase:
+                times.pop()
+                phases.pop()
+            return
+        times.append(self.now)
+        phases.append(phase)
+
+    def waited_parts(self, model_id: str, start: float, end: float) -> dict[str, float]:
+        """Seconds of [start, end] a request of the model spent in each waiting part (placement, cold_start,
+        wake, queue), by its model's engine phases then; they sum to end - start."""
+        parts = dict.fromkeys(ENGINE_PHASE_PART.values(), 0.0)
+        times, phases = self.engine_phases.get(model_id, ([0.0], ["none"]))
+        i = max(0, bisect.bisect_right(times, start) - 1)
+        at = start
+        while at < end:
+            until = min(end, times[i + 1]) if i + 1 < len(times) else end
+            parts[ENGINE_PHASE_PART[phases[i]]] += until - at
+            at = until
+            i += 1
+        return parts
 
     def touch(self, obj: StateObject) -> None:
         self.last_used[obj] = self.now

@@ -187,6 +187,12 @@ class SimView:
             return 0
         return sum(book.residue_bytes() for e in book.sleeping_on(gpu_id) if book.may_stop(e.instance))
 
+    @staticmethod
+    def _holds(group: tuple[Gpu, ...], room: dict[str, int], nbytes: int, kv_bytes: int) -> bool:
+        """Whether every GPU of the group has room for its even shard of the weights and the KV."""
+        shard = math.ceil(nbytes / len(group)) + math.ceil(kv_bytes / len(group))
+        return all(room[g.id] >= shard for g in group)
+
     def own_residue(self, model_id: str, gpu_id: str) -> int:
         """Bytes the model's own sleeping engine holds on a GPU (what its wake there frees)."""
         book = self._sim.engines
@@ -202,7 +208,9 @@ class SimView:
         """Where an on-demand load would go: (node, precision, gpus), the least eviction first, then the fastest.
 
         The group must hold the weights plus `kv_bytes` (a waiting request's KV), split evenly.
-        Preferred precision first; a degraded one only when the preferred fits nowhere.
+        Preferred precision first; a degraded one only when the preferred fits nowhere. Per node the
+        candidates are the fewest GPUs that hold it and the group of the model's instance sleeping there
+        (a wake: its fixed part is seconds, a cold start's tens of seconds, `engines.bring_up_fixed_seconds`).
         """
         model = self._sim.problem.models[model_id]
         protect = {*protect, model_id}
@@ -228,20 +236,34 @@ class SimView:
                 if fixed and len(room) < len(fixed):
                     continue
                 gpus = sorted((self._sim.problem.gpus[g] for g in room), key=lambda g: (-room[g.id], g.id))
+                groups = []
                 for k in range(len(fixed) if fixed else 1, len(gpus) + 1):
                     group = tuple(sorted(gpus[:k], key=lambda g: g.id))
-                    if k < max(model.min_gpus.get(g.type, 1) for g in group):
-                        continue
-                    shard = math.ceil(nbytes / k) + math.ceil(kv_bytes / k)
-                    if all(room[g.id] >= shard for g in group):
-                        evict = sum(max(0, shard - self.cluster.free(Location.gpu(g.id))) for g in group)
-                        seconds = costs.even_copy_seconds(
-                            math.ceil(nbytes / k), group, source, node
-                        ) + self._sim.engines.start_fixed_seconds(node_id, model_id, precision, group)
-                        key = (evict > 0, seconds, evict, node_id)
-                        if best is None or key < best[0]:
-                            best = (key, (node_id, precision, group))
+                    if k >= max(model.min_gpus.get(g.type, 1) for g in group) and self._holds(
+                        group, room, nbytes, kv_bytes
+                    ):
+                        groups.append(group)
                         break
+                book = self._sim.engines
+                sleeping = book.asleep.get((model_id, node_id))
+                if sleeping is not None and sleeping.instance.precision == precision:
+                    asleep_on = sleeping.instance.gpus
+                    if all(g in room for g in asleep_on):
+                        own = 0 if book.may_stop(sleeping.instance) else book.residue_bytes()  # its wake frees it
+                        waking = {g: room[g] + own for g in asleep_on}
+                        group = tuple(sorted((self._sim.problem.gpus[g] for g in asleep_on), key=lambda g: g.id))
+                        if group not in groups and self._holds(group, waking, nbytes, kv_bytes):
+                            groups.append(group)
+                for group in groups:
+                    k = len(group)
+                    shard = math.ceil(nbytes / k) + math.ceil(kv_bytes / k)
+                    evict = sum(max(0, shard - self.cluster.free(Location.gpu(g.id))) for g in group)
+                    seconds = costs.even_copy_seconds(
+                        math.ceil(nbytes / k), group, source, node
+                    ) + book.start_fixed_seconds(node_id, model_id, precision, group)
+                    key = (evict > 0, seconds, evict, node_id)
+                    if best is None or key < best[0]:
+                        best = (key, (node_id, precision, group))
             if best is not None:
                 return best[1]
         return None

@@ -11,6 +11,7 @@ from typing import Annotated
 import typer
 
 from planner_service.soak.faults import run_faults
+from planner_service.soak.fuzz import run_fuzz
 from planner_service.soak.report import Results, render, summary
 from planner_service.soak.trials import (
     KillConfig,
@@ -33,6 +34,12 @@ def soak(
     large_nodes: Annotated[int, typer.Option(min=1, max=500, help="Nodes of the generated cluster.")] = 50,
     trials: Annotated[int, typer.Option(min=0, max=10_000, help="SIGKILL trials (0: skip).")] = 50,
     faults: Annotated[bool, typer.Option(help="Run the fault cases.")] = True,
+    fuzz_examples: Annotated[
+        int, typer.Option(min=0, max=100_000, help="schemathesis examples per operation and phase (0: skip).")
+    ] = 50,
+    fuzz_stateful_examples: Annotated[
+        int, typer.Option(min=1, max=100_000, help="schemathesis stateful scenarios per run.")
+    ] = 200,
     out: Annotated[Path | None, typer.Option(help="Write the report here.")] = ROOT / "docs" / "reliability.md",
     workdir: Annotated[
         Path | None, typer.Option(help="Keep databases and logs here (default: a temporary folder, removed).")
@@ -59,7 +66,12 @@ def soak(
             typer.echo(summary(Results(loads[-1:], None, [], 0.0))[-1])
         kill = run_kill_trials(KillConfig(trials=trials, rng_seed=seed + 2), scratch) if trials > 0 else None
         cases = run_faults(scratch) if faults else []
-        results = Results(loads, kill, cases, time.monotonic() - began)
+        fuzz = []
+        if fuzz_examples > 0:
+            fuzz = run_fuzz(
+                scratch, examples=fuzz_examples, stateful_examples=fuzz_stateful_examples, stateful_steps=10, seed=seed
+            )
+        results = Results(loads, kill, cases, time.monotonic() - began, fuzz)
     finally:
         if workdir is None:
             shutil.rmtree(scratch, ignore_errors=True)

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from planner_service.soak.faults import FaultCase
+from planner_service.soak.fuzz import PHASES, FuzzRun
 from planner_service.soak.trials import KillResult, LoadResult
 
 LATENCY_KINDS = (
@@ -29,6 +30,7 @@ class Results:
     kill: KillResult | None
     faults: Sequence[FaultCase]
     seconds: float
+    fuzz: Sequence[FuzzRun] = ()
 
     @property
     def ok(self) -> bool:
@@ -36,6 +38,7 @@ class Results:
             all(r.ok for r in self.loads)
             and (self.kill is None or self.kill.ok)
             and all(c.ok or c.open for c in self.faults)
+            and all(f.ok for f in self.fuzz)
         )
 
 
@@ -132,6 +135,10 @@ def _load_rows(loads: Sequence[LoadResult]) -> list[str]:
     return rows
 
 
+def _phases(run: FuzzRun) -> str:
+    return ", ".join(f"{phase} {run.phases.get(phase, 'did not run')}" for phase in PHASES)
+
+
 def _findings(results: Results) -> list[str]:
     lines = []
     for r in results.loads:
@@ -150,6 +157,10 @@ def _findings(results: Results) -> list[str]:
             if found:
                 lines.append(f"- `{r.config.name}`, {what}:")
                 lines += [f"  - `{f}`" for f in found[:10]]
+    for f in results.fuzz:
+        if f.failures:
+            lines.append(f"- fuzzing, `{f.label}`:")
+            lines += [f"  - `{line[:300]}`" for line in f.failures[:10]]
     if results.kill is not None:
         if results.kill.error:
             lines.append(f"- SIGKILL trials: `{results.kill.error[:500]}`")
@@ -275,6 +286,29 @@ def render(results: Results, root: Path) -> str:
             ],
             "",
         ]
+    if results.fuzz:
+        out += [
+            "## Fuzzing",
+            "",
+            (
+                "schemathesis against a fresh `statebudget serve --demo`, once with no tokens configured and once "
+                "with operator and node tokens: the coverage, fuzzing and stateful phases (the stateful one "
+                "follows the links schemathesis infers from the OpenAPI document), with every check, the "
+                "conformance ones included (`planner_service/soak/fuzz.py` lists the answers a valid request may "
+                "get and the one exemption). `tests/api/test_api_schemathesis.py` runs the same in process, bounded."
+            ),
+            "",
+            "| run | requests: coverage / fuzzing / stateful | phases | failures | result |",
+            "|---|---|---|---|---|",
+            *[
+                f"| {f.label} | "
+                + " / ".join(str(f.requests.get(p, 0)) for p in PHASES)
+                + f" | {_phases(f)} | {len(f.failures)} | "
+                f"{_yes(f.ok)} |"
+                for f in results.fuzz
+            ],
+            "",
+        ]
     findings = _findings(results)
     out += ["## Findings", ""] + (findings or ["None: every check held."]) + [""]
     return "\n".join(out)
@@ -303,4 +337,7 @@ def summary(results: Results) -> list[str]:
     for c in results.faults:
         state = "ok" if c.ok else ("open" if c.open else "FAILED")
         lines.append(f"{state:>10}  {c.issue} {c.name}: {c.observed}")
+    for f in results.fuzz:
+        sent = sum(f.requests.values())
+        lines.append(f"{_yes(f.ok):>10}  fuzzing {f.label}: {sent} requests, {len(f.failures)} failures")
     return lines

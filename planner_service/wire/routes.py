@@ -39,22 +39,29 @@ class SessionRoute(WireModel):
 
 
 class PinDirective(WireModel):
+    """Keep routing the session to `instance`: its GPUs hold the session's KV and the plan keeps it there."""
+
     session: str
     instance: str
-    tokens: int = Field(ge=0)
+    tokens: int = Field(ge=0, description="The session's context tokens that KV holds.")
 
 
 class WarmupDirective(WireModel):
+    """Prefill the session's known history on `instance` of `model` (a 1-token request) while the session sits in
+    a tool call: `model` is where its next request is predicted to go, and the instance's cards are idle."""
+
     session: str
     model: str
     instance: str
+    tokens: int = Field(0, ge=0, description="The session's context tokens: the KV the warm-up makes.")
+    probability: float = Field(0.0, ge=0, le=1, description="The predicted chance of the hand-off to `model`.")
 
 
 class Directives(WireModel):
     """The gateway's own actions (never queue operations of node agents)."""
 
     decided: bool = Field(
-        False, description="False: the planner does not decide pins and warm-ups yet; the lists stay empty."
+        False, description="True: the planner decided the lists below; false: a table without directives."
     )
     pins: list[PinDirective] = Field(default_factory=list)
     warmups: list[WarmupDirective] = Field(default_factory=list)

@@ -42,7 +42,7 @@ def test_instances_carry_state_and_registered_url(make_app):
         {"id": "n1/vllm-a", "node": "n1", "gpus": [], "state": "running", "url": "http://n1:8000"}
     ]
     assert by_model["beta"][0]["state"] == "stopped"
-    assert table["directives"] == {"decided": False, "pins": [], "warmups": []}
+    assert table["directives"] == {"decided": True, "pins": [], "warmups": []}
     # a heartbeat's instance wins over the registration's stand-in, with the state it reports
     hb = {"instances": [{"instance": _instance("beta", "n2", "n2-g0"), "state": "asleep_host"}]}
     assert app.post("/v1/nodes/n2/heartbeat", json=hb).status_code == 200
@@ -111,3 +111,70 @@ def test_router_token_must_differ_from_others():
 
     with pytest.raises(ValidationError, match="router_tokens"):
         Settings(operator_tokens=["same"], router_tokens=["same"])
+
+
+def _turn(app, session: str, model: str, n: int, *, tool: bool = False, input_tokens: int = 1000) -> None:
+    events = [
+        request(f"{session}-r{n}", session, model, input_tokens=input_tokens),
+        {"id": f"{session}-t{n}", "type": "turn_end", "session": session, "output_tokens": 24},
+    ]
+    if tool:
+        events.append({"id": f"{session}-c{n}", "type": "tool_call_start", "session": session, "tool": "grep"})
+    assert app.events(*events).status_code == 200
+
+
+def test_warmups_for_sessions_in_a_tool_call_go_to_an_idle_card_of_the_predicted_model(make_app):
+    app = make_app(tiny=True)
+    _register(app, "n1", [{"name": "vllm-a", "models": ["alpha"], "url": "http://n1:8000", "gpus": ["n1-g0"]}])
+    _register(app, "n2", [{"name": "vllm-b", "models": ["beta"], "url": "http://n2:8000", "gpus": ["n2-g0"]}])
+    hb = {"instances": [{"instance": _instance("beta", "n2", "n2-g0"), "state": "running"}]}
+    assert app.post("/v1/nodes/n2/heartbeat", json=hb).status_code == 200
+    # six sessions handed off from alpha to beta: the predictor's P(beta | alpha) = (6 + 10 * 0.4 + 0.1) / (6 + 10 + 0.2)
+    # = 0.62 (domain/predictions.py: the stay prior 0.6 leaves 0.4 to beta, weight 10, alpha 0.1); the threshold is 0.5
+    for i in range(6):
+        _turn(app, f"h{i}", "alpha", 1)
+        _turn(app, f"h{i}", "beta", 2)
+    _turn(app, "s1", "alpha", 1, tool=True)
+    # the start's plan drops alpha's weights from n2-g0: while that operation is open the card is not idle
+    assert app.get("/v1/routes").json()["directives"] == {"decided": True, "pins": [], "warmups": []}
+    lease = app.lease("n2", n=100).json()
+    for op in lease["operations"]:
+        assert app.report(op["id"], lease["lease_id"]).status_code == 200
+    directives = app.get("/v1/routes").json()["directives"]
+    [warmup] = directives["warmups"]
+    assert warmup["session"] == "s1" and warmup["model"] == "beta" and warmup["instance"] == "beta@bf16@n2-g0"
+    assert warmup["tokens"] == 1024 and warmup["probability"] == 0.62  # 1,000 in + 24 out
+    # a request on beta (no KV holder known: it may run on any beta card) makes the card busy: the warm-up goes
+    assert app.events(request("x-r1", "x", "beta", input_tokens=10)).status_code == 200
+    assert app.get("/v1/routes").json()["directives"]["warmups"] == []
+    assert app.events({"id": "x-t1", "type": "turn_end", "session": "x", "output_tokens": 1}).status_code == 200
+    assert [w["session"] for w in app.get("/v1/routes").json()["directives"]["warmups"]] == ["s1"]
+    # the session's next request: no longer in a tool call, no warm-up
+    assert app.events({"id": "s1-e", "type": "tool_call_end", "session": "s1", "tool": "grep"}).status_code == 200
+    assert app.get("/v1/routes").json()["directives"]["warmups"] == []
+
+
+def _run_every_operation(app) -> None:
+    for _ in range(20):
+        open_ops = [o for o in app.get("/v1/operations").json() if o["state"] in ("queued", "leased")]
+        if not open_ops:
+            return
+        for node in sorted({o["node"] for o in open_ops}):
+            lease = app.lease(node, n=100).json()
+            for op in lease["operations"]:
+                assert app.report(op["id"], lease["lease_id"]).status_code == 200
+    raise AssertionError("the plan's operations never finished")
+
+
+def test_a_session_whose_kv_the_plan_keeps_on_its_holder_is_pinned_there(make_app):
+    app = make_app(tiny=True)
+    _register(app, "n1", [{"name": "vllm-a", "models": ["alpha"], "url": "http://n1:8000", "gpus": ["n1-g0"]}])
+    assert app.events(request("s1-r1", "s1", "alpha", input_tokens=1000)).status_code == 200
+    assert app.post("/v1/plan").status_code == 200
+    _run_every_operation(app)
+    # the plan put s1's KV (1,000 tokens) on n1-g0, the agent reported it done: n1/vllm-a holds it and keeps it
+    table = app.get("/v1/routes").json()
+    assert table["sessions"] == [{"session": "s1", "model": "alpha", "instance": "n1/vllm-a"}]
+    assert table["directives"]["pins"] == [{"session": "s1", "instance": "n1/vllm-a", "tokens": 1000}]
+    assert app.events({"id": "s1-end", "type": "session_end", "session": "s1"}).status_code == 200
+    assert app.get("/v1/routes").json()["directives"]["pins"] == []

@@ -29,10 +29,13 @@ def _compiled_modules() -> list[str]:
 COMPILED = _compiled_modules()
 
 # Prints one line per plan: which files the compiled modules came from, then each plan's objective,
-# placement and operations (every field) for the demo and random scenarios of three sizes.
+# placement and operations (every field) for the demo and random scenarios of three sizes. Each problem and
+# plan must also cross to the planning worker and back as it was (`service/solving.py`).
 PLANS = """
 import hashlib, importlib, json, sys
+from multiprocessing.reduction import ForkingPickler
 import numpy as np
+import planner_service.service.solving  # how compiled frozen dataclasses pickle
 from planner_service.domain.demo import demo_scenario
 from planner_service.domain.generate import random_scenario
 from planner_service.domain.state import placement_to_json
@@ -47,7 +50,10 @@ scenarios = [demo_scenario()] + [
     for seed in range(6) for gpus, models, sessions in ((8, 5, 20), (16, 7, 100), (64, 16, 500))
 ]
 for scenario in scenarios:
-    plan = solve(problem_from_scenario(scenario))
+    problem = problem_from_scenario(scenario)
+    plan = solve(problem)
+    assert ForkingPickler.loads(ForkingPickler.dumps(problem)) == problem
+    assert ForkingPickler.loads(ForkingPickler.dumps(plan)) == plan
     operations = [
         (o.id, o.action.value, o.object.label(), o.source, o.dest, o.bytes, o.priority.value,
          tuple(o.depends_on), round(o.estimated_seconds, 9), o.reason)

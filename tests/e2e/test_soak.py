@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from planner_service.soak.faults import run_faults
+from planner_service.soak.fuzz import run_fuzz
 from planner_service.soak.report import Results, render
 from planner_service.soak.trials import (
     KillConfig,
@@ -69,3 +70,13 @@ def test_the_fault_cases_are_refused_and_change_nothing(tmp_path: Path) -> None:
     assert not failed, failed
     assert {c.issue for c in cases} == {"F2", "F3", "F5", "F6", "F7"}
     assert len(cases) >= 14
+
+
+def test_schemathesis_against_a_real_server_finds_nothing_and_is_reported(tmp_path: Path) -> None:
+    runs = run_fuzz(tmp_path, examples=2, stateful_examples=5, stateful_steps=4, seed=3)
+    assert [r.label for r in runs] == ["open", "tokens"]
+    for r in runs:
+        assert r.ok, r.failures
+        assert all(r.requests.get(phase, 0) > 0 for phase in ("coverage", "fuzzing")), r.requests
+    page = render(Results([], None, [], 1.0, runs), Path.cwd())
+    assert "## Fuzzing" in page and "| tokens |" in page and "result: ok" in page

@@ -1,5 +1,7 @@
 """Contract fake of vLLM's OpenAI server: `/v1/chat/completions`, `/v1/completions`, `/v1/models`,
-`/tokenize`, `/health`, as an APIRouter the tests mount (beside the control surface of `vllm.py`).
+`/tokenize`, `/health`, as an APIRouter the tests mount (beside the control surface of `vllm.py`); `serving_app`
+adds `/metrics` with the scheduler's gauges (`vllm:num_requests_running`, `vllm:num_requests_waiting`,
+vllm/v1/metrics/loggers.py), running counted from the requests in flight.
 
 Shapes are those of vLLM's protocol models, vllm/entrypoints/openai/protocol.py (vllm-project/vllm at
 ec3b890c14b00f6670515d9df8d503b5270e95ca): `ChatCompletionResponse` / `ChatCompletionStreamResponse`
@@ -288,6 +290,12 @@ def serving_app(state: ServingState) -> FastAPI:
     """The OpenAI surface alone, for tests and benchmarks that need no sleep or wake."""
     app = FastAPI()
     app.include_router(openai_router(state))
+
+    @app.get("/metrics")
+    async def metrics() -> Response:  # the scheduler gauges of vllm/v1/metrics/loggers.py
+        running = f'vllm:num_requests_running{{model_name="{state.models[0]}"}} {float(state.in_flight)}\n'
+        return Response(running + f'vllm:num_requests_waiting{{model_name="{state.models[0]}"}} 0.0\n')
+
     app.state.serving = state
     return app
 

@@ -10,6 +10,7 @@ from clients.gateway.errors import GatewayError
 from clients.gateway.events import SessionEvents
 from clients.gateway.parsing import StreamScanner, parse_request, read_answer
 from clients.gateway.table import RouteTable
+from clients.gateway.warmups import warmup_body
 from planner_service.wire.routes import Directives, RoutesOut
 
 
@@ -215,3 +216,43 @@ def test_a_pooled_connection_closed_under_the_pool_costs_a_fresh_one_not_the_req
 
     bodies, opened = uvloop.run(main())
     assert bodies == [b"ok", b"ok", b"ok"] and opened == 3 and len(requests) == 3
+
+
+def test_a_pinned_session_goes_to_its_pinned_instance_where_no_holder_runs():
+    base = _table(sessions=[("s1", "i2")])
+    pinned = RouteTable(
+        base.routes.model_copy(
+            update={"directives": Directives(decided=True, pins=[{"session": "s3", "instance": "i1", "tokens": 10}])}
+        )
+    )
+    choice = pinned.choose("alpha", "s3")
+    assert choice is not None and choice.instance.id == "i1" and not choice.kv_holder
+    # without the pin s3 hashes to an instance of its own; the pin wins over that in every case
+    assert {pinned.choose("alpha", "s3").instance.id for _ in range(3)} == {"i1"}
+    assert pinned.choose("alpha", "s3", exclude=frozenset({"i1"})).instance.id == "i0"
+    assert pinned.routable("alpha", "i1") is not None and pinned.routable("alpha", "i2") is None  # i2 is asleep
+    assert pinned.routable("beta", "i1") is None
+
+
+def test_a_warmup_body_is_the_history_as_one_token_to_the_predicted_model():
+    body = json.dumps(
+        {
+            "model": "alpha",
+            "messages": [{"role": "user", "content": "x"}],
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "max_completion_tokens": 500,
+            "tool_choice": "required",
+            "tools": [{"type": "function", "function": {"name": "f"}}],
+            "temperature": 0.2,
+        }
+    ).encode()
+    assert json.loads(warmup_body("chat", body, "beta")) == {
+        "model": "beta",
+        "messages": [{"role": "user", "content": "x"}],
+        "tools": [{"type": "function", "function": {"name": "f"}}],
+        "temperature": 0.2,
+        "max_tokens": 1,
+    }
+    text = json.loads(warmup_body("completions", b'{"model": "a", "prompt": "p", "n": 3}', "b"))
+    assert text == {"model": "b", "prompt": "p", "max_tokens": 1}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import os
 import signal
@@ -9,6 +10,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +21,13 @@ from planner_service.domain.demo import demo_scenario
 from planner_service.metrics import Metrics
 from planner_service.service.engine import ClusterService
 from planner_service.service.inputs import RequestEvent
-from planner_service.service.solving import PlanRequest, PlanWorker, plan_from
+from planner_service.service.solving import (
+    COMPILED_MODULES,
+    PlanRequest,
+    PlanWorker,
+    frozen_dataclasses,
+    plan_from,
+)
 from planner_service.service.store import SqliteStore
 from planner_service.settings import Settings
 
@@ -206,3 +214,21 @@ def test_a_build_whose_snapshot_does_not_load_plans_here_without_killing_a_worke
         worker.close()
     assert "does not pickle in this build" in caplog.text and "died" not in caplog.text
     service.close()
+
+
+def test_the_compiled_modules_frozen_dataclasses_cross_by_their_constructor(tmp_path: Path) -> None:
+    """The deployed build compiles setup.py's COMPILED modules with mypyc, whose frozen dataclasses refuse the
+    attribute writes pickle restores an object with: each crosses by its constructor instead, in every build
+    (tests/deploy/test_compiled_build.py sends the compiled ones across)."""
+    setup = (Path(__file__).resolve().parents[2] / "setup.py").read_text()
+    (compiled,) = [
+        ast.literal_eval(node.value)
+        for node in ast.parse(setup).body
+        if isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == ["COMPILED"]
+    ]
+    assert [m.__name__ for m in COMPILED_MODULES] == [p[:-3].replace("/", ".") for p in compiled]
+    classes = frozen_dataclasses()
+    assert len(classes) >= 10
+    assert all(cls in ForkingPickler._extra_reducers for cls in classes)  # type: ignore[attr-defined]
+    request = request_of(busy_demo(tmp_path / "p.db"))
+    assert ForkingPickler.loads(ForkingPickler.dumps(request)) == request

@@ -16,6 +16,7 @@ from planner_service.sim.policies import create_policy
 from planner_service.sim.policies.groups import operator_partition
 from planner_service.sim.policies.static_tuned import StaticTunedPolicy, tune_static
 from planner_service.sim.policies.swap_ttl import SwapTtlPolicy
+from planner_service.sim.trace import TraceRequest
 
 
 def switches(policy, gpu_bytes: int) -> tuple[list[float], dict[str, int]]:
@@ -96,7 +97,7 @@ def test_static_tuned_searches_the_whole_small_space() -> None:
     tuned = tune_static(tiny_scenario(10 * GB), [tiny_trace()], budget=20)
     assert (tuned.space_size, tuned.replays, tuned.pruned, tuned.exhaustive) == (4, 4, 0, True)
     assert sorted(tuned.partition) == ["a", "b"]
-    assert tuned.best_score == pytest.approx((1.0, 2.0))
+    assert tuned.best_score == pytest.approx((0.0, 1.0, 2.0))
     latencies, transitions = switches(StaticTunedPolicy(tuned.partition), 10 * GB)
     assert latencies == pytest.approx([0.0, 1.0, 1.0], abs=1e-3) and transitions == {}
 
@@ -110,6 +111,23 @@ def test_static_tuned_prunes_what_does_not_fit_and_serves_the_rest_on_demand() -
     assert tuned.partition == {}
     latencies, _ = switches(StaticTunedPolicy(tuned.partition), 6 * GB)
     assert latencies == pytest.approx([38.0, 39.0, 5.101], abs=1e-3)
+
+
+def test_static_tuned_ranks_a_partition_that_fails_requests_below_every_one_that_fails_none() -> None:
+    """Room for both (10 GB), a first turn on a with 2.5 M tokens of context (2.5 GB of KV): both fixed
+    leaves 2 GB beside the weights, so that turn times out (the client's 600 s) though every later hand-off
+    would be fastest; a fixed with b on demand (or the reverse, or both on demand) leaves 6 GB and serves
+    it. The search ranks failed requests first."""
+    trace = [
+        TraceRequest(t=0.0, session="s1", model="a", input_tokens=2_500_000, output_tokens=0),
+        TraceRequest(t=10.0, session="s2", model="a", input_tokens=1000, output_tokens=0),
+        TraceRequest(t=20.0, session="s2", model="b", input_tokens=1000, output_tokens=0),
+    ]
+    tuned = tune_static(tiny_scenario(10 * GB), [trace], budget=20)
+    assert tuned.exhaustive and tuned.replays == 4 and tuned.failed == 0
+    both = [score for score, choice in tuned.scores if len(choice) == 2]
+    assert len(both) == 1 and both[0][0] == 1.0  # both fixed: one failed request
+    assert tuned.best_score[0] == 0.0 and len(tuned.partition) < 2
 
 
 def test_static_tuned_respects_its_replay_budget() -> None:

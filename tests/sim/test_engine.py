@@ -9,10 +9,12 @@ import pytest
 
 from planner_service.domain.demo import demo_scenario
 from planner_service.domain.scenario import Scenario, parse_scenario
-from planner_service.sim.engine import SimulationError, simulate
+from planner_service.domain.state import Location
+from planner_service.sim.engine import simulate
 from planner_service.sim.metrics import summarize
 from planner_service.sim.policies import create_policy
 from planner_service.sim.report import replay
+from planner_service.sim.state import SWITCH_PARTS
 from planner_service.sim.trace import TraceEnd, TraceRecord, TraceRequest
 
 GB = 10**9
@@ -206,6 +208,10 @@ def check_conservation(scenario: Scenario, policy: str) -> None:
     assert len(result.requests) == len(requests)
     assert all(r.state == "done" and math.isfinite(r.done_at) for r in result.requests)
     assert all(r.done_at >= r.t + r.switch_seconds - 1e-9 and r.switch_seconds >= 0 for r in result.requests)
+    for r in result.requests:  # where each switch latency went: non-negative parts that sum to it
+        assert r.parts is not None and set(r.parts) == set(SWITCH_PARTS)
+        assert min(r.parts.values()) >= -1e-9
+        assert sum(r.parts.values()) == pytest.approx(r.switch_seconds, abs=1e-6)
     assert result.violations == 0  # capacity at every change, bandwidth at every re-rate
     assert result.link_peak_ratio <= 1 + 1e-9
     capacity = sum(g.capacity_bytes for g in scenario_gpus(scenario))
@@ -242,10 +248,57 @@ def test_replay_is_deterministic() -> None:
     assert first == second
 
 
-def test_a_request_that_can_never_fit_is_reported() -> None:
-    records = [TraceRequest(t=0.0, session="s1", model="a", input_tokens=10_000_000, output_tokens=0)]
-    with pytest.raises(SimulationError, match="never finished"):
-        simulate(tiny_scenario(), records, create_policy("lru"))
+def test_a_request_no_engine_can_hold_fails_after_the_timeout_and_its_session_goes_on() -> None:
+    """s1's first turn needs 10 TB of KV: no GPU ever holds it. `lru` cold-starts a (8 s from NVMe + 30 s),
+    finds the KV stuck and takes a down; s2's b cold-starts meanwhile (38 s, switch 38). At 600 s (the
+    client's timeout) s1's turn fails: its whole wait is placement or cold start, never served. Its next turn
+    (due at 100 s, after the answer) arrives then with an unchanged (empty) history and wakes a from its
+    level-1 sleep: 4 s from host DRAM + 0.1 s, TTFT + 1,000 tokens x 1 ms. The replay ends at 605.1 s."""
+    records = [
+        TraceRequest(t=0.0, session="s1", model="a", input_tokens=10_000_000, output_tokens=0),
+        TraceRequest(t=100.0, session="s1", model="a", input_tokens=1000, output_tokens=0),
+        TraceRequest(t=10.0, session="s2", model="b", input_tokens=1000, output_tokens=0),
+    ]
+    result = simulate(tiny_scenario(), records, create_policy("lru"))
+    lost, later, other = result.requests[0], result.requests[2], result.requests[1]
+    assert (lost.state, lost.failed_at) == ("failed", 600.0) and math.isnan(lost.switch_seconds)
+    assert lost.parts == pytest.approx({"placement": 562.0, "cold_start": 38.0, "wake": 0.0, "queue": 0.0})
+    assert (later.state, later.admitted_at, later.history_tokens) == ("done", 600.0, 0)
+    assert (later.switch_seconds, later.ttft_seconds) == pytest.approx((4.1, 5.1))
+    assert later.parts is not None and later.parts["wake"] == pytest.approx(4.1)
+    assert (other.state, other.switch_seconds) == ("done", pytest.approx(38.0))
+    assert result.duration_seconds == pytest.approx(605.1)
+    summary = summarize(result)
+    assert summary["failed_requests"] == {"all": 1, "handoff": 0}
+    assert summary["requests"] == 3 and summary["switch_latency_seconds"]["all"]["p50"] == pytest.approx(21.05)
+
+
+def test_a_timeout_moves_no_clock_and_takes_a_bound() -> None:
+    """A request served in time leaves its timer behind without effect: the replay ends at its answer (38 s
+    cold start + 1 s), not at the timer's 600 s. The timeout must be positive."""
+    records = [TraceRequest(t=0.0, session="s1", model="a", input_tokens=1000, output_tokens=0)]
+    result = simulate(tiny_scenario(), records, create_policy("lru"))
+    assert result.duration_seconds == pytest.approx(39.0)
+    short = simulate(tiny_scenario(), records, create_policy("lru"), request_timeout_seconds=10.0)
+    assert short.requests[0].state == "failed" and short.requests[0].failed_at == pytest.approx(10.0)
+    with pytest.raises(ValueError, match="request_timeout_seconds"):
+        simulate(tiny_scenario(), records, create_policy("lru"), request_timeout_seconds=0.0)
+
+
+def test_a_hand_off_s_switch_latency_splits_into_its_parts() -> None:
+    """Room for both (10 GB): a cold-starts (38 s); the hand-off to b at 100 s cold-starts b (8 s from NVMe +
+    30 s) and re-prefills the 1,000-token history b never saw (1 s): 39 s = 38 cold start + 1 re-prefill."""
+    records = [
+        TraceRequest(t=0.0, session="s1", model="a", input_tokens=1000, output_tokens=0),
+        TraceRequest(t=100.0, session="s1", model="b", input_tokens=1000, output_tokens=0),
+    ]
+    result = simulate(tiny_scenario(), records, create_policy("lru"))
+    first, handoff = result.requests
+    assert first.parts == pytest.approx({**dict.fromkeys(SWITCH_PARTS, 0.0), "cold_start": 38.0})
+    assert handoff.handoff and handoff.switch_seconds == pytest.approx(39.0)
+    assert handoff.parts == pytest.approx({**dict.fromkeys(SWITCH_PARTS, 0.0), "cold_start": 38.0, "reprefill": 1.0})
+    parts = summarize(result)["handoff_switch_parts"]
+    assert parts["mean"]["cold_start"] == pytest.approx(38.0) and parts["tail_count"] == 1
 
 
 def test_a_session_runs_in_a_closed_loop() -> None:
@@ -318,3 +371,48 @@ def test_the_report_parts_a_hand_off_s_wait_for_its_cards_from_its_switch_latenc
     waits = summarize(result)["handoff_prefill_wait_seconds"]
     assert waits["wait"]["mean"] == pytest.approx(3.0)
     assert waits["switch_latency_without_wait"]["p95"] == pytest.approx(0.0)
+
+
+def two_gpu_scenario() -> Scenario:
+    """`tiny_scenario` with a second 10 GB GPU beside the first on the node (PCIe 1 GB/s each, NVMe 0.5 GB/s)."""
+    data = tiny_scenario().model_dump(mode="json")
+    node = data["cluster"]["nodes"][0]
+    node["gpus"].append({**node["gpus"][0], "id": "g1"})
+    return parse_scenario(data)
+
+
+def test_an_on_demand_load_wakes_the_instance_sleeping_on_a_wider_group() -> None:
+    """a's instance sleeps (level 1) on g0 + g1. One GPU would hold a's 4 GB as well, but a start there is a
+    cold start: 8 s from NVMe (0.5 GB/s) + 30 s = 38 s; the wake on both reads 2 GB per GPU over the one NVMe,
+    8 s + 0.1 s. The load wakes it where it sleeps."""
+    from planner_service.domain.engines import EngineState
+    from planner_service.sim.engine import Simulator
+    from planner_service.sim.instances import SleepingEngine
+
+    sim = Simulator(two_gpu_scenario(), [], create_policy("lru"))
+    book, gpus = sim.engines, tuple(sim.problem.gpus[g] for g in ("g0", "g1"))
+    book.asleep[("a", "n1")] = SleepingEngine(book.instance("n1", "a", "bf16", gpus), "n1", EngineState.ASLEEP_HOST)
+    for g in gpus:
+        sim.cluster.hold("a", Location.gpu(g.id), book.residue_bytes())
+    assert sim.view.choose_group("a") == ("n1", "bf16", gpus)
+    assert book.start_fixed_seconds("n1", "a", "bf16", gpus) == pytest.approx(0.1)
+    assert book.start_fixed_seconds("n1", "a", "bf16", gpus[:1]) == pytest.approx(30.0)
+    assert sim.view.choose_group("b") == ("n1", "bf16", gpus[:1])  # nothing of b sleeps: the fewest GPUs
+
+
+def test_a_wait_is_split_by_the_engine_phases_it_overlaps() -> None:
+    """a's engine: none until 10 s, cold start 10-40 s, up 40-50 s, none again from 50 s (a change back at the
+    same instant as another keeps the later one). A wait from 5 s to 60 s: 5 + 10 s placement, 30 s cold start,
+    10 s queue; the parts sum to the 55 s."""
+    from planner_service.sim.engine import Simulator
+
+    sim = Simulator(tiny_scenario(), [], create_policy("lru"))
+    for at, phase in ((10.0, "cold_start"), (40.0, "wake"), (40.0, "ready"), (50.0, "none")):
+        sim.now = at
+        sim.mark_engine("a", phase)
+    assert sim.engine_phases["a"] == ([0.0, 10.0, 40.0, 50.0], ["none", "cold_start", "ready", "none"])
+    parts = sim.waited_parts("a", 5.0, 60.0)
+    assert parts == pytest.approx({"placement": 15.0, "cold_start": 30.0, "wake": 0.0, "queue": 10.0})
+    assert sim.waited_parts("b", 5.0, 60.0) == pytest.approx(
+        {"placement": 55.0, "cold_start": 0.0, "wake": 0.0, "queue": 0.0}
+    )

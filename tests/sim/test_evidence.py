@@ -9,6 +9,7 @@ from typer.testing import CliRunner
 
 from planner_service.cli import app
 from planner_service.sim.seeds import METRICS
+from planner_service.sim.state import SWITCH_PARTS
 
 
 def stored(policies: dict[str, float], saturated: dict[str, int]) -> dict:
@@ -79,3 +80,38 @@ def test_a_load_study_renders_a_load_table_and_each_level(tmp_path: Path) -> Non
     assert "| 5 sessions, gap ×2 | 50.00 ± 1.00 (sat 2/2) | 20.00 ± 1.00 (sat 1/2) |" in page
     assert "### case: 5 sessions, gap ×8" in page and "### case: 5 sessions, gap ×2" in page
     assert page.count("goal reached") == 1 and page.count("No ratio is quoted") == 1
+
+
+def test_failed_requests_and_where_the_hand_off_latency_goes_are_rendered(tmp_path: Path) -> None:
+    data = stored({"statebudget": 5.0, "sleep-router": 10.0}, {"statebudget": 0, "sleep-router": 0})
+    data["metrics"]["sleep-router"]["failed_requests"]["mean"] = 3.0
+    parts = {p: 0.0 for p in SWITCH_PARTS}
+    data["handoff_switch_parts"] = {
+        "statebudget": {"tail": {**parts, "cold_start": 30.0, "reprefill": 2.5}, "mean": {**parts, "reprefill": 1.0}},
+        "sleep-router": {"tail": {**parts, "wake": 0.5, "reprefill": 9.5}, "mean": {**parts, "reprefill": 2.0}},
+    }
+    page = render(tmp_path, data)
+    assert "failed requests |" in page and "| 3.00 ± 1.00 | 0 / 2 |" in page
+    assert "| statebudget | ≥ P95 | 0.00 | 30.00 | 0.00 | 0.00 | 0.00 | 0.00 | 2.50 | 32.50 |" in page
+    assert "| sleep-router | all | 0.00 | 0.00 | 0.00 | 0.00 | 0.00 | 0.00 | 2.00 | 2.00 |" in page
+
+
+def test_a_stored_result_without_the_newer_columns_renders_a_dash(tmp_path: Path) -> None:
+    data = stored({"statebudget": 5.0, "sleep-router": 10.0}, {"statebudget": 0, "sleep-router": 0})
+    for metrics in data["metrics"].values():
+        del metrics["failed_requests"]
+    page = render(tmp_path, data)
+    assert "| — | 0 / 2 |" in page and "Where the hand-off latency goes" not in page
+
+
+def test_findings_are_appended_and_a_missing_file_is_named(tmp_path: Path) -> None:
+    (tmp_path / "case.json").write_text(json.dumps(stored({"statebudget": 5.0}, {"statebudget": 0})))
+    (tmp_path / "findings.md").write_text("## Findings\n\nThe tail is cold starts.\n")
+    out = tmp_path / "evidence.md"
+    args = ["study", "evidence", str(tmp_path / "case.json"), "--out", str(out), "--findings"]
+    result = CliRunner().invoke(app, [*args, str(tmp_path / "findings.md")])
+    assert result.exit_code == 0, result.output
+    page = out.read_text()
+    assert page.index("## case") < page.index("## Findings") and page.endswith("The tail is cold starts.\n")
+    missing = CliRunner().invoke(app, [*args, str(tmp_path / "nope.md")])
+    assert missing.exit_code == 2 and "--findings" in missing.output

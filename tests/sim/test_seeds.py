@@ -50,6 +50,13 @@ def test_a_study_reports_every_policy_on_every_seed() -> None:
     assert study.tuning is not None and study.tuning.replays <= 2
     data = study.to_json()
     assert data["train_seeds"] == [9] and data["static_tuned_search"]["space_size"] >= 1
+    # failed requests are a metric; where the hand-offs' latency went is kept per policy, averaged over seeds
+    assert data["metrics"]["sleep-router"]["failed_requests"]["n"] == 2
+    for name in study.policies:
+        parts = data["handoff_switch_parts"][name]
+        for which in ("mean", "tail"):
+            seeds = [r["handoff_switch_parts"][which] for r in data["runs"][name]]
+            assert parts[which] == pytest.approx({k: sum(s[k] for s in seeds) / 2 for k in parts[which]}, abs=1e-5)
 
 
 def test_the_cli_names_the_field_of_bad_seeds() -> None:

@@ -8,9 +8,10 @@ materialised by giving each model (largest weights first) the `k` GPUs of its no
 left; it is pruned when a GPU's weights would leave less than `KV_HEADROOM` of it for KV, so every
 engine of a candidate is up at once and never moves, or when a model it serves on demand fits beside
 them nowhere; a candidate whose training replay cannot finish is infeasible. Candidates are scored by replaying training
-traces (seeds kept apart from the reported ones) under this policy; the score is the mean over the
-training traces of the hand-off switch P95 (all requests' where a trace has no hand-off), then the
-completion P95. The search is exhaustive where the pruned space fits the replay budget, otherwise the
+traces (seeds kept apart from the reported ones) under this policy; the score is, as means over the
+training traces, first the failed requests (a request no engine of the partition can hold times out,
+`engine.REQUEST_TIMEOUT_SECONDS`: an operator would not keep a partition that drops requests), then
+the hand-off switch P95 (all requests' where a trace has no hand-off), then the completion P95. The search is exhaustive where the pruned space fits the replay budget, otherwise the
 operator partition (`groups.operator_partition`, where it fits at once) and then uniform samples of the
 space, up to `budget` replays. `TuneResult` says the space's size, how many candidates were pruned and
 how many replays were run.
@@ -143,9 +144,9 @@ class TuneResult:
     candidates_scored: int
     pruned: int  # candidates drawn that did not fit
     exhaustive: bool
-    failed: int  # candidates whose training replay could not finish (a request waited forever)
-    best_score: tuple[float, float]
-    scores: list[tuple[tuple[float, float], dict[str, str]]] = field(default_factory=list)
+    failed: int  # candidates whose training replay could not finish
+    best_score: tuple[float, float, float]  # failed requests, hand-off P95 s, completion P95 s
+    scores: list[tuple[tuple[float, float, float], dict[str, str]]] = field(default_factory=list)
 
     def to_json(self) -> dict:
         return {
@@ -159,7 +160,11 @@ class TuneResult:
             "pruned": self.pruned,
             "exhaustive": self.exhaustive,
             "failed": self.failed,
-            "best_score": {"handoff_p95_seconds": self.best_score[0], "completion_p95_seconds": self.best_score[1]},
+            "best_score": {
+                "failed_requests": self.best_score[0],
+                "handoff_p95_seconds": self.best_score[1],
+                "completion_p95_seconds": self.best_score[2],
+            },
         }
 
 
@@ -196,10 +201,10 @@ def tune_static(
     space = math.prod(len(o) for o in options.values())
     rng = np.random.default_rng(seed)
     seen: set[tuple] = set()
-    best: tuple[tuple[float, float], dict[str, FixedEngine]] | None = None
+    best: tuple[tuple[float, float, float], dict[str, FixedEngine]] | None = None
     replays = pruned = scored = draws = failed = 0
     exhaustive = False
-    scores: list[tuple[tuple[float, float], dict[str, str]]] = []
+    scores: list[tuple[tuple[float, float, float], dict[str, str]]] = []
     for choice, whole_space in _candidates(problem, options, budget // len(training), rng):
         exhaustive = whole_space
         draws += 1
@@ -213,7 +218,7 @@ def tune_static(
         if partition is None:
             pruned += 1
             continue
-        handoff, done = [], []
+        lost, handoff, done = [], [], []
         for records in training:
             replays += 1
             try:
@@ -221,12 +226,13 @@ def tune_static(
             except SimulationError:
                 break  # the partition cannot serve this trace: infeasible
             switch = summary["switch_latency_seconds"]
+            lost.append(summary["failed_requests"]["all"])
             handoff.append(switch["handoff"]["p95"] if summary.get("handoffs") else switch["all"]["p95"])
             done.append(summary["completion_seconds"]["p95"])
         if len(handoff) < len(training):
             failed += 1
             continue
-        score = (float(np.mean(handoff)), float(np.mean(done)))
+        score = (float(np.mean(lost)), float(np.mean(handoff)), float(np.mean(done)))
         scored += 1
         scores.append((score, {m: f"{e.node}/tp{len(e.gpus)}/{e.precision}" for m, e in partition.items()}))
         if best is None or score < best[0]:

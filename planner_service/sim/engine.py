@@ -17,8 +17,10 @@ What is modelled (the same cost model as the planner, `planner/costs.py`):
   cold start (`cold_start_fixed_seconds` after the copy, 30 s by default:
   perf_anchors.md section 1) or a wake of the instance sleeping there
   (level 1 from its host backup, level 2 reloading from disk); taking it
-  off is a sleep (its GPU KV freed, its CUDA context left on the group) or,
-  where its kind cannot sleep, a stop. A sleeping engine's residue gives
+  off is a sleep (its GPU KV freed, its CUDA context left on the group: the
+  one call frees its weights and GPU experts on every GPU of the group, so
+  the context it held while it ran keeps its room where a plan drops the
+  shards one by one) or, where its kind cannot sleep, a stop. A sleeping engine's residue gives
   way to loads (the engine stops) unless it is adopted. On `vllm` and
   `sglang` a MoE's GPU expert share is fixed while the instance runs.
 * **Compute**: prefill is compute-bound (`costs.prefill_seconds_per_token`

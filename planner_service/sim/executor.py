@@ -295,6 +295,8 @@ class Executor:
                     if obj not in self.sim.running_kv:  # the sleep frees the KV pool
                         c.remove(obj, loc)
                         self.sim.gpu_tokens[obj] = 0
+                if c.free(loc) < residue:
+                    self._sleep_frees(model_id, weights, loc, residue)
             if all(c.free(loc) >= residue for loc in locs):
                 for loc in locs:
                     c.hold(model_id, loc, residue)
@@ -303,6 +305,18 @@ class Executor:
                 self.transitions[level.value] += 1
                 return
         self.transitions["stop"] += 1
+
+    def _sleep_frees(self, model_id: str, weights: StateObject, loc: Location, residue: int) -> None:
+        """The engine's sleep call frees its weights and GPU experts on every GPU of its group with its KV
+        (level 1 to its host backup, level 2 discarded), keeping the CUDA context it held while it ran: where
+        the context's room is taken, the bytes of them still on the GPU (the plan drops a group's shards one
+        by one) leave at once. None that a copy reads, nor the last complete copy on the node."""
+        c, node = self.cluster, self.problem.node_of(loc)
+        for obj in (StateObject.experts(model_id), weights):
+            if c.free(loc) >= residue:
+                return
+            if c.bytes_of(obj, loc) and not c.reading(obj, loc) and c.complete_below(obj, node) is not None:
+                c.remove(obj, loc)
 
     def adopted_asleep(self) -> None:
         """Set-up: an adopted engine on fixed GPUs that no placement put there runs already (its owner started

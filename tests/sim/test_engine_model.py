@@ -133,3 +133,30 @@ def test_a_launch_fixed_expert_share_leaves_the_waiting_requests_kv_room(kind: s
     # vllm: 10 - 2 of weights - 3 of KV = 5 GB of experts, which stay while the engine runs; local: the
     # 7 GB fill gives way to the KV (experts are a cache there)
     assert experts == (5 * GB if kind == "vllm" else 0)
+
+
+def test_a_sleep_keeps_its_context_in_the_room_its_own_weights_leave() -> None:
+    """a's engine serves on g0 + g1 (2 GB of weights on each); other engines hold 7.6 GB of g1 beside it, so
+    0.4 GB is free there, less than the CUDA context (1 GiB) a sleeping engine keeps. A plan drops a's shard on
+    g0 first: the sleep that takes the engine down is one call for its group and frees its shard on g1 with
+    it, so the context (on the GPU all the while the engine ran) stays and the engine sleeps, never stops."""
+    from planner_service.planner.operations import Action, Operation
+    from tests.sim.test_engine import two_gpu_scenario
+
+    sim = Simulator(
+        with_engines(two_gpu_scenario(), kind="vllm", features=["sleep_mode", "dev_mode"]), [], create_policy("lru")
+    )
+    gpus = tuple(sim.problem.gpus[g] for g in ("g0", "g1"))
+    g0, g1 = Location.gpu("g0"), Location.gpu("g1")
+    weights = StateObject.weights("a", "bf16")
+    sim.executor.place_now("a", "n1", "bf16", gpus)
+    sim.cluster.hold("b", g1, int(7.6 * GB))
+    assert sim.cluster.free(g1) < sim.engines.residue_bytes()
+    drop = Operation("op-1", Action.DROP, weights, g0, None, 2 * GB, False, node="n1")
+    assert sim.executor.apply(drop, lambda op, transfer: None) == "done"
+    assert sim.engines.asleep[("a", "n1")].state is EngineState.ASLEEP_DISCARDED  # no host copy: level 2
+    assert sim.executor.transitions["stop"] == 0
+    assert sim.cluster.bytes_of(weights, g1) == 0
+    assert sim.cluster.violations == 0
+    for loc in (g0, g1):
+        assert sim.cluster.free(loc) >= 0

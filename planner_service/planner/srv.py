@@ -73,7 +73,7 @@ def srv_rows(problem: Problem, placement: Mapping[tuple[StateObject, Location], 
             weight_fraction[(obj.model, tier)] = max(weight_fraction[(obj.model, tier)], share)
         elif obj.kind is Kind.KV and obj.session in problem.sessions:
             kv_full[(obj.model, tier)] += problem.size_of(obj)
-    for (model, _), beyond in _beyond_pools(problem, placement).items():
+    for (model, _), beyond in kv_beyond_pools(problem, placement).items():
         total_bytes[(model, Kind.KV, Tier.GPU)] -= beyond
     rows = []
     for (model, kind, tier), nbytes in sorted(total_bytes.items()):
@@ -91,7 +91,7 @@ def srv_rows(problem: Problem, placement: Mapping[tuple[StateObject, Location], 
     return tuple(rows)
 
 
-def _beyond_pools(
+def kv_beyond_pools(
     problem: Problem, placement: Mapping[tuple[StateObject, Location], int]
 ) -> dict[tuple[str, str], int]:
     """(model, GPU) -> the KV bytes the placement puts on a GPU of a running engine beyond that engine's pool."""

@@ -322,7 +322,11 @@ class Admin:
                         calibration.Link("nodes", node_id, field), getattr(body, field), None, batch, heard
                     )
             reconciled = self.confirmed.reconcile(node_id, body, now, batch)
+            pools = self.live.engine_pools()
             self.live.put_node_record(node_id, self.live.node_record(node_id).heard(body, iso(now), reconciled), batch)
+            if self.live.engine_pools() != pools:  # the SRV counts no GPU KV beyond a running engine's pool
+                batch.placement.update(self.live.publish_srv())
+                batch.meta["srv"] = self.live.stored_srv()
             self.live.write(batch)
             return {
                 "node": node_id,

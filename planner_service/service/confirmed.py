@@ -14,6 +14,7 @@ from planner_service.domain.state import (
     Tier,
 )
 from planner_service.planner.operations import Operation, apply_operation
+from planner_service.planner.srv import kv_beyond_pools
 from planner_service.service import calibration, reconcile
 from planner_service.service.inputs import HeartbeatIn
 from planner_service.service.live import (
@@ -120,7 +121,9 @@ class Confirmed:
             log.warning("%s: %s taken out of the confirmed state (%s)", node_id, g.key(), g.why)
         # measured against the corrected placement: what the engines explained is not missing
         capacity = {g: p.capacity_of(Location.gpu(g)) for g in p.nodes[node_id].gpus}
-        short = reconcile.shortfalls(self.live.placement, body.gpus, capacity, leaving)
+        short = reconcile.shortfalls(
+            self.live.placement, body.gpus, capacity, leaving, self._beyond_pools(node_id, body)
+        )
         lost = [s for s in short if s.gpu in pending.gpus]
         known_lost = {s.gpu for s in before.lost} if before is not None else set()
         newly_lost = [s for s in lost if s.gpu not in known_lost]
@@ -152,6 +155,23 @@ class Confirmed:
         if corrected or newly_lost:
             self.live.wake(force=True)
         return status
+
+    def _beyond_pools(self, node_id: str, body: HeartbeatIn) -> dict[str, int]:
+        """GPU -> the KV bytes the confirmed placement holds on it beyond the pools the heartbeat's running
+        engines report: the engine's LRU evicted them, no state the node lost (planner/srv.py counts them out
+        of the SRV alike)."""
+        pools = self.live.reported_pools(node_id, body.instances)
+        if not pools:
+            return {}
+        p = self.live.sizes
+        assert p is not None
+        others = {key: pool for key, pool in self.live.engine_pools().items() if key[0] != node_id}
+        beyond: dict[str, int] = defaultdict(int)
+        problem = dataclasses.replace(p, engine_pools={**others, **pools})
+        for (_, gpu_id), nbytes in kv_beyond_pools(problem, self.live.placement).items():
+            if gpu_id in p.nodes[node_id].gpus:
+                beyond[gpu_id] += nbytes
+        return beyond
 
     def repair_placement(self) -> None:
         """Bring a stored placement that breaks a physical invariant back within them, so that a start never

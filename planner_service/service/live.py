@@ -9,6 +9,7 @@ import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from datetime import UTC, datetime
+from types import MappingProxyType
 from typing import Any
 
 from planner_service.domain.problem import Problem, Session, compile_problem, with_state
@@ -33,12 +34,14 @@ from planner_service.planner.srv import srv_rows
 from planner_service.service.backoff import FailedMoves
 from planner_service.service.calibration import Calibration
 from planner_service.service.errors import NotFound, NotReady, ServiceError
+from planner_service.service.inputs import EngineInstanceStateIn
 from planner_service.service.nodes import NodeRecord, nodes_to_json
 from planner_service.service.published import InstalledPlan, PublishedSrv
 from planner_service.service.records import FINAL_STATES, OpenOps, OpRecord, OpState, Quarantined, SessionState
 from planner_service.service.state_lock import StateLock, Urgency
 from planner_service.service.store import FINAL_KEEP, Batch, Store
 from planner_service.settings import Settings
+from planner_service.wire.enums import EngineState
 
 log = logging.getLogger(__name__)
 
@@ -80,10 +83,13 @@ class LiveState:
     scenario: Scenario  # what `catalog` was compiled from (its sessions and residency empty)
     sessions: tuple[Session, ...]
     residency: Placement
+    # (node, model) -> the KV pool per GPU its running engine reports (`LiveSession.engine_pools`)
+    engine_pools: Mapping[tuple[str, str], int] = dataclasses.field(default_factory=dict)
 
     def problem(self, next_model: Mapping[str, Mapping[str, float]]) -> Problem:
         """Raises `ScenarioError` when the residency overfills a location."""
-        return with_state(self.catalog, self.sessions, self.residency, next_model)
+        problem = with_state(self.catalog, self.sessions, self.residency, next_model)
+        return dataclasses.replace(problem, engine_pools=self.engine_pools) if self.engine_pools else problem
 
     def full_scenario(self) -> Scenario:
         """The typed scenario with the sessions and the residency: what a what-if edits."""
@@ -354,7 +360,30 @@ class Live:
             if obj.model in self.catalog.models and (obj.kind is not Kind.KV or obj.session in included)
         }
         assert self.calibrated is not None
-        return LiveState(self.catalog, self.calibrated, tuple(sessions), kept)
+        return LiveState(self.catalog, self.calibrated, tuple(sessions), kept, self.engine_pools())
+
+    def engine_pools(self) -> dict[tuple[str, str], int]:
+        """(node, model) -> the KV pool per GPU of each running engine instance the nodes' last heartbeats
+        report (`instances[].instance.kv_pool_bytes_per_gpu`), of the models the catalog knows. A pool of 0
+        is one the agent does not know (an engine it did not launch with a pool): no engine serves from an
+        empty pool (vLLM and SGLang refuse to start), so the planner derives that one
+        (engine_plan.launched_pools)."""
+        pools: dict[tuple[str, str], int] = {}
+        for node_id, record in self.node_records.items():
+            if record.telemetry is not None:
+                pools.update(self.reported_pools(node_id, record.telemetry.instances))
+        return pools
+
+    def reported_pools(self, node_id: str, instances: Iterable[EngineInstanceStateIn]) -> dict[tuple[str, str], int]:
+        """`engine_pools` of one heartbeat's instances."""
+        known = self.catalog.models if self.catalog is not None else {}
+        return {
+            (node_id, entry.instance.model): entry.instance.kv_pool_bytes_per_gpu
+            for entry in instances
+            if entry.state is EngineState.RUNNING
+            and entry.instance.kv_pool_bytes_per_gpu > 0
+            and entry.instance.model in known
+        }
 
     def problem(self, residency: Placement, next_model: Mapping[str, Mapping[str, float]]) -> Problem:
         """The live problem holding `residency`; raises `ScenarioError` when it overfills a location."""
@@ -397,6 +426,9 @@ class Live:
             assert self.catalog is not None
             self.sizes = with_state(self.catalog, self.planned_sessions(self.placement), {}, {})
             self._sessions_key = key
+        pools = self.engine_pools()
+        if pools != self.sizes.engine_pools:  # the SRV counts no GPU KV beyond a reported pool (planner/srv.py)
+            self.sizes = dataclasses.replace(self.sizes, engine_pools=MappingProxyType(pools))
 
     def publish_srv(self, touched: Iterable[tuple[StateObject, Location]] | None = None) -> Placement:
         """Publish the SRV of the confirmed placement; `version` moves exactly when what it publishes does.

@@ -85,18 +85,21 @@ def shortfalls(
     gpus: Sequence[GpuTelemetryIn],
     capacity: Mapping[str, int],
     leaving: Mapping[str, int] | None = None,
+    beyond_pools: Mapping[str, int] | None = None,
 ) -> list[Shortfall]:
     """The reported GPUs whose measured `used_bytes` is below the confirmed bytes by more than the tolerance
     (`LOST_TOLERANCE_FRACTION` of the GPU's `capacity`) plus what operations in flight are taking off the GPU
     (`leaving`: an engine frees them before its report lands); a GPU reported without `used_bytes` is not
-    judged."""
+    judged. The confirmed bytes count no KV beyond a running engine's reported pool (`beyond_pools`: the
+    engine holds none there)."""
     held = gpu_bytes(placement)
     leaving = leaving or {}
+    beyond_pools = beyond_pools or {}
     found = []
     for g in gpus:
         if g.used_bytes is None or g.id not in capacity:
             continue
-        confirmed = held.get(g.id, 0)
+        confirmed = held.get(g.id, 0) - beyond_pools.get(g.id, 0)
         if confirmed - g.used_bytes > LOST_TOLERANCE_FRACTION * capacity[g.id] + leaving.get(g.id, 0):
             found.append(Shortfall(g.id, confirmed, g.used_bytes))
     return found

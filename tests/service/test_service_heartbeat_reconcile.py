@@ -48,7 +48,15 @@ def metric(svc: ClusterService, name: str, **labels: str) -> float:
     return value or 0.0
 
 
-def instance(state: EngineState, *, model: str = "coder", precision: str = "bf16", node_id: str = "n2", gpus=None):
+def instance(
+    state: EngineState,
+    *,
+    model: str = "coder",
+    precision: str = "bf16",
+    node_id: str = "n2",
+    gpus=None,
+    pool: int = 4 << 30,
+):
     gpus = list(gpus or ["n2-g0", "n2-g1"])
     return EngineInstanceStateIn(
         instance=EngineInstanceIn(
@@ -58,7 +66,7 @@ def instance(state: EngineState, *, model: str = "coder", precision: str = "bf16
             model=model,
             precision=precision,
             gpus=gpus,
-            kv_pool_bytes_per_gpu=4 << 30,
+            kv_pool_bytes_per_gpu=pool,
         ),
         state=state,
     )
@@ -160,6 +168,41 @@ def test_a_running_engine_or_another_precision_changes_nothing(demo: ClusterServ
     assert demo.srv_view()["placement"] == before["placement"]
     assert demo.srv_view()["version"] == before["version"]
     assert node(demo, "n2")["reconcile"]["corrected"] == []
+
+
+def test_the_srv_counts_no_gpu_kv_beyond_the_pool_a_running_engine_reports(demo: ClusterService) -> None:
+    """n2's coder engine holds s01's KV, 3,145,728,000 bytes on each of its GPUs. Its heartbeat reports a pool of
+    512 MiB per GPU: the engine cannot hold more there (its LRU evicted the rest), so the SRV counts 1 GiB of
+    coder's KV on GPU, the planner's problem keeps the KV within that pool, the GPUs measured at the weights
+    and the pool have lost no state, and the confirmed placement, which operations reported, stays. A pool of
+    0 (one the agent does not know) caps nothing: the same measurement is then state lost."""
+    pool, kv = 512 << 20, 3_145_728_000
+
+    def gpu_kv() -> int:
+        rows = demo.srv_view()["srv"]
+        return next(r["bytes"] for r in rows if (r["model"], r["state"], r["tier"]) == ("coder", "kv", "gpu"))
+
+    def beat(pool: int) -> HeartbeatIn:
+        used = [GpuTelemetryIn(id=g, used_bytes=gpu(demo, g)["used_bytes"] - kv + pool) for g in ("n2-g0", "n2-g1")]
+        assert kv - pool > LOST_TOLERANCE_FRACTION * gpu(demo, "n2-g0")["capacity_bytes"]
+        return HeartbeatIn(gpus=used, instances=[instance(EngineState.RUNNING, pool=pool)])
+
+    assert gpu_kv() == 2 * kv
+    before = demo.srv_view()
+    for _ in range(2):
+        demo.heartbeat("n2", beat(pool))
+    assert gpu_kv() == 2 * pool
+    assert demo.srv_view()["version"] > before["version"]
+    assert demo.srv_view()["placement"] == before["placement"]
+    assert node(demo, "n2")["reconcile"]["lost"] == []
+    assert demo.live.state(demo.live.placement).problem({}).engine_pools == {("n2", "coder"): pool}
+
+    unknown = beat(pool).model_copy(update={"instances": [instance(EngineState.RUNNING, pool=0)]})
+    for _ in range(2):
+        demo.heartbeat("n2", unknown)
+    assert gpu_kv() == 2 * kv
+    assert demo.live.state(demo.live.placement).problem({}).engine_pools == {}
+    assert {s["gpu"] for s in node(demo, "n2")["reconcile"]["lost"]} == {"n2-g0", "n2-g1"}
 
 
 def test_what_an_operation_in_flight_moves_is_left_to_its_report(demo: ClusterService) -> None:

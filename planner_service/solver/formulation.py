@@ -361,9 +361,9 @@ class _Builder:
                     self.gpu_terms[g.id][o.var] += shard
                     self.model_gpu_terms[(model.id, g.id)][o.var] += shard
             if o.launched:
-                # (C11) a launched engine keeps its KV pool and its GPU expert share on each of its GPUs
-                held = sum(o.kv_pool) + sum(o.experts)
-                cost += costs.gpu_hold_cost(held, c)
+                # (C11) a launched engine keeps its KV pool and its GPU expert share on each of its GPUs; the
+                # warm tax is the evaluator's, on the bytes placed: the experts here, the KV on its k below
+                cost += costs.gpu_hold_cost(sum(o.experts), c)
                 for g, pool, experts in zip(o.gpus, o.kv_pool, o.experts, strict=True):
                     self.gpu_terms[g.id][o.var] += pool + experts
                     self.model_gpu_terms[(model.id, g.id)][o.var] += pool + experts
@@ -412,8 +412,7 @@ class _Builder:
             for s, is_active in candidates:
                 nbytes = s.context_tokens * model.kv_bytes_per_token
                 saved = float(without_kv[position[s.id]]) if s.id in position else 0.0
-                # in a launched engine's pool the KV room is paid for by the pool
-                k_cost = (0.0 if o.launched else costs.gpu_hold_cost(nbytes, c)) - saved
+                k_cost = costs.gpu_hold_cost(nbytes, c) - saved
                 if is_active:
                     # (C3) an active request whose KV is not on the serving GPUs waits: the unserved penalty
                     unserved = c.unserved_penalty_seconds * c.slo_weights.of(s.slo)

@@ -100,8 +100,9 @@ Objective (seconds; every coefficient computed by the evaluator's functions)
              (an active one: + w (L_now + V [L_now > t_s] + degraded) - U w)
     y:       warm tax of the chunks - W_m * (decode(0) - decode(f_r)) on the class's group
     u:       move_weight * copy seconds of one MiB from the node's best complete copy
-    x_{m,o}, o ∈ L_m: + warm tax of pool + ex, decode at f = sum ex / experts (not 0);
-             its k carry no warm tax (the pool pays it), z the tax of one MiB
+    x_{m,o}, o ∈ L_m: + warm tax of ex, decode at f = sum ex / experts (not 0); its k
+             carry the warm tax of the KV as any k (the evaluator taxes the bytes placed,
+             not a pool's empty room); z carries none
 
 Where the prices come from
     Every coefficient calls the evaluator's functions (objective.py, costs.py):

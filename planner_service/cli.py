@@ -121,7 +121,12 @@ def plan(
 
 def print_instances(result: Plan) -> None:
     """The engine instances of engine nodes after the plan, and the step that takes each there."""
-    steps = {(op.node, op.object.model): op.engine for op in result.operations if op.engine is not None}
+    # (node, model) -> its steps in plan order (a stop, then a start, where a restart was split)
+    steps: dict[tuple[str, str], dict[str, None]] = {}
+    for op in result.operations:
+        if op.engine is not None:
+            said = f"{op.engine.transition.value} from {op.engine.from_state.value}"
+            steps.setdefault((op.node, op.object.model), {})[said] = None
     table = Table(title="Engine instances after the plan", show_lines=False)
     for col in ("node", "model", "kind", "state", "precision", "gpus", "step"):
         table.add_column(col)
@@ -136,7 +141,7 @@ def print_instances(result: Plan) -> None:
             view.state.value,
             view.precision or "",
             "+".join(view.gpus),
-            "" if step is None else f"{step.transition.value} from {step.from_state.value}",
+            "" if step is None else ", then ".join(step),
         )
     out.print(table)
 

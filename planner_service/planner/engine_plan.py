@@ -45,7 +45,7 @@ from planner_service.domain.engines import (
 from planner_service.domain.problem import Problem
 from planner_service.domain.state import Kind, Location, Placement, StateObject, Tier
 from planner_service.planner import engine_costs
-from planner_service.planner.operations import Action, Operation
+from planner_service.planner.operations import Action, Operation, Unpair
 from planner_service.wire.operations import EngineInstanceRef, EngineStep
 
 # the kinds whose engines carry out transitions, not byte moves (`local` moves bytes itself)
@@ -779,6 +779,39 @@ def attach_steps(
             )
             op.estimated_seconds = step_seconds(problem, cached, cached, Transition.READAHEAD)
         # other host moves need no call: a wake or a stop freed the backup, a cached checkpoint is the kernel's
+
+
+def restart_unpairing(
+    problem: Problem, before: Mapping[Key, InstanceView], after: Mapping[Key, InstanceView]
+) -> Unpair:
+    """How `operations.share_step_dependencies` turns a restart that no order makes safe into a stop of the old
+    instance and a start of the new one: what an operator does where two engines trade GPUs (vLLM and SGLang
+    take launch settings only at launch, so a restart is a stop and a start in any case, engines.py). Both
+    halves are offered wherever the restart is (a managed engine: an adopted one is never restarted); they are
+    priced by the engine model as the restart was, stop_fixed + cold start, each on its first move."""
+
+    def unpair(stop: list[Operation], start: list[Operation]) -> bool:
+        step = stop[0].engine
+        if step is None or step.transition is not Transition.RESTART or step.previous is None:
+            return False
+        key = (stop[0].node, step.instance.model)
+        b, a = before[key], after[key]
+        old, new = instance_from_ref(problem, step.previous), instance_from_ref(problem, step.instance)
+        if not (may(old, b.state, Transition.STOP).allowed and may(new, EngineState.STOPPED, Transition.START).allowed):
+            return False
+        stopped = InstanceView(b.node, b.model, b.declared, EngineState.STOPPED, a.precision, ())
+        halves = (
+            (stop, Transition.STOP, step.previous, step.from_state, step_seconds(problem, b, stopped, Transition.STOP)),
+            (start, Transition.START, step.instance, EngineState.STOPPED, step_seconds(problem, stopped, a, Transition.START)),
+        )  # fmt: skip
+        for moves, transition, instance, from_state, seconds in halves:
+            half = EngineStep(transition=transition, instance=instance, from_state=from_state)
+            for k, op in enumerate(moves):
+                op.engine = half
+                op.estimated_seconds = seconds if k == 0 else 0.0
+        return True
+
+    return unpair
 
 
 def attach_derived_steps(

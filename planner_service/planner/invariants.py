@@ -456,6 +456,9 @@ def _engine_steps(problem: Problem, ops: Sequence[Operation], refused: Collectio
         return []
     errors: list[str] = []
     transitions: dict[tuple[str, str], set[Transition]] = defaultdict(set)
+    for op in ops:
+        if op.engine is not None and op.engine.transition is not Transition.READAHEAD:
+            transitions[(op.node, op.object.model)].add(op.engine.transition)
     checked: set[tuple[str, str, Transition, str]] = set()
     for op in ops:
         key = (op.node, op.object.model)
@@ -473,9 +476,9 @@ def _engine_steps(problem: Problem, ops: Sequence[Operation], refused: Collectio
         if step.instance.node != op.node or step.instance.model != op.object.model:
             errors.append(f"engine: {op.id} names instance {step.instance.id} on {step.instance.node}, not its own")
             continue
-        if step.transition is not Transition.READAHEAD:
-            transitions[key].add(step.transition)
         expected = view.state
+        if step.transition is Transition.START and transitions[key] == _STOP_THEN_START:
+            expected = EngineState.STOPPED  # the plan's own stop left it so
         if step.transition is not Transition.READAHEAD and step.from_state is not expected:
             errors.append(
                 f"engine: {op.id} {step.transition.value}s {step.instance.id} from {step.from_state.value}, but it is "
@@ -494,11 +497,46 @@ def _engine_steps(problem: Problem, ops: Sequence[Operation], refused: Collectio
                 f"which it does not offer ({missing}): {verdict.why}"
             )
     for (node, model), seen_transitions in sorted(transitions.items()):
-        if len(seen_transitions) > 1:
+        if seen_transitions == _STOP_THEN_START:
+            errors += _started_after_the_stop(ops, node, model)
+        elif len(seen_transitions) > 1:
             names = ", ".join(sorted(t.value for t in seen_transitions))
             errors.append(
                 f"engine: {model}'s engine on {node} is asked for {names} in one plan: their order would decide its "
                 "state; one transition per instance"
+            )
+    return errors
+
+
+# The one pair of transitions an instance may take in one plan: a restart that no order makes safe as one call
+# is a stop, then a start (operations.share_step_dependencies).
+_STOP_THEN_START = frozenset({Transition.STOP, Transition.START})
+
+
+def _started_after_the_stop(ops: Sequence[Operation], node: str, model: str) -> list[str]:
+    """Every move of the instance's start waits, through `depends_on`, on a move of its stop: the stop's one
+    call has been made before the start's."""
+    by_id = {op.id: op for op in ops}
+    stops = {
+        op.id
+        for op in ops
+        if op.node == node and op.object.model == model and op.engine and op.engine.transition is Transition.STOP
+    }
+    errors = []
+    for op in ops:
+        if op.node != node or op.object.model != model or not op.engine or op.engine.transition is not Transition.START:
+            continue
+        seen: set[str] = set()
+        stack = list(op.depends_on)
+        while stack and not stops & seen:
+            d = stack.pop()
+            if d not in seen and d in by_id:
+                seen.add(d)
+                stack.extend(by_id[d].depends_on)
+        if not stops & seen:
+            errors.append(
+                f"engine: {op.id} starts {op.engine.instance.id}, which the plan also stops, without waiting on the "
+                "stop: the start would find the engine running"
             )
     return errors
 
@@ -518,6 +556,8 @@ def _engine_capacity(
             continue
         key = (op.node, op.object.model)
         state = AFTER[step.transition]
+        if step.transition is Transition.STOP and key in pools:
+            continue  # the stop of a stop, then start: the start's instance is the one after the plan
         gpus = tuple(step.instance.gpus)
         after[key] = engine_plan.InstanceView(
             op.node, key[1], before[key].declared, state, step.instance.precision, gpus

@@ -26,7 +26,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections import defaultdict
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import filterfalse
 from operator import itemgetter
@@ -39,6 +39,7 @@ from planner_service.planner import costs
 from planner_service.planner.residency import UNKNOWN, ResidencyIndex, Serving, copy_placement
 from planner_service.wire.enums import Action as Action  # noqa: PLC0414 -- re-exported: it was defined here
 from planner_service.wire.enums import Priority as Priority  # noqa: PLC0414 -- re-exported: it was defined here
+from planner_service.wire.enums import Transition
 from planner_service.wire.operations import EngineStep
 
 PRIORITY_RANK = {Priority.BLOCKING: 0, Priority.INTERACTIVE: 1, Priority.BACKGROUND: 2, Priority.PREFETCH: 3}
@@ -57,6 +58,7 @@ _WEIGHTS, _EXPERTS, _KV = Kind.WEIGHTS, Kind.EXPERTS, Kind.KV
 _KV_OFFLOAD, _WEIGHTS_OFFLOAD = Capability.KV_OFFLOAD, Capability.WEIGHTS_OFFLOAD
 _PROMOTE, _DEMOTE, _DROP = Action.PROMOTE, Action.DEMOTE, Action.DROP
 _PREFETCH, _BACKGROUND = Priority.PREFETCH, Priority.BACKGROUND
+_RESTART = Transition.RESTART.value
 _KEY = itemgetter(0)  # of a dict item: sorting items by it skips a level of tuple comparison
 
 
@@ -415,17 +417,7 @@ class _Builder:
         return [Location(t, node) for t in (_HOST, _NVME) if self.target.get((obj, Location(t, node)), 0) >= size]
 
     def _inherit_priority(self) -> None:
-        """What an urgent operation waits on is as urgent as it is."""
-        ops, deps = self.ops, self._deps
-        for i in sorted(deps, key=lambda i: (PRIORITY_RANK[ops[i].priority], i)):
-            priority = ops[i].priority
-            rank = PRIORITY_RANK[priority]
-            stack = list(deps[i])
-            while stack:
-                j = stack.pop()
-                if PRIORITY_RANK[ops[j].priority] > rank:
-                    ops[j].priority = priority
-                    stack.extend(deps.get(j, ()))
+        inherit_priority(self.ops, self._deps)
 
     def ordered(self) -> list[Operation]:
         """Kahn's topological order, most urgent first among the ready; ids set to "op-N" in that order."""
@@ -477,6 +469,19 @@ class _Builder:
         return rate
 
 
+def inherit_priority(ops: Sequence[Operation], deps: Mapping[int, Collection[int]]) -> None:
+    """What an urgent operation waits on is as urgent as it is (`deps`: position -> the positions it waits on)."""
+    for i in sorted(deps, key=lambda i: (PRIORITY_RANK[ops[i].priority], i)):
+        priority = ops[i].priority
+        rank = PRIORITY_RANK[priority]
+        stack = list(deps[i])
+        while stack:
+            j = stack.pop()
+            if PRIORITY_RANK[ops[j].priority] > rank:
+                ops[j].priority = priority
+                stack.extend(deps.get(j, ()))
+
+
 def kahn_order(ops: list[Operation], deps: Mapping[int, set[int]], children: Mapping[int, set[int]]) -> list[Operation]:
     """Kahn's topological order of `ops` (`deps`: position -> the positions it waits on; `children`: the
     reverse), most urgent first among the ready; ids set to "op-N" in that order, `depends_on` filled."""
@@ -512,38 +517,123 @@ def kahn_order(ops: list[Operation], deps: Mapping[int, set[int]], children: Map
     return order
 
 
-def share_step_dependencies(ops: list[Operation]) -> list[Operation]:
+# Tags the moves of one restart that free its old instance's GPU bytes as a stop of that instance and the rest
+# as a start of the new one, in place, and prices them; False (nothing changed) where the engine cannot be
+# stopped and started (engine_plan.py).
+Unpair = Callable[[list[Operation], list[Operation]], bool]
+
+
+def share_step_dependencies(ops: list[Operation], unpair: Unpair | None = None) -> list[Operation]:
     """Every move of one engine step waits on what any of them waits on, and `ops` in an order that respects it.
 
     A step is one call for the whole instance, made on the first of its moves an agent runs (the moves of the
     other GPUs of the group find it done): a start on four GPUs whose first GPU must be freed first would
     otherwise run on the move of the second GPU, which waits on nothing, and find the first GPU full. A wait
     is not shared where it would close a circle (the dependency waits on the move itself, as a free that
-    waits on the gain does). `ops` is returned as it is when nothing changes; else in Kahn's order again,
-    ids renumbered."""
+    waits on the gain does).
+
+    Where that leaves a restart with a move that does not wait on all its step waits on, no order makes the
+    one call safe: two engines that trade GPUs each restart onto GPUs the other holds, and whichever call
+    comes first starts on a full GPU. `unpair` turns such a restart into a stop and a start, as an operator
+    would: the stop frees the old GPUs at once and waits on nothing the start waits on, every move of the
+    start waits on every move of the stop, and the waits are shared again from the plan's own (one restart
+    fewer each round).
+
+    `ops` is returned as it is when nothing changes; else in Kahn's order again, ids renumbered."""
+    groups = _step_groups(ops)
+    if not any(len(members) > 1 and any(ops[m].depends_on for m in members) for members in groups.values()):
+        return ops
+    position = {op.id: i for i, op in enumerate(ops)}
+    base: dict[int, set[int]] = {i: {position[d] for d in op.depends_on} for i, op in enumerate(ops) if op.depends_on}
+    unpaired = False
+    while True:
+        deps = {i: set(ds) for i, ds in base.items()}
+        waiting = _reverse(deps)
+        changed, cut = _share(groups, deps, waiting)
+        split = None
+        for key in cut:
+            if key[2] == _RESTART and (split := _unpaired(ops, groups[key], base, unpair)) is not None:
+                break
+        if split is None:
+            break
+        stop, start = split
+        for t in start:
+            base.setdefault(t, set()).update(stop)
+        groups = _step_groups(ops)
+        unpaired = True
+    if not (changed or unpaired):
+        return ops
+    if unpaired:
+        inherit_priority(ops, deps)  # a stop that an urgent start waits on is as urgent
+    return kahn_order(ops, deps, waiting)
+
+
+def _unpaired(
+    ops: list[Operation], members: list[int], base: Mapping[int, set[int]], unpair: Unpair | None
+) -> tuple[list[int], list[int]] | None:
+    """The restart's moves as (stop, start) positions once `unpair` has re-tagged them; None where they do
+    not divide (no free or no gain on the GPUs), where the start's waits on the stop would close a circle,
+    or where the engine cannot be stopped and started."""
+    stop = [m for m in members if _frees_gpu(ops[m])]
+    start = [m for m in members if not _frees_gpu(ops[m])]
+    if not stop or not start or unpair is None:
+        return None
+    waiting = _reverse(base)
+    stops = set(stop)
+    if any(stops & _downstream(waiting, t) for t in start):
+        return None
+    if not unpair([ops[m] for m in stop], [ops[m] for m in start]):
+        return None
+    return stop, start
+
+
+def _frees_gpu(op: Operation) -> bool:
+    return op.source is not None and op.source.tier is _GPU and not op.keep_source
+
+
+def _reverse(deps: Mapping[int, set[int]]) -> dict[int, set[int]]:
+    """op -> the ops that wait on it directly."""
+    waiting: dict[int, set[int]] = defaultdict(set)
+    for i, ds in deps.items():
+        for d in ds:
+            waiting[d].add(i)
+    return waiting
+
+
+def _step_groups(ops: Sequence[Operation]) -> dict[tuple[str, str, str], list[int]]:
+    """(node, instance, transition) -> the positions of the moves of that engine step."""
     groups: dict[tuple[str, str, str], list[int]] = defaultdict(list)
     for i, op in enumerate(ops):
         if op.engine is not None:
             groups[(op.node, op.engine.instance.id, op.engine.transition.value)].append(i)
-    shared = [members for members in groups.values() if len(members) > 1 and any(ops[m].depends_on for m in members)]
-    if not shared:
-        return ops
-    position = {op.id: i for i, op in enumerate(ops)}
-    deps: dict[int, set[int]] = {i: {position[d] for d in op.depends_on} for i, op in enumerate(ops) if op.depends_on}
-    waiting: dict[int, set[int]] = defaultdict(set)  # op -> the ops that wait on it directly
-    for i, ds in deps.items():
-        for d in ds:
-            waiting[d].add(i)
+    return groups
+
+
+def _share(
+    groups: Mapping[tuple[str, str, str], list[int]], deps: dict[int, set[int]], waiting: dict[int, set[int]]
+) -> tuple[bool, list[tuple[str, str, str]]]:
+    """Share each step's waits among its moves, in place: whether any wait was added, and the steps one of
+    whose moves was left without a wait of the step (it would have closed a circle)."""
     changed = False
-    for members in shared:
+    cut: list[tuple[str, str, str]] = []
+    for key, members in groups.items():
+        if len(members) < 2:
+            continue
         union = {d for m in members for d in deps.get(m, ())} - set(members)
+        if not union:
+            continue
+        left_out = False
         for m in members:
             after_m = _downstream(waiting, m)  # waiting on one of these, m would close a circle
-            for d in union - deps.get(m, set()) - after_m:
+            missing = union - deps.get(m, set())
+            left_out = left_out or bool(missing & after_m)
+            for d in missing - after_m:
                 deps.setdefault(m, set()).add(d)
                 waiting[d].add(m)
                 changed = True
-    return kahn_order(ops, deps, waiting) if changed else ops
+        if left_out:
+            cut.append(key)
+    return changed, cut
 
 
 def _downstream(waiting: Mapping[int, set[int]], start: int) -> set[int]:

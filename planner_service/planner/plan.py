@@ -20,6 +20,7 @@ from planner_service.planner.engine_plan import (
     engine_target,
     expert_fractions,
     kv_pools,
+    restart_unpairing,
     unserved_by_engines,
 )
 from planner_service.planner.objective import Demand, Objective, Predicted, evaluate
@@ -100,7 +101,8 @@ def make_plan(
         kv_pools(problem, placement, engines.after),
         expert_fractions(problem, placement, engines.after),
     )
-    operations = share_step_dependencies(operations)  # a step is one call: it waits on all its moves' waits
+    # a step is one call: it waits on all its moves' waits (a restart no order makes safe: a stop, then a start)
+    operations = share_step_dependencies(operations, restart_unpairing(problem, before, engines.after))
     objective, predicted = evaluate(problem, placement, now, then, demand)
     if status is None:
         status = PlanStatus.PARTIAL if unserved else PlanStatus.OK

@@ -53,11 +53,12 @@ def engine_scenarios(draw: st.DrawFn, *, max_gpus: int = 10, max_models: int = 5
 
 
 def _steps_hold_in_some_order(problem: Problem, ops: list[Operation], rng: random.Random, *, fits: bool) -> None:
-    """Run the operations in a random order allowed by `depends_on`: each instance's transition is offered
-    from the state it is in when it runs, and (where the checker finds the plan within capacity: `fits`) GPU
-    bytes plus sleeping engines' contexts stay within capacity at every step. The moves that carry one step
-    happen together, as the engine's one call makes them (a sleep frees the weights and the KV it puts away
-    at once, keeping the context)."""
+    """Run the operations in a random order allowed by `depends_on`: each instance's transition (or its stop,
+    then its start, where a restart no order makes safe was split) is offered from the state it is in when it
+    runs, and (where the checker finds the plan within capacity: `fits`) GPU bytes plus sleeping engines'
+    contexts stay within capacity at every step. The moves that carry one step happen together, as the
+    engine's one call makes them (a sleep frees the weights and the KV it puts away at once, keeping the
+    context)."""
     states = engine_plan.confirmed_states(problem)
     moves_of: dict[tuple[str, str, str, str], list[Operation]] = defaultdict(list)
     for op in ops:
@@ -73,7 +74,7 @@ def _steps_hold_in_some_order(problem: Problem, ops: list[Operation], rng: rando
         for g in view.gpus:
             used[g] += residue[key]
     done: set[str] = set()
-    applied: set[tuple[str, str]] = set()
+    applied: set[tuple[str, str, str, str]] = set()  # the steps made: (node, model, transition, instance)
     waiting = list(ops)
     while waiting:
         ready = [op for op in waiting if all(d in done for d in op.depends_on)]
@@ -82,8 +83,9 @@ def _steps_hold_in_some_order(problem: Problem, ops: list[Operation], rng: rando
         waiting.remove(op)
         step, key = op.engine, (op.node, op.object.model)
         together = [op]
-        if step is not None and step.transition.value != "readahead" and key not in applied:
-            applied.add(key)
+        made = None if step is None else (op.node, key[1], step.transition.value, step.instance.id)
+        if step is not None and made is not None and step.transition.value != "readahead" and made not in applied:
+            applied.add(made)
             view = states[key]
             inst = engine_plan.instance_from_ref(problem, step.previous or step.instance)
             verdict = may(inst, view.state, step.transition)
@@ -98,7 +100,7 @@ def _steps_hold_in_some_order(problem: Problem, ops: list[Operation], rng: rando
             residue[key] = engine_plan.residue_bytes(problem, new)
             for g in new.gpus:
                 used[g] += residue[key]
-            together = moves_of[(op.node, key[1], step.transition.value, step.instance.id)]
+            together = moves_of[made]
         for move in together:
             if move.id in moved:
                 continue

@@ -135,6 +135,108 @@ def test_a_step_is_priced_once_per_instance_by_the_engine_model() -> None:
     assert [op.estimated_seconds for op in start] == [pytest.approx(expected)]
 
 
+def traded_gpus_scenario() -> dict[str, Any]:
+    """Three RTX 3090s (2 GiB reserved each): DeepSeek-V3 (SGLang, fp8) runs on g0, GLM-4.5V (vLLM, bf16) on
+    g1, with one idle GLM-4.5V session. The greedy restarts both onto all three cards: the vision engine's new
+    shard on g0 waits for DeepSeek's old one to leave g0, and DeepSeek's new shard on g1 for the vision
+    engine's to leave g1. Sizes are the catalog's (model_presets.py): 17.1 GB and 14.4 GB of dense weights."""
+    gpus = [{"id": f"n0-g{i}", "type": "rtx-3090", "reserved_bytes": 2 * GIB} for i in range(3)]
+    engines = [{"model": "deepseek", "kind": "sglang"}, {"model": "vision", "kind": "vllm"}]
+    models = [
+        {"id": "deepseek", "preset": "deepseek-v3", "precisions": ["fp8"]},
+        {"id": "vision", "preset": "glm-4.5v", "precisions": ["bf16"]},
+    ]
+    data = scenario(
+        [{**node("n0"), "gpus": gpus, "engines": engines}],
+        models,
+        [session("s0", "vision", slo="blocking", tokens=13_794)],
+    )
+    problem = problem_from_scenario(parse_scenario(data))
+    ds, vis = problem.models["deepseek"], problem.models["vision"]
+    data["residency"] = [
+        held(weights("deepseek", "fp8"), on_nvme("n0"), ds.weights_bytes["fp8"]),
+        held(experts("deepseek"), on_nvme("n0"), ds.experts_bytes),
+        held(weights("vision"), on_nvme("n0"), vis.weights_bytes["bf16"]),
+        held(experts("vision"), on_nvme("n0"), vis.experts_bytes),
+        held(weights("deepseek", "fp8"), on_gpu("n0-g0"), ds.weights_bytes["fp8"]),
+        held(weights("vision"), on_gpu("n0-g1"), vis.weights_bytes["bf16"]),
+    ]
+    return data
+
+
+def steps_of(plan: Plan) -> dict[tuple[str, Transition], list[Operation]]:
+    out: dict[tuple[str, Transition], list[Operation]] = defaultdict(list)
+    for op in plan.operations:
+        if op.engine is not None:
+            out[(op.object.model, op.engine.transition)].append(op)
+    return out
+
+
+def test_engines_that_trade_gpus_stop_and_start_where_a_restart_cannot_be_ordered() -> None:
+    """Each engine's restart waits on the other's old shard leaving: as two calls they cannot both go first.
+    The vision engine stops instead (frees g1, waits on nothing), DeepSeek restarts once it has stopped, and
+    the vision engine starts once DeepSeek has left g0; priced as the restart was, stop_fixed + cold start."""
+    problem, plan = plan_for(traded_gpus_scenario())
+    assert check_plan(problem, plan.placement, plan.operations, plan.unserved) == []
+    steps = steps_of(plan)
+    assert set(steps) == {
+        ("deepseek", Transition.RESTART),
+        ("vision", Transition.STOP),
+        ("vision", Transition.START),
+    }
+    stop, start = steps[("vision", Transition.STOP)], steps[("vision", Transition.START)]
+    restart = steps[("deepseek", Transition.RESTART)]
+    stop_ids = {op.id for op in stop}
+    assert all(not op.depends_on for op in stop)
+    assert all(stop_ids <= set(op.depends_on) for op in restart)
+    off_g0 = {op.id for op in restart if op.source is not None and op.source.id == "n0-g0" and op.dest is None}
+    assert off_g0 and all(stop_ids | off_g0 <= set(op.depends_on) for op in start)
+    # the stop names the old instance from its state now, the start the new one from stopped
+    assert {(op.engine.instance.gpus[0], op.engine.from_state) for op in stop if op.engine} == {
+        ("n0-g1", EngineState.RUNNING)
+    }
+    assert {op.engine.from_state for op in start if op.engine} == {EngineState.STOPPED}
+    before, after = engine_plan.confirmed_states(problem), plan.instances
+    key = ("n0", "vision")
+    as_restart = engine_plan.step_seconds(problem, before[key], after[key], Transition.RESTART)
+    priced = [op.estimated_seconds for op in stop + start if op.estimated_seconds]
+    constants = engine_plan.ENGINE_CONSTANTS
+    assert len(priced) == 2 and priced[0] == pytest.approx(constants.stop_fixed_seconds)
+    assert sum(priced) == pytest.approx(as_restart)
+
+
+def test_the_checker_refuses_a_start_that_does_not_wait_on_its_stop() -> None:
+    """(It waits on the stop through DeepSeek's drop from g0 as well: only without any wait does it not.)"""
+    problem, plan = plan_for(traded_gpus_scenario())
+    ops = [
+        dataclasses.replace(op, depends_on=[])
+        if op.engine is not None and op.engine.transition is Transition.START
+        else op
+        for op in plan.operations
+    ]
+    errors = check_plan(problem, plan.placement, ops, plan.unserved)
+    assert any("which the plan also stops, without waiting on the stop" in e for e in errors)
+
+
+def test_a_restart_of_an_engine_that_cannot_stop_is_not_split() -> None:
+    """`restart_unpairing` leaves a restart whole where the engine could not be stopped and started (the
+    planner restarts no adopted engine: this is the guard should one reach it)."""
+    problem, plan = plan_for(traded_gpus_scenario())
+    steps = steps_of(plan)
+    stop, start = steps[("vision", Transition.STOP)], steps[("vision", Transition.START)]
+    first_stop, first_start = stop[0].engine, start[0].engine
+    assert first_stop is not None and first_start is not None
+    adopted = first_stop.instance.model_copy(update={"management": "adopted"})
+    restart = first_start.model_copy(
+        update={"transition": Transition.RESTART, "previous": adopted, "from_state": EngineState.RUNNING}
+    )
+    stop = [dataclasses.replace(op, engine=restart) for op in stop]
+    start = [dataclasses.replace(op, engine=restart) for op in start]
+    unpair = engine_plan.restart_unpairing(problem, engine_plan.confirmed_states(problem), plan.instances)
+    assert not unpair(stop, start)
+    assert {op.engine.transition for op in stop + start if op.engine} == {Transition.RESTART}
+
+
 # --- the checker refuses what the engines refuse ------------------------------------------------------
 
 

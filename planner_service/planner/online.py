@@ -25,7 +25,9 @@ replay measures the rules the service runs. Each rule answers a way a plan for o
   requests wait for; a plan with no operations,
   when the current plan's are not all started (staying put then means cancelling them). Leaving fewer
   requests unserved is not reason enough on its own: under overload it adopts swaps of engines that the
-  objective prices far worse than staying put.
+  objective prices far worse than staying put. A plan's engine moves also pay their tail (`move_price`):
+  the requests that arrive while a moved engine starts, the history a move across nodes strands in the old
+  node's DRAM, and a margin of one cold start on a move across nodes.
 
 What each rule bought in the replays: docs/studies/ablations.md.
 """
@@ -41,11 +43,15 @@ from types import MappingProxyType
 from planner_service.domain.problem import STAND_IN, Problem, Session, is_stand_in
 from planner_service.domain.scenario import Slo
 from planner_service.domain.state import Kind, Location, StateObject, Tier
+from planner_service.planner import costs, engine_costs
 from planner_service.planner.objective import Demand, evaluate
 from planner_service.planner.plan import Plan, PlanStatus
 from planner_service.planner.residency import ResidencyIndex
 
 REPLAN_SECONDS = 30.0  # the periodic replan
+# The hysteresis on a move across nodes, in cold starts of the move: a move that proves wrong costs the start
+# that undoes it, so it must save that start beyond its own (derived; tuned on no seed).
+ACROSS_MARGIN_STARTS = 1.0
 DEBOUNCE_SECONDS = 0.2  # how long a plan for a waiting request waits for the rest of its burst
 MAX_DEMAND_WINDOW_SECONDS = 86400.0  # how far back the stand-ins' window reaches in a quiet spell
 
@@ -98,6 +104,17 @@ class RecentLoad:
             for k in range(in_flight.get(m, 0), seats[m])
         ]
 
+    def rates(self, now: float) -> dict[str, float]:
+        """Each model's arrival rate [requests/s]: its requests in the window `stand_ins` last kept, over the
+        window's span (at least `REPLAN_SECONDS`, so that a burst just begun does not read as a flood)."""
+        if not self._requests:
+            return {}
+        span = max(now - self._requests[0][0], REPLAN_SECONDS)
+        counts: dict[str, int] = {}
+        for _, model, _ in self._requests:
+            counts[model] = counts.get(model, 0) + 1
+        return {m: n / span for m, n in counts.items()}
+
 
 @dataclass(frozen=True)
 class Engine:
@@ -144,6 +161,73 @@ def brings(plan: Plan, models: Collection[str]) -> bool:
     )  # fmt: skip
 
 
+@dataclass(frozen=True)
+class MovePrice:
+    """What a plan's engine moves cost the requests of the models they move, beyond the promotes' seconds
+    (`move_price`), in seconds of switch latency."""
+
+    outage: float = 0.0  # requests that arrive while a moved engine starts, each waiting out the start
+    stranded: float = 0.0  # history re-prefilled because a move across nodes left the session's KV behind
+    margin: float = 0.0  # the hysteresis on moves across nodes
+
+    @property
+    def total(self) -> float:
+        return self.outage + self.stranded + self.margin
+
+
+def move_price(
+    problem: Problem,
+    plan: Plan,
+    rates: Mapping[str, float],
+    *,
+    now: ResidencyIndex | None = None,
+    across_margin: float = 0.0,
+) -> MovePrice:
+    """The tail a plan's moves put on the models it moves: for each model served now that the plan serves
+    from another group, node or precision (its engine stops and starts there):
+
+        start    = engine_costs.bring_up_seconds(new group, from the new node's fastest complete copy)   [s]
+        outage   = rate * start * start / 2     requests arriving in the start (rate [1/s] * start), each
+                                                waiting on average half of it (arrivals uniform over it)
+        stranded = sum over the model's real sessions with KV on the old node (any tier), when the new
+                   group is on another node: their KV's tokens * prefill s/token on the new group
+                   (`costs.prefill_seconds_per_token`): the write-through copy lives in the old node's
+                   DRAM, so the next turn there re-prefills the history
+        margin   = across_margin * start        for a move across nodes: what it must beat staying put by
+
+    A model the plan drops from GPU is left out: the objective prices its next request's cold load."""
+    now = now or ResidencyIndex.build(problem, problem.residency)
+    after = ResidencyIndex.serving_in(problem, plan.placement)
+    outage = stranded = margin = 0.0
+    for model_id, before in now.serving.items():
+        moved = after.get(model_id)
+        if moved is None or (moved.node, moved.precision, moved.gpus) == (before.node, before.precision, before.gpus):
+            continue
+        model = problem.models[model_id]
+        node = problem.nodes[moved.node]
+        source = now.complete_source(StateObject.weights(model_id, moved.precision), moved.node) or Tier.NVME
+        start = engine_costs.bring_up_seconds(problem, now, model, moved.precision, moved.gpus, source, node)
+        outage += rates.get(model_id, 0.0) * start * start / 2
+        if moved.node == before.node:
+            continue
+        margin += across_margin * start
+        if model.kv_bytes_per_token <= 0:
+            continue
+        left: dict[str, int] = {}  # session -> KV bytes of the model on the old node (its largest copy)
+        for (obj, loc), nbytes in problem.residency.items():
+            if (
+                obj.kind is Kind.KV
+                and obj.model == model_id
+                and obj.session is not None
+                and not is_stand_in(obj.session)
+                and problem.node_of(loc) == before.node
+            ):
+                left[obj.session] = max(left.get(obj.session, 0), nbytes)
+        per_token = costs.prefill_seconds_per_token(model, moved.gpus, problem.constants)
+        stranded += sum(nbytes // model.kv_bytes_per_token for nbytes in left.values()) * per_token
+    return MovePrice(outage, stranded, margin)
+
+
 def worth_adopting(
     problem: Problem,
     plan: Plan,
@@ -152,10 +236,15 @@ def worth_adopting(
     pending: bool = False,
     now: ResidencyIndex | None = None,
     demand: Demand | None = None,
+    price: MovePrice | None = None,
+    stand_ins_expected: bool = True,
 ) -> bool:
     """Whether to adopt `plan` rather than stay put: it brings a model that requests wait for (the
-    `waiting_models` not loaded), or it saves more objective than the seconds its promotes take (the
-    objective prices requests left unserved too). A plan with no operations is adopted only where the
+    `waiting_models` not loaded), or it saves more objective than the seconds its promotes take plus the
+    `price` of its moves (`move_price`; the objective prices requests left unserved too). Both placements
+    are priced with the stand-in sessions inactive (`stand_ins_expected`): they place room for the load to
+    come, and as active sessions every stand-in of a model off GPU would count as a request left unserved
+    (the penalty U, 1200 s), which outweighed every move's price. A plan with no operations is adopted only where the
     current plan has operations still `pending` (not started): the planner now finds the placement as it
     is best, so they should not run. (`now` and `demand` as for `evaluate`, when the solver has them.)"""
     if not plan.operations:
@@ -163,10 +252,25 @@ def worth_adopting(
     if brings(plan, waiting_models):
         return True
     now = now or ResidencyIndex.build(problem, problem.residency)
+    planned = plan.objective
+    if stand_ins_expected:
+        # stand-ins are expected load, not requests waiting: priced as predicted requests (the cold load of a
+        # model off GPU), not as active ones left unserved, or a plan for any stand-in's model saves U each
+        problem = dataclasses.replace(
+            problem,
+            sessions=MappingProxyType(
+                {
+                    sid: dataclasses.replace(s, active=False) if is_stand_in(sid) else s
+                    for sid, s in problem.sessions.items()
+                }
+            ),
+        )
+        demand = None
+        planned, _ = evaluate(problem, plan.placement, now)
     stay, _ = evaluate(problem, problem.residency, now, now, demand)
     move_weight = problem.constants.move_weight
-    promote_seconds = plan.objective.moves / move_weight if move_weight > 0 else 0.0
-    return stay.total - plan.objective.total > promote_seconds
+    promote_seconds = planned.moves / move_weight if move_weight > 0 else 0.0
+    return stay.total - planned.total > promote_seconds + (price.total if price is not None else 0.0)
 
 
 def without_stand_ins(

@@ -61,6 +61,7 @@ class Usage:
     stuck: set[str]  # models a request has waited for past the unpin delay
     waiting: set[str]  # models a request waits for, served nowhere
     pending: bool  # the current plan has operations not leased yet
+    rates: dict[str, float] = dataclasses.field(default_factory=dict)  # model -> requests/s over the demand window
 
 
 def iso(t: float | None) -> str | None:

@@ -134,6 +134,7 @@ class Planning:
             {model for model, waited in waiting if waited > self.live.settings.unpin_after_seconds},
             {model for model, _ in waiting if model not in self.live.serving},
             any(self.live.ops[i].state is OpState.QUEUED for i in self.live.open_ops),
+            self.live.load.rates(now),
         )
 
     def _solve(self, problem: Problem, solver: str, **options: object) -> Plan:

@@ -28,7 +28,7 @@ from types import MappingProxyType, ModuleType
 from typing import Any, Protocol
 
 from planner_service.planner.invariants import check_plan
-from planner_service.planner.online import engines_in, for_real, pins, worth_adopting
+from planner_service.planner.online import ACROSS_MARGIN_STARTS, engines_in, for_real, move_price, pins, worth_adopting
 from planner_service.planner.plan import Plan
 from planner_service.service.live import LiveState, Usage
 from planner_service.solver.registry import solve
@@ -88,7 +88,8 @@ def plan_from(request: PlanRequest) -> PlanResult:
     except ValueError as error:  # ScenarioError included
         return PlanResult(None, False, tuple(solves), warning, unplannable=str(error))
     broken = tuple(check_plan(problem, plan.placement, plan.operations, plan.unserved))
-    adopt = worth_adopting(problem, plan, usage.waiting, pending=usage.pending)
+    price = move_price(problem, plan, usage.rates, across_margin=ACROSS_MARGIN_STARTS)
+    adopt = worth_adopting(problem, plan, usage.waiting, pending=usage.pending, price=price)
     if request.force or adopt:
         plan = for_real(problem, plan)
     return PlanResult(plan, adopt, tuple(solves), warning, broken=broken)

@@ -10,6 +10,7 @@ schemathesis is a test dependency: it is imported only where it runs.
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -116,8 +117,8 @@ def run_fuzz(workdir: Path, *, examples: int, stateful_examples: int, stateful_s
         label = "tokens" if auth else "open"
         env = {"STATEBUDGET_MAX_WAIT_SECONDS": "0"}
         if auth:
-            env["STATEBUDGET_OPERATOR_TOKENS"] = f'["{OPERATOR_TOKEN}"]'
-            env["STATEBUDGET_NODE_TOKENS"] = "{" + ", ".join(f'"{n}": "{t}"' for n, t in NODE_TOKENS.items()) + "}"
+            env["STATEBUDGET_OPERATOR_TOKENS"] = json.dumps([OPERATOR_TOKEN])
+            env["STATEBUDGET_NODE_TOKENS"] = json.dumps(NODE_TOKENS)
         server = Server(ServeOptions(db=workdir / f"fuzz-{label}.db", log=workdir / f"fuzz-{label}.log", env=env))
         try:
             server.start()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import Field
+from pydantic import Field, Strict
 
 from planner_service.wire.base import WireIn, WireModel
 from planner_service.wire.bounds import ByteCount, Name, Seconds
@@ -156,8 +156,9 @@ class HeldBack(WireModel):
 
 
 class LeaseIn(WireIn):
-    max_operations: Annotated[int, Field(ge=1, le=1000)] = 8
-    wait_seconds: Annotated[float, Field(ge=0, le=300)] = 0.0
+    # strict: a `true` or a "5" is refused, not read as 1 or 5 (the fuzzing of docs/reliability.md found it)
+    max_operations: Annotated[int, Strict(), Field(ge=1, le=1000)] = 8
+    wait_seconds: Annotated[float, Strict(), Field(ge=0, le=300)] = 0.0
 
 
 class ReportIn(WireIn):

@@ -203,3 +203,19 @@ def test_an_event_beyond_the_clock_skew_refuses_its_batch_and_one_within_it_appl
     year_9999 = app.events(request("e3", "s3", "beta", at=253402300799.0))
     assert year_9999.status_code == 422
     assert app.events(request("e1", "s1", "beta", at=now - 60)).json()["applied"] == 1
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ({"max_operations": True}, "max_operations"),
+        ({"max_operations": "5"}, "max_operations"),
+        ({"max_operations": 2.5}, "max_operations"),
+        ({"wait_seconds": True}, "wait_seconds"),
+        ({"wait_seconds": "1"}, "wait_seconds"),
+    ],
+)
+def test_a_lease_of_the_wrong_type_is_refused_not_read_as_a_number(tiny, body, field):
+    """Found by the reliability report's fuzzing: `true` was leased as one operation."""
+    assert_problem(tiny.post("/v1/nodes/n1/lease", json=body), 422, field)
+    assert tiny.post("/v1/nodes/n1/lease", json={"max_operations": 2, "wait_seconds": 0}).status_code == 200

@@ -216,6 +216,17 @@ def test_fake_nvml_follows_the_engines_and_refuses_what_nvml_refuses() -> None:
 FAKES = Path(__file__).resolve().parents[1] / "fakes"
 
 
+def wait_healthy(process: subprocess.Popen[bytes], url: str, what: str) -> None:
+    """Until `url/health` answers 200; fails if the process exits first or 30 s pass."""
+    deadline = time.monotonic() + 30
+    while True:
+        with contextlib.suppress(httpx.TransportError):
+            if httpx.get(f"{url}/health").status_code == 200:
+                return
+        assert process.poll() is None and time.monotonic() < deadline, f"{what} did not start"
+        time.sleep(0.1)
+
+
 @contextlib.contextmanager
 def vllm_process(driver: Path, totals: str, *, shard_gib: int) -> Iterator[str]:
     """tests/fakes/run_vllm.py on device 0, holding a 1 GiB context, `shard_gib` of weights and a 2 GiB KV pool."""
@@ -227,13 +238,7 @@ def vllm_process(driver: Path, totals: str, *, shard_gib: int) -> Iterator[str]:
     process = subprocess.Popen([*argv, "--driver-dir", str(driver)], env=env)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            with contextlib.suppress(httpx.TransportError):
-                if httpx.get(f"{url}/health").status_code == 200:
-                    break
-            assert process.poll() is None and time.monotonic() < deadline, "the fake vLLM did not start"
-            time.sleep(0.1)
+        wait_healthy(process, url, "the fake vLLM")
         yield url
     finally:
         process.terminate()
@@ -272,13 +277,7 @@ def sglang_process(driver: Path, totals: str, devices: str, *flags: str) -> Iter
     process = subprocess.Popen(sglang_argv(driver, port, *flags), env=env)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            with contextlib.suppress(httpx.TransportError):
-                if httpx.get(f"{url}/health").status_code == 200:
-                    break
-            assert process.poll() is None and time.monotonic() < deadline, "the fake SGLang did not start"
-            time.sleep(0.1)
+        wait_healthy(process, url, "the fake SGLang")
         yield url
     finally:
         process.terminate()

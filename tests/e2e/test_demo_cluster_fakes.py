@@ -126,7 +126,11 @@ def test_an_engine_crash_is_reported_corrected_and_replanned_around(tmp_path: Pa
         report = cluster.report()
         log = cluster.nodes[node].log_path
     print(model, report["operations"], report["problems"])
-    assert log is not None and f"vllm-{model}: was running, is stopped (crashed: " in log.read_text()
+    # seen dead either by its exit or, when the probe comes while the kill is still landing, by its closed port
+    assert log is not None
+    assert any(
+        f"vllm-{model}: was running, is stopped ({how}: " in log.read_text() for how in ("crashed", "unreachable")
+    )
     assert agent_problems(report) == []  # stopped while it was dead, its new process reported as it runs
     back = [e for e in report["engines"] if e["model"] == model and e["level"] == 0]
     assert replanned and back and all(e["pid"] != victim["pid"] for e in back), report["engines"]

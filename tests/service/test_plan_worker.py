@@ -190,7 +190,7 @@ def _refuse_to_load() -> None:
 
 
 class FrozenOnLoad(dict[str, Any]):
-    """Pickles, but refuses to load, as mypyc's compiled frozen dataclasses do (the deployed build)."""
+    """Pickles, but refuses to load, as a compiled frozen dataclass that no reducer in `solving.py` covers would."""
 
     def __reduce__(self) -> tuple[Any, tuple[()]]:
         return _refuse_to_load, ()

@@ -2,20 +2,29 @@
 
 from __future__ import annotations
 
-from tiny_clusters import gpu, held, model, node, on_gpu, on_nvme, scenario, session, weights
+import dataclasses
+from types import MappingProxyType
+
+import pytest
+from tiny_clusters import gpu, held, kv, model, node, on_gpu, on_host, on_nvme, scenario, session, weights
 
 from planner_service.domain.predictions import problem_from_scenario
-from planner_service.domain.scenario import parse_scenario
+from planner_service.domain.problem import STAND_IN, Session
+from planner_service.domain.scenario import Slo, parse_scenario
 from planner_service.domain.state import Location, StateObject
 from planner_service.domain.units import GIB
 from planner_service.planner.greedy import plan_greedy
+from planner_service.planner.objective import evaluate
 from planner_service.planner.online import (
     MAX_DEMAND_WINDOW_SECONDS,
+    REPLAN_SECONDS,
     Engine,
+    MovePrice,
     RecentLoad,
     apportion,
     engines_in,
     for_real,
+    move_price,
     pins,
     without_stand_ins,
     worth_adopting,
@@ -153,3 +162,75 @@ def test_room_kept_for_the_recent_load_never_turns_away_a_request_that_is_here()
     assert "s1" not in plan.unserved
     assert (StateObject.weights("small", "bf16"), Location.gpu("g0")) in plan.placement
     assert all(sid.startswith("expected-big-") for sid in plan.unserved)
+
+
+def moving_a_for_b(rate: float = 0.01) -> tuple:
+    """Two nodes of one 12 GiB GPU each; a (10 GiB) serves on n1's g0 with s1's 8,192-token KV in n1's DRAM,
+    b (10 GiB) is off GPU with one session; a plan moves a to n2's g1 and brings b onto g0."""
+    residency = [held(weights(m), on_nvme(n), 10 * GIB) for m in ("a", "b") for n in ("n1", "n2")]
+    residency += [held(weights("a"), on_gpu("g0"), 10 * GIB), held(kv("a", "s1"), on_host("n1"), 8192 * 131072)]
+    data = scenario(
+        [node("n1", gpu("g0", 12)), node("n2", gpu("g1", 12))],
+        [model("a", 10), model("b", 10)],
+        [session("s1", "a", tokens=8192), session("t1", "b", tokens=1000)],
+        residency,
+    )
+    problem = problem_from_scenario(parse_scenario(data))
+    target = {key: n for key, n in problem.residency.items() if key[1] != Location.gpu("g0")}
+    target[(StateObject.weights("a", "bf16"), Location.gpu("g1"))] = 10 * GIB
+    target[(StateObject.weights("b", "bf16"), Location.gpu("g0"))] = 10 * GIB
+    return problem, make_plan(problem, "greedy", target, {})
+
+
+def test_a_move_across_nodes_is_priced_its_outage_stranded_kv_and_margin() -> None:
+    problem, plan = moving_a_for_b()
+    price = move_price(problem, plan, {"a": 0.01}, across_margin=1.0)
+    # a's start on g1: 10 GiB read from n2's NVMe at 7 GB/s (slower than the 20 GB/s link) + the 30 s cold start
+    start = 10 * GIB / 7e9 + 30.0
+    assert price.outage == pytest.approx(0.01 * start * start / 2)  # 0.32 requests, each waiting 15.8 s
+    # s1's 8,192 tokens re-prefilled on g1: 2 * 5.37 G parameters (10 GiB of bf16) / (100 TFLOP/s * 0.5)
+    assert price.stranded == pytest.approx(8192 * 2 * (10 * GIB / 2) / (1e14 * 0.5))
+    assert price.margin == pytest.approx(start)
+    assert price.total == pytest.approx(38.26, abs=0.01)
+    # b, brought onto g0, is no move: without a's arrivals and the margin, only the stranded KV is left
+    assert move_price(problem, plan, {}) == MovePrice(stranded=price.stranded)
+
+
+def test_the_price_of_its_moves_keeps_an_engine_that_a_plan_would_move() -> None:
+    problem, plan = moving_a_for_b()
+    # the plan saves 77.7 s of objective (b's next request needs no cold load) against 63.1 s of promotes (the
+    # two starts of 31.5 s each): adopted on the promotes alone, kept out by the 38.3 s its move of a costs
+    stay, _ = evaluate(problem, problem.residency)
+    assert stay.total - plan.objective.total == pytest.approx(77.67, abs=0.01)
+    assert worth_adopting(problem, plan)
+    assert not worth_adopting(problem, plan, price=move_price(problem, plan, {"a": 0.01}, across_margin=1.0))
+
+
+def test_stand_ins_are_priced_as_expected_requests_when_adopting() -> None:
+    # a stand-in of b, off GPU: as an active session it is a request left unserved (U = 1200 s), which no
+    # move's price outweighs; as an expected one it costs its cold load, and the price of a's move counts
+    problem, plan = moving_a_for_b()
+    stand_in = Session(f"{STAND_IN}b-0", f"{STAND_IN}b-0", Slo.INTERACTIVE, "b", True, 1000)
+    sessions = {sid: s for sid, s in problem.sessions.items() if sid != "t1"} | {stand_in.id: stand_in}
+    problem = dataclasses.replace(
+        problem,
+        sessions=MappingProxyType(sessions),
+        next_model=MappingProxyType({sid: row for sid, row in problem.next_model.items() if sid != "t1"}),
+    )
+    room = {(StateObject.kv("b", stand_in.id), Location.gpu("g0")): 1000 * 131072}  # its KV, beside b
+    plan = make_plan(problem, "greedy", {**plan.placement, **room}, {})
+    price = move_price(problem, plan, {"a": 0.01}, across_margin=1.0)
+    assert worth_adopting(problem, plan, price=price, stand_ins_expected=False)
+    assert not worth_adopting(problem, plan, price=price)
+
+
+def test_the_arrival_rate_is_the_windows_requests_over_its_span() -> None:
+    load = RecentLoad(window_seconds=100.0, seats=4, min_requests=0)
+    for t, name in [(0.0, "a"), (50.0, "a"), (90.0, "b")]:
+        load.add(t, name, 1000)
+    assert load.rates(100.0) == {"a": 2 / 100.0, "b": 1 / 100.0}
+    # a window begun 5 s ago reads over the replan period, not as a flood
+    fresh = RecentLoad(window_seconds=100.0, seats=4, min_requests=0)
+    fresh.add(0.0, "a", 1000)
+    assert fresh.rates(5.0) == {"a": 1 / REPLAN_SECONDS}
+    assert RecentLoad().rates(0.0) == {}

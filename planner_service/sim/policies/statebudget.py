@@ -13,7 +13,7 @@ count as there), sessions with their context and an active flag for requests wai
 next-model probabilities from a `SwitchPredictor` fed the hand-offs observed so far; the online rules add
 stand-in sessions for the last hour's load (`RecentLoad`), pin the engines that served within the window
 unless their requests waited over `unpin_after_seconds` (`pins`), and adopt a plan only when it is worth
-its moves (`worth_adopting`). It calls the greedy (`plan_greedy`) and prices its target with `make_plan`.
+its moves (`worth_adopting`), their tail included (`move_price`, from the window's arrival rates). It calls the greedy (`plan_greedy`) and prices its target with `make_plan`.
 An adopted plan's operations start `control_path_seconds` after it was made: what the service's path from
 an event to an agent's engine call and back to the gateway's route table takes, as baselines pay their own
 direct wake. At t=0 the replay starts where `static` does (`warm_start`), and every other engine has been
@@ -80,7 +80,16 @@ from planner_service.domain.problem import Session
 from planner_service.domain.state import Kind, Location, StateObject, Tier
 from planner_service.planner.errors import PlanningError
 from planner_service.planner.greedy import plan_greedy
-from planner_service.planner.online import DEBOUNCE_SECONDS, REPLAN_SECONDS, Engine, RecentLoad, pins, worth_adopting
+from planner_service.planner.online import (
+    ACROSS_MARGIN_STARTS,
+    DEBOUNCE_SECONDS,
+    REPLAN_SECONDS,
+    Engine,
+    RecentLoad,
+    move_price,
+    pins,
+    worth_adopting,
+)
 from planner_service.planner.operations import Action, Operation
 from planner_service.planner.plan import Plan, make_plan
 from planner_service.planner.predictor import SwitchPredictor
@@ -118,7 +127,13 @@ class StatebudgetPolicy(Policy):
         demand_min_requests: int = 1000,
         unpin_after_seconds: float = 60.0,
         control_path_seconds: float = CONTROL_PATH_SECONDS,
+        price_moves: bool = True,
+        across_margin: float = ACROSS_MARGIN_STARTS,
+        stand_ins_expected: bool = True,
     ) -> None:
+        self.price_moves = price_moves  # charge a plan's moves their outage and stranded KV (`move_price`)
+        self.across_margin = across_margin  # hysteresis on moves across nodes, in cold starts
+        self.stand_ins_expected = stand_ins_expected  # adoption prices stand-ins as predicted requests
         self.min_interval_seconds = min_interval_seconds
         self.control_path_seconds = control_path_seconds
         self.replan_seconds = replan_seconds  # periodic replan, at most; None of it when nothing changed
@@ -320,8 +335,19 @@ class StatebudgetPolicy(Policy):
                 now=target.now,
                 demand=target.demand,
             )
+            price = None
+            if self.price_moves or self.across_margin > 0:
+                rates = self.load.rates(sim.now) if self.price_moves else {}
+                price = move_price(problem, plan, rates, now=target.now, across_margin=self.across_margin)
             adopt = worth_adopting(
-                problem, plan, self._waiting_models, pending=bool(self.queued), now=target.now, demand=target.demand
+                problem,
+                plan,
+                self._waiting_models,
+                pending=bool(self.queued),
+                now=target.now,
+                demand=target.demand,
+                price=price,
+                stand_ins_expected=self.stand_ins_expected,
             )
         except (PlanningError, ValueError, KeyError) as error:
             self.failed_plans += 1

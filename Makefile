@@ -139,9 +139,9 @@ evidence-exceeds: $(STAMP)
 	$(MAKE) evidence
 # the gateway's warm-ups against the same policies without them (statebudget, sleep-router), 10 seeds each of the
 # synthetic trace (5 sessions x 30 min) at gaps x16 and x4 (loaded), 60 s windows of Azure 2023 (--handoffs) and
-# 6 h windows of Alibaba GenAI 2026, read from TRACES; precision held equal
+# 4 h windows of Alibaba GenAI 2026, read from TRACES; precision held equal
 TRACES ?= ../shared/traces
 evidence-gateway: $(STAMP)
 	$(VENV)/bin/statebudget study gateway --seeds 1,2,3,4,5,6,7,8,9,10 --sessions 5 --hours 0.5 --gap-scale 16,4 \
-		--traces $(TRACES) --azure-window 60 --alibaba-window 21600 --precision native --json > docs/evidence/gateway.json
+		--traces $(TRACES) --azure-window 60 --alibaba-window 14400 --precision native --json > docs/evidence/gateway.json
 	$(MAKE) evidence

@@ -6,6 +6,8 @@ levels, then per level what was run (trace sizes, gap scale, seeds, training see
 search), a table of every policy's metrics (mean ± 95 % t half width over the seeds) with its saturated
 runs, the hand-off P95 ratios against the best baseline where no run of either policy is saturated, and
 where the hand-offs' switch latency went per policy (stored results that predate a column show a dash).
+A stored gateway study (`statebudget study gateway --json`, `"kind": "gateway"`) becomes its own section:
+per workload, each policy with and without warm-ups, paired per seed (`render_gateway`).
 """
 
 from __future__ import annotations
@@ -137,7 +139,12 @@ def render_gateway(name: str, data: dict[str, Any]) -> str:
             continue
         lines.append(
             f"- `{arm}`: warm-up target `{spec['target']}`, at least {spec['min_probability']:g} likely, at most "
-            f"{spec['max_warmups_per_instance']} per instance, only on idle cards, cancelled by any real request there."
+            f"{spec['max_warmups_per_instance']} per instance, "
+            + (
+                "on any card, never giving way: each takes its cards as a real prefill does (an ablation)."
+                if spec["gateway"] == "affinity+eager-warmups"
+                else "only on idle cards, cancelled by any real request there."
+            )
         )
     for w in data["workloads"]:
         lines += [

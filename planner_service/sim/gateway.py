@@ -61,6 +61,9 @@ class GatewayMode(StrEnum):
     NONE = "none"
     AFFINITY = "affinity"
     WARMUPS = "affinity+warmups"
+    # an ablation: warm-ups by the same directives that neither wait for idle cards nor give way, each taking its
+    # cards as a real prefill does (the naive gateway of issue 26's loaded replay)
+    EAGER = "affinity+eager-warmups"
 
 
 @dataclass(slots=True)
@@ -128,11 +131,14 @@ class GatewayModel:
         self.write_through = write_through
         self.mode = GatewayMode(mode)
         self.limits = limits
-        self.warmups_on = self.mode is GatewayMode.WARMUPS
+        self.warmups_on = self.mode in (GatewayMode.WARMUPS, GatewayMode.EAGER)
+        self.eager = self.mode is GatewayMode.EAGER
         self.predictor = SwitchPredictor(list(sim.problem.models), sim.scenario.predictor)
         self.counts = GatewayCounts()
         self.running: dict[str, Warmup] = {}  # session -> its warm-up in progress
-        self.warmed: dict[str, tuple[str, int, int]] = {}  # session -> (model, engine epoch, tokens) warmed
+        # session -> what its completed warm-ups left since its last request: (model, engine epoch, tokens) each (the
+        # "handoff" target may warm the next likeliest model once the first holds the KV)
+        self.warmed: dict[str, list[tuple[str, int, int]]] = {}
         self.tried: dict[str, set[str]] = {}  # session -> instances tried in its current tool call
         self.card_free_at: dict[str, float] = {}  # per GPU: when the warm-ups queued on it end
         self.dirty = False
@@ -152,20 +158,17 @@ class GatewayModel:
             return
         self.tried.pop(req.session, None)
         running = self.running.get(req.session)
-        if running is not None:
+        if running is not None and not self.eager:
             self._cancel(running, "own request")
 
     def on_start(self, req: SimRequest, covered_tokens: int) -> None:
         """A request starts with `covered_tokens` of its history's KV on its group: was it warmed for?"""
-        warmed = self.warmed.pop(req.session, None)
-        if warmed is None:
-            return
-        model, epoch, tokens = warmed
-        if model == req.model and epoch == req.engine and covered_tokens >= tokens:
-            self.counts.used += 1
-            self.counts.used_tokens += tokens
-        else:
-            self.counts.unused += 1
+        for model, epoch, tokens in self.warmed.pop(req.session, ()):
+            if model == req.model and epoch == req.engine and covered_tokens >= tokens:
+                self.counts.used += 1
+                self.counts.used_tokens += tokens
+            else:
+                self.counts.unused += 1
 
     def changed(self) -> None:
         """A session entered a tool call, a card went idle or an engine came up: look for warm-ups again."""
@@ -195,6 +198,8 @@ class GatewayModel:
                 self._cancel(warmup, "engine left")
             elif any(sim.cluster.bytes_of(kv, loc) < n for loc, n in warmup.shards):
                 self._cancel(warmup, "kv evicted")
+            elif self.eager:
+                continue  # the ablation never gives way
             elif wanted.intersection(warmup.gpus):
                 self._cancel(warmup, "request")
             elif copying.intersection(warmup.gpus):
@@ -229,9 +234,11 @@ class GatewayModel:
         # the cards something real wants: a request waiting for or running on them, a prefill, a copy into them
         queued = {g for g, at in self.compute_free_at.items() if at > sim.now}
         queued.update(t.dest.id for t in sim.cluster.transfers.values() if t.dest.tier is Tier.GPU)
+        if self.eager:
+            queued = set()  # the ablation sees every card as idle
         wanted = set(queued)
         for s in sim.sessions.values():
-            state = sim.models.get(s.request.model) if s.request is not None else None
+            state = sim.models.get(s.request.model) if s.request is not None and not self.eager else None
             if state is not None:
                 wanted.update(g.id for g in state.gpus)
         instances: list[InstanceView] = []
@@ -249,8 +256,10 @@ class GatewayModel:
             if s.ended or s.model is None:
                 continue
             if s.request is not None:
-                # a busy session occupies its model's cards (the replay's one instance of it holds its KV)
-                sessions.append(SessionView(sid, s.request.model, True, False, s.history_tokens, None, False))
+                # a busy session occupies its model's cards (the replay's one instance of it holds its KV); the
+                # ablation does not look
+                busy = not self.eager
+                sessions.append(SessionView(sid, s.request.model, busy, False, s.history_tokens, None, False))
                 continue
             holder = None
             for iid, (m, state) in by_id.items():
@@ -269,9 +278,16 @@ class GatewayModel:
         _, directives = decide_directives(
             instances, sessions, next_model, kv_holders, frozenset(queued), free, kvpt, self.limits
         )
+        # the directives count the warm-ups they give at once; those already running count against the same cap
+        per_instance: dict[str, int] = {}
+        for w in self.running.values():
+            per_instance[w.instance] = per_instance.get(w.instance, 0) + 1
         for d in directives:
             if d.session in self.running or d.instance in self.tried.get(d.session, ()):
                 continue
+            if per_instance.get(d.instance, 0) >= self.limits.max_warmups_per_instance:
+                continue
+            per_instance[d.instance] = per_instance.get(d.instance, 0) + 1
             model, state = by_id[d.instance]
             self.tried.setdefault(d.session, set()).add(d.instance)
             self._start(d.session, model, state, d.instance, d.tokens)
@@ -290,9 +306,13 @@ class GatewayModel:
             sim.cluster.add(kv, loc, nbytes)
             shards.append((loc, nbytes))
         start = max(sim.now, *(self.card_free_at.get(g.id, 0.0) for g in state.gpus))
+        if self.eager:  # it queues with the real prefills, and they queue behind it
+            start = max(start, *(self.compute_free_at[g.id] for g in state.gpus))
         ends = start + tokens * costs.prefill_seconds_per_token(model, state.gpus, sim.c)
         for g in state.gpus:
             self.card_free_at[g.id] = ends
+            if self.eager:
+                self.compute_free_at[g.id] = ends
         warmup = Warmup(
             session, model_id, iid, state.epoch, tuple(g.id for g in state.gpus), tokens, shards, start, ends
         )
@@ -315,7 +335,7 @@ class GatewayModel:
         if self.write_through is not None and sim.engines.keeps_kv_in_host(state.node, warmup.model):
             kvpt = sim.problem.models[warmup.model].kv_bytes_per_token
             self.write_through(kv, state.node, warmup.tokens * kvpt, warmup.tokens)
-        self.warmed[warmup.session] = (warmup.model, warmup.epoch, warmup.tokens)
+        self.warmed.setdefault(warmup.session, []).append((warmup.model, warmup.epoch, warmup.tokens))
         self.counts.completed += 1
         self.counts.tokens_warmed += warmup.tokens
         self.counts.prefill_seconds += warmup.ends_at - warmup.starts_at
@@ -323,6 +343,6 @@ class GatewayModel:
 
     def report(self) -> dict[str, Any]:
         """The warm-ups' counts; a warm-up whose session never sent another request was not used."""
-        self.counts.unused += len(self.warmed)
+        self.counts.unused += sum(len(w) for w in self.warmed.values())
         self.warmed.clear()
         return {"mode": str(self.mode), **self.counts.to_json()}

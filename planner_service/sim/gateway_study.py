@@ -9,7 +9,9 @@ the records inside it, times counted from its start. Every policy replays every 
 * `warmups`: warm-ups by the rule the planner publishes, with the service's defaults (the most likely
   next model, at least 0.5 likely, 2 per instance);
 * `warmups-handoff`: the same rule aimed at the most likely model that holds none of the session's KV,
-  at least 0.2 likely (`DirectiveLimits.target = "handoff"`).
+  at least 0.2 likely (`DirectiveLimits.target = "handoff"`);
+* `eager-handoff`: an ablation, the `warmups-handoff` directives carried out without waiting for idle cards
+  and without giving way: each warm-up takes its cards as a real prefill does (`GatewayMode.EAGER`).
 
 Per policy and arm: hand-off and completion P95, GPU memory-time and the warm-ups' counts, each a mean
 with its 95 % Student t interval over the seeds; and against `none` on the same trace, paired per seed:
@@ -42,6 +44,7 @@ ARMS: dict[str, tuple[GatewayMode, DirectiveLimits]] = {
     "none": (GatewayMode.NONE, DEFAULT_LIMITS),
     "warmups": (GatewayMode.WARMUPS, DEFAULT_LIMITS),
     "warmups-handoff": (GatewayMode.WARMUPS, HANDOFF_TARGET),
+    "eager-handoff": (GatewayMode.EAGER, HANDOFF_TARGET),
 }
 # (key, label): what each run reports, read by `_row`
 METRICS = (

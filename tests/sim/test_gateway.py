@@ -110,5 +110,25 @@ def test_the_study_pairs_each_arm_with_none_and_renders() -> None:
         sum(ratios) / 2
     )
     assert all(r["warmups_started"] == 0 for r in none)
+    for r in warm:  # every completed warm-up is either used by its session's next request or not
+        assert r["warmups_completed"] == r["warmups_used"] + r["warmups_unused"]
+        assert r["warmups_started"] == r["warmups_completed"] + r["warmups_cancelled"]
     page = render_section("gateway", json.loads(json.dumps(data)))
     assert "### gateway: synthetic, 3 sessions" in page and "| sleep-router | warmups-handoff |" in page
+
+
+def test_an_eager_warm_up_holds_its_card_and_the_real_prefill_waits_behind_it() -> None:
+    """The ablation on the same trace: the warm-up takes the card t=5 to 10 as a real prefill does, so s2's
+    prefill, arriving at t=7, waits 3 s; the warm-up completes and s1's hand-off finds its history on b."""
+    records: list[TraceRecord] = [
+        TraceRequest(t=0.0, session="s1", model="a", input_tokens=5000, output_tokens=0),
+        TraceRequest(t=7.0, session="s2", model="b", input_tokens=1000, output_tokens=0),
+        TraceEnd(t=7.5, session="s2", event="end"),
+        TraceRequest(t=100.0, session="s1", model="b", input_tokens=10, output_tokens=0),
+    ]
+    eager = run(records, "affinity+eager-warmups")
+    s2 = eager.requests[1]
+    assert s2.prefill_queue_seconds == pytest.approx(3.0) and s2.ttft_seconds == pytest.approx(4.0)
+    assert eager.requests[2].switch_seconds == pytest.approx(0.0)
+    gateway = eager.extra["gateway"]
+    assert (gateway["warmups_started"], gateway["warmups_cancelled"], gateway["warmups_used"]) == (1, 0, 1)

@@ -558,3 +558,22 @@ async def test_a_host_drop_that_finds_the_engine_asleep_at_level_1_stops_it(tmp_
         with pytest.raises(PermanentError, match="stop refused"):
             await adopted.execute(op("drop", W, HOST, None))
         await adopted.aclose()
+
+
+def test_a_start_fills_the_template_with_the_instance_s_pool_in_bytes_and_tokens(tmp_path: Path) -> None:
+    """`{kv_pool_tokens}` (SGLang's --max-total-tokens) is the planner's pool in tokens, `{kv_pool_bytes_per_gpu}`
+    the same pool in bytes (vLLM's --kv-cache-memory-bytes), from the start's instance."""
+    from clients.agent.executors.engine import _launch_values
+
+    config = managed_config(free_port(), tmp_path)
+    assert config.engines["coder"].launch is not None
+    config.engines["coder"].launch.command.append("{kv_pool_tokens}")
+    executor = VLLMExecutor.from_config(config)
+    process = executor.engines_by_model["coder"].process
+    assert process is not None
+    start = op(
+        "promote", W, NVME, GPU, engine=_step("start", "stopped", kv_pool_bytes_per_gpu=GIB, kv_pool_tokens=8192)
+    )
+    argv = process.command(**_launch_values(start))
+    assert argv[-1] == "8192" and str(GIB) in argv
+    assert process.command()[-1] == "0"  # a start that names no instance: the pool is the template's to fix

@@ -193,6 +193,7 @@ class EngineExecutor:
                     "precision": engine.precision,
                     "tp": max(len(gpus), 1),
                     "kv_pool_bytes_per_gpu": 0,
+                    "kv_pool_tokens": 0,
                     "gpu_expert_fraction": 1.0,
                     "max_context_tokens": "",
                     "lmcache_instance_id": handle.lmcache_instance_id or "",
@@ -473,6 +474,7 @@ def _launch_values(op: Operation) -> dict[str, object]:
         "precision": instance.precision,
         "tp": len(instance.gpus),
         "kv_pool_bytes_per_gpu": instance.kv_pool_bytes_per_gpu,
+        "kv_pool_tokens": instance.kv_pool_tokens,
         "gpu_expert_fraction": instance.gpu_expert_fraction,
         "max_context_tokens": instance.max_context_tokens or "",
     }

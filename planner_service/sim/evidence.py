@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from planner_service.sim import decompose
 from planner_service.sim.seeds import METRICS
 from planner_service.sim.state import SWITCH_PARTS
 
@@ -195,6 +196,8 @@ def render_gateway(name: str, data: dict[str, Any]) -> str:
 
 
 def render_section(name: str, data: dict[str, Any]) -> str:
+    if data.get("kind") == "decomposition":
+        return decompose.markdown(name, data)
     if data.get("kind") == "gateway":
         return render_gateway(name, data)
     if "levels" not in data:

@@ -874,15 +874,25 @@ def replay(
         bool,
         typer.Option(help="Slow MoE decode down for routed experts off GPU (costs.decode_slowdown_seconds)."),
     ] = True,
+    gateway: Annotated[
+        str,
+        typer.Option(
+            help="The gateway in front of the engines (sim/gateway.py): none, affinity, affinity+warmups (the "
+            "planner's warm-up directives on idle cards) or affinity+eager-warmups (the ablation that never yields)."
+        ),
+    ] = "none",
 ) -> None:
     """Replay a trace through the simulated cluster under each policy and compare them."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from planner_service.sim.engine import SimulationError
+    from planner_service.sim.gateway import GatewayMode
     from planner_service.sim.policies import default_registry as policy_registry
     from planner_service.sim.report import TABLE_COLUMNS, comparison, table_rows, write_json
     from planner_service.sim.report import replay as run_replay
 
+    if gateway not in {str(m) for m in GatewayMode}:
+        raise fail(f"--gateway: one of {', '.join(GatewayMode)}, got {gateway!r}")
     parsed = read_scenario(scenario)
     records = read_trace_file(trace)
     names = [p.strip() for p in policies.split(",") if p.strip()]
@@ -906,6 +916,7 @@ def replay(
                 seed=seed,
                 on_progress=advance,
                 expert_miss_decode=expert_miss_decode,
+                gateway=gateway,
             )
         except (SimulationError, ValueError) as error:
             raise fail(str(error)) from None

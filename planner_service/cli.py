@@ -8,6 +8,7 @@ malformed scenario, or a constraint that cannot hold): the message names it.
 from __future__ import annotations
 
 import copy
+import itertools
 import json
 import logging
 import re
@@ -1029,6 +1030,20 @@ def study_seeds(
         ),
     ] = "allowed",
     tune_budget: Annotated[int, typer.Option(help="Replays static-tuned's search may run (at each load level).")] = 200,
+    handoff_rate: Annotated[
+        str | None,
+        typer.Option(
+            "--handoff-rate",
+            help="Share of a session's later turns that hand off (0.05 to 0.5; default: the hour's chain decides); "
+            "comma-separated: one level each.",
+        ),
+    ] = None,
+    context: Annotated[
+        str,
+        typer.Option(
+            help="What a hand-off's model sees: shared (the session's whole history) or fresh (a sub-agent's own)."
+        ),
+    ] = "shared",
     out_dir: StudyOutOpt = Path("."),
     as_json: JsonOpt = False,
 ) -> None:
@@ -1048,30 +1063,37 @@ def study_seeds(
     if not session_levels:
         raise fail("--sessions: at least one count")
     scales = _float_list(gap_scale, "gap-scale")
+    rates: list[float | None] = [None] if handoff_rate is None else list(_float_list(handoff_rate, "handoff-rate"))
     spread = min(1800.0, hours * 900.0)  # the team arrives and leaves within a quarter of a short trace
     studies = []
     try:
-        for count in session_levels:
-            for scale in scales:
-                params = SynthParams(
-                    sessions=count,
-                    hours=hours,
-                    arrival_spread_seconds=spread,
-                    departure_spread_seconds=spread,
-                    gap_scale=scale,
+        for count, scale, rate in itertools.product(session_levels, scales, rates):
+            params = SynthParams(
+                sessions=count,
+                hours=hours,
+                arrival_spread_seconds=spread,
+                departure_spread_seconds=spread,
+                gap_scale=scale,
+                handoff_rate=rate,
+                context=context,
+            )
+            err.print(
+                f"load level: {count} sessions, gap scale {scale:g}"
+                + (f", hand-off rate {rate:g}" if rate is not None else "")
+                + f", {context} context",
+                highlight=False,
+            )
+            studies.append(
+                seed_runs.seed_study(
+                    parsed,
+                    params,
+                    [p.strip() for p in policies.split(",") if p.strip()],
+                    _seed_list(seeds, "seeds"),
+                    _seed_list(train_seeds, "train-seeds"),
+                    tune_budget=tune_budget,
+                    on_progress=lambda line: err.print(line, highlight=False),
                 )
-                err.print(f"load level: {count} sessions, gap scale {scale:g}", highlight=False)
-                studies.append(
-                    seed_runs.seed_study(
-                        parsed,
-                        params,
-                        [p.strip() for p in policies.split(",") if p.strip()],
-                        _seed_list(seeds, "seeds"),
-                        _seed_list(train_seeds, "train-seeds"),
-                        tune_budget=tune_budget,
-                        on_progress=lambda line: err.print(line, highlight=False),
-                    )
-                )
+            )
     except (SimulationError, ValueError) as error:
         raise fail(str(error)) from None
     if as_json:

@@ -238,6 +238,7 @@ class Simulator(SimState):
         self._last_sample = 0.0
         self.timeline: list[tuple[float, int]] = [(0.0, 0)]
         self._queues: dict[str, deque[SimRequest | TraceEnd]] = defaultdict(deque)  # per session: not yet released
+        self._workflow: dict[str, str] = {}  # a sub-agent's session -> the session at the root of its hand-offs
         self.kv_offload = policy.kv_offload
         self.view = SimView(self, policy)  # what the policy reads of the cluster
         self.executor = Executor(self, self.view, policy)  # the one place that changes it for the policy
@@ -389,13 +390,19 @@ class Simulator(SimState):
         assert isinstance(rec, TraceRequest)
         if session is None:
             session = self.sessions[rec.session] = SessionState(rec.session, rec.user or rec.session, rec.slo)
+            if rec.parent is not None and rec.parent in self.sessions:  # a sub-agent with a context of its own
+                self._workflow[rec.session] = self._workflow.get(rec.parent, rec.parent)
+                session.last_t = self.sessions[rec.parent].last_t
+        root = self.sessions[self._workflow.get(rec.session, rec.session)]
+        if root is not session:  # a hand-off is a change of model from the last turn of the workflow
+            session.requested_model = root.requested_model
         handoff = session.requested_model is not None and session.requested_model != rec.model
         req = SimRequest(
             len(self.requests), rec.t, rec.session, rec.model, rec.input_tokens, rec.output_tokens, rec.slo, handoff
         )
         self.requests.append(req)
         self.policy.observe(self.view, session, req)
-        session.requested_model = rec.model
+        session.requested_model = root.requested_model = rec.model
         self._queues[rec.session].append(req)
         if self.slots is None or self.slots.arrive(rec.session):
             self._pump(rec.session)

@@ -93,7 +93,13 @@ PRECISION = {
 
 
 def _level_name(trace: dict[str, Any]) -> str:
-    return f"{trace['sessions']} sessions, gap ×{trace.get('gap_scale', 1.0):g}"
+    rate = trace.get("handoff_rate")
+    context = trace.get("context", "shared")
+    return (
+        f"{trace['sessions']} sessions, gap ×{trace.get('gap_scale', 1.0):g}"
+        + (f", hand-offs {rate:.0%}" if rate is not None else "")
+        + (", fresh sub-agent contexts" if context == "fresh" else "")
+    )
 
 
 def _load_table(levels: list[dict[str, Any]]) -> list[str]:
@@ -122,6 +128,13 @@ def render_section(name: str, data: dict[str, Any]) -> str:
     return "\n".join([*lines, "", *sections])
 
 
+def _handoffs(trace: dict[str, Any]) -> str:
+    rate = trace.get("handoff_rate")
+    share = f"{rate:.0%} of later turns hand off" if rate is not None else "the scenario's hand-off chain"
+    fresh = trace.get("context", "shared") == "fresh"
+    return share + (" to sub-agents with a fresh context" if fresh else " (the model sees the whole history)")
+
+
 def render_level(heading: str, data: dict[str, Any]) -> str:
     trace = data["trace"]
     lines = [
@@ -129,8 +142,8 @@ def render_level(heading: str, data: dict[str, Any]) -> str:
         "",
         (
             f"Synthetic traces of {trace['sessions']} sessions × {trace['hours']:g} h on the scenario, every gap "
-            f"between turns × {trace.get('gap_scale', 1.0):g}, reported seeds {', '.join(map(str, data['seeds']))}; "
-            f"{data['interval']}."
+            f"between turns × {trace.get('gap_scale', 1.0):g}, {_handoffs(trace)}, reported seeds "
+            f"{', '.join(map(str, data['seeds']))}; {data['interval']}."
         ),
     ]
     search = data.get("static_tuned_search")

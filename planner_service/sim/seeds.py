@@ -64,6 +64,8 @@ class SeedStudy:
                 "hours": self.params.hours,
                 "users": self.params.users,
                 "gap_scale": self.params.gap_scale,
+                "handoff_rate": self.params.handoff_rate,
+                "context": self.params.context,
             },
             "interval": "95 % Student t over seeds",
             "metrics": {p: {k: v.to_json() for k, v in m.items()} for p, m in self.intervals.items()},
@@ -183,7 +185,8 @@ def plot(study: SeedStudy, out_dir: Path) -> Path:
 
 
 def load_label(params: SynthParams) -> str:
-    return f"{params.sessions} sessions, gap x{params.gap_scale:g}"
+    rate = f", hand-offs {params.handoff_rate:.0%}" if params.handoff_rate is not None else ""
+    return f"{params.sessions} sessions, gap x{params.gap_scale:g}{rate}"
 
 
 def load_plot(studies: Sequence[SeedStudy], out_dir: Path) -> Path:

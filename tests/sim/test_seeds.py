@@ -94,3 +94,16 @@ def test_native_precision_leaves_each_model_its_preferred_precision_only() -> No
     assert [str(p) for p in coder.precisions or []] == ["bf16"]  # the demo also allows int4
     assert not [r for r in scenario.residency if r.object.model == "coder" and str(r.object.precision) == "int4"]
     assert problem_from_scenario(scenario).models["coder"].precisions == ("bf16",)
+
+
+def test_the_cli_runs_a_level_per_handoff_rate_with_fresh_sub_agent_contexts() -> None:
+    args = ["study", "seeds", "--policies", "sleep-router", "--seeds", "1", "--train-seeds", ""]
+    args += ["--sessions", "2", "--hours", "0.1", "--handoff-rate", "0.05,0.5", "--context", "fresh", "--json"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    levels = json.loads(result.stdout)["levels"]
+    assert [(lv["trace"]["handoff_rate"], lv["trace"]["context"]) for lv in levels] == [(0.05, "fresh"), (0.5, "fresh")]
+    result = CliRunner().invoke(app, ["study", "seeds", "--context", "forked", "--train-seeds", "", "--seeds", "1"])
+    assert result.exit_code == 2 and "context" in result.output
+    result = CliRunner().invoke(app, ["study", "seeds", "--handoff-rate", "1.5", "--train-seeds", "", "--seeds", "1"])
+    assert result.exit_code == 2 and "handoff_rate" in result.output

@@ -24,6 +24,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from planner_service.domain.catalog_fits import catalog_fits_scenario
 from planner_service.domain.demo import demo_scenario
 from planner_service.domain.engines import EngineState
 from planner_service.domain.exceeds import exceeds_scenario
@@ -58,11 +59,16 @@ err = Console(stderr=True)
 ScenarioOpt = Annotated[
     Path | None,
     typer.Option(
-        "--scenario", help="Scenario file (JSON or YAML), or a built-in one: demo, exceeds-hbm; default: the demo."
+        "--scenario",
+        help="Scenario file (JSON or YAML), or a built-in one: demo, exceeds-hbm, catalog-fits; default: the demo.",
     ),
 ]
 # built-in scenarios by name, for a --scenario that names no file
-BUILTIN_SCENARIOS: dict[str, Callable[[], Scenario]] = {"demo": demo_scenario, "exceeds-hbm": exceeds_scenario}
+BUILTIN_SCENARIOS: dict[str, Callable[[], Scenario]] = {
+    "demo": demo_scenario,
+    "exceeds-hbm": exceeds_scenario,
+    "catalog-fits": catalog_fits_scenario,
+}
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")]
 
 

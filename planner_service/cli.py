@@ -1050,11 +1050,24 @@ def study_seeds(
             help="What a hand-off's model sees: shared (the session's whole history) or fresh (a sub-agent's own)."
         ),
     ] = "shared",
+    trace: Annotated[
+        str | None,
+        typer.Option(
+            "--trace",
+            help="Replay a real trace instead of synthetic ones: azure, mooncake or alibaba (imported from "
+            "--traces-dir) or a trace file, cut into windows of --hours; --seeds and --train-seeds then number "
+            "the reported and training windows (0: the first), and intervals are bootstraps over sessions.",
+        ),
+    ] = None,
+    traces_dir: Annotated[
+        Path, typer.Option("--traces-dir", help="The public traces' folder, for --trace by name.")
+    ] = Path("../shared/traces"),
     out_dir: StudyOutOpt = Path("."),
     as_json: JsonOpt = False,
 ) -> None:
     """Every policy over N seeds at each load level: each metric's mean with its 95 % t-interval, saturated runs
-    counted. Load levels are every --sessions by every --gap-scale; static-tuned is searched at each one."""
+    counted. Load levels are every --sessions by every --gap-scale by every --handoff-rate; static-tuned is
+    searched at each one. With --trace, every policy on windows of a real trace instead."""
     from planner_service.domain.problem import native_precision_scenario
     from planner_service.sim import seeds as seed_runs
     from planner_service.sim.engine import SimulationError
@@ -1065,6 +1078,12 @@ def study_seeds(
         raise fail(f"--precision: allowed or native, got {precision!r}")
     if precision == "native":
         parsed = native_precision_scenario(parsed)
+    if trace is not None:
+        name = str(scenario) if scenario is not None else "demo"
+        _trace_study(
+            parsed, name, precision, trace, traces_dir, hours, policies, seeds, train_seeds, tune_budget, as_json
+        )
+        return
     session_levels = _seed_list(sessions, "sessions")
     if not session_levels:
         raise fail("--sessions: at least one count")
@@ -1129,6 +1148,53 @@ def study_seeds(
     err.print(f"wrote {seed_runs.plot(studies[-1], out_dir)}")
     if len(studies) > 1:
         err.print(f"wrote {seed_runs.load_plot(studies, out_dir)}")
+
+
+def _trace_study(
+    scenario: Scenario,
+    name: str,
+    precision: str,
+    source: str,
+    traces_dir: Path,
+    hours: float,
+    policies: str,
+    windows: str,
+    train_windows: str,
+    tune_budget: int,
+    as_json: bool,
+) -> None:
+    """`study seeds --trace`: every policy on the reported windows of a real trace (`sim/windows.py`)."""
+    from planner_service.sim import seeds as seed_runs
+    from planner_service.sim import windows as window_runs
+    from planner_service.sim.engine import SimulationError
+
+    try:
+        records = window_runs.load_trace(source, scenario, traces_dir)
+        err.print(f"{source}: {len(records):,} records, windows of {hours:g} h", highlight=False)
+        study = window_runs.window_study(
+            scenario,
+            records,
+            source,
+            hours,
+            [p.strip() for p in policies.split(",") if p.strip()],
+            _seed_list(windows, "seeds"),
+            _seed_list(train_windows, "train-seeds"),
+            tune_budget=tune_budget,
+            on_progress=lambda line: err.print(line, highlight=False),
+        )
+    except (SimulationError, ValueError) as error:  # TraceError included
+        raise fail(str(error)) from None
+    if as_json:
+        emit_json({"scenario": name, "precision": precision, "levels": [study.to_json()]})
+        return
+    columns, rows = seed_runs.table(study)
+    table = Table(title=f"{source}: windows {', '.join(map(str, study.windows))} of {hours:g} h")
+    for col in columns:
+        table.add_column(col, overflow="fold")
+    for row in rows:
+        table.add_row(*row)
+    out.print(table)
+    out.print(window_runs.INTERVAL_NOTE, highlight=False)
 
 
 EVIDENCE_PREAMBLE = """# Evidence: policies over seeds

@@ -9,10 +9,10 @@ a comparison should quote no ratio from a policy with saturated runs.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -147,7 +147,24 @@ def trace(scenario: Scenario, params: SynthParams, seed: int) -> list[TraceRecor
     return synth_trace(scenario, params, np.random.default_rng(seed))
 
 
-def table(study: SeedStudy) -> tuple[list[str], list[list[str]]]:
+class Labelled(Protocol):
+    def label(self, digits: int = 2) -> str: ...
+
+
+class Tabled(Protocol):
+    """What `table` reads of a study: a seed study, or a window study of a real trace (`windows.py`)."""
+
+    @property
+    def policies(self) -> list[str]: ...
+    @property
+    def seeds(self) -> list[int]: ...
+    @property
+    def intervals(self) -> Mapping[str, Mapping[str, Labelled]]: ...
+    @property
+    def saturated_runs(self) -> dict[str, int]: ...
+
+
+def table(study: Tabled) -> tuple[list[str], list[list[str]]]:
     """Columns and rows: a policy per row, each metric's mean ± 95 % half width, and its saturated runs."""
     columns = ["policy", *(label for _, label, _ in METRICS), "saturated runs"]
     rows = [

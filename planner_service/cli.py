@@ -40,6 +40,7 @@ from planner_service.wire.enums import SolverName
 if TYPE_CHECKING:
     from clients.sdk import StateBudgetClient
     from planner_service.settings import Settings
+    from planner_service.sim.fit import TraceFit
     from planner_service.wire.calibration import CalibrationOut
 
 T = TypeVar("T")
@@ -1050,6 +1051,14 @@ def study_seeds(
             help="What a hand-off's model sees: shared (the session's whole history) or fresh (a sub-agent's own)."
         ),
     ] = "shared",
+    fit: Annotated[
+        str | None,
+        typer.Option(
+            "--fit",
+            help="Fit the synthetic traces' gaps and tokens to a real trace: azure, mooncake, alibaba (from "
+            "--traces-dir) or a trace file; default: the TraceLab sample's (synth.py).",
+        ),
+    ] = None,
     trace: Annotated[
         str | None,
         typer.Option(
@@ -1092,6 +1101,7 @@ def study_seeds(
     spread = min(1800.0, hours * 900.0)  # the team arrives and leaves within a quarter of a short trace
     studies = []
     try:
+        fitted = _fit(parsed, fit, traces_dir) if fit is not None else None
         for count, scale, rate in itertools.product(session_levels, scales, rates):
             params = SynthParams(
                 sessions=count,
@@ -1102,6 +1112,7 @@ def study_seeds(
                 handoff_rate=rate,
                 context=context,
             )
+            params = fitted.apply(params) if fitted is not None else params
             err.print(
                 f"load level: {count} sessions, gap scale {scale:g}"
                 + (f", hand-off rate {rate:g}" if rate is not None else "")
@@ -1119,6 +1130,7 @@ def study_seeds(
                     on_progress=lambda line: err.print(line, highlight=False),
                 )
             )
+            studies[-1].fit = fitted.to_json() if fitted is not None else None
     except (SimulationError, ValueError) as error:
         raise fail(str(error)) from None
     if as_json:
@@ -1148,6 +1160,22 @@ def study_seeds(
     err.print(f"wrote {seed_runs.plot(studies[-1], out_dir)}")
     if len(studies) > 1:
         err.print(f"wrote {seed_runs.load_plot(studies, out_dir)}")
+
+
+def _fit(scenario: Scenario, source: str, traces_dir: Path) -> TraceFit:
+    """`study seeds --fit`: the gap and token distributions of a real trace (`sim/fit.py`)."""
+    from planner_service.sim.fit import fit_trace
+    from planner_service.sim.windows import load_trace
+
+    fitted = fit_trace(load_trace(source, scenario, traces_dir), source)
+    g = fitted.gap_seconds
+    err.print(
+        f"fitted to {source}: gaps median {g.median:.1f} s, sigma {g.sigma:.2f}; tokens first / later / output "
+        f"median {fitted.first_input_tokens.median:.0f} / {fitted.turn_input_tokens.median:.0f} / "
+        f"{fitted.output_tokens.median:.0f}; the trace hands off on {fitted.handoff_share:.1%} of later turns",
+        highlight=False,
+    )
+    return fitted
 
 
 def _trace_study(

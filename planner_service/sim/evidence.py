@@ -150,9 +150,16 @@ def _what_ran(data: dict[str, Any]) -> str:
             f"each session's first request; reported windows {', '.join(map(str, data['seeds']))} "
             f"({trace['sessions']:,} sessions), training windows {train}; {data['interval']}."
         )
+    fit = trace.get("fit")
+    fitted = (
+        f" (gaps and tokens fitted to `{fit['source']}`: gap median {fit['gap_seconds']['median']:.1f} s, sigma "
+        f"{fit['gap_seconds']['sigma']:.2f})"
+        if fit
+        else ""
+    )
     return (
-        f"Synthetic traces of {trace['sessions']} sessions × {trace['hours']:g} h on the scenario, every gap "
-        f"between turns × {trace.get('gap_scale', 1.0):g}, {_handoffs(trace)}, reported seeds "
+        f"Synthetic traces{fitted} of {trace['sessions']} sessions × {trace['hours']:g} h on the scenario, every "
+        f"gap between turns × {trace.get('gap_scale', 1.0):g}, {_handoffs(trace)}, reported seeds "
         f"{', '.join(map(str, data['seeds']))}; {data['interval']}."
     )
 

@@ -53,6 +53,7 @@ class SeedStudy:
     runs: dict[str, list[dict[str, Any]]]  # policy -> per-seed metrics
     tuning: TuneResult | None = None
     notes: list[str] = field(default_factory=list)
+    fit: dict[str, Any] | None = None  # the real trace the gaps and tokens were fitted to (`fit.py`), if any
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -66,6 +67,7 @@ class SeedStudy:
                 "gap_scale": self.params.gap_scale,
                 "handoff_rate": self.params.handoff_rate,
                 "context": self.params.context,
+                "fit": self.fit,
             },
             "interval": "95 % Student t over seeds",
             "metrics": {p: {k: v.to_json() for k, v in m.items()} for p, m in self.intervals.items()},

@@ -49,8 +49,9 @@ The generative model, in the order it runs:
    each later turn hands off with probability `handoff_rate`, to a model drawn from `P_h`'s row
    without the current model (renormalised; uniform over the others where that row has no other
    mass), and otherwise stays. Left unset, the demo's chain hands off on about half the turns
-   (54.1 % of the turns after a session's first: 10 sessions, 8 h, seed 7, `handoff_share`); the Alibaba GenAI trace's sessions change
-   model on 19 % of theirs (`sim/fit.py`), so the rate is the dimension to sweep.
+   (54.1 % of the turns after a session's first: 10 sessions, 8 h, seed 7, `handoff_share`), while
+   the Alibaba GenAI trace's sessions change model on 24.9 % of theirs (`sim/fit.py`), so the rate is
+   a dimension to sweep. `sim/fit.py` also fits the gaps and tokens to a real trace instead of TraceLab's.
 7. **Context.** `context` says what a hand-off's model sees. `shared`: the whole history of the
    session (one trace session; the new model must have KV for all of it or prefill it again).
    `fresh`: a sub-agent with a context of its own. A hand-off away from the session's first model

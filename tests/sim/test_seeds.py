@@ -107,3 +107,20 @@ def test_the_cli_runs_a_level_per_handoff_rate_with_fresh_sub_agent_contexts() -
     assert result.exit_code == 2 and "context" in result.output
     result = CliRunner().invoke(app, ["study", "seeds", "--handoff-rate", "1.5", "--train-seeds", "", "--seeds", "1"])
     assert result.exit_code == 2 and "handoff_rate" in result.output
+
+
+def test_the_cli_fits_the_synthetic_traces_to_a_trace_file(tmp_path) -> None:
+    import numpy as np
+
+    from planner_service.sim.synth import synth_trace
+    from planner_service.sim.trace import write_trace_stream
+
+    source = tmp_path / "slow.jsonl"
+    slow = SynthParams(sessions=4, hours=1.0, human_turn_probability=0.0, tool_gap_median_seconds=60.0)
+    write_trace_stream(source, synth_trace(demo_scenario(), slow, np.random.default_rng(1)))
+    args = ["study", "seeds", "--policies", "sleep-router", "--seeds", "1", "--train-seeds", "", "--sessions", "2"]
+    args += ["--hours", "0.1", "--fit", str(source), "--json"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    fit = json.loads(result.stdout)["levels"][0]["trace"]["fit"]
+    assert fit["source"] == str(source) and fit["gap_seconds"]["median"] == pytest.approx(60.0, rel=0.1)

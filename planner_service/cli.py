@@ -1012,7 +1012,7 @@ def study_seeds(
     scenario: ScenarioOpt = None,
     policies: Annotated[
         str, typer.Option(help="Comma-separated policies to compare.")
-    ] = "statebudget,sleep-router,swap-ttl,static-tuned",
+    ] = "statebudget,statebudget-groups,sleep-router,swap-ttl,static-tuned",
     seeds: Annotated[str, typer.Option(help="Reported seeds, comma-separated (one synthetic trace each).")] = "1,2,3",
     train_seeds: Annotated[
         str, typer.Option(help="Training seeds for static-tuned's search, kept apart from the reported ones.")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -11,9 +10,6 @@ import pytest
 from planner_service.domain.demo import demo_scenario
 from planner_service.sim.fit import fit_lognormal, fit_trace
 from planner_service.sim.synth import SynthParams, synth_trace
-from planner_service.sim.windows import load_trace
-
-TRACES = Path(__file__).resolve().parents[2].parent / "shared" / "traces"
 
 
 def test_a_lognormal_by_hand_and_zeros_left_out() -> None:
@@ -36,10 +32,3 @@ def test_fitting_a_synthetic_trace_recovers_its_own_parameters() -> None:
     assert fit.handoff_share == pytest.approx(0.2, abs=0.02)
     applied = fit.apply(SynthParams())
     assert applied.human_turn_probability == 0 and applied.tool_gap_median_seconds == fit.gap_seconds.median
-
-
-@pytest.mark.skipif(not (TRACES / "alibaba_genai_2026").exists(), reason="../shared/traces is absent")
-def test_the_alibaba_fit() -> None:
-    fit = fit_trace(load_trace("alibaba", demo_scenario(), TRACES), "alibaba")
-    # measured on the full request trace (sim/fit.py): minutes between a group's requests, 24.9 % hand-offs
-    assert 60 < fit.gap_seconds.median < 90 and fit.handoff_share == pytest.approx(0.249, abs=0.001)

@@ -14,6 +14,7 @@ from planner_service.domain.demo import demo_scenario
 from planner_service.domain.scenario import Slo
 from planner_service.sim.engine import SimRequest
 from planner_service.sim.evidence import render
+from planner_service.sim.fit import fit_trace
 from planner_service.sim.synth import SynthParams, synth_trace
 from planner_service.sim.trace import TraceEnd, TraceRequest, write_trace_stream
 from planner_service.sim.windows import bootstrap, load_trace, window_study, windows
@@ -118,8 +119,11 @@ def test_the_cli_replays_a_trace_file_and_the_evidence_page_renders_it(small_tra
 
 
 @pytest.mark.skipif(not (TRACES / "alibaba_genai_2026").exists(), reason="../shared/traces is absent")
-def test_the_alibaba_trace_by_name_cuts_into_days() -> None:
+def test_the_alibaba_trace_by_name_cuts_into_days_and_fits() -> None:
     records = load_trace("alibaba", demo_scenario(), TRACES)
     days = windows(records, 24.0)
     assert len(days) == 24  # 23 days and a little (SOURCE.md: 2024-11-15 16:57 to 12-08 17:33)
     assert sum(isinstance(r, TraceRequest) for day in days for r in day) == 26_823  # every request, once
+    # its fit (sim/fit.py): minutes between a group's requests, 24.9 % of later requests change model
+    fit = fit_trace(records, "alibaba")
+    assert 60 < fit.gap_seconds.median < 90 and fit.handoff_share == pytest.approx(0.249, abs=0.001)

@@ -251,7 +251,7 @@ def test_fresh_and_shared_hand_off_as_often_and_every_sub_agent_ends(fresh) -> N
     assert all(end_at[s] >= t for s, t in last_request.items())
 
 
-def test_the_replay_counts_a_fresh_trace_s_hand_offs_as_the_trace_has_them(fresh) -> None:
+def test_the_replay_counts_a_fresh_trace_s_hand_offs_and_runs_a_workflow_a_turn_at_a_time(fresh) -> None:
     from planner_service.sim.engine import simulate
     from planner_service.sim.policies import create_policy
 
@@ -260,3 +260,10 @@ def test_the_replay_counts_a_fresh_trace_s_hand_offs_as_the_trace_has_them(fresh
     reqs = requests(head)
     counted = sum(r.handoff for r in result.requests)
     assert counted == round(handoff_share(head) * (len(reqs) - len({r.session.split(".")[0] for r in reqs})))
+    # a sub-agent and the session that handed off to it are one agent: one turn at a time, in trace order
+    previous: dict[str, float] = {}
+    for r in sorted(result.requests, key=lambda r: r.index):
+        root = r.session.split(".")[0]
+        if root in previous:
+            assert r.admitted_at >= previous[root] - 1e-9
+        previous[root] = r.done_at if r.state == "done" else r.failed_at

@@ -473,7 +473,6 @@ class Simulator(SimState):
             return
         nxt = self.slots.close(session_id)
         if nxt is not None:
-            waiting = self.sessions[nxt]
             queue = self._queues[nxt]
             if queue:
                 owner = self._lag_owner(nxt)

@@ -175,7 +175,7 @@ evidence-real: $(STAMP)
 	$(MAKE) evidence
 # every replay the headline needs, sized to finish within 2 hours on 2 cores: exceeds-hbm at three load levels
 # (109 s), the demo at three (96 s), catalog-fits at one (28 s), the synthetic trace at two hand-off rates with
-# both context semantics (124 s), and each public trace: at REAL_TUNE=100 about 45 minutes, extrapolated from one
+# both context semantics (118 s), and each public trace: at REAL_TUNE=100 about 45 minutes, extrapolated from one
 # window of each with 4 search replays (Azure 51 s, Mooncake 99 s, Alibaba 57 s with two days; 2026-12-03, load
 # average 4-5); evidence-quick stays the CI-sized study
 evidence-full: $(STAMP)

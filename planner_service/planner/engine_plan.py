@@ -37,6 +37,7 @@ from planner_service.domain.engines import (
     Transition,
     holdings,
     kv_held_in_pool,
+    kv_pool_tokens,
     launch_kv_pool_bytes_per_gpu,
     may,
     min_kv_pool_bytes_per_gpu,
@@ -662,6 +663,9 @@ def instance_ref(
         precision=inst.precision,
         gpus=list(inst.gpus),
         kv_pool_bytes_per_gpu=kv_pool_bytes_per_gpu,
+        kv_pool_tokens=kv_pool_tokens(
+            problem.models[view.model].kv_bytes_per_token, kv_pool_bytes_per_gpu, len(inst.gpus)
+        ),
         # the longest request it serves (vLLM --max-model-len): its pool's minimum is one such request
         max_context_tokens=inst.max_context_tokens or None,
         gpu_expert_fraction=inst.launch.gpu_expert_fraction,

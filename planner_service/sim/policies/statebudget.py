@@ -132,7 +132,9 @@ class StatebudgetPolicy(Policy):
         price_moves: bool = True,
         across_margin: float = ACROSS_MARGIN_STARTS,
         stand_ins_expected: bool = True,
+        predict_switches: bool = True,
     ) -> None:
+        self.predict_switches = predict_switches  # False: plans see no session's next model (the ablation)
         self.price_moves = price_moves  # charge a plan's moves their outage and stranded KV (`move_price`)
         self.across_margin = across_margin  # hysteresis on moves across nodes, in cold starts
         self.stand_ins_expected = stand_ins_expected  # adoption prices stand-ins as predicted requests
@@ -307,6 +309,8 @@ class StatebudgetPolicy(Policy):
     def next_models(self, sim: SimView, sessions: Mapping[str, Session]) -> dict[str, dict[str, float]]:
         """Next-model probabilities of each session: the predictor's, fed the hand-offs observed so far."""
         assert self.predictor is not None
+        if not self.predict_switches:
+            return {}
         return self.predictor.predict_sessions({s.id: s.model for s in sessions.values()}, sim.now)
 
     def pins(self, sim: SimView) -> tuple[dict[str, str], dict[str, str]]:

@@ -6,6 +6,8 @@ levels, then per level what was run (trace sizes, gap scale, seeds, training see
 search), a table of every policy's metrics (mean ± 95 % t half width over the seeds) with its saturated
 runs, the hand-off P95 ratios against the best baseline where no run of either policy is saturated, and
 where the hand-offs' switch latency went per policy (stored results that predate a column show a dash).
+A result of a real trace (`study seeds --trace`, `windows.py`) reads the same, by window instead of by seed,
+its request metrics with their bootstrap interval as `mean [low, high]`.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ GOAL = "hand-off P95 ≤ 0.6 × the best baseline at ≤ 1.2 × its GPU memory-t
 def _cell(interval: dict[str, Any] | None, digits: int) -> str:
     if interval is None:
         return "—"
+    if interval.get("method") == "bootstrap":  # a real trace's interval (windows.py): not symmetric
+        return f"{interval['mean']:.{digits}f} [{interval['low']:.{digits}f}, {interval['high']:.{digits}f}]"
     if interval.get("half_width") is None:
         return f"{interval['mean']:.{digits}f}"
     return f"{interval['mean']:.{digits}f} ± {interval['half_width']:.{digits}f}"
@@ -94,7 +98,15 @@ PRECISION = {
 
 
 def _level_name(trace: dict[str, Any]) -> str:
-    return f"{trace['sessions']} sessions, gap ×{trace.get('gap_scale', 1.0):g}"
+    if "source" in trace:
+        return f"{trace['source']}, windows of {trace['hours']:g} h"
+    rate = trace.get("handoff_rate")
+    context = trace.get("context", "shared")
+    return (
+        f"{trace['sessions']} sessions, gap ×{trace.get('gap_scale', 1.0):g}"
+        + (f", hand-offs {rate:.0%}" if rate is not None else "")
+        + (", fresh sub-agent contexts" if context == "fresh" else "")
+    )
 
 
 def _load_table(levels: list[dict[str, Any]]) -> list[str]:
@@ -125,21 +137,47 @@ def render_section(name: str, data: dict[str, Any]) -> str:
     return "\n".join([*lines, "", *sections])
 
 
-def render_level(heading: str, data: dict[str, Any]) -> str:
+def _handoffs(trace: dict[str, Any]) -> str:
+    rate = trace.get("handoff_rate")
+    share = f"{rate:.0%} of later turns hand off" if rate is not None else "the scenario's hand-off chain"
+    fresh = trace.get("context", "shared") == "fresh"
+    return share + (" to sub-agents with a fresh context" if fresh else " (the model sees the whole history)")
+
+
+def _what_ran(data: dict[str, Any]) -> str:
     trace = data["trace"]
+    if "source" in trace:
+        train = ", ".join(map(str, data["train_seeds"])) or "none"
+        return (
+            f"The real trace `{trace['source']}` replayed as it is, cut into windows of {trace['hours']:g} h by "
+            f"each session's first request; reported windows {', '.join(map(str, data['seeds']))} "
+            f"({trace['sessions']:,} sessions), training windows {train}; {data['interval']}."
+        )
+    fit = trace.get("fit")
+    fitted = (
+        f" (gaps and tokens fitted to `{fit['source']}`: gap median {fit['gap_seconds']['median']:.1f} s, sigma "
+        f"{fit['gap_seconds']['sigma']:.2f})"
+        if fit
+        else ""
+    )
+    return (
+        f"Synthetic traces{fitted} of {trace['sessions']} sessions × {trace['hours']:g} h on the scenario, every "
+        f"gap between turns × {trace.get('gap_scale', 1.0):g}, {_handoffs(trace)}, reported seeds "
+        f"{', '.join(map(str, data['seeds']))}; {data['interval']}."
+    )
+
+
+def render_level(heading: str, data: dict[str, Any]) -> str:
     lines = [
         heading,
         "",
-        (
-            f"Synthetic traces of {trace['sessions']} sessions × {trace['hours']:g} h on the scenario, every gap "
-            f"between turns × {trace.get('gap_scale', 1.0):g}, reported seeds {', '.join(map(str, data['seeds']))}; "
-            f"{data['interval']}."
-        ),
+        _what_ran(data),
     ]
     search = data.get("static_tuned_search")
     if search:
         lines.append(
-            f"static-tuned: trained on seeds {', '.join(map(str, data['train_seeds']))}; a space of "
+            f"static-tuned: trained on {'windows' if 'source' in data['trace'] else 'seeds'} "
+            f"{', '.join(map(str, data['train_seeds']))}; a space of "
             f"{search['space_size']:,} partitions, {search['candidates_scored']} scored in {search['replays']} "
             f"replays, {search['pruned']} pruned by memory fit, {search.get('failed', 0)} infeasible, "
             f"{'exhaustive' if search['exhaustive'] else 'sampled'}."

@@ -9,10 +9,10 @@ a comparison should quote no ratio from a policy with saturated runs.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -53,6 +53,7 @@ class SeedStudy:
     runs: dict[str, list[dict[str, Any]]]  # policy -> per-seed metrics
     tuning: TuneResult | None = None
     notes: list[str] = field(default_factory=list)
+    fit: dict[str, Any] | None = None  # the real trace the gaps and tokens were fitted to (`fit.py`), if any
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -64,6 +65,9 @@ class SeedStudy:
                 "hours": self.params.hours,
                 "users": self.params.users,
                 "gap_scale": self.params.gap_scale,
+                "handoff_rate": self.params.handoff_rate,
+                "context": self.params.context,
+                "fit": self.fit,
             },
             "interval": "95 % Student t over seeds",
             "metrics": {p: {k: v.to_json() for k, v in m.items()} for p, m in self.intervals.items()},
@@ -145,7 +149,24 @@ def trace(scenario: Scenario, params: SynthParams, seed: int) -> list[TraceRecor
     return synth_trace(scenario, params, np.random.default_rng(seed))
 
 
-def table(study: SeedStudy) -> tuple[list[str], list[list[str]]]:
+class Labelled(Protocol):
+    def label(self, digits: int = 2) -> str: ...
+
+
+class Tabled(Protocol):
+    """What `table` reads of a study: a seed study, or a window study of a real trace (`windows.py`)."""
+
+    @property
+    def policies(self) -> list[str]: ...
+    @property
+    def seeds(self) -> list[int]: ...
+    @property
+    def intervals(self) -> Mapping[str, Mapping[str, Labelled]]: ...
+    @property
+    def saturated_runs(self) -> dict[str, int]: ...
+
+
+def table(study: Tabled) -> tuple[list[str], list[list[str]]]:
     """Columns and rows: a policy per row, each metric's mean ± 95 % half width, and its saturated runs."""
     columns = ["policy", *(label for _, label, _ in METRICS), "saturated runs"]
     rows = [
@@ -183,7 +204,8 @@ def plot(study: SeedStudy, out_dir: Path) -> Path:
 
 
 def load_label(params: SynthParams) -> str:
-    return f"{params.sessions} sessions, gap x{params.gap_scale:g}"
+    rate = f", hand-offs {params.handoff_rate:.0%}" if params.handoff_rate is not None else ""
+    return f"{params.sessions} sessions, gap x{params.gap_scale:g}{rate}"
 
 
 def load_plot(studies: Sequence[SeedStudy], out_dir: Path) -> Path:

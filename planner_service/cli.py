@@ -41,6 +41,7 @@ if TYPE_CHECKING:
     from clients.sdk import StateBudgetClient
     from planner_service.settings import Settings
     from planner_service.sim.fit import TraceFit
+    from planner_service.sim.synth import SynthParams
     from planner_service.wire.calibration import CalibrationOut
 
 T = TypeVar("T")
@@ -1007,6 +1008,31 @@ def _float_list(text: str, field: str) -> list[float]:
     return values
 
 
+def _study_scenario(scenario: Path | None, precision: str) -> Scenario:
+    """The study's scenario; at `native` precision every policy serves each model at its preferred one."""
+    from planner_service.domain.problem import native_precision_scenario
+
+    if precision not in ("allowed", "native"):
+        raise fail(f"--precision: allowed or native, got {precision!r}")
+    parsed = read_scenario(scenario)
+    return native_precision_scenario(parsed) if precision == "native" else parsed
+
+
+def _team_trace(sessions: int, hours: float, gap_scale: float, **options: Any) -> SynthParams:
+    """A study's synthetic trace: the team arrives and leaves within a quarter of a short trace."""
+    from planner_service.sim.synth import SynthParams
+
+    spread = min(1800.0, hours * 900.0)
+    return SynthParams(
+        sessions=sessions,
+        hours=hours,
+        arrival_spread_seconds=spread,
+        departure_spread_seconds=spread,
+        gap_scale=gap_scale,
+        **options,
+    )
+
+
 @study_app.command("seeds")
 def study_seeds(
     scenario: ScenarioOpt = None,
@@ -1077,16 +1103,10 @@ def study_seeds(
     """Every policy over N seeds at each load level: each metric's mean with its 95 % t-interval, saturated runs
     counted. Load levels are every --sessions by every --gap-scale by every --handoff-rate; static-tuned is
     searched at each one. With --trace, every policy on windows of a real trace instead."""
-    from planner_service.domain.problem import native_precision_scenario
     from planner_service.sim import seeds as seed_runs
     from planner_service.sim.engine import SimulationError
-    from planner_service.sim.synth import SynthParams
 
-    parsed = read_scenario(scenario)
-    if precision not in ("allowed", "native"):
-        raise fail(f"--precision: allowed or native, got {precision!r}")
-    if precision == "native":
-        parsed = native_precision_scenario(parsed)
+    parsed = _study_scenario(scenario, precision)
     if trace is not None:
         name = str(scenario) if scenario is not None else "demo"
         _trace_study(
@@ -1098,20 +1118,11 @@ def study_seeds(
         raise fail("--sessions: at least one count")
     scales = _float_list(gap_scale, "gap-scale")
     rates: list[float | None] = [None] if handoff_rate is None else list(_float_list(handoff_rate, "handoff-rate"))
-    spread = min(1800.0, hours * 900.0)  # the team arrives and leaves within a quarter of a short trace
     studies = []
     try:
         fitted = _fit(parsed, fit, traces_dir) if fit is not None else None
         for count, scale, rate in itertools.product(session_levels, scales, rates):
-            params = SynthParams(
-                sessions=count,
-                hours=hours,
-                arrival_spread_seconds=spread,
-                departure_spread_seconds=spread,
-                gap_scale=scale,
-                handoff_rate=rate,
-                context=context,
-            )
+            params = _team_trace(count, hours, scale, handoff_rate=rate, context=context)
             params = fitted.apply(params) if fitted is not None else params
             err.print(
                 f"load level: {count} sessions, gap scale {scale:g}"
@@ -1245,27 +1256,14 @@ def study_decompose(
 ) -> None:
     """static-tuned, then the planner on the operator's groups without and with switch prediction, then moving
     engines: each rung over N seeds, and each step's effect paired by seed (sim/decompose.py)."""
-    from planner_service.domain.problem import native_precision_scenario
     from planner_service.sim import decompose
     from planner_service.sim.engine import SimulationError
-    from planner_service.sim.synth import SynthParams
 
-    parsed = read_scenario(scenario)
-    if precision not in ("allowed", "native"):
-        raise fail(f"--precision: allowed or native, got {precision!r}")
-    if precision == "native":
-        parsed = native_precision_scenario(parsed)
-    spread = min(1800.0, hours * 900.0)  # as `study seeds`: the team arrives and leaves within a quarter
+    parsed = _study_scenario(scenario, precision)
     levels = []
     try:
         for scale in _float_list(gap_scale, "gap-scale"):
-            params = SynthParams(
-                sessions=sessions,
-                hours=hours,
-                arrival_spread_seconds=spread,
-                departure_spread_seconds=spread,
-                gap_scale=scale,
-            )
+            params = _team_trace(sessions, hours, scale)
             err.print(f"load level: {sessions} sessions, gap scale {scale:g}", highlight=False)
             levels.append(
                 decompose.decompose(

@@ -18,7 +18,7 @@ import numpy as np
 
 from planner_service.domain.scenario import Scenario
 from planner_service.domain.units import GIB
-from planner_service.sim.engine import simulate
+from planner_service.sim.engine import SimResult, simulate
 from planner_service.sim.intervals import Interval, t_interval
 from planner_service.sim.metrics import summarize
 from planner_service.sim.policies import PolicyName, create_policy
@@ -116,21 +116,38 @@ def seed_study(
     overran = dict.fromkeys(names, 0)
     for seed in seeds:
         records = trace(scenario, params, seed)
-        end = max((r.t for r in records), default=0.0)
         for name in names:
-            options = {"partition": tuning.partition} if name == PolicyName.STATIC_TUNED and tuning else {}
-            result = simulate(scenario, records, create_policy(name, **options), seed=seed)
-            summary = summarize(result)
-            over = saturated(result.duration_seconds, end)
-            row: dict[str, Any] = {key: float(read(summary)) for key, _, read in METRICS}
-            row.update(seed=seed, saturated=over, simulated_seconds=result.duration_seconds, trace_seconds=end)
-            row["handoff_switch_parts"] = summary["handoff_switch_parts"]
-            overran[name] += int(over)
+            row, _ = replay_row(scenario, records, name, tuning, seed, {"seed": seed})
+            overran[name] += int(row["saturated"])
             runs[name].append(row)
             if on_progress:
                 on_progress(f"seed {seed} {name}: hand-off P95 {row['handoff_p95_seconds']:.2f} s")
     intervals = {n: {key: t_interval([r[key] for r in runs[n]]) for key, _, _ in METRICS} for n in names}
     return SeedStudy(names, list(seeds), list(train_seeds), params, intervals, overran, runs, tuning)
+
+
+def replay_row(
+    scenario: Scenario,
+    records: Sequence[TraceRecord],
+    name: str,
+    tuning: TuneResult | None,
+    seed: int,
+    tag: dict[str, Any],
+    options: dict[str, Any] | None = None,
+) -> tuple[dict[str, Any], SimResult]:
+    """One policy's replay of one trace: its `METRICS`, `tag` (which trace), whether it saturated, and where
+    its hand-offs' switch latency went; `static-tuned` runs the partition its search found, other policies
+    their `options`."""
+    if options is None:
+        options = {"partition": tuning.partition} if name == PolicyName.STATIC_TUNED and tuning else {}
+    result = simulate(scenario, records, create_policy(name, **options), seed=seed)
+    summary = summarize(result)
+    end = max((r.t for r in records), default=0.0)
+    row: dict[str, Any] = {key: float(read(summary)) for key, _, read in METRICS}
+    row.update(tag, saturated=saturated(result.duration_seconds, end))
+    row.update(simulated_seconds=result.duration_seconds, trace_seconds=end)
+    row["handoff_switch_parts"] = summary["handoff_switch_parts"]
+    return row, result
 
 
 def parts_over_seeds(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, float]]:

@@ -27,13 +27,11 @@ from typing import Any
 import numpy as np
 
 from planner_service.domain.scenario import Scenario
-from planner_service.sim.engine import SimRequest, simulate
+from planner_service.sim.engine import SimRequest
 from planner_service.sim.intervals import Interval, t_interval
-from planner_service.sim.metrics import summarize
-from planner_service.sim.policies import PolicyName, create_policy
+from planner_service.sim.policies import PolicyName
 from planner_service.sim.policies.static_tuned import TuneResult, tune_static
-from planner_service.sim.seeds import METRICS, check_seeds, parts_over_seeds
-from planner_service.sim.slots import saturated
+from planner_service.sim.seeds import METRICS, check_seeds, parts_over_seeds, replay_row
 from planner_service.sim.trace import TraceEnd, TraceRecord, TraceRequest
 
 BOOTSTRAP_RESAMPLES = 1000
@@ -240,18 +238,11 @@ def window_study(
     sessions = 0
     for k in reported:
         window = parts[k]
-        end = max((r.t for r in window), default=0.0)
         parents = {r.session: r.parent for r in window if isinstance(r, TraceRequest) and r.parent}
         sessions += len({_root(r.session, parents) for r in window})
         for name in names:
-            options = {"partition": tuning.partition} if name == PolicyName.STATIC_TUNED and tuning else {}
-            result = simulate(scenario, window, create_policy(name, **options), seed=k)
-            summary = summarize(result)
-            over = saturated(result.duration_seconds, end)
-            row: dict[str, Any] = {key: float(read(summary)) for key, _, read in METRICS}
-            row.update(window=k, saturated=over, simulated_seconds=result.duration_seconds, trace_seconds=end)
-            row["handoff_switch_parts"] = summary["handoff_switch_parts"]
-            overran[name] += int(over)
+            row, result = replay_row(scenario, window, name, tuning, k, {"window": k})
+            overran[name] += int(row["saturated"])
             runs[name].append(row)
             grouped: dict[str, list[SimRequest]] = {}
             for req in result.requests:

@@ -116,7 +116,7 @@ clean:
 # no replay)
 evidence: $(STAMP)
 	$(VENV)/bin/statebudget study evidence docs/evidence/*.json --findings docs/evidence/findings.md \
-		--out docs/evidence.md
+		--out docs/evidence.md --readme README.md
 # the CI-sized study (10 seeds of 5 sessions x 15 min, gaps x8, precision held equal, static-tuned searched in 50
 # replays), stored, then rendered
 evidence-quick: $(STAMP)

@@ -1304,20 +1304,27 @@ def study_evidence(
     findings: Annotated[
         Path | None, typer.Option(help="A Markdown file of findings from the results, appended after them.")
     ] = None,
+    readme: Annotated[
+        Path | None, typer.Option(help="A README whose headline block (its markers) gets the headline table.")
+    ] = None,
 ) -> None:
-    """Render docs/evidence.md from stored seed-study results (no replay)."""
-    from planner_service.sim.evidence import render
+    """Render docs/evidence.md from stored seed-study results (no replay), and the README's headline table."""
+    from planner_service.sim.evidence import headline, render, with_headline
 
     try:
         page = render(results, EVIDENCE_PREAMBLE)
         if findings is not None:
             page += "\n" + findings.read_text().strip() + "\n"
+        updated = with_headline(readme.read_text(), headline(results)) if readme is not None else None
     except ValueError as error:
         raise fail(str(error)) from None
     except OSError as error:
-        raise fail(f"--findings: {error}") from None
+        raise fail(f"--findings / --readme: {error}") from None
     out_path.write_text(page)
     err.print(f"wrote {out_path}")
+    if readme is not None and updated is not None:
+        readme.write_text(updated)
+        err.print(f"wrote the headline table into {readme}")
 
 
 def main() -> None:  # pragma: no cover - console script entry

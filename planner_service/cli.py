@@ -8,6 +8,7 @@ malformed scenario, or a constraint that cannot hold): the message names it.
 from __future__ import annotations
 
 import copy
+import itertools
 import json
 import logging
 import re
@@ -23,6 +24,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from planner_service.domain.catalog_fits import catalog_fits_scenario
 from planner_service.domain.demo import demo_scenario
 from planner_service.domain.engines import EngineState
 from planner_service.domain.exceeds import exceeds_scenario
@@ -38,6 +40,8 @@ from planner_service.wire.enums import SolverName
 if TYPE_CHECKING:
     from clients.sdk import StateBudgetClient
     from planner_service.settings import Settings
+    from planner_service.sim.fit import TraceFit
+    from planner_service.sim.synth import SynthParams
     from planner_service.wire.calibration import CalibrationOut
 
 T = TypeVar("T")
@@ -57,11 +61,16 @@ err = Console(stderr=True)
 ScenarioOpt = Annotated[
     Path | None,
     typer.Option(
-        "--scenario", help="Scenario file (JSON or YAML), or a built-in one: demo, exceeds-hbm; default: the demo."
+        "--scenario",
+        help="Scenario file (JSON or YAML), or a built-in one: demo, exceeds-hbm, catalog-fits; default: the demo.",
     ),
 ]
 # built-in scenarios by name, for a --scenario that names no file
-BUILTIN_SCENARIOS: dict[str, Callable[[], Scenario]] = {"demo": demo_scenario, "exceeds-hbm": exceeds_scenario}
+BUILTIN_SCENARIOS: dict[str, Callable[[], Scenario]] = {
+    "demo": demo_scenario,
+    "exceeds-hbm": exceeds_scenario,
+    "catalog-fits": catalog_fits_scenario,
+}
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")]
 
 
@@ -1010,6 +1019,31 @@ def _float_list(text: str, field: str) -> list[float]:
     return values
 
 
+def _study_scenario(scenario: Path | None, precision: str) -> Scenario:
+    """The study's scenario; at `native` precision every policy serves each model at its preferred one."""
+    from planner_service.domain.problem import native_precision_scenario
+
+    if precision not in ("allowed", "native"):
+        raise fail(f"--precision: allowed or native, got {precision!r}")
+    parsed = read_scenario(scenario)
+    return native_precision_scenario(parsed) if precision == "native" else parsed
+
+
+def _team_trace(sessions: int, hours: float, gap_scale: float, **options: Any) -> SynthParams:
+    """A study's synthetic trace: the team arrives and leaves within a quarter of a short trace."""
+    from planner_service.sim.synth import SynthParams
+
+    spread = min(1800.0, hours * 900.0)
+    return SynthParams(
+        sessions=sessions,
+        hours=hours,
+        arrival_spread_seconds=spread,
+        departure_spread_seconds=spread,
+        gap_scale=gap_scale,
+        **options,
+    )
+
+
 @study_app.command("seeds")
 def study_seeds(
     scenario: ScenarioOpt = None,
@@ -1040,49 +1074,85 @@ def study_seeds(
         ),
     ] = "allowed",
     tune_budget: Annotated[int, typer.Option(help="Replays static-tuned's search may run (at each load level).")] = 200,
+    handoff_rate: Annotated[
+        str | None,
+        typer.Option(
+            "--handoff-rate",
+            help="Share of a session's later turns that hand off (0.05 to 0.5; default: the hour's chain decides); "
+            "comma-separated: one level each.",
+        ),
+    ] = None,
+    context: Annotated[
+        str,
+        typer.Option(
+            help="What a hand-off's model sees: shared (the session's whole history) or fresh (a sub-agent's own)."
+        ),
+    ] = "shared",
+    fit: Annotated[
+        str | None,
+        typer.Option(
+            "--fit",
+            help="Fit the synthetic traces' gaps and tokens to a real trace: azure, mooncake, alibaba (from "
+            "--traces-dir) or a trace file; default: the TraceLab sample's (synth.py).",
+        ),
+    ] = None,
+    trace: Annotated[
+        str | None,
+        typer.Option(
+            "--trace",
+            help="Replay a real trace instead of synthetic ones: azure, mooncake or alibaba (imported from "
+            "--traces-dir) or a trace file, cut into windows of --hours; --seeds and --train-seeds then number "
+            "the reported and training windows (0: the first), and intervals are bootstraps over sessions.",
+        ),
+    ] = None,
+    traces_dir: Annotated[
+        Path, typer.Option("--traces-dir", help="The public traces' folder, for --trace by name.")
+    ] = Path("../shared/traces"),
     out_dir: StudyOutOpt = Path("."),
     as_json: JsonOpt = False,
 ) -> None:
     """Every policy over N seeds at each load level: each metric's mean with its 95 % t-interval, saturated runs
-    counted. Load levels are every --sessions by every --gap-scale; static-tuned is searched at each one."""
-    from planner_service.domain.problem import native_precision_scenario
+    counted. Load levels are every --sessions by every --gap-scale by every --handoff-rate; static-tuned is
+    searched at each one. With --trace, every policy on windows of a real trace instead."""
     from planner_service.sim import seeds as seed_runs
     from planner_service.sim.engine import SimulationError
-    from planner_service.sim.synth import SynthParams
 
-    parsed = read_scenario(scenario)
-    if precision not in ("allowed", "native"):
-        raise fail(f"--precision: allowed or native, got {precision!r}")
-    if precision == "native":
-        parsed = native_precision_scenario(parsed)
+    parsed = _study_scenario(scenario, precision)
+    if trace is not None:
+        name = str(scenario) if scenario is not None else "demo"
+        _trace_study(
+            parsed, name, precision, trace, traces_dir, hours, policies, seeds, train_seeds, tune_budget, as_json
+        )
+        return
     session_levels = _seed_list(sessions, "sessions")
     if not session_levels:
         raise fail("--sessions: at least one count")
     scales = _float_list(gap_scale, "gap-scale")
-    spread = min(1800.0, hours * 900.0)  # the team arrives and leaves within a quarter of a short trace
+    rates: list[float | None] = [None] if handoff_rate is None else list(_float_list(handoff_rate, "handoff-rate"))
     studies = []
     try:
-        for count in session_levels:
-            for scale in scales:
-                params = SynthParams(
-                    sessions=count,
-                    hours=hours,
-                    arrival_spread_seconds=spread,
-                    departure_spread_seconds=spread,
-                    gap_scale=scale,
+        fitted = _fit(parsed, fit, traces_dir) if fit is not None else None
+        for count, scale, rate in itertools.product(session_levels, scales, rates):
+            params = _team_trace(count, hours, scale, handoff_rate=rate, context=context)
+            params = fitted.apply(params) if fitted is not None else params
+            err.print(
+                f"load level: {count} sessions, gap scale {scale:g}"
+                + (f", hand-off rate {rate:g}" if rate is not None else "")
+                + f", {context} context",
+                highlight=False,
+            )
+            studies.append(
+                seed_runs.seed_study(
+                    parsed,
+                    params,
+                    [p.strip() for p in policies.split(",") if p.strip()],
+                    _seed_list(seeds, "seeds"),
+                    _seed_list(train_seeds, "train-seeds"),
+                    tune_budget=tune_budget,
+                    on_progress=lambda line: err.print(line, highlight=False),
                 )
-                err.print(f"load level: {count} sessions, gap scale {scale:g}", highlight=False)
-                studies.append(
-                    seed_runs.seed_study(
-                        parsed,
-                        params,
-                        [p.strip() for p in policies.split(",") if p.strip()],
-                        _seed_list(seeds, "seeds"),
-                        _seed_list(train_seeds, "train-seeds"),
-                        tune_budget=tune_budget,
-                        on_progress=lambda line: err.print(line, highlight=False),
-                    )
-                )
+            )
+            studies[-1].fit = fitted.to_json() if fitted is not None else None
     except (SimulationError, ValueError) as error:
         raise fail(str(error)) from None
     if as_json:
@@ -1114,6 +1184,69 @@ def study_seeds(
         err.print(f"wrote {seed_runs.load_plot(studies, out_dir)}")
 
 
+def _fit(scenario: Scenario, source: str, traces_dir: Path) -> TraceFit:
+    """`study seeds --fit`: the gap and token distributions of a real trace (`sim/fit.py`)."""
+    from planner_service.sim.fit import fit_trace
+    from planner_service.sim.windows import load_trace
+
+    fitted = fit_trace(load_trace(source, scenario, traces_dir), source)
+    g = fitted.gap_seconds
+    err.print(
+        f"fitted to {source}: gaps median {g.median:.1f} s, sigma {g.sigma:.2f}; tokens first / later / output "
+        f"median {fitted.first_input_tokens.median:.0f} / {fitted.turn_input_tokens.median:.0f} / "
+        f"{fitted.output_tokens.median:.0f}; the trace hands off on {fitted.handoff_share:.1%} of later turns",
+        highlight=False,
+    )
+    return fitted
+
+
+def _trace_study(
+    scenario: Scenario,
+    name: str,
+    precision: str,
+    source: str,
+    traces_dir: Path,
+    hours: float,
+    policies: str,
+    windows: str,
+    train_windows: str,
+    tune_budget: int,
+    as_json: bool,
+) -> None:
+    """`study seeds --trace`: every policy on the reported windows of a real trace (`sim/windows.py`)."""
+    from planner_service.sim import seeds as seed_runs
+    from planner_service.sim import windows as window_runs
+    from planner_service.sim.engine import SimulationError
+
+    try:
+        records = window_runs.load_trace(source, scenario, traces_dir)
+        err.print(f"{source}: {len(records):,} records, windows of {hours:g} h", highlight=False)
+        study = window_runs.window_study(
+            scenario,
+            records,
+            source,
+            hours,
+            [p.strip() for p in policies.split(",") if p.strip()],
+            _seed_list(windows, "seeds"),
+            _seed_list(train_windows, "train-seeds"),
+            tune_budget=tune_budget,
+            on_progress=lambda line: err.print(line, highlight=False),
+        )
+    except (SimulationError, ValueError) as error:  # TraceError included
+        raise fail(str(error)) from None
+    if as_json:
+        emit_json({"scenario": name, "precision": precision, "levels": [study.to_json()]})
+        return
+    columns, rows = seed_runs.table(study)
+    table = Table(title=f"{source}: windows {', '.join(map(str, study.windows))} of {hours:g} h")
+    for col in columns:
+        table.add_column(col, overflow="fold")
+    for row in rows:
+        table.add_row(*row)
+    out.print(table)
+    out.print(window_runs.INTERVAL_NOTE, highlight=False)
+
+
 @study_app.command("decompose")
 def study_decompose(
     scenario: ScenarioOpt = None,
@@ -1134,27 +1267,14 @@ def study_decompose(
 ) -> None:
     """static-tuned, then the planner on the operator's groups without and with switch prediction, then moving
     engines: each rung over N seeds, and each step's effect paired by seed (sim/decompose.py)."""
-    from planner_service.domain.problem import native_precision_scenario
     from planner_service.sim import decompose
     from planner_service.sim.engine import SimulationError
-    from planner_service.sim.synth import SynthParams
 
-    parsed = read_scenario(scenario)
-    if precision not in ("allowed", "native"):
-        raise fail(f"--precision: allowed or native, got {precision!r}")
-    if precision == "native":
-        parsed = native_precision_scenario(parsed)
-    spread = min(1800.0, hours * 900.0)  # as `study seeds`: the team arrives and leaves within a quarter
+    parsed = _study_scenario(scenario, precision)
     levels = []
     try:
         for scale in _float_list(gap_scale, "gap-scale"):
-            params = SynthParams(
-                sessions=sessions,
-                hours=hours,
-                arrival_spread_seconds=spread,
-                departure_spread_seconds=spread,
-                gap_scale=scale,
-            )
+            params = _team_trace(sessions, hours, scale)
             err.print(f"load level: {sessions} sessions, gap scale {scale:g}", highlight=False)
             levels.append(
                 decompose.decompose(
@@ -1280,20 +1400,27 @@ def study_evidence(
     findings: Annotated[
         Path | None, typer.Option(help="A Markdown file of findings from the results, appended after them.")
     ] = None,
+    readme: Annotated[
+        Path | None, typer.Option(help="A README whose headline block (its markers) gets the headline table.")
+    ] = None,
 ) -> None:
-    """Render docs/evidence.md from stored seed-study results (no replay)."""
-    from planner_service.sim.evidence import render
+    """Render docs/evidence.md from stored seed-study results (no replay), and the README's headline table."""
+    from planner_service.sim.evidence import headline, render, with_headline
 
     try:
         page = render(results, EVIDENCE_PREAMBLE)
         if findings is not None:
             page += "\n" + findings.read_text().strip() + "\n"
+        updated = with_headline(readme.read_text(), headline(results)) if readme is not None else None
     except ValueError as error:
         raise fail(str(error)) from None
     except OSError as error:
-        raise fail(f"--findings: {error}") from None
+        raise fail(f"--findings / --readme: {error}") from None
     out_path.write_text(page)
     err.print(f"wrote {out_path}")
+    if readme is not None and updated is not None:
+        readme.write_text(updated)
+        err.print(f"wrote the headline table into {readme}")
 
 
 def main() -> None:  # pragma: no cover - console script entry

@@ -20,21 +20,17 @@ from dataclasses import dataclass
 from typing import Any
 
 from planner_service.domain.scenario import Scenario
-from planner_service.sim.engine import simulate
 from planner_service.sim.intervals import t_interval
-from planner_service.sim.metrics import summarize
-from planner_service.sim.policies import PolicyName, create_policy
+from planner_service.sim.policies import PolicyName
 from planner_service.sim.policies.static_tuned import tune_static
-from planner_service.sim.seeds import check_seeds, trace
-from planner_service.sim.slots import saturated
+from planner_service.sim.seeds import METRICS, check_seeds, replay_row, trace
 from planner_service.sim.synth import SynthParams
 
-# the metrics a step's effect is reported on: (key in `seeds.METRICS`, how to read it from a summary)
-EFFECT_METRICS: tuple[tuple[str, str, Callable[[dict[str, Any]], float]], ...] = (
-    ("handoff_p95_seconds", "hand-off P95 s", lambda s: s["switch_latency_seconds"]["handoff"]["p95"]),
-    ("completion_p95_seconds", "done P95 s", lambda s: s["completion_seconds"]["p95"]),
-    ("gpu_gib_mean", "GPU GiB mean", lambda s: s["gpu_bytes"]["mean"] / 2**30),
-    ("cold_starts", "cold starts", lambda s: float(s["engine_transitions"].get("cold_start", 0))),
+# the metrics a step's effect is reported on (`seeds.METRICS`' keys), with their columns
+EFFECT_METRICS: tuple[tuple[str, str], ...] = tuple(
+    (key, label)
+    for key, label, _ in METRICS
+    if key in ("handoff_p95_seconds", "completion_p95_seconds", "gpu_gib_mean", "cold_starts")
 )
 
 
@@ -72,34 +68,32 @@ def decompose(
     )
     if on_progress:
         on_progress(f"static-tuned: {tuning.replays} training replays over a space of {tuning.space_size}")
-    values: list[dict[str, list[float]]] = [{key: [] for key, _, _ in EFFECT_METRICS} for _ in ladder]
+    values: list[dict[str, list[float]]] = [{key: [] for key, _ in EFFECT_METRICS} for _ in ladder]
     overran = [0] * len(ladder)
     for seed in seeds:
         records = trace(scenario, params, seed)
-        end = max((r.t for r in records), default=0.0)
         for i, rung in enumerate(ladder):
             options = {"partition": tuning.partition} if rung.policy is PolicyName.STATIC_TUNED else rung.options
-            result = simulate(scenario, records, create_policy(rung.policy, **options), seed=seed)
-            summary = summarize(result)
-            overran[i] += int(saturated(result.duration_seconds, end))
-            for key, _, read in EFFECT_METRICS:
-                values[i][key].append(float(read(summary)))
+            row, _ = replay_row(scenario, records, rung.policy, None, seed, {"seed": seed}, options)
+            overran[i] += int(row["saturated"])
+            for key, _ in EFFECT_METRICS:
+                values[i][key].append(row[key])
             if on_progress:
-                on_progress(f"seed {seed} {rung.label}: hand-off P95 {values[i]['handoff_p95_seconds'][-1]:.2f} s")
+                on_progress(f"seed {seed} {rung.label}: hand-off P95 {row['handoff_p95_seconds']:.2f} s")
     rungs = []
     for i, rung in enumerate(ladder):
         effect = None
         if i > 0:
             effect = {
                 key: t_interval([a - b for a, b in zip(values[i][key], values[i - 1][key], strict=True)]).to_json()
-                for key, _, _ in EFFECT_METRICS
+                for key, _ in EFFECT_METRICS
             }
         rungs.append(
             {
                 "label": rung.label,
                 "policy": str(rung.policy),
                 "options": rung.options,
-                "metrics": {key: t_interval(values[i][key]).to_json() for key, _, _ in EFFECT_METRICS},
+                "metrics": {key: t_interval(values[i][key]).to_json() for key, _ in EFFECT_METRICS},
                 "effect": effect,
                 "saturated_runs": overran[i],
                 "runs": values[i],
@@ -129,7 +123,7 @@ def _cell(interval: dict[str, Any], signed: bool = False) -> str:
 def markdown(name: str, data: dict[str, Any]) -> str:
     """The stored decomposition as a section of docs/evidence.md: per load level, each rung's figures and
     each step's paired effect."""
-    labels = [label for _, label, _ in EFFECT_METRICS]
+    labels = [label for _, label in EFFECT_METRICS]
     header = ["rung", *labels, *(f"step: {label}" for label in labels), "saturated runs"]
     intro = (
         f"Scenario `{data['scenario']}`, precision {data['precision']}: from `static-tuned`, one mechanism at a "
@@ -147,10 +141,8 @@ def markdown(name: str, data: dict[str, Any]) -> str:
         lines += ["", f"### {name}: {trace['sessions']} sessions, gap ×{trace['gap_scale']:g}", "", about, ""]
         lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
         for rung in level["rungs"]:
-            figures = [_cell(rung["metrics"][key]) for key, _, _ in EFFECT_METRICS]
-            effects = [
-                _cell(rung["effect"][key], signed=True) if rung["effect"] else "" for key, _, _ in EFFECT_METRICS
-            ]
+            figures = [_cell(rung["metrics"][key]) for key, _ in EFFECT_METRICS]
+            effects = [_cell(rung["effect"][key], signed=True) if rung["effect"] else "" for key, _ in EFFECT_METRICS]
             cells = [rung["label"], *figures, *effects, f"{rung['saturated_runs']} / {len(seeds)}"]
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"

@@ -55,7 +55,11 @@ that answers later leaves the agent no think time and the lag grows by the
 overrun, which is never the gap and the service time both. At most the
 trace's concurrency of sessions is open at once (`slots.py`): a session that
 arrives while every seat is taken starts when one ends, its timeline moved
-by the wait. With `closed_loop=False` a turn
+by the wait. A sub-agent with a context of its own (a session whose first
+request names a `parent`) is one agent with the session that handed off to
+it: the workflow runs one turn at a time and shares one lag, so a hand-off
+to a sub-agent (or back) waits for the turn before it as a session's turn
+does. With `closed_loop=False` a turn
 arrives at its trace time and waits only for the previous turn to end; a
 slow cluster then falls ever further behind the trace and runs more
 sessions at once than the trace has.
@@ -245,6 +249,8 @@ class Simulator(SimState):
         self._last_sample = 0.0
         self.timeline: list[tuple[float, int]] = [(0.0, 0)]
         self._queues: dict[str, deque[SimRequest | TraceEnd]] = defaultdict(deque)  # per session: not yet released
+        self._workflow: dict[str, str] = {}  # a sub-agent's session -> the session at the root of its hand-offs
+        self._members: dict[str, list[str]] = {}  # a root session with sub-agents -> its workflow's sessions
         self.kv_offload = policy.kv_offload
         self.view = SimView(self, policy)  # what the policy reads of the cluster
         self.executor = Executor(self, self.view, policy)  # the one place that changes it for the policy
@@ -407,6 +413,13 @@ class Simulator(SimState):
         assert isinstance(rec, TraceRequest)
         if session is None:
             session = self.sessions[rec.session] = SessionState(rec.session, rec.user or rec.session, rec.slo)
+            if rec.parent is not None and rec.parent in self.sessions:  # a sub-agent with a context of its own
+                root_id = self._workflow[rec.session] = self._workflow.get(rec.parent, rec.parent)
+                self._members.setdefault(root_id, [root_id]).append(rec.session)
+                session.last_t = self.sessions[rec.parent].last_t
+        root = self.sessions[self._workflow.get(rec.session, rec.session)]
+        if root is not session:  # a hand-off is a change of model from the last turn of the workflow
+            session.requested_model = root.requested_model
         handoff = session.requested_model is not None and session.requested_model != rec.model
         req = SimRequest(
             len(self.requests), rec.t, rec.session, rec.model, rec.input_tokens, rec.output_tokens, rec.slo, handoff
@@ -414,7 +427,7 @@ class Simulator(SimState):
         self.requests.append(req)
         self.policy.observe(self.view, session, req)
         self.gateway.observe(session, req)
-        session.requested_model = rec.model
+        session.requested_model = root.requested_model = rec.model
         self._queues[rec.session].append(req)
         if self.slots is None or self.slots.arrive(rec.session):
             self._pump(rec.session)
@@ -429,12 +442,13 @@ class Simulator(SimState):
         and waits only for the previous turn to end.
         """
         session = self.sessions[session_id]
+        owner = self._lag_owner(session_id)
         queue = self._queues[session_id]
         if self.slots is not None and not self.slots.may_run(session_id):
             return  # waiting for a seat: `_close_slot` releases it
-        while queue and session.request is None and not session.release_pending:
+        while queue and not self._turn_running(session) and not session.release_pending:
             item = queue[0]
-            due = item.t + session.lag_seconds
+            due = item.t + owner.lag_seconds
             if due > self.now:
                 session.release_pending = True
                 self.push(due, "release", session_id)
@@ -450,6 +464,24 @@ class Simulator(SimState):
             else:
                 self._admit(session, item)
 
+    def _lag_owner(self, session_id: str) -> SessionState:
+        """The session whose lag a session's turns keep: the root of its workflow (itself without sub-agents)."""
+        return self.sessions[self._workflow.get(session_id, session_id)]
+
+    def _turn_running(self, session: SessionState) -> bool:
+        """Whether a turn of the session's workflow is waiting or running (one runs at a time)."""
+        members = self._members.get(self._workflow.get(session.id, session.id))
+        if members is None:
+            return session.request is not None
+        return any(self.sessions[m].request is not None for m in members)
+
+    def _pump_workflow(self, session_id: str) -> None:
+        """A turn of the workflow ended: release the next one, in whichever of its sessions it waits."""
+        self._pump(session_id)
+        for member in self._members.get(self._workflow.get(session_id, session_id), ()):
+            if member != session_id and self._queues[member]:
+                self._pump(member)
+
     def _close_slot(self, session_id: str) -> None:
         """A session has nothing left: its seat goes to the oldest waiting session, whose timeline moves by
         its wait (its first turn is due now)."""
@@ -457,10 +489,10 @@ class Simulator(SimState):
             return
         nxt = self.slots.close(session_id)
         if nxt is not None:
-            waiting = self.sessions[nxt]
             queue = self._queues[nxt]
             if queue:
-                waiting.lag_seconds = max(waiting.lag_seconds, self.now - queue[0].t)
+                owner = self._lag_owner(nxt)
+                owner.lag_seconds = max(owner.lag_seconds, self.now - queue[0].t)
             self._pump(nxt)
 
     def _on_release(self, session_id: str) -> None:
@@ -471,8 +503,9 @@ class Simulator(SimState):
         session.ended = False
         session.slo = req.slo
         req.admitted_at = self.now
-        if self.closed_loop:
-            session.lag_seconds = max(session.lag_seconds, self.now - req.t)  # later turns keep their gaps from here
+        if self.closed_loop:  # later turns (of the workflow) keep their gaps from here
+            owner = self._lag_owner(session.id)
+            owner.lag_seconds = max(owner.lag_seconds, self.now - req.t)
         session.request = req
         self.demand[req.model] += 1
         self.waiting.append(req)
@@ -492,7 +525,7 @@ class Simulator(SimState):
         self.demand[req.model] -= 1
         session.request = None
         session.last_t = self.now
-        self._pump(req.session)
+        self._pump_workflow(req.session)
         if session.request is None:
             self._close_slot(req.session)
 
@@ -679,7 +712,7 @@ class Simulator(SimState):
             )
         session.request = None
         self.policy.on_done(self.view, req)
-        self._pump(req.session)
+        self._pump_workflow(req.session)
         if session.request is None:
             self._close_slot(req.session)  # (a session whose trace has no end record ends with its last turn)
 

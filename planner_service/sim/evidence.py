@@ -6,6 +6,8 @@ levels, then per level what was run (trace sizes, gap scale, seeds, training see
 search), a table of every policy's metrics (mean ± 95 % t half width over the seeds) with its saturated
 runs, the hand-off P95 ratios against the best baseline where no run of either policy is saturated, and
 where the hand-offs' switch latency went per policy (stored results that predate a column show a dash).
+A result of a real trace (`study seeds --trace`, `windows.py`) reads the same, by window instead of by seed,
+its request metrics with their bootstrap interval as `mean [low, high]`.
 A stored gateway study (`statebudget study gateway --json`, `"kind": "gateway"`) becomes its own section:
 per workload, each policy with and without warm-ups, paired per seed (`render_gateway`).
 """
@@ -28,6 +30,8 @@ GOAL = "hand-off P95 ≤ 0.6 × the best baseline at ≤ 1.2 × its GPU memory-t
 def _cell(interval: dict[str, Any] | None, digits: int) -> str:
     if interval is None:
         return "—"
+    if interval.get("method") == "bootstrap":  # a real trace's interval (windows.py): not symmetric
+        return f"{interval['mean']:.{digits}f} [{interval['low']:.{digits}f}, {interval['high']:.{digits}f}]"
     if interval.get("half_width") is None:
         return f"{interval['mean']:.{digits}f}"
     return f"{interval['mean']:.{digits}f} ± {interval['half_width']:.{digits}f}"
@@ -96,7 +100,15 @@ PRECISION = {
 
 
 def _level_name(trace: dict[str, Any]) -> str:
-    return f"{trace['sessions']} sessions, gap ×{trace.get('gap_scale', 1.0):g}"
+    if "source" in trace:
+        return f"{trace['source']}, windows of {trace['hours']:g} h"
+    rate = trace.get("handoff_rate")
+    context = trace.get("context", "shared")
+    return (
+        f"{trace['sessions']} sessions, gap ×{trace.get('gap_scale', 1.0):g}"
+        + (f", hand-offs {rate:.0%}" if rate is not None else "")
+        + (", fresh sub-agent contexts" if context == "fresh" else "")
+    )
 
 
 def _load_table(levels: list[dict[str, Any]]) -> list[str]:
@@ -211,21 +223,47 @@ def render_section(name: str, data: dict[str, Any]) -> str:
     return "\n".join([*lines, "", *sections])
 
 
-def render_level(heading: str, data: dict[str, Any]) -> str:
+def _handoffs(trace: dict[str, Any]) -> str:
+    rate = trace.get("handoff_rate")
+    share = f"{rate:.0%} of later turns hand off" if rate is not None else "the scenario's hand-off chain"
+    fresh = trace.get("context", "shared") == "fresh"
+    return share + (" to sub-agents with a fresh context" if fresh else " (the model sees the whole history)")
+
+
+def _what_ran(data: dict[str, Any]) -> str:
     trace = data["trace"]
+    if "source" in trace:
+        train = ", ".join(map(str, data["train_seeds"])) or "none"
+        return (
+            f"The real trace `{trace['source']}` replayed as it is, cut into windows of {trace['hours']:g} h by "
+            f"each session's first request; reported windows {', '.join(map(str, data['seeds']))} "
+            f"({trace['sessions']:,} sessions), training windows {train}; {data['interval']}."
+        )
+    fit = trace.get("fit")
+    fitted = (
+        f" (gaps and tokens fitted to `{fit['source']}`: gap median {fit['gap_seconds']['median']:.1f} s, sigma "
+        f"{fit['gap_seconds']['sigma']:.2f})"
+        if fit
+        else ""
+    )
+    return (
+        f"Synthetic traces{fitted} of {trace['sessions']} sessions × {trace['hours']:g} h on the scenario, every "
+        f"gap between turns × {trace.get('gap_scale', 1.0):g}, {_handoffs(trace)}, reported seeds "
+        f"{', '.join(map(str, data['seeds']))}; {data['interval']}."
+    )
+
+
+def render_level(heading: str, data: dict[str, Any]) -> str:
     lines = [
         heading,
         "",
-        (
-            f"Synthetic traces of {trace['sessions']} sessions × {trace['hours']:g} h on the scenario, every gap "
-            f"between turns × {trace.get('gap_scale', 1.0):g}, reported seeds {', '.join(map(str, data['seeds']))}; "
-            f"{data['interval']}."
-        ),
+        _what_ran(data),
     ]
     search = data.get("static_tuned_search")
     if search:
         lines.append(
-            f"static-tuned: trained on seeds {', '.join(map(str, data['train_seeds']))}; a space of "
+            f"static-tuned: trained on {'windows' if 'source' in data['trace'] else 'seeds'} "
+            f"{', '.join(map(str, data['train_seeds']))}; a space of "
             f"{search['space_size']:,} partitions, {search['candidates_scored']} scored in {search['replays']} "
             f"replays, {search['pruned']} pruned by memory fit, {search.get('failed', 0)} infeasible, "
             f"{'exhaustive' if search['exhaustive'] else 'sampled'}."
@@ -241,15 +279,78 @@ def render_level(heading: str, data: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def render(results: Sequence[Path], preamble: str = "") -> str:
-    """The evidence page: the preamble, then a section per stored result (named by its file)."""
+def _load(results: Sequence[Path]) -> list[tuple[str, dict[str, Any]]]:
     if not results:
         raise ValueError("results: no stored results to render")
-    sections = []
+    loaded = []
     for path in sorted(results):
         try:
-            data = json.loads(path.read_text())
+            loaded.append((path.stem, json.loads(path.read_text())))
         except (OSError, json.JSONDecodeError) as error:
             raise ValueError(f"results: {path}: {error}") from None
-        sections.append(render_section(path.stem, data))
+    return loaded
+
+
+def render(results: Sequence[Path], preamble: str = "") -> str:
+    """The evidence page: the preamble, then a section per stored result (named by its file)."""
+    sections = [render_section(name, data) for name, data in _load(results)]
     return "\n".join([preamble.rstrip(), "", *sections]).lstrip() + "\n"
+
+
+# the README's headline: every load level of these stored results, in this order (the CI-sized
+# `demo-quick` and the decomposition are left to docs/evidence.md)
+HEADLINE = (
+    "exceeds-hbm",
+    "demo",
+    "catalog-fits",
+    "handoffs-shared",
+    "handoffs-fresh",
+    "real-azure",
+    "real-mooncake",
+    "real-alibaba",
+)
+HEADLINE_POLICIES = ("statebudget", "statebudget-groups", *BASELINES)
+
+
+def headline(results: Sequence[Path]) -> str:
+    """The README's headline: per stored load level, each policy's hand-off P95 with its interval, `statebudget`'s
+    GPU memory-time against the best baseline's (by hand-off P95) and the saturated runs; then each policy's
+    completion P95."""
+    stored = dict(_load(results))
+    levels = [
+        (f"{name}: {_level_name(level['trace'])}", level)
+        for name in HEADLINE
+        if name in stored and stored[name].get("kind") != "decomposition"
+        for level in stored[name].get("levels", [stored[name]])
+    ]
+    policies = " | ".join(HEADLINE_POLICIES)
+    handoff = [
+        f"| hand-off P95 s | {policies} | `statebudget`'s GPU memory-time | saturated runs |",
+        "|" + "---|" * (len(HEADLINE_POLICIES) + 3),
+    ]
+    done = [f"| done P95 s | {policies} |", "|" + "---|" * (len(HEADLINE_POLICIES) + 1)]
+    for case, level in levels:
+        metrics, over, runs = level["metrics"], level["saturated_runs"], len(level["seeds"])
+        baselines = [b for b in BASELINES if b in metrics]
+        memory = "—"
+        if "statebudget" in metrics and baselines:
+            best = min(baselines, key=lambda b: metrics[b]["handoff_p95_seconds"]["mean"])
+            memory = f"{metrics['statebudget']['gpu_gib_mean']['mean'] / metrics[best]['gpu_gib_mean']['mean']:.2f} × `{best}`"
+        saturated = ", ".join(f"{p} {over[p]}/{runs}" for p in HEADLINE_POLICIES if over.get(p)) or "none"
+        cells = [_cell(metrics[p]["handoff_p95_seconds"], 1) if p in metrics else "—" for p in HEADLINE_POLICIES]
+        handoff.append(f"| {case} | " + " | ".join(cells) + f" | {memory} | {saturated} |")
+        cells = [_cell(metrics[p]["completion_p95_seconds"], 0) if p in metrics else "—" for p in HEADLINE_POLICIES]
+        done.append(f"| {case} | " + " | ".join(cells) + " |")
+    return "\n".join([*handoff, "", *done]) + "\n"
+
+
+README_BEGIN = "<!-- evidence-headline: generated by `make evidence` from docs/evidence/*.json -->"
+README_END = "<!-- evidence-headline: end -->"
+
+
+def with_headline(readme: str, table: str) -> str:
+    """`readme` with the text between the headline markers replaced by `table`."""
+    start, end = readme.find(README_BEGIN), readme.find(README_END)
+    if start < 0 or end < start:
+        raise ValueError(f"--readme: no {README_BEGIN!r} ... {README_END!r} block to fill")
+    return readme[: start + len(README_BEGIN)] + "\n" + table + readme[end:]

@@ -9,16 +9,16 @@ a comparison should quote no ratio from a policy with saturated runs.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from planner_service.domain.scenario import Scenario
 from planner_service.domain.units import GIB
-from planner_service.sim.engine import simulate
+from planner_service.sim.engine import SimResult, simulate
 from planner_service.sim.intervals import Interval, t_interval
 from planner_service.sim.metrics import summarize
 from planner_service.sim.policies import PolicyName, create_policy
@@ -53,6 +53,7 @@ class SeedStudy:
     runs: dict[str, list[dict[str, Any]]]  # policy -> per-seed metrics
     tuning: TuneResult | None = None
     notes: list[str] = field(default_factory=list)
+    fit: dict[str, Any] | None = None  # the real trace the gaps and tokens were fitted to (`fit.py`), if any
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -64,6 +65,9 @@ class SeedStudy:
                 "hours": self.params.hours,
                 "users": self.params.users,
                 "gap_scale": self.params.gap_scale,
+                "handoff_rate": self.params.handoff_rate,
+                "context": self.params.context,
+                "fit": self.fit,
             },
             "interval": "95 % Student t over seeds",
             "metrics": {p: {k: v.to_json() for k, v in m.items()} for p, m in self.intervals.items()},
@@ -112,21 +116,38 @@ def seed_study(
     overran = dict.fromkeys(names, 0)
     for seed in seeds:
         records = trace(scenario, params, seed)
-        end = max((r.t for r in records), default=0.0)
         for name in names:
-            options = {"partition": tuning.partition} if name == PolicyName.STATIC_TUNED and tuning else {}
-            result = simulate(scenario, records, create_policy(name, **options), seed=seed)
-            summary = summarize(result)
-            over = saturated(result.duration_seconds, end)
-            row: dict[str, Any] = {key: float(read(summary)) for key, _, read in METRICS}
-            row.update(seed=seed, saturated=over, simulated_seconds=result.duration_seconds, trace_seconds=end)
-            row["handoff_switch_parts"] = summary["handoff_switch_parts"]
-            overran[name] += int(over)
+            row, _ = replay_row(scenario, records, name, tuning, seed, {"seed": seed})
+            overran[name] += int(row["saturated"])
             runs[name].append(row)
             if on_progress:
                 on_progress(f"seed {seed} {name}: hand-off P95 {row['handoff_p95_seconds']:.2f} s")
     intervals = {n: {key: t_interval([r[key] for r in runs[n]]) for key, _, _ in METRICS} for n in names}
     return SeedStudy(names, list(seeds), list(train_seeds), params, intervals, overran, runs, tuning)
+
+
+def replay_row(
+    scenario: Scenario,
+    records: Sequence[TraceRecord],
+    name: str,
+    tuning: TuneResult | None,
+    seed: int,
+    tag: dict[str, Any],
+    options: dict[str, Any] | None = None,
+) -> tuple[dict[str, Any], SimResult]:
+    """One policy's replay of one trace: its `METRICS`, `tag` (which trace), whether it saturated, and where
+    its hand-offs' switch latency went; `static-tuned` runs the partition its search found, other policies
+    their `options`."""
+    if options is None:
+        options = {"partition": tuning.partition} if name == PolicyName.STATIC_TUNED and tuning else {}
+    result = simulate(scenario, records, create_policy(name, **options), seed=seed)
+    summary = summarize(result)
+    end = max((r.t for r in records), default=0.0)
+    row: dict[str, Any] = {key: float(read(summary)) for key, _, read in METRICS}
+    row.update(tag, saturated=saturated(result.duration_seconds, end))
+    row.update(simulated_seconds=result.duration_seconds, trace_seconds=end)
+    row["handoff_switch_parts"] = summary["handoff_switch_parts"]
+    return row, result
 
 
 def parts_over_seeds(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, float]]:
@@ -145,7 +166,24 @@ def trace(scenario: Scenario, params: SynthParams, seed: int) -> list[TraceRecor
     return synth_trace(scenario, params, np.random.default_rng(seed))
 
 
-def table(study: SeedStudy) -> tuple[list[str], list[list[str]]]:
+class Labelled(Protocol):
+    def label(self, digits: int = 2) -> str: ...
+
+
+class Tabled(Protocol):
+    """What `table` reads of a study: a seed study, or a window study of a real trace (`windows.py`)."""
+
+    @property
+    def policies(self) -> list[str]: ...
+    @property
+    def seeds(self) -> list[int]: ...
+    @property
+    def intervals(self) -> Mapping[str, Mapping[str, Labelled]]: ...
+    @property
+    def saturated_runs(self) -> dict[str, int]: ...
+
+
+def table(study: Tabled) -> tuple[list[str], list[list[str]]]:
     """Columns and rows: a policy per row, each metric's mean ± 95 % half width, and its saturated runs."""
     columns = ["policy", *(label for _, label, _ in METRICS), "saturated runs"]
     rows = [
@@ -183,7 +221,8 @@ def plot(study: SeedStudy, out_dir: Path) -> Path:
 
 
 def load_label(params: SynthParams) -> str:
-    return f"{params.sessions} sessions, gap x{params.gap_scale:g}"
+    rate = f", hand-offs {params.handoff_rate:.0%}" if params.handoff_rate is not None else ""
+    return f"{params.sessions} sessions, gap x{params.gap_scale:g}{rate}"
 
 
 def load_plot(studies: Sequence[SeedStudy], out_dir: Path) -> Path:

@@ -45,12 +45,31 @@ The generative model, in the order it runs:
    the afternoon); ids the scenario lacks are ignored, and if none is left the first (morning) or
    last (afternoon) scenario model stands in.
 
+   With `handoff_rate` set, the chain no longer decides *whether* a turn hands off, only *where to*:
+   each later turn hands off with probability `handoff_rate`, to a model drawn from `P_h`'s row
+   without the current model (renormalised; uniform over the others where that row has no other
+   mass), and otherwise stays. Left unset, the demo's chain hands off on about half the turns
+   (54.1 % of the turns after a session's first: 10 sessions, 8 h, seed 7, `handoff_share`), while
+   the Alibaba GenAI trace's sessions change model on 24.9 % of theirs (`sim/fit.py`), so the rate is
+   a dimension to sweep. `sim/fit.py` also fits the gaps and tokens to a real trace instead of TraceLab's.
+7. **Context.** `context` says what a hand-off's model sees. `shared`: the whole history of the
+   session (one trace session; the new model must have KV for all of it or prefill it again).
+   `fresh`: a sub-agent with a context of its own. A hand-off away from the session's first model
+   (its root agent) opens a sub-agent session `<session>.kN` whose first request names the session
+   that handed off to it (`parent`) and brings a fresh system prompt, tools and task (the first-turn
+   token distribution); its later turns on that model grow its own history only. A hand-off from one
+   sub-agent to another model ends the first sub-agent and opens a new one; a hand-off back to the
+   root model ends the sub-agent, and the root's turn appends the sub-agent's result (a later turn's
+   tokens) to the root's history. The simulator counts a hand-off across a sub-agent and the session
+   that handed off to it (`engine.py`), so both semantics count the same turns as hand-offs.
+
 All randomness comes from one `numpy.random.Generator`, so a seed fixes the trace.
 """
 
 from __future__ import annotations
 
 import heapq
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -59,6 +78,8 @@ from planner_service.domain.scenario import Scenario, Slo
 from planner_service.sim.trace import TraceEnd, TraceRecord, TraceRequest
 
 HOUR_SECONDS = 3600.0
+
+CONTEXTS = ("shared", "fresh")  # what a hand-off's model sees (module docstring, 7)
 
 USER_NAMES = ("alice", "bob", "carol", "dave", "erin", "frank", "grace", "heidi", "ivan", "judy")
 
@@ -95,6 +116,8 @@ class SynthParams:
     focus_strength: float = 0.8  # how far the preference leans towards the hour's focus models
     morning_models: tuple[str, ...] = ("coder",)
     afternoon_models: tuple[str, ...] = ("reasoner",)
+    handoff_rate: float | None = None  # share of later turns that hand off; None: the hour's chain decides
+    context: str = "shared"  # shared: a hand-off sees the session's whole history; fresh: a sub-agent's own
 
     def __post_init__(self) -> None:
         if self.sessions < 1 or self.users < 1:
@@ -111,6 +134,10 @@ class SynthParams:
             raise ValueError("slo_weights needs three non-negative weights (blocking, interactive, background)")
         if self.mean_turns_per_session < 1:
             raise ValueError("mean_turns_per_session must be at least 1")
+        if self.handoff_rate is not None and not 0 <= self.handoff_rate <= 1:
+            raise ValueError("handoff_rate must lie in [0, 1]")
+        if self.context not in CONTEXTS:
+            raise ValueError(f"context must be one of: {', '.join(CONTEXTS)}")
 
     @property
     def duration_seconds(self) -> float:
@@ -235,8 +262,24 @@ class _Generator:
         candidates = [name for name, n in load.items() if n == fewest]
         return candidates[int(self.rng.integers(len(candidates)))]
 
+    def _next_model(self, model: int, t: float) -> int:
+        """The model of a later turn: along the hour's chain, or with `handoff_rate` a hand-off that often."""
+        row = self.transitions[self._hour(t)][model]
+        rate = self.params.handoff_rate
+        if rate is None:
+            return int(self.rng.choice(len(self.models), p=row))
+        if len(self.models) == 1 or self.rng.random() >= rate:
+            return model
+        others = row.copy()
+        others[model] = 0.0
+        if others.sum() <= 0:
+            others = np.ones(len(self.models))
+            others[model] = 0.0
+        return int(self.rng.choice(len(self.models), p=others / others.sum()))
+
     def session(self, start: float) -> float:
-        """Generate one session starting at `start`; returns the time of its end record."""
+        """Generate one session starting at `start` (with its sub-agents' sessions when `context` is fresh);
+        returns the time of its end record."""
         p = self.params
         self.session_count += 1
         sid = f"s{self.session_count:04d}"
@@ -244,11 +287,29 @@ class _Generator:
         slo = SLO_ORDER[int(self.rng.choice(3, p=np.array(p.slo_weights) / sum(p.slo_weights)))]
         turns = int(self.rng.geometric(1.0 / p.mean_turns_per_session))
         model = int(self.rng.choice(len(self.models), p=self.prefs[self._hour(start)]))
-        t, history = start, 0
+        root_model = model
+        fresh = p.context == "fresh"
+        # the context the turn runs in: (session id, its history tokens); the root's history is kept apart
+        context, history, root_history = sid, 0, 0
+        subagents = 0
+        t = start
         for turn in range(turns):
+            parent = None
+            first_of_context = turn == 0
             if turn:
-                model = int(self.rng.choice(len(self.models), p=self.transitions[self._hour(t)][model]))
-            if turn == 0:
+                previous, model = model, self._next_model(model, t)
+                if fresh and model != previous:
+                    if context != sid:  # the sub-agent that handed off is done
+                        self.records.append(TraceEnd(t=round(t, 3), session=context, event="end"))
+                    else:
+                        root_history = history
+                    if model == root_model:
+                        context, history = sid, root_history  # back to the root, which reads the result
+                    else:
+                        subagents += 1
+                        parent = context
+                        context, history, first_of_context = f"{sid}.k{subagents}", 0, True
+            if first_of_context:
                 new_input = self._tokens(p.first_input_median_tokens, p.first_input_sigma)
             else:
                 new_input = self._tokens(p.turn_input_median_tokens, p.turn_input_sigma)
@@ -258,12 +319,13 @@ class _Generator:
             self.records.append(
                 TraceRequest(
                     t=round(t, 3),
-                    session=sid,
+                    session=context,
                     model=self.models[model],
                     input_tokens=new_input,
                     output_tokens=output,
                     slo=slo,
                     user=user,
+                    parent=parent,
                 )
             )
             history += new_input + output
@@ -271,6 +333,8 @@ class _Generator:
             if t >= self.duration:
                 break
         end = round(min(t, self.duration), 3)
+        if context != sid:
+            self.records.append(TraceEnd(t=end, session=context, event="end"))
         self.records.append(TraceEnd(t=end, session=sid, event="end"))
         self.live_until[user].append(end)
         return end
@@ -291,6 +355,25 @@ class _Generator:
                 heapq.heappush(slots, (following, slot, stops))
         self.records.sort(key=lambda r: (r.t, isinstance(r, TraceEnd)))
         return self.records
+
+
+def handoff_share(records: Sequence[TraceRecord]) -> float:
+    """The share of a trace's later turns that change model, within each workflow (a session and the
+    sub-agents it handed off to, by `parent`), as the simulator counts hand-offs."""
+    root: dict[str, str] = {}
+    last: dict[str, str] = {}
+    turns = handoffs = 0
+    for r in records:
+        if not isinstance(r, TraceRequest):
+            continue
+        if r.session not in root:
+            root[r.session] = root.get(r.parent, r.parent) if r.parent else r.session
+        workflow = root[r.session]
+        if workflow in last:
+            turns += 1
+            handoffs += last[workflow] != r.model
+        last[workflow] = r.model
+    return handoffs / turns if turns else 0.0
 
 
 def synth_trace(scenario: Scenario, params: SynthParams, rng: np.random.Generator) -> list[TraceRecord]:

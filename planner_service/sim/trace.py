@@ -14,6 +14,11 @@ or the end of a session
 output tokens, whichever model served it. A model's KV for a session covers
 the history up to that model's last turn in it, while retained; a turn on
 model M must prefill the history M's retained KV does not cover.
+
+A sub-agent with a context of its own is a session of its own whose first request
+names the session that handed off to it (`"parent": "s1"`); its history is its own
+turns only, and a hand-off is counted across the two (a change of model between
+the last turn that arrived in either and the next).
 `schemas/trace.schema.json` is generated from these classes.
 """
 
@@ -40,6 +45,11 @@ class TraceRequest(BaseModel):
     output_tokens: Annotated[int, Field(ge=0)]
     slo: Slo = Slo.INTERACTIVE
     user: str | None = None
+    parent: str | None = Field(
+        default=None,
+        min_length=1,
+        description="On a sub-agent session's first request: the session that handed off to it (a fresh context).",
+    )
 
 
 class TraceEnd(BaseModel):

@@ -26,7 +26,7 @@ def test_every_rung_runs_every_seed_and_each_step_is_the_paired_difference(level
     assert [r["policy"] for r in rungs] == ["static-tuned", "statebudget-groups", "statebudget-groups", "statebudget"]
     assert rungs[0]["effect"] is None
     for below, rung in itertools.pairwise(rungs):
-        for key, _, _ in decompose.EFFECT_METRICS:
+        for key, _ in decompose.EFFECT_METRICS:
             assert len(rung["runs"][key]) == 2
             paired = [a - b for a, b in zip(rung["runs"][key], below["runs"][key], strict=True)]
             assert rung["effect"][key]["mean"] == pytest.approx(sum(paired) / 2)

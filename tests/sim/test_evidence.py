@@ -115,3 +115,36 @@ def test_findings_are_appended_and_a_missing_file_is_named(tmp_path: Path) -> No
     assert page.index("## case") < page.index("## Findings") and page.endswith("The tail is cold starts.\n")
     missing = CliRunner().invoke(app, [*args, str(tmp_path / "nope.md")])
     assert missing.exit_code == 2 and "--findings" in missing.output
+
+
+def test_the_readme_headline_is_generated_between_its_markers(tmp_path: Path) -> None:
+    from planner_service.sim.evidence import README_BEGIN, README_END
+
+    data = stored(
+        {"statebudget": 5.0, "sleep-router": 10.0, "swap-ttl": 30.0},
+        {"statebudget": 0, "sleep-router": 1, "swap-ttl": 0},
+    )
+    (tmp_path / "exceeds-hbm.json").write_text(json.dumps({"scenario": "exceeds-hbm", "precision": "native",
+                                                          "levels": [data]}))  # fmt: skip
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# Title\n\n{README_BEGIN}\nstale\n{README_END}\n\nAfter.\n")
+    args = ["study", "evidence", str(tmp_path / "exceeds-hbm.json"), "--out", str(tmp_path / "e.md")]
+    result = CliRunner().invoke(app, [*args, "--readme", str(readme)])
+    assert result.exit_code == 0, result.output
+    text = readme.read_text()
+    assert "stale" not in text and text.startswith("# Title") and text.endswith("After.\n")
+    row = "| exceeds-hbm: 5 sessions, gap ×1 | 5.0 ± 1.0 | — | 10.0 ± 1.0 | 30.0 ± 1.0 | — | 1.00 × `sleep-router` |"
+    assert row + " sleep-router 1/2 |" in text
+    readme.write_text("# No markers\n")
+    result = CliRunner().invoke(app, [*args, "--readme", str(readme)])
+    assert result.exit_code == 2 and "evidence-headline" in result.output
+
+
+def test_the_readme_headline_is_the_stored_results() -> None:
+    """`make evidence` wrote README.md's headline from docs/evidence/*.json as they are committed."""
+    from planner_service.sim.evidence import README_BEGIN, README_END, headline
+
+    root = Path(__file__).parents[2]
+    readme = (root / "README.md").read_text()
+    block = readme[readme.index(README_BEGIN) + len(README_BEGIN) : readme.index(README_END)]
+    assert block.strip() == headline(sorted((root / "docs" / "evidence").glob("*.json"))).strip()

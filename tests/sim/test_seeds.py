@@ -94,3 +94,33 @@ def test_native_precision_leaves_each_model_its_preferred_precision_only() -> No
     assert [str(p) for p in coder.precisions or []] == ["bf16"]  # the demo also allows int4
     assert not [r for r in scenario.residency if r.object.model == "coder" and str(r.object.precision) == "int4"]
     assert problem_from_scenario(scenario).models["coder"].precisions == ("bf16",)
+
+
+def test_the_cli_runs_a_level_per_handoff_rate_with_fresh_sub_agent_contexts() -> None:
+    args = ["study", "seeds", "--policies", "sleep-router", "--seeds", "1", "--train-seeds", ""]
+    args += ["--sessions", "2", "--hours", "0.1", "--handoff-rate", "0.05,0.5", "--context", "fresh", "--json"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    levels = json.loads(result.stdout)["levels"]
+    assert [(lv["trace"]["handoff_rate"], lv["trace"]["context"]) for lv in levels] == [(0.05, "fresh"), (0.5, "fresh")]
+    result = CliRunner().invoke(app, ["study", "seeds", "--context", "forked", "--train-seeds", "", "--seeds", "1"])
+    assert result.exit_code == 2 and "context" in result.output
+    result = CliRunner().invoke(app, ["study", "seeds", "--handoff-rate", "1.5", "--train-seeds", "", "--seeds", "1"])
+    assert result.exit_code == 2 and "handoff_rate" in result.output
+
+
+def test_the_cli_fits_the_synthetic_traces_to_a_trace_file(tmp_path) -> None:
+    import numpy as np
+
+    from planner_service.sim.synth import synth_trace
+    from planner_service.sim.trace import write_trace_stream
+
+    source = tmp_path / "slow.jsonl"
+    slow = SynthParams(sessions=4, hours=1.0, human_turn_probability=0.0, tool_gap_median_seconds=60.0)
+    write_trace_stream(source, synth_trace(demo_scenario(), slow, np.random.default_rng(1)))
+    args = ["study", "seeds", "--policies", "sleep-router", "--seeds", "1", "--train-seeds", "", "--sessions", "2"]
+    args += ["--hours", "0.1", "--fit", str(source), "--json"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    fit = json.loads(result.stdout)["levels"][0]["trace"]["fit"]
+    assert fit["source"] == str(source) and fit["gap_seconds"]["median"] == pytest.approx(60.0, rel=0.1)

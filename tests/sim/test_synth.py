@@ -11,7 +11,7 @@ import pytest
 
 from planner_service.domain.demo import demo_scenario, demo_scenario_json
 from planner_service.domain.scenario import Slo, parse_scenario
-from planner_service.sim.synth import SynthParams, handoff_prior, hourly_transitions, synth_trace
+from planner_service.sim.synth import SynthParams, handoff_prior, handoff_share, hourly_transitions, synth_trace
 from planner_service.sim.trace import TraceEnd, TraceRequest, read_trace, trace_json_schema, write_trace_stream
 
 PARAMS = SynthParams()  # 10 sessions, 8 hours, 10 engineers
@@ -188,3 +188,82 @@ def test_scenario_without_priors_or_focus_models() -> None:
 def test_bad_params_are_refused(bad: dict) -> None:
     with pytest.raises(ValueError):
         SynthParams(**bad)
+
+
+@pytest.mark.parametrize("rate", [0.05, 0.19, 0.5])
+def test_the_handoff_rate_sets_the_share_of_turns_that_hand_off(rate: float) -> None:
+    params = SynthParams(sessions=10, hours=8.0, handoff_rate=rate)
+    records = synth_trace(demo_scenario(), params, np.random.default_rng(3))
+    turns = len(requests(records)) - len({r.session for r in records})
+    assert turns > 5_000  # a large trace: the binomial's sd is under 0.7 points at 50 %
+    assert handoff_share(records) == pytest.approx(rate, abs=0.02)
+
+
+def test_the_chain_alone_hands_off_on_about_half_the_turns(trace) -> None:
+    # the figure the module docstring quotes for the demo's chain without a rate
+    assert handoff_share(trace) == pytest.approx(0.541, abs=0.005)
+
+
+@pytest.fixture(scope="module")
+def fresh():
+    params = SynthParams(sessions=6, hours=4.0, handoff_rate=0.3, context="fresh")
+    return synth_trace(demo_scenario(), params, np.random.default_rng(5))
+
+
+def test_fresh_handoffs_open_sub_agents_with_only_their_own_context(fresh) -> None:
+    reqs = requests(fresh)
+    roots = {r.session for r in reqs if "." not in r.session}
+    subs = [r for r in reqs if "." in r.session]
+    assert subs and roots
+    first: dict[str, TraceRequest] = {}
+    for r in reqs:
+        first.setdefault(r.session, r)
+    root_model = {s: first[s].model for s in roots}
+    for session, opening in first.items():
+        if session in roots:
+            assert opening.parent is None
+            continue
+        # a sub-agent names who handed off to it, runs on another model than its root, and starts afresh
+        assert opening.parent is not None and opening.parent.split(".")[0] == session.split(".")[0]
+        assert opening.model != root_model[session.split(".")[0]]
+    for r in reqs:
+        if r.session in first and r is not first[r.session]:
+            assert r.parent is None  # only a sub-agent's first request names its parent
+        # a sub-agent serves one model; every turn of the root is on the root's model
+        assert r.model == first[r.session].model
+    # a sub-agent's history is its own turns only: far less than the whole session's by its first turn
+    history: dict[str, int] = defaultdict(int)
+    whole: dict[str, int] = defaultdict(int)
+    for r in reqs:
+        root = r.session.split(".")[0]
+        if r is first[r.session] and r.session not in roots:
+            assert history[r.session] == 0 and whole[root] > 0
+        history[r.session] += r.input_tokens + r.output_tokens
+        whole[root] += r.input_tokens + r.output_tokens
+
+
+def test_fresh_and_shared_hand_off_as_often_and_every_sub_agent_ends(fresh) -> None:
+    assert handoff_share(fresh) == pytest.approx(0.3, abs=0.03)
+    ends = Counter(r.session for r in fresh if isinstance(r, TraceEnd))
+    assert set(ends) == {r.session for r in fresh} and set(ends.values()) == {1}
+    last_request = {r.session: r.t for r in requests(fresh)}
+    end_at = {r.session: r.t for r in fresh if isinstance(r, TraceEnd)}
+    assert all(end_at[s] >= t for s, t in last_request.items())
+
+
+def test_the_replay_counts_a_fresh_trace_s_hand_offs_and_runs_a_workflow_a_turn_at_a_time(fresh) -> None:
+    from planner_service.sim.engine import simulate
+    from planner_service.sim.policies import create_policy
+
+    head = [r for r in fresh if r.t < 900]
+    result = simulate(demo_scenario(), head, create_policy("sleep-router"))
+    reqs = requests(head)
+    counted = sum(r.handoff for r in result.requests)
+    assert counted == round(handoff_share(head) * (len(reqs) - len({r.session.split(".")[0] for r in reqs})))
+    # a sub-agent and the session that handed off to it are one agent: one turn at a time, in trace order
+    previous: dict[str, float] = {}
+    for r in sorted(result.requests, key=lambda r: r.index):
+        root = r.session.split(".")[0]
+        if root in previous:
+            assert r.admitted_at >= previous[root] - 1e-9
+        previous[root] = r.done_at if r.state == "done" else r.failed_at

@@ -103,6 +103,8 @@ def run(
 ) -> None:
     """Register the node, heartbeat, lease operations and carry them out until SIGTERM."""
     logging.basicConfig(level=log_level.value.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if log_level is not LogLevel.DEBUG:
+        logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per long-poll and heartbeat otherwise
     engines = None
     if engine:
         pairs = [e.split("=", 1) for e in engine]

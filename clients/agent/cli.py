@@ -23,7 +23,7 @@ from clients.agent.config import AgentConfig, ExecutorName, load_config
 from clients.agent.errors import invalid_fields
 from clients.agent.executors import UnknownExecutor, default_registry
 from clients.agent.runner import Agent
-from clients.sdk import APIError, AsyncStateBudgetClient, RetryPolicy
+from clients.sdk import APIError, AsyncStateBudgetClient, RetryPolicy, log_retries
 
 app = typer.Typer(
     help="StateBudget node agent: leases operations for one node and carries them out.",
@@ -103,6 +103,9 @@ def run(
 ) -> None:
     """Register the node, heartbeat, lease operations and carry them out until SIGTERM."""
     logging.basicConfig(level=log_level.value.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if log_level is not LogLevel.DEBUG:
+        logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per long-poll and heartbeat otherwise
+    log_retries(logging.getLogger("statebudget.agent"))
     engines = None
     if engine:
         pairs = [e.split("=", 1) for e in engine]

@@ -9,6 +9,7 @@ import time
 from typing import Any
 
 from clients.gateway.settings import GatewaySettings
+from clients.sdk import log_retries
 
 
 class JsonLines(logging.Formatter):
@@ -37,6 +38,7 @@ def serve(**overrides: Any) -> None:
     handler.setFormatter(JsonLines())
     logging.basicConfig(level=settings.log_level.upper(), handlers=[handler])
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per upstream call otherwise
+    log_retries(logging.getLogger("statebudget.gateway"))
     uvicorn.run(
         create_gateway_app(settings),
         host=settings.host,

@@ -1,7 +1,7 @@
 """Python SDK of the StateBudget API: `StateBudgetClient`, `AsyncStateBudgetClient`, typed errors, event helpers."""
 
 from clients.sdk import events
-from clients.sdk._core import KEEPALIVE_EXPIRY_SECONDS, RetryPolicy
+from clients.sdk._core import KEEPALIVE_EXPIRY_SECONDS, RetryPolicy, log_retries
 from clients.sdk.client import AsyncStateBudgetClient, StateBudgetClient
 from clients.sdk.errors import (
     APIError,
@@ -32,4 +32,5 @@ __all__ = [
     "StateBudgetError",
     "UnexpectedStatusError",
     "events",
+    "log_retries",
 ]

@@ -16,6 +16,7 @@ until the lease expires.
 
 from __future__ import annotations
 
+import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
@@ -24,6 +25,7 @@ from typing import Any, Generic, Literal, ParamSpec, Self, TypeVar, overload
 
 import httpx
 from pydantic import TypeAdapter
+from stamina.instrumentation import RetryDetails, set_on_retry_hooks
 
 from clients.sdk.errors import ConnectionError, ServerError, error_from_response
 
@@ -176,3 +178,21 @@ class Endpoint(Generic[P, T]):
             return send(build(*args, **kwargs))
 
         return update_wrapper(method, build)
+
+
+def log_retries(logger: logging.Logger) -> None:
+    """Log each retry stamina schedules, process-wide, as one line on `logger` that says what failed (the
+    error names the call: `POST /v1/nodes/n1/lease: ConnectError: ...`) and when it runs again; stamina's own
+    hook logs a bare `stamina.retry_scheduled` with the details out of the message. For an application's
+    entry point (the agent, the gateway), not a library."""
+
+    def hook(details: RetryDetails) -> None:
+        logger.warning(
+            "retry %d in %.1f s (%.1f s waited so far): %s",
+            details.retry_num,
+            details.wait_for,
+            details.waited_so_far,
+            details.caused_by,
+        )
+
+    set_on_retry_hooks([hook])

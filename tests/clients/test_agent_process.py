@@ -84,6 +84,7 @@ def test_agent_process_runs_the_plan_and_stops_on_sigterm(tmp_path):
         output, _ = agent.communicate(timeout=20)
         assert agent.returncode == 0, output
         assert "registered node n3" in output and "agent n3 stopped" in output and "Traceback" not in output
+        assert "HTTP Request" not in output  # quiet at INFO: no line per long-poll or heartbeat
         assert any(p.name.endswith(".bin") for p in (tmp_path / "nvme").iterdir())
     finally:
         if agent is not None and agent.poll() is None:

@@ -232,3 +232,30 @@ def test_a_problem_with_members_this_sdk_does_not_know_is_still_read():
         sb.post_events(request_event("e1", "s1", "coder"))
     assert info.value.problem is not None and info.value.field == "events.0.model"
     assert [(e.field, e.message) for e in info.value.errors] == [("events.0.model", "Field required")]
+
+
+def test_log_retries_says_which_call_failed_and_when_it_runs_again(caplog: pytest.LogCaptureFixture) -> None:
+    """The agent's and the gateway's retry lines: the call, its error and the wait, one line per retry."""
+    import logging
+    import socket
+
+    from stamina.instrumentation import set_on_retry_hooks
+
+    from clients.sdk import StateBudgetClient, log_retries
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log_retries(logging.getLogger("statebudget.test"))
+    try:
+        with (
+            StateBudgetClient(f"http://127.0.0.1:{port}", retry=FAST_RETRY) as sb,
+            caplog.at_level(logging.WARNING, logger="statebudget.test"),
+            pytest.raises(ConnectionError),
+        ):
+            sb.get_srv()
+    finally:
+        set_on_retry_hooks(None)  # stamina's defaults again
+    lines = [r.getMessage() for r in caplog.records if r.name == "statebudget.test"]
+    assert len(lines) == 2  # 3 attempts: 2 retries
+    assert lines[0].startswith("retry 1 in ") and "GET /v1/srv: ConnectError" in lines[0]

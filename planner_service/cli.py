@@ -883,15 +883,25 @@ def replay(
         bool,
         typer.Option(help="Slow MoE decode down for routed experts off GPU (costs.decode_slowdown_seconds)."),
     ] = True,
+    gateway: Annotated[
+        str,
+        typer.Option(
+            help="The gateway in front of the engines (sim/gateway.py): none, affinity, affinity+warmups (the "
+            "planner's warm-up directives on idle cards) or affinity+eager-warmups (the ablation that never yields)."
+        ),
+    ] = "none",
 ) -> None:
     """Replay a trace through the simulated cluster under each policy and compare them."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from planner_service.sim.engine import SimulationError
+    from planner_service.sim.gateway import GatewayMode
     from planner_service.sim.policies import default_registry as policy_registry
     from planner_service.sim.report import TABLE_COLUMNS, comparison, table_rows, write_json
     from planner_service.sim.report import replay as run_replay
 
+    if gateway not in {str(m) for m in GatewayMode}:
+        raise fail(f"--gateway: one of {', '.join(GatewayMode)}, got {gateway!r}")
     parsed = read_scenario(scenario)
     records = read_trace_file(trace)
     names = [p.strip() for p in policies.split(",") if p.strip()]
@@ -915,6 +925,7 @@ def replay(
                 seed=seed,
                 on_progress=advance,
                 expert_miss_decode=expert_miss_decode,
+                gateway=gateway,
             )
         except (SimulationError, ValueError) as error:
             raise fail(str(error)) from None
@@ -1289,17 +1300,102 @@ def study_decompose(
     out.print(decompose.markdown("decomposition", data), highlight=False, soft_wrap=True)
 
 
+@study_app.command("gateway")
+def study_gateway(
+    scenario: ScenarioOpt = None,
+    policies: Annotated[str, typer.Option(help="Comma-separated policies, each run with and without warm-ups.")] = (
+        "statebudget,sleep-router"
+    ),
+    seeds: Annotated[str, typer.Option(help="Seeds, comma-separated: one trace (or window) per workload each.")] = (
+        "1,2,3,4,5,6,7,8,9,10"
+    ),
+    sessions: Annotated[int, typer.Option(help="Sessions alive at a time in each synthetic trace.")] = 5,
+    hours: Annotated[float, typer.Option(help="Length of each synthetic trace in hours.")] = 0.5,
+    gap_scale: Annotated[
+        str,
+        typer.Option("--gap-scale", help="Synthetic load levels: each a gap scale (the smallest is the loaded one)."),
+    ] = "16,4",
+    traces: Annotated[
+        Path | None,
+        typer.Option(help="Folder of the public traces (azure_llm_2023, alibaba_genai_2026); none: synthetic only."),
+    ] = None,
+    azure_window: Annotated[float, typer.Option(help="Seconds of each Azure window.")] = 60.0,
+    alibaba_window: Annotated[float, typer.Option(help="Seconds of each Alibaba window.")] = 4 * 3600.0,
+    precision: Annotated[str, typer.Option(help="native (every model at its preferred precision) or allowed.")] = (
+        "native"
+    ),
+    as_json: JsonOpt = False,
+) -> None:
+    """The gateway's warm-ups against the same policy without them, over seeds (sim/gateway_study.py)."""
+    from planner_service.domain.problem import native_precision_scenario
+    from planner_service.sim import gateway_study
+    from planner_service.sim.engine import SimulationError
+    from planner_service.sim.importers import ImportOptions
+    from planner_service.sim.importers import default_registry as importers
+    from planner_service.sim.synth import SynthParams
+
+    parsed = read_scenario(scenario)
+    if precision not in ("allowed", "native"):
+        raise fail(f"--precision: allowed or native, got {precision!r}")
+    if precision == "native":
+        parsed = native_precision_scenario(parsed)
+    spread = min(1800.0, hours * 900.0)
+    workloads = [
+        gateway_study.synthetic(
+            parsed,
+            SynthParams(
+                sessions=sessions,
+                hours=hours,
+                arrival_spread_seconds=spread,
+                departure_spread_seconds=spread,
+                gap_scale=scale,
+            ),
+            f"synthetic gap ×{scale:g}",
+        )
+        for scale in _float_list(gap_scale, "gap-scale")
+    ]
+    if traces is not None:
+        for fmt, folder, seconds, options, source in (
+            ("azure", "azure_llm_2023", azure_window, ImportOptions(handoffs=True), "Azure LLM 2023, `--handoffs`"),
+            ("alibaba", "alibaba_genai_2026", alibaba_window, ImportOptions(), "Alibaba GenAI 2026"),
+        ):
+            if not (traces / folder).exists():
+                raise fail(f"--traces: {traces / folder} is missing")
+            records = list(importers().get(fmt).records(traces / folder, parsed, options))
+            workloads.append(gateway_study.window(records, seconds, fmt, source))
+    try:
+        data = gateway_study.gateway_study(
+            parsed,
+            workloads,
+            [p.strip() for p in policies.split(",") if p.strip()],
+            _seed_list(seeds, "seeds"),
+            on_progress=lambda line: err.print(line, highlight=False),
+        )
+    except (SimulationError, ValueError) as error:
+        raise fail(str(error)) from None
+    data.update(scenario=str(scenario) if scenario is not None else "demo", precision=precision)
+    if as_json:
+        emit_json(data)
+        return
+    from planner_service.sim.evidence import render_gateway
+
+    out.print(render_gateway("gateway", data), markup=False, highlight=False)
+
+
 EVIDENCE_PREAMBLE = """# Evidence: policies over seeds
 
-Generated by `make evidence` from the stored results in docs/evidence/ (`statebudget study seeds --json`)
-and, last, the findings written from them (docs/evidence/findings.md); edit those, not this page. Each
-figure is a mean over the reported seeds with its 95 % Student t half width.
+Generated by `make evidence` from the stored results in docs/evidence/ (`statebudget study seeds --json`;
+the decomposition and gateway sections from `study decompose --json` and `study gateway --json`) and, last,
+the findings written from them (docs/evidence/findings.md); edit those, not this page. Each figure is a mean
+over the reported seeds with its 95 % Student t half width.
 """
 
 
 @study_app.command("evidence")
 def study_evidence(
-    results: Annotated[list[Path], typer.Argument(help="Stored results of `statebudget study seeds --json`.")],
+    results: Annotated[
+        list[Path], typer.Argument(help="Stored results of `statebudget study seeds`, `decompose` or `gateway --json`.")
+    ],
     out_path: Annotated[Path, typer.Option("--out", help="The Markdown page to write.")] = Path("docs/evidence.md"),
     findings: Annotated[
         Path | None, typer.Option(help="A Markdown file of findings from the results, appended after them.")

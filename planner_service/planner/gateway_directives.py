@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 from planner_service.wire.routes import PinDirective, WarmupDirective
 
@@ -42,6 +42,10 @@ class SessionView(NamedTuple):  # a tuple: the route table builds one per sessio
 class DirectiveLimits:
     max_warmups_per_instance: int
     min_probability: float  # the predicted next model must be at least this likely
+    # which model a warm-up is for: "top", the session's most likely next model (where that is the model it is on,
+    # whose instance holds its KV, nothing is warmed); "handoff", the most likely model that holds none of its KV
+    # (the hand-off it would have to prefill for), at least `min_probability` likely
+    target: Literal["top", "handoff"] = "top"
 
 
 def decide_directives(
@@ -100,10 +104,16 @@ def decide_directives(
         row = next_model.get(s.id)
         if not row:
             continue
-        top = best.get(id(row))
-        if top is None:
-            top = best[id(row)] = max(row.items(), key=lambda kv: (kv[1], kv[0]))
-        model, probability = top
+        if limits.target == "handoff":
+            cold = [(p, m) for m, p in row.items() if m != s.model and not kv_holders.get((s.id, m))]
+            if not cold:
+                continue
+            probability, model = max(cold)
+        else:
+            top = best.get(id(row))
+            if top is None:
+                top = best[id(row)] = max(row.items(), key=lambda kv: (kv[1], kv[0]))
+            model, probability = top
         if probability < limits.min_probability or model not in idle or model not in kv_bytes_per_token:
             continue
         if kv_holders.get((s.id, model)):

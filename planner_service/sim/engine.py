@@ -101,9 +101,11 @@ from planner_service.domain.problem import Problem
 from planner_service.domain.scenario import Scenario
 from planner_service.domain.state import Kind, Location, StateObject, Tier
 from planner_service.planner import costs
+from planner_service.planner.gateway_directives import DirectiveLimits
 from planner_service.planner.greedy import split_evenly
 from planner_service.sim.cluster import Transfer
 from planner_service.sim.executor import KV_HEADROOM, Executor, SimulationError
+from planner_service.sim.gateway import DEFAULT_LIMITS, GatewayMode, GatewayModel
 from planner_service.sim.slots import SessionSlots, trace_concurrency
 from planner_service.sim.state import ModelState, SessionState, SimRequest, SimState
 
@@ -222,6 +224,8 @@ class Simulator(SimState):
         closed_loop: bool = True,
         engine_constants: EngineConstants | None = None,
         request_timeout_seconds: float = REQUEST_TIMEOUT_SECONDS,
+        gateway: GatewayMode | str = GatewayMode.NONE,
+        gateway_limits: DirectiveLimits = DEFAULT_LIMITS,
     ) -> None:
         scenario = policy.deployment(scenario)
         super().__init__(scenario, base_problem(scenario), records, engine_constants)
@@ -250,6 +254,14 @@ class Simulator(SimState):
         self.kv_offload = policy.kv_offload
         self.view = SimView(self, policy)  # what the policy reads of the cluster
         self.executor = Executor(self, self.view, policy)  # the one place that changes it for the policy
+        # the gateway in front of the engines: affinity and warm-ups (`gateway.py`)
+        self.gateway = GatewayModel(
+            self,
+            gateway,
+            gateway_limits,
+            compute_free_at=self.compute_free_at,
+            write_through=self.write_through if self.kv_offload else None,
+        )
 
     # -- events --------------------------------------------------------------
 
@@ -298,6 +310,8 @@ class Simulator(SimState):
                 continue
             self._sample(at)
             self.now = at
+            if kind in ("done", "timeout", "model_ready"):
+                self.gateway.changed()  # a tool call began, a card went idle or an engine came up
             handlers[kind](payload)
             self.dispatch()
             self._reschedule_transfers()
@@ -334,6 +348,7 @@ class Simulator(SimState):
                 "engine_transitions": dict(self.executor.transitions),
                 "session_seats": self.slots.seats if self.slots else None,
                 "peak_open_sessions": self.slots.peak_open if self.slots else None,
+                "gateway": self.gateway.report(),
             },
         )
 
@@ -411,6 +426,7 @@ class Simulator(SimState):
         )
         self.requests.append(req)
         self.policy.observe(self.view, session, req)
+        self.gateway.observe(session, req)
         session.requested_model = root.requested_model = rec.model
         self._queues[rec.session].append(req)
         if self.slots is None or self.slots.arrive(rec.session):
@@ -494,6 +510,7 @@ class Simulator(SimState):
         self.demand[req.model] += 1
         self.waiting.append(req)
         self.push(self.now + self.request_timeout_seconds, "timeout", req)
+        self.gateway.on_admit(req)
         self.policy.on_arrival(self.view, req)
 
     def _on_timeout(self, req: SimRequest) -> None:
@@ -520,6 +537,7 @@ class Simulator(SimState):
         request starves behind a stream of small ones).
         """
         self.policy.on_dispatch(self.view)
+        self.gateway.give_way()  # a warm-up never holds a card a real request wants
         progressed = True
         while progressed:
             progressed = False
@@ -541,6 +559,7 @@ class Simulator(SimState):
                         self.policy.on_stuck(self.view, req)
                         progressed = req.model not in self.models
                 blocked.add(req.model)
+        self.gateway.consider()
 
     def _stuck(self, state: ModelState) -> bool:
         """Nothing running or copying on the group will ever free room for the waiting KV."""
@@ -593,6 +612,7 @@ class Simulator(SimState):
         computed = min(self.computed_tokens[kv], history)
         have = min(self.gpu_tokens[kv], computed)
         missing = history - have
+        self.gateway.on_start(req, have)
         host_tokens = min(self.host_tokens[kv], computed) if self.cluster.bytes_of(kv, Location.host(state.node)) else 0
         restorable = max(0, host_tokens - have)
         node = self.problem.nodes[state.node]
@@ -687,7 +707,7 @@ class Simulator(SimState):
         if state is not None:
             self.touch(StateObject.weights(req.model, state.precision))
         if self.kv_offload and state is not None and self.engines.keeps_kv_in_host(state.node, req.model):
-            self._write_through(
+            self.write_through(
                 kv, state.node, session.history_tokens * model.kv_bytes_per_token, session.history_tokens
             )
         session.request = None
@@ -696,7 +716,7 @@ class Simulator(SimState):
         if session.request is None:
             self._close_slot(req.session)  # (a session whose trace has no end record ends with its last turn)
 
-    def _write_through(self, kv: StateObject, node: str, nbytes: int, tokens: int) -> None:
+    def write_through(self, kv: StateObject, node: str, nbytes: int, tokens: int) -> None:
         """LMCache-style: a turn's KV is stored to host DRAM as it is produced (small, asynchronous copies)."""
         host = Location.host(node)
         for other in self.problem.nodes:

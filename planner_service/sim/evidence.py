@@ -8,6 +8,8 @@ runs, the hand-off P95 ratios against the best baseline where no run of either p
 where the hand-offs' switch latency went per policy (stored results that predate a column show a dash).
 A result of a real trace (`study seeds --trace`, `windows.py`) reads the same, by window instead of by seed,
 its request metrics with their bootstrap interval as `mean [low, high]`.
+A stored gateway study (`statebudget study gateway --json`, `"kind": "gateway"`) becomes its own section:
+per workload, each policy with and without warm-ups, paired per seed (`render_gateway`).
 """
 
 from __future__ import annotations
@@ -123,9 +125,93 @@ def _load_table(levels: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def _paired_cell(interval: dict[str, Any], digits: int, signed: bool = True) -> str:
+    if interval.get("mean") is None:
+        return "—"
+    sign = "+" if signed else ""
+    if interval.get("half_width") is None:
+        return f"{interval['mean']:{sign}.{digits}f}"
+    return f"{interval['mean']:{sign}.{digits}f} ± {interval['half_width']:.{digits}f}"
+
+
+def render_gateway(name: str, data: dict[str, Any]) -> str:
+    """The gateway study (`sim/gateway_study.py`): per workload, each policy with and without warm-ups."""
+    arms = data["arms"]
+    lines = [
+        f"## {name}",
+        "",
+        (
+            f"Scenario `{data['scenario']}`. {PRECISION[data['precision']]} The same policy replayed on the same "
+            "traces with the gateway routing only (`none`; `affinity` replays identically: one engine instance per "
+            "model), and with warm-ups by the planner's directive rule (`planner/gateway_directives.py`):"
+        ),
+        "",
+    ]
+    for arm, spec in arms.items():
+        if spec["gateway"] == "none":
+            continue
+        lines.append(
+            f"- `{arm}`: warm-up target `{spec['target']}`, at least {spec['min_probability']:g} likely, at most "
+            f"{spec['max_warmups_per_instance']} per instance, "
+            + (
+                "on any card, never giving way: each takes its cards as a real prefill does (an ablation)."
+                if spec["gateway"] == "affinity+eager-warmups"
+                else "only on idle cards, cancelled by any real request there."
+            )
+        )
+    for w in data["workloads"]:
+        lines += [
+            "",
+            f"### {name}: {w['description']}",
+            "",
+            (
+                f"Seeds {', '.join(map(str, w['seeds']))}; {data['interval']}; Δ and the GPU memory-time ratio are "
+                "paired per seed against `none` on the same trace."
+            ),
+            "",
+            (
+                "| policy | arm | hand-off P95 s | Δ hand-off P95 s | done P95 s | Δ done P95 s | GPU GiB·h | "
+                "GPU memory-time ratio | warm-ups started | used | cancelled | saturated runs |"
+            ),
+            "|" + "---|" * 12,
+        ]
+        for policy in data["policies"]:
+            for arm in arms:
+                m = w["metrics"][policy][arm]
+                pair = w["paired"][policy].get(arm)
+                lines.append(
+                    f"| {policy} | {arm} | {_cell(m['handoff_p95_seconds'], 2)} | "
+                    f"{_paired_cell(pair['handoff_p95_diff_seconds'], 2) if pair else '—'} | "
+                    f"{_cell(m['completion_p95_seconds'], 1)} | "
+                    f"{_paired_cell(pair['completion_p95_diff_seconds'], 1) if pair else '—'} | "
+                    f"{_cell(m['gpu_gib_hours'], 1)} | "
+                    f"{_paired_cell(pair['gpu_memory_time_ratio'], 4, signed=False) if pair else '—'} | "
+                    f"{_cell(m['warmups_started'], 1)} | {_cell(m['warmups_used'], 1)} | "
+                    f"{_cell(m['warmups_cancelled'], 1)} | {m['saturated_runs']} / {len(w['seeds'])} |"
+                )
+        lines += [
+            "",
+            (
+                "Where the hand-off latency goes (mean seconds per part over the hand-offs at or above each seed's "
+                "P95, means over the seeds):"
+            ),
+            "",
+            "| policy | arm | " + " | ".join(p.replace("_", " ") for p in SWITCH_PARTS) + " | sum |",
+            "|" + "---|" * (len(SWITCH_PARTS) + 3),
+        ]
+        for policy in data["policies"]:
+            for arm in arms:
+                parts = w["handoff_parts"][policy][arm]
+                row = [parts.get(f"tail_{p}", 0.0) for p in SWITCH_PARTS]
+                lines.append(f"| {policy} | {arm} | " + " | ".join(f"{v:.2f}" for v in row) + f" | {sum(row):.2f} |")
+    return "\n".join(lines) + "\n"
+
+
 def render_section(name: str, data: dict[str, Any]) -> str:
     if data.get("kind") == "decomposition":
         return decompose.markdown(name, data)
+    if data.get("kind") == "gateway":
+        return render_gateway(name, data)
     if "levels" not in data:
         return render_level(f"## {name}", data)
     levels = data["levels"]

@@ -107,6 +107,8 @@ def summarize(result: SimResult, targets: SloClassConstants = DEFAULT_TTFT_TARGE
         "deadlock_breaks": int(result.extra.get("deadlock_breaks", 0)),
         # cold starts, wakes by level, sleeps by level and stops of the simulated engines (sim/instances.py)
         "engine_transitions": dict(sorted(result.extra.get("engine_transitions", {}).items())),
+        # the gateway's mode and its warm-ups: started, completed, used by a hand-off, cancelled (sim/gateway.py)
+        "gateway": result.extra.get("gateway", {}),
         "capacity_or_bandwidth_violations": int(result.violations),
         "replay_wall_seconds": round(float(result.extra.get("wall_seconds", 0.0)), 3),
         "simulated_seconds": round(duration, 3),

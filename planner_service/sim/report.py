@@ -55,6 +55,7 @@ def replay(
     targets: SloClassConstants = DEFAULT_TTFT_TARGETS,
     on_progress: Callable[[str, float], None] | None = None,
     expert_miss_decode: bool = True,
+    gateway: str = "none",
 ) -> Replay:
     """Run every policy on the same trace; the report is what `statebudget replay --json` writes."""
     missing = sorted({r.model for r in records if isinstance(r, TraceRequest)} - {m.id for m in scenario.models})
@@ -65,7 +66,13 @@ def replay(
         policy = create_policy(name)
         progress = (lambda t, n=name: on_progress(n, t)) if on_progress else None
         results[name] = simulate(
-            scenario, records, policy, seed=seed, on_progress=progress, expert_miss_decode=expert_miss_decode
+            scenario,
+            records,
+            policy,
+            seed=seed,
+            on_progress=progress,
+            expert_miss_decode=expert_miss_decode,
+            gateway=gateway,
         )
         if on_progress:
             on_progress(name, results[name].duration_seconds)
@@ -80,6 +87,7 @@ def replay(
         "scenario": scenario_summary(problem, scenario_name),
         "seed": seed,
         "expert_miss_decode": expert_miss_decode,
+        "gateway": gateway,
         "ttft_targets_seconds": targets.model_dump(),
         "policies": summaries,
     }

@@ -118,3 +118,21 @@ def test_pins_where_the_plan_keeps_the_kv_on_a_routable_holder():
     pins, warmups = decide(sessions, {})
     assert pins == [PinDirective(session="kept", instance="coder@g0", tokens=900)]
     assert warmups == []
+
+
+def test_the_handoff_target_warms_the_most_likely_model_that_holds_none_of_the_session_s_kv():
+    # s4's most likely next model is its own (coder@g0 holds its KV): "top" warms nothing for it; "handoff" warms
+    # the likeliest model without its KV, reasoner (0.3 >= 0.2), on the first idle instance with room
+    sessions = [session("s4", holder="coder@g0")]
+    next_model = {"s4": {"coder": 0.7, "reasoner": 0.3}}
+    holders = {("s4", "coder"): frozenset({"coder@g0"})}
+    assert decide(sessions, next_model, kv_holders=holders)[1] == []
+    handoff = DirectiveLimits(max_warmups_per_instance=2, min_probability=0.2, target="handoff")
+    assert decide(sessions, next_model, kv_holders=holders, limits=handoff)[1] == [
+        WarmupDirective(session="s4", model="reasoner", instance="reasoner@g1", tokens=4096, probability=0.3)
+    ]
+    # below its threshold, or already held by a reasoner instance: nothing
+    strict = DirectiveLimits(max_warmups_per_instance=2, min_probability=0.5, target="handoff")
+    assert decide(sessions, next_model, kv_holders=holders, limits=strict)[1] == []
+    held = {**holders, ("s4", "reasoner"): frozenset({"reasoner@g2+g3"})}
+    assert decide(sessions, next_model, kv_holders=held, limits=handoff)[1] == []

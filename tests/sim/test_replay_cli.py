@@ -133,3 +133,19 @@ def test_the_replay_table_splits_by_width_and_never_folds_a_figure() -> None:
     assert "…" not in text
     for row in rows:
         assert row[0] in text and all(figure in text for figure in row[1:])
+
+
+def test_replay_runs_behind_the_gateway_and_reports_its_warm_ups(tmp_path: Path) -> None:
+    trace = small_trace(tmp_path / "t.jsonl")
+    out = tmp_path / "r.json"
+    args = ["replay", "--trace", str(trace), "--policies", "sleep-router", "--gateway", "affinity+warmups"]
+    result = CliRunner().invoke(app, [*args, "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    report = json.loads(out.read_text())
+    assert report["gateway"] == "affinity+warmups"
+    assert report["policies"]["sleep-router"]["gateway"]["mode"] == "affinity+warmups"
+    assert {"warmups_started", "warmups_used", "warmups_cancelled"} <= set(
+        report["policies"]["sleep-router"]["gateway"]
+    )
+    wrong = CliRunner().invoke(app, ["replay", "--trace", str(trace), "--policies", "lru", "--gateway", "psychic"])
+    assert wrong.exit_code == 2 and "--gateway" in wrong.output

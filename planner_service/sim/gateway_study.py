@@ -1,0 +1,215 @@
+"""The gateway's warm-ups measured: the same policy with and without them, over seeds (`gateway.py`).
+
+Each workload gives one trace per seed: a synthetic trace (`synth.py`) at a load level, or a window of a
+public trace imported once (Azure LLM 2023, Alibaba GenAI 2026): seed s starts the window at the arrival
+of a request drawn by `default_rng(s)` (so busy hours are drawn as often as they hold requests) and keeps
+the records inside it, times counted from its start. Every policy replays every trace under every arm:
+
+* `none`: the gateway routes only (`affinity` replays exactly as `none` here: `gateway.py`);
+* `warmups`: warm-ups by the rule the planner publishes, with the service's defaults (the most likely
+  next model, at least 0.5 likely, 2 per instance);
+* `warmups-handoff`: the same rule aimed at the most likely model that holds none of the session's KV,
+  at least 0.2 likely (`DirectiveLimits.target = "handoff"`);
+* `eager-handoff`: an ablation, the `warmups-handoff` directives carried out without waiting for idle cards
+  and without giving way: each warm-up takes its cards as a real prefill does (`GatewayMode.EAGER`).
+
+Per policy and arm: hand-off and completion P95, GPU memory-time and the warm-ups' counts, each a mean
+with its 95 % Student t interval over the seeds; and against `none` on the same trace, paired per seed:
+the hand-off and completion P95 differences and the GPU memory-time ratio, each with its interval.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from planner_service.domain.scenario import Scenario
+from planner_service.domain.units import GIB
+from planner_service.planner.gateway_directives import DirectiveLimits
+from planner_service.sim.engine import simulate
+from planner_service.sim.gateway import DEFAULT_LIMITS, GatewayMode
+from planner_service.sim.intervals import t_interval
+from planner_service.sim.metrics import summarize
+from planner_service.sim.policies import create_policy
+from planner_service.sim.slots import saturated
+from planner_service.sim.synth import SynthParams, synth_trace
+from planner_service.sim.trace import TraceRecord
+
+HANDOFF_TARGET = DirectiveLimits(max_warmups_per_instance=2, min_probability=0.2, target="handoff")
+ARMS: dict[str, tuple[GatewayMode, DirectiveLimits]] = {
+    "none": (GatewayMode.NONE, DEFAULT_LIMITS),
+    "warmups": (GatewayMode.WARMUPS, DEFAULT_LIMITS),
+    "warmups-handoff": (GatewayMode.WARMUPS, HANDOFF_TARGET),
+    "eager-handoff": (GatewayMode.EAGER, HANDOFF_TARGET),
+}
+# (key, label): what each run reports, read by `_row`
+METRICS = (
+    ("handoff_p95_seconds", "hand-off P95 s"),
+    ("completion_p95_seconds", "done P95 s"),
+    ("gpu_gib_hours", "GPU GiB·h"),
+    ("warmups_started", "warm-ups started"),
+    ("warmups_used", "used"),
+    ("warmups_cancelled", "cancelled"),
+)
+COUNTS = ("warmups_started", "warmups_completed", "warmups_used", "warmups_cancelled", "warmups_unused")
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    description: str
+    trace: Callable[[int], list[TraceRecord]]  # seed -> records
+
+
+def synthetic(scenario: Scenario, params: SynthParams, name: str) -> Workload:
+    description = (
+        f"synthetic, {params.sessions} sessions × {params.hours:g} h, every gap between turns × {params.gap_scale:g}"
+    )
+    return Workload(name, description, lambda seed: synth_trace(scenario, params, np.random.default_rng(seed)))
+
+
+def window(records: Sequence[TraceRecord], seconds: float, name: str, source: str) -> Workload:
+    """Seed s: the records in [t, t + seconds) for t the arrival of a request `default_rng(s)` draws among
+    those at least `seconds` before the trace's end (any request where the trace is shorter)."""
+    times = np.array([r.t for r in records], dtype=float)
+    if not times.size:
+        raise ValueError(f"{name}: the trace is empty")
+    last = times[-1]
+
+    def trace(seed: int) -> list[TraceRecord]:
+        candidates = np.flatnonzero(times <= last - seconds)
+        pool = candidates if candidates.size else np.arange(times.size)
+        start = float(times[int(np.random.default_rng(seed).choice(pool))])
+        lo, hi = int(np.searchsorted(times, start, "left")), int(np.searchsorted(times, start + seconds, "left"))
+        return [r.model_copy(update={"t": r.t - start}) for r in records[lo:hi]]
+
+    length = f"{seconds / 3600:g} h" if seconds >= 3600 else f"{seconds:g} s"
+    return Workload(name, f"{source}, windows of {length}", trace)
+
+
+def _row(summary: dict[str, Any], result_seconds: float, trace_seconds: float, gpu_byte_seconds: float) -> dict:
+    gateway = summary["gateway"]
+    parts = summary["handoff_switch_parts"]
+    return {
+        "handoff_p95_seconds": summary["switch_latency_seconds"]["handoff"]["p95"],
+        "completion_p95_seconds": summary["completion_seconds"]["p95"],
+        "gpu_gib_hours": gpu_byte_seconds / GIB / 3600.0,
+        "handoffs": summary["handoffs"],
+        "failed_requests": summary["failed_requests"]["all"],
+        "saturated": saturated(result_seconds, trace_seconds),
+        **{key: gateway[key] for key in COUNTS},
+        "warmup_prefill_seconds": gateway["warmup_prefill_seconds"],
+        "cancelled_prefill_seconds": gateway["cancelled_prefill_seconds"],
+        "cancelled_by": gateway["cancelled_by"],
+        "handoff_parts_tail": parts["tail"],
+        "handoff_parts_mean": parts["mean"],
+    }
+
+
+def _interval(values: Sequence[float]) -> dict[str, Any]:
+    finite = [v for v in values if math.isfinite(v)]
+    return t_interval(finite).to_json() if finite else {"mean": None, "half_width": None, "n": 0}
+
+
+def run_workload(
+    scenario: Scenario,
+    workload: Workload,
+    policies: Sequence[str],
+    seeds: Sequence[int],
+    arms: Sequence[str] = tuple(ARMS),
+    on_progress: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    runs: dict[str, dict[str, list[dict[str, Any]]]] = {p: {a: [] for a in arms} for p in policies}
+    for seed in seeds:
+        records = workload.trace(seed)
+        end = max((r.t for r in records), default=0.0)
+        for policy in policies:
+            for arm in arms:
+                mode, limits = ARMS[arm]
+                result = simulate(
+                    scenario, records, create_policy(policy), seed=seed, gateway=mode, gateway_limits=limits
+                )
+                row = _row(summarize(result), result.duration_seconds, end, result.gpu_byte_seconds)
+                row["seed"] = seed
+                runs[policy][arm].append(row)
+                if on_progress:
+                    on_progress(
+                        f"{workload.name} seed {seed} {policy} {arm}: hand-off P95 {row['handoff_p95_seconds']:.2f} s, "
+                        f"warm-ups {row['warmups_started']} started / {row['warmups_used']} used"
+                    )
+    metrics: dict[str, dict[str, dict[str, Any]]] = {}
+    paired: dict[str, dict[str, dict[str, Any]]] = {}
+    parts: dict[str, dict[str, dict[str, float]]] = {}
+    for policy in policies:
+        metrics[policy], paired[policy], parts[policy] = {}, {}, {}
+        base = runs[policy][arms[0]]
+        for arm in arms:
+            rows = runs[policy][arm]
+            metrics[policy][arm] = {
+                key: _interval([float(r[key]) for r in rows])
+                for key in ("handoff_p95_seconds", "completion_p95_seconds", "gpu_gib_hours", *COUNTS)
+            }
+            metrics[policy][arm]["saturated_runs"] = sum(r["saturated"] for r in rows)
+            metrics[policy][arm]["failed_requests"] = sum(r["failed_requests"] for r in rows)
+            parts[policy][arm] = {
+                f"{which}_{part}": round(float(np.mean([r[f"handoff_parts_{which}"][part] for r in rows])), 4)
+                for which in ("tail", "mean")
+                for part in rows[0][f"handoff_parts_{which}"]
+            }
+            if arm == arms[0]:
+                continue
+            paired[policy][arm] = {
+                "handoff_p95_diff_seconds": _interval(
+                    [r["handoff_p95_seconds"] - b["handoff_p95_seconds"] for r, b in zip(rows, base, strict=True)]
+                ),
+                "completion_p95_diff_seconds": _interval(
+                    [r["completion_p95_seconds"] - b["completion_p95_seconds"] for r, b in zip(rows, base, strict=True)]
+                ),
+                "gpu_memory_time_ratio": _interval(
+                    [
+                        r["gpu_gib_hours"] / b["gpu_gib_hours"]
+                        for r, b in zip(rows, base, strict=True)
+                        if b["gpu_gib_hours"]
+                    ]
+                ),
+            }
+    return {
+        "name": workload.name,
+        "description": workload.description,
+        "seeds": list(seeds),
+        "metrics": metrics,
+        "paired": paired,
+        "handoff_parts": parts,
+        "runs": runs,
+    }
+
+
+def gateway_study(
+    scenario: Scenario,
+    workloads: Sequence[Workload],
+    policies: Sequence[str],
+    seeds: Sequence[int],
+    on_progress: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """Every workload (module doc); the JSON `make evidence` renders as the gateway's section."""
+    if len(seeds) < 2 or len(set(seeds)) != len(seeds):
+        raise ValueError("seeds: at least two distinct seeds (an interval needs two runs)")
+    return {
+        "kind": "gateway",
+        "policies": list(policies),
+        "arms": {
+            name: {
+                "gateway": str(mode),
+                "target": limits.target,
+                "min_probability": limits.min_probability,
+                "max_warmups_per_instance": limits.max_warmups_per_instance,
+            }
+            for name, (mode, limits) in ARMS.items()
+        },
+        "interval": "95 % Student t over seeds",
+        "workloads": [run_workload(scenario, w, policies, seeds, on_progress=on_progress) for w in workloads],
+    }

@@ -96,7 +96,7 @@ def tokenize_request(endpoint: Endpoint, body: bytes, model: str) -> dict[str, A
             out["chat_template_kwargs"] = {**(data.get("chat_template_kwargs") or {}), **extra}
         return out
     prompt = data.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1:
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str):
         out = {"model": model, "prompt": prompt}

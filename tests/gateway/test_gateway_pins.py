@@ -19,7 +19,7 @@ import pytest
 from fakes.lmcache import CHUNK_TOKENS, FakeLMCacheController, create_fake_lmcache
 from fakes.serve import free_port
 from fakes.vllm_serving import ServingState, serving_app
-from gateway_helpers import ScriptedPlanner, Served, route_instance, wait_until
+from gateway_helpers import ScriptedPlanner, Served, route_instance, stop_all, wait_until
 from prometheus_client import CollectorRegistry
 
 from clients.gateway.app import create_gateway_app
@@ -99,8 +99,7 @@ class Setup:
         return httpx.get(self.gateway.url + "/readyz").json()
 
     def stop(self) -> None:
-        for served in [self.gateway, *reversed(self.served)]:
-            served.stop()
+        stop_all([self.gateway, *self.served])
 
 
 @pytest.fixture

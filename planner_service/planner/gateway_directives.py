@@ -6,7 +6,7 @@ the gateway routes the session there and may pin its history in the engine's pre
 A **warm-up** prefills a session's known history on the model it is predicted to hand off to, while the session
 sits in a tool call (a 1-token request with prefix caching on), so the hand-off's prefill finds the prefix cached.
 A warm-up competes with real prefills for the card: on a loaded trace, warm-ups queued ahead of real prefills made
-the hand-off P95 fifty times worse (issue 26's Alibaba replay). So a warm-up is only directed to an idle card:
+the hand-off P95 fifty times worse in an earlier replay of the Alibaba trace. So a warm-up is only directed to an idle card:
 no operation of the plan open on it, no request of any session running or waiting on it, room for the session's
 KV beside what the card holds, and at most `max_per_instance` per instance. The gateway checks idleness again
 against its own in-flight requests, and cancels a warm-up the moment a real request comes for the instance.

@@ -34,7 +34,7 @@ cannot, and this module replays them beside any policy (`GatewayMode`):
 A warm-up is *used* when the session's next request goes to the warmed model and finds that KV still on
 the group; the hand-off then prefills nothing of the history (only what the history grew by since).
 
-`affinity+eager-warmups` is an ablation, the naive gateway of issue 26's loaded replay: the same directives
+`affinity+eager-warmups` is an ablation, a gateway that warms regardless of load: the same directives
 decided as if every card were idle, each warm-up taking its cards in their prefill order as a real prefill
 does (later real prefills wait behind it), never cancelled but by its KV's eviction or its engine leaving.
 """
@@ -66,7 +66,7 @@ class GatewayMode(StrEnum):
     AFFINITY = "affinity"
     WARMUPS = "affinity+warmups"
     # an ablation: warm-ups by the same directives that neither wait for idle cards nor give way, each taking its
-    # cards as a real prefill does (the naive gateway of issue 26's loaded replay)
+    # cards as a real prefill does (a gateway that warms regardless of load)
     EAGER = "affinity+eager-warmups"
 
 

@@ -39,7 +39,7 @@ class FaultCase:
     expected: str
     observed: str
     ok: bool
-    open: bool = False  # a known gap the issue asks to close: reported, not counted as a regression
+    open: bool = False  # a known gap still to close: reported, not counted as a regression
 
 
 def raw_json(data: dict[str, Any], **numbers: str) -> str:

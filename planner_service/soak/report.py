@@ -197,7 +197,7 @@ def render(results: Results, root: Path) -> str:
             "## Steady load with node agents, and a restart",
             "",
             (
-                "The scenario of the issue's F1: the service seeded with the demo (or a generated cluster), node "
+                "The load scenario (F1): the service seeded with the demo (or a generated cluster), node "
                 "agents that long-poll their node's queue (several per node, competing for it), run each operation "
                 "(a sleep of 1 % of its estimate) and report it `done` with a measured time within ±20 % of the "
                 "estimate and the planned bytes, and sessions that send `request`, `tool_call_start`, "
@@ -271,7 +271,7 @@ def render(results: Results, root: Path) -> str:
             "## Fault cases",
             "",
             (
-                "The issue's F2, F3, F5, F6 and F7 against a real server (an operator token, leases of a few "
+                "The fault cases F2, F3, F5, F6 and F7 against a real server (an operator token, leases of a few "
                 "seconds); each bad number is written into the JSON text as such. `tests/api/test_api_bounds.py`, "
                 "`tests/service/test_calibration.py` and `tests/api/test_api_access_log.py` hold the in-process "
                 "tests of the same cases."

@@ -85,8 +85,9 @@ class GatewayMetrics:
         )
         self.pins = Counter(
             "statebudget_gateway_pins_total",
-            "Pins of a session's history in LMCache by model and outcome: pinned (the controller took it), "
-            "tokenize_failed (the engine's /tokenize failed), controller_failed (the controller refused or was "
+            "Pins of a session's history in LMCache by model and outcome: pinned (the controller pinned some of "
+            "its tokens), empty (it found none of their chunks at the location: not stored yet, evicted, or another "
+            "prompt), tokenize_failed (the engine's /tokenize failed), controller_failed (the controller refused or was "
             "unreachable), no_history (the gateway holds no request of the session for that model), skipped (a "
             "request that is not one sequence: a batch of prompts).",
             ["model", "outcome"],

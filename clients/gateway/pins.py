@@ -57,8 +57,9 @@ _CHAT_FIELDS = (
 # chat fields the chat request hands to the template as keyword arguments (its `build_chat_params`), which the
 # tokenize request has no field for: they go into its `chat_template_kwargs`
 _TEMPLATE_KWARGS = ("documents", "reasoning_effort")
-# outcomes that a retry may change; the others wait for the session's next request or a new directive
-_RETRIED = frozenset({"tokenize_failed", "controller_failed"})
+# outcomes that a retry may change (LMCache stores a prompt's chunks as the engine computes them, so an empty
+# pin may find them later); the others wait for the session's next request or a new directive
+_RETRIED = frozenset({"tokenize_failed", "controller_failed", "empty"})
 
 
 @dataclass(slots=True)
@@ -278,8 +279,9 @@ class Pins:
                 tokens = answered
             outcome = "controller_failed"
             lmcache_id = self.instance_ids.get(directive.instance) or f"{instance.node}-{model}"
-            if await self._send_pin(http, lmcache_id, tokens, directive.instance):
-                outcome = "pinned"
+            pinned = await self._send_pin(http, lmcache_id, tokens, directive.instance)
+            if pinned is not None:
+                outcome = "pinned" if pinned > 0 else "empty"
         finally:
             self.metrics.pins.labels(model, outcome).inc()
             current = self._wanted.get(session)
@@ -316,25 +318,35 @@ class Pins:
             return None
         return tokens
 
-    async def _send_pin(self, http: httpx.AsyncClient, lmcache_id: str, tokens: list[int], iid: str) -> bool:
+    async def _send_pin(self, http: httpx.AsyncClient, lmcache_id: str, tokens: list[int], iid: str) -> int | None:
+        """The tokens the controller pinned (its answer's `num_tokens`: those of the chunks it found at the
+        location, docs/source/kv_cache_management/pin.rst); None where it refused or could not be reached."""
         assert self.controller_url is not None  # enabled
         body = {"instance_id": lmcache_id, "location": self.location, "tokens": tokens}
+        pinned: int | None = None
         try:
             response = await http.post(self.controller_url + "/pin", json=body)
             error = None if response.status_code == 200 else f"the controller answered {response.status_code}"
+            if error is None:
+                data = response.json()
+                pinned = data.get("num_tokens") if isinstance(data, dict) else None
+                if not isinstance(pinned, int):
+                    error, pinned = "the controller answered no num_tokens", None
         except httpx.HTTPError as failure:
             error = f"the controller is unreachable ({type(failure).__name__})"
+        except ValueError:  # not JSON
+            error = "the controller answered no num_tokens"
         if error is None:
             if self.last_error is not None:
                 log.info("LMCache controller pins again")
             self.last_error = None
-            return True
+            return pinned
         # a controller that is down fails every pin: one warning when it starts, the rest at debug
         (log.warning if self.last_error is None else log.debug)(
             "pin of a session on %s (LMCache instance %s) failed: %s", iid, lmcache_id, error
         )
         self.last_error = error
-        return False
+        return None
 
     def state(self) -> dict[str, Any]:
         """The feature's state for /readyz: off (no controller configured) is a setting, not a fault."""

@@ -133,43 +133,46 @@ def _tokenize(url: str, body: dict[str, Any]) -> list[int]:
 
 def test_a_pin_directive_tokenizes_the_last_request_then_pins_those_token_ids(setup, lmcache):
     ctl, url = lmcache
-    s = setup(url, lmcache_instance_ids={"A": "lmc-a"})
+    s = setup(url, lmcache_instance_ids={"A": "lmc-a"}, lmcache_pin_retry_seconds=0.2)
     s.chat("alpha", "s1", HISTORY, tools=TOOLS, stream=True)
-    s.chat("beta", "s2", HISTORY[1:])
-    # the KV of both prompts is in LMCache: what the engines' connectors stored
+    s.chat("beta", "s2", HISTORY[::-1])
     tokens_a = _tokenize(s.served[0].url, {"model": "alpha", "messages": HISTORY, "tools": TOOLS})
-    tokens_b = _tokenize(s.served[1].url, {"model": "beta", "messages": HISTORY[1:]})
+    tokens_b = _tokenize(s.served[1].url, {"model": "beta", "messages": HISTORY[::-1]})
     s.alpha.tokenized.clear()
     s.beta.tokenized.clear()
+
+    s.publish([{"session": "s1", "instance": "A", "tokens": 300}, {"session": "s2", "instance": "B", "tokens": 300}])
+    # LMCache holds none of those chunks yet: the controller pins nothing, and the pin is tried again
+    wait_until(lambda: s.metric("statebudget_gateway_pins_total", model="alpha", outcome="empty") >= 1)
+    assert s.metric("statebudget_gateway_pinned_sessions") < 2
+    # the KV of both prompts in LMCache: what the engines' connectors stored
     ctl.store("lmc-a", LOCATION, tokens_a)
     ctl.store("n2-beta", LOCATION, tokens_b)
-
-    s.publish([{"session": "s1", "instance": "A", "tokens": 300}, {"session": "s2", "instance": "B", "tokens": 200}])
-    wait_until(lambda: len(ctl.pin_requests) == 2, what="both pins")
+    wait_until(lambda: s.metric("statebudget_gateway_pinned_sessions") == 2, what="both pinned")
     # the engine rendered the prompt the request had: its messages and tools, nothing of the sampling
-    assert s.alpha.tokenized == [{"model": "alpha", "messages": HISTORY, "tools": TOOLS}]
-    assert s.beta.tokenized == [{"model": "beta", "messages": HISTORY[1:]}]
-    by_instance = {p["instance_id"]: p for p in ctl.pin_requests}
+    assert set(map(str, s.alpha.tokenized)) == {str({"model": "alpha", "messages": HISTORY, "tools": TOOLS})}
+    assert set(map(str, s.beta.tokenized)) == {str({"model": "beta", "messages": HISTORY[::-1]})}
     # the token ids the engine answered, to the instance's LMCache: configured for A, `<node>-<model>` for B
+    by_instance = {p["instance_id"]: p for p in ctl.pin_requests}
     assert by_instance == {
         "lmc-a": {"instance_id": "lmc-a", "location": LOCATION, "tokens": tokens_a},
         "n2-beta": {"instance_id": "n2-beta", "location": LOCATION, "tokens": tokens_b},
     }
     assert ctl.pinned_tokens("lmc-a", LOCATION, tokens_a) == CHUNK_TOKENS  # the full chunk of the 300 tokens
-    wait_until(lambda: s.metric("statebudget_gateway_pinned_sessions") == 2)
     assert s.metric("statebudget_gateway_pins_total", model="alpha", outcome="pinned") == 1
     pins = s.readyz()["pins"]
     assert (pins["state"], pins["kept"], pins["last_error"]) == ("on", 2, None)
+    pinned_before = len(ctl.pin_requests)
 
     # the session's next request lengthens its conversation: the pin follows it
     longer = [*HISTORY, {"role": "assistant", "content": "found it"}, {"role": "user", "content": "now fix it"}]
     s.chat("alpha", "s1", longer, tools=TOOLS)
-    wait_until(lambda: len(ctl.pin_requests) == 3, what="the pin of the longer conversation")
+    wait_until(lambda: len(ctl.pin_requests) == pinned_before + 1, what="the pin of the longer conversation")
     assert ctl.pin_requests[-1]["tokens"] == _tokenize(s.served[0].url, s.alpha.tokenized[-1])
     assert len(ctl.pin_requests[-1]["tokens"]) == len(tokens_a) + 5
 
     # the directive withdrawn: nothing to undo (LMCache lets the pin lapse), the session is no longer kept
-    s.publish([{"session": "s2", "instance": "B", "tokens": 200}])
+    s.publish([{"session": "s2", "instance": "B", "tokens": 300}])
     wait_until(lambda: s.metric("statebudget_gateway_pinned_sessions") == 1, what="s1 no longer kept")
     assert "unpin" not in ctl.calls
 
@@ -178,10 +181,11 @@ def test_a_kept_session_is_pinned_again_before_lmcache_lets_the_pin_lapse(setup,
     ctl, url = lmcache
     s = setup(url, lmcache_instance_ids={"A": "lmc-a"}, lmcache_pin_refresh_seconds=0.2)
     s.chat("alpha", "s1", HISTORY)
+    ctl.store("lmc-a", LOCATION, _tokenize(s.served[0].url, {"model": "alpha", "messages": HISTORY}))
     s.publish([{"session": "s1", "instance": "A", "tokens": 300}])
-    wait_until(lambda: len(ctl.pin_requests) >= 3, what="the pin renewed")
-    assert len({tuple(p["tokens"]) for p in ctl.pin_requests}) == 1
-    assert s.metric("statebudget_gateway_pins_total", model="alpha", outcome="pinned") >= 3
+    wait_until(lambda: s.metric("statebudget_gateway_pins_total", model="alpha", outcome="pinned") >= 3)
+    assert len({tuple(p["tokens"]) for p in ctl.pin_requests}) == 1  # the same pin, renewed
+    assert len(s.alpha.tokenized) >= 3  # each renewal asks the engine again: the gateway keeps no token ids
 
 
 def test_no_controller_configured_no_call(setup):
@@ -228,6 +232,7 @@ def test_a_request_never_waits_for_pins(setup, lmcache):
     controller = Served(held_pin)
     try:
         s = setup(controller.url, lmcache_instance_ids={"A": "lmc-a", "B": "lmc-a"}, lmcache_pin_concurrency=2)
+        ctl.store("lmc-a", LOCATION, _tokenize(s.served[1].url, {"model": "beta", "messages": HISTORY}))
         s.tokenize_held.release.clear()
         s.chat("alpha", "s1", HISTORY)
         s.chat("beta", "s2", HISTORY)

@@ -1,7 +1,7 @@
 """The gateway's ASGI app: the OpenAI surface agents call, health, and metrics.
 
 `create_gateway_app(settings)` builds it; the lifespan owns the engine connection pool, the planner client,
-the route-table long-poll, the event batcher and the idle-session sweep. The two POST routes go straight to
+the route-table long-poll, the event batcher, the idle-session sweep and the LMCache pins' workers. The two POST routes go straight to
 the proxy's ASGI handler; Starlette serves the rest.
 """
 

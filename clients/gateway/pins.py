@@ -282,10 +282,14 @@ class Pins:
             pinned = await self._send_pin(http, lmcache_id, tokens, directive.instance)
             if pinned is not None:
                 outcome = "pinned" if pinned > 0 else "empty"
+        except asyncio.CancelledError:
+            outcome = ""  # the gateway stops: not an outcome of the pin
+            raise
         finally:
-            self.metrics.pins.labels(model, outcome).inc()
+            if outcome:
+                self.metrics.pins.labels(model, outcome).inc()
             current = self._wanted.get(session)
-            if current is not None and current.instance == directive.instance:
+            if outcome and current is not None and current.instance == directive.instance:
                 at = asyncio.get_running_loop().time()
                 self._attempts[session] = _Attempt(directive.instance, version, at, outcome)
                 if outcome == "pinned":

@@ -1,7 +1,7 @@
 """The gateway's ASGI app: the OpenAI surface agents call, health, and metrics.
 
 `create_gateway_app(settings)` builds it; the lifespan owns the engine connection pool, the planner client,
-the route-table long-poll, the event batcher and the idle-session sweep. The two POST routes go straight to
+the route-table long-poll, the event batcher, the idle-session sweep and the LMCache pins' workers. The two POST routes go straight to
 the proxy's ASGI handler; Starlette serves the rest.
 """
 
@@ -25,6 +25,7 @@ from clients.gateway.errors import GatewayError
 from clients.gateway.events import EventSink, SessionEvents
 from clients.gateway.follower import RouteFollower
 from clients.gateway.metrics import GatewayMetrics
+from clients.gateway.pins import Pins
 from clients.gateway.proxy import ROUTES, Proxy
 from clients.gateway.settings import GatewaySettings
 from clients.gateway.upstream import UpstreamPool
@@ -84,15 +85,28 @@ def create_gateway_app(
         )
         sessions = SessionEvents(sink, idle_seconds=settings.session_idle_seconds)
         warmups = Warmups(upstream, metrics, enabled=settings.warmups, history_bytes=settings.warmup_history_bytes)
-        follower.listeners.append(warmups.on_table)
+        pins = Pins(
+            metrics,
+            controller_url=settings.lmcache_controller_url,
+            instance_ids=settings.lmcache_instance_ids,
+            location=settings.lmcache_pin_location,
+            refresh_seconds=settings.lmcache_pin_refresh_seconds,
+            retry_seconds=settings.lmcache_pin_retry_seconds,
+            concurrency=settings.lmcache_pin_concurrency,
+            timeout_seconds=settings.lmcache_timeout_seconds,
+            history_bytes=settings.pin_history_bytes,
+        )
+        follower.listeners.extend([warmups.on_table, pins.on_table])
         app.state.follower = follower
         app.state.sink = sink
         app.state.sessions = sessions
         app.state.warmups = warmups
-        app.state.proxy = Proxy(settings, upstream, follower, sessions, metrics, warmups)
+        app.state.pins = pins
+        app.state.proxy = Proxy(settings, upstream, follower, sessions, metrics, warmups, pins)
         with contextlib.suppress(Exception):  # a planner down at start is what run() waits out
             await follower.fetch_once(wait=False)
-        tasks = [asyncio.create_task(t) for t in (follower.run(), sink.run(), sessions.run_idle_sweep())]
+        loops = (follower.run(), sink.run(), sessions.run_idle_sweep(), pins.run())
+        tasks = [asyncio.create_task(t) for t in loops]
         try:
             yield
         finally:
@@ -127,9 +141,11 @@ def create_gateway_app(
 
     async def readyz(request: Request) -> Response:
         """200 while there is a table to route by (`degraded`: the planner is unreachable, the last one is used);
-        503 before any table arrived."""
+        503 before any table arrived. `pins`: the LMCache pins' state, `off` where no controller is configured
+        (a setting, not a fault: it changes neither the status nor the code)."""
         follower: RouteFollower = request.app.state.follower
         sink: EventSink = request.app.state.sink
+        pins: Pins = request.app.state.pins
         has_table = follower.table.epoch >= 0
         body: dict[str, Any] = {
             "status": "ok" if follower.planner_reachable else ("degraded" if has_table else "unavailable"),
@@ -137,6 +153,7 @@ def create_gateway_app(
             "route_epoch": follower.table.epoch if has_table else None,
             "last_planner_error": follower.last_error,
             "events_pending": sink.pending,
+            "pins": pins.state(),
         }
         return JSONResponse(body, status_code=200 if has_table else 503)
 

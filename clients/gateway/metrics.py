@@ -83,3 +83,23 @@ class GatewayMetrics:
             ["model"],
             registry=registry,
         )
+        self.pins = Counter(
+            "statebudget_gateway_pins_total",
+            "Pins of a session's history in LMCache by model and outcome: pinned (the controller pinned some of "
+            "its tokens), empty (it found none of their chunks at the location: not stored yet, evicted, or another "
+            "prompt), tokenize_failed (the engine's /tokenize failed), controller_failed (the controller refused or was "
+            "unreachable), no_history (the gateway holds no request of the session for that model), skipped (a "
+            "request that is not one sequence: a batch of prompts).",
+            ["model", "outcome"],
+            registry=registry,
+        )
+        self.pins_enabled = Gauge(
+            "statebudget_gateway_pins_enabled",
+            "1: the gateway carries out pin directives in LMCache (a controller is configured); 0: pins are off.",
+            registry=registry,
+        )
+        self.pinned_sessions = Gauge(
+            "statebudget_gateway_pinned_sessions",
+            "Sessions whose directive stands and whose last pin the LMCache controller took.",
+            registry=registry,
+        )

@@ -18,6 +18,7 @@ from clients.gateway.events import SessionEvents
 from clients.gateway.follower import RouteFollower
 from clients.gateway.metrics import GatewayMetrics
 from clients.gateway.parsing import AnswerFacts, Endpoint, RequestFacts, StreamScanner, parse_request, read_answer
+from clients.gateway.pins import Pins
 from clients.gateway.settings import GatewaySettings
 from clients.gateway.table import Choice
 from clients.gateway.upstream import ConnectFailed, UpstreamBroken, UpstreamPool, UpstreamResponse
@@ -104,6 +105,7 @@ class Proxy:
         sessions: SessionEvents,
         metrics: GatewayMetrics,
         warmups: Warmups,
+        pins: Pins,
     ) -> None:
         self.settings = settings
         self.upstream = upstream
@@ -111,6 +113,7 @@ class Proxy:
         self.sessions = sessions
         self.metrics = metrics
         self.warmups = warmups
+        self.pins = pins
         self._held: dict[str, int] = defaultdict(int)
 
     async def serve(self, endpoint: Endpoint, scope: Message, receive: Any, send: Any) -> None:
@@ -146,8 +149,10 @@ class Proxy:
                 answer = await self._relay(upstream, response_headers, facts, choice, watch, send)
             else:
                 answer = await self._answer(upstream, response_headers, facts, choice, watch, send)
-            if answer is not None and answer.finish_reason == "tool_calls":
-                self.warmups.remember(facts.session, endpoint, body, forwarded)
+            if answer is not None:
+                self.pins.remember(facts.session, facts.model, endpoint, body, forwarded)
+                if answer.finish_reason == "tool_calls":
+                    self.warmups.remember(facts.session, endpoint, body, forwarded)
         except GatewayError as error:
             await send_error(send, error)
         except ClientGone:

@@ -38,4 +38,31 @@ class GatewaySettings(BaseSettings):
         ge=0,
         description="Request bodies kept for warm-ups (sessions in a tool call), all together; the oldest go first.",
     )
+    lmcache_controller_url: str | None = Field(
+        None,
+        description="The LMCache controller's HTTP API (`lmcache_controller --port`); the gateway pins the history "
+        "of the sessions the plan keeps there. Unset: pins are off.",
+    )
+    lmcache_instance_ids: dict[str, str] = Field(
+        default_factory=dict,
+        description="The route table's instance id -> that engine's LMCache instance id (`lmcache_instance_id`); an "
+        "instance not listed: `<node>-<model>`, the node agent's default.",
+    )
+    lmcache_pin_location: str = Field(
+        "LocalCPUBackend", description="The LMCache storage backend a pin keeps the chunks in (`location`)."
+    )
+    lmcache_pin_refresh_seconds: float = Field(
+        240.0,
+        gt=0,
+        description="A kept session is pinned again this often: LMCache unpins what was pinned longer than its "
+        "`pin_timeout_sec` (default 300 s) ago, so keep this below it.",
+    )
+    lmcache_pin_retry_seconds: float = Field(30.0, gt=0, description="A pin that failed is tried again after this.")
+    lmcache_pin_concurrency: int = Field(4, ge=1, le=64, description="Pins (tokenize, then pin) in flight at once.")
+    lmcache_timeout_seconds: float = Field(10.0, gt=0, description="Timeout of each /tokenize and /pin call.")
+    pin_history_bytes: int = Field(
+        64 * 2**20,
+        ge=0,
+        description="Request bodies kept for pins (each session's last one), all together; the oldest go first.",
+    )
     log_level: str = Field("info", description="debug, info, warning or error.")

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from planner_service.wire.routes import Directives, RouteInstance, RoutesOut, RouteState, WarmupDirective
+from planner_service.wire.routes import (
+    Directives,
+    PinDirective,
+    RouteInstance,
+    RoutesOut,
+    RouteState,
+    WarmupDirective,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,6 +36,7 @@ class RouteTable:
         self._pinned = {p.session: p.instance for p in routes.directives.pins}
         self._by_id = {i.id: (model, i) for model, instances in self._instances.items() for i in instances}
         self.warmups: list[WarmupDirective] = list(routes.directives.warmups)
+        self.pins: list[PinDirective] = list(routes.directives.pins)
 
     @classmethod
     def empty(cls) -> RouteTable:
@@ -43,6 +51,10 @@ class RouteTable:
 
     def running(self, model: str) -> list[RouteInstance]:
         return list(self._running.get(model, []))
+
+    def find(self, instance_id: str) -> tuple[str, RouteInstance] | None:
+        """The model an instance serves and the instance, by id; None: not in the table."""
+        return self._by_id.get(instance_id)
 
     def routable(self, model: str, instance_id: str) -> RouteInstance | None:
         """The instance of `model` by id where it runs and has a URL, else None."""

@@ -1,7 +1,8 @@
 """The gateway's directives, decided from the live state (pure): pins and warm-ups.
 
 A **pin** keeps a session on the instance that holds its KV where the plan keeps that KV on the instance's GPUs:
-the gateway routes the session there and may pin its history in the engine's prefix cache.
+the gateway routes the session there and, with an LMCache controller configured, pins its history in that engine's
+LMCache by token ids (clients/gateway/pins.py).
 
 A **warm-up** prefills a session's known history on the model it is predicted to hand off to, while the session
 sits in a tool call (a 1-token request with prefix caching on), so the hand-off's prefill finds the prefix cached.

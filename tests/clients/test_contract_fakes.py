@@ -18,6 +18,7 @@ from fakes.nvml import FakeNvml, NVMLError
 from fakes.serve import free_port
 from fakes.sglang import FakeSglangEngine, create_fake_sglang
 from fakes.vllm import FakeVllmEngine, create_fake_vllm
+from fakes.vllm_serving import ServingState, serving_app
 from fastapi import FastAPI
 
 pytestmark = pytest.mark.anyio
@@ -194,6 +195,40 @@ async def test_lmcache_pin_needs_tokens_clear_is_per_location_move_needs_two_ins
         cleared = await http.post("/clear", json={"instance_id": "a", "location": "LocalCPUBackend"})
         assert cleared.json()["num_tokens"] == 256  # every session's chunks at that location
         assert (await http.post("/clear", json={"instance_id": "a"})).status_code == 422
+
+
+async def test_lmcache_has_no_unpin_and_a_pin_lapses_after_its_timeout_unless_pinned_again() -> None:
+    now = [0.0]
+    ctl = FakeLMCacheController(instances={"a"}, clock=lambda: now[0])
+    tokens = list(range(300))  # one full chunk and part of another
+    ctl.store("a", "LocalCPUBackend", tokens)
+    pin = {"instance_id": "a", "location": "LocalCPUBackend", "tokens": tokens}
+    async with client(create_fake_lmcache(ctl)) as http:
+        assert (await http.post("/pin", json=pin)).json()["num_tokens"] == 256
+        assert (await http.post("/unpin", json=pin)).status_code == 404
+        assert (await http.post("/pin", json={**pin, "instance_id": "x"})).status_code == 500  # not registered
+        now[0] = 200.0
+        assert (await http.post("/pin", json=pin)).status_code == 200  # the countdown starts again
+        now[0] = 450.0
+        assert ctl.pinned_tokens("a", "LocalCPUBackend", tokens) == 256
+        now[0] = 501.0
+        assert ctl.pinned_tokens("a", "LocalCPUBackend", tokens) == 0  # 301 s after the last pin
+    assert ctl.pin_requests == [pin, pin]
+
+
+async def test_vllm_tokenize_takes_a_prompt_or_messages_and_refuses_the_rest() -> None:
+    state = ServingState(models=["m"])
+    chat = {"model": "m", "messages": [{"role": "user", "content": "fix the bug"}]}
+    async with client(serving_app(state)) as http:
+        text = await http.post("/tokenize", json={"model": "m", "prompt": "a b"})
+        assert (text.json()["count"], len(text.json()["tokens"])) == (2, 2)
+        assert (await http.post("/tokenize", json=chat)).json()["count"] == 3
+        assert (await http.post("/tokenize", json={"model": "m"})).status_code == 400
+        assert (await http.post("/tokenize", json={"model": "m", "prompt": [1, 2]})).status_code == 400
+        both = {**chat, "add_generation_prompt": True, "continue_final_message": True}
+        assert (await http.post("/tokenize", json=both)).status_code == 400
+        assert (await http.post("/tokenize", json={**chat, "model": "other"})).status_code == 404
+    assert state.tokenized == [{"model": "m", "prompt": "a b"}, chat]
 
 
 def test_fake_nvml_follows_the_engines_and_refuses_what_nvml_refuses() -> None:

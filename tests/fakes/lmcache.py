@@ -1,7 +1,13 @@
 """A contract fake of the LMCache controller's HTTP API (lmcache/v1/api_server/__main__.py).
 
 - `/pin {instance_id, location, tokens}`: every field required (`PinRequest`), so a pin without `tokens` is
-  FastAPI's 422. Pinning keeps chunks from LRU eviction at that location; it frees nothing on the GPU.
+  FastAPI's 422. Pinning keeps chunks from LRU eviction at that location; it frees nothing on the GPU. The
+  controller hands the pin to every worker of the instance (lmcache/v1/cache_controller/executor.py `pin`),
+  whose engine pins through a lookup (lmcache/v1/cache_controller/worker.py: `lookup(..., pin=True)`).
+- There is no `/unpin`: the HTTP API has no such route (a 404). A pin lapses by itself: LMCache's
+  `PinMonitor` (lmcache/v1/pin_monitor.py) forces a pinned object's pin count to 0 once it was pinned longer
+  than `pin_timeout_sec` (300 s by default, lmcache/v1/config.py), and pinning an object again restarts its
+  countdown (`register_pinned_object` records the time anew).
 - `/clear {instance_id, location}`: no tokens field at all; it empties the location for every session.
 - `/move {old_position: [instance, location], new_position: [...], tokens, copy}`: a push-based transfer
   from the source instance's workers to the destination's (lmcache/v1/cache_controller/executor.py `move`
@@ -15,23 +21,39 @@ KV is addressed by token ids in chunks of 256 tokens (LMCache's default `chunk_s
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from fastapi import FastAPI, HTTPException
 from pydantic import BaseModel
 
 CHUNK_TOKENS = 256
+PIN_TIMEOUT_SECONDS = 300.0  # LMCache's `pin_timeout_sec` default (lmcache/v1/config.py)
 
 
 @dataclass
 class FakeLMCacheController:
     instances: set[str]
     chunks: dict[tuple[str, str], set[tuple[int, ...]]] = field(default_factory=dict)  # (instance, location) -> chunks
-    pinned: dict[tuple[str, str], set[tuple[int, ...]]] = field(default_factory=dict)
+    # (instance, location) -> chunk -> when it was last pinned (`clock`)
+    pinned: dict[tuple[str, str], dict[tuple[int, ...], float]] = field(default_factory=dict)
     calls: list[str] = field(default_factory=list)
+    pin_requests: list[dict[str, Any]] = field(default_factory=list)  # the bodies of the /pin calls answered
+    pin_timeout_seconds: float = PIN_TIMEOUT_SECONDS
+    clock: Callable[[], float] = time.monotonic
 
     def store(self, instance: str, location: str, tokens: list[int]) -> None:
         self.chunks.setdefault((instance, location), set()).update(_chunks(tokens))
+
+    def pinned_tokens(self, instance: str, location: str, tokens: list[int]) -> int:
+        """Tokens of `tokens`' chunks pinned now at the location (the PinMonitor unpins the ones pinned longer
+        than `pin_timeout_seconds` ago)."""
+        now = self.clock()
+        pins = self.pinned.get((instance, location), {})
+        live = [c for c in _chunks(tokens) if c in pins and now - pins[c] <= self.pin_timeout_seconds]
+        return len(live) * CHUNK_TOKENS
 
     def known(self, instance: str) -> None:
         if instance not in self.instances:
@@ -72,8 +94,10 @@ def create_fake_lmcache(controller: FakeLMCacheController) -> FastAPI:
     async def pin(req: PinRequest) -> dict[str, object]:
         controller.calls.append("pin")
         controller.known(req.instance_id)
+        controller.pin_requests.append(req.model_dump())
         here = controller.chunks.get((req.instance_id, req.location), set()) & _chunks(req.tokens)
-        controller.pinned.setdefault((req.instance_id, req.location), set()).update(here)
+        now = controller.clock()
+        controller.pinned.setdefault((req.instance_id, req.location), {}).update(dict.fromkeys(here, now))
         return {"event_id": "Pin-fake", "num_tokens": len(here) * CHUNK_TOKENS}
 
     @app.post("/clear")

@@ -53,6 +53,7 @@ class ServingState:
     finished: int = 0
     cancelled: int = 0
     in_flight: int = 0
+    tokenized: list[dict[str, Any]] = field(default_factory=list)  # the bodies of the /tokenize calls answered
 
 
 def _tokens(text: str) -> list[int]:
@@ -273,9 +274,23 @@ def openai_router(state: ServingState) -> APIRouter:
     @router.post("/tokenize")
     async def tokenize(request: Request) -> Response:
         body = await request.json()
+        # the body is a `TokenizeCompletionRequest` (`prompt`: a string) or a `TokenizeChatRequest` (`messages`;
+        # `add_generation_prompt` and `continue_final_message` not both true, its `check_generation_prompt`),
+        # vllm/entrypoints/serve/tokenize/protocol.py; a body that is neither fails FastAPI's validation, which
+        # vLLM answers 400 (api_server.py `validation_exception_handler`)
+        if isinstance(body.get("prompt"), str):
+            text = body["prompt"]
+        elif isinstance(body.get("messages"), list):
+            if body.get("continue_final_message") and body.get("add_generation_prompt"):
+                return _error(
+                    400, "Cannot set both `continue_final_message` and `add_generation_prompt`.", "BadRequestError"
+                )
+            text = _message_text(body["messages"])
+        else:
+            return _error(400, "a string `prompt` or a list of `messages` is required", "BadRequestError")
         if body.get("model") is not None and body["model"] not in state.models:
             return _error(404, f"The model `{body['model']}` does not exist.", "NotFoundError", "model")
-        text = body["prompt"] if "prompt" in body else _message_text(body.get("messages", []))
+        state.tokenized.append(body)
         tokens = _tokens(text)
         return JSONResponse({"count": len(tokens), "max_model_len": MAX_MODEL_LEN, "tokens": tokens})
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 import threading
@@ -13,6 +14,10 @@ from typing import Any
 import httpx
 import uvicorn
 from fakes.vllm_serving import ServingState
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
 
 ROUTER_TOKEN = "router-token"
 OPERATOR = {"Authorization": "Bearer op-token"}
@@ -45,6 +50,14 @@ class Served:
         # a test's end needs no graceful shutdown: uvicorn would wait for the gateway's route long-poll to run out
         self.server.should_exit = self.server.force_exit = True
         self.thread.join(15)
+
+
+def stop_all(served: list[Served]) -> None:
+    """Stop servers together: each takes up to uvicorn's 0.1 s tick to notice, so asked one by one they add up."""
+    for s in served:
+        s.server.should_exit = s.server.force_exit = True
+    for s in served:
+        s.thread.join(15)
 
 
 def wait_until(condition: Callable[[], Any], timeout_seconds: float = 10.0, what: str = "condition") -> Any:
@@ -134,3 +147,36 @@ class Stack:
     def events(self) -> list[dict[str, Any]]:
         """Every event the planner received, in order (resends included)."""
         return [e for body in self.planner_events.bodies for e in json.loads(body)["events"]]
+
+
+class ScriptedPlanner:
+    """The planner's two gateway endpoints: GET /v1/routes (long-poll on the revision) and POST /v1/events."""
+
+    def __init__(self) -> None:
+        self.table: dict[str, Any] = {}
+        self.revision = 0
+        self.changed = threading.Condition()
+
+    def publish(self, table: dict[str, Any]) -> None:
+        with self.changed:
+            self.revision += 1
+            self.table = {"epoch": 1, "revision": f"r{self.revision}", **table}
+            self.changed.notify_all()
+
+    def app(self) -> Starlette:
+        async def routes(request: Request) -> JSONResponse:
+            after = request.query_params.get("after_revision")
+            deadline = time.monotonic() + float(request.query_params.get("wait", 0))
+            while after is not None and self.table["revision"] == after and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            return JSONResponse(self.table)
+
+        async def events(request: Request) -> JSONResponse:
+            n = len((await request.json())["events"])
+            return JSONResponse({"applied": n, "duplicates": 0, "results": []})
+
+        return Starlette(routes=[Route("/v1/routes", routes), Route("/v1/events", events, methods=["POST"])])
+
+
+def route_instance(iid: str, url: str, node: str = "n1") -> dict[str, Any]:
+    return {"id": iid, "node": node, "gpus": [iid], "state": "running", "url": url}

@@ -9,6 +9,7 @@ import pytest
 from clients.gateway.errors import GatewayError
 from clients.gateway.events import SessionEvents
 from clients.gateway.parsing import StreamScanner, parse_request, read_answer
+from clients.gateway.pins import tokenize_request
 from clients.gateway.table import RouteTable
 from clients.gateway.warmups import warmup_body
 from planner_service.wire.routes import Directives, RoutesOut
@@ -256,3 +257,27 @@ def test_a_warmup_body_is_the_history_as_one_token_to_the_predicted_model():
     }
     text = json.loads(warmup_body("completions", b'{"model": "a", "prompt": "p", "n": 3}', "b"))
     assert text == {"model": "b", "prompt": "p", "max_tokens": 1}
+
+
+def test_the_tokenize_request_renders_the_prompt_the_engine_was_sent():
+    tools = [{"type": "function", "function": {"name": "grep"}}]
+    chat = _body(tools=tools, stream=True, max_tokens=9, tool_choice="auto", documents=[{"text": "d"}])
+    # what shapes the chat template's prompt, nothing of the sampling; `documents` reach the template as a keyword
+    assert tokenize_request("chat", chat, "alpha") == {
+        "model": "alpha",
+        "messages": [{"role": "user", "content": "abcd" * 10}],
+        "tools": tools,
+        "chat_template_kwargs": {"documents": [{"text": "d"}]},
+    }
+    completion = json.dumps({"model": "a", "prompt": ["one prompt"], "add_special_tokens": False}).encode()
+    assert tokenize_request("completions", completion, "alpha") == {
+        "model": "alpha",
+        "prompt": "one prompt",
+        "add_special_tokens": False,
+    }
+    ids = json.dumps({"model": "a", "prompt": [1, 2, 3]}).encode()
+    assert tokenize_request("completions", ids, "alpha") == [1, 2, 3]  # token ids already: no call needed
+    one = json.dumps({"model": "a", "prompt": [[7]]}).encode()
+    assert tokenize_request("completions", one, "alpha") == [7]
+    batch = json.dumps({"model": "a", "prompt": ["one", "two"]}).encode()
+    assert tokenize_request("completions", batch, "alpha") is None  # not one sequence: not pinned

@@ -8,7 +8,6 @@ states: tests/api/test_api_routes.py and tests/planner/test_gateway_directives.p
 
 from __future__ import annotations
 
-import asyncio
 import json
 import threading
 import time
@@ -17,12 +16,8 @@ from typing import Any
 import openai
 import pytest
 from fakes.vllm_serving import ServingState, serving_app
-from gateway_helpers import Served, wait_until
+from gateway_helpers import ScriptedPlanner, Served, route_instance, wait_until
 from prometheus_client import CollectorRegistry
-from starlette.applications import Starlette
-from starlette.requests import Request
-from starlette.responses import JSONResponse
-from starlette.routing import Route
 
 from clients.gateway.app import create_gateway_app
 from clients.gateway.settings import GatewaySettings
@@ -33,39 +28,6 @@ TOOLS = [{"type": "function", "function": {"name": "search", "parameters": {"typ
 HISTORY = [{"role": "system", "content": "you search"}, {"role": "user", "content": "find the bug"}]
 
 
-class ScriptedPlanner:
-    """The planner's two gateway endpoints: GET /v1/routes (long-poll on the revision) and POST /v1/events."""
-
-    def __init__(self) -> None:
-        self.table: dict[str, Any] = {}
-        self.revision = 0
-        self.changed = threading.Condition()
-
-    def publish(self, table: dict[str, Any]) -> None:
-        with self.changed:
-            self.revision += 1
-            self.table = {"epoch": 1, "revision": f"r{self.revision}", **table}
-            self.changed.notify_all()
-
-    def app(self) -> Starlette:
-        async def routes(request: Request) -> JSONResponse:
-            after = request.query_params.get("after_revision")
-            deadline = time.monotonic() + float(request.query_params.get("wait", 0))
-            while after is not None and self.table["revision"] == after and time.monotonic() < deadline:
-                await asyncio.sleep(0.01)
-            return JSONResponse(self.table)
-
-        async def events(request: Request) -> JSONResponse:
-            n = len((await request.json())["events"])
-            return JSONResponse({"applied": n, "duplicates": 0, "results": []})
-
-        return Starlette(routes=[Route("/v1/routes", routes), Route("/v1/events", events, methods=["POST"])])
-
-
-def _instance(iid: str, url: str) -> dict[str, Any]:
-    return {"id": iid, "node": "n1", "gpus": [iid], "state": "running", "url": url}
-
-
 class Setup:
     def __init__(self, *, token_latency_seconds: float, warmups: bool = True) -> None:
         self.planner = ScriptedPlanner()
@@ -73,8 +35,8 @@ class Setup:
         self.beta = ServingState(models=["beta"], token_latency_seconds=token_latency_seconds)
         self.served = [Served(serving_app(self.alpha)), Served(serving_app(self.beta))]
         self.models = [
-            {"model": "alpha", "instances": [_instance("A", self.served[0].url)]},
-            {"model": "beta", "instances": [_instance("B", self.served[1].url)]},
+            {"model": "alpha", "instances": [route_instance("A", self.served[0].url)]},
+            {"model": "beta", "instances": [route_instance("B", self.served[1].url)]},
         ]
         self.publish([])
         self.served.append(Served(self.planner.app()))

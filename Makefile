@@ -182,9 +182,9 @@ evidence-real: $(STAMP)
 	$(MAKE) evidence
 # every replay the headline needs, sized to finish within 2 hours on 2 cores: exceeds-hbm at three load levels
 # (109 s) and its decomposition (64 s), the demo at three (96 s), catalog-fits at one (28 s), the synthetic trace at two hand-off rates with
-# both context semantics (118 s), and each public trace: at REAL_TUNE=100 about 45 minutes, extrapolated from one
-# window of each with 4 search replays (Azure 51 s, Mooncake 99 s, Alibaba 57 s with two days; 2026-12-03, load
-# average 4-5); evidence-quick stays the CI-sized study
+# both context semantics (118 s), and each public trace at REAL_TUNE=100 (51 min: Azure 26, Mooncake 16, Alibaba 9;
+# 2026-12-03, load average 5-7), with the gateway's study (9 min) about 80 minutes in all on that loaded machine;
+# evidence-quick stays the CI-sized study
 evidence-full: $(STAMP)
 	$(MAKE) evidence-exceeds
 	$(MAKE) evidence-decompose
@@ -192,6 +192,7 @@ evidence-full: $(STAMP)
 	$(MAKE) evidence-catalog-fits
 	$(MAKE) evidence-handoffs
 	$(MAKE) evidence-real
+	$(MAKE) evidence-gateway
 # the gateway's warm-ups against the same policies without them (statebudget, sleep-router), 10 seeds each of the
 # synthetic trace (5 sessions x 30 min) at gaps x16 and x4 (loaded), 60 s windows of Azure 2023 (--handoffs) and
 # 4 h windows of Alibaba GenAI 2026, read from TRACES; precision held equal

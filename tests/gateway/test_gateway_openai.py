@@ -149,7 +149,7 @@ def test_a_model_that_does_not_wake_in_time_is_a_503_with_retry_after(make_stack
     stack = make_stack(engines={"e1": ["alpha"]}, wake_timeout_seconds=0.3)
     stack.register("n1", [{"name": "vllm", "models": ["alpha"], "url": stack.engines["e1"][0].url}])
     stack.heartbeat("n1", [("alpha", "n1-g0", "stopped")])
-    stack.wait_for_table(lambda t: t.known("alpha"))
+    stack.wait_for_table(lambda t: t.known("alpha") and not t.running("alpha"), "alpha stopped")
     with pytest.raises(openai.InternalServerError) as caught:
         _client(stack).chat.completions.create(model="alpha", messages=[{"role": "user", "content": "x"}])
     assert caught.value.status_code == 503

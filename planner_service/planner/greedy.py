@@ -1421,7 +1421,8 @@ class GreedyPlanner:
         for (_, rank, _, node_id, seconds), precision, gpus in self._group_options(model, 0, experts=False):
             cost = -self._warm_value(model, gpus, rank, seconds, staged=True)[0]
             moe = (model, sum(map(_H2D, gpus))) if model.is_moe else None
-            nbytes = model.weights_bytes[precision]
+            # kept warm through an engine, it launches with its minimum KV pool
+            nbytes = model.weights_bytes[precision] + self._kv_room(model, node_id, 0)
             cap, by = self._group_experts(model, node_id, gpus, nbytes, cost)
             if (cost < 0 or moe) and ((node_id, precision) not in best or by < keys[(node_id, precision)]):
                 best[(node_id, precision)] = joint.Option(node_id, precision, nbytes, cost, moe, cap)

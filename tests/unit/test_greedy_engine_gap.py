@@ -9,6 +9,7 @@ from typing import Any
 from tiny_clusters import (
     GIB,
     KV_BYTES_PER_TOKEN,
+    experts,
     gpu,
     held,
     kv,
@@ -16,6 +17,7 @@ from tiny_clusters import (
     node,
     on_gpu,
     on_nvme,
+    plan_for,
     scenario,
     session,
     weights,
@@ -107,3 +109,84 @@ def test_a_running_engine_the_choice_keeps_keeps_its_gpus() -> None:
     }
     assert c_on == {"g0"}
     assert not any(obj.kind is Kind.WEIGHTS and loc.id == "h0" for obj, loc in plan.placement)
+
+
+def crowded_card() -> dict[str, Any]:
+    """n0: four 24 GiB cards, g0 filled to 20 GiB by d's adopted vLLM engine (no sleep mode: it stays); n1: two
+    empty 24 GiB cards. m, a MoE (4 GiB of weights, 64 GiB of routed experts), and e (2 GiB), both in flight,
+    are on NVMe on both nodes."""
+    vllm = {"kind": "vllm", "features": ["sleep_mode", "lmcache"], "management": "managed"}
+    stuck = {"model": "d", "gpus": ["g0"], "kind": "vllm", "features": [], "management": "adopted"}
+    engines = [{"model": "m", **vllm}, {"model": "e", **vllm}]
+    moe = model("m", 4, experts_bytes=64 * GIB, expert_bytes=GIB // 4)
+    return scenario(
+        [
+            {**node("n0", *(gpu(f"g{i}", 24) for i in range(4))), "engines": [stuck, *engines]},
+            {**node("n1", gpu("h0", 24), gpu("h1", 24)), "engines": engines},
+        ],
+        [model("d", 16), moe, model("e", 2)],
+        [
+            session("sd", "d", tokens=4 * TOKENS_PER_GIB),
+            session("sm", "m", active=True, tokens=TOKENS_PER_GIB),
+            session("se", "e", active=True, tokens=TOKENS_PER_GIB),
+        ],
+        [
+            held(weights("d"), on_gpu("g0"), 16 * GIB),
+            held(kv("d", "sd"), on_gpu("g0"), 4 * GIB),
+            *(
+                held(weights(m), on_nvme(n), gib * GIB)
+                for m, gib in (("m", 4), ("e", 2), ("d", 16))
+                for n in ("n0", "n1")
+            ),
+            *(held(experts("m"), on_nvme(n), 64 * GIB) for n in ("n0", "n1")),
+        ],
+    )
+
+
+def test_an_engine_moe_takes_the_group_whose_cards_keep_room_for_its_experts() -> None:
+    """m's engine holds its experts in equal shares on its own group: on n0 the widest group, all four cards,
+    keeps at most 4 x (4 GiB - its shard) for them, beside d's engine on g0; g1-g3 keep about 3 x 22 GiB, room
+    for all 64 GiB. Priced by the node's room, m took the four cards (or the joint choice weighed n0 as if
+    it held them all)."""
+    problem, plan = plan_for(crowded_card())
+    assert check_plan(problem, plan.placement, plan.operations, plan.unserved) == []
+    assert plan.unserved == {}
+    m_on = {loc.id for (obj, loc), n in plan.placement.items() if obj == StateObject.weights("m", "bf16") and n
+            and loc.tier is Tier.GPU}  # fmt: skip
+    assert m_on == {"g1", "g2", "g3"}
+    expert_bytes = sum(
+        n for (obj, loc), n in plan.placement.items() if obj == StateObject.experts("m") and loc.tier is Tier.GPU
+    )
+    assert expert_bytes == 64 * GIB
+
+
+def idle_beside_pools() -> dict[str, Any]:
+    """Two nodes of one card, 32 GiB on n0, 24 GiB on n1, every model served through vLLM; a and b (4 GiB each, one 8,192-token
+    session in flight each) and d (22 GiB, idle, with a predicted request) are on NVMe on both. Each engine
+    launches with one request of its model's maximum context: 1 GiB for a and b, 8 GiB for d."""
+    vllm = {"kind": "vllm", "features": ["sleep_mode", "lmcache"], "management": "managed"}
+    engines = [{"model": m, **vllm} for m in ("a", "b", "d")]
+    small = {"max_context_tokens": TOKENS_PER_GIB}
+    return scenario(
+        [{**node(n, gpu(f"{n}g0", gib)), "engines": engines} for n, gib in (("n0", 32), ("n1", 24))],
+        [model("a", 4, **small), model("b", 4, **small), model("d", 22, max_context_tokens=8 * TOKENS_PER_GIB)],
+        [
+            session("sa", "a", active=True, tokens=TOKENS_PER_GIB),
+            session("sb", "b", active=True, tokens=TOKENS_PER_GIB),
+            session("sd", "d", tokens=TOKENS_PER_GIB),
+        ],
+        [held(weights(m), on_nvme(n), gib * GIB) for m, gib in (("a", 4), ("b", 4), ("d", 22)) for n in ("n0", "n1")],
+    )
+
+
+def test_an_idle_model_kept_warm_through_an_engine_is_priced_with_its_minimum_pool() -> None:
+    """d kept warm takes 22 GiB of weights and its 8 GiB minimum pool: 30 GiB, n0 whole. Priced at its
+    weights alone, the joint choice kept it warm on n0 beside a and b (22 + 2 x 5 GiB of 32), and its placement
+    then found no room there: d stayed cold. Now a and b share n1 and d is warm on n0."""
+    problem, plan = plan_for(idle_beside_pools())
+    assert check_plan(problem, plan.placement, plan.operations, plan.unserved) == []
+    assert plan.unserved == {}
+    on = {obj.model: problem.gpus[loc.id].node for (obj, loc), n in plan.placement.items()
+          if obj.kind is Kind.WEIGHTS and loc.tier is Tier.GPU and n}  # fmt: skip
+    assert set(on) == {"a", "b", "d"}
+    assert on == {"a": "n1", "b": "n1", "d": "n0"}

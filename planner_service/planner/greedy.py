@@ -586,7 +586,7 @@ class GreedyPlanner:
                     cost = self._group_cost(
                         model, stay, current.node, 0.0, size, experts, restores=price_kv, staying=True
                     )
-                    cost += penalty
+                    cost += penalty + self._pool_overflow(model, current.node, precision, stay)
                     options.append(((cost, rank, 0, stay_node, 0.0), precision, stay))
                 # other groups on the same node: only the shards a card lacks now are copied
                 for gpus, free in self._fits_by_width(
@@ -1190,6 +1190,36 @@ class GreedyPlanner:
             self.target[(kv, loc)] = self.target.get((kv, loc), 0) + nbytes
             self._pooled.add(kv)
             self.reasons[kv] = "kept in the KV pool of its running engine, which frees no one request's KV"
+
+    def _pool_overflow(self, model: ModelSpec, node_id: str, precision: str, gpus: tuple[Gpu, ...]) -> float:
+        """The unserved penalty of the active sessions a running engine that stays as it is cannot take into its
+        fixed pool (its idle sessions' KV evicted: `_evict_for_active`), taken in the order `_water_fill` serves
+        them; 0 elsewhere. Unpriced, the greedy kept a Qwen2.5-7B on its engine whose 4.4 GiB pool could not
+        take a blocking session's 2 GiB (gap-study engine seed 14)."""
+        key = (node_id, model.id)
+        running = self._running.get(key)
+        pool_bytes = self._launched_pools.get(key)
+        active = self.active.get(model.id)
+        ids = tuple(g.id for g in gpus)
+        if not active or running is None or pool_bytes is None or (running.precision, running.gpus) != (precision, ids):
+            return 0.0
+        position = {g.id: i for i, g in enumerate(gpus)}
+        room = [pool_bytes] * len(gpus)
+        in_pool: dict[str, int] = defaultdict(int)
+        pool = self._pools.get(key)
+        names = {s.id for s in active}
+        for (kv, loc), nbytes in pool[2].items() if pool is not None else ():
+            if kv.session in names:
+                room[position[loc.id]] -= nbytes
+                in_pool[kv.session or ""] += nbytes
+        cost = 0.0
+        for s in sorted(active, key=lambda s: (SLO_RANK[s.slo], s.context_tokens, s.id)):
+            shards = split_evenly(max(0, self._kv_bytes(s, model) - in_pool.get(s.id, 0)), len(gpus))
+            if all(b <= r for b, r in zip(shards, room, strict=True)):
+                room = [r - b for b, r in zip(shards, room, strict=True)]
+            else:
+                cost += self.c.unserved_penalty_seconds * self._slo_weight[s.slo]
+        return cost
 
     def _evict_for_active(
         self, model: ModelSpec, group: Group, pooled: Mapping[tuple[StateObject, Location], int]

@@ -190,3 +190,33 @@ def test_an_idle_model_kept_warm_through_an_engine_is_priced_with_its_minimum_po
           if obj.kind is Kind.WEIGHTS and loc.tier is Tier.GPU and n}  # fmt: skip
     assert set(on) == {"a", "b", "d"}
     assert on == {"a": "n1", "b": "n1", "d": "n0"}
+
+
+def small_pool() -> dict[str, Any]:
+    """n0 and n1, one 26 GiB card each, every engine a managed vLLM; a (16 GiB) runs on n0's card with a
+    reported 2 GiB pool holding s1's 1 GiB of KV; s2, in flight too, needs 2 GiB; a is on NVMe on both."""
+    vllm = {"kind": "vllm", "features": ["sleep_mode", "lmcache"], "management": "managed"}
+    return scenario(
+        [{**node(n, gpu(f"{n}g0", 26)), "engines": [{"model": "a", **vllm}]} for n in ("n0", "n1")],
+        [model("a", 16, max_context_tokens=2 * TOKENS_PER_GIB)],
+        [
+            session("s1", "a", active=True, tokens=TOKENS_PER_GIB),
+            session("s2", "a", active=True, tokens=2 * TOKENS_PER_GIB),
+        ],
+        [
+            held(weights("a"), on_gpu("n0g0"), 16 * GIB),
+            held(kv("a", "s1"), on_gpu("n0g0"), GIB),
+            *(held(weights("a"), on_nvme(n), 16 * GIB) for n in ("n0", "n1")),
+        ],
+    )
+
+
+def test_staying_on_a_pool_too_small_for_the_active_sessions_is_priced_with_their_wait() -> None:
+    """a's engine stays as it is only with its 2 GiB pool: s2's 2 GiB do not fit beside s1's, and s2 would wait
+    (the unserved penalty). Unpriced, the greedy kept a there; now it starts a on n1, where both fit."""
+    problem = problem_from_scenario(parse_scenario(small_pool()))
+    problem = dataclasses.replace(problem, engine_pools={("n0", "a"): 2 * GIB})
+    plan = solve(problem)
+    assert check_plan(problem, plan.placement, plan.operations, plan.unserved) == []
+    assert plan.unserved == {}
+    assert gpu_bytes(plan, StateObject.weights("a", "bf16"), "n1g0") == 16 * GIB

@@ -392,6 +392,8 @@ class GreedyPlanner:
         self._experts_held: set[tuple[str, str]] = set()
         # model -> (its running engine's GPUs, the bytes per GPU held there until it is placed: `_hold_staying`)
         self._stay_held: dict[str, tuple[tuple[Gpu, ...], list[int]]] = {}
+        self._priced_group: dict[tuple[str, str, str], tuple[Gpu, ...]] = {}  # (model, node, precision) -> the
+        # group the joint choice priced there
         self._running = {key: view for key, view in states.items() if view.state is EngineState.RUNNING}
         self._stuck = {
             key: view for key, view in states.items() if view.state is EngineState.RUNNING and not can_leave(view)
@@ -1129,7 +1131,7 @@ class GreedyPlanner:
         pool -= context[1] if context is not None and context[0] == running.gpus else 0
         return gpus, [b + pool for b in split_evenly(self.p.models[model_id].weights_bytes[precision], len(gpus))]
 
-    def _hold_staying(self, chosen: Iterable[str]) -> None:
+    def _hold_staying(self, chosen: Iterable[str], needs: Mapping[str, int]) -> None:
         """Hold the room of each running engine whose model the joint choice keeps on its node at its
         precision, until that model is placed: the choice priced it staying on its own GPUs, but a model
         placed before it takes the widest group that fits and may spread over them (gap-study engine seed 12:
@@ -1138,11 +1140,24 @@ class GreedyPlanner:
         for model_id in sorted(chosen):
             if model_id in self.groups or model_id not in self.nodes:
                 continue
-            stay = self._stay_bytes(model_id, self.nodes[model_id], self.precisions[model_id])
-            if stay is None or not self.book.fits(*stay):
-                continue
+            key = (model_id, self.nodes[model_id], self.precisions[model_id])
+            stay = self._stay_bytes(*key)
+            if stay is None or self._priced_group.get(key) != stay[0] or not self.book.fits(*stay):
+                continue  # (the choice priced a restart on another group there: a MoE's for its experts' room)
             self.book.take(*stay)
             self._stay_held[model_id] = stay
+        # where a model the choice puts on the same node then finds no group there (its cards taken by the held
+        # ones), the node's holds go: the choice priced the node's room, not its cards (gap-study engine seed 31:
+        # a coder's engine filling one A100 kept a Llama-3.3-70B off the node it was chosen for)
+        for node_id in sorted({self.nodes[m] for m in self._stay_held}):
+            for model_id in sorted(m for m in chosen if self.nodes.get(m) == node_id and m not in self._stay_held):
+                model = self.p.models[model_id]
+                need = needs.get(model_id, 0)
+                nbytes = model.weights_bytes[self.precisions[model_id]] + self._kv_room(model, node_id, need)
+                if model_id not in self.groups and not self._fits_by_width(node_id, model, nbytes):
+                    for held in [m for m in self._stay_held if self.nodes[m] == node_id]:
+                        self._release_stay(held)
+                    break
 
     def _release_stay(self, model_id: str) -> None:
         """Give back the room `_hold_staying` held for the model (its group is chosen next)."""
@@ -1331,7 +1346,7 @@ class GreedyPlanner:
         pinned = self._pin_joint_choice(free_order, needs) if not self.nodes and not self.precisions else set()
         self._hold_launched_experts()
         if pinned:
-            self._hold_staying(pinned)
+            self._hold_staying(pinned, needs)
         for model_id in order:
             model = self.p.models[model_id]
             sessions = active[model_id]
@@ -1457,6 +1472,7 @@ class GreedyPlanner:
             if (cost < 0 or moe) and ((node_id, precision) not in best or by < keys[(node_id, precision)]):
                 best[(node_id, precision)] = joint.Option(node_id, precision, nbytes, cost, moe, cap)
                 keys[(node_id, precision)] = by
+                self._priced_group[(model.id, node_id, precision)] = gpus
         cold = 0.0  # a MoE left cold decodes with no expert on GPU (warm, the node's experts curve prices that)
         if model.is_moe:
             gpus = self._cold_load(model).gpus
@@ -1502,6 +1518,7 @@ class GreedyPlanner:
                 best[(node_id, precision)] = joint.Option(node_id, precision, nbytes, cost + kv, moe, cap)
                 keys[(node_id, precision)] = rank
                 how[(node_id, precision)] = gpus, seconds, kv
+                self._priced_group[(model.id, node_id, precision)] = gpus
         out = []
         for option in self._with_alike(model, best, alike, current.node if current else None):
             key = (option.node, option.precision)

@@ -220,3 +220,43 @@ def test_staying_on_a_pool_too_small_for_the_active_sessions_is_priced_with_thei
     assert check_plan(problem, plan.placement, plan.operations, plan.unserved) == []
     assert plan.unserved == {}
     assert gpu_bytes(plan, StateObject.weights("a", "bf16"), "n1g0") == 16 * GIB
+
+
+def held_card() -> dict[str, Any]:
+    """n0: two 48 GiB cards; c's managed vLLM engine runs on g1 (30 GiB of weights, a reported 14 GiB pool:
+    44 GiB of the card). n1: two 24 GiB cards, five times slower to prefill and load. b (40 GiB) runs on no
+    fewer than two cards; b and c each have a session in flight; both are on NVMe on both nodes."""
+    vllm = {"kind": "vllm", "features": ["sleep_mode", "lmcache"], "management": "managed"}
+    engines = [{"model": "b", **vllm}, {"model": "c", **vllm}]
+    slow = {"bf16_flops": 20e12, "h2d_bytes_per_s": 4e9}
+    limit = {"max_context_tokens": TOKENS_PER_GIB}
+    return scenario(
+        [
+            {**node("n0", gpu("g0", 48), gpu("g1", 48)), "engines": engines},
+            {**node("n1", {**gpu("h0", 24), **slow}, {**gpu("h1", 24), **slow}), "engines": engines},
+        ],
+        [model("b", 40, min_gpus={"custom": 2}, **limit), model("c", 30, **limit)],
+        [
+            session("sb", "b", active=True, tokens=TOKENS_PER_GIB // 2),
+            session("sc", "c", active=True, tokens=TOKENS_PER_GIB // 2),
+        ],
+        [
+            held(weights("c"), on_gpu("g1"), 30 * GIB),
+            held(kv("c", "sc"), on_gpu("g1"), GIB // 2),
+            *(held(weights(m), on_nvme(n), gib * GIB) for m, gib in (("b", 40), ("c", 30)) for n in ("n0", "n1")),
+        ],
+    )
+
+
+def test_a_held_engine_gives_its_card_back_where_a_model_chosen_beside_it_finds_no_group() -> None:
+    """The joint choice puts b and c on n0 by its room (96 GiB: 41 + 44 fit); held on g1, c's engine would
+    leave b, which needs both cards, no group there, and b would go to n1's slow cards. The hold is given back:
+    b takes n0's two cards and c moves beside it."""
+    problem = problem_from_scenario(parse_scenario(held_card()))
+    problem = dataclasses.replace(problem, engine_pools={("n0", "c"): 14 * GIB})
+    plan = solve(problem)
+    assert check_plan(problem, plan.placement, plan.operations, plan.unserved) == []
+    assert plan.unserved == {}
+    b_on = {loc.id for (obj, loc), n in plan.placement.items() if obj == StateObject.weights("b", "bf16") and n
+            and loc.tier is Tier.GPU}  # fmt: skip
+    assert b_on == {"g0", "g1"}

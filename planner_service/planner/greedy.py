@@ -56,7 +56,13 @@ asleep is held on its GPUs, and a model that stays on its running engine keeps t
 engine's fixed pool (the engine frees no one request's KV), so that room is never given to another model;
 a running MoE engine keeps its GPU expert share as launched, on its group's GPUs and beside them, and
 where the node choice keeps the model on its node at its precision that room is held from the start, so
-that no model served before it takes it.
+that no model served before it takes it. The active sessions' new KV joins a pool that stays, its LRU evicting
+idle sessions' KV for it (`_evict_for_active`), and a stay whose pool cannot take them is priced with their
+wait (`_pool_overflow`). The joint choice prices such a stay with its launched pool whole, and the engine's
+GPUs are held until its model is placed (`_hold_staying`). An engine MoE's group on a node is the one whose
+cards keep the most room for its equal-share experts, and the joint choice caps its experts at that room
+(`_group_experts`); an idle model kept warm through an engine is priced with its minimum pool. (What each
+bought on engine scenarios: docs/studies/gap.md, "Closing the gap on engine nodes".)
 
 The result is a target placement; `operations.py` turns it into moves.
 

@@ -56,7 +56,13 @@ asleep is held on its GPUs, and a model that stays on its running engine keeps t
 engine's fixed pool (the engine frees no one request's KV), so that room is never given to another model;
 a running MoE engine keeps its GPU expert share as launched, on its group's GPUs and beside them, and
 where the node choice keeps the model on its node at its precision that room is held from the start, so
-that no model served before it takes it.
+that no model served before it takes it. The active sessions' new KV joins a pool that stays, its LRU evicting
+idle sessions' KV for it (`_evict_for_active`), and a stay whose pool cannot take them is priced with their
+wait (`_pool_overflow`). The joint choice prices such a stay with its launched pool whole, and the engine's
+GPUs are held until its model is placed (`_hold_staying`). An engine MoE's group on a node is the one whose
+cards keep the most room for its equal-share experts, and the joint choice caps its experts at that room
+(`_group_experts`); an idle model kept warm through an engine is priced with its minimum pool. (What each
+bought on engine scenarios: docs/studies/gap.md, "Closing the gap on engine nodes".)
 
 The result is a target placement; `operations.py` turns it into moves.
 
@@ -176,6 +182,29 @@ def _tightest_group(
     if model.min_gpus and k < max(model.min_gpus.get(g.type, 1) for g in group):
         return None
     return group, sum(free[start : start + k])
+
+
+def _roomiest_group(
+    gpus: list[Gpu], free: list[int], widths: Sequence[int], model: ModelSpec, nbytes: int
+) -> tuple[tuple[Gpu, ...], int] | None:
+    """Of the roomiest `k` GPUs for each width in `widths` (`gpus` sorted by `free` bytes), the group that keeps
+    the most room beside an even shard of `nbytes` on every card (k times its least free card's room), in id
+    order, with their free bytes together; None where no width holds the shards."""
+    best: tuple[int, tuple[Gpu, ...], int] | None = None
+    for k in widths:
+        if k > len(gpus):
+            continue
+        share = math.ceil(nbytes / k)
+        least = free[len(gpus) - k]
+        if least < share:
+            continue
+        group = gpus[len(gpus) - k :]
+        if model.min_gpus and k < max(model.min_gpus.get(g.type, 1) for g in group):
+            continue
+        room = k * (least - share)
+        if best is None or room > best[0]:
+            best = (room, tuple(sorted(group, key=_BY_ID)), sum(free[len(gpus) - k :]))
+    return None if best is None else (best[1], best[2])
 
 
 def _spec(gpu: Gpu) -> _GpuSpec:
@@ -367,6 +396,10 @@ class GreedyPlanner:
         self._experts_fixed: set[str] = set()
         # the engines whose experts' room is held until their model is placed (`_hold_launched_experts`)
         self._experts_held: set[tuple[str, str]] = set()
+        # model -> (its running engine's GPUs, the bytes per GPU held there until it is placed: `_hold_staying`)
+        self._stay_held: dict[str, tuple[tuple[Gpu, ...], list[int]]] = {}
+        self._priced_group: dict[tuple[str, str, str], tuple[Gpu, ...]] = {}  # (model, node, precision) -> the
+        # group the joint choice priced there
         self._running = {key: view for key, view in states.items() if view.state is EngineState.RUNNING}
         self._stuck = {
             key: view for key, view in states.items() if view.state is EngineState.RUNNING and not can_leave(view)
@@ -542,16 +575,17 @@ class GreedyPlanner:
             if current and current.precision == precision and self._may_serve_from(model, current.node, current.gpus):
                 stay = current.gpus
                 # the KV its running engine's pool keeps there counts whole, the active sessions' part of it
-                # within `extra_bytes`
-                kept, kept_active = self._kept_on(model.id, current.node, precision, stay)
+                # within `extra_bytes`; the idle sessions' part of it gives way to the active sessions' new KV
+                kept, kept_active, idle = self._kept_on(model.id, current.node, precision, stay)
                 room = self._launch_room(model.id, current.node, precision, stay)
                 shards = [
-                    a + max(b, r) + c
-                    for a, b, c, r in zip(
+                    a + max(b, r + i) + c - i
+                    for a, b, c, r, i in zip(
                         split_evenly(nbytes, len(stay)),
                         split_evenly(max(0, extra_bytes - kept_active), len(stay)),
                         kept,
                         room,
+                        idle,
                         strict=True,
                     )
                 ]
@@ -560,7 +594,7 @@ class GreedyPlanner:
                     cost = self._group_cost(
                         model, stay, current.node, 0.0, size, experts, restores=price_kv, staying=True
                     )
-                    cost += penalty
+                    cost += penalty + self._pool_overflow(model, current.node, precision, stay)
                     options.append(((cost, rank, 0, stay_node, 0.0), precision, stay))
                 # other groups on the same node: only the shards a card lacks now are copied
                 for gpus, free in self._fits_by_width(
@@ -966,6 +1000,12 @@ class GreedyPlanner:
                 break
         if wide is None:
             return []
+        if model.is_moe and kind is not None:
+            # an engine's experts lie in equal shares on its own group: the group whose cards keep the most room
+            # beside their shards holds the most of them (the widest may take a card another engine fills)
+            roomy = _roomiest_group(gpus, free, widths, model, nbytes)
+            if roomy is not None and roomy[0] != wide[0]:
+                return [wide, roomy]
         if self._uniform[node_id]:
             return [wide]  # like cards: the widest is never worse (more FLOP/s and links, the same bytes)
         for k in reversed(widths):  # the fewest GPUs, if fewer than the widest's fit
@@ -976,12 +1016,16 @@ class GreedyPlanner:
                 return [wide, narrow]
         return [wide]
 
-    def _kept_on(self, model_id: str, node_id: str, precision: str, gpus: tuple[Gpu, ...]) -> tuple[list[int], int]:
+    def _kept_on(
+        self, model_id: str, node_id: str, precision: str, gpus: tuple[Gpu, ...]
+    ) -> tuple[list[int], int, list[int]]:
         """Bytes per GPU of `gpus` that staying there at `precision` takes beyond the weights: the sessions' KV
         in the running engine's pool and its routed experts unless held already (`_keep_pool`; those beside the
-        group: `_stay_fits`), less the context a sleep would have kept (held already); and how much of that KV
-        is the active sessions'."""
+        group: `_stay_fits`), less the context a sleep would have kept (held already); how much of that KV
+        is the active sessions'; and per GPU the idle sessions' part of it, which the pool's LRU evicts for the
+        active sessions' new KV (`_evict_for_active`)."""
         out = [0] * len(gpus)
+        idle = [0] * len(gpus)
         active_bytes = 0
         ids = tuple(g.id for g in gpus)
         key = (node_id, model_id)
@@ -996,11 +1040,13 @@ class GreedyPlanner:
                 out[position[loc.id]] += nbytes
                 if kv.session in active:
                     active_bytes += nbytes
+                else:
+                    idle[position[loc.id]] += nbytes
         experts = self._launched_experts.get(key)
         if experts is not None and key not in self._experts_held and experts[:2] == (precision, ids):
             for i, g in enumerate(ids):
                 out[i] += experts[2].get(g, 0)
-        return out, active_bytes
+        return out, active_bytes, idle
 
     def _kv_room(self, model: ModelSpec, node_id: str, kv_bytes: int) -> int:
         """The GPU bytes `kv_bytes` of the sessions' KV take in a new launch on the node: on a vLLM / SGLang
@@ -1077,6 +1123,54 @@ class GreedyPlanner:
                 self._experts_held.add(key)
                 self.book.take_from(node_id, held.items())
 
+    def _stay_bytes(self, model_id: str, node_id: str, precision: str) -> tuple[tuple[Gpu, ...], list[int]] | None:
+        """Where the model's engine runs on the node at `precision`: its GPUs and the bytes per GPU staying on it
+        as it is takes there beyond what is held already (the weights' shard and the launched KV pool, which
+        takes its room whole, less the CUDA context held for its sleep); else None."""
+        key = (node_id, model_id)
+        running = self._running.get(key)
+        pool = self._launched_pools.get(key)
+        if running is None or pool is None or running.precision != precision or engine_of(self.p, *key) is None:
+            return None
+        gpus = tuple(self.p.gpus[g] for g in running.gpus)
+        context = self._contexts.get(key)
+        pool -= context[1] if context is not None and context[0] == running.gpus else 0
+        return gpus, [b + pool for b in split_evenly(self.p.models[model_id].weights_bytes[precision], len(gpus))]
+
+    def _hold_staying(self, chosen: Iterable[str], needs: Mapping[str, int]) -> None:
+        """Hold the room of each running engine whose model the joint choice keeps on its node at its
+        precision, until that model is placed: the choice priced it staying on its own GPUs, but a model
+        placed before it takes the widest group that fits and may spread over them (gap-study engine seed 12:
+        a coder took three L40s, one of them a Llama-3.1-8B's running engine with a full pool, which then
+        moved to another node and pushed a MoE's experts off it)."""
+        for model_id in sorted(chosen):
+            if model_id in self.groups or model_id not in self.nodes:
+                continue
+            key = (model_id, self.nodes[model_id], self.precisions[model_id])
+            stay = self._stay_bytes(*key)
+            if stay is None or self._priced_group.get(key) != stay[0] or not self.book.fits(*stay):
+                continue  # (the choice priced a restart on another group there: a MoE's for its experts' room)
+            self.book.take(*stay)
+            self._stay_held[model_id] = stay
+        # where a model the choice puts on the same node then finds no group there (its cards taken by the held
+        # ones), the node's holds go: the choice priced the node's room, not its cards (gap-study engine seed 31:
+        # a coder's engine filling one A100 kept a Llama-3.3-70B off the node it was chosen for)
+        for node_id in sorted({self.nodes[m] for m in self._stay_held}):
+            for model_id in sorted(m for m in chosen if self.nodes.get(m) == node_id and m not in self._stay_held):
+                model = self.p.models[model_id]
+                need = needs.get(model_id, 0)
+                nbytes = model.weights_bytes[self.precisions[model_id]] + self._kv_room(model, node_id, need)
+                if model_id not in self.groups and not self._fits_by_width(node_id, model, nbytes):
+                    for held in [m for m in self._stay_held if self.nodes[m] == node_id]:
+                        self._release_stay(held)
+                    break
+
+    def _release_stay(self, model_id: str) -> None:
+        """Give back the room `_hold_staying` held for the model (its group is chosen next)."""
+        stay = self._stay_held.pop(model_id, None)
+        if stay is not None:
+            self.book.take(stay[0], [-b for b in stay[1]])
+
     def _release_experts(self, model_id: str, staying: tuple[str, str] | None = None) -> None:
         """Give back the hold on the experts of the model's running engines, but `staying`'s."""
         for key in [k for k in self._experts_held if k[1] == model_id and k != staying]:
@@ -1111,11 +1205,80 @@ class GreedyPlanner:
         pool = self._pools.get(key)
         if pool is None or pool[:2] != (group.precision, ids):
             return
+        pool = self._pools[key] = (*pool[:2], self._evict_for_active(model, group, pool[2]))
         self.book.take_from(group.node, [(loc.id, nbytes) for (_, loc), nbytes in pool[2].items()])
         for (kv, loc), nbytes in pool[2].items():
             self.target[(kv, loc)] = self.target.get((kv, loc), 0) + nbytes
             self._pooled.add(kv)
             self.reasons[kv] = "kept in the KV pool of its running engine, which frees no one request's KV"
+
+    def _pool_overflow(self, model: ModelSpec, node_id: str, precision: str, gpus: tuple[Gpu, ...]) -> float:
+        """The unserved penalty of the active sessions a running engine that stays as it is cannot take into its
+        fixed pool (its idle sessions' KV evicted: `_evict_for_active`), taken in the order `_water_fill` serves
+        them; 0 elsewhere. Unpriced, the greedy kept a Qwen2.5-7B on its engine whose 4.4 GiB pool could not
+        take a blocking session's 2 GiB (gap-study engine seed 14)."""
+        key = (node_id, model.id)
+        running = self._running.get(key)
+        pool_bytes = self._launched_pools.get(key)
+        active = self.active.get(model.id)
+        ids = tuple(g.id for g in gpus)
+        if not active or running is None or pool_bytes is None or (running.precision, running.gpus) != (precision, ids):
+            return 0.0
+        position = {g.id: i for i, g in enumerate(gpus)}
+        room = [pool_bytes] * len(gpus)
+        in_pool: dict[str, int] = defaultdict(int)
+        pool = self._pools.get(key)
+        names = {s.id for s in active}
+        for (kv, loc), nbytes in pool[2].items() if pool is not None else ():
+            if kv.session in names:
+                room[position[loc.id]] -= nbytes
+                in_pool[kv.session or ""] += nbytes
+        cost = 0.0
+        for s in sorted(active, key=lambda s: (SLO_RANK[s.slo], s.context_tokens, s.id)):
+            shards = split_evenly(max(0, self._kv_bytes(s, model) - in_pool.get(s.id, 0)), len(gpus))
+            if all(b <= r for b, r in zip(shards, room, strict=True)):
+                room = [r - b for b, r in zip(shards, room, strict=True)]
+            else:
+                cost += self.c.unserved_penalty_seconds * self._slo_weight[s.slo]
+        return cost
+
+    def _evict_for_active(
+        self, model: ModelSpec, group: Group, pooled: Mapping[tuple[StateObject, Location], int]
+    ) -> dict[tuple[StateObject, Location], int]:
+        """The KV a running engine that stays as it is keeps in its fixed pool once its active sessions' new KV
+        is in: where the pool's room left beside what it holds is short of that KV on a GPU, its LRU evicts
+        idle sessions' KV there (in the order `engine_plan._kv_within_pools` cuts it), never an active
+        session's. Kept whole, that idle KV left the active requests unserved (gap-study engine seed 12: two
+        blocking sessions of a GLM-4.5-Air whose pool held 20 GiB of idle sessions' KV)."""
+        active = self.active.get(model.id)
+        pool_bytes = self._launched_pools.get((group.node, model.id))
+        if not active or pool_bytes is None:
+            return dict(pooled)
+        position = {g.id: i for i, g in enumerate(group.gpus)}
+        held = [0] * len(group.gpus)
+        in_pool: dict[str, int] = defaultdict(int)
+        for (kv, loc), nbytes in pooled.items():
+            held[position[loc.id]] += nbytes
+            assert kv.session is not None  # a KV object
+            in_pool[kv.session] += nbytes
+        need = [0] * len(group.gpus)
+        for s in active:
+            rest = max(0, self._kv_bytes(s, model) - in_pool.get(s.id, 0))
+            for i, b in enumerate(split_evenly(rest, len(group.gpus))):
+                need[i] += b
+        short = [max(0, n - (pool_bytes - h)) for n, h in zip(need, held, strict=True)]
+        if not any(short):
+            return dict(pooled)
+        kept = {}
+        for (kv, loc), nbytes in sorted(pooled.items()):
+            i = position[loc.id]
+            if short[i] > 0 and not self.p.sessions[kv.session or ""].active:
+                cut = min(short[i], nbytes)
+                short[i] -= cut
+                nbytes -= cut
+            if nbytes > 0:
+                kept[(kv, loc)] = nbytes
+        return kept
 
     def _place_weights(self, model: ModelSpec, group: Group, reason: str) -> None:
         obj = StateObject.weights(model.id, group.precision)
@@ -1188,6 +1351,8 @@ class GreedyPlanner:
         free_order = [m for m in order if m not in self.groups]
         pinned = self._pin_joint_choice(free_order, needs) if not self.nodes and not self.precisions else set()
         self._hold_launched_experts()
+        if pinned:
+            self._hold_staying(pinned, needs)
         for model_id in order:
             model = self.p.models[model_id]
             sessions = active[model_id]
@@ -1195,6 +1360,7 @@ class GreedyPlanner:
             if model_id in self.groups:  # its engine cannot leave its GPUs: its sessions' KV joins it there
                 self._serve_sessions(model, self.groups[model_id], sessions)
                 continue
+            self._release_stay(model_id)
             # where the weights and all the active KV fit nowhere, take the group that holds the most of that KV
             best = self._best_group(model, need) or self._roomiest_group(model, need)
             if best is None and model_id in pinned:  # the joint choice has no room left after all: any node
@@ -1210,6 +1376,7 @@ class GreedyPlanner:
         for model_id in sorted(pinned - set(order)):  # an idle model the joint choice keeps warm
             if model_id in self.groups:
                 continue
+            self._release_stay(model_id)
             model = self.p.models[model_id]
             best = self._best_group(model, 0)
             if best is None:  # no room left after all: `spend` may still offer it elsewhere
@@ -1222,6 +1389,8 @@ class GreedyPlanner:
             self._place_weights(
                 model, group, _words((_KEPT_WARM, (self._demand(model_id), saved, value, nbytes / GIB)))
             )
+        for model_id in list(self._stay_held):
+            self._release_stay(model_id)
         # a running MoE engine kept by the node choice but not placed after all may stop: `spend` offers its room
         for model_id in sorted({m for _, m in self._experts_held} - set(self.groups)):
             self._release_experts(model_id)
@@ -1299,11 +1468,17 @@ class GreedyPlanner:
         and its cold option costs its decode with no expert on GPU; a dense model's cold option costs
         nothing. A node that looks like one priced from NVMe gets its option (`_with_alike`)."""
         best: dict[tuple[str, str], joint.Option] = {}
+        keys: dict[tuple[str, str], float] = {}
         for (_, rank, _, node_id, seconds), precision, gpus in self._group_options(model, 0, experts=False):
             cost = -self._warm_value(model, gpus, rank, seconds, staged=True)[0]
             moe = (model, sum(map(_H2D, gpus))) if model.is_moe else None
-            if (cost < 0 or moe) and ((node_id, precision) not in best or cost < best[(node_id, precision)].cost):
-                best[(node_id, precision)] = joint.Option(node_id, precision, model.weights_bytes[precision], cost, moe)
+            # kept warm through an engine, it launches with its minimum KV pool
+            nbytes = model.weights_bytes[precision] + self._kv_room(model, node_id, 0)
+            cap, by = self._group_experts(model, node_id, gpus, nbytes, cost)
+            if (cost < 0 or moe) and ((node_id, precision) not in best or by < keys[(node_id, precision)]):
+                best[(node_id, precision)] = joint.Option(node_id, precision, nbytes, cost, moe, cap)
+                keys[(node_id, precision)] = by
+                self._priced_group[(model.id, node_id, precision)] = gpus
         cold = 0.0  # a MoE left cold decodes with no expert on GPU (warm, the node's experts curve prices that)
         if model.is_moe:
             gpus = self._cold_load(model).gpus
@@ -1331,18 +1506,25 @@ class GreedyPlanner:
         """
         current = self.now.serving.get(model.id)
         best: dict[tuple[str, str], joint.Option] = {}
+        keys: dict[tuple[str, str], float] = {}
         how: dict[
             tuple[str, str], tuple[tuple[Gpu, ...], float, float]
         ] = {}  # (node, precision) -> group, load, `_kv_cost`
         for (cost, _, _, node_id, seconds), precision, gpus in self._group_options(model, need, False, price_kv=False):
             nbytes = model.weights_bytes[precision] + self._kv_room(model, node_id, need)
+            stay = self._stay_bytes(model.id, node_id, precision)
+            if stay is not None and stay[0] == gpus:  # its running engine as it is: its launched pool whole
+                nbytes = max(nbytes, sum(stay[1]))
             moe = (model, sum(map(_H2D, gpus))) if model.is_moe else None
+            kv = self._kv_cost(model, node_id, precision, gpus, seconds)
+            cap, rank = self._group_experts(model, node_id, gpus, nbytes, cost + kv)
             if whole:
                 nbytes = self.book.room(node_id)
-            kv = self._kv_cost(model, node_id, precision, gpus, seconds)
-            if (node_id, precision) not in best or cost + kv < best[(node_id, precision)].cost:
-                best[(node_id, precision)] = joint.Option(node_id, precision, nbytes, cost + kv, moe)
+            if (node_id, precision) not in best or rank < keys[(node_id, precision)]:
+                best[(node_id, precision)] = joint.Option(node_id, precision, nbytes, cost + kv, moe, cap)
+                keys[(node_id, precision)] = rank
                 how[(node_id, precision)] = gpus, seconds, kv
+                self._priced_group[(model.id, node_id, precision)] = gpus
         out = []
         for option in self._with_alike(model, best, alike, current.node if current else None):
             key = (option.node, option.precision)
@@ -1351,6 +1533,21 @@ class GreedyPlanner:
                 option = option._replace(cost=option.cost - kv + self._kv_cost(model, *key, gpus, seconds))
             out.append(option)
         return out
+
+    def _group_experts(
+        self, model: ModelSpec, node_id: str, gpus: tuple[Gpu, ...], nbytes: int, cost: float
+    ) -> tuple[int | None, float]:
+        """For a MoE served through an engine on the node, the most expert bytes `gpus` hold beside an even
+        split of `nbytes` (its experts lie in equal shares on its own group: k times its least free card's
+        room), and `cost` plus its decode slowdown with that many on GPU, which picks its group of the node for
+        the joint choice; elsewhere (None: the node's room, `cost`). Priced by the node's room alone, the choice
+        kept GLM-4.5-Air on a node whose widest group took a card another engine filled (gap-study engine seed
+        2: 12 GiB of its experts on GPU where an empty node held 116 GiB)."""
+        if not model.is_moe or self.p.nodes[node_id].engine_kind(model.id) is None:
+            return None, cost
+        free = self.book.free
+        cap = len(gpus) * max(0, min(free[g.id] for g in gpus) - -(-nbytes // len(gpus)))
+        return cap, cost + self._experts_cost(node_id, [(model, sum(map(_H2D, gpus)))], cap)
 
     def _kv_cost(
         self, model: ModelSpec, node_id: str, precision: str, gpus: tuple[Gpu, ...], load_seconds: float
@@ -1411,7 +1608,7 @@ class GreedyPlanner:
                 continue
             for other in alike[node_id]:
                 if (other, precision) not in best and self._source(obj, other) is _NVME and other != staying:
-                    best[(other, precision)] = joint.Option(other, precision, option.need, option.cost, option.moe)
+                    best[(other, precision)] = option._replace(node=other)
         return list(best.values())
 
     def _roomiest_group(self, model: ModelSpec, need: int) -> tuple[_CostKey, Group] | None:
@@ -1501,7 +1698,7 @@ class GreedyPlanner:
                 shards = split_evenly(model.weights_bytes[group.precision], len(group.gpus))
                 # staying on its running engine keeps that engine's KV pool and experts
                 if self._pools or self._contexts or self._launched_experts:
-                    kept, _ = self._kept_on(model_id, group.node, group.precision, group.gpus)
+                    kept, _, _ = self._kept_on(model_id, group.node, group.precision, group.gpus)
                     shards = [a + b for a, b in zip(shards, kept, strict=True)]
                 room = self._launch_room(model_id, group.node, group.precision, group.gpus)
                 shards = [a + b for a, b in zip(shards, room, strict=True)]

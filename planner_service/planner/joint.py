@@ -55,7 +55,10 @@ STEP_OUT_MAX_OPTIONS = 64
 # Node costs the branch and bound may price after the step out (where that runs). On the 50-scenario gap study
 # it used a median 766 (about 0.5 ms in pure Python) and stopped at the limit on 12; it beat the local search
 # on 16, each time within 2,012 steps (the study's p95 ratio 1.08 -> 1.03). Past the limit it keeps the best found.
-MAX_BOUND_STEPS = 3000
+# Raised from 3,000: on engine scenarios the better assignment of gap-study seeds 4 and 9 (a Llama-3.3-70B down to
+# fp8 to share a node with a coder, a rotation of three models) lies past 3,000 (greedy objective 5,587 -> 5,323
+# and 5,898 -> 5,828; plain seed 42 6,529 -> 6,497); the demo-sized bench plan never reaches the limit.
+MAX_BOUND_STEPS = 10_000
 
 # (node, MoE models with their groups' summed h2d) -> running totals of the expert bytes they take, best first,
 # and of their decode slowdown plus HBM price ([slowdown with none], ...)
@@ -76,6 +79,9 @@ class Option(NamedTuple):
     need: int
     cost: float
     moe: tuple[ModelSpec, float] | None  # a MoE and its group's summed host->GPU bandwidth, for `experts_curve`
+    # the most expert bytes its group holds (an engine's experts lie in equal shares on its own group), None: the
+    # node's room
+    expert_room: int | None = None
 
 
 def assign(
@@ -452,7 +458,8 @@ class _NodeCosts:
     def __init__(self, option_of: Mapping[int, Option], rooms: Mapping[str, int], experts_curve: ExpertsCurve) -> None:
         self._option_of, self._rooms, self._experts_curve = option_of, rooms, experts_curve
         self._costs: dict[int, float] = {0: 0.0}
-        self._sums: dict[int, tuple[int, float, int]] = {0: (0, 0.0, 0)}  # bits -> (bytes, own costs, MoE bits)
+        # bits -> (bytes, own costs, MoE bits, the expert bytes their groups hold: inf where one is the node's)
+        self._sums: dict[int, tuple[int, float, int, float]] = {0: (0, 0.0, 0, 0.0)}
         self._curves: dict[int, tuple[list[int], list[float]]] = {}  # MoE bits -> their experts curve
 
     def of(self, held: int) -> float:
@@ -464,19 +471,20 @@ class _NodeCosts:
         rest = held ^ low
         if rest not in self._sums:  # not priced yet
             self._price(rest)
-        need, cost, moe_bits = self._sums[rest]
+        need, cost, moe_bits, cap = self._sums[rest]
         option = self._option_of[low]
         need += option.need
         cost += option.cost
         if option.moe:
             moe_bits |= low
-        self._sums[held] = (need, cost, moe_bits)
+            cap += math.inf if option.expert_room is None else option.expert_room
+        self._sums[held] = (need, cost, moe_bits, cap)
         room = self._rooms[option.node]
         if need > room:
             cost = math.inf
         elif moe_bits:
             taken, change = self._curve(option.node, moe_bits)
-            cost += change[bisect.bisect_right(taken, room - need) - 1]
+            cost += change[bisect.bisect_right(taken, min(room - need, cap)) - 1]
         self._costs[held] = cost
         return cost
 

@@ -177,16 +177,16 @@ async def test_a_failing_operation_is_reported_failed_with_its_reason(tmp_path):
     app = make_app(tmp_path)
     async with served(app) as http:
         sb = async_client(http)
-        # n2: where the demo's first plan moves KV (s03's, beside the reasoner it starts there)
-        mine = [o for o in (await sb.get_plan()).operations if o.node == "n2"]
+        # n3: where the demo's first plan moves KV (s02's, promoted beside the planner it serves there)
+        mine = [o for o in (await sb.get_plan()).operations if o.node == "n3"]
         before = await sb.get_srv()
-        config = agent_config(tmp_path, "n2")
+        config = agent_config(tmp_path, "n3")
         executor = Scripted(LocalExecutor.from_config(config), permanent={Kind.KV})
         agent = Agent(config, sb, executor)
-        await run_until_idle(agent, sb, "n2")
+        await run_until_idle(agent, sb, "n3")
         kv_ops = {o.id for o in mine if o.object.kind is Kind.KV}
         assert kv_ops and agent.stats["failed"] == len(kv_ops) and agent.stats["done"] == len(mine) - len(kv_ops)
-        failed = await sb.list_operations(node="n2", state="failed")
+        failed = await sb.list_operations(node="n3", state="failed")
         assert {o.id for o in failed} == kv_ops
         assert all("engine cannot move kv(" in (o.error or "") for o in failed)
         assert executor.calls.count(next(iter(kv_ops))) == 1  # permanent: tried once

@@ -1,0 +1,262 @@
+"""The greedy's estimates on engine nodes match what the evaluator charges (docs/studies/gap.md, "On engine
+scenarios, closing the gap"): each test a small cluster where the greedy's choice was worse before."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from tiny_clusters import (
+    GIB,
+    KV_BYTES_PER_TOKEN,
+    experts,
+    gpu,
+    held,
+    kv,
+    model,
+    node,
+    on_gpu,
+    on_nvme,
+    plan_for,
+    scenario,
+    session,
+    weights,
+)
+
+from planner_service.domain.predictions import problem_from_scenario
+from planner_service.domain.scenario import parse_scenario
+from planner_service.domain.state import Kind, Location, StateObject, Tier
+from planner_service.planner.invariants import check_plan
+from planner_service.planner.plan import Plan
+from planner_service.solver.registry import solve
+
+TOKENS_PER_GIB = GIB // KV_BYTES_PER_TOKEN  # 8,192
+
+
+def gpu_bytes(plan: Plan, obj: StateObject, gpu_id: str) -> int:
+    return plan.placement.get((obj, Location.gpu(gpu_id)), 0)
+
+
+def full_pool() -> dict[str, Any]:
+    """One 26 GiB card whose adopted vLLM engine (no sleep mode: it cannot leave its GPUs) serves a (16 GiB);
+    its pool holds idle s1's 4 GiB of KV and no more; s3, in flight, needs 2 GiB."""
+    engine = {"model": "a", "gpus": ["g0"], "kind": "vllm", "features": [], "management": "adopted"}
+    return scenario(
+        [{**node("n0", gpu("g0", 26)), "engines": [engine]}],
+        [model("a", 16)],
+        [session("s1", "a", tokens=4 * TOKENS_PER_GIB), session("s3", "a", active=True, tokens=2 * TOKENS_PER_GIB)],
+        [
+            held(weights("a"), on_gpu("g0"), 16 * GIB),
+            held(weights("a"), on_nvme("n0"), 16 * GIB),
+            held(kv("a", "s1"), on_gpu("g0"), 4 * GIB),
+        ],
+    )
+
+
+def test_a_fixed_pool_evicts_idle_kv_for_an_active_session() -> None:
+    """The engine's pool LRU evicts idle s1's KV for s3's new KV (engine_plan._kv_within_pools), so s3 is
+    served there. Kept whole, s1's KV had left s3 unserved: a 1,200 s penalty."""
+    problem = problem_from_scenario(parse_scenario(full_pool()))
+    problem = dataclasses.replace(problem, engine_pools={("n0", "a"): 4 * GIB})
+    plan = solve(problem)
+    assert check_plan(problem, plan.placement, plan.operations, plan.unserved) == []
+    assert plan.unserved == {}
+    assert gpu_bytes(plan, StateObject.kv("a", "s3"), "g0") == 2 * GIB
+    assert gpu_bytes(plan, StateObject.kv("a", "s1"), "g0") == 2 * GIB  # what the pool's room leaves of it
+    assert plan.objective.unserved == 0
+
+
+def staying_engine() -> dict[str, Any]:
+    """n0: two 26 GiB cards; b's managed vLLM engine runs on g1 with a 20 GiB pool holding its active session's
+    4 GiB of KV; c (16 GiB), in flight too, is on NVMe. n1: one 26 GiB card, empty. Every engine is vLLM."""
+    vllm = {"kind": "vllm", "features": ["sleep_mode", "lmcache"], "management": "managed"}
+    return scenario(
+        [
+            {**node("n0", gpu("g0", 26), gpu("g1", 26)), "engines": [{"model": "b", **vllm}, {"model": "c", **vllm}]},
+            {**node("n1", gpu("h0", 26)), "engines": [{"model": "b", **vllm}, {"model": "c", **vllm}]},
+        ],
+        [model("b", 4), model("c", 16)],
+        [
+            session("sb", "b", active=True, tokens=4 * TOKENS_PER_GIB),
+            session("sc", "c", active=True, tokens=TOKENS_PER_GIB),
+        ],
+        [
+            held(weights("b"), on_gpu("g1"), 4 * GIB),
+            held(weights("b"), on_nvme("n0"), 4 * GIB),
+            held(weights("b"), on_nvme("n1"), 4 * GIB),
+            held(kv("b", "sb"), on_gpu("g1"), 4 * GIB),
+            held(weights("c"), on_nvme("n0"), 16 * GIB),
+            held(weights("c"), on_nvme("n1"), 16 * GIB),
+        ],
+    )
+
+
+def test_a_running_engine_the_choice_keeps_keeps_its_gpus() -> None:
+    """The joint choice keeps b on its running engine and serves c on n0 too; c, placed first, would take the
+    widest group that fits, g0 and g1, leaving b's engine (4 GiB of weights and its 20 GiB pool) no room to
+    stay: b then restarted on n1, re-prefilling its session. The engine's room is held until b is placed."""
+    problem = problem_from_scenario(parse_scenario(staying_engine()))
+    problem = dataclasses.replace(problem, engine_pools={("n0", "b"): 20 * GIB})
+    plan = solve(problem)
+    assert check_plan(problem, plan.placement, plan.operations, plan.unserved) == []
+    assert plan.unserved == {}
+    assert gpu_bytes(plan, StateObject.weights("b", "bf16"), "g1") == 4 * GIB  # b stays
+    assert gpu_bytes(plan, StateObject.kv("b", "sb"), "g1") == 4 * GIB
+    c_on = {
+        loc.id
+        for (obj, loc), n in plan.placement.items()
+        if obj == StateObject.weights("c", "bf16") and n and loc.tier is Tier.GPU
+    }
+    assert c_on == {"g0"}
+    assert not any(obj.kind is Kind.WEIGHTS and loc.id == "h0" for obj, loc in plan.placement)
+
+
+def crowded_card() -> dict[str, Any]:
+    """n0: four 24 GiB cards, g0 filled to 20 GiB by d's adopted vLLM engine (no sleep mode: it stays); n1: two
+    empty 24 GiB cards. m, a MoE (4 GiB of weights, 64 GiB of routed experts), and e (2 GiB), both in flight,
+    are on NVMe on both nodes."""
+    vllm = {"kind": "vllm", "features": ["sleep_mode", "lmcache"], "management": "managed"}
+    stuck = {"model": "d", "gpus": ["g0"], "kind": "vllm", "features": [], "management": "adopted"}
+    engines = [{"model": "m", **vllm}, {"model": "e", **vllm}]
+    moe = model("m", 4, experts_bytes=64 * GIB, expert_bytes=GIB // 4)
+    return scenario(
+        [
+            {**node("n0", *(gpu(f"g{i}", 24) for i in range(4))), "engines": [stuck, *engines]},
+            {**node("n1", gpu("h0", 24), gpu("h1", 24)), "engines": engines},
+        ],
+        [model("d", 16), moe, model("e", 2)],
+        [
+            session("sd", "d", tokens=4 * TOKENS_PER_GIB),
+            session("sm", "m", active=True, tokens=TOKENS_PER_GIB),
+            session("se", "e", active=True, tokens=TOKENS_PER_GIB),
+        ],
+        [
+            held(weights("d"), on_gpu("g0"), 16 * GIB),
+            held(kv("d", "sd"), on_gpu("g0"), 4 * GIB),
+            *(
+                held(weights(m), on_nvme(n), gib * GIB)
+                for m, gib in (("m", 4), ("e", 2), ("d", 16))
+                for n in ("n0", "n1")
+            ),
+            *(held(experts("m"), on_nvme(n), 64 * GIB) for n in ("n0", "n1")),
+        ],
+    )
+
+
+def test_an_engine_moe_takes_the_group_whose_cards_keep_room_for_its_experts() -> None:
+    """m's engine holds its experts in equal shares on its own group: on n0 the widest group, all four cards,
+    keeps at most 4 x (4 GiB - its shard) for them, beside d's engine on g0; g1-g3 keep about 3 x 22 GiB, room
+    for all 64 GiB. Priced by the node's room, m took the four cards (or the joint choice weighed n0 as if
+    it held them all)."""
+    problem, plan = plan_for(crowded_card())
+    assert check_plan(problem, plan.placement, plan.operations, plan.unserved) == []
+    assert plan.unserved == {}
+    m_on = {loc.id for (obj, loc), n in plan.placement.items() if obj == StateObject.weights("m", "bf16") and n
+            and loc.tier is Tier.GPU}  # fmt: skip
+    assert m_on == {"g1", "g2", "g3"}
+    expert_bytes = sum(
+        n for (obj, loc), n in plan.placement.items() if obj == StateObject.experts("m") and loc.tier is Tier.GPU
+    )
+    assert expert_bytes == 64 * GIB
+
+
+def idle_beside_pools() -> dict[str, Any]:
+    """Two nodes of one card, 32 GiB on n0, 24 GiB on n1, every model served through vLLM; a and b (4 GiB each, one 8,192-token
+    session in flight each) and d (22 GiB, idle, with a predicted request) are on NVMe on both. Each engine
+    launches with one request of its model's maximum context: 1 GiB for a and b, 8 GiB for d."""
+    vllm = {"kind": "vllm", "features": ["sleep_mode", "lmcache"], "management": "managed"}
+    engines = [{"model": m, **vllm} for m in ("a", "b", "d")]
+    small = {"max_context_tokens": TOKENS_PER_GIB}
+    return scenario(
+        [{**node(n, gpu(f"{n}g0", gib)), "engines": engines} for n, gib in (("n0", 32), ("n1", 24))],
+        [model("a", 4, **small), model("b", 4, **small), model("d", 22, max_context_tokens=8 * TOKENS_PER_GIB)],
+        [
+            session("sa", "a", active=True, tokens=TOKENS_PER_GIB),
+            session("sb", "b", active=True, tokens=TOKENS_PER_GIB),
+            session("sd", "d", tokens=TOKENS_PER_GIB),
+        ],
+        [held(weights(m), on_nvme(n), gib * GIB) for m, gib in (("a", 4), ("b", 4), ("d", 22)) for n in ("n0", "n1")],
+    )
+
+
+def test_an_idle_model_kept_warm_through_an_engine_is_priced_with_its_minimum_pool() -> None:
+    """d kept warm takes 22 GiB of weights and its 8 GiB minimum pool: 30 GiB, n0 whole. Priced at its
+    weights alone, the joint choice kept it warm on n0 beside a and b (22 + 2 x 5 GiB of 32), and its placement
+    then found no room there: d stayed cold. Now a and b share n1 and d is warm on n0."""
+    problem, plan = plan_for(idle_beside_pools())
+    assert check_plan(problem, plan.placement, plan.operations, plan.unserved) == []
+    assert plan.unserved == {}
+    on = {obj.model: problem.gpus[loc.id].node for (obj, loc), n in plan.placement.items()
+          if obj.kind is Kind.WEIGHTS and loc.tier is Tier.GPU and n}  # fmt: skip
+    assert set(on) == {"a", "b", "d"}
+    assert on == {"a": "n1", "b": "n1", "d": "n0"}
+
+
+def small_pool() -> dict[str, Any]:
+    """n0 and n1, one 26 GiB card each, every engine a managed vLLM; a (16 GiB) runs on n0's card with a
+    reported 2 GiB pool holding s1's 1 GiB of KV; s2, in flight too, needs 2 GiB; a is on NVMe on both."""
+    vllm = {"kind": "vllm", "features": ["sleep_mode", "lmcache"], "management": "managed"}
+    return scenario(
+        [{**node(n, gpu(f"{n}g0", 26)), "engines": [{"model": "a", **vllm}]} for n in ("n0", "n1")],
+        [model("a", 16, max_context_tokens=2 * TOKENS_PER_GIB)],
+        [
+            session("s1", "a", active=True, tokens=TOKENS_PER_GIB),
+            session("s2", "a", active=True, tokens=2 * TOKENS_PER_GIB),
+        ],
+        [
+            held(weights("a"), on_gpu("n0g0"), 16 * GIB),
+            held(kv("a", "s1"), on_gpu("n0g0"), GIB),
+            *(held(weights("a"), on_nvme(n), 16 * GIB) for n in ("n0", "n1")),
+        ],
+    )
+
+
+def test_staying_on_a_pool_too_small_for_the_active_sessions_is_priced_with_their_wait() -> None:
+    """a's engine stays as it is only with its 2 GiB pool: s2's 2 GiB do not fit beside s1's, and s2 would wait
+    (the unserved penalty). Unpriced, the greedy kept a there; now it starts a on n1, where both fit."""
+    problem = problem_from_scenario(parse_scenario(small_pool()))
+    problem = dataclasses.replace(problem, engine_pools={("n0", "a"): 2 * GIB})
+    plan = solve(problem)
+    assert check_plan(problem, plan.placement, plan.operations, plan.unserved) == []
+    assert plan.unserved == {}
+    assert gpu_bytes(plan, StateObject.weights("a", "bf16"), "n1g0") == 16 * GIB
+
+
+def held_card() -> dict[str, Any]:
+    """n0: two 48 GiB cards; c's managed vLLM engine runs on g1 (30 GiB of weights, a reported 14 GiB pool:
+    44 GiB of the card). n1: two 24 GiB cards, five times slower to prefill and load. b (40 GiB) runs on no
+    fewer than two cards; b and c each have a session in flight; both are on NVMe on both nodes."""
+    vllm = {"kind": "vllm", "features": ["sleep_mode", "lmcache"], "management": "managed"}
+    engines = [{"model": "b", **vllm}, {"model": "c", **vllm}]
+    slow = {"bf16_flops": 20e12, "h2d_bytes_per_s": 4e9}
+    limit = {"max_context_tokens": TOKENS_PER_GIB}
+    return scenario(
+        [
+            {**node("n0", gpu("g0", 48), gpu("g1", 48)), "engines": engines},
+            {**node("n1", {**gpu("h0", 24), **slow}, {**gpu("h1", 24), **slow}), "engines": engines},
+        ],
+        [model("b", 40, min_gpus={"custom": 2}, **limit), model("c", 30, **limit)],
+        [
+            session("sb", "b", active=True, tokens=TOKENS_PER_GIB // 2),
+            session("sc", "c", active=True, tokens=TOKENS_PER_GIB // 2),
+        ],
+        [
+            held(weights("c"), on_gpu("g1"), 30 * GIB),
+            held(kv("c", "sc"), on_gpu("g1"), GIB // 2),
+            *(held(weights(m), on_nvme(n), gib * GIB) for m, gib in (("b", 40), ("c", 30)) for n in ("n0", "n1")),
+        ],
+    )
+
+
+def test_a_held_engine_gives_its_card_back_where_a_model_chosen_beside_it_finds_no_group() -> None:
+    """The joint choice puts b and c on n0 by its room (96 GiB: 41 + 44 fit); held on g1, c's engine would
+    leave b, which needs both cards, no group there, and b would go to n1's slow cards. The hold is given back:
+    b takes n0's two cards and c moves beside it."""
+    problem = problem_from_scenario(parse_scenario(held_card()))
+    problem = dataclasses.replace(problem, engine_pools={("n0", "c"): 14 * GIB})
+    plan = solve(problem)
+    assert check_plan(problem, plan.placement, plan.operations, plan.unserved) == []
+    assert plan.unserved == {}
+    b_on = {loc.id for (obj, loc), n in plan.placement.items() if obj == StateObject.weights("b", "bf16") and n
+            and loc.tier is Tier.GPU}  # fmt: skip
+    assert b_on == {"g0", "g1"}

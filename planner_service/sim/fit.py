@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from planner_service.sim.synth import SynthParams, handoff_share
-from planner_service.sim.trace import TraceRecord, TraceRequest
+from planner_service.sim.trace import TraceRecord, by_workflow
 
 
 @dataclass(frozen=True)
@@ -91,18 +91,12 @@ class TraceFit:
 
 def fit_trace(records: Sequence[TraceRecord], source: str) -> TraceFit:
     """The module doc's fits over every request of the trace."""
-    root: dict[str, str] = {}
     last_t: dict[str, float] = {}
     gaps: list[float] = []
     first: list[int] = []
     later: list[int] = []
     output: list[int] = []
-    for r in records:
-        if not isinstance(r, TraceRequest):
-            continue
-        if r.session not in root:
-            root[r.session] = root.get(r.parent, r.parent) if r.parent else r.session
-        workflow = root[r.session]
+    for workflow, r in by_workflow(records):
         if workflow in last_t:
             gaps.append(r.t - last_t[workflow])
             later.append(r.input_tokens)

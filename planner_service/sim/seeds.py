@@ -100,18 +100,16 @@ def seed_study(
 ) -> SeedStudy:
     """Replay every policy on one synthetic trace per seed (module doc)."""
     check_seeds(seeds, train_seeds)
-    names = list(dict.fromkeys(policies))
-    unknown = [n for n in names if n not in {str(p) for p in PolicyName}]
-    if not names or unknown:
-        raise ValueError(f"policies: unknown {', '.join(map(repr, unknown))}; choose of: {', '.join(PolicyName)}")
-    tuning = None
-    if PolicyName.STATIC_TUNED in names:
-        if not train_seeds:
-            raise ValueError("train_seeds: static-tuned is tuned on training seeds; give at least one")
-        training = [trace(scenario, params, s) for s in train_seeds]
-        tuning = tune_static(scenario, training, budget=tune_budget, seed=min(train_seeds))
-        if on_progress:
-            on_progress(f"static-tuned: {tuning.replays} training replays over a space of {tuning.space_size}")
+    names = policy_names(policies)
+    tuning = tuned(
+        scenario,
+        names,
+        lambda: [trace(scenario, params, s) for s in train_seeds],
+        train_seeds,
+        "train_seeds: static-tuned is tuned on training seeds; give at least one",
+        tune_budget,
+        on_progress,
+    )
     runs: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
     overran = dict.fromkeys(names, 0)
     for seed in seeds:
@@ -124,6 +122,36 @@ def seed_study(
                 on_progress(f"seed {seed} {name}: hand-off P95 {row['handoff_p95_seconds']:.2f} s")
     intervals = {n: {key: t_interval([r[key] for r in runs[n]]) for key, _, _ in METRICS} for n in names}
     return SeedStudy(names, list(seeds), list(train_seeds), params, intervals, overran, runs, tuning)
+
+
+def policy_names(policies: Sequence[str]) -> list[str]:
+    """The policies to replay, each once, in order; an unknown name is a ValueError naming the choices."""
+    names = list(dict.fromkeys(policies))
+    unknown = [n for n in names if n not in {str(p) for p in PolicyName}]
+    if not names or unknown:
+        raise ValueError(f"policies: unknown {', '.join(map(repr, unknown))}; choose of: {', '.join(PolicyName)}")
+    return names
+
+
+def tuned(
+    scenario: Scenario,
+    names: Sequence[str],
+    training: Callable[[], list[list[TraceRecord]]],
+    train: Sequence[int],
+    missing: str,
+    budget: int,
+    on_progress: Callable[[str], None] | None,
+) -> TuneResult | None:
+    """`static-tuned`'s partition searched on the training traces (`training()`, numbered `train`) where it is
+    among `names`; `missing` is the error where no training trace is given."""
+    if PolicyName.STATIC_TUNED not in names:
+        return None
+    if not train:
+        raise ValueError(missing)
+    result = tune_static(scenario, training(), budget=budget, seed=min(train))
+    if on_progress:
+        on_progress(f"static-tuned: {result.replays} training replays over a space of {result.space_size}")
+    return result
 
 
 def replay_row(

@@ -75,7 +75,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from planner_service.domain.scenario import Scenario, Slo
-from planner_service.sim.trace import TraceEnd, TraceRecord, TraceRequest
+from planner_service.sim.trace import TraceEnd, TraceRecord, TraceRequest, by_workflow
 
 HOUR_SECONDS = 3600.0
 
@@ -360,15 +360,9 @@ class _Generator:
 def handoff_share(records: Sequence[TraceRecord]) -> float:
     """The share of a trace's later turns that change model, within each workflow (a session and the
     sub-agents it handed off to, by `parent`), as the simulator counts hand-offs."""
-    root: dict[str, str] = {}
     last: dict[str, str] = {}
     turns = handoffs = 0
-    for r in records:
-        if not isinstance(r, TraceRequest):
-            continue
-        if r.session not in root:
-            root[r.session] = root.get(r.parent, r.parent) if r.parent else r.session
-        workflow = root[r.session]
+    for workflow, r in by_workflow(records):
         if workflow in last:
             turns += 1
             handoffs += last[workflow] != r.model

@@ -68,6 +68,17 @@ class TraceError(ValueError):
     """A trace line that does not parse; the message names the line and field."""
 
 
+def by_workflow(records: Iterable[TraceRecord]) -> Iterator[tuple[str, TraceRequest]]:
+    """Each request of a trace, in order, with its workflow: the session that began it, whose sub-agents
+    (`parent`) it hands off to, as the simulator counts hand-offs."""
+    root: dict[str, str] = {}
+    for r in records:
+        if isinstance(r, TraceRequest):
+            if r.session not in root:
+                root[r.session] = root.get(r.parent, r.parent) if r.parent else r.session
+            yield root[r.session], r
+
+
 def trace_json_schema() -> dict:
     schema = _RECORD.json_schema()
     schema["title"] = "StateBudget agent trace record (one per line, JSON Lines, sorted by t)"

@@ -29,9 +29,8 @@ import numpy as np
 from planner_service.domain.scenario import Scenario
 from planner_service.sim.engine import SimRequest
 from planner_service.sim.intervals import Interval, t_interval
-from planner_service.sim.policies import PolicyName
-from planner_service.sim.policies.static_tuned import TuneResult, tune_static
-from planner_service.sim.seeds import METRICS, check_seeds, parts_over_seeds, replay_row
+from planner_service.sim.policies.static_tuned import TuneResult
+from planner_service.sim.seeds import METRICS, check_seeds, parts_over_seeds, policy_names, replay_row, tuned
 from planner_service.sim.trace import TraceEnd, TraceRecord, TraceRequest
 
 BOOTSTRAP_RESAMPLES = 1000
@@ -221,17 +220,16 @@ def window_study(
             f"windows: {', '.join(map(str, missing))} hold no session; the trace has windows 0 to "
             f"{len(parts) - 1} of {hours:g} h"
         )
-    names = list(dict.fromkeys(policies))
-    unknown = [n for n in names if n not in {str(p) for p in PolicyName}]
-    if not names or unknown:
-        raise ValueError(f"policies: unknown {', '.join(map(repr, unknown))}; choose of: {', '.join(PolicyName)}")
-    tuning = None
-    if PolicyName.STATIC_TUNED in names:
-        if not train:
-            raise ValueError("train windows: static-tuned is tuned on training windows; give at least one")
-        tuning = tune_static(scenario, [parts[k] for k in train], budget=tune_budget, seed=min(train))
-        if on_progress:
-            on_progress(f"static-tuned: {tuning.replays} training replays over a space of {tuning.space_size}")
+    names = policy_names(policies)
+    tuning = tuned(
+        scenario,
+        names,
+        lambda: [parts[k] for k in train],
+        train,
+        "train windows: static-tuned is tuned on training windows; give at least one",
+        tune_budget,
+        on_progress,
+    )
     runs: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
     by_session: dict[str, list[list[SimRequest]]] = {n: [] for n in names}
     overran = dict.fromkeys(names, 0)

@@ -69,6 +69,7 @@ RUN_VLLM = ROOT / "tests" / "fakes" / "run_vllm.py"
 NVML_DRIVER = ROOT / "tests" / "fakes" / "nvml_driver"
 FEATURES = ["dev_mode", "lmcache", "sleep_mode"]
 CONTEXT_BYTES = 1 << 30  # the engine model's context_bytes_per_gpu (planner_service/domain/engines.py)
+CHECKPOINT_BYTES = 1 << 16  # a stand-in checkpoint file: the fake engines read none, the read-ahead advises it
 ROUNDING_BYTES = 8  # a MoE's GPU experts: floor(experts_bytes * fraction) may fall a byte short per GPU
 SERVICE_ENV = {  # the planning loop's wall-clock constants, shortened with the hour
     "STATEBUDGET_LOG_LEVEL": "warning",
@@ -216,8 +217,12 @@ class DemoCluster:
                     "--driver-dir",
                     str(driver_dir),
                 ]
+                checkpoint = base / "checkpoints" / model  # what a read-ahead advises into the page cache
+                checkpoint.mkdir(parents=True, exist_ok=True)
+                (checkpoint / "model.safetensors").write_bytes(bytes(CHECKPOINT_BYTES))
                 engines[model] = {
                     "url": f"http://127.0.0.1:{port}",
+                    "model_path": str(checkpoint),
                     "precision": sizes["precisions"][0],
                     "features": FEATURES,
                     "management": "managed",
@@ -254,6 +259,7 @@ class DemoCluster:
         exits, so that the engines are nobody's children, as after an agent's restart."""
         srv = _get(self.url, "/v1/srv")
         experts = {m["id"]: m["resolved"].get("experts_bytes") or 0 for m in _get(self.url, "/v1/models")}
+        pools = _launched_pools()
         launches = []
         for row in _get(self.url, "/v1/engines"):
             if row["state"] == "stopped" or not row["gpus"]:
@@ -262,7 +268,7 @@ class DemoCluster:
             values = {
                 "precision": row["precision"],
                 "tp": len(row["gpus"]),
-                "kv_pool_bytes_per_gpu": row["kv_pool_bytes_per_gpu"],
+                "kv_pool_bytes_per_gpu": pools[(row["node"], row["model"])],
                 "gpu_expert_fraction": _expert_fraction(srv, row, experts[row["model"]]),
                 "max_context_tokens": "",
             }
@@ -463,6 +469,25 @@ def _expert_fraction(srv: dict[str, Any], row: dict[str, Any], total: int) -> fl
         and e["location"]["gpu"] in row["gpus"]
     )
     return min(on_gpus / total, 1.0) if total else 1.0
+
+
+def _launched_pools() -> dict[tuple[str, str], int]:
+    """(node, model) -> the KV pool per GPU the demo's confirmed engines were launched with, as the service
+    takes them before any heartbeat reports one: a running engine's by the launch rule over the KV it holds
+    (engine_plan.launched_pools), a sleeping one's the least its engine starts with (one request of the model's
+    maximum context: vLLM refuses a smaller pool, vllm/v1/core/kv_cache_utils.py
+    `check_enough_kv_cache_memory`). Not `GET /v1/engines`' pool, which is the one the plan in force would
+    launch (0 for an engine it stops)."""
+    from planner_service.domain.problem import compile_problem
+    from planner_service.planner import engine_plan
+
+    problem = compile_problem(demo_scenario(), {})
+    states = engine_plan.confirmed_states(problem)
+    running = engine_plan.launched_pools(problem, states)
+    return {
+        key: running.get(key) or engine_plan.min_pool_bytes_per_gpu(problem, view.model, max(len(view.gpus), 1))
+        for key, view in states.items()
+    }
 
 
 def _alive(pid: int) -> bool:

@@ -322,23 +322,32 @@ class DemoCluster:
     def leased(self, node: str) -> list[dict[str, Any]]:
         return [o for o in _get(self.url, "/v1/operations?state=leased") if o["node"] == node]
 
-    def settle(self, timeout_seconds: float, quiet_seconds: float = 3.0) -> None:
-        """Wait until nothing is queued or leased, and no plan was installed and no operation confirmed, for
-        `quiet_seconds`: an operation leased and done between two looks is seen by the SRV version it bumped,
-        and the engines' reported states are compared only once no operation runs."""
+    def settle(self, timeout_seconds: float, quiet_seconds: float = 3.0, stall_seconds: float = 90.0) -> float:
+        """Wait until nothing is queued or leased and neither the plan nor the SRV moved for `quiet_seconds`
+        (an operation leased and done between two looks is seen by the SRV version it bumped; the engines'
+        reported states are compared only once no operation runs). Returns the seconds it waited.
+
+        It waits on the service, not on a wall-clock budget: while operations end, start or are replanned it
+        keeps waiting, up to `timeout_seconds` in all (a plan that never settles); it gives up sooner only when
+        nothing at all changed for `stall_seconds` with operations open (an operation nobody carries out)."""
+        started = time.monotonic()
         quiet_since: float | None = None
-        seen: tuple[int, int] | None = None
-        deadline = time.monotonic() + timeout_seconds
-        while time.monotonic() < deadline:
+        changed_at = started
+        seen: tuple[Any, ...] | None = None
+        while (now := time.monotonic()) - started < timeout_seconds:
             ready = _get(self.url, "/readyz")
-            now = (ready["epoch"], ready["srv_version"])
             open_ops = _get(self.url, "/v1/operations?state=queued") + _get(self.url, "/v1/operations?state=leased")
-            if open_ops or now != seen:
-                quiet_since, seen = None, now
+            look = (ready["epoch"], ready["srv_version"], sorted((o["id"], o["state"]) for o in open_ops))
+            if look != seen:
+                seen, changed_at, quiet_since = look, now, None
+            elif open_ops:
+                quiet_since = None
+                if now - changed_at >= stall_seconds:
+                    raise TimeoutError(f"operations open and nothing changed for {stall_seconds:g} s: {look[2]}")
             elif quiet_since is None:
-                quiet_since = time.monotonic()
-            elif time.monotonic() - quiet_since >= quiet_seconds:
-                return
+                quiet_since = now
+            elif now - quiet_since >= quiet_seconds:
+                return now - started
             time.sleep(0.3)
         raise TimeoutError(f"operations still open, or plans still changing, after {timeout_seconds:g} s")
 
@@ -588,7 +597,7 @@ def demo_cluster(root: Path, *, heartbeat_seconds: float = 0.5, server: str | No
 
 
 def run(
-    root: Path, *, hour_seconds: float, seed: int, settle_seconds: float = 60.0, server: str | None = None
+    root: Path, *, hour_seconds: float, seed: int, settle_seconds: float = 300.0, server: str | None = None
 ) -> dict[str, Any]:
     records = hour_trace(seed)
     started = time.monotonic()
@@ -596,7 +605,7 @@ def run(
         engines = cluster.start_confirmed_engines()
         cluster.start_agents()
         sent = cluster.replay(records, hour_seconds)
-        cluster.settle(settle_seconds)
+        settled = cluster.settle(settle_seconds)
         time.sleep(3 * cluster.heartbeat_seconds)  # a heartbeat taken after the last operation
         report = cluster.report()
     report["run"] = {
@@ -604,6 +613,7 @@ def run(
         "hour_seconds": hour_seconds,
         "seed": seed,
         "engines_at_start": engines,
+        "settle_seconds": round(settled, 1),
         "wall_seconds": round(time.monotonic() - started, 1),
     }
     return report
@@ -650,7 +660,10 @@ def main() -> None:
         "--server", default=None, help="A planner running the demo already (e.g. `make run`'s) instead of a new one."
     )
     parser.add_argument(
-        "--settle-seconds", type=float, default=60.0, help="How long the operations may take to end after the hour."
+        "--settle-seconds",
+        type=float,
+        default=300.0,
+        help="How long the operations may take to end after the hour, at most (DemoCluster.settle).",
     )
     args = parser.parse_args()
     import tempfile

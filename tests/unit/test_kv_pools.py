@@ -217,18 +217,21 @@ def asleep_on_one_card() -> dict[str, Any]:
     )
 
 
-def test_a_wake_keeps_the_pool_its_sleeping_engine_reported() -> None:
+@pytest.mark.parametrize("solver", ["greedy", "milp"])
+def test_a_wake_keeps_the_pool_its_sleeping_engine_reported(solver: str) -> None:
     """A wake maps the sleeping engine's pool back at the size it was launched with (vLLM's CuMemAllocator
     re-maps its recorded allocations): the plan's wake carries that pool, and the KV it prefills there stays
     within it, however much the sessions would take."""
     problem = problem_from_scenario(parse_scenario(asleep_on_one_card()))
     assert engine_plan.confirmed_states(problem)[("n0", "b")].state is engines.EngineState.ASLEEP_HOST
-    planned = solve(problem)
+    planned = solve(problem, solver)
     assert launches(planned)["b"] == 2 * GIB  # unknown pool: launched for the KV the plan prefills there
     pool = 3 * GIB // 2
     reported = dataclasses.replace(problem, engine_pools={("n0", "b"): pool})
-    plan = solve(reported)
+    plan = solve(reported, solver)
     assert launches(plan) == {"b": pool}
     on_g0 = sum(n for (obj, loc), n in plan.placement.items() if obj.kind is Kind.KV and loc == Location.gpu("g0"))
     assert 0 < on_g0 <= pool
     assert check_plan(reported, plan.placement, plan.operations, plan.unserved) == []
+    if solver == "milp":  # its own plan, not the greedy's it falls back to when its own breaks an invariant
+        assert plan.extra["milp"]["invariant_errors"] == []

@@ -12,7 +12,7 @@ COMPILED_VENV ?= .venv-compiled
 COMPILED_STAMP := $(COMPILED_VENV)/.installed
 
 .PHONY: run gateway fake-agents test test-fast test-compiled soak lint format import-graph compiled bench schemas screenshots clean \
-	evidence evidence-quick evidence-demo evidence-exceeds
+	evidence evidence-quick evidence-demo evidence-exceeds evidence-decompose
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -136,4 +136,11 @@ evidence-exceeds: $(STAMP)
 	$(VENV)/bin/statebudget study seeds --scenario exceeds-hbm --seeds 1,2,3,4,5,6,7,8,9,10 --train-seeds 101,102 \
 		--sessions 5 --gap-scale $(EXCEEDS_GAPS) --hours 1 --precision native --tune-budget 200 \
 		--out build/evidence-exceeds --json > docs/evidence/exceeds-hbm.json
+	$(MAKE) evidence
+# the decomposition on the headline case (exceeds-hbm at gaps x16 and x8, 10 seeds): static-tuned, then the planner
+# on the operator's groups without and with switch prediction, then moving engines; each step paired by seed
+evidence-decompose: $(STAMP)
+	$(VENV)/bin/statebudget study decompose --scenario exceeds-hbm --seeds 1,2,3,4,5,6,7,8,9,10 \
+		--train-seeds 101,102 --sessions 5 --gap-scale 16,8 --hours 1 --precision native --tune-budget 200 \
+		--json > docs/evidence/decomposition.json
 	$(MAKE) evidence

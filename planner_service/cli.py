@@ -1004,7 +1004,7 @@ def study_seeds(
     scenario: ScenarioOpt = None,
     policies: Annotated[
         str, typer.Option(help="Comma-separated policies to compare.")
-    ] = "statebudget,sleep-router,swap-ttl,static-tuned",
+    ] = "statebudget,statebudget-groups,sleep-router,swap-ttl,static-tuned",
     seeds: Annotated[str, typer.Option(help="Reported seeds, comma-separated (one synthetic trace each).")] = "1,2,3",
     train_seeds: Annotated[
         str, typer.Option(help="Training seeds for static-tuned's search, kept apart from the reported ones.")
@@ -1101,6 +1101,72 @@ def study_seeds(
     err.print(f"wrote {seed_runs.plot(studies[-1], out_dir)}")
     if len(studies) > 1:
         err.print(f"wrote {seed_runs.load_plot(studies, out_dir)}")
+
+
+@study_app.command("decompose")
+def study_decompose(
+    scenario: ScenarioOpt = None,
+    seeds: Annotated[str, typer.Option(help="Reported seeds, comma-separated (one synthetic trace each).")] = "1,2,3",
+    train_seeds: Annotated[
+        str, typer.Option(help="Training seeds for static-tuned's search, kept apart from the reported ones.")
+    ] = "101",
+    sessions: Annotated[int, typer.Option(min=1, help="Sessions alive at a time in each trace.")] = 5,
+    gap_scale: Annotated[
+        str, typer.Option("--gap-scale", help="Every gap between a session's turns times this; comma-separated.")
+    ] = "16",
+    hours: Annotated[float, typer.Option(help="Length of each trace in hours.")] = 1.0,
+    precision: Annotated[
+        str, typer.Option(help="allowed or native (every policy at each model's preferred precision).")
+    ] = "native",
+    tune_budget: Annotated[int, typer.Option(help="Replays static-tuned's search may run (at each level).")] = 200,
+    as_json: JsonOpt = False,
+) -> None:
+    """static-tuned, then the planner on the operator's groups without and with switch prediction, then moving
+    engines: each rung over N seeds, and each step's effect paired by seed (sim/decompose.py)."""
+    from planner_service.domain.problem import native_precision_scenario
+    from planner_service.sim import decompose
+    from planner_service.sim.engine import SimulationError
+    from planner_service.sim.synth import SynthParams
+
+    parsed = read_scenario(scenario)
+    if precision not in ("allowed", "native"):
+        raise fail(f"--precision: allowed or native, got {precision!r}")
+    if precision == "native":
+        parsed = native_precision_scenario(parsed)
+    spread = min(1800.0, hours * 900.0)  # as `study seeds`: the team arrives and leaves within a quarter
+    levels = []
+    try:
+        for scale in _float_list(gap_scale, "gap-scale"):
+            params = SynthParams(
+                sessions=sessions,
+                hours=hours,
+                arrival_spread_seconds=spread,
+                departure_spread_seconds=spread,
+                gap_scale=scale,
+            )
+            err.print(f"load level: {sessions} sessions, gap scale {scale:g}", highlight=False)
+            levels.append(
+                decompose.decompose(
+                    parsed,
+                    params,
+                    _seed_list(seeds, "seeds"),
+                    _seed_list(train_seeds, "train-seeds"),
+                    tune_budget=tune_budget,
+                    on_progress=lambda line: err.print(line, highlight=False),
+                )
+            )
+    except (SimulationError, ValueError) as error:
+        raise fail(str(error)) from None
+    data = {
+        "kind": "decomposition",
+        "scenario": str(scenario) if scenario is not None else "demo",
+        "precision": precision,
+        "levels": levels,
+    }
+    if as_json:
+        emit_json(data)
+        return
+    out.print(decompose.markdown("decomposition", data), highlight=False, soft_wrap=True)
 
 
 EVIDENCE_PREAMBLE = """# Evidence: policies over seeds

@@ -8,8 +8,8 @@ command line), instead of trusting what it remembered: a stop still reaches it, 
 began is waited for instead of started twice, and the instance it runs is known again.
 
 The spec's command is a template: `{port}`, `{model}`, `{model_path}`, `{precision}`, `{tp}`,
-`{kv_pool_bytes_per_gpu}`, `{gpu_expert_fraction}`, `{max_context_tokens}` and `{lmcache_instance_id}` are
-filled in; `CUDA_VISIBLE_DEVICES` is set to the engine's device indices.
+`{kv_pool_bytes_per_gpu}`, `{kv_pool_tokens}`, `{gpu_expert_fraction}`, `{max_context_tokens}` and
+`{lmcache_instance_id}` are filled in; `CUDA_VISIBLE_DEVICES` is set to the engine's device indices.
 """
 
 from __future__ import annotations

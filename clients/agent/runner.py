@@ -276,6 +276,10 @@ class Agent:
                 gpus[usage.id] = {"id": usage.id, "used_bytes": usage.used_bytes, "free_bytes": usage.free_bytes}
                 if usage.total_bytes is not None:
                     gpus[usage.id]["total_bytes"] = usage.total_bytes
+                if usage.processes:
+                    gpus[usage.id]["processes"] = [
+                        {"pid": pid, "used_bytes": nbytes, "engine": engine} for pid, nbytes, engine in usage.processes
+                    ]
         gpu_rates, node_rates = self.meter.take_fresh()
         for gpu_id, rates in gpu_rates.items():
             if gpu_id in self.gpu_ids:

@@ -273,7 +273,8 @@ def waits_for(
 
 def _engine_row(e: EngineOut) -> EngineRow:
     changes = e.planned_state is not None and (e.planned_state is not e.state or e.planned_step is not None)
-    step = f" ({e.planned_step.value})" if e.planned_step is not None else ""
+    calls = " then ".join(t.value for t in e.planned_steps) or (e.planned_step.value if e.planned_step else "")
+    step = f" ({calls})" if calls else ""
     planned = f"→ {e.planned_state.value}{step}" if changes and e.planned_state is not None else ""
     return EngineRow(e.model, e.kind.value, e.state.value, planned, ", ".join(e.gpus) or "no GPUs")
 

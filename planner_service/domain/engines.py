@@ -277,6 +277,12 @@ def min_kv_pool_bytes_per_gpu(kv_bytes_per_token: int, max_context_tokens: int, 
     return -(-kv_bytes_per_token * max_context_tokens // tp)
 
 
+def kv_pool_tokens(kv_bytes_per_token: int, kv_pool_bytes_per_gpu: int, tp: int) -> int:
+    """The tokens of KV a pool of `kv_pool_bytes_per_gpu` on each of `tp` GPUs holds, each token's KV split over
+    the group (the inverse of `min_kv_pool_bytes_per_gpu`); 0 where the KV per token is unknown (0)."""
+    return kv_pool_bytes_per_gpu * tp // kv_bytes_per_token if kv_bytes_per_token > 0 else 0
+
+
 def launch_kv_pool_bytes_per_gpu(minimum: int, planned: int) -> int:
     """The pool a start or restart is launched with, per GPU: what the plan means to keep there, and never
     less than the minimum the engine starts with."""

@@ -37,6 +37,7 @@ from planner_service.domain.engines import (
     Transition,
     holdings,
     kv_held_in_pool,
+    kv_pool_tokens,
     launch_kv_pool_bytes_per_gpu,
     may,
     min_kv_pool_bytes_per_gpu,
@@ -47,6 +48,7 @@ from planner_service.domain.state import Kind, Location, Placement, StateObject,
 from planner_service.planner import engine_costs
 from planner_service.planner.operations import Action, Operation, Unpair
 from planner_service.wire.operations import EngineInstanceRef, EngineStep
+from planner_service.wire.operations import Operation as PlannedOperation
 
 # the kinds whose engines carry out transitions, not byte moves (`local` moves bytes itself)
 ENGINE_NODE_KINDS = frozenset({EngineKind.VLLM, EngineKind.SGLANG})
@@ -685,6 +687,9 @@ def instance_ref(
         precision=inst.precision,
         gpus=list(inst.gpus),
         kv_pool_bytes_per_gpu=kv_pool_bytes_per_gpu,
+        kv_pool_tokens=kv_pool_tokens(
+            problem.models[view.model].kv_bytes_per_token, kv_pool_bytes_per_gpu, len(inst.gpus)
+        ),
         # the longest request it serves (vLLM --max-model-len): its pool's minimum is one such request
         max_context_tokens=inst.max_context_tokens or None,
         gpu_expert_fraction=inst.launch.gpu_expert_fraction,
@@ -876,10 +881,25 @@ def unserved_by_engines(problem: Problem, serving: Mapping[str, object], unserve
     }
 
 
+def plan_steps(ops: Sequence[Operation | PlannedOperation]) -> dict[Key, list[Transition]]:
+    """The engine calls a plan's operations carry out, per instance, in the plan's order (a restart no order
+    makes safe is two: a stop, then a start; `restart_unpairing`)."""
+    steps: dict[Key, list[Transition]] = defaultdict(list)
+    for op in ops:
+        if op.engine is not None:
+            calls = steps[(op.node, op.object.model)]
+            if not calls or calls[-1] is not op.engine.transition:
+                calls.append(op.engine.transition)
+    return dict(steps)
+
+
 def engine_rows(
-    problem: Problem, planned: Mapping[tuple[StateObject, Location], int] | None
+    problem: Problem,
+    planned: Mapping[tuple[StateObject, Location], int] | None,
+    steps: Mapping[Key, Sequence[Transition]] | None = None,
 ) -> list[dict[str, object]]:
-    """Every engine node's instances now and once `planned` (a plan's placement) is reached: `EngineOut`."""
+    """Every engine node's instances now and once `planned` (a plan's placement) is reached, with the engine
+    calls the plan's operations carry (`steps`, `plan_steps`): `EngineOut`."""
     now = confirmed_states(problem)
     then = engine_target(problem, planned, now).after if planned is not None else {}
     pools = kv_pools(problem, planned, then) if planned is not None else {}
@@ -904,6 +924,7 @@ def engine_rows(
                 "state": view.state.value,
                 "planned_state": None if after is None else after.state.value,
                 "planned_step": None if step is None else step.value,
+                "planned_steps": [t.value for t in (steps or {}).get(key, [])],
                 "precision": view.precision,
                 "gpus": list(view.gpus),
                 "features": sorted(f.value for f in view.declared.features),

@@ -165,8 +165,10 @@ class Views:
         self.live.require_ready()
         with self.live.change():
             problem = self.live.problem(self.live.placement, {})
-            planned = self.live.plan_placement if self.live.plan is not None else None
-            return engine_plan.engine_rows(problem, planned)
+            plan = self.live.plan
+            planned = self.live.plan_placement if plan is not None else None
+            steps = engine_plan.plan_steps(plan.operations) if plan is not None else None
+            return engine_plan.engine_rows(problem, planned, steps)
 
     def plan_view(self) -> dict[str, Any]:
         self.live.require_ready()

@@ -143,6 +143,8 @@ class PolicyHooks(Protocol):
         """Engines taken off their GPUs sleep where their kind allows (False: they stop, as llama-swap's do)."""
         ...
 
+    def deployment(self, scenario: Scenario) -> Scenario: ...
+
     def setup(self, sim: SimView, act: Executor) -> None: ...
 
     def observe(self, sim: SimView, session: SessionState, req: SimRequest) -> None: ...
@@ -217,6 +219,7 @@ class Simulator(SimState):
         engine_constants: EngineConstants | None = None,
         request_timeout_seconds: float = REQUEST_TIMEOUT_SECONDS,
     ) -> None:
+        scenario = policy.deployment(scenario)
         super().__init__(scenario, base_problem(scenario), records, engine_constants)
         self.policy = policy
         self.seed = seed

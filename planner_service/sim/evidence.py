@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from planner_service.sim import decompose
 from planner_service.sim.seeds import METRICS
 from planner_service.sim.state import SWITCH_PARTS
 
@@ -111,6 +112,8 @@ def _load_table(levels: list[dict[str, Any]]) -> list[str]:
 
 
 def render_section(name: str, data: dict[str, Any]) -> str:
+    if data.get("kind") == "decomposition":
+        return decompose.markdown(name, data)
     if "levels" not in data:
         return render_level(f"## {name}", data)
     levels = data["levels"]

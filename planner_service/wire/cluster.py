@@ -32,6 +32,12 @@ class NodeEngine(WireModel):
     url: str | None = Field(None, description="The engine's OpenAI server base URL, as registered; null: not given.")
 
 
+class GpuProcessOut(WireModel):
+    pid: int
+    used_bytes: int
+    engine: str | None = Field(None, description="The agent's managed engine it belongs to; null: none.")
+
+
 class GpuTelemetryOut(WireModel):
     id: str
     used_bytes: int | None = None
@@ -39,6 +45,7 @@ class GpuTelemetryOut(WireModel):
     total_bytes: int | None = None
     h2d_bytes_per_s: float | None = None
     d2h_bytes_per_s: float | None = None
+    processes: list[GpuProcessOut] = Field(default_factory=list, description="NVML's compute processes and bytes.")
 
 
 class EngineInstanceStateOut(WireModel):

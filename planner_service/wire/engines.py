@@ -20,7 +20,14 @@ class EngineOut(WireModel):
     kind: EngineKind
     state: EngineState
     planned_state: EngineState | None = Field(description="Its state once the current plan is done; null: no plan.")
-    planned_step: Transition | None = Field(description="The transition the current plan asks of it, if any.")
+    planned_step: Transition | None = Field(
+        description="The transition from its state now to its planned state, if any, as one step."
+    )
+    planned_steps: list[Transition] = Field(
+        default_factory=list,
+        description="The engine calls the current plan's operations make of it, in order: a restart that no order "
+        "makes safe where two engines trade GPUs is a stop, then a start.",
+    )
     precision: str | None = Field(description="Null: stopped with no precision chosen.")
     gpus: list[str] = Field(description="Its tensor-parallel group; empty where none is known (stopped).")
     features: list[EngineFeature]

@@ -93,6 +93,16 @@ class RegisterIn(WireIn):
     )
 
 
+class GpuProcessIn(WireIn):
+    """One process holding memory on the GPU, as NVML lists its compute processes."""
+
+    pid: int = Field(ge=1, le=2**31 - 1)
+    used_bytes: GpuByteCount = Field(description="NVML's usedGpuMemory for it.")
+    engine: Name | None = Field(
+        None, description="The agent's managed engine whose process group it is; null: no engine the agent started."
+    )
+
+
 class GpuTelemetryIn(WireIn):
     id: Name
     used_bytes: GpuByteCount | None = Field(
@@ -107,6 +117,12 @@ class GpuTelemetryIn(WireIn):
     )
     h2d_bytes_per_s: BytesPerSecond | None = None
     d2h_bytes_per_s: BytesPerSecond | None = None
+    processes: list[GpuProcessIn] = Field(
+        default_factory=list,
+        max_length=1024,
+        description="The processes holding its memory (NVML's compute processes), each with the engine it belongs to "
+        "where the agent started it: what `used_bytes` is made of.",
+    )
 
     @model_validator(mode="after")
     def _one_gpu_of_memory(self) -> GpuTelemetryIn:

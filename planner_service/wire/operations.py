@@ -34,6 +34,12 @@ class EngineInstanceRef(WireModel):
     precision: str
     gpus: list[str] = Field(description="The tensor-parallel group; a shard per GPU.")
     kv_pool_bytes_per_gpu: int = Field(ge=0, description="The fixed KV pool on each GPU of the group.")
+    kv_pool_tokens: int = Field(
+        0,
+        ge=0,
+        description="The pool in tokens of the model's KV, each token's bytes split over the group as the planner "
+        "splits KV (SGLang's --max-total-tokens); 0: the model's KV per token is unknown.",
+    )
     gpu_expert_fraction: float = Field(1.0, ge=0, le=1, description="A MoE's routed experts kept on GPU.")
     max_context_tokens: int | None = Field(None, gt=0, description="Null: the model's own limit.")
     features: list[EngineFeature] = Field(default_factory=list, description="Launch features.")

@@ -147,7 +147,14 @@ def test_heartbeat_instances_and_measured_memory_reconcile_the_node(demo):
         "kv_pool_bytes_per_gpu": 4 << 30,
     }
     beat = {
-        "gpus": [{"id": "n2-g0", "used_bytes": 0, "total_bytes": 48 << 30}],
+        "gpus": [
+            {
+                "id": "n2-g0",
+                "used_bytes": 1 << 30,
+                "total_bytes": 48 << 30,
+                "processes": [{"pid": 4242, "used_bytes": 1 << 30}],  # another user's: no engine of the agent's
+            }
+        ],
         "instances": [{"instance": coder, "state": "stopped"}],
     }
     for _ in range(2):
@@ -158,6 +165,7 @@ def test_heartbeat_instances_and_measured_memory_reconcile_the_node(demo):
         {
             "instance": {
                 **coder,
+                "kv_pool_tokens": 0,
                 "gpu_expert_fraction": 1.0,
                 "max_context_tokens": None,
                 "features": [],
@@ -167,6 +175,7 @@ def test_heartbeat_instances_and_measured_memory_reconcile_the_node(demo):
         }
     ]
     assert node["telemetry"]["gpus"][0]["total_bytes"] == 48 << 30
+    assert node["telemetry"]["gpus"][0]["processes"] == [{"pid": 4242, "used_bytes": 1 << 30, "engine": None}]
     assert {(c["object"]["kind"], c["location"]["gpu"]) for c in node["reconcile"]["corrected"]} == {
         ("weights", "n2-g0"),
         ("weights", "n2-g1"),

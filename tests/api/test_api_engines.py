@@ -19,3 +19,18 @@ def test_the_demo_lists_its_engines_with_state_settings_gpus_and_bytes(demo):
     vision = next(r for r in rows if (r.node, r.model) == ("n4", "vision"))
     assert (vision.state.value, vision.gpus, vision.gpu_bytes_per_gpu) == ("asleep_host", ["n4-g1"], 2**30)
     assert any(r.planned_step is not None for r in rows)
+
+
+def test_each_engine_lists_the_calls_the_plan_makes_of_it_in_order(demo):
+    plan = demo.post("/v1/plan").json()
+    expected: dict[tuple[str, str], list[str]] = {}
+    for op in plan["operations"]:
+        if op.get("engine"):
+            calls = expected.setdefault((op["node"], op["object"]["model"]), [])
+            if not calls or calls[-1] != op["engine"]["transition"]:
+                calls.append(op["engine"]["transition"])
+    rows = [EngineOut.model_validate(r) for r in demo.get("/v1/engines").json()]
+    assert (
+        expected
+        and {(r.node, r.model): [t.value for t in r.planned_steps] for r in rows if r.planned_steps} == expected
+    )

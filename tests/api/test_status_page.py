@@ -85,8 +85,9 @@ def test_each_node_card_lists_its_engine_instances_with_their_state_and_what_the
         row = re.search(rf'<tr class="engine" id="engine-{e["node"]}-{re.escape(e["model"])}">(.*?)</tr>', card)
         assert row is not None, (e["node"], e["model"])
         assert f"<td>{e['state']}</td>" in row.group(1) and e["kind"] in row.group(1)
-        if e["planned_step"] is not None:
-            assert f"→ {e['planned_state']} ({e['planned_step']})" in row.group(1)
+        calls = " then ".join(e["planned_steps"]) or e["planned_step"]
+        if calls is not None:
+            assert f"→ {e['planned_state']} ({calls})" in row.group(1)
 
 
 def test_the_page_is_a_self_contained_self_refreshing_document(demo):

@@ -30,6 +30,7 @@ from clients.agent.executors.vllm import VLLMExecutor
 from clients.agent.operations import Operation
 from clients.agent.probes import NvmlProbe
 from clients.agent.runner import Agent
+from planner_service.wire.nodes import GpuTelemetryIn
 
 pytestmark = pytest.mark.anyio
 GIB = 1 << 30
@@ -374,6 +375,16 @@ async def test_a_managed_engine_is_started_restarted_stopped_and_its_crash_is_re
     started = await executor.execute(op("promote", W, NVME, GPU))
     assert started.details["state"] == "running" and started.details["calls"][-1].startswith("start")
     assert started.details["taken_bytes"] == 2 * (GIB + GIB // 2)  # weights and context on each GPU, no KV pool
+    # each GPU's bytes by process, NVML's compute processes, the engine's own named by its process group
+    engine_pid = executor.engines_by_model["coder"].process.launched.pid  # type: ignore[union-attr]
+    for usage in executor.telemetry().gpus:
+        assert usage.processes == ((engine_pid, GIB + GIB // 2, "vllm-coder"),)
+        heartbeat_gpu = {
+            "id": usage.id,
+            "used_bytes": usage.used_bytes,
+            "processes": [{"pid": p, "used_bytes": n, "engine": e} for p, n, e in usage.processes],
+        }
+        assert GpuTelemetryIn.model_validate(heartbeat_gpu).processes[0].engine == "vllm-coder"
     async with httpx.AsyncClient() as http:
         assert (await http.get(f"http://127.0.0.1:{port}/is_sleeping")).json() == {"is_sleeping": False}
     restart = op("promote", W, NVME, GPU, engine=_step("restart", "running", kv_pool_bytes_per_gpu=2 * GIB))
@@ -513,6 +524,9 @@ async def test_heartbeats_carry_each_instance_its_state_and_the_gpus_nvml_total(
                 ("n1-g0", 4 * GIB + 10 * GIB + GIB // 2, 80 * GIB),
                 ("n1-g1", 4 * GIB + 10 * GIB + GIB // 2, 80 * GIB),
             ]
+            # the engine's process by its bytes; adopted (the agent did not start it), so named by no engine
+            for g in body["gpus"]:
+                assert g["processes"] == [{"pid": engine.pid, "used_bytes": g["used_bytes"], "engine": None}]
             (reported,) = body["instances"]
             assert reported["state"] == "running"
             assert reported["instance"]["id"] == "coder@bf16@n1-g0+n1-g1"
@@ -558,3 +572,22 @@ async def test_a_host_drop_that_finds_the_engine_asleep_at_level_1_stops_it(tmp_
         with pytest.raises(PermanentError, match="stop refused"):
             await adopted.execute(op("drop", W, HOST, None))
         await adopted.aclose()
+
+
+def test_a_start_fills_the_template_with_the_instance_s_pool_in_bytes_and_tokens(tmp_path: Path) -> None:
+    """`{kv_pool_tokens}` (SGLang's --max-total-tokens) is the planner's pool in tokens, `{kv_pool_bytes_per_gpu}`
+    the same pool in bytes (vLLM's --kv-cache-memory-bytes), from the start's instance."""
+    from clients.agent.executors.engine import _launch_values
+
+    config = managed_config(free_port(), tmp_path)
+    assert config.engines["coder"].launch is not None
+    config.engines["coder"].launch.command.append("{kv_pool_tokens}")
+    executor = VLLMExecutor.from_config(config)
+    process = executor.engines_by_model["coder"].process
+    assert process is not None
+    start = op(
+        "promote", W, NVME, GPU, engine=_step("start", "stopped", kv_pool_bytes_per_gpu=GIB, kv_pool_tokens=8192)
+    )
+    argv = process.command(**_launch_values(start))
+    assert argv[-1] == "8192" and str(GIB) in argv
+    assert process.command()[-1] == "0"  # a start that names no instance: the pool is the template's to fix

@@ -34,6 +34,9 @@ def _pools_hold(problem: Problem, plan: Plan) -> None:
             continue
         least = engine_plan.min_pool_bytes_per_gpu(problem, step.instance.model, len(step.instance.gpus))
         assert step.instance.kv_pool_bytes_per_gpu >= least, (op.id, step.instance.id, least)
+        # in tokens (SGLang's --max-total-tokens), the pool holds one request of the instance's longest context
+        if step.instance.max_context_tokens and problem.models[step.instance.model].kv_bytes_per_token:
+            assert step.instance.kv_pool_tokens >= step.instance.max_context_tokens, (op.id, step.instance.id)
         launched[(op.node, step.instance.model)] = step.instance.kv_pool_bytes_per_gpu
     running_now = engine_plan.launched_pools(problem, before)
     kv: dict[tuple[str, str], int] = defaultdict(int)

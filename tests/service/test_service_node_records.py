@@ -25,6 +25,7 @@ STOPPED_CODER = {
         "id": "coder@bf16@n2-g0+n2-g1",
         "kind": "vllm",
         "kv_pool_bytes_per_gpu": 4294967296,
+        "kv_pool_tokens": 0,
         "management": "managed",
         "max_context_tokens": None,
         "model": "coder",
@@ -34,7 +35,7 @@ STOPPED_CODER = {
     "state": "stopped",
 }
 
-# the `nodes` row as the service has always written it (keys in the order it wrote them): n1 registered at a
+# the `nodes` row as the service writes it (keys in the order it writes them): n1 registered at a
 # test scale and found short on n1-g0; n2 registered two engines with URLs and a third without, reported its
 # coder instance stopped, and one heartbeat saw the coder's weights gone (pending: the next one decides)
 STORED_NODES_ROW: dict[str, Any] = {
@@ -64,6 +65,7 @@ STORED_NODES_ROW: dict[str, Any] = {
                     "total_bytes": None,
                     "h2d_bytes_per_s": None,
                     "d2h_bytes_per_s": None,
+                    "processes": [],
                 }
             ],
             "nvme_read_bytes_per_s": None,
@@ -142,6 +144,7 @@ STORED_NODES_ROW: dict[str, Any] = {
                     "total_bytes": 85899345920,
                     "h2d_bytes_per_s": 20000000000.0,
                     "d2h_bytes_per_s": None,
+                    "processes": [],
                 }
             ],
             "nvme_read_bytes_per_s": 3000000000.0,

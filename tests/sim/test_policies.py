@@ -57,7 +57,9 @@ def test_every_policy_is_registered_under_its_name() -> None:
 
 
 def test_unknown_policy_lists_the_choices() -> None:
-    with pytest.raises(ValueError, match="unknown policy 'nope'; choose one of: statebudget, static, lru"):
+    with pytest.raises(
+        ValueError, match="unknown policy 'nope'; choose one of: statebudget, statebudget-groups, static, lru"
+    ):
         create_policy("nope")
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from planner_service.domain.scenario import Scenario, Slo, parse_scenario
-from planner_service.domain.state import Location, StateObject
+from planner_service.domain.state import Location, StateObject, Tier
 from planner_service.planner.operations import Action, Operation
 from planner_service.planner.plan import make_plan
 from planner_service.planner.registry import SolverName
@@ -247,3 +247,56 @@ def test_engines_are_prelaunched_asleep_as_sleep_router_s_are() -> None:
         return float(summarize(result)["switch_latency_seconds"]["handoff"]["p95"])
 
     assert handoff_p95(prelaunch=True) < handoff_p95(prelaunch=False)
+
+
+def test_statebudget_groups_declares_each_model_on_its_operator_group_only() -> None:
+    """`declared_on_groups`: a node declares engines only for its models, on their groups, and keeps no GPU
+    copy of another model; the checkpoints on disk stay on every node."""
+    from planner_service.domain.demo import demo_scenario
+    from planner_service.domain.predictions import problem_from_scenario
+    from planner_service.sim.policies.groups import declared_on_groups, operator_partition
+
+    scenario = demo_scenario()
+    partition = operator_partition(problem_from_scenario(scenario))
+    deployed = problem_from_scenario(declared_on_groups(scenario, partition))
+    for node_id, node in deployed.nodes.items():
+        mine = {m for m, e in partition.items() if e.node == node_id}
+        assert node.serves == mine
+        assert {m: tuple(g) for m, g in node.engine_gpus.items()} == {
+            m: tuple(g.id for g in partition[m].gpus) for m in mine
+        }
+    for obj, loc in deployed.residency:
+        if loc.tier is Tier.GPU:
+            assert partition[obj.model].node == deployed.gpus[loc.id].node
+    assert {loc.id for obj, loc in deployed.residency if loc.tier is Tier.NVME} == set(deployed.nodes)
+
+
+def test_statebudget_groups_serves_every_model_on_its_operator_group() -> None:
+    """Over a demo hour every engine `statebudget-groups` brings up runs on the group `sleep-router` would
+    wake it on, and no engine starts cold (all were launched before the trace and sleep there)."""
+    from planner_service.domain.demo import demo_scenario
+    from planner_service.domain.predictions import problem_from_scenario
+    from planner_service.domain.problem import native_precision_scenario
+    from planner_service.sim.engine import simulate
+    from planner_service.sim.metrics import summarize
+    from planner_service.sim.policies.groups import operator_partition
+    from planner_service.sim.policies.statebudget import StatebudgetGroupsPolicy
+    from planner_service.sim.seeds import trace
+    from planner_service.sim.synth import SynthParams
+
+    scenario = native_precision_scenario(demo_scenario())
+    partition = operator_partition(problem_from_scenario(scenario))
+    served: set[tuple[str, str, tuple[str, ...]]] = set()
+
+    class Recording(StatebudgetGroupsPolicy):
+        def on_model_ready(self, sim, model: str) -> None:  # type: ignore[no-untyped-def]
+            state = sim.models[model]
+            served.add((model, state.node, tuple(g.id for g in state.gpus)))
+            super().on_model_ready(sim, model)
+
+    records = trace(scenario, SynthParams(sessions=5, hours=1.0, gap_scale=8), 1)
+    result = simulate(scenario, records, Recording(), seed=1)
+    assert served and {(m, n, g) for m, n, g in served} <= {
+        (m, e.node, tuple(g.id for g in e.gpus)) for m, e in partition.items()
+    }
+    assert summarize(result)["engine_transitions"].get("cold_start", 0) == 0

@@ -203,6 +203,10 @@ def test_engines_that_trade_gpus_stop_and_start_where_a_restart_cannot_be_ordere
     constants = engine_plan.ENGINE_CONSTANTS
     assert len(priced) == 2 and priced[0] == pytest.approx(constants.stop_fixed_seconds)
     assert sum(priced) == pytest.approx(as_restart)
+    # GET /v1/engines: one step from its state now to its planned one, carried out as two calls
+    rows = engine_plan.engine_rows(problem, plan.placement, engine_plan.plan_steps(plan.operations))
+    vision = next(r for r in rows if r["model"] == "vision")
+    assert (vision["planned_step"], vision["planned_steps"]) == ("restart", ["stop", "start"])
 
 
 def test_the_checker_refuses_a_start_that_does_not_wait_on_its_stop() -> None:

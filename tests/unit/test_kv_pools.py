@@ -77,6 +77,10 @@ def test_the_launch_rule_and_what_a_pool_holds() -> None:
     assert engines.min_kv_pool_bytes_per_gpu(1000, 3, 4) == 750
     assert engines.min_kv_pool_bytes_per_gpu(1000, 1, 3) == 334  # rounded up: the engine needs the whole request
     assert engines.min_kv_pool_bytes_per_gpu(1000, 0, 2) == 0  # unknown context: no floor
+    # the pool in tokens (SGLang's --max-total-tokens): the minimum holds the longest request
+    assert engines.kv_pool_tokens(1000, engines.min_kv_pool_bytes_per_gpu(1000, 3, 2), 2) == 3
+    assert engines.kv_pool_tokens(1000, engines.min_kv_pool_bytes_per_gpu(1000, 1, 3), 3) == 1
+    assert engines.kv_pool_tokens(0, 4096, 2) == 0  # no KV size known: no token count
     assert engines.launch_kv_pool_bytes_per_gpu(1500, 900) == 1500
     assert engines.launch_kv_pool_bytes_per_gpu(1500, 2000) == 2000
     assert engines.kv_held_in_pool(1500, 2000) == 1500

@@ -16,6 +16,7 @@ class GpuUsage:
     used_bytes: int | None
     free_bytes: int | None
     total_bytes: int | None = None
+    processes: tuple[tuple[int, int, str | None], ...] = ()  # (pid, bytes, the agent's engine it belongs to)
 
 
 @dataclass(frozen=True, slots=True)

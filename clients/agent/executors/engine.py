@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -193,6 +194,7 @@ class EngineExecutor:
                     "precision": engine.precision,
                     "tp": max(len(gpus), 1),
                     "kv_pool_bytes_per_gpu": 0,
+                    "kv_pool_tokens": 0,
                     "gpu_expert_fraction": 1.0,
                     "max_context_tokens": "",
                     "lmcache_instance_id": handle.lmcache_instance_id or "",
@@ -412,11 +414,20 @@ class EngineExecutor:
     # -- reporting ---------------------------------------------------------------
 
     def telemetry(self) -> Telemetry:
+        # a managed engine runs in its own session: its workers' process group is the engine's pid
+        groups = {
+            e.process.launched.pid: e.name
+            for e in self.engines_by_model.values()
+            if e.process is not None and e.process.launched is not None
+        }
         gpus = []
         for gpu in sorted(self.devices or {g for e in self.engines_by_model.values() for g in e.gpus}):
             reading = self.probe.read(gpu)
             if reading is not None:
-                gpus.append(GpuUsage(gpu, reading.used_bytes, reading.free_bytes, reading.total_bytes))
+                processes = tuple(
+                    (pid, n, groups.get(_process_group(pid))) for pid, n in sorted(reading.processes.items())
+                )
+                gpus.append(GpuUsage(gpu, reading.used_bytes, reading.free_bytes, reading.total_bytes, processes))
         engines: dict[str, ReportedEngineState] = {
             e.name: (e.last if e.last is not None else EngineStatus.UNKNOWN) for e in self.engines_by_model.values()
         }
@@ -464,6 +475,13 @@ def _step_id(op: Operation, transition: Transition) -> str | None:
     return f"{epoch}|{op.engine.instance.id}|{transition.value}"
 
 
+def _process_group(pid: int) -> int:
+    try:
+        return os.getpgid(pid)
+    except OSError:  # gone, or not ours to see
+        return -1
+
+
 def _launch_values(op: Operation) -> dict[str, object]:
     """The launch settings a start or restart fills the command template with: the operation's instance."""
     if op.engine is None:
@@ -473,6 +491,7 @@ def _launch_values(op: Operation) -> dict[str, object]:
         "precision": instance.precision,
         "tp": len(instance.gpus),
         "kv_pool_bytes_per_gpu": instance.kv_pool_bytes_per_gpu,
+        "kv_pool_tokens": instance.kv_pool_tokens,
         "gpu_expert_fraction": instance.gpu_expert_fraction,
         "max_context_tokens": instance.max_context_tokens or "",
     }

@@ -8,7 +8,7 @@ from planner_service.sim.policies.independent import IndependentPolicy
 from planner_service.sim.policies.lru import LruNoKvPolicy, LruPolicy
 from planner_service.sim.policies.oracle import OraclePolicy
 from planner_service.sim.policies.sleep_router import SleepRouterPolicy
-from planner_service.sim.policies.statebudget import StatebudgetPolicy
+from planner_service.sim.policies.statebudget import StatebudgetGroupsPolicy, StatebudgetPolicy
 from planner_service.sim.policies.static import StaticNoKvPolicy, StaticPolicy
 from planner_service.sim.policies.static_tuned import StaticTunedPolicy
 from planner_service.sim.policies.swap_ttl import SwapTtlPolicy
@@ -19,6 +19,7 @@ __all__ = ["Policy", "PolicyName", "PolicyRegistry", "create_policy", "default_r
 def default_registry() -> PolicyRegistry:
     registry = PolicyRegistry()
     registry.register(PolicyName.STATEBUDGET, StatebudgetPolicy)
+    registry.register(PolicyName.STATEBUDGET_GROUPS, StatebudgetGroupsPolicy)
     registry.register(PolicyName.STATIC, StaticPolicy)
     registry.register(PolicyName.LRU, LruPolicy)
     registry.register(PolicyName.INDEPENDENT, IndependentPolicy)

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, ClassVar
 from planner_service.domain.state import Kind, Location, StateObject
 
 if TYPE_CHECKING:
+    from planner_service.domain.scenario import Scenario
     from planner_service.sim.executor import Executor
     from planner_service.sim.state import SessionState, SimRequest
     from planner_service.sim.view import SimView
@@ -25,6 +26,7 @@ if TYPE_CHECKING:
 
 class PolicyName(StrEnum):
     STATEBUDGET = "statebudget"
+    STATEBUDGET_GROUPS = "statebudget-groups"
     STATIC = "static"
     LRU = "lru"
     INDEPENDENT = "independent"
@@ -47,6 +49,11 @@ class Policy:
     sleeps_engines: ClassVar[bool] = True  # an engine taken off its GPUs sleeps where its kind allows
 
     act: Executor  # how the policy acts on the cluster; set at `setup`
+
+    def deployment(self, scenario: Scenario) -> Scenario:
+        """The cluster as this policy's operator deploys it (its engines' declared groups); the scenario's own
+        by default."""
+        return scenario
 
     def setup(self, sim: SimView, act: Executor) -> None:
         """Take the executor the policy acts through, then put its offline placement in place at t=0."""

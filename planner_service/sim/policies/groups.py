@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from planner_service.domain.problem import Gpu, Problem
+from planner_service.domain.scenario import Scenario
 from planner_service.domain.state import Kind, Location, StateObject
 from planner_service.planner.greedy import split_evenly
 from planner_service.sim.executor import KV_HEADROOM
@@ -84,6 +85,29 @@ def operator_partition(problem: Problem) -> dict[str, FixedEngine]:
                 assigned[node_id] += model.weights_bytes[precision]
                 break
     return out
+
+
+def declared_on_groups(scenario: Scenario, partition: Partition) -> Scenario:
+    """The scenario deployed as `partition` configures it: each node declares an engine only for the models
+    assigned to it, on their groups (so it serves no other), and GPU copies of models a node no longer serves
+    are left out. Checkpoints on disk and in host RAM stay where they are."""
+    data = scenario.model_dump(mode="json", exclude_none=True)
+    node_of_gpu = {g["id"]: n["id"] for n in data["cluster"]["nodes"] for g in n["gpus"]}
+    for node in data["cluster"]["nodes"]:
+        mine = {m: e for m, e in partition.items() if e.node == node["id"]}
+        declared = {e["model"]: e for e in node.get("engines", [])}
+        node["engines"] = [
+            {**declared.get(m, {"model": m}), "model": m, "gpus": [g.id for g in e.gpus]}
+            for m, e in sorted(mine.items())
+        ]
+    data["residency"] = [
+        r
+        for r in data["residency"]
+        if r["location"]["tier"] != "gpu"
+        or partition.get(r["object"]["model"], None) is not None
+        and partition[r["object"]["model"]].node == node_of_gpu[r["location"]["gpu"]]
+    ]
+    return Scenario.model_validate(data)
 
 
 def shards_fit_now(sim: SimView, engine: FixedEngine) -> bool:

@@ -76,6 +76,7 @@ from functools import partial
 from types import MappingProxyType
 from typing import TYPE_CHECKING
 
+from planner_service.domain.predictions import problem_from_scenario
 from planner_service.domain.problem import Session
 from planner_service.domain.state import Kind, Location, StateObject, Tier
 from planner_service.planner.errors import PlanningError
@@ -95,10 +96,11 @@ from planner_service.planner.plan import Plan, make_plan
 from planner_service.planner.predictor import SwitchPredictor
 from planner_service.planner.registry import SolverName
 from planner_service.sim.policies.base import Policy, PolicyName
-from planner_service.sim.policies.groups import launch_asleep, operator_partition
+from planner_service.sim.policies.groups import declared_on_groups, launch_asleep, operator_partition
 from planner_service.sim.policies.static import apply_placement, static_placement
 
 if TYPE_CHECKING:
+    from planner_service.domain.scenario import Scenario
     from planner_service.sim.cluster import Transfer
     from planner_service.sim.state import SessionState, SimRequest
     from planner_service.sim.view import SimView
@@ -130,7 +132,9 @@ class StatebudgetPolicy(Policy):
         price_moves: bool = True,
         across_margin: float = ACROSS_MARGIN_STARTS,
         stand_ins_expected: bool = True,
+        predict_switches: bool = True,
     ) -> None:
+        self.predict_switches = predict_switches  # False: plans see no session's next model (the ablation)
         self.price_moves = price_moves  # charge a plan's moves their outage and stranded KV (`move_price`)
         self.across_margin = across_margin  # hysteresis on moves across nodes, in cold starts
         self.stand_ins_expected = stand_ins_expected  # adoption prices stand-ins as predicted requests
@@ -305,6 +309,8 @@ class StatebudgetPolicy(Policy):
     def next_models(self, sim: SimView, sessions: Mapping[str, Session]) -> dict[str, dict[str, float]]:
         """Next-model probabilities of each session: the predictor's, fed the hand-offs observed so far."""
         assert self.predictor is not None
+        if not self.predict_switches:
+            return {}
         return self.predictor.predict_sessions({s.id: s.model for s in sessions.values()}, sim.now)
 
     def pins(self, sim: SimView) -> tuple[dict[str, str], dict[str, str]]:
@@ -478,3 +484,16 @@ class StatebudgetPolicy(Policy):
             return True  # served there already, or another load of it is on the way
         self.act.serve_from(obj.model, sim.problem.gpus[planned[0][0].id].node, precision, gpus)
         return True
+
+
+class StatebudgetGroupsPolicy(StatebudgetPolicy):
+    """`statebudget-groups`: the same planner on the operator's engine groups (`groups.operator_partition`, the
+    config `sleep-router` and `swap-ttl` run): each node declares an engine only for the models assigned to
+    it, on their groups, so the plans choose which engines run, sleep or stop, and where KV and experts
+    live, but start no engine on another group. What moving engines between groups adds or costs is the
+    difference from `statebudget` (docs/evidence.md)."""
+
+    name = PolicyName.STATEBUDGET_GROUPS
+
+    def deployment(self, scenario: Scenario) -> Scenario:
+        return declared_on_groups(scenario, operator_partition(problem_from_scenario(scenario)))

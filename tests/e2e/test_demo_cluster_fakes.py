@@ -13,6 +13,7 @@ the service takes its model off its GPUs and the planner brings it back, and the
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -40,10 +41,11 @@ def one_process_per_engine(report: dict[str, Any]) -> None:
     assert all(n == 1 for n in ids.values()), ids
 
 
-def assert_clean(report: dict[str, Any]) -> None:
+def assert_clean(report: dict[str, Any], root: Path) -> None:
     """Every operation done or superseded, none failed, open or held back; on every GPU the SRV's weights and
     experts are the fake engines' shards and NVML's bytes those plus the reported engines' contexts and pools
-    (to the report's rounding); and no other disagreement."""
+    (to the report's rounding); and no other disagreement. The report stays beside the run's logs, in `root`."""
+    (root / "report.json").write_text(json.dumps(report, indent=1))
     ops = report["operations"]
     assert ops["failed"] == [] and ops["held_back"] == 0, ops
     assert set(ops["by_state"]) <= {"done", "superseded"}, ops["by_state"]
@@ -69,7 +71,7 @@ def test_an_hour_of_demo_traffic_through_agents_and_fake_engines(tmp_path: Path)
         report = cluster.report()
     assert sent > 500 and report["operations"]["by_state"].get("done", 0) > 50
     assert all(g["heartbeat_total_bytes"] for g in report["gpus"].values())
-    assert_clean(report)
+    assert_clean(report, tmp_path)
 
 
 def test_a_sigkilled_agent_restarts_reconciles_and_double_applies_nothing(tmp_path: Path) -> None:
@@ -91,7 +93,7 @@ def test_a_sigkilled_agent_restarts_reconciles_and_double_applies_nothing(tmp_pa
         time.sleep(3 * cluster.heartbeat_seconds)
         report = cluster.report()
     assert agent_problems(report) == []
-    assert_clean(report)  # one process per engine: the restarted agent started none twice
+    assert_clean(report, tmp_path)  # one process per engine: the restarted agent started none twice
 
 
 def test_an_engine_crash_is_reported_corrected_and_replanned_around(tmp_path: Path) -> None:
@@ -133,4 +135,4 @@ def test_an_engine_crash_is_reported_corrected_and_replanned_around(tmp_path: Pa
     assert agent_problems(report) == []  # stopped while it was dead, its new process reported as it runs
     back = [e for e in report["engines"] if e["model"] == model and e["level"] == 0]
     assert replanned and back and all(e["pid"] != victim["pid"] for e in back), report["engines"]
-    assert_clean(report)
+    assert_clean(report, tmp_path)

@@ -322,22 +322,32 @@ class DemoCluster:
     def leased(self, node: str) -> list[dict[str, Any]]:
         return [o for o in _get(self.url, "/v1/operations?state=leased") if o["node"] == node]
 
-    def settle(self, timeout_seconds: float, quiet_seconds: float = 3.0, stall_seconds: float = 90.0) -> float:
+    def settle(
+        self, timeout_seconds: float, quiet_seconds: float = 3.0, stall_seconds: float = 90.0, max_plans: int = 60
+    ) -> float:
         """Wait until nothing is queued or leased and neither the plan nor the SRV moved for `quiet_seconds`
         (an operation leased and done between two looks is seen by the SRV version it bumped; the engines'
         reported states are compared only once no operation runs). Returns the seconds it waited.
 
         It waits on the service, not on a wall-clock budget: while operations end, start or are replanned it
-        keeps waiting, up to `timeout_seconds` in all (a plan that never settles); it gives up sooner only when
-        nothing at all changed for `stall_seconds` with operations open (an operation nobody carries out)."""
+        keeps waiting, up to `timeout_seconds` in all; it gives up sooner when nothing at all changed for
+        `stall_seconds` with operations open (an operation nobody carries out), or when the service installed
+        more than `max_plans` plans meanwhile (plans that undo each other: a settle takes a handful)."""
         started = time.monotonic()
         quiet_since: float | None = None
         changed_at = started
         seen: tuple[Any, ...] | None = None
+        first_epoch: int | None = None
         while (now := time.monotonic()) - started < timeout_seconds:
             ready = _get(self.url, "/readyz")
             open_ops = _get(self.url, "/v1/operations?state=queued") + _get(self.url, "/v1/operations?state=leased")
             look = (ready["epoch"], ready["srv_version"], sorted((o["id"], o["state"]) for o in open_ops))
+            first_epoch = ready["epoch"] if first_epoch is None else first_epoch
+            if ready["epoch"] - first_epoch > max_plans:
+                moves = sorted({f"{o['node']} {o['action']} {o['object'].get('model')}" for o in open_ops})
+                raise TimeoutError(
+                    f"plans still changing: {ready['epoch'] - first_epoch} plans in {now - started:.0f} s; open: {moves}"
+                )
             if look != seen:
                 seen, changed_at, quiet_since = look, now, None
             elif open_ops:

@@ -124,8 +124,9 @@ class Problem:
     # (node, model) -> the state and GPU group its engine reported (a node agent's heartbeat); where given it
     # wins over the state derived from the placement (planner/engine_plan.py)
     observed_engines: Mapping[tuple[str, str], tuple[EngineState, tuple[str, ...]]] = field(default_factory=dict)
-    # (node, model) -> the KV pool per GPU its running engine was launched with, where a node reported it (the
-    # heartbeat's `kv_pool_bytes_per_gpu`); where absent the planner derives it (engine_plan.launched_pools)
+    # (node, model) -> the KV pool per GPU its running or sleeping engine was launched with, where a node
+    # reported it (the heartbeat's `kv_pool_bytes_per_gpu`; a wake keeps it); where absent the planner derives
+    # it (engine_plan.launched_pools)
     engine_pools: Mapping[tuple[str, str], int] = field(default_factory=dict)
 
     def size_of(self, obj: StateObject) -> int:

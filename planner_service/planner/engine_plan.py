@@ -518,17 +518,20 @@ def _kv_predicted(
 def _kv_within_pools(
     problem: Problem, out: Placement, before: Mapping[Key, InstanceView], after: Mapping[Key, InstanceView]
 ) -> None:
-    """A running engine that runs on as it is holds no more KV on a GPU than the pool it was launched with
-    (engines.kv_held_in_pool): the KV the target grows there beyond it is not on the GPU (its pool's LRU
-    keeps it out; it is where LMCache keeps it below, or gone and re-prefilled)."""
+    """A running engine that runs on as it is, or a sleeping one woken whose pool its node reported, holds no
+    more KV on a GPU than the pool it was launched with (engines.kv_held_in_pool): the KV the target grows
+    there beyond it is not on the GPU (its pool's LRU keeps it out; it is where LMCache keeps it below, or gone
+    and re-prefilled)."""
     staying = {
         key: a
         for key, a in after.items()
         if a.state is EngineState.RUNNING and (b := before[key]).state is EngineState.RUNNING and b.same_instance(a)
     }
-    if not staying:
+    woken = woken_pools(problem, before, after)
+    if not staying and not woken:
         return
-    pools = launched_pools(problem, {key: before[key] for key in staying})
+    pools = launched_pools(problem, {key: before[key] for key in staying}) | woken
+    staying |= {key: after[key] for key in woken}
     groups = {(a.model, g) for a in staying.values() for g in a.gpus}
     on: dict[tuple[str, str], list[tuple[tuple[StateObject, Location], int]]] = defaultdict(list)
     for k, n in out.items():
@@ -591,22 +594,43 @@ def kv_pools(
     before: Mapping[Key, InstanceView] | None = None,
 ) -> dict[Key, int]:
     """(node, model) -> the KV pool per GPU of each instance running after the plan: an instance that runs on
-    as it is keeps the pool it was launched with (`launched_pools`); one the plan starts, wakes or restarts
+    as it is keeps the pool it was launched with (`launched_pools`), and so does one the plan wakes where its
+    node reported that pool (`woken_pools`); one the plan starts or restarts, or wakes with its pool unknown,
     is launched with engines.launch_kv_pool_bytes_per_gpu(its minimum, the most KV the placement puts on
     one GPU of its group)."""
     before = confirmed_states(problem) if before is None else before
-    kept = launched_pools(problem, before)
+    kept = launched_pools(problem, before) | woken_pools(problem, before, after)
     per_gpu = kv_per_gpu(placement)
     out = {}
     for key, view in after.items():
         if view.state is not EngineState.RUNNING:
             continue
         b = before.get(key)
-        if b is not None and b.state is EngineState.RUNNING and b.same_instance(view) and key in kept:
+        if b is not None and b.same_instance(view) and key in kept:
             out[key] = kept[key]
             continue
         planned = max((per_gpu.get((view.model, g), 0) for g in view.gpus), default=0)
         out[key] = launch_kv_pool_bytes_per_gpu(min_pool_bytes_per_gpu(problem, view.model, len(view.gpus)), planned)
+    return out
+
+
+def woken_pools(
+    problem: Problem, before: Mapping[Key, InstanceView], after: Mapping[Key, InstanceView]
+) -> dict[Key, int]:
+    """(node, model) -> the KV pool per GPU of each sleeping instance `after` wakes as it is, where its node
+    reported the pool it was launched with (`Problem.engine_pools`): a wake maps the pool back at its launched
+    size (vllm/device_allocator/cumem.py `CuMemAllocator.wake_up`), whatever KV the plan means to put there."""
+    out = {}
+    for key, a in after.items():
+        b = before.get(key)
+        if (
+            b is not None
+            and b.state in (EngineState.ASLEEP_HOST, EngineState.ASLEEP_DISCARDED)
+            and a.state is EngineState.RUNNING
+            and b.same_instance(a)
+            and key in problem.engine_pools
+        ):
+            out[key] = problem.engine_pools[key]
     return out
 
 

@@ -389,7 +389,7 @@ class GreedyPlanner:
         # model -> (its group's GPU ids, the room per GPU its engine's KV pool holds beyond the KV placed in it):
         # a launched pool takes its room whole, and the sessions' KV placed there fills it first
         self._pool_room: dict[str, tuple[tuple[str, ...], list[int]]] = {}
-        self._fixed_pools: set[str] = set()  # models on their running engine as it is: its pool does not grow
+        self._fixed_pools: set[str] = set()  # models on their launched engine as it is: its pool does not grow
         # (node, model) -> the routed experts each running MoE engine holds on the node's GPUs: its launch
         # setting, kept while it runs as it is; the models whose expert share is so fixed in the target
         self._launched_experts = launched_experts(problem, states)
@@ -401,6 +401,13 @@ class GreedyPlanner:
         self._priced_group: dict[tuple[str, str, str], tuple[Gpu, ...]] = {}  # (model, node, precision) -> the
         # group the joint choice priced there
         self._running = {key: view for key, view in states.items() if view.state is EngineState.RUNNING}
+        # (node, model) -> the sleeping engines whose node reported their launched pool: a wake as they are maps
+        # that pool back, no larger and no smaller (engine_plan.woken_pools)
+        self._asleep_pools = {
+            key: (view, problem.engine_pools[key])
+            for key, view in states.items()
+            if view.state in (EngineState.ASLEEP_HOST, EngineState.ASLEEP_DISCARDED) and key in problem.engine_pools
+        }
         self._stuck = {
             key: view for key, view in states.items() if view.state is EngineState.RUNNING and not can_leave(view)
         }
@@ -1059,7 +1066,8 @@ class GreedyPlanner:
     def _launch_room(self, model_id: str, node_id: str, precision: str, gpus: Sequence[Gpu]) -> list[int]:
         """Bytes per GPU of `gpus` the model's engine pool takes beyond the KV kept in it (`_kept_on`): on a
         vLLM / SGLang node, a running engine that stays as it is keeps its launched pool (its room less the
-        KV it holds there); a new launch takes at least its minimum pool. Nothing elsewhere."""
+        KV it holds there), a sleeping one woken as it is the pool its node reported; a new launch takes at
+        least its minimum pool. Nothing elsewhere."""
         if engine_of(self.p, node_id, model_id) is None:
             return [0] * len(gpus)
         key = (node_id, model_id)
@@ -1073,14 +1081,18 @@ class GreedyPlanner:
                 for (_, loc), nbytes in pool[2].items():
                     held[loc.id] += nbytes
             return [max(0, view_pool - held[g]) for g in ids]
+        asleep = self._asleep_pools.get(key)
+        if asleep is not None and (asleep[0].precision, asleep[0].gpus) == (precision, ids):
+            return [asleep[1]] * len(ids)
         return [min_pool_bytes_per_gpu(self.p, model_id, len(ids))] * len(ids)
 
     def _hold_pool_room(self, model: ModelSpec, group: Group) -> None:
         """Take the room of the model's engine pool beyond the KV kept in it (`_launch_room`)."""
         room = self._launch_room(model.id, group.node, group.precision, group.gpus)
         ids = tuple(g.id for g in group.gpus)
-        running = self._running.get((group.node, model.id))
-        if running is not None and (running.precision, running.gpus) == (group.precision, ids):
+        key = (group.node, model.id)
+        launched = self._running.get(key) or (self._asleep_pools[key][0] if key in self._asleep_pools else None)
+        if launched is not None and (launched.precision, launched.gpus) == (group.precision, ids):
             if engine_of(self.p, group.node, model.id) is not None:
                 self._fixed_pools.add(model.id)
         if any(room) or model.id in self._fixed_pools:

@@ -47,6 +47,7 @@ log = logging.getLogger(__name__)
 
 
 PREDICTOR_WINDOW_SECONDS = 3600.0
+LAUNCHED_STATES = frozenset({EngineState.RUNNING, EngineState.ASLEEP_HOST, EngineState.ASLEEP_DISCARDED})
 PRUNE_EVERY_SECONDS = 3600.0  # how often a running service forgets observations and event ids past their windows
 GIB = 2**30
 PLAN_ATTEMPTS = 4  # solves per replan before it yields to the agents whose operations keep moving the state
@@ -84,7 +85,7 @@ class LiveState:
     scenario: Scenario  # what `catalog` was compiled from (its sessions and residency empty)
     sessions: tuple[Session, ...]
     residency: Placement
-    # (node, model) -> the KV pool per GPU its running engine reports (`LiveSession.engine_pools`)
+    # (node, model) -> the KV pool per GPU its running or sleeping engine reports (`LiveSession.engine_pools`)
     engine_pools: Mapping[tuple[str, str], int] = dataclasses.field(default_factory=dict)
 
     def problem(self, next_model: Mapping[str, Mapping[str, float]]) -> Problem:
@@ -364,8 +365,11 @@ class Live:
         return LiveState(self.catalog, self.calibrated, tuple(sessions), kept, self.engine_pools())
 
     def engine_pools(self) -> dict[tuple[str, str], int]:
-        """(node, model) -> the KV pool per GPU of each running engine instance the nodes' last heartbeats
-        report (`instances[].instance.kv_pool_bytes_per_gpu`), of the models the catalog knows. A pool of 0
+        """(node, model) -> the KV pool per GPU of each running or sleeping engine instance the nodes' last
+        heartbeats report (`instances[].instance.kv_pool_bytes_per_gpu`), of the models the catalog knows: a
+        sleeping engine's pool is the one it was launched with, which its wake allocates again (a sleep frees
+        the pool's memory, not its size: vllm/device_allocator/cumem.py `CuMemAllocator.wake_up` maps every
+        allocation it recorded back, the KV cache's with the same handle and size). A pool of 0
         is one the agent does not know (an engine it did not launch with a pool): no engine serves from an
         empty pool (vLLM and SGLang refuse to start), so the planner derives that one
         (engine_plan.launched_pools)."""
@@ -381,7 +385,7 @@ class Live:
         return {
             (node_id, entry.instance.model): entry.instance.kv_pool_bytes_per_gpu
             for entry in instances
-            if entry.state is EngineState.RUNNING
+            if entry.state in LAUNCHED_STATES
             and entry.instance.kv_pool_bytes_per_gpu > 0
             and entry.instance.model in known
         }

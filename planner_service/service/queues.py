@@ -15,7 +15,7 @@ import logging
 import math
 import uuid
 from collections import defaultdict
-from collections.abc import Collection, Iterable
+from collections.abc import Callable, Collection, Iterable
 from typing import Any
 
 from planner_service.domain.state import Location, StateObject
@@ -127,6 +127,33 @@ class Races:
 def _step_key(op: Operation) -> tuple[str, str, str] | None:
     """The engine step `op` is one move of (node, instance, transition), or None."""
     return None if op.engine is None else (op.node, op.engine.instance.id, op.engine.transition.value)
+
+
+def _with_step_siblings(queued: list[OpRecord], done: Callable[[str], bool], max_operations: int) -> list[OpRecord]:
+    """The first `max_operations` of the `queued` operations whose dependencies are `done` (in order), and every
+    other queued move of an engine step one of them is a move of, once each of its dependencies is done or in
+    the lease (the agent runs a lease's moves in their order: a move waits there on those it depends on).
+
+    A step is one engine call, made on the first of its moves the agent runs (a start with the instance's
+    expert share, say, loads the experts its expert moves name); a move of it left queued could be superseded
+    by the next plan while the call it shares has been made, and the confirmed state would never learn what the
+    engine holds. Leased together, the moves are reported together. The lease may hold more than
+    `max_operations` then."""
+    chosen = [r for r in queued if all(done(d) for d in r.op.depends_on)][:max_operations]
+    steps = {key for r in chosen if (key := _step_key(r.op)) is not None}
+    if not steps:
+        return chosen
+    held = {r.id for r in chosen}
+    siblings = [r for r in queued if r.id not in held and _step_key(r.op) in steps]
+    added = True
+    while added:  # a move may wait on another move of its step: take them in dependency order
+        added = False
+        for r in siblings:
+            if r.id not in held and all(d in held or done(d) for d in r.op.depends_on):
+                held.add(r.id)
+                chosen.append(r)
+                added = True
+    return chosen
 
 
 def _step_waits(ops: list[Operation], races: Races) -> dict[tuple[str, str, str] | None, set[str]]:
@@ -330,22 +357,28 @@ class Queues:
     def _deps_done(self, r: OpRecord) -> bool:
         return all(d not in self.live.ops or self.live.ops[d].state is OpState.DONE for d in r.op.depends_on)
 
+    def _dep_done(self, dep: str) -> bool:
+        """A dependency no longer holds an operation back: done, or not recorded (`_deps_done`)."""
+        return dep not in self.live.ops or self.live.ops[dep].state is OpState.DONE
+
     def lease(self, node_id: str, max_operations: int) -> dict[str, Any]:
-        """Lease up to `max_operations` of the node's queued operations whose dependencies are done."""
+        """Lease up to `max_operations` of the node's queued operations whose dependencies are done, an engine
+        step's moves together (`_with_step_siblings`: the lease may hold more than `max_operations` then)."""
         self.live.require_ready()
         with self.live.change(Urgency.URGENT):
             self.live.require_node(node_id)
             now = self.live.clock()
             batch = Batch()
             expired = self.expire(batch)
-            eligible = sorted(
+            queued = sorted(
                 (
                     self.live.ops[i]
                     for i in self.live.open_ops.of_node(node_id)
-                    if self.live.ops[i].state is OpState.QUEUED and self._deps_done(self.live.ops[i])
+                    if self.live.ops[i].state is OpState.QUEUED
                 ),
                 key=lambda r: (PRIORITY_RANK[r.op.priority], r.epoch, r.seq),
-            )[:max_operations]
+            )
+            eligible = _with_step_siblings(queued, self._dep_done, max_operations)
             lease_id = expires = None
             if eligible:
                 lease_id, expires = uuid.uuid4().hex, now + self.live.settings.lease_seconds

@@ -53,7 +53,8 @@ class Option:
     shards: tuple[int, ...]
     decode_class: int  # options on a node with the same sum of h2d bandwidth decode alike
     # the running engine instance of a vLLM / SGLang node, kept as launched: its KV pool and GPU expert share
-    # per GPU of `gpus` are fixed (DESIGN.md §5); both are () for every other option
+    # per GPU of `gpus` are fixed (DESIGN.md §5); both are () for every other option but a sleeping instance
+    # woken as it is, whose pool its node reported (engine_plan.woken_pools): that pool is fixed, its experts not
     launched: bool = False
     kv_pool: tuple[int, ...] = ()
     experts: tuple[int, ...] = ()
@@ -231,6 +232,12 @@ class _Builder:
         # engine instances on vLLM / SGLang nodes as they are now (planner/engine_plan.py)
         self.states = engine_plan.confirmed_states(problem)
         self.launched_pools = engine_plan.launched_pools(problem, self.states)
+        # (node, model) -> the pool a sleeping engine's node reported: its wake as it is maps that pool back
+        self.woken_pools = {
+            key: problem.engine_pools[key]
+            for key, view in self.states.items()
+            if view.state in (EngineState.ASLEEP_HOST, EngineState.ASLEEP_DISCARDED) and key in problem.engine_pools
+        }
         self.pinned = engine_plan.immovable(problem)  # model -> (node, precision): running, cannot leave
         self.gpu_terms: dict[str, dict[int, int]] = {g: defaultdict(int) for g in problem.gpus}
         self.model_gpu_terms: dict[tuple[str, str], dict[int, int]] = defaultdict(lambda: defaultdict(int))
@@ -360,6 +367,11 @@ class _Builder:
                 if shard:
                     self.gpu_terms[g.id][o.var] += shard
                     self.model_gpu_terms[(model.id, g.id)][o.var] += shard
+            if not o.launched and o.kv_pool:
+                # (C11w) a woken engine maps its reported pool back whole on each of its GPUs
+                for g, pool in zip(o.gpus, o.kv_pool, strict=True):
+                    self.gpu_terms[g.id][o.var] += pool
+                    self.model_gpu_terms[(model.id, g.id)][o.var] += pool
             if o.launched:
                 # (C11) a launched engine keeps its KV pool and its GPU expert share on each of its GPUs; the
                 # warm tax is the evaluator's, on the bytes placed: the experts here, the KV on its k below
@@ -406,7 +418,7 @@ class _Builder:
             # a new engine's pool is at least one request of the model's maximum context (engine_plan)
             least = (
                 engine_plan.min_pool_bytes_per_gpu(self.p, model.id, len(o.gpus))
-                if not o.launched and engine_plan.engine_of(self.p, o.node, model.id) is not None
+                if not o.kv_pool and engine_plan.engine_of(self.p, o.node, model.id) is not None
                 else 0
             )
             for s, is_active in candidates:
@@ -425,14 +437,14 @@ class _Builder:
                 # (C4) KV only on the GPUs of the chosen group
                 self.ilp.row({var: 1, o.var: -1}, hi=0)
                 for g, b in zip(o.gpus, split_evenly(nbytes, len(o.gpus)), strict=True):
-                    if b and (o.launched or least):
+                    if b and (o.kv_pool or least):
                         pool_terms[g.id][var] = b  # a new engine's: on the GPUs once its pool is known
                     elif b:
                         self.gpu_terms[g.id][var] += b
                         self.model_gpu_terms[(model.id, g.id)][var] += b
                 self.kv.setdefault((model.id, s.id), []).append(KvChoice(var, s.id, o, nbytes))
                 relaxed += min(0.0, k_cost)
-            if o.launched:
+            if o.kv_pool:
                 self._pool_rows(o, pool_terms)
             elif least:
                 self._min_pool_rows(o, pool_terms, least)
@@ -496,9 +508,19 @@ class _Builder:
             and (view.precision, view.gpus) == (precision, tuple(sorted(_ids(group))))
         )
 
+    def _asleep_as(self, model: ModelSpec, node_id: str, precision: str, group: Sequence[Gpu]) -> bool:
+        """Whether `group` at `precision` is the model's sleeping engine on a vLLM / SGLang node: a wake."""
+        view = self.states.get((node_id, model.id))
+        return (
+            view is not None
+            and engine_plan.engine_of(self.p, node_id, model.id) is not None
+            and view.state in (EngineState.ASLEEP_HOST, EngineState.ASLEEP_DISCARDED)
+            and (view.precision, view.gpus) == (precision, tuple(sorted(_ids(group))))
+        )
+
     def _pool_rows(self, o: Option, pool_terms: Mapping[str, Mapping[int, int]]) -> None:
-        """A launched engine's pool is fixed: the sessions' KV chosen on each GPU stays within it (its room is
-        held by C11; the engine's LRU keeps the rest out)."""
+        """A launched or woken engine's pool is fixed: the sessions' KV chosen on each GPU stays within it (its
+        room is held by C11 or C11w; the engine's LRU keeps the rest out)."""
         for g, pool in zip(o.gpus, o.kv_pool, strict=True):
             terms = pool_terms.get(g.id, {})
             if terms:
@@ -586,7 +608,15 @@ class _Builder:
                     cls = classes.setdefault((node_id, h2d), len(classes))
                     var = self.ilp.var(f"x[{model.id},{node_id},{precision},{'+'.join(_ids(group))}]")
                     launched = self._launched(model, node_id, precision, group)
-                    pool = (self.launched_pools[(node_id, model.id)],) * len(group) if launched else ()
+                    woken = (
+                        self.woken_pools.get((node_id, model.id))
+                        if self._asleep_as(model, node_id, precision, group)
+                        else None
+                    )
+                    if launched:
+                        pool = (self.launched_pools[(node_id, model.id)],) * len(group)
+                    else:
+                        pool = (woken,) * len(group) if woken is not None else ()
                     experts_obj = StateObject.experts(model.id)
                     experts = (
                         tuple(self.now.placement.get((experts_obj, Location.gpu(g.id)), 0) for g in group)

@@ -85,7 +85,11 @@ Constraints (one family per comment in `formulation.py`)
     (C12) within:   sum_{k on o} kvshard_{k,g} k <= pool_{m,g} x_{m,o} for o ∈ L_m: a launched
                     engine's KV stays within the pool it was launched with
                     (engine_plan.launched_pools; the engine's LRU keeps the rest out)
-    (C12') new pool: for o ∉ L_m on a vLLM / SGLang node, with least_o one request of
+    (C11w) woken:   for o ∈ W_m, the sleeping instance of m whose node reported its pool,
+                    that pool rides on x_{m,o} in C1 and C12 holds with it (a wake maps the
+                    pool back at its launched size: engine_plan.woken_pools); its experts
+                    are chosen as any new option's
+    (C12') new pool: for o ∉ L_m ∪ W_m on a vLLM / SGLang node, with least_o one request of
                     the model's maximum context per GPU (engines.min_kv_pool_bytes_per_gpu):
                     least_o rides on x_{m,o} in C1 where all the KV o may hold fits in it;
                     else MiB * z_o + sum_{k on o} kvshard_{k,g_o} k >= least_o x_{m,o},

@@ -137,18 +137,18 @@ def test_each_gpu_bar_is_split_by_model_and_kind_and_adds_up_to_its_used_bytes(d
 def test_queues_and_recent_operations_follow_leases_and_reports(demo):
     lease = demo.lease("n1", n=3).json()
     ops = lease["operations"]
-    assert len(ops) == 3
-    done, failed, _still_leased = ops
+    assert len(ops) >= 3  # and the rest of an engine step's moves, leased together
+    done, failed, *still_leased = ops
     demo.report(done["id"], lease["lease_id"], measured_seconds=1.0, measured_bytes=done["bytes"])
     demo.report(failed["id"], lease["lease_id"], status="failed", error="engine vllm-0: CUDA out of memory")
     html = page(demo)
     open_n1 = demo.get("/v1/operations", params={"node": "n1"}).json()
     queued = sum(r["state"] == "queued" for r in open_n1)
     leased = sum(r["state"] == "leased" for r in open_n1)
-    assert leased == 1
+    assert leased == len(still_leased)
     row = table_row(html, "queues-h", "n1")
-    assert re.findall(r'<td class="n">([^<]*)</td>', row)[:3] == [str(queued), "1", "0"]
-    assert f"{queued} queued" in node_card(html, "n1") and "1 leased" in node_card(html, "n1")
+    assert re.findall(r'<td class="n">([^<]*)</td>', row)[:3] == [str(queued), str(leased), "0"]
+    assert f"{queued} queued" in node_card(html, "n1") and f"{leased} leased" in node_card(html, "n1")
     recent = table_row(html, "recent-h", failed["id"])
     assert "failed" in recent and "engine vllm-0: CUDA out of memory" in recent
     recent = table_row(html, "recent-h", done["id"])

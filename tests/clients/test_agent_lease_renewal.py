@@ -153,7 +153,9 @@ async def test_a_refused_renewal_hands_the_lease_on_and_nothing_of_it_is_reporte
         ops = [o for o in await sb.list_operations(node="n2") if o.id in executor.started]
         assert len(ops) == len(executor.started) == 2, executor.started
         assert all(o.state == "queued" and o.leases == 1 for o in ops)  # the service has them back
-        assert agent.stats["not_reported"] == len(executor.started)
+        # the lease held those two and the rest of their engine step's moves (leased together), none reported
+        held = [o for o in await sb.list_operations(node="n2") if o.leases == 1]
+        assert agent.stats["not_reported"] == len(held) >= len(executor.started)
         handed_on = [r for r in caplog.records if "was handed on" in r.getMessage()]
         assert len(handed_on) == 1 and handed_on[0].levelno == logging.WARNING
         message = handed_on[0].getMessage()

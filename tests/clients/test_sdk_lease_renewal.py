@@ -18,8 +18,8 @@ pytestmark = pytest.mark.filterwarnings("ignore:You should not use the 'timeout'
 
 def test_a_renewed_lease_outlives_its_length_and_a_late_renewal_is_a_conflict(sync_client):
     sb, _, clock = sync_client()  # n2: the demo's first plan has several operations ready there
-    lease = sb.lease("n2", max_operations=2)
-    assert lease.lease_id is not None and len(lease.operations) == 2
+    lease = sb.lease("n2", max_operations=2)  # and the rest of an engine step's moves, leased together
+    assert lease.lease_id is not None and len(lease.operations) >= 2
     ids = [o.id for o in lease.operations]
     clock.advance(20.0)
     renewed = sb.renew_lease("n2", lease.lease_id)
@@ -32,7 +32,8 @@ def test_a_renewed_lease_outlives_its_length_and_a_late_renewal_is_a_conflict(sy
     clock.advance(LEASE_SECONDS)
     with pytest.raises(ConflictError) as info:
         sb.renew_lease("n2", lease.lease_id)
-    assert info.value.status == 409 and f"({ids[1]} re-queued)" in info.value.detail
+    assert info.value.status == 409 and f"{ids[-1]} re-queued)" in info.value.detail
+    assert all(i in info.value.detail for i in ids[1:])
 
 
 def test_another_nodes_token_is_permission_denied(sync_client):

@@ -1,21 +1,19 @@
 """The demo cluster on contract fakes (tests/fakes/demo_cluster.py): `statebudget serve --demo`, a real
 `statebudget-agent` per demo node driving managed fake vLLM processes, a fake NVML following them.
 
-What the agents answer for is asserted: every heartbeat's GPU bytes are what NVML shows, with its total;
-every engine process is reported in the state it is in, on the GPUs it holds; one process per engine and one
-LMCache instance id each; a SIGKILLed agent restarted reconciles, starts nothing twice, and its heartbeats
-tell the service where the SRV holds more than the GPUs do; an engine that crashes is reported stopped, the
-service takes its model off its GPUs and the planner brings it back; the service accepts every node's heartbeats
-to the end. What the planner's plans get wrong is printed, not asserted: operations that fail because a plan
-does not fit the GPUs (a fake engine's start runs out of memory), and where the SRV and the engines disagree at
-the end (on a GPU, the SRV's weights and experts against the fake engines' shards and NVML's bytes; the KV the
-SRV counts beyond a running engine's fixed pool, which the service records as state the node lost). Most runs
-have none of the first and agree on weights and experts, not all (clients/README.md, "The demo cluster on
-contract fakes").
+Over a replayed hour of events every operation ends done (or superseded by a newer plan before a node leased
+it): none failed, none left open, no move held back; on every GPU the SRV's weights and experts are the
+shards the fake engines hold, and NVML shows those plus the contexts and KV pools of the engines the node
+reports; every heartbeat's GPU bytes are what NVML shows; every engine process is reported in the state it is
+in, one process and one LMCache instance id per engine; no node lost state; the service accepts every node's
+heartbeats to the end (`DemoCluster.report`'s `problems`, each asserted empty). A SIGKILLed agent restarted
+reconciles, starts nothing twice and leaves the same clean end; an engine that crashes is reported stopped,
+the service takes its model off its GPUs and the planner brings it back, and the end is clean.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -24,13 +22,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from fakes.demo_cluster import DemoCluster, demo_cluster, hour_trace, wait_for
+from fakes.demo_cluster import ROUNDING_BYTES, DemoCluster, demo_cluster, hour_trace, wait_for
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(480)]
 
-# how long the cluster may take to have nothing open and no new plan for 3 s: about 30 s alone, longer when the
-# suite's other worker shares the two cores
-SETTLE_SECONDS = 180.0
+# the most the cluster may take to have nothing open and no new plan for 3 s (about 15 s alone): settling waits
+# on the service's operations and SRV, not on the clock, and fails sooner when nothing changes for 90 s
+SETTLE_SECONDS = 300.0
 AGENT_PROBLEMS = ("heartbeat", "reported", "not reported", "LMCache", "no engine process runs")
 
 
@@ -41,6 +39,22 @@ def agent_problems(report: dict[str, Any]) -> list[str]:
 def one_process_per_engine(report: dict[str, Any]) -> None:
     ids = Counter(e["lmcache_instance_id"] for e in report["engines"])
     assert all(n == 1 for n in ids.values()), ids
+
+
+def assert_clean(report: dict[str, Any], root: Path) -> None:
+    """Every operation done or superseded, none failed, open or held back; on every GPU the SRV's weights and
+    experts are the fake engines' shards and NVML's bytes those plus the reported engines' contexts and pools
+    (to the report's rounding); and no other disagreement. The report stays beside the run's logs, in `root`."""
+    (root / "report.json").write_text(json.dumps(report, indent=1))
+    ops = report["operations"]
+    assert ops["failed"] == [] and ops["held_back"] == 0, ops
+    assert set(ops["by_state"]) <= {"done", "superseded"}, ops["by_state"]
+    for gpu, g in report["gpus"].items():
+        assert abs(g["srv_weights_experts_bytes"] - g["fake_shard_bytes"]) <= ROUNDING_BYTES, (gpu, g)
+        expected = g["srv_weights_experts_bytes"] + g["reported_engines_bytes"]
+        assert abs(g["nvml_used_bytes"] - expected) <= ROUNDING_BYTES, (gpu, g)
+    assert report["problems"] == []
+    one_process_per_engine(report)
 
 
 def run_hour(cluster: DemoCluster, hour_seconds: float) -> int:
@@ -55,11 +69,9 @@ def test_an_hour_of_demo_traffic_through_agents_and_fake_engines(tmp_path: Path)
         cluster.settle(SETTLE_SECONDS)
         time.sleep(3 * cluster.heartbeat_seconds)
         report = cluster.report()
-    print(report["operations"], report["problems"])  # the run's findings, beside the assertions
-    assert sent > 500 and report["operations"]["by_state"].get("done", 0) > 50
-    assert agent_problems(report) == []
-    one_process_per_engine(report)
+    assert sent > 500 and report["operations"]["by_state"].get("done", 0) > 0  # how many: as often as plans change
     assert all(g["heartbeat_total_bytes"] for g in report["gpus"].values())
+    assert_clean(report, tmp_path)
 
 
 def test_a_sigkilled_agent_restarts_reconciles_and_double_applies_nothing(tmp_path: Path) -> None:
@@ -80,18 +92,8 @@ def test_a_sigkilled_agent_restarts_reconciles_and_double_applies_nothing(tmp_pa
         cluster.settle(SETTLE_SECONDS)
         time.sleep(3 * cluster.heartbeat_seconds)
         report = cluster.report()
-    print(report["operations"], report["problems"])
     assert agent_problems(report) == []
-    one_process_per_engine(report)
-    # where the SRV still disagrees with the engines on n1 (a plan that did not fit: the engine's start ran out
-    # of memory), the restarted agent's heartbeats told the service: it records the state lost there
-    lost = {entry["gpu"] for entry in report["reconcile"]["n1"]["lost"] or []}
-    differ = {
-        gpu
-        for gpu, g in report["gpus"].items()
-        if gpu.startswith("n1-") and g["srv_weights_experts_bytes"] > g["nvml_used_bytes"]
-    }
-    assert differ <= lost, (differ, lost)
+    assert_clean(report, tmp_path)  # one process per engine: the restarted agent started none twice
 
 
 def test_an_engine_crash_is_reported_corrected_and_replanned_around(tmp_path: Path) -> None:
@@ -125,7 +127,6 @@ def test_an_engine_crash_is_reported_corrected_and_replanned_around(tmp_path: Pa
         replanned = cluster.get("/v1/plan")["epoch"] > epoch
         report = cluster.report()
         log = cluster.nodes[node].log_path
-    print(model, report["operations"], report["problems"])
     # seen dead either by its exit or, when the probe comes while the kill is still landing, by its closed port
     assert log is not None
     assert any(
@@ -134,3 +135,4 @@ def test_an_engine_crash_is_reported_corrected_and_replanned_around(tmp_path: Pa
     assert agent_problems(report) == []  # stopped while it was dead, its new process reported as it runs
     back = [e for e in report["engines"] if e["model"] == model and e["level"] == 0]
     assert replanned and back and all(e["pid"] != victim["pid"] for e in back), report["engines"]
+    assert_clean(report, tmp_path)

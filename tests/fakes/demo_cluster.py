@@ -69,6 +69,7 @@ RUN_VLLM = ROOT / "tests" / "fakes" / "run_vllm.py"
 NVML_DRIVER = ROOT / "tests" / "fakes" / "nvml_driver"
 FEATURES = ["dev_mode", "lmcache", "sleep_mode"]
 CONTEXT_BYTES = 1 << 30  # the engine model's context_bytes_per_gpu (planner_service/domain/engines.py)
+CHECKPOINT_BYTES = 1 << 16  # a stand-in checkpoint file: the fake engines read none, the read-ahead advises it
 ROUNDING_BYTES = 8  # a MoE's GPU experts: floor(experts_bytes * fraction) may fall a byte short per GPU
 SERVICE_ENV = {  # the planning loop's wall-clock constants, shortened with the hour
     "STATEBUDGET_LOG_LEVEL": "warning",
@@ -216,8 +217,12 @@ class DemoCluster:
                     "--driver-dir",
                     str(driver_dir),
                 ]
+                checkpoint = base / "checkpoints" / model  # what a read-ahead advises into the page cache
+                checkpoint.mkdir(parents=True, exist_ok=True)
+                (checkpoint / "model.safetensors").write_bytes(bytes(CHECKPOINT_BYTES))
                 engines[model] = {
                     "url": f"http://127.0.0.1:{port}",
+                    "model_path": str(checkpoint),
                     "precision": sizes["precisions"][0],
                     "features": FEATURES,
                     "management": "managed",
@@ -254,6 +259,7 @@ class DemoCluster:
         exits, so that the engines are nobody's children, as after an agent's restart."""
         srv = _get(self.url, "/v1/srv")
         experts = {m["id"]: m["resolved"].get("experts_bytes") or 0 for m in _get(self.url, "/v1/models")}
+        pools = _launched_pools()
         launches = []
         for row in _get(self.url, "/v1/engines"):
             if row["state"] == "stopped" or not row["gpus"]:
@@ -262,7 +268,7 @@ class DemoCluster:
             values = {
                 "precision": row["precision"],
                 "tp": len(row["gpus"]),
-                "kv_pool_bytes_per_gpu": row["kv_pool_bytes_per_gpu"],
+                "kv_pool_bytes_per_gpu": pools[(row["node"], row["model"])],
                 "gpu_expert_fraction": _expert_fraction(srv, row, experts[row["model"]]),
                 "max_context_tokens": "",
             }
@@ -316,23 +322,42 @@ class DemoCluster:
     def leased(self, node: str) -> list[dict[str, Any]]:
         return [o for o in _get(self.url, "/v1/operations?state=leased") if o["node"] == node]
 
-    def settle(self, timeout_seconds: float, quiet_seconds: float = 3.0) -> None:
-        """Wait until nothing is queued or leased, and no plan was installed and no operation confirmed, for
-        `quiet_seconds`: an operation leased and done between two looks is seen by the SRV version it bumped,
-        and the engines' reported states are compared only once no operation runs."""
+    def settle(
+        self, timeout_seconds: float, quiet_seconds: float = 3.0, stall_seconds: float = 90.0, max_plans: int = 60
+    ) -> float:
+        """Wait until nothing is queued or leased and neither the plan nor the SRV moved for `quiet_seconds`
+        (an operation leased and done between two looks is seen by the SRV version it bumped; the engines'
+        reported states are compared only once no operation runs). Returns the seconds it waited.
+
+        It waits on the service, not on a wall-clock budget: while operations end, start or are replanned it
+        keeps waiting, up to `timeout_seconds` in all; it gives up sooner when nothing at all changed for
+        `stall_seconds` with operations open (an operation nobody carries out), or when the service installed
+        more than `max_plans` plans meanwhile (plans that undo each other: a settle takes a handful)."""
+        started = time.monotonic()
         quiet_since: float | None = None
-        seen: tuple[int, int] | None = None
-        deadline = time.monotonic() + timeout_seconds
-        while time.monotonic() < deadline:
+        changed_at = started
+        seen: tuple[Any, ...] | None = None
+        first_epoch: int | None = None
+        while (now := time.monotonic()) - started < timeout_seconds:
             ready = _get(self.url, "/readyz")
-            now = (ready["epoch"], ready["srv_version"])
             open_ops = _get(self.url, "/v1/operations?state=queued") + _get(self.url, "/v1/operations?state=leased")
-            if open_ops or now != seen:
-                quiet_since, seen = None, now
+            look = (ready["epoch"], ready["srv_version"], sorted((o["id"], o["state"]) for o in open_ops))
+            first_epoch = ready["epoch"] if first_epoch is None else first_epoch
+            if ready["epoch"] - first_epoch > max_plans:
+                moves = sorted({f"{o['node']} {o['action']} {o['object'].get('model')}" for o in open_ops})
+                raise TimeoutError(
+                    f"plans still changing: {ready['epoch'] - first_epoch} plans in {now - started:.0f} s; open: {moves}"
+                )
+            if look != seen:
+                seen, changed_at, quiet_since = look, now, None
+            elif open_ops:
+                quiet_since = None
+                if now - changed_at >= stall_seconds:
+                    raise TimeoutError(f"operations open and nothing changed for {stall_seconds:g} s: {look[2]}")
             elif quiet_since is None:
-                quiet_since = time.monotonic()
-            elif time.monotonic() - quiet_since >= quiet_seconds:
-                return
+                quiet_since = now
+            elif now - quiet_since >= quiet_seconds:
+                return now - started
             time.sleep(0.3)
         raise TimeoutError(f"operations still open, or plans still changing, after {timeout_seconds:g} s")
 
@@ -465,6 +490,25 @@ def _expert_fraction(srv: dict[str, Any], row: dict[str, Any], total: int) -> fl
     return min(on_gpus / total, 1.0) if total else 1.0
 
 
+def _launched_pools() -> dict[tuple[str, str], int]:
+    """(node, model) -> the KV pool per GPU the demo's confirmed engines were launched with, as the service
+    takes them before any heartbeat reports one: a running engine's by the launch rule over the KV it holds
+    (engine_plan.launched_pools), a sleeping one's the least its engine starts with (one request of the model's
+    maximum context: vLLM refuses a smaller pool, vllm/v1/core/kv_cache_utils.py
+    `check_enough_kv_cache_memory`). Not `GET /v1/engines`' pool, which is the one the plan in force would
+    launch (0 for an engine it stops)."""
+    from planner_service.domain.problem import compile_problem
+    from planner_service.planner import engine_plan
+
+    problem = compile_problem(demo_scenario(), {})
+    states = engine_plan.confirmed_states(problem)
+    running = engine_plan.launched_pools(problem, states)
+    return {
+        key: running.get(key) or engine_plan.min_pool_bytes_per_gpu(problem, view.model, max(len(view.gpus), 1))
+        for key, view in states.items()
+    }
+
+
 def _alive(pid: int) -> bool:
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
@@ -563,7 +607,7 @@ def demo_cluster(root: Path, *, heartbeat_seconds: float = 0.5, server: str | No
 
 
 def run(
-    root: Path, *, hour_seconds: float, seed: int, settle_seconds: float = 60.0, server: str | None = None
+    root: Path, *, hour_seconds: float, seed: int, settle_seconds: float = 300.0, server: str | None = None
 ) -> dict[str, Any]:
     records = hour_trace(seed)
     started = time.monotonic()
@@ -571,7 +615,7 @@ def run(
         engines = cluster.start_confirmed_engines()
         cluster.start_agents()
         sent = cluster.replay(records, hour_seconds)
-        cluster.settle(settle_seconds)
+        settled = cluster.settle(settle_seconds)
         time.sleep(3 * cluster.heartbeat_seconds)  # a heartbeat taken after the last operation
         report = cluster.report()
     report["run"] = {
@@ -579,6 +623,7 @@ def run(
         "hour_seconds": hour_seconds,
         "seed": seed,
         "engines_at_start": engines,
+        "settle_seconds": round(settled, 1),
         "wall_seconds": round(time.monotonic() - started, 1),
     }
     return report
@@ -625,7 +670,10 @@ def main() -> None:
         "--server", default=None, help="A planner running the demo already (e.g. `make run`'s) instead of a new one."
     )
     parser.add_argument(
-        "--settle-seconds", type=float, default=60.0, help="How long the operations may take to end after the hour."
+        "--settle-seconds",
+        type=float,
+        default=300.0,
+        help="How long the operations may take to end after the hour, at most (DemoCluster.settle).",
     )
     args = parser.parse_args()
     import tempfile

@@ -309,3 +309,19 @@ def test_bytes_an_operation_in_flight_takes_off_a_gpu_are_not_missing(demo: Clus
     for _ in range(2):
         demo.heartbeat(node_id, HeartbeatIn(gpus=[GpuTelemetryIn(id=gpu_id, used_bytes=measured)]))
     assert node(demo, node_id)["reconcile"]["lost"] == []
+
+
+def test_a_sleeping_engine_s_reported_pool_is_the_one_its_wake_keeps(demo: ClusterService) -> None:
+    """n4's vision engine sleeps at level 1 on n4-g1. Its heartbeat reports the pool it was launched with: the
+    planner's problem takes that pool for its wake (a wake maps the pool back at its launched size); a stopped
+    engine's last launch says nothing of the next one."""
+    pool = 3 << 30
+
+    def beat(state: EngineState) -> HeartbeatIn:
+        vision = instance(state, model="vision", node_id="n4", gpus=["n4-g1"], pool=pool)
+        return HeartbeatIn(gpus=[GpuTelemetryIn(id="n4-g1")], instances=[vision])
+
+    demo.heartbeat("n4", beat(EngineState.ASLEEP_HOST))
+    assert demo.live.state(demo.live.placement).problem({}).engine_pools == {("n4", "vision"): pool}
+    demo.heartbeat("n4", beat(EngineState.STOPPED))
+    assert demo.live.state(demo.live.placement).problem({}).engine_pools == {}

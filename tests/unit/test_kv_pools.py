@@ -8,7 +8,7 @@ import dataclasses
 from typing import Any
 
 import pytest
-from tiny_clusters import GIB, gpu, held, model, node, on_gpu, on_nvme, plan_for, scenario, session, weights
+from tiny_clusters import GIB, gpu, held, model, node, on_gpu, on_host, on_nvme, plan_for, scenario, session, weights
 
 from planner_service.domain import engines
 from planner_service.domain.demo import demo_scenario_json
@@ -208,3 +208,34 @@ def test_the_simulator_launches_the_same_minimum() -> None:
     inst = book.instance("n1", "planner", "bf16", gpus)
     assert inst.launch.kv_pool_bytes_per_gpu == inst.min_kv_pool_bytes_per_gpu
     assert inst.min_kv_pool_bytes_per_gpu == engine_plan.min_pool_bytes_per_gpu(problem, "planner", 2) == 2 * GIB
+
+
+def asleep_on_one_card() -> dict[str, Any]:
+    """b's vLLM engine sleeps at level 1 on g0 (its weights in host RAM), and two of its sessions are in
+    flight: 8,192 tokens each at 128 KiB a token, 1 GiB of KV apiece, to prefill once it is woken."""
+    return scenario(
+        [{**node("n0", gpu("g0", 26)), "engines": [{"model": "b", "gpus": ["g0"], **VLLM}]}],
+        [model("b", 4)],
+        [session("s1", "b", active=True), session("s2", "b", active=True)],
+        [held(weights("b"), on_host("n0"), 4 * GIB), held(weights("b"), on_nvme("n0"), 4 * GIB)],
+    )
+
+
+@pytest.mark.parametrize("solver", ["greedy", "milp"])
+def test_a_wake_keeps_the_pool_its_sleeping_engine_reported(solver: str) -> None:
+    """A wake maps the sleeping engine's pool back at the size it was launched with (vLLM's CuMemAllocator
+    re-maps its recorded allocations): the plan's wake carries that pool, and the KV it prefills there stays
+    within it, however much the sessions would take."""
+    problem = problem_from_scenario(parse_scenario(asleep_on_one_card()))
+    assert engine_plan.confirmed_states(problem)[("n0", "b")].state is engines.EngineState.ASLEEP_HOST
+    planned = solve(problem, solver)
+    assert launches(planned)["b"] == 2 * GIB  # unknown pool: launched for the KV the plan prefills there
+    pool = 3 * GIB // 2
+    reported = dataclasses.replace(problem, engine_pools={("n0", "b"): pool})
+    plan = solve(reported, solver)
+    assert launches(plan) == {"b": pool}
+    on_g0 = sum(n for (obj, loc), n in plan.placement.items() if obj.kind is Kind.KV and loc == Location.gpu("g0"))
+    assert 0 < on_g0 <= pool
+    assert check_plan(reported, plan.placement, plan.operations, plan.unserved) == []
+    if solver == "milp":  # its own plan, not the greedy's it falls back to when its own breaks an invariant
+        assert plan.extra["milp"]["invariant_errors"] == []

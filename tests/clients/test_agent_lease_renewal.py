@@ -107,13 +107,13 @@ async def test_the_agent_renews_a_long_operation_and_its_report_is_accepted(tmp_
     async with served(make_app(tmp_path, clock=clock)) as http:
         sb = Recorded(async_client(http))
         timeline, executor = Timeline(clock), Slow()
-        agent = Agent(config(tmp_path, max_parallel=1), sb, executor, sleep=timeline.sleep)  # type: ignore[arg-type]  # the SDK client, wrapped
+        agent = Agent(config(tmp_path, node_id="n3", max_parallel=1), sb, executor, sleep=timeline.sleep)  # type: ignore[arg-type]  # the SDK client, wrapped
         stop = asyncio.Event()
         task = asyncio.create_task(agent.run(stop))
         await until(lambda: executor.started, "the first operation to start")
         started_at = clock()
         await until(lambda: clock() - started_at > 3 * LEASE_SECONDS, "three lease lengths of renewals")
-        (leased,) = await sb.list_operations(node="n1", state="leased")
+        (leased,) = await sb.list_operations(node="n3", state="leased")
         assert leased.id == executor.started[0] and leased.leases == 1  # never handed to another lease
         assert leased.lease_expires_at is not None and leased.lease_expires_at > clock()
         stop.set()  # lease nothing more; the running operation finishes and reports
@@ -122,7 +122,7 @@ async def test_the_agent_renews_a_long_operation_and_its_report_is_accepted(tmp_
 
         assert agent.stats["done"] == 1 and agent.stats["conflicts"] == 0 and agent.stats["renewals"] >= 9
         assert set(timeline.slept) == {LEASE_SECONDS / 3}  # every third of the registration's lease_seconds
-        (done,) = await sb.list_operations(node="n1", state="done")
+        (done,) = await sb.list_operations(node="n3", state="done")
         assert done.id == leased.id and done.lease_id == leased.lease_id and done.measured_seconds == 120.0
         # renewing stopped with the work: nothing after the report
         assert sb.calls[-1] == ("report", done.id)
@@ -178,7 +178,7 @@ async def test_a_renewal_that_fails_in_transit_is_tried_again_at_the_next_third(
     async with served(make_app(tmp_path, clock=clock)) as http:
         sb = Flaky(async_client(http))
         timeline, executor = Timeline(clock), Slow()
-        agent = Agent(config(tmp_path, max_parallel=1), sb, executor, sleep=timeline.sleep)  # type: ignore[arg-type]  # the SDK client, wrapped
+        agent = Agent(config(tmp_path, node_id="n3", max_parallel=1), sb, executor, sleep=timeline.sleep)  # type: ignore[arg-type]  # the SDK client, wrapped
         stop = asyncio.Event()
         task = asyncio.create_task(agent.run(stop))
         await until(lambda: agent.stats["renewals"] >= 3, "renewals after the lost one")

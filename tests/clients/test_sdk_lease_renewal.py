@@ -86,7 +86,7 @@ async def test_the_async_client_renews_and_maps_refusals_the_same_way(tmp_path):
         lease = await n1.lease("n1", max_operations=1)
         assert lease.lease_id is not None
         renewed = await n1.renew_lease("n1", lease.lease_id)
-        assert isinstance(renewed, RenewOut) and renewed.operations == [lease.operations[0].id]
+        assert isinstance(renewed, RenewOut) and renewed.operations == [o.id for o in lease.operations]
         with pytest.raises(PermissionDeniedError):
             await n2.renew_lease("n2", lease.lease_id)
         with pytest.raises(ConflictError, match="the service does not know it"):

@@ -256,9 +256,10 @@ async def test_stop_finishes_running_work_and_leases_no_more(tmp_path):
     app = make_app(tmp_path)
     async with served(app) as http:
         sb = async_client(http)
-        mine = [o for o in (await sb.get_plan()).operations if o.node == "n1"]
+        # n3: its first lease is one move (n1's holds an engine step's eight, leased together)
+        mine = [o for o in (await sb.get_plan()).operations if o.node == "n3"]
         executor = Slow()
-        agent = Agent(agent_config(tmp_path, max_parallel=1, capabilities=[]), sb, executor)
+        agent = Agent(agent_config(tmp_path, "n3", max_parallel=1, capabilities=[]), sb, executor)
         stop = asyncio.Event()
         task = asyncio.create_task(agent.run(stop))
         await asyncio.wait_for(executor.started.wait(), timeout=5)
@@ -268,8 +269,8 @@ async def test_stop_finishes_running_work_and_leases_no_more(tmp_path):
         executor.release.set()
         await asyncio.wait_for(task, timeout=5)
         assert executor.ran == [mine[0].id] and agent.stats["done"] == 1
-        states = Counter(o.state for o in await sb.list_operations(node="n1"))
-        assert states == {"queued": len(mine) - 1}
+        states = Counter(o.state for o in await sb.list_operations(node="n3"))
+        assert states["queued"] == len(mine) - 1 and states["leased"] == 0  # nothing leased after the stop
 
 
 async def test_sigterm_stops_the_agent(tmp_path):

@@ -209,13 +209,19 @@ class GatewayModel:
             elif copying.intersection(warmup.gpus):
                 self._cancel(warmup, "copy")
 
-    def _cancel(self, warmup: Warmup, cause: str) -> None:
+    def _end(self, warmup: Warmup) -> StateObject | None:
+        """Mark the warm-up ended; its KV object, or None where it had ended already."""
         if not warmup.live:
-            return
+            return None
         warmup.live = False
         del self.running[warmup.session]
+        return StateObject.kv(warmup.model, warmup.session)
+
+    def _cancel(self, warmup: Warmup, cause: str) -> None:
+        kv = self._end(warmup)
+        if kv is None:
+            return
         sim = self.sim
-        kv = StateObject.kv(warmup.model, warmup.session)
         for loc, _ in warmup.shards:
             if sim.cluster.bytes_of(kv, loc):
                 sim.cluster.remove(kv, loc)
@@ -326,12 +332,10 @@ class GatewayModel:
 
     def _finish(self, warmup: Warmup) -> None:
         self.give_way()  # what arrived at this instant wins the card first
-        if not warmup.live:
+        kv = self._end(warmup)
+        if kv is None:
             return
-        warmup.live = False
-        del self.running[warmup.session]
         sim = self.sim
-        kv = StateObject.kv(warmup.model, warmup.session)
         sim.gpu_tokens[kv] = max(sim.gpu_tokens[kv], warmup.tokens)
         sim.computed_tokens[kv] = max(sim.computed_tokens[kv], warmup.tokens)
         sim.touch(kv)

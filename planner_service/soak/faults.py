@@ -239,11 +239,20 @@ def _f3(run: FaultRun) -> None:
 
 
 def _same_cluster(a: dict[str, Any], b: dict[str, Any]) -> bool:
-    """The same topology, bandwidths and calibration (heartbeat times, telemetry and its reconcile aside)."""
+    """The same topology, bandwidths and calibration (heartbeat times, telemetry and its reconcile aside, and
+    each GPU's used and planned bytes, which a plan or a report landing between the two reads may move)."""
+
+    def gpu(g: dict[str, Any]) -> dict[str, Any]:
+        return {k: v for k, v in g.items() if k not in ("used_bytes", "planned_bytes")}
 
     def strip(cluster: dict[str, Any]) -> Any:
         return [
-            {k: v for k, v in n.items() if k not in ("last_heartbeat", "telemetry", "reconcile", "registered_at")}
+            {
+                **{
+                    k: v for k, v in n.items() if k not in ("last_heartbeat", "telemetry", "reconcile", "registered_at")
+                },
+                "gpus": [gpu(g) for g in n["gpus"]],
+            }
             for n in cluster["nodes"]
         ]
 

@@ -104,8 +104,8 @@ def declared_on_groups(scenario: Scenario, partition: Partition) -> Scenario:
         r
         for r in data["residency"]
         if r["location"]["tier"] != "gpu"
-        or partition.get(r["object"]["model"], None) is not None
-        and partition[r["object"]["model"]].node == node_of_gpu[r["location"]["gpu"]]
+        or (engine := partition.get(r["object"]["model"])) is not None
+        and engine.node == node_of_gpu[r["location"]["gpu"]]
     ]
     return Scenario.model_validate(data)
 

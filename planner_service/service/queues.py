@@ -58,12 +58,15 @@ def _ids(records: Iterable[OpRecord]) -> str:
     return ", ".join(r.id for r in records)
 
 
-MoveKey = tuple[Action, StateObject, Location | None, Location | None, int, bool, str]
+MoveKey = tuple[Action, StateObject, Location | None, Location | None, int, bool, str, str | None]
 
 
 def same_move(op: Operation) -> MoveKey:
-    """What makes two operations the same move to a node agent: ids, dependencies, priority and reason aside."""
-    return (op.action, op.object, op.source, op.dest, op.bytes, op.keep_source, op.node)
+    """What makes two operations the same move to a node agent: ids, dependencies, priority and reason aside.
+    On an engine node the engine call is part of it: a start with another expert share or KV pool is another
+    call, and a record kept with the old one would have the agent make the call the new plan no longer makes."""
+    engine = None if op.engine is None else op.engine.model_dump_json()
+    return (op.action, op.object, op.source, op.dest, op.bytes, op.keep_source, op.node, engine)
 
 
 def in_order(operations: list[Operation]) -> bool:

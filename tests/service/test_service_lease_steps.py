@@ -5,11 +5,13 @@ the confirmed state would then never learn of). The demo cluster's first plan.""
 
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
 
 from planner_service.service.engine import ClusterService
 from planner_service.service.queues import _with_step_siblings
-from planner_service.service.records import OpRecord
+from planner_service.service.records import OpRecord, OpState
+from planner_service.service.solving import PlanRequest, PlanResult
 from planner_service.wire.operations import ReportIn
 from tests.service.test_service_reconcile import Clock, new_service
 
@@ -69,5 +71,48 @@ def test_a_move_of_the_step_that_waits_on_another_of_its_moves_joins_the_lease_a
         queued = {r.id for r in chained}
         leased = _with_step_siblings(chained, lambda d: d not in queued and d != "1.op-elsewhere", 1)
         assert [r.id for r in leased] == [first.id, second.id, third.id]
+    finally:
+        svc.close()
+
+
+def test_a_queued_move_whose_engine_call_changed_is_not_kept_from_the_queue(tmp_path) -> None:
+    """A replan whose start of an instance brings the same weights with another expert share is another engine
+    call: the queued moves of the old call are superseded, not kept with it, so the agent never starts the
+    engine with the experts of a plan whose expert moves are gone."""
+    svc = new_service(tmp_path / "demo.db", Clock())
+    try:
+        svc.replan(force=True)
+        started = [
+            svc.live.ops[i]
+            for i in sorted(svc.live.open_ops)
+            if (step := svc.live.ops[i].op.engine) is not None and step.instance.gpu_expert_fraction < 1
+        ]
+        assert started, "the demo's first plan starts a MoE engine with part of its experts"
+        solve = svc.planning.runner
+
+        def with_all_experts(request: PlanRequest) -> PlanResult:
+            result = solve(request)
+            assert result.plan is not None
+            ops = [
+                op
+                if op.engine is None or op.engine.instance.gpu_expert_fraction == 1
+                else dataclasses.replace(
+                    op,
+                    engine=op.engine.model_copy(
+                        update={"instance": op.engine.instance.model_copy(update={"gpu_expert_fraction": 1.0})}
+                    ),
+                )
+                for op in result.plan.operations
+            ]
+            return dataclasses.replace(result, plan=dataclasses.replace(result.plan, operations=ops))
+
+        svc.planning.runner = with_all_experts
+        svc.replan(force=True)
+        assert all(r.state is OpState.SUPERSEDED for r in started)
+        assert all(
+            svc.live.ops[i].op.engine.instance.gpu_expert_fraction == 1
+            for i in svc.live.open_ops
+            if svc.live.ops[i].op.engine is not None
+        )
     finally:
         svc.close()

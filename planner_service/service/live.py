@@ -47,7 +47,8 @@ log = logging.getLogger(__name__)
 
 
 PREDICTOR_WINDOW_SECONDS = 3600.0
-LAUNCHED_STATES = frozenset({EngineState.RUNNING, EngineState.ASLEEP_HOST, EngineState.ASLEEP_DISCARDED})
+ASLEEP_STATES = frozenset({EngineState.ASLEEP_HOST, EngineState.ASLEEP_DISCARDED})
+LAUNCHED_STATES = ASLEEP_STATES | {EngineState.RUNNING}
 PRUNE_EVERY_SECONDS = 3600.0  # how often a running service forgets observations and event ids past their windows
 GIB = 2**30
 PLAN_ATTEMPTS = 4  # solves per replan before it yields to the agents whose operations keep moving the state
@@ -85,13 +86,19 @@ class LiveState:
     scenario: Scenario  # what `catalog` was compiled from (its sessions and residency empty)
     sessions: tuple[Session, ...]
     residency: Placement
-    # (node, model) -> the KV pool per GPU its running or sleeping engine reports (`LiveSession.engine_pools`)
+    # (node, model) -> the KV pool per GPU its running or sleeping engine reports (`Live.engine_pools`)
     engine_pools: Mapping[tuple[str, str], int] = dataclasses.field(default_factory=dict)
+    # (node, model) -> the state and GPU group of its sleeping engine, as reported (`Live.observed_engines`)
+    observed_engines: Mapping[tuple[str, str], tuple[EngineState, tuple[str, ...]]] = dataclasses.field(
+        default_factory=dict
+    )
 
     def problem(self, next_model: Mapping[str, Mapping[str, float]]) -> Problem:
         """Raises `ScenarioError` when the residency overfills a location."""
         problem = with_state(self.catalog, self.sessions, self.residency, next_model)
-        return dataclasses.replace(problem, engine_pools=self.engine_pools) if self.engine_pools else problem
+        if not (self.engine_pools or self.observed_engines):
+            return problem
+        return dataclasses.replace(problem, engine_pools=self.engine_pools, observed_engines=self.observed_engines)
 
     def full_scenario(self) -> Scenario:
         """The typed scenario with the sessions and the residency: what a what-if edits."""
@@ -362,7 +369,9 @@ class Live:
             if obj.model in self.catalog.models and (obj.kind is not Kind.KV or obj.session in included)
         }
         assert self.calibrated is not None
-        return LiveState(self.catalog, self.calibrated, tuple(sessions), kept, self.engine_pools())
+        return LiveState(
+            self.catalog, self.calibrated, tuple(sessions), kept, self.engine_pools(), self.observed_engines()
+        )
 
     def engine_pools(self) -> dict[tuple[str, str], int]:
         """(node, model) -> the KV pool per GPU of each running or sleeping engine instance the nodes' last
@@ -378,6 +387,20 @@ class Live:
             if record.telemetry is not None:
                 pools.update(self.reported_pools(node_id, record.telemetry.instances))
         return pools
+
+    def observed_engines(self) -> dict[tuple[str, str], tuple[EngineState, tuple[str, ...]]]:
+        """(node, model) -> the state and GPU group of each sleeping engine instance the nodes' last heartbeats
+        report, of the models the catalog knows. The confirmed placement cannot tell a sleeping engine from a
+        stopped one (neither holds anything on its GPUs), and the planner prices waking the first and cold
+        starting the second very differently (`engine_costs.instance_now`)."""
+        known = self.catalog.models if self.catalog is not None else {}
+        return {
+            (node_id, entry.instance.model): (entry.state, tuple(entry.instance.gpus))
+            for node_id, record in sorted(self.node_records.items())
+            if record.telemetry is not None
+            for entry in record.telemetry.instances
+            if entry.state in ASLEEP_STATES and entry.instance.model in known
+        }
 
     def reported_pools(self, node_id: str, instances: Iterable[EngineInstanceStateIn]) -> dict[tuple[str, str], int]:
         """`engine_pools` of one heartbeat's instances."""

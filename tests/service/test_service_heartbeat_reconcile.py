@@ -10,6 +10,8 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
+from planner_service.planner.engine_costs import instance_now
+from planner_service.planner.residency import ResidencyIndex
 from planner_service.service.engine import ClusterService
 from planner_service.service.errors import InvalidInput
 from planner_service.service.inputs import (
@@ -325,3 +327,23 @@ def test_a_sleeping_engine_s_reported_pool_is_the_one_its_wake_keeps(demo: Clust
     assert demo.live.state(demo.live.placement).problem({}).engine_pools == {("n4", "vision"): pool}
     demo.heartbeat("n4", beat(EngineState.STOPPED))
     assert demo.live.state(demo.live.placement).problem({}).engine_pools == {}
+
+
+def test_a_sleeping_engine_s_reported_state_is_the_one_the_planner_prices(demo: ClusterService) -> None:
+    """The confirmed placement cannot tell a sleeping engine from a stopped one: n4's vision engine, whose
+    host copy says level 1, is priced as the heartbeat reports it (here a level-2 sleep, its wake a reload),
+    and as the placement says once the node reports it stopped."""
+
+    def planned(state: EngineState) -> tuple[EngineState, tuple[str, ...]]:
+        vision = instance(state, model="vision", node_id="n4", gpus=["n4-g1"])
+        demo.heartbeat("n4", HeartbeatIn(gpus=[GpuTelemetryIn(id="n4-g1")], instances=[vision]))
+        problem = demo.live.state(demo.live.placement).problem({})
+        seen, _, group = instance_now(problem, ResidencyIndex.build(problem, problem.residency), "n4", "vision")
+        return seen, group
+
+    assert planned(EngineState.ASLEEP_DISCARDED) == (EngineState.ASLEEP_DISCARDED, ("n4-g1",))
+    assert demo.live.state(demo.live.placement).problem({}).observed_engines == {
+        ("n4", "vision"): (EngineState.ASLEEP_DISCARDED, ("n4-g1",))
+    }
+    assert planned(EngineState.STOPPED)[0] is not EngineState.ASLEEP_DISCARDED
+    assert demo.live.state(demo.live.placement).problem({}).observed_engines == {}

@@ -263,8 +263,14 @@ def _other_copy_guaranteed(
 def _capabilities(
     problem: Problem, ops: Sequence[Operation], target: Mapping[tuple[StateObject, Location], int]
 ) -> list[str]:
+    """The moves of a model its node runs without an engine, or with the `local` executor, are those its node
+    declares. A vLLM or SGLang engine says what can be done with it instead (`_engine_moves`, `_engine_steps`,
+    `_engine_expert_shares`): a vLLM node registers no capability, and its level-1 sleep still takes the weights
+    to host RAM, LMCache its KV."""
     errors = []
     for op in ops:
+        if not _by_node_capabilities(problem, op.node, op.object.model):
+            continue
         caps = problem.nodes[op.node].capabilities
         below = op.dest is not None and op.dest.tier is not Tier.GPU
         if op.object.kind is Kind.WEIGHTS and Capability.WEIGHTS_OFFLOAD not in caps:
@@ -279,10 +285,17 @@ def _capabilities(
     now = ResidencyIndex.build(problem, problem.residency)
     then = ResidencyIndex.build(problem, target)
     for (obj, node), nbytes in then.gpu_bytes.items():
-        if obj.kind is Kind.EXPERTS and Capability.PARTIAL_EXPERTS not in problem.nodes[node].capabilities:
+        if obj.kind is not Kind.EXPERTS or not _by_node_capabilities(problem, node, obj.model):
+            continue
+        if Capability.PARTIAL_EXPERTS not in problem.nodes[node].capabilities:
             if 0 < nbytes < problem.size_of(obj) and nbytes != now.on(obj, node, Tier.GPU):
                 errors.append(f"capability: node {node} cannot hold part of {obj.label()} on GPU")
     return errors
+
+
+def _by_node_capabilities(problem: Problem, node_id: str, model_id: str) -> bool:
+    """Whether the node's declared capabilities say what can be done with the model: no engine, or `local`."""
+    return problem.nodes[node_id].engine_kind(model_id) in (None, EngineKind.LOCAL)
 
 
 def _engine_groups(problem: Problem, target: Mapping[tuple[StateObject, Location], int]) -> list[str]:

@@ -106,6 +106,23 @@ def test_undeclared_and_local_engines_move_and_free_kv(name: str | None) -> None
         assert check_plan(problem, target, ops_to(problem, target)) == []
 
 
+def test_an_engine_node_that_registers_no_capability_sleeps_its_engine_to_host_ram() -> None:
+    """A vLLM node agent registers no capability (its executor makes none of the `local` executor's partial
+    moves); its engine's level-1 sleep still takes the weights to host RAM, as the engine model says, and a
+    node without the engine still may not."""
+    residency = [held(weights("a"), on_gpu("g0"), 8 * GIB), held(weights("a"), on_nvme("n0"), 8 * GIB)]
+    asleep = {(A16, HOST): 8 * GIB, (A16, NVME): 8 * GIB}
+    for engine, refused in ((kind("vllm", ["sleep_mode", "dev_mode"]), False), (kind(None), True)):
+        n0 = {**node("n0", gpu("g0", 24), capabilities=[]), "engines": [{"model": "a", "gpus": ["g0"], **engine}]}
+        data = scenario([n0], [model("a", 8)], [session("s1", "a", tokens=8192, active=False)], residency)
+        problem = problem_from_scenario(parse_scenario(data))
+        ops = ops_to(problem, asleep)
+        assert [(op.action, op.dest) for op in ops] == [(Action.DEMOTE, HOST)]
+        assert (ops[0].engine is not None) is not refused
+        errors = check_plan(problem, asleep, ops)
+        assert bool(errors) is refused and all("through host DRAM" in e for e in errors), errors
+
+
 # --- a MoE's GPU expert share -----------------------------------------------------------------------------
 
 

@@ -188,13 +188,21 @@ def pinned_instances(
     return out
 
 
+def keeps_context(view: InstanceView) -> bool:
+    """Whether the instance keeps at least the CUDA context of a sleep on its GPUs whatever a plan does, until a
+    plan wakes it (engines.holdings): an adopted engine (it only sleeps and wakes), and a managed one asleep at
+    level 2, whose stop no move of a plan carries (it holds nothing the SRV places: a plan's steps ride on the
+    moves of the bytes they free)."""
+    if not view.gpus or view.state is EngineState.STOPPED:
+        return False
+    return view.declared.management is Management.ADOPTED or view.state is EngineState.ASLEEP_DISCARDED
+
+
 def kept_contexts(states: Mapping[Key, InstanceView]) -> dict[Key, tuple[tuple[str, ...], int]]:
-    """(node, model) -> (GPUs, bytes on each) that an engine which cannot stop (adopted: it only sleeps and
-    wakes) keeps on its GPUs whatever a plan does: at least the CUDA context of its sleep (engines.holdings)."""
+    """(node, model) -> (GPUs, bytes on each) that an engine keeps on its GPUs whatever a plan does
+    (`keeps_context`)."""
     return {
-        key: (view.gpus, ENGINE_CONSTANTS.context_bytes_per_gpu)
-        for key, view in states.items()
-        if view.declared.management is Management.ADOPTED and view.gpus and view.state is not EngineState.STOPPED
+        key: (view.gpus, ENGINE_CONSTANTS.context_bytes_per_gpu) for key, view in states.items() if keeps_context(view)
     }
 
 
@@ -449,7 +457,7 @@ def _stays_asleep_or_stops(
     residue = residue_bytes(problem, b)
     backup_kept = b.state is EngineState.ASLEEP_DISCARDED or (a.checkpoint_cached and a.precision == b.precision)
     fits = _fits(problem, b.gpus, residue, used)
-    if (backup_kept and fits) or b.declared.management is Management.ADOPTED:
+    if (backup_kept and fits) or keeps_context(b):
         for g in b.gpus:
             used[g] += residue
         return b

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from planner_service.domain.engines import EngineState, Management, Transition, may, tensor_parallel_ok
+from planner_service.domain.engines import EngineState, Transition, may, tensor_parallel_ok
 from planner_service.domain.problem import Gpu, ModelSpec, Problem, Session
 from planner_service.domain.scenario import Capability
 from planner_service.domain.state import Location, Placement, StateObject, Tier
@@ -263,10 +263,11 @@ class _Builder:
     def build(self) -> Formulation:
         for model_id in sorted(self.p.models):
             self._model(self.p.models[model_id])
-        # (C10) a sleeping adopted engine keeps its CUDA context on every GPU of its group: R * (1 - x_{m,o_inst})
+        # (C10) an engine that keeps its context (adopted, or managed asleep at level 2: engine_plan.keeps_context)
+        # holds it on every GPU of its group until woken: R * (1 - x_{m,o_inst})
         residue = self._residue()
         # (C1) HBM capacity of every GPU: weights shards + KV shards (or a launched engine's pool) + expert bytes
-        # + the residue of adopted engines left asleep
+        # + the residue of those engines left asleep
         for gpu_id, terms in sorted(self.gpu_terms.items()):
             self.ilp.row(terms, hi=self.p.gpus[gpu_id].capacity_bytes - residue.get(gpu_id, 0))
         # (C9) one model's bytes on a GPU fit the card only while a group of that node serves the model: implied
@@ -457,14 +458,12 @@ class _Builder:
         self.unavoidable += best
 
     def _residue(self) -> dict[str, int]:
-        """GPU -> bytes of sleeping adopted engines' contexts when none of them wakes; the wake's x is put into
-        gpu_terms with -R, so the row reads used + R * (1 - x) <= cap. A managed engine stops instead where its
-        context does not fit (engine_plan._sleep_or_stop): it needs no row."""
+        """GPU -> bytes of the contexts of engines that keep theirs (`engine_plan.keeps_context`) when none of
+        them wakes; the wake's x is put into gpu_terms with -R, so the row reads used + R * (1 - x) <= cap. Any
+        other engine stops instead where its context does not fit (engine_plan._sleep_or_stop): it needs no row."""
         out: dict[str, int] = defaultdict(int)
         for (node, model_id), view in sorted(self.states.items()):
-            if view.declared.management is not Management.ADOPTED or not view.gpus or model_id in self.pinned:
-                continue
-            if view.state is EngineState.STOPPED or view.precision is None:
+            if not engine_plan.keeps_context(view) or model_id in self.pinned or view.precision is None:
                 continue
             asleep = engine_plan.InstanceView(
                 node, model_id, view.declared, EngineState.ASLEEP_DISCARDED, view.precision, view.gpus

@@ -5,6 +5,8 @@ the solver's own plan sound where, without them, it is one the checker refuses."
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from solver_cases import experts, gpu, held, kv, model, node, problem_of, session, weights
 
@@ -73,6 +75,31 @@ def test_milp_counts_the_context_a_sleeping_adopted_engine_keeps() -> None:
     )
     assert confirmed_states(problem)[("n0", "a")].state is EngineState.ASLEEP_HOST
     plan = _own_plan_is_sound(problem)
+    assert len(plan.unserved) == 1
+
+
+@pytest.mark.parametrize("solver", ["greedy", "milp"])
+def test_a_managed_engine_asleep_at_level_2_keeps_its_context_until_woken(solver: str) -> None:
+    """As above with a's engine managed and reported asleep at level 2 (a heartbeat): it holds nothing the SRV
+    places, so no move of a plan carries its stop, and its 1 GiB context stays on g0 until a plan wakes it.
+    Both solvers leave it that room; before, both served the two sessions, and the start of b ran out of memory
+    beside the context (the checker refuses that plan)."""
+    engines = [{"model": "a", "gpus": ["g0"], **VLLM}, {"model": "b", **VLLM}]
+    problem = problem_of(
+        [{**node("n0", _fast("g0", 26.5), gpu("g1", 4)), "engines": engines}],
+        [model("a", {"bf16": 16}), model("b", {"bf16": 24})],
+        [session("s1", "b", active=True), session("s2", "b", active=True)],
+        [
+            held(weights("a"), "nvme", "n0", 16 * GIB),
+            held(weights("b"), "nvme", "n0", 24 * GIB),
+            held(kv("b", "s1"), "host", "n0", GIB),
+            held(kv("b", "s2"), "host", "n0", GIB),
+        ],
+    )
+    problem = dataclasses.replace(problem, observed_engines={("n0", "a"): (EngineState.ASLEEP_DISCARDED, ("g0",))})
+    assert confirmed_states(problem)[("n0", "a")].state is EngineState.ASLEEP_DISCARDED
+    plan = solve(problem, solver, time_limit_seconds=20)
+    assert check_plan(problem, plan.placement, plan.operations, plan.unserved) == []
     assert len(plan.unserved) == 1
 
 

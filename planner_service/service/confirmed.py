@@ -24,6 +24,7 @@ from planner_service.service.live import (
 from planner_service.service.nodes import Correction, Pending, ReconcileStatus
 from planner_service.service.records import OpRecord, OpState, Quarantined
 from planner_service.service.store import Batch
+from planner_service.wire.enums import Transition
 
 log = logging.getLogger(__name__)
 
@@ -110,9 +111,22 @@ class Confirmed:
         inflight = [r.op for r in node_ops if r.state is OpState.LEASED]
         moving = {(op.object, loc) for op in inflight for loc in (op.source, op.dest) if loc is not None}
         leaving: dict[str, int] = defaultdict(int)
+        # a restart in flight stops the engine before it starts again: everything of its model on the GPUs of
+        # its instances leaves them for a while, what the plan keeps there as much as what it moves
+        relaunching = {
+            (op.object.model, g)
+            for op in inflight
+            if op.engine is not None and op.engine.transition is Transition.RESTART
+            for g in (*op.engine.instance.gpus, *(op.engine.previous.gpus if op.engine.previous else ()))
+        }
+        for (obj, loc), nbytes in self.live.placement.items():
+            if loc.tier is Tier.GPU and (obj.model, loc.id) in relaunching:
+                moving.add((obj, loc))
+                leaving[loc.id] += nbytes
         for op in inflight:
             if op.source is not None and op.source.tier is Tier.GPU and not op.keep_source:
-                leaving[op.source.id] += op.bytes
+                if (op.object.model, op.source.id) not in relaunching:
+                    leaving[op.source.id] += op.bytes
         gone = reconcile.gone(self.live.placement, body.instances, moving)
         corrected = [g for g in gone if g.key() in pending.gone]
         for g in corrected:

@@ -347,3 +347,26 @@ def test_a_sleeping_engine_s_reported_state_is_the_one_the_planner_prices(demo: 
     }
     assert planned(EngineState.STOPPED)[0] is not EngineState.ASLEEP_DISCARDED
     assert demo.live.state(demo.live.placement).problem({}).observed_engines == {}
+
+
+def test_a_restart_in_flight_empties_its_gpus_without_lost_state(demo: ClusterService) -> None:
+    """The demo's first plan restarts n1's reasoner onto all four cards: while the agent holds the lease the
+    engine is stopped and started again, so every GPU of its groups reads empty and the engine stopped for a
+    while. Neither is lost state nor a correction: the confirmed placement stays as it is until the reports."""
+    demo.replan(force=True)
+    lease = demo.lease("n1", 1000)
+    restart = next(
+        op["engine"] for op in lease["operations"] if (op.get("engine") or {}).get("transition") == "restart"
+    )
+    gpus = sorted(set(restart["instance"]["gpus"]) | set(restart["previous"]["gpus"]))
+    held = {g: gpu(demo, g)["used_bytes"] for g in gpus}
+    assert sum(held.values()) > 0
+    stopped = instance(
+        EngineState.STOPPED, model="reasoner", precision="fp8", node_id="n1", gpus=restart["previous"]["gpus"]
+    )
+    beat = HeartbeatIn(gpus=[GpuTelemetryIn(id=g, used_bytes=0) for g in gpus], instances=[stopped])
+    for _ in range(3):
+        demo.heartbeat("n1", beat)
+    status = node(demo, "n1")["reconcile"]
+    assert status["lost"] == [] and status["corrected"] == []
+    assert {g: gpu(demo, g)["used_bytes"] for g in gpus} == held

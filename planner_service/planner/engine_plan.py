@@ -190,12 +190,16 @@ def pinned_instances(
 
 def keeps_context(view: InstanceView) -> bool:
     """Whether the instance keeps at least the CUDA context of a sleep on its GPUs whatever a plan does, until a
-    plan wakes it (engines.holdings): an adopted engine (it only sleeps and wakes), and a managed one asleep at
-    level 2, whose stop no move of a plan carries (it holds nothing the SRV places: a plan's steps ride on the
-    moves of the bytes they free)."""
+    plan wakes it (engines.holdings): an adopted engine (it only sleeps and wakes), and a managed one asleep. A
+    plan's steps ride on the moves of the bytes they free, and a sleeping engine's stop frees nothing the SRV
+    places on its GPUs (its host backup's drop carries it, and at level 2 nothing does), so no move that fills
+    those GPUs would wait for it: its context is not the plan's to give."""
     if not view.gpus or view.state is EngineState.STOPPED:
         return False
-    return view.declared.management is Management.ADOPTED or view.state is EngineState.ASLEEP_DISCARDED
+    return view.declared.management is Management.ADOPTED or view.state in (
+        EngineState.ASLEEP_HOST,
+        EngineState.ASLEEP_DISCARDED,
+    )
 
 
 def kept_contexts(states: Mapping[Key, InstanceView]) -> dict[Key, tuple[tuple[str, ...], int]]:
@@ -452,12 +456,12 @@ def _sleep_or_stop(
 def _stays_asleep_or_stops(
     problem: Problem, b: InstanceView, a: InstanceView, out: Placement, used: dict[str, int]
 ) -> InstanceView:
-    """A sleeping instance the target does not wake: it keeps sleeping where its residue fits beside the
-    target; a managed one that does not fit stops (and a level-1 stop frees its host backup)."""
+    """A sleeping instance the target does not wake keeps sleeping, its context held by the solvers
+    (`keeps_context`); a managed one asleep at level 1 whose host backup the target drops stops (the drop
+    carries the stop: the backup goes only with the engine)."""
     residue = residue_bytes(problem, b)
     backup_kept = b.state is EngineState.ASLEEP_DISCARDED or (a.checkpoint_cached and a.precision == b.precision)
-    fits = _fits(problem, b.gpus, residue, used)
-    if (backup_kept and fits) or keeps_context(b):
+    if backup_kept or b.declared.management is Management.ADOPTED:
         for g in b.gpus:
             used[g] += residue
         return b

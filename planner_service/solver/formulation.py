@@ -263,7 +263,7 @@ class _Builder:
     def build(self) -> Formulation:
         for model_id in sorted(self.p.models):
             self._model(self.p.models[model_id])
-        # (C10) an engine that keeps its context (adopted, or managed asleep at level 2: engine_plan.keeps_context)
+        # (C10) an engine that keeps its context (adopted, or asleep: engine_plan.keeps_context)
         # holds it on every GPU of its group until woken: R * (1 - x_{m,o_inst})
         residue = self._residue()
         # (C1) HBM capacity of every GPU: weights shards + KV shards (or a launched engine's pool) + expert bytes

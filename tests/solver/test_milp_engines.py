@@ -79,25 +79,29 @@ def test_milp_counts_the_context_a_sleeping_adopted_engine_keeps() -> None:
 
 
 @pytest.mark.parametrize("solver", ["greedy", "milp"])
-def test_a_managed_engine_asleep_at_level_2_keeps_its_context_until_woken(solver: str) -> None:
-    """As above with a's engine managed and reported asleep at level 2 (a heartbeat): it holds nothing the SRV
-    places, so no move of a plan carries its stop, and its 1 GiB context stays on g0 until a plan wakes it.
-    Both solvers leave it that room; before, both served the two sessions, and the start of b ran out of memory
-    beside the context (the checker refuses that plan)."""
+@pytest.mark.parametrize("asleep", [EngineState.ASLEEP_HOST, EngineState.ASLEEP_DISCARDED])
+def test_a_managed_sleeping_engine_keeps_its_context_until_woken(solver: str, asleep: EngineState) -> None:
+    """As above with a's engine managed and reported asleep (a heartbeat), at level 1 (its host backup in the
+    placement) or level 2. Its stop would ride on a move that frees nothing on g0 (the backup's drop, or none),
+    so no move filling g0 would wait for it: its 1 GiB context stays there until a plan wakes it, and both
+    solvers leave it that room. Before, both served the two sessions and the start of b beside the context ran
+    out of memory (the checker refuses that plan)."""
     engines = [{"model": "a", "gpus": ["g0"], **VLLM}, {"model": "b", **VLLM}]
+    backup = [held(weights("a"), "host", "n0", 16 * GIB)] if asleep is EngineState.ASLEEP_HOST else []
     problem = problem_of(
         [{**node("n0", _fast("g0", 26.5), gpu("g1", 4)), "engines": engines}],
         [model("a", {"bf16": 16}), model("b", {"bf16": 24})],
         [session("s1", "b", active=True), session("s2", "b", active=True)],
         [
+            *backup,
             held(weights("a"), "nvme", "n0", 16 * GIB),
             held(weights("b"), "nvme", "n0", 24 * GIB),
             held(kv("b", "s1"), "host", "n0", GIB),
             held(kv("b", "s2"), "host", "n0", GIB),
         ],
     )
-    problem = dataclasses.replace(problem, observed_engines={("n0", "a"): (EngineState.ASLEEP_DISCARDED, ("g0",))})
-    assert confirmed_states(problem)[("n0", "a")].state is EngineState.ASLEEP_DISCARDED
+    problem = dataclasses.replace(problem, observed_engines={("n0", "a"): (asleep, ("g0",))})
+    assert confirmed_states(problem)[("n0", "a")].state is asleep
     plan = solve(problem, solver, time_limit_seconds=20)
     assert check_plan(problem, plan.placement, plan.operations, plan.unserved) == []
     assert len(plan.unserved) == 1

@@ -299,11 +299,20 @@ def _by_node_capabilities(problem: Problem, node_id: str, model_id: str) -> bool
 
 
 def _engine_groups(problem: Problem, target: Mapping[tuple[StateObject, Location], int]) -> list[str]:
+    return outside_engine_groups(problem, target, gaining_only=True)
+
+
+def outside_engine_groups(
+    problem: Problem, placement: Mapping[tuple[StateObject, Location], int], *, gaining_only: bool = False
+) -> list[str]:
+    """Weights or experts on a GPU where no engine of their node can hold them: the node has no engine for the
+    model, or fixes its engine to other GPUs. A plan is held to it where it adds bytes (`gaining_only`); a
+    placement kept as it is, where anything is (a node may have registered its engines elsewhere since)."""
     errors = []
-    for (obj, loc), nbytes in sorted(target.items(), key=lambda item: (item[0][0].label(), item[0][1].label())):
+    for (obj, loc), nbytes in sorted(placement.items(), key=lambda item: (item[0][0].label(), item[0][1].label())):
         if loc.tier is not Tier.GPU or obj.kind is Kind.KV:
             continue
-        if nbytes <= problem.residency.get((obj, loc), 0):
+        if gaining_only and nbytes <= problem.residency.get((obj, loc), 0):
             continue
         node = problem.nodes[problem.gpus[loc.id].node]
         fixed = node.engine_gpus.get(obj.model)

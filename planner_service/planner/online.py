@@ -27,7 +27,10 @@ replay measures the rules the service runs. Each rule answers a way a plan for o
   requests unserved is not reason enough on its own: under overload it adopts swaps of engines that the
   objective prices far worse than staying put. A plan's engine moves also pay their tail (`move_price`):
   the requests that arrive while a moved engine starts, the history a move across nodes strands in the old
-  node's DRAM, and a margin of one cold start on a move across nodes.
+  node's DRAM, and a margin of one cold start on a move across nodes. A replan forced because the plan broke
+  adopts its plan whatever that buys, unless staying put scores better by the objective itself
+  (`staying_beats`: then the plan is `staying_put`): a greedy plan can be worse than where it starts, and one
+  forced again by its own restart (the engine seen stopped for a moment) would otherwise move it back.
 
 What each rule bought in the replays: docs/studies/ablations.md.
 """
@@ -44,8 +47,8 @@ from planner_service.domain.problem import STAND_IN, Problem, Session, is_stand_
 from planner_service.domain.scenario import Slo
 from planner_service.domain.state import Kind, Location, StateObject, Tier
 from planner_service.planner import costs, engine_costs
-from planner_service.planner.objective import Demand, evaluate
-from planner_service.planner.plan import Plan, PlanStatus
+from planner_service.planner.objective import Demand, Objective, evaluate
+from planner_service.planner.plan import Plan, PlanStatus, make_plan
 from planner_service.planner.residency import ResidencyIndex
 
 REPLAN_SECONDS = 30.0  # the periodic replan
@@ -251,6 +254,30 @@ def worth_adopting(
         return pending
     if brings(plan, waiting_models):
         return True
+    stay, planned = _stay_and_plan(problem, plan, now, demand, stand_ins_expected)
+    move_weight = problem.constants.move_weight
+    promote_seconds = planned.moves / move_weight if move_weight > 0 else 0.0
+    return stay.total - planned.total > promote_seconds + (price.total if price is not None else 0.0)
+
+
+def staying_beats(problem: Problem, plan: Plan, now: ResidencyIndex | None = None) -> bool:
+    """Whether staying put scores better than `plan` by the objective alone (no promote seconds or move
+    price on top, stand-ins priced as in `worth_adopting`). A forced replan (the plan broke) adopts its plan
+    unless this holds: a heuristic plan can be worse than the placement it starts from, and a replan forced
+    again by what the last one did (an engine restarted, seen stopped for a moment) must not move it back."""
+    if not plan.operations:
+        return False
+    # the stand-ins' KV left out of the plan's placement, as the plan is installed (`for_real`): the room it
+    # holds for them is priced by their predicted requests on both sides, not as KV the plan has and staying
+    # put lacks
+    real = dataclasses.replace(plan, placement=without_stand_ins(plan.placement))
+    stay, planned = _stay_and_plan(problem, real, now, None, True)
+    return stay.total < planned.total
+
+
+def _stay_and_plan(
+    problem: Problem, plan: Plan, now: ResidencyIndex | None, demand: Demand | None, stand_ins_expected: bool
+) -> tuple[Objective, Objective]:
     now = now or ResidencyIndex.build(problem, problem.residency)
     planned = plan.objective
     if stand_ins_expected:
@@ -268,9 +295,24 @@ def worth_adopting(
         demand = None
         planned, _ = evaluate(problem, plan.placement, now)
     stay, _ = evaluate(problem, problem.residency, now, now, demand)
-    move_weight = problem.constants.move_weight
-    promote_seconds = planned.moves / move_weight if move_weight > 0 else 0.0
-    return stay.total - planned.total > promote_seconds + (price.total if price is not None else 0.0)
+    return stay, planned
+
+
+def staying_put(problem: Problem, plan: Plan) -> Plan:
+    """The plan that keeps the confirmed placement, in place of `plan` (same solver): its operations are
+    those the engines need to keep it (engine_plan.engine_target), usually none; the active sessions it does
+    not serve (their model off GPU, or their KV not whole on its GPUs) stay unserved."""
+    index = ResidencyIndex.build(problem, problem.residency)
+    unserved = {}
+    for sid, s in problem.sessions.items():
+        serving = index.serving.get(s.model)
+        kv = StateObject.kv(s.model, sid)
+        if s.active and (
+            serving is None
+            or sum(problem.residency.get((kv, Location.gpu(g.id)), 0) for g in serving.gpus) < problem.size_of(kv)
+        ):
+            unserved[sid] = "staying put scores better than the plan that would serve it"
+    return make_plan(problem, plan.solver, problem.residency, unserved, status=plan.status)
 
 
 def without_stand_ins(

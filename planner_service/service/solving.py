@@ -27,8 +27,17 @@ from multiprocessing.reduction import ForkingPickler
 from types import MappingProxyType, ModuleType
 from typing import Any, Protocol
 
-from planner_service.planner.invariants import check_plan
-from planner_service.planner.online import ACROSS_MARGIN_STARTS, engines_in, for_real, move_price, pins, worth_adopting
+from planner_service.planner.invariants import check_plan, outside_engine_groups
+from planner_service.planner.online import (
+    ACROSS_MARGIN_STARTS,
+    engines_in,
+    for_real,
+    move_price,
+    pins,
+    staying_beats,
+    staying_put,
+    worth_adopting,
+)
 from planner_service.planner.plan import Plan
 from planner_service.service.live import LiveState, Usage
 from planner_service.solver.registry import solve
@@ -90,6 +99,13 @@ def plan_from(request: PlanRequest) -> PlanResult:
     broken = tuple(check_plan(problem, plan.placement, plan.operations, plan.unserved))
     price = move_price(problem, plan, usage.rates, across_margin=ACROSS_MARGIN_STARTS)
     adopt = worth_adopting(problem, plan, usage.waiting, pending=usage.pending, price=price)
+    if request.force and not adopt and staying_beats(problem, plan):
+        # a forced replan stays put where that scores better and is sound: no move of it breaks an invariant,
+        # and no model is left on GPUs its node's engines no longer cover
+        stay = staying_put(problem, plan)
+        sound = not check_plan(problem, stay.placement, stay.operations, stay.unserved)
+        if sound and not outside_engine_groups(problem, stay.placement):
+            plan, broken = stay, ()
     if request.force or adopt:
         plan = for_real(problem, plan)
     return PlanResult(plan, adopt, tuple(solves), warning, broken=broken)

@@ -13,7 +13,10 @@ from prometheus_client import CollectorRegistry
 
 from planner_service.domain.demo import demo_scenario
 from planner_service.domain.scenario import load_scenario
+from planner_service.domain.state import Tier
 from planner_service.metrics import Metrics
+from planner_service.planner.plan import make_plan
+from planner_service.service import solving
 from planner_service.service.engine import ClusterService
 from planner_service.service.inputs import ReportIn, RequestEvent, SessionEndEvent
 from planner_service.service.queues import same_move
@@ -263,3 +266,26 @@ def test_field_updates_take_field_names_only(tmp_path, field):
     store.close()
     with sqlite3.connect(tmp_path / "s.db") as db:
         assert db.execute("SELECT count(*) FROM operations").fetchone() == (1,)
+
+
+def test_a_forced_replan_whose_plan_scores_worse_than_staying_put_stays_put(tmp_path, monkeypatch):
+    """A forced replan (the plan broke) installs its plan whatever it buys, unless staying put scores better by
+    the objective: a solver that takes the coder off its GPUs, sessions waiting on it, is not followed; the
+    epoch installed keeps the placement (no move touches the coder)."""
+    service = open_service(tmp_path / "i.db")
+    service.apply_events([RequestEvent(id="r1", type="request", session="s01", model="coder", input_tokens=2000)])
+
+    def dropping_the_coder(problem, solver, **options):
+        target = {k: n for k, n in problem.residency.items() if k[0].model != "coder" or k[1].tier is not Tier.GPU}
+        active = {sid: "taken off" for sid, s in problem.sessions.items() if s.active and s.model == "coder"}
+        return make_plan(problem, solver, target, active)
+
+    monkeypatch.setattr(solving, "solve", dropping_the_coder)
+    epoch = service.live.epoch
+    assert service.replan(force=True)["epoch"] == epoch + 1
+    coder_moves = [
+        r for i in service.live.open_ops if (r := service.live.ops[i]).op.object.model == "coder" and r.epoch > epoch
+    ]
+    assert coder_moves == []
+    assert any(obj.model == "coder" and loc.tier is Tier.GPU for obj, loc in service.live.plan_placement)
+    service.close()

@@ -11,7 +11,7 @@ from tiny_clusters import gpu, held, kv, model, node, on_gpu, on_host, on_nvme, 
 from planner_service.domain.predictions import problem_from_scenario
 from planner_service.domain.problem import STAND_IN, Session
 from planner_service.domain.scenario import Slo, parse_scenario
-from planner_service.domain.state import Location, StateObject
+from planner_service.domain.state import Location, StateObject, Tier
 from planner_service.domain.units import GIB
 from planner_service.planner.greedy import plan_greedy
 from planner_service.planner.objective import evaluate
@@ -26,6 +26,8 @@ from planner_service.planner.online import (
     for_real,
     move_price,
     pins,
+    staying_beats,
+    staying_put,
     without_stand_ins,
     worth_adopting,
 )
@@ -107,6 +109,31 @@ def test_a_plan_whose_moves_cost_more_than_they_save_is_not_adopted() -> None:
     assert worth_adopting(problem, staying, pending=True)
     # ... unless a request waits for a
     assert worth_adopting(problem, speculative, waiting_models={"a"})
+
+
+def test_a_forced_replan_stays_put_where_its_plan_scores_worse() -> None:
+    """b is warm on g0 with an active interactive session; a plan that drops b for a leaves it unserved and
+    scores far worse than staying put, which a forced replan then installs instead (`staying_put`: no moves,
+    the session served as it is). A plan that serves a waiting session does not lose to staying put."""
+    problem = problem_from_scenario(
+        parse_scenario(two_gpus([session("s1", "b", active=True, tokens=1024)], on_gpus=("b",)))
+    )
+    s1 = StateObject.kv("b", "s1")
+    problem = dataclasses.replace(
+        problem, residency={**problem.residency, (s1, Location.gpu("g0")): problem.size_of(s1)}
+    )
+    target = {k: n for k, n in problem.residency.items() if k[0].model != "b" or k[1].tier is not Tier.GPU}
+    a_on_g0 = (StateObject.weights("a", "bf16"), Location.gpu("g0"))
+    worse = make_plan(problem, "greedy", {**target, a_on_g0: 10 * GIB}, {"s1": "dropped"})
+    assert worse.operations and staying_beats(problem, worse)
+    stay = staying_put(problem, worse)
+    assert stay.operations == [] and stay.placement == dict(problem.residency) and stay.unserved == {}
+    waiting = problem_from_scenario(parse_scenario(two_gpus([session("s2", "a", active=True)])))
+    serving = solve(waiting)
+    assert serving.operations and not staying_beats(waiting, serving)
+    assert staying_put(waiting, serving).unserved == {
+        "s2": "staying put scores better than the plan that would serve it"
+    }
 
 
 def test_stand_in_kv_is_taken_out_of_a_placement() -> None:

@@ -99,11 +99,18 @@ def warmup_value(
 ) -> float:
     """value(s, m, i) of the module doc, in SLO-weighted seconds: the expected re-prefill (and violation
     penalty) the warm-up spares the hand-off, less the HBM price of the KV it makes."""
-    c = constants
-    reprefill_seconds = tokens * costs.prefill_seconds_per_token(model, gpus, c)  # L
-    late = c.violation_penalty_seconds if reprefill_seconds > c.slo_targets_seconds.of(slo) else 0.0
-    saving = c.slo_weights.of(slo) * probability * (reprefill_seconds + late)
-    return saving - costs.gpu_hold_cost(tokens * model.kv_bytes_per_token, c)
+    per_token = costs.prefill_seconds_per_token(model, gpus, constants)
+    weight, target = constants.slo_weights.of(slo), constants.slo_targets_seconds.of(slo)
+    return _value(tokens, probability, weight, target, per_token, tokens * model.kv_bytes_per_token, constants)
+
+
+def _value(
+    tokens: int, probability: float, weight: float, target: float, per_token: float, kv_bytes: int, c: CostConstants
+) -> float:
+    """`warmup_value` from its parts: the SLO class's weight and target, the instance's prefill seconds a token."""
+    reprefill_seconds = tokens * per_token  # L
+    late = c.violation_penalty_seconds if reprefill_seconds > target else 0.0
+    return weight * probability * (reprefill_seconds + late) - costs.gpu_hold_cost(kv_bytes, c)
 
 
 def decide_directives(
@@ -222,19 +229,29 @@ def _priced_warmups(
     """The `priced` target (module doc): every (session, model, idle instance) of positive value, best first,
     one per session, within the cards' and pools' room and the per-instance cap."""
     c = pricing.constants
-    groups = {i.id: [pricing.gpus[g] for g in i.gpus] for row in idle.values() for i in row}
+    # model -> (instance, its prefill seconds per token) of each idle instance, computed once per table
+    speeds = {
+        m: [
+            (i.id, costs.prefill_seconds_per_token(pricing.models[m], [pricing.gpus[g] for g in i.gpus], c))
+            for i in row
+        ]
+        for m, row in idle.items()
+        if m in pricing.models
+    }
+    classes = {slo: (c.slo_weights.of(slo), c.slo_targets_seconds.of(slo)) for slo in Slo}
     candidates: list[tuple[float, str, str, str, int, float]] = []  # (-value, session, instance, model, tokens, p)
     for s in sessions:
         if not s.in_tool_call or s.busy or s.context_tokens <= 0:
             continue
-        for model_id, probability in sorted((next_model.get(s.id) or {}).items()):
-            model = pricing.models.get(model_id)
-            if probability <= 0 or model is None or model_id not in idle or kv_holders.get((s.id, model_id)):
+        weight, target = classes[s.slo]
+        for model_id, probability in (next_model.get(s.id) or {}).items():  # (the sort below breaks ties by id)
+            if probability <= 0 or model_id not in speeds or kv_holders.get((s.id, model_id)):
                 continue  # not predicted, no idle instance, or an instance of the model holds its KV already
-            for i in idle[model_id]:
-                value = warmup_value(s.context_tokens, probability, s.slo, model, groups[i.id], c)
+            kv_bytes = s.context_tokens * pricing.models[model_id].kv_bytes_per_token
+            for iid, per_token in speeds[model_id]:
+                value = _value(s.context_tokens, probability, weight, target, per_token, kv_bytes, c)
                 if value > 0:
-                    candidates.append((-value, s.id, i.id, model_id, s.context_tokens, probability))
+                    candidates.append((-value, s.id, iid, model_id, s.context_tokens, probability))
     candidates.sort()
 
     by_id = {i.id: i for row in idle.values() for i in row}
@@ -243,7 +260,10 @@ def _priced_warmups(
     per_instance: dict[str, int] = {}
     warmed: set[str] = set()
     warmups: list[WarmupDirective] = []
+    open_instances = len(by_id)  # those under the cap: none left, nothing more can be directed
     for neg_value, sid, iid, model_id, tokens, probability in candidates:
+        if not open_instances:
+            break
         if sid in warmed or per_instance.get(iid, 0) >= limits.max_warmups_per_instance:
             continue
         i = by_id[iid]
@@ -255,6 +275,8 @@ def _priced_warmups(
         if iid in pool:
             pool[iid] -= share
         per_instance[iid] = per_instance.get(iid, 0) + 1
+        if per_instance[iid] == limits.max_warmups_per_instance:
+            open_instances -= 1
         warmed.add(sid)
         warmups.append(
             WarmupDirective(

@@ -29,9 +29,10 @@ session's KV on GPU the same way, `_push_followers`): a warm-up of session s on 
 
 Warm-ups of positive value are directed best first, one per session, each on an idle instance whose every
 card has the room (its free bytes; on an engine that reported its KV pool, also the pool beyond the KV of the
-model placed there) and under the per-instance cap. A restore of KV held below the GPUs would spare the
-hand-off part of L as well; the value credits the warm-up with the whole re-prefill (what the gateway's
-warm-up computes). The fixed targets `top` and `handoff` are the replay's ablations (sim/gateway_study.py).
+model placed there) and under the per-instance cap. Where the session's KV of m sits below the GPUs, the
+hand-off might restore it in less than L; the value still credits the warm-up with the whole re-prefill, which
+is what the gateway's warm-up computes, so it overrates such warm-ups. The fixed targets `top` and `handoff`
+stay selectable (the service's `warmup_target`) and are the replay's ablations (sim/gateway_study.py).
 """
 
 from __future__ import annotations
@@ -65,7 +66,6 @@ class SessionView(NamedTuple):  # a tuple: the route table builds one per sessio
 
 
 Target = Literal["priced", "top", "handoff"]
-TARGETS: tuple[Target, ...] = ("priced", "top", "handoff")
 
 
 @dataclass(frozen=True, slots=True)

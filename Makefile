@@ -193,7 +193,8 @@ evidence-full: $(STAMP)
 	$(MAKE) evidence-handoffs
 	$(MAKE) evidence-real
 	$(MAKE) evidence-gateway
-# the gateway's warm-ups against the same policies without them (statebudget, sleep-router), 10 seeds each of the
+# the gateway's warm-ups against the same policies without them (statebudget, sleep-router; arms none, warmups (the
+# service's priced target), warmups-top, warmups-handoff, eager-handoff), 10 seeds each of the
 # synthetic trace (5 sessions x 30 min) at gaps x16 and x4 (loaded), 60 s windows of Azure 2023 (--handoffs) and
 # 4 h windows of Alibaba GenAI 2026, read from TRACES; precision held equal
 evidence-gateway: $(STAMP)

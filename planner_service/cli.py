@@ -1324,6 +1324,13 @@ def study_gateway(
     precision: Annotated[str, typer.Option(help="native (every model at its preferred precision) or allowed.")] = (
         "native"
     ),
+    arms: Annotated[
+        str,
+        typer.Option(
+            help="Comma-separated arms (sim/gateway_study.py: none, warmups, warmups-top, warmups-handoff, "
+            "eager-handoff); the first is the one the others are paired against."
+        ),
+    ] = "none,warmups,warmups-top,warmups-handoff,eager-handoff",
     as_json: JsonOpt = False,
 ) -> None:
     """The gateway's warm-ups against the same policy without them, over seeds (sim/gateway_study.py)."""
@@ -1370,6 +1377,7 @@ def study_gateway(
             [p.strip() for p in policies.split(",") if p.strip()],
             _seed_list(seeds, "seeds"),
             on_progress=lambda line: err.print(line, highlight=False),
+            arms=[a.strip() for a in arms.split(",") if a.strip()],
         )
     except (SimulationError, ValueError) as error:
         raise fail(str(error)) from None

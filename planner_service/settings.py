@@ -80,8 +80,17 @@ class Settings(BaseSettings):
     warmups_per_instance: int = Field(
         2, ge=0, description="Warm-ups the route table directs to one idle engine instance at most (0: none)."
     )
+    warmup_target: Literal["priced", "top", "handoff"] = Field(
+        "priced",
+        description="Which warm-ups the route table directs (planner/gateway_directives.py): priced, those whose "
+        "expected re-prefill saving outweighs the planner's HBM price of their KV, best first; top, the session's "
+        "most likely next model; handoff, the most likely model that holds none of its KV.",
+    )
     warmup_min_probability: float = Field(
-        0.5, ge=0, le=1, description="A warm-up needs the session's predicted next model to be at least this likely."
+        0.5,
+        ge=0,
+        le=1,
+        description="Under the top and handoff targets, a warm-up needs its model to be at least this likely.",
     )
     demand_window_seconds: float = Field(
         3600.0,

@@ -17,7 +17,13 @@ from planner_service.domain.state import (
 )
 from planner_service.metrics import StateSnapshot
 from planner_service.planner import engine_plan
-from planner_service.planner.gateway_directives import DirectiveLimits, InstanceView, SessionView, decide_directives
+from planner_service.planner.gateway_directives import (
+    DirectiveLimits,
+    InstanceView,
+    SessionView,
+    WarmupPricing,
+    decide_directives,
+)
 from planner_service.service.errors import (
     NotFound,
 )
@@ -297,6 +303,7 @@ class Views:
             context_tokens=s.context_tokens,
             holder=holder,
             kept=kept,
+            slo=s.slo,
         )
 
     def _directives(
@@ -332,6 +339,17 @@ class Views:
         for (_, loc), n in self.live.placement.items():
             if loc.tier is Tier.GPU and loc.id in free:
                 free[loc.id] -= n
+        # an engine's KV pool (reported, `sizes.engine_pools`) bounds a warm-up's KV to the pool beyond the KV of
+        # its model placed there, on every GPU of its group
+        kv_on_gpu: dict[tuple[str, str], int] = defaultdict(int)  # (model, GPU) -> KV bytes placed
+        for (obj, loc), n in self.live.placement.items():
+            if obj.kind is Kind.KV and loc.tier is Tier.GPU:
+                kv_on_gpu[(obj.model, loc.id)] += n
+        pool_room: dict[str, int] = {}
+        for v in views:
+            if v.gpus and (pool := sizes.engine_pools.get((sizes.gpus[v.gpus[0]].node, v.model))) is not None:
+                pool_room[v.id] = min(pool - kv_on_gpu[(v.model, g)] for g in v.gpus)
+        settings = self.live.settings
         pins, warmups = decide_directives(
             views,
             sessions,
@@ -341,9 +359,11 @@ class Views:
             free,
             {m: spec.kv_bytes_per_token for m, spec in sizes.models.items()},
             DirectiveLimits(
-                max_warmups_per_instance=self.live.settings.warmups_per_instance,
-                min_probability=self.live.settings.warmup_min_probability,
+                max_warmups_per_instance=settings.warmups_per_instance,
+                min_probability=settings.warmup_min_probability,
+                target=settings.warmup_target,
             ),
+            WarmupPricing(sizes.models, sizes.gpus, sizes.constants, pool_room),
         )
         return {
             "decided": True,

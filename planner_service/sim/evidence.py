@@ -150,8 +150,13 @@ def render_gateway(name: str, data: dict[str, Any]) -> str:
     for arm, spec in arms.items():
         if spec["gateway"] == "none":
             continue
+        which = (
+            "those worth more than the HBM price of their KV in the planner's objective, best first"
+            if spec["target"] == "priced"
+            else f"at least {spec['min_probability']:g} likely"
+        )
         lines.append(
-            f"- `{arm}`: warm-up target `{spec['target']}`, at least {spec['min_probability']:g} likely, at most "
+            f"- `{arm}`: warm-up target `{spec['target']}`, {which}, at most "
             f"{spec['max_warmups_per_instance']} per instance, "
             + (
                 "on any card, never giving way: each takes its cards as a real prefill does (an ablation)."

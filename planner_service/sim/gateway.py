@@ -14,7 +14,8 @@ cannot, and this module replays them beside any policy (`GatewayMode`):
   that prefix's KV computed. Which warm-ups to run is the planner's rule the product publishes in the
   route table (`planner/gateway_directives.decide_directives`, `decided: true`), fed the same switch
   predictor (`planner/predictor.SwitchPredictor`, given every turn as the `statebudget` policy gives it),
-  so the replay and the product share one decision. Carried out as `clients/gateway/warmups.py` does:
+  so the replay and the product share one decision (the service's default target, `priced`: the warm-ups the
+  objective values above the HBM price of their KV). Carried out as `clients/gateway/warmups.py` does:
 
   - a warm-up starts only on cards with nothing else to do: no request of any session running or waiting
     on them (the directive's rule), no prefill on them and no copy into them (the replay's view of the
@@ -48,7 +49,13 @@ from typing import TYPE_CHECKING, Any
 
 from planner_service.domain.state import Location, StateObject, Tier
 from planner_service.planner import costs
-from planner_service.planner.gateway_directives import DirectiveLimits, InstanceView, SessionView, decide_directives
+from planner_service.planner.gateway_directives import (
+    DirectiveLimits,
+    InstanceView,
+    SessionView,
+    WarmupPricing,
+    decide_directives,
+)
 from planner_service.planner.greedy import split_evenly
 from planner_service.planner.predictor import SwitchPredictor
 
@@ -56,9 +63,9 @@ if TYPE_CHECKING:
     from planner_service.sim.state import ModelState, SessionState, SimRequest, SimState
 
 
-# the service's defaults for the directives (settings.py: `warmups_per_instance`, `warmup_min_probability`;
-# the simulator may not import the service's settings, tests/sim/test_gateway.py checks they agree)
-DEFAULT_LIMITS = DirectiveLimits(max_warmups_per_instance=2, min_probability=0.5)
+# the service's defaults for the directives (settings.py: `warmups_per_instance`, `warmup_min_probability`,
+# `warmup_target`; the simulator may not import the service's settings, tests/sim/test_gateway.py checks they agree)
+DEFAULT_LIMITS = DirectiveLimits(max_warmups_per_instance=2, min_probability=0.5, target="priced")
 
 
 class GatewayMode(StrEnum):
@@ -269,7 +276,7 @@ class GatewayModel:
                 # a busy session occupies its model's cards (the replay's one instance of it holds its KV); the
                 # ablation does not look
                 busy = not self.eager
-                sessions.append(SessionView(sid, s.request.model, busy, False, s.history_tokens, None, False))
+                sessions.append(SessionView(sid, s.request.model, busy, False, s.history_tokens, None, False, s.slo))
                 continue
             holder = None
             for iid, (m, state) in by_id.items():
@@ -279,14 +286,16 @@ class GatewayModel:
                         holder = iid
             if sid in self.running:
                 kv_holders[(sid, self.running[sid].model)] = frozenset((self.running[sid].instance,))
-            sessions.append(SessionView(sid, s.model, False, True, s.history_tokens, holder, holder is not None))
+            sessions.append(SessionView(sid, s.model, False, True, s.history_tokens, holder, holder is not None, s.slo))
             in_tool_call[sid] = s.model
         rows = {m: self.predictor.next_model_probs(m, sim.now) for m in set(in_tool_call.values())}
         next_model = {sid: rows[m] for sid, m in in_tool_call.items()}
         free = {g: sim.cluster.free(Location.gpu(g)) for g in sim.problem.gpus}
         kvpt = {m: spec.kv_bytes_per_token for m, spec in sim.problem.models.items()}
+        # the replay allocates KV in its cards' free room (no engine pool of fixed size: sim/instances.py)
+        pricing = WarmupPricing(sim.problem.models, sim.problem.gpus, sim.c)
         _, directives = decide_directives(
-            instances, sessions, next_model, kv_holders, frozenset(queued), free, kvpt, self.limits
+            instances, sessions, next_model, kv_holders, frozenset(queued), free, kvpt, self.limits, pricing
         )
         # the directives count the warm-ups they give at once; those already running count against the same cap
         per_instance: dict[str, int] = {}

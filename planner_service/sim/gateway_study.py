@@ -6,10 +6,12 @@ of a request drawn by `default_rng(s)` (so busy hours are drawn as often as they
 the records inside it, times counted from its start. Every policy replays every trace under every arm:
 
 * `none`: the gateway routes only (`affinity` replays exactly as `none` here: `gateway.py`);
-* `warmups`: warm-ups by the rule the planner publishes, with the service's defaults (the most likely
-  next model, at least 0.5 likely, 2 per instance);
-* `warmups-handoff`: the same rule aimed at the most likely model that holds none of the session's KV,
-  at least 0.2 likely (`DirectiveLimits.target = "handoff"`);
+* `warmups`: warm-ups by the rule the planner publishes, with the service's defaults (the `priced` target:
+  those the objective values above the HBM price of their KV, best first, 2 per instance);
+* `warmups-top`: the service's former rule, the session's most likely next model at least 0.5 likely
+  (`DirectiveLimits.target = "top"`);
+* `warmups-handoff`: the most likely model that holds none of the session's KV, at least 0.2 likely
+  (`DirectiveLimits.target = "handoff"`);
 * `eager-handoff`: an ablation, the `warmups-handoff` directives carried out without waiting for idle cards
   and without giving way: each warm-up takes its cards as a real prefill does (`GatewayMode.EAGER`).
 
@@ -39,10 +41,12 @@ from planner_service.sim.slots import saturated
 from planner_service.sim.synth import SynthParams, synth_trace
 from planner_service.sim.trace import TraceRecord
 
+TOP_TARGET = DirectiveLimits(max_warmups_per_instance=2, min_probability=0.5, target="top")
 HANDOFF_TARGET = DirectiveLimits(max_warmups_per_instance=2, min_probability=0.2, target="handoff")
 ARMS: dict[str, tuple[GatewayMode, DirectiveLimits]] = {
     "none": (GatewayMode.NONE, DEFAULT_LIMITS),
     "warmups": (GatewayMode.WARMUPS, DEFAULT_LIMITS),
+    "warmups-top": (GatewayMode.WARMUPS, TOP_TARGET),
     "warmups-handoff": (GatewayMode.WARMUPS, HANDOFF_TARGET),
     "eager-handoff": (GatewayMode.EAGER, HANDOFF_TARGET),
 }
@@ -194,10 +198,15 @@ def gateway_study(
     policies: Sequence[str],
     seeds: Sequence[int],
     on_progress: Callable[[str], None] | None = None,
+    arms: Sequence[str] = tuple(ARMS),
 ) -> dict[str, Any]:
-    """Every workload (module doc); the JSON `make evidence` renders as the gateway's section."""
+    """Every workload (module doc) under `arms`, the first the one the others are paired against; the JSON
+    `make evidence` renders as the gateway's section."""
     if len(seeds) < 2 or len(set(seeds)) != len(seeds):
         raise ValueError("seeds: at least two distinct seeds (an interval needs two runs)")
+    unknown = [a for a in arms if a not in ARMS]
+    if unknown or len(arms) < 2 or len(set(arms)) != len(arms):
+        raise ValueError(f"arms: at least two distinct of {', '.join(ARMS)}, got {', '.join(arms) or 'none'}")
     return {
         "kind": "gateway",
         "policies": list(policies),
@@ -209,7 +218,8 @@ def gateway_study(
                 "max_warmups_per_instance": limits.max_warmups_per_instance,
             }
             for name, (mode, limits) in ARMS.items()
+            if name in arms
         },
         "interval": "95 % Student t over seeds",
-        "workloads": [run_workload(scenario, w, policies, seeds, on_progress=on_progress) for w in workloads],
+        "workloads": [run_workload(scenario, w, policies, seeds, arms, on_progress=on_progress) for w in workloads],
     }

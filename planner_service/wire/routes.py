@@ -55,6 +55,12 @@ class WarmupDirective(WireModel):
     instance: str
     tokens: int = Field(0, ge=0, description="The session's context tokens: the KV the warm-up makes.")
     probability: float = Field(0.0, ge=0, le=1, description="The predicted chance of the hand-off to `model`.")
+    value_seconds: float | None = Field(
+        None,
+        description="Under the priced target: the SLO-weighted re-prefill seconds the warm-up is expected to spare "
+        "the hand-off, net of the planner's HBM price of its KV (planner/gateway_directives.py); null under a "
+        "fixed target.",
+    )
 
 
 class Directives(WireModel):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 
+import pytest
 from api_helpers import NODE1, OPERATOR, assert_problem, request
 from support import CallLog
 
@@ -144,6 +145,10 @@ def test_warmups_for_sessions_in_a_tool_call_go_to_an_idle_card_of_the_predicted
     [warmup] = directives["warmups"]
     assert warmup["session"] == "s1" and warmup["model"] == "beta" and warmup["instance"] == "beta@bf16@n2-g0"
     assert warmup["tokens"] == 1024 and warmup["probability"] == 0.62  # 1,000 in + 24 out
+    # priced (the default target): beta's 6,442,450,944 active parameters (12 GiB at 2 bytes) prefill at
+    # 2 * 6.44e9 / (1e14 * 0.5) = 2.577e-4 s a token, 0.26388 s for 1,024 tokens; interactive (weight 2) at
+    # p 10.1 / 16.2: 2 * 0.62346 * 0.26388 = 0.32904 s, less 1,024 * 128 KiB = 0.125 GiB at 0.02 s a GiB
+    assert warmup["value_seconds"] == 0.327
     # a request on beta (no KV holder known: it may run on any beta card) makes the card busy: the warm-up goes
     assert app.events(request("x-r1", "x", "beta", input_tokens=10)).status_code == 200
     assert app.get("/v1/routes").json()["directives"]["warmups"] == []
@@ -152,6 +157,29 @@ def test_warmups_for_sessions_in_a_tool_call_go_to_an_idle_card_of_the_predicted
     # the session's next request: no longer in a tool call, no warm-up
     assert app.events({"id": "s1-e", "type": "tool_call_end", "session": "s1", "tool": "grep"}).status_code == 200
     assert app.get("/v1/routes").json()["directives"]["warmups"] == []
+
+
+@pytest.mark.parametrize(
+    ("target", "pool", "expected"),
+    [("top", 1 << 30, []), ("priced", 1 << 30, [("s1", "beta")]), ("priced", 100 << 20, [])],
+)
+def test_the_warm_up_target_is_a_setting_and_the_pool_bounds_the_room(make_app, target, pool, expected):
+    """Under the former rule (`top`), s1's most likely next model is its own, alpha, whose card holds its KV:
+    nothing to warm; the priced default warms beta, 0.4 likely by the predictor's prior, as that pays for its
+    room: 1,024 tokens at 128 KiB, 128 MiB, which beta's reported KV pool of 1 GiB has and one of 100 MiB has
+    not (though its card has GiBs free)."""
+    app = make_app(tiny=True, warmup_target=target)
+    _register(app, "n1", [{"name": "vllm-a", "models": ["alpha"], "url": "http://n1:8000", "gpus": ["n1-g0"]}])
+    _register(app, "n2", [{"name": "vllm-b", "models": ["beta"], "url": "http://n2:8000", "gpus": ["n2-g0"]}])
+    instance = {**_instance("beta", "n2", "n2-g0"), "kv_pool_bytes_per_gpu": pool}
+    hb = {"instances": [{"instance": instance, "state": "running"}]}
+    assert app.post("/v1/nodes/n2/heartbeat", json=hb).status_code == 200
+    _turn(app, "s1", "alpha", 1, tool=True)
+    _run_every_operation(app)
+    directives = app.get("/v1/routes").json()["directives"]
+    assert [(w["session"], w["model"]) for w in directives["warmups"]] == expected
+    if expected:
+        assert directives["warmups"][0]["probability"] == 0.4 and directives["warmups"][0]["value_seconds"] > 0
 
 
 def _run_every_operation(app) -> None:

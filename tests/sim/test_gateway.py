@@ -47,6 +47,24 @@ def test_a_warm_up_in_the_tool_call_leaves_the_hand_off_nothing_to_prefill() -> 
     assert warmed.gpu_byte_seconds - plain.gpu_byte_seconds == pytest.approx(99e6 - 8.003e9)
 
 
+def test_the_priced_default_warms_only_where_the_saving_pays_for_the_room() -> None:
+    """The trace above under the service's default target: the warm-up of b spares an expected p * w * 1 s of
+    re-prefill for 1 MB of KV, 0.02 s a GiB (1.9e-5 s): it runs and is used. At 1e4 s a GiB (9.3 s for the MB)
+    no probability and SLO weight (at most 4, and 1 s under every target: no penalty) pays for it."""
+    records: list[TraceRecord] = [
+        TraceRequest(t=0.0, session="s1", model="a", input_tokens=1000, output_tokens=0),
+        TraceRequest(t=100.0, session="s1", model="b", input_tokens=1000, output_tokens=0),
+    ]
+    scenario = tiny_scenario()
+    warmed = simulate(scenario, records, create_policy("static"), gateway="affinity+warmups")
+    assert warmed.extra["gateway"]["warmups_used"] == 1 and warmed.requests[1].switch_seconds == pytest.approx(0.0)
+    dear = scenario.model_copy(
+        update={"constants": scenario.constants.model_copy(update={"gpu_price_seconds_per_gib": 1e4})}
+    )
+    plain = simulate(dear, records, create_policy("static"), gateway="affinity+warmups")
+    assert plain.extra["gateway"]["warmups_started"] == 0 and plain.requests[1].switch_seconds == pytest.approx(1.0)
+
+
 def test_a_real_request_cancels_the_warm_up_on_its_card_and_waits_for_nothing() -> None:
     """s1's turn on a ends at t=5 (5,000 tokens); its warm-up on b would take the card t=5 to 10. s2 asks b at
     t=7: the warm-up gives way at once (its KV freed), s2 prefills at t=7 as without the gateway, and the warm-up
@@ -92,7 +110,7 @@ def test_the_replay_s_directive_limits_are_the_service_s_defaults() -> None:
     settings = Settings()
     assert DEFAULT_LIMITS.max_warmups_per_instance == settings.warmups_per_instance
     assert DEFAULT_LIMITS.min_probability == settings.warmup_min_probability
-    assert DEFAULT_LIMITS.target == "top"
+    assert DEFAULT_LIMITS.target == settings.warmup_target == "priced"
 
 
 def test_the_study_pairs_each_arm_with_none_and_renders() -> None:
@@ -101,7 +119,9 @@ def test_the_study_pairs_each_arm_with_none_and_renders() -> None:
 
     scenario = native_precision_scenario(demo_scenario())
     params = SynthParams(sessions=3, hours=0.05, arrival_spread_seconds=45, departure_spread_seconds=45, gap_scale=8)
-    data = gateway_study(scenario, [synthetic(scenario, params, "tiny")], ["sleep-router"], [1, 2])
+    arms = ("none", "warmups", "warmups-handoff")
+    data = gateway_study(scenario, [synthetic(scenario, params, "tiny")], ["sleep-router"], [1, 2], arms=arms)
+    assert list(data["arms"]) == list(arms) and data["arms"]["warmups"]["target"] == "priced"
     data.update(scenario="demo", precision="native")
     work = data["workloads"][0]
     none, warm = work["runs"]["sleep-router"]["none"], work["runs"]["sleep-router"]["warmups-handoff"]
@@ -115,6 +135,7 @@ def test_the_study_pairs_each_arm_with_none_and_renders() -> None:
         assert r["warmups_started"] == r["warmups_completed"] + r["warmups_cancelled"]
     page = render_section("gateway", json.loads(json.dumps(data)))
     assert "### gateway: synthetic, 3 sessions" in page and "| sleep-router | warmups-handoff |" in page
+    assert "`warmups`: warm-up target `priced`, those worth more than the HBM price" in page
 
 
 def test_an_eager_warm_up_holds_its_card_and_the_real_prefill_waits_behind_it() -> None:

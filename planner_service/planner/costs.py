@@ -24,9 +24,18 @@ _NVME = Tier.NVME  # bound once: on Python 3.11 an `Enum.MEMBER` lookup costs ab
 _H2D = attrgetter("h2d_bytes_per_s")
 _HBM = attrgetter("hbm_bytes_per_s")
 _FLOPS = attrgetter("bf16_flops")
+_PEER = attrgetter("peer_bytes_per_s")
 _pipelined = engines.pipelined_copy_seconds
 
 HBM_EFFICIENCY = 0.8  # achieved / spec HBM bandwidth (aiconfigurator, InferSim; perf_anchors.md section 6)
+
+# A tensor-parallel group sums each layer's partial outputs twice per token: after the attention's o_proj and
+# after the MLP's down_proj (or the routed experts), both RowParallelLinear, whose forward all-reduces when
+# reduce_results and tp_size > 1 (vllm/model_executor/layers/linear.py; vllm/model_executor/models/llama.py).
+ALLREDUCES_PER_LAYER = 2
+# The reduced hidden state is in the model's dtype: bfloat16 for every preset, fp8 checkpoints included
+# (config.json torch_dtype, ../shared/data/hf_configs).
+ACTIVATION_BYTES = 2
 
 # The CPU's rate on routed experts it computes from host DRAM (KTransformers, llama.cpp `--override-tensor
 # exps=CPU`), measured, not assumed: KTransformers decodes DeepSeek-V3/R1 at Q4_K_M with every routed
@@ -89,15 +98,38 @@ def write_down_seconds(nbytes: int, gpu: Gpu | None, target: Tier, node: Node) -
     return t
 
 
+def tp_allreduce_seconds_per_token(model: ModelSpec, gpus: Sequence[Gpu]) -> float:
+    """What a tensor-parallel group of p = len(gpus) cards spends per token summing its partial outputs.
+
+    Each of the model's layers all-reduces its hidden state twice per token (ALLREDUCES_PER_LAYER), a message
+    of hidden_size * ACTIVATION_BYTES bytes. A ring all-reduce sends 2 (p - 1) / p of the message out of each
+    card (NCCL's bus bandwidth: NVIDIA/nccl-tests doc/PERFORMANCE.md), over the slowest link of the group:
+        bytes/token = ALLREDUCES_PER_LAYER * layers * 2 (p - 1) / p * hidden_size * ACTIVATION_BYTES   [B]
+        t/token     = bytes/token / min_i peer_i                                              [B / (B/s)]
+    with peer_i the card's GPU -> GPU rate (`Gpu.peer_bytes_per_s`; its h2d rate where that is unknown).
+    It is serial with the compute (the next layer needs the sum) and the same per prefilled and per decoded
+    token; 0 for one card, or where the model's layers or hidden size are unknown. The per-call latency of
+    a small all-reduce is left out: this is the bandwidth term alone.
+    """
+    p = len(gpus)
+    if p < 2 or not model.num_layers or not model.hidden_size:
+        return 0.0
+    link: float = min(peer or h2d for peer, h2d in zip(map(_PEER, gpus), map(_H2D, gpus), strict=True))
+    sent = ALLREDUCES_PER_LAYER * model.num_layers * 2 * (p - 1) / p * model.hidden_size * ACTIVATION_BYTES
+    return sent / link
+
+
 def prefill_seconds_per_token(model: ModelSpec, gpus: Sequence[Gpu], constants: CostConstants) -> float:
-    """Compute-bound prefill: 2 FLOPs per active parameter per token, on the group's dense bf16 FLOP/s.
+    """Compute-bound prefill: 2 FLOPs per active parameter per token, on the group's dense bf16 FLOP/s, plus
+    the tensor-parallel all-reduce of a group of several cards.
 
         t/token = 2 * active_params / (sum_i bf16_flops_i * prefill_efficiency)   [FLOP / (FLOP/s)]
+                  + tp_allreduce_seconds_per_token(model, gpus)                    [s]
     (The attention term that grows with context is left out: at agent context
     lengths the weight GEMMs dominate.)
     """
     flops: float = sum(map(_FLOPS, gpus)) * constants.prefill_efficiency
-    return 2 * model.active_params / flops
+    return 2 * model.active_params / flops + tp_allreduce_seconds_per_token(model, gpus)
 
 
 def kv_ready_seconds(
@@ -226,15 +258,18 @@ def decode_seconds_per_token(
     cpu_experts: bool = False,
     expert_misses: bool = True,
 ) -> float:
-    """Memory-bound decode: a step reads the weights and the active experts once from HBM, plus the MoE miss.
+    """Memory-bound decode: a step reads the weights and the active experts once from HBM, plus the
+    tensor-parallel all-reduce of a group of several cards, plus the MoE miss.
 
         t/token = (weights_bytes + active_expert_bytes_per_token) / (HBM_EFFICIENCY * sum_i hbm_i)
+                  + tp_allreduce_seconds_per_token(model, gpus)
                   + expert_miss_seconds(1 token, f)         (unless `expert_misses` is off)
-    Concurrent requests of a model share its steps (a batch), so this is per request too.
+    Concurrent requests of a model share its steps (a batch), so this is per request too (the all-reduce
+    is priced at a batch of one: a step of b requests sends b times the bytes).
     """
     step: float = (model.weights_bytes[precision] + model.active_expert_bytes_per_token) / (
         HBM_EFFICIENCY * sum(map(_HBM, gpus))
-    )
+    ) + tp_allreduce_seconds_per_token(model, gpus)
     if not model.is_moe or not expert_misses:
         return step
     return step + expert_miss_seconds(1, model, gpu_expert_fraction, gpus, constants, cpu_experts)

@@ -24,11 +24,11 @@ What is modelled (the same cost model as the planner, `planner/costs.py`):
   way to loads (the engine stops) unless it is adopted. On `vllm` and
   `sglang` a MoE's GPU expert share is fixed while the instance runs.
 * **Compute**: prefill is compute-bound (`costs.prefill_seconds_per_token`
-  on the serving group) and serialised per GPU (one prefill at a time on a
+  on the serving group, a tensor-parallel group's all-reduce included) and serialised per GPU (one prefill at a time on a
   card, which models sharing the card take in turn: a prefill starts when
   every card of its group is free); decode is memory-bound
   (`costs.decode_seconds_per_token`: a step reads the active weights from
-  HBM, plus the planner's MoE miss rule `costs.expert_miss_seconds`: a
+  HBM, plus the group's all-reduce, plus the planner's MoE miss rule `costs.expert_miss_seconds`: a
   missed routed expert is streamed over PCIe or, where host DRAM holds the
   experts, computed by the CPU (KTransformers), the cheaper). Concurrent requests of one model on its
   group share decode steps (a batch), so decode does not slow down with the

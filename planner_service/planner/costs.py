@@ -255,21 +255,25 @@ def decode_seconds_per_token(
     gpu_expert_fraction: float,
     constants: CostConstants,
     *,
+    context_tokens: float = 0.0,
     cpu_experts: bool = False,
     expert_misses: bool = True,
 ) -> float:
-    """Memory-bound decode: a step reads the weights and the active experts once from HBM, plus the
-    tensor-parallel all-reduce of a group of several cards, plus the MoE miss.
+    """Memory-bound decode: a step reads the weights, the active experts and the request's KV once from HBM,
+    plus the tensor-parallel all-reduce of a group of several cards, plus the MoE miss.
 
-        t/token = (weights_bytes + active_expert_bytes_per_token) / (HBM_EFFICIENCY * sum_i hbm_i)
+        t/token = (weights_bytes + active_expert_bytes_per_token + kv_bytes_per_token * context_tokens)
+                  / (HBM_EFFICIENCY * sum_i hbm_i)                                     [B / (B/s)]
                   + tp_allreduce_seconds_per_token(model, gpus)
                   + expert_miss_seconds(1 token, f)         (unless `expert_misses` is off)
-    Concurrent requests of a model share its steps (a batch), so this is per request too (the all-reduce
-    is priced at a batch of one: a step of b requests sends b times the bytes).
+    `context_tokens` is the context the step attends to (the KV is sharded over the group, each card reading
+    its share). Concurrent requests of a model share its steps (a batch), so the weights are read once for
+    all; each request is priced with its own KV and the all-reduce of a batch of one (a step of b requests
+    reads each one's KV and sends b times the bytes), a lower bound on a loaded group's step.
     """
-    step: float = (model.weights_bytes[precision] + model.active_expert_bytes_per_token) / (
-        HBM_EFFICIENCY * sum(map(_HBM, gpus))
-    ) + tp_allreduce_seconds_per_token(model, gpus)
+    step: float = (
+        model.weights_bytes[precision] + model.active_expert_bytes_per_token + model.kv_bytes_per_token * context_tokens
+    ) / (HBM_EFFICIENCY * sum(map(_HBM, gpus))) + tp_allreduce_seconds_per_token(model, gpus)
     if not model.is_moe or not expert_misses:
         return step
     return step + expert_miss_seconds(1, model, gpu_expert_fraction, gpus, constants, cpu_experts)

@@ -27,8 +27,8 @@ What is modelled (the same cost model as the planner, `planner/costs.py`):
   on the serving group, a tensor-parallel group's all-reduce included) and serialised per GPU (one prefill at a time on a
   card, which models sharing the card take in turn: a prefill starts when
   every card of its group is free); decode is memory-bound
-  (`costs.decode_seconds_per_token`: a step reads the active weights from
-  HBM, plus the group's all-reduce, plus the planner's MoE miss rule `costs.expert_miss_seconds`: a
+  (`costs.decode_seconds_per_token`: a step reads the active weights and the
+  request's KV from HBM, plus the group's all-reduce, plus the planner's MoE miss rule `costs.expert_miss_seconds`: a
   missed routed expert is streamed over PCIe or, where host DRAM holds the
   experts, computed by the CPU (KTransformers), the cheaper). Concurrent requests of one model on its
   group share decode steps (a batch), so decode does not slow down with the
@@ -662,12 +662,16 @@ class Simulator(SimState):
         parts["prefill_queue"] = req.prefill_queue_seconds
         parts["reprefill"] = ready - start
         req.parts = parts
-        decode = req.output_tokens * self.decode_seconds_per_token(req.model, state)
+        # output token k attends to history + input + k tokens: their mean over the output is exact, the
+        # KV read being linear in the context
+        context = req.history_tokens + req.input_tokens + (req.output_tokens - 1) / 2
+        decode = req.output_tokens * self.decode_seconds_per_token(req.model, state, context)
         self.push(first_token + decode, "done", req)
 
-    def decode_seconds_per_token(self, model_id: str, state: ModelState) -> float:
-        """`costs.decode_seconds_per_token` on the serving group, at the share of the model's routed experts on
-        its node's GPUs; a missed expert is computed by the CPU where host DRAM holds them all."""
+    def decode_seconds_per_token(self, model_id: str, state: ModelState, context_tokens: float = 0.0) -> float:
+        """`costs.decode_seconds_per_token` on the serving group, at `context_tokens` of context and at the
+        share of the model's routed experts on its node's GPUs; a missed expert is computed by the CPU where
+        host DRAM holds them all."""
         model = self.problem.models[model_id]
         fraction = 0.0
         in_dram = False
@@ -681,6 +685,7 @@ class Simulator(SimState):
             state.gpus,
             fraction,
             self.c,
+            context_tokens=context_tokens,
             cpu_experts=in_dram,
             expert_misses=self.expert_miss_decode,
         )

@@ -86,6 +86,9 @@ class ModelSpec:
     # group all-reduces per token (costs.tp_allreduce_seconds_per_token)
     num_layers: int = 0
     hidden_size: int = 0
+    # prefill FLOPs of one (query, key) pair over all layers (Architecture.attention_flops_per_pair; 0: unknown,
+    # prefill priced linear in tokens): what the attention adds as the context grows
+    attention_flops_per_pair: int = 0
 
     @property
     def is_moe(self) -> bool:
@@ -229,6 +232,7 @@ def resolve_model(spec: ModelIn, where: str) -> ModelSpec:
         max_context_tokens=spec.max_context_tokens or (arch.max_position_embeddings if arch is not None else 0),
         num_layers=arch.num_layers if arch is not None else 0,
         hidden_size=arch.hidden_size if arch is not None else 0,
+        attention_flops_per_pair=arch.attention_flops_per_pair if arch is not None else 0,
     )
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from operator import attrgetter, truediv
+from typing import Any, overload
 
 import numpy as np
 
@@ -125,11 +126,48 @@ def prefill_seconds_per_token(model: ModelSpec, gpus: Sequence[Gpu], constants: 
 
         t/token = 2 * active_params / (sum_i bf16_flops_i * prefill_efficiency)   [FLOP / (FLOP/s)]
                   + tp_allreduce_seconds_per_token(model, gpus)                    [s]
-    (The attention term that grows with context is left out: at agent context
-    lengths the weight GEMMs dominate.)
+    The attention, which grows with the context, is `attention_seconds_per_pair` (`prefill_seconds`).
     """
     flops: float = sum(map(_FLOPS, gpus)) * constants.prefill_efficiency
     return 2 * model.active_params / flops + tp_allreduce_seconds_per_token(model, gpus)
+
+
+@overload
+def causal_pairs(tokens: float, prefix_tokens: float) -> float: ...
+@overload
+def causal_pairs(tokens: np.ndarray, prefix_tokens: np.ndarray | float) -> np.ndarray: ...
+def causal_pairs(tokens: Any, prefix_tokens: Any) -> Any:
+    """(query, key) pairs a causal prefill of `tokens` computes after `prefix_tokens` already cached: each new
+    token attends to the prefix, the new tokens before it and itself.
+
+        pairs = tokens * prefix + tokens * (tokens + 1) / 2
+    Numbers or numpy arrays alike."""
+    return tokens * prefix_tokens + tokens * (tokens + 1) / 2
+
+
+def attention_seconds_per_pair(model: ModelSpec, gpus: Sequence[Gpu], constants: CostConstants) -> float:
+    """Prefill seconds of one (query, key) pair, on the group's dense bf16 FLOP/s at the prefill efficiency:
+
+        t/pair = attention_flops_per_pair / (sum_i bf16_flops_i * prefill_efficiency)   [FLOP / (FLOP/s)]
+    (attention_flops_per_pair = layers * 2 * heads * (qk_head_dim + v_head_dim): 4 * layers * heads * head_dim
+    for GQA). 0 where the model's shape is unknown."""
+    flops: float = sum(map(_FLOPS, gpus)) * constants.prefill_efficiency
+    return model.attention_flops_per_pair / flops
+
+
+def prefill_seconds(
+    tokens: int, prefix_tokens: int, model: ModelSpec, gpus: Sequence[Gpu], constants: CostConstants
+) -> float:
+    """Prefill of `tokens` after `prefix_tokens` of cached context: the weights' per-token cost plus the
+    attention, which grows with the context (quadratic in a prefill from scratch):
+
+        t = tokens * prefill_seconds_per_token + causal_pairs(tokens, prefix) * attention_seconds_per_pair
+    """
+    if tokens <= 0:
+        return 0.0
+    return tokens * prefill_seconds_per_token(model, gpus, constants) + causal_pairs(
+        tokens, prefix_tokens
+    ) * attention_seconds_per_pair(model, gpus, constants)
 
 
 def kv_ready_seconds(
@@ -140,14 +178,16 @@ def kv_ready_seconds(
     source: Tier,
     node: Node,
     constants: CostConstants,
+    prefix_tokens: int = 0,
 ) -> float:
     """Make a session's KV ready on GPU: restore what a lower tier holds, or re-prefill; the cheaper.
+    The missing tokens follow `prefix_tokens` already on the group; restored ones come first.
 
-    restore  = copy(restorable) + prefill(missing - restorable tokens)
-    prefill  = prefill(missing tokens)
+    restore  = copy(restorable) + prefill(missing - restorable tokens after prefix + restorable)
+    prefill  = prefill(missing tokens after prefix)          (`prefill_seconds`)
     t        = min(restore, prefill)       (LMCache's load-or-prefill crossover)
     """
-    return kv_ready(missing_tokens, restorable_bytes, model, gpus, source, node, constants)[1]
+    return kv_ready(missing_tokens, restorable_bytes, model, gpus, source, node, constants, prefix_tokens)[1]
 
 
 def kv_ready(
@@ -158,18 +198,25 @@ def kv_ready(
     source: Tier,
     node: Node,
     constants: CostConstants,
+    prefix_tokens: int = 0,
 ) -> tuple[int, float]:
     """`kv_ready_seconds` with its choice: (tokens to restore, 0 to re-prefill them all; seconds). A restore
     is chosen only where it is strictly cheaper; its copy is one even shard per GPU of the group."""
     if missing_tokens <= 0:
         return 0, 0.0
     per_token = prefill_seconds_per_token(model, gpus, constants)
-    prefill_all = missing_tokens * per_token
+    per_pair = attention_seconds_per_pair(model, gpus, constants)
+    prefill_all = missing_tokens * per_token + causal_pairs(missing_tokens, prefix_tokens) * per_pair
     if restorable_bytes <= 0 or model.kv_bytes_per_token == 0:
         return 0, prefill_all
     restored_tokens = min(missing_tokens, restorable_bytes // model.kv_bytes_per_token)
     shard = math.ceil(restored_tokens * model.kv_bytes_per_token / len(gpus))
-    restore = even_copy_seconds(shard, gpus, source, node) + (missing_tokens - restored_tokens) * per_token
+    rest = missing_tokens - restored_tokens
+    restore = (
+        even_copy_seconds(shard, gpus, source, node)
+        + rest * per_token
+        + causal_pairs(rest, prefix_tokens + restored_tokens) * per_pair
+    )
     return (restored_tokens, restore) if restore < prefill_all else (0, prefill_all)
 
 
@@ -182,6 +229,8 @@ def kv_ready_seconds_grouped(
     slowest_h2d: np.ndarray | float,
     nvme_read: np.ndarray | float,
     per_token: np.ndarray | float,
+    per_pair: np.ndarray | float = 0.0,
+    prefix_tokens: np.ndarray | int = 0,
 ) -> np.ndarray:
     """`kv_ready_seconds` for many sessions at once, of one or several models and groups: each parameter
     is an array with one entry per session, or one number for all (KV bytes per token must not be 0).
@@ -189,17 +238,18 @@ def kv_ready_seconds_grouped(
     restore is the same even split over the group as `copy_seconds` of equal shards.
 
     `group_size`, `slowest_h2d` and `nvme_read` describe the group the KV is restored onto: its GPU count,
-    its smallest host->GPU bandwidth and its node's NVMe read bandwidth.
+    its smallest host->GPU bandwidth and its node's NVMe read bandwidth; `per_token` and `per_pair` its
+    prefill seconds per token and per attention pair, `prefix_tokens` the tokens already on it.
     """
     missing = np.maximum(missing_tokens, 0)
-    prefill_all = missing * per_token
+    prefill_all = missing * per_token + causal_pairs(missing, prefix_tokens) * per_pair
     restored = np.minimum(missing, restorable_bytes // kv_bytes_per_token)
     shard = np.ceil(restored * kv_bytes_per_token / group_size)
     restore = shard / slowest_h2d
     restore = np.where(from_host, restore, np.maximum(restore, shard * group_size / nvme_read))
-    seconds: np.ndarray = np.where(
-        restorable_bytes > 0, np.minimum(prefill_all, restore + (missing - restored) * per_token), prefill_all
-    )
+    rest = missing - restored
+    restore = restore + rest * per_token + causal_pairs(rest, prefix_tokens + restored) * per_pair
+    seconds: np.ndarray = np.where(restorable_bytes > 0, np.minimum(prefill_all, restore), prefill_all)
     return seconds
 
 

@@ -23,8 +23,9 @@ What is modelled (the same cost model as the planner, `planner/costs.py`):
   shards one by one) or, where its kind cannot sleep, a stop. A sleeping engine's residue gives
   way to loads (the engine stops) unless it is adopted. On `vllm` and
   `sglang` a MoE's GPU expert share is fixed while the instance runs.
-* **Compute**: prefill is compute-bound (`costs.prefill_seconds_per_token`
-  on the serving group, a tensor-parallel group's all-reduce included) and serialised per GPU (one prefill at a time on a
+* **Compute**: prefill is compute-bound (`costs.prefill_seconds` on the serving
+  group: per token, a tensor-parallel group's all-reduce included, plus the
+  attention, which grows with the context) and serialised per GPU (one prefill at a time on a
   card, which models sharing the card take in turn: a prefill starts when
   every card of its group is free); decode is memory-bound
   (`costs.decode_seconds_per_token`: a step reads the active weights and the
@@ -616,7 +617,7 @@ class Simulator(SimState):
         host_tokens = min(self.host_tokens[kv], computed) if self.cluster.bytes_of(kv, Location.host(state.node)) else 0
         restorable = max(0, host_tokens - have)
         node = self.problem.nodes[state.node]
-        restored, _ = costs.kv_ready(missing, restorable * kvpt, model, group, Tier.HOST, node, self.c)
+        restored, _ = costs.kv_ready(missing, restorable * kvpt, model, group, Tier.HOST, node, self.c, have)
         if restored > 0:
             self._restore(req, state, kv, restored, math.ceil(restored * kvpt / len(group)), missing - restored)
             return True
@@ -645,14 +646,15 @@ class Simulator(SimState):
     def _compute(self, req: SimRequest, state: ModelState, reprefill_tokens: int) -> None:
         """Re-prefill the uncovered history, prefill the input, decode: once every card of the group is free."""
         model = self.problem.models[req.model]
-        per_token = costs.prefill_seconds_per_token(model, state.gpus, self.c)
         free_at = self.compute_free_at
         start = max(self.now, *(free_at[g.id] for g in state.gpus))
         req.prefill_queue_seconds = start - self.now
         req.reprefill_tokens = reprefill_tokens
         req.degraded = state.precision != model.preferred
-        ready = start + reprefill_tokens * per_token
-        first_token = ready + req.input_tokens * per_token
+        # the re-prefill follows the history the group holds or restored, the input follows the whole history
+        history = req.history_tokens
+        ready = start + costs.prefill_seconds(reprefill_tokens, history - reprefill_tokens, model, state.gpus, self.c)
+        first_token = ready + costs.prefill_seconds(req.input_tokens, history, model, state.gpus, self.c)
         for g in state.gpus:
             free_at[g.id] = first_token
         req.switch_seconds = ready - req.admitted_at

@@ -126,7 +126,8 @@ def tensor_parallel_scenario() -> Scenario:
 
     Prefill per token: 2 * 2.5e8 / (2 * 1e12 * 0.5) = 5e-4 s of compute, plus the all-reduce:
     2 per layer * 10 layers * 2 (2 - 1) / 2 * 2500 * 2 B = 100,000 B at 1 GB/s (the cards give no peer rate:
-    their h2d stands in) = 1e-4 s; 6e-4 s in all.
+    their h2d stands in) = 1e-4 s; 6e-4 s in all. Attention: 10 layers * 2 * 20 heads * (125 + 125) =
+    100,000 FLOPs per (query, key) pair, 1e-7 s on the pair of cards.
     """
     data = tiny_scenario(3 * GB).model_dump(mode="json", exclude_none=True)
     node = data["cluster"]["nodes"][0]
@@ -144,7 +145,7 @@ def tensor_parallel_scenario() -> Scenario:
     return parse_scenario(data)
 
 
-def test_a_tensor_parallel_groups_all_reduce_is_priced_alike_by_planner_and_replay() -> None:
+def test_a_tensor_parallel_groups_all_reduce_and_attention_are_priced_alike_by_planner_and_replay() -> None:
     scenario = tensor_parallel_scenario()
     policy = ArrivalSnapshot()
     sim = Simulator(scenario, tiny_trace(), policy)
@@ -165,5 +166,7 @@ def test_a_tensor_parallel_groups_all_reduce_is_priced_alike_by_planner_and_repl
     assert costs.prefill_seconds_per_token(model, cold.gpus, problem.constants) == pytest.approx(6e-4, rel=1e-12)
     predicted = cold.seconds + kv_ready(problem, index_now, model, "s1", "n1", cold.gpus, 0)
     assert predicted == pytest.approx(handoff.switch_seconds, abs=1e-9)
-    # the 1000-token history re-prefills at 6e-4 s/token: 0.6 s, of which the all-reduce is 0.1 s
-    assert handoff.parts["reprefill"] == pytest.approx(0.6, abs=1e-9)
+    # the 1000-token history re-prefills at 6e-4 s/token, 0.6 s of which the all-reduce is 0.1 s, plus its
+    # 1000 * 1001 / 2 = 500,500 causal pairs at 1e-7 s: 0.05005 s
+    assert costs.attention_seconds_per_pair(model, cold.gpus, problem.constants) == pytest.approx(1e-7, rel=1e-12)
+    assert handoff.parts["reprefill"] == pytest.approx(0.65005, abs=1e-9)

@@ -239,6 +239,18 @@ class Architecture:
         return 0 if self.tie_word_embeddings else self.vocab_size * self.hidden_size
 
     @property
+    def attention_flops_per_pair(self) -> int:
+        """FLOPs of one (query, key) pair of a prefill, summed over the layers: 2 per multiply-add of q . k over
+        the query-key width and of the attention weight times v over the value width, in every head. MLA
+        prefills with full heads (qk_nope + qk_rope wide, v_head_dim values); GQA shares K and V between
+        query heads, which saves no FLOPs."""
+        if self.attention == AttentionKind.mla:
+            qk, v = self.qk_nope_head_dim + self.qk_rope_head_dim, self.v_head_dim
+        else:
+            qk = v = self.head_dim
+        return self.num_layers * 2 * self.num_attention_heads * (qk + v)
+
+    @property
     def attention_params(self) -> int:
         """Weights of one layer's attention block (formulas attn_gqa_params / attn_mla_params)."""
         h, nh = self.hidden_size, self.num_attention_heads

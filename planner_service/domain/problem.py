@@ -35,6 +35,9 @@ class Gpu:
     bf16_flops: float
     h2d_bytes_per_s: float
     d2h_bytes_per_s: float
+    # GPU -> GPU rate of the link a tensor-parallel all-reduce crosses (the preset's `peer_bytes_per_s`;
+    # 0: unknown, the card's h2d rate stands in: a peer copy crosses the same PCIe link)
+    peer_bytes_per_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +82,13 @@ class ModelSpec:
     # the longest request its engines serve, in tokens (0: unknown): an engine's KV pool must hold one such
     # request (engines.min_kv_pool_bytes_per_gpu)
     max_context_tokens: int = 0
+    # decoder layers and hidden size, where the preset or config gives them (0: unknown): what a tensor-parallel
+    # group all-reduces per token (costs.tp_allreduce_seconds_per_token)
+    num_layers: int = 0
+    hidden_size: int = 0
+    # prefill FLOPs of one (query, key) pair over all layers (Architecture.attention_flops_per_pair; 0: unknown,
+    # prefill priced linear in tokens): what the attention adds as the context grows
+    attention_flops_per_pair: int = 0
 
     @property
     def is_moe(self) -> bool:
@@ -220,6 +230,9 @@ def resolve_model(spec: ModelIn, where: str) -> ModelSpec:
         min_gpus=MappingProxyType(dict(spec.min_gpus)),
         attention_heads=arch.num_attention_heads if arch is not None else 0,
         max_context_tokens=spec.max_context_tokens or (arch.max_position_embeddings if arch is not None else 0),
+        num_layers=arch.num_layers if arch is not None else 0,
+        hidden_size=arch.hidden_size if arch is not None else 0,
+        attention_flops_per_pair=arch.attention_flops_per_pair if arch is not None else 0,
     )
 
 
@@ -251,6 +264,7 @@ def _resolve_gpus(scenario: Scenario) -> dict[str, Gpu]:
                 bf16_flops=pick(g.bf16_flops, base.bf16_flops if base else None),
                 h2d_bytes_per_s=h2d,
                 d2h_bytes_per_s=pick(g.d2h_bytes_per_s, base.d2h_bytes_per_s if base else h2d),
+                peer_bytes_per_s=base.peer_bytes_per_s if base else 0.0,
             )
     return gpus
 

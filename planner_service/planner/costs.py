@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from operator import attrgetter, truediv
+from typing import Any, overload
 
 import numpy as np
 
@@ -24,9 +25,18 @@ _NVME = Tier.NVME  # bound once: on Python 3.11 an `Enum.MEMBER` lookup costs ab
 _H2D = attrgetter("h2d_bytes_per_s")
 _HBM = attrgetter("hbm_bytes_per_s")
 _FLOPS = attrgetter("bf16_flops")
+_PEER = attrgetter("peer_bytes_per_s")
 _pipelined = engines.pipelined_copy_seconds
 
 HBM_EFFICIENCY = 0.8  # achieved / spec HBM bandwidth (aiconfigurator, InferSim; perf_anchors.md section 6)
+
+# A tensor-parallel group sums each layer's partial outputs twice per token: after the attention's o_proj and
+# after the MLP's down_proj (or the routed experts), both RowParallelLinear, whose forward all-reduces when
+# reduce_results and tp_size > 1 (vllm/model_executor/layers/linear.py; vllm/model_executor/models/llama.py).
+ALLREDUCES_PER_LAYER = 2
+# The reduced hidden state is in the model's dtype: bfloat16 for every preset, fp8 checkpoints included
+# (config.json torch_dtype, ../shared/data/hf_configs).
+ACTIVATION_BYTES = 2
 
 # The CPU's rate on routed experts it computes from host DRAM (KTransformers, llama.cpp `--override-tensor
 # exps=CPU`), measured, not assumed: KTransformers decodes DeepSeek-V3/R1 at Q4_K_M with every routed
@@ -89,15 +99,75 @@ def write_down_seconds(nbytes: int, gpu: Gpu | None, target: Tier, node: Node) -
     return t
 
 
+def tp_allreduce_seconds_per_token(model: ModelSpec, gpus: Sequence[Gpu]) -> float:
+    """What a tensor-parallel group of p = len(gpus) cards spends per token summing its partial outputs.
+
+    Each of the model's layers all-reduces its hidden state twice per token (ALLREDUCES_PER_LAYER), a message
+    of hidden_size * ACTIVATION_BYTES bytes. A ring all-reduce sends 2 (p - 1) / p of the message out of each
+    card (NCCL's bus bandwidth: NVIDIA/nccl-tests doc/PERFORMANCE.md), over the slowest link of the group:
+        bytes/token = ALLREDUCES_PER_LAYER * layers * 2 (p - 1) / p * hidden_size * ACTIVATION_BYTES   [B]
+        t/token     = bytes/token / min_i peer_i                                              [B / (B/s)]
+    with peer_i the card's GPU -> GPU rate (`Gpu.peer_bytes_per_s`; its h2d rate where that is unknown).
+    It is serial with the compute (the next layer needs the sum) and the same per prefilled and per decoded
+    token; 0 for one card, or where the model's layers or hidden size are unknown. The per-call latency of
+    a small all-reduce is left out: this is the bandwidth term alone.
+    """
+    p = len(gpus)
+    if p < 2 or not model.num_layers or not model.hidden_size:
+        return 0.0
+    link: float = min(peer or h2d for peer, h2d in zip(map(_PEER, gpus), map(_H2D, gpus), strict=True))
+    sent = ALLREDUCES_PER_LAYER * model.num_layers * 2 * (p - 1) / p * model.hidden_size * ACTIVATION_BYTES
+    return sent / link
+
+
 def prefill_seconds_per_token(model: ModelSpec, gpus: Sequence[Gpu], constants: CostConstants) -> float:
-    """Compute-bound prefill: 2 FLOPs per active parameter per token, on the group's dense bf16 FLOP/s.
+    """Compute-bound prefill: 2 FLOPs per active parameter per token, on the group's dense bf16 FLOP/s, plus
+    the tensor-parallel all-reduce of a group of several cards.
 
         t/token = 2 * active_params / (sum_i bf16_flops_i * prefill_efficiency)   [FLOP / (FLOP/s)]
-    (The attention term that grows with context is left out: at agent context
-    lengths the weight GEMMs dominate.)
+                  + tp_allreduce_seconds_per_token(model, gpus)                    [s]
+    The attention, which grows with the context, is `attention_seconds_per_pair` (`prefill_seconds`).
     """
     flops: float = sum(map(_FLOPS, gpus)) * constants.prefill_efficiency
-    return 2 * model.active_params / flops
+    return 2 * model.active_params / flops + tp_allreduce_seconds_per_token(model, gpus)
+
+
+@overload
+def causal_pairs(tokens: float, prefix_tokens: float) -> float: ...
+@overload
+def causal_pairs(tokens: np.ndarray, prefix_tokens: np.ndarray | float) -> np.ndarray: ...
+def causal_pairs(tokens: Any, prefix_tokens: Any) -> Any:
+    """(query, key) pairs a causal prefill of `tokens` computes after `prefix_tokens` already cached: each new
+    token attends to the prefix, the new tokens before it and itself.
+
+        pairs = tokens * prefix + tokens * (tokens + 1) / 2
+    Numbers or numpy arrays alike."""
+    return tokens * prefix_tokens + tokens * (tokens + 1) / 2
+
+
+def attention_seconds_per_pair(model: ModelSpec, gpus: Sequence[Gpu], constants: CostConstants) -> float:
+    """Prefill seconds of one (query, key) pair, on the group's dense bf16 FLOP/s at the prefill efficiency:
+
+        t/pair = attention_flops_per_pair / (sum_i bf16_flops_i * prefill_efficiency)   [FLOP / (FLOP/s)]
+    (attention_flops_per_pair = layers * 2 * heads * (qk_head_dim + v_head_dim): 4 * layers * heads * head_dim
+    for GQA). 0 where the model's shape is unknown."""
+    flops: float = sum(map(_FLOPS, gpus)) * constants.prefill_efficiency
+    return model.attention_flops_per_pair / flops
+
+
+def prefill_seconds(
+    tokens: int, prefix_tokens: int, model: ModelSpec, gpus: Sequence[Gpu], constants: CostConstants
+) -> float:
+    """Prefill of `tokens` after `prefix_tokens` of cached context: the weights' per-token cost plus the
+    attention, which grows with the context (quadratic in a prefill from scratch):
+
+        t = tokens * prefill_seconds_per_token + causal_pairs(tokens, prefix) * attention_seconds_per_pair
+    """
+    if tokens <= 0:
+        return 0.0
+    return tokens * prefill_seconds_per_token(model, gpus, constants) + causal_pairs(
+        tokens, prefix_tokens
+    ) * attention_seconds_per_pair(model, gpus, constants)
 
 
 def kv_ready_seconds(
@@ -108,14 +178,16 @@ def kv_ready_seconds(
     source: Tier,
     node: Node,
     constants: CostConstants,
+    prefix_tokens: int = 0,
 ) -> float:
     """Make a session's KV ready on GPU: restore what a lower tier holds, or re-prefill; the cheaper.
+    The missing tokens follow `prefix_tokens` already on the group; restored ones come first.
 
-    restore  = copy(restorable) + prefill(missing - restorable tokens)
-    prefill  = prefill(missing tokens)
+    restore  = copy(restorable) + prefill(missing - restorable tokens after prefix + restorable)
+    prefill  = prefill(missing tokens after prefix)          (`prefill_seconds`)
     t        = min(restore, prefill)       (LMCache's load-or-prefill crossover)
     """
-    return kv_ready(missing_tokens, restorable_bytes, model, gpus, source, node, constants)[1]
+    return kv_ready(missing_tokens, restorable_bytes, model, gpus, source, node, constants, prefix_tokens)[1]
 
 
 def kv_ready(
@@ -126,18 +198,25 @@ def kv_ready(
     source: Tier,
     node: Node,
     constants: CostConstants,
+    prefix_tokens: int = 0,
 ) -> tuple[int, float]:
     """`kv_ready_seconds` with its choice: (tokens to restore, 0 to re-prefill them all; seconds). A restore
     is chosen only where it is strictly cheaper; its copy is one even shard per GPU of the group."""
     if missing_tokens <= 0:
         return 0, 0.0
     per_token = prefill_seconds_per_token(model, gpus, constants)
-    prefill_all = missing_tokens * per_token
+    per_pair = attention_seconds_per_pair(model, gpus, constants)
+    prefill_all = missing_tokens * per_token + causal_pairs(missing_tokens, prefix_tokens) * per_pair
     if restorable_bytes <= 0 or model.kv_bytes_per_token == 0:
         return 0, prefill_all
     restored_tokens = min(missing_tokens, restorable_bytes // model.kv_bytes_per_token)
     shard = math.ceil(restored_tokens * model.kv_bytes_per_token / len(gpus))
-    restore = even_copy_seconds(shard, gpus, source, node) + (missing_tokens - restored_tokens) * per_token
+    rest = missing_tokens - restored_tokens
+    restore = (
+        even_copy_seconds(shard, gpus, source, node)
+        + rest * per_token
+        + causal_pairs(rest, prefix_tokens + restored_tokens) * per_pair
+    )
     return (restored_tokens, restore) if restore < prefill_all else (0, prefill_all)
 
 
@@ -150,6 +229,8 @@ def kv_ready_seconds_grouped(
     slowest_h2d: np.ndarray | float,
     nvme_read: np.ndarray | float,
     per_token: np.ndarray | float,
+    per_pair: np.ndarray | float = 0.0,
+    prefix_tokens: np.ndarray | int = 0,
 ) -> np.ndarray:
     """`kv_ready_seconds` for many sessions at once, of one or several models and groups: each parameter
     is an array with one entry per session, or one number for all (KV bytes per token must not be 0).
@@ -157,17 +238,18 @@ def kv_ready_seconds_grouped(
     restore is the same even split over the group as `copy_seconds` of equal shards.
 
     `group_size`, `slowest_h2d` and `nvme_read` describe the group the KV is restored onto: its GPU count,
-    its smallest host->GPU bandwidth and its node's NVMe read bandwidth.
+    its smallest host->GPU bandwidth and its node's NVMe read bandwidth; `per_token` and `per_pair` its
+    prefill seconds per token and per attention pair, `prefix_tokens` the tokens already on it.
     """
     missing = np.maximum(missing_tokens, 0)
-    prefill_all = missing * per_token
+    prefill_all = missing * per_token + causal_pairs(missing, prefix_tokens) * per_pair
     restored = np.minimum(missing, restorable_bytes // kv_bytes_per_token)
     shard = np.ceil(restored * kv_bytes_per_token / group_size)
     restore = shard / slowest_h2d
     restore = np.where(from_host, restore, np.maximum(restore, shard * group_size / nvme_read))
-    seconds: np.ndarray = np.where(
-        restorable_bytes > 0, np.minimum(prefill_all, restore + (missing - restored) * per_token), prefill_all
-    )
+    rest = missing - restored
+    restore = restore + rest * per_token + causal_pairs(rest, prefix_tokens + restored) * per_pair
+    seconds: np.ndarray = np.where(restorable_bytes > 0, np.minimum(prefill_all, restore), prefill_all)
     return seconds
 
 
@@ -223,18 +305,25 @@ def decode_seconds_per_token(
     gpu_expert_fraction: float,
     constants: CostConstants,
     *,
+    context_tokens: float = 0.0,
     cpu_experts: bool = False,
     expert_misses: bool = True,
 ) -> float:
-    """Memory-bound decode: a step reads the weights and the active experts once from HBM, plus the MoE miss.
+    """Memory-bound decode: a step reads the weights, the active experts and the request's KV once from HBM,
+    plus the tensor-parallel all-reduce of a group of several cards, plus the MoE miss.
 
-        t/token = (weights_bytes + active_expert_bytes_per_token) / (HBM_EFFICIENCY * sum_i hbm_i)
+        t/token = (weights_bytes + active_expert_bytes_per_token + kv_bytes_per_token * context_tokens)
+                  / (HBM_EFFICIENCY * sum_i hbm_i)                                     [B / (B/s)]
+                  + tp_allreduce_seconds_per_token(model, gpus)
                   + expert_miss_seconds(1 token, f)         (unless `expert_misses` is off)
-    Concurrent requests of a model share its steps (a batch), so this is per request too.
+    `context_tokens` is the context the step attends to (the KV is sharded over the group, each card reading
+    its share). Concurrent requests of a model share its steps (a batch), so the weights are read once for
+    all; each request is priced with its own KV and the all-reduce of a batch of one (a step of b requests
+    reads each one's KV and sends b times the bytes), a lower bound on a loaded group's step.
     """
-    step: float = (model.weights_bytes[precision] + model.active_expert_bytes_per_token) / (
-        HBM_EFFICIENCY * sum(map(_HBM, gpus))
-    )
+    step: float = (
+        model.weights_bytes[precision] + model.active_expert_bytes_per_token + model.kv_bytes_per_token * context_tokens
+    ) / (HBM_EFFICIENCY * sum(map(_HBM, gpus))) + tp_allreduce_seconds_per_token(model, gpus)
     if not model.is_moe or not expert_misses:
         return step
     return step + expert_miss_seconds(1, model, gpu_expert_fraction, gpus, constants, cpu_experts)

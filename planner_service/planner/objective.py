@@ -186,14 +186,17 @@ def kv_ready(
     if kv_per_token == 0:
         return 0.0
     needed_tokens = problem.sessions[session].context_tokens
-    missing = needed_tokens - gpu_kv // kv_per_token
+    held = gpu_kv // kv_per_token
+    missing = needed_tokens - held
     if missing <= 0:
         return 0.0
     obj = StateObject.kv(model.id, session)
     host = index.on(obj, node, _HOST)
     nvme = index.on(obj, node, _NVME)
     source, restorable = (_HOST, host) if host >= nvme else (_NVME, nvme)
-    return costs.kv_ready_seconds(missing, restorable, model, gpus, source, problem.nodes[node], problem.constants)
+    return costs.kv_ready_seconds(
+        missing, restorable, model, gpus, source, problem.nodes[node], problem.constants, held
+    )
 
 
 # one model's sessions for `_kv_ready_of`: (index, row, model, node, gpus, on_gpus, per_token, sessions)
@@ -237,17 +240,19 @@ def _kv_ready_of(
         counts.append(len(ids))
         sizes.append((model.kv_bytes_per_token or 1, len(gpus)))
         group_h2d = min(g.h2d_bytes_per_s for g in gpus)
-        links.append((group_h2d, problem.nodes[node].nvme_read_bytes_per_s, group_per_token))
+        per_pair = costs.attention_seconds_per_pair(model, gpus, problem.constants)
+        links.append((group_h2d, problem.nodes[node].nvme_read_bytes_per_s, group_per_token, per_pair))
     # one entry per session (integers and rates repeated apart: bytes stay integers)
     # (array methods rather than numpy's module functions, which add a Python call each: same results)
     kv_per_token, group_size = np.array(sizes).repeat(counts, axis=0).T
-    slowest_h2d, nvme_read, per_token = np.array(links, dtype=float).repeat(counts, axis=0).T
-    missing = np.array(tokens) - np.array(held) // kv_per_token
+    slowest_h2d, nvme_read, per_token, per_pair = np.array(links, dtype=float).repeat(counts, axis=0).T
+    prefix = np.array(held) // kv_per_token
+    missing = np.array(tokens) - prefix
     host_bytes, nvme_bytes = np.maximum(np.array(host), 0), np.maximum(np.array(nvme), 0)
     from_host = host_bytes >= nvme_bytes
     restorable = np.where(from_host, host_bytes, nvme_bytes)
     seconds = costs.kv_ready_seconds_grouped(
-        missing, restorable, from_host, kv_per_token, group_size, slowest_h2d, nvme_read, per_token
+        missing, restorable, from_host, kv_per_token, group_size, slowest_h2d, nvme_read, per_token, per_pair, prefix
     )
     return rows, columns, np.where(missing > 0, seconds, 0.0)
 
@@ -315,6 +320,7 @@ def evaluate(
     rows: list[int] = []  # rows of `demand.q` predicted
     ready: list[float] = []  # per predicted model: seconds until its weights are ready
     per_token: list[float] = []  # prefill seconds per token where it would run (0: nowhere)
+    per_pair: list[float] = []  # prefill seconds per attention pair there (0: nowhere)
     slowdowns: list[float] = []
     degrades: list[float] = []
     # for `_kv_ready_of`: the active requests' KV first (`arrivals` entries), then the predicted ones'
@@ -339,16 +345,18 @@ def evaluate(
                 weights_ready, node, gpus = cold.seconds, cold.node, cold.gpus
             slowdown = costs.decode_slowdown_seconds(model, 0.0, gpus, c) if gpus else 0.0
             degrade = 0.0  # already inside cold.seconds
-        seconds = 0.0  # no node: no KV to ready either
+        seconds = pair = 0.0  # no node: no KV to ready either
         if node is not None:
             # no KV anywhere: re-prefill the whole history; sessions holding some KV are priced below
             seconds = costs.prefill_seconds_per_token(model, gpus, c)
+            pair = costs.attention_seconds_per_pair(model, gpus, c)
             holders = then.kv_sessions.get(model.id)
             if holders:
                 held.append((then, len(rows), model, node, gpus, serving is not None, seconds, holders))
         rows.append(row)
         ready.append(weights_ready)
         per_token.append(seconds)
+        per_pair.append(pair)
         slowdowns.append(slowdown)
         degrades.append(degrade)
     at, columns, kv_seconds = _kv_ready_of(problem, position, held) if held else ([], [], np.zeros(0))
@@ -366,7 +374,7 @@ def evaluate(
     target_terms.append(np.array(arrival_target))
 
     if rows:
-        kv = np.multiply.outer(per_token, context)
+        kv = np.multiply.outer(per_token, context) + np.multiply.outer(per_pair, costs.causal_pairs(context, 0))
         if len(columns) > arrivals:  # sessions holding some KV of predicted models
             kv[at[arrivals:], columns[arrivals:]] = kv_seconds[arrivals:]
         latency = np.array(ready)[:, None] + kv

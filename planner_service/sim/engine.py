@@ -23,12 +23,13 @@ What is modelled (the same cost model as the planner, `planner/costs.py`):
   shards one by one) or, where its kind cannot sleep, a stop. A sleeping engine's residue gives
   way to loads (the engine stops) unless it is adopted. On `vllm` and
   `sglang` a MoE's GPU expert share is fixed while the instance runs.
-* **Compute**: prefill is compute-bound (`costs.prefill_seconds_per_token`
-  on the serving group) and serialised per GPU (one prefill at a time on a
+* **Compute**: prefill is compute-bound (`costs.prefill_seconds` on the serving
+  group: per token, a tensor-parallel group's all-reduce included, plus the
+  attention, which grows with the context) and serialised per GPU (one prefill at a time on a
   card, which models sharing the card take in turn: a prefill starts when
   every card of its group is free); decode is memory-bound
-  (`costs.decode_seconds_per_token`: a step reads the active weights from
-  HBM, plus the planner's MoE miss rule `costs.expert_miss_seconds`: a
+  (`costs.decode_seconds_per_token`: a step reads the active weights and the
+  request's KV from HBM, plus the group's all-reduce, plus the planner's MoE miss rule `costs.expert_miss_seconds`: a
   missed routed expert is streamed over PCIe or, where host DRAM holds the
   experts, computed by the CPU (KTransformers), the cheaper). Concurrent requests of one model on its
   group share decode steps (a batch), so decode does not slow down with the
@@ -616,7 +617,7 @@ class Simulator(SimState):
         host_tokens = min(self.host_tokens[kv], computed) if self.cluster.bytes_of(kv, Location.host(state.node)) else 0
         restorable = max(0, host_tokens - have)
         node = self.problem.nodes[state.node]
-        restored, _ = costs.kv_ready(missing, restorable * kvpt, model, group, Tier.HOST, node, self.c)
+        restored, _ = costs.kv_ready(missing, restorable * kvpt, model, group, Tier.HOST, node, self.c, have)
         if restored > 0:
             self._restore(req, state, kv, restored, math.ceil(restored * kvpt / len(group)), missing - restored)
             return True
@@ -645,14 +646,15 @@ class Simulator(SimState):
     def _compute(self, req: SimRequest, state: ModelState, reprefill_tokens: int) -> None:
         """Re-prefill the uncovered history, prefill the input, decode: once every card of the group is free."""
         model = self.problem.models[req.model]
-        per_token = costs.prefill_seconds_per_token(model, state.gpus, self.c)
         free_at = self.compute_free_at
         start = max(self.now, *(free_at[g.id] for g in state.gpus))
         req.prefill_queue_seconds = start - self.now
         req.reprefill_tokens = reprefill_tokens
         req.degraded = state.precision != model.preferred
-        ready = start + reprefill_tokens * per_token
-        first_token = ready + req.input_tokens * per_token
+        # the re-prefill follows the history the group holds or restored, the input follows the whole history
+        history = req.history_tokens
+        ready = start + costs.prefill_seconds(reprefill_tokens, history - reprefill_tokens, model, state.gpus, self.c)
+        first_token = ready + costs.prefill_seconds(req.input_tokens, history, model, state.gpus, self.c)
         for g in state.gpus:
             free_at[g.id] = first_token
         req.switch_seconds = ready - req.admitted_at
@@ -662,12 +664,16 @@ class Simulator(SimState):
         parts["prefill_queue"] = req.prefill_queue_seconds
         parts["reprefill"] = ready - start
         req.parts = parts
-        decode = req.output_tokens * self.decode_seconds_per_token(req.model, state)
+        # output token k attends to history + input + k tokens: their mean over the output is exact, the
+        # KV read being linear in the context
+        context = req.history_tokens + req.input_tokens + (req.output_tokens - 1) / 2
+        decode = req.output_tokens * self.decode_seconds_per_token(req.model, state, context)
         self.push(first_token + decode, "done", req)
 
-    def decode_seconds_per_token(self, model_id: str, state: ModelState) -> float:
-        """`costs.decode_seconds_per_token` on the serving group, at the share of the model's routed experts on
-        its node's GPUs; a missed expert is computed by the CPU where host DRAM holds them all."""
+    def decode_seconds_per_token(self, model_id: str, state: ModelState, context_tokens: float = 0.0) -> float:
+        """`costs.decode_seconds_per_token` on the serving group, at `context_tokens` of context and at the
+        share of the model's routed experts on its node's GPUs; a missed expert is computed by the CPU where
+        host DRAM holds them all."""
         model = self.problem.models[model_id]
         fraction = 0.0
         in_dram = False
@@ -681,6 +687,7 @@ class Simulator(SimState):
             state.gpus,
             fraction,
             self.c,
+            context_tokens=context_tokens,
             cpu_experts=in_dram,
             expert_misses=self.expert_miss_decode,
         )

@@ -327,7 +327,7 @@ class GatewayModel:
         start = max(sim.now, *(self.card_free_at.get(g.id, 0.0) for g in state.gpus))
         if self.eager:  # it queues with the real prefills, and they queue behind it
             start = max(start, *(self.compute_free_at[g.id] for g in state.gpus))
-        ends = start + tokens * costs.prefill_seconds_per_token(model, state.gpus, sim.c)
+        ends = start + costs.prefill_seconds(tokens, 0, model, state.gpus, sim.c)  # the history from its start
         for g in state.gpus:
             self.card_free_at[g.id] = ends
             if self.eager:

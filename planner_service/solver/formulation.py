@@ -328,7 +328,9 @@ class _Builder:
             latency = np.full(len(sessions), c.unserved_penalty_seconds)
             slowdown = 0.0
         else:
-            kv = context * costs.prefill_seconds_per_token(model, cold.gpus, c)
+            kv = context * costs.prefill_seconds_per_token(model, cold.gpus, c) + costs.causal_pairs(
+                context, 0
+            ) * costs.attention_seconds_per_pair(model, cold.gpus, c)
             for sid in self.lower.kv_sessions.get(model.id, ()):
                 if sid in position:
                     kv[position[sid]] = kv_ready(self.p, self.lower, model, sid, cold.node, cold.gpus, 0)
@@ -395,7 +397,9 @@ class _Builder:
                 )
             # predicted requests: weights ready; KV ready from the lower tiers unless k puts it on GPU
             invalidated = current is not None and current.precision != o.precision
-            kv = context * costs.prefill_seconds_per_token(model, o.gpus, c)
+            kv = context * costs.prefill_seconds_per_token(model, o.gpus, c) + costs.causal_pairs(
+                context, 0
+            ) * costs.attention_seconds_per_pair(model, o.gpus, c)
             if not invalidated:
                 for sid in holders_low:
                     if sid in position:

@@ -10,12 +10,21 @@ from planner_service.sim.engine import base_problem, simulate
 from planner_service.sim.floor import handoff_reprefill_floor
 from planner_service.sim.policies import create_policy
 from planner_service.sim.report import comparison, replay
+from tests.sim.test_one_cost_model import tensor_parallel_scenario
 
 
 def test_hand_checked_floor_of_the_tiny_trace() -> None:
     # b at 100 s has never seen the session: its 1000-token history at 1 ms/token; a at 200 s covers the
     # history up to its own turn (1000 tokens) and prefills b's 1000
     assert handoff_reprefill_floor(base_problem(tiny_scenario()), tiny_trace()) == pytest.approx([1.0, 1.0])
+
+
+def test_the_floor_prices_the_all_reduce_and_the_attention() -> None:
+    # test_one_cost_model's two cards: 6e-4 s a token on both (1e-3 on one), 1e-7 s an attention pair.
+    # b at 100 s: 1000 tokens from the start, 0.6 s + 500,500 pairs (0.05005 s); a at 200 s: b's 1000 tokens
+    # after the 1000 a's KV covers, 0.6 s + 1000 * 1000 + 500,500 pairs (0.15005 s)
+    problem = base_problem(tensor_parallel_scenario())
+    assert handoff_reprefill_floor(problem, tiny_trace()) == pytest.approx([0.65005, 0.75005], abs=1e-9)
 
 
 def test_the_floor_prices_a_model_on_its_fastest_node() -> None:

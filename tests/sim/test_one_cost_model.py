@@ -9,8 +9,9 @@ from types import MappingProxyType
 import pytest
 
 from planner_service.domain.problem import Session
-from planner_service.domain.scenario import Slo
+from planner_service.domain.scenario import Scenario, Slo, parse_scenario
 from planner_service.domain.state import Kind, Location, StateObject, Tier
+from planner_service.planner import costs
 from planner_service.planner.objective import cold_load, kv_ready
 from planner_service.planner.residency import ResidencyIndex
 from planner_service.sim.engine import Simulator
@@ -117,3 +118,55 @@ def test_the_planners_latency_for_a_hand_off_onto_a_stopped_or_sleeping_engine_e
     predicted = cold.seconds + kv_ready(problem, index_now, problem.models[model], "s1", "n1", cold.gpus, 0)
     assert predicted == pytest.approx(handoff.switch_seconds, abs=1e-9)
     assert predicted == pytest.approx(expected, abs=1e-6)
+
+
+def tensor_parallel_scenario() -> Scenario:
+    """`tiny_scenario`'s node with two 3 GB cards, so each 4 GB model runs on both (tensor parallel 2), and
+    models whose config gives 10 layers of hidden size 2500 (sizes, KV and parameters as tiny_scenario's).
+
+    Prefill per token: 2 * 2.5e8 / (2 * 1e12 * 0.5) = 5e-4 s of compute, plus the all-reduce:
+    2 per layer * 10 layers * 2 (2 - 1) / 2 * 2500 * 2 B = 100,000 B at 1 GB/s (the cards give no peer rate:
+    their h2d stands in) = 1e-4 s; 6e-4 s in all. Attention: 10 layers * 2 * 20 heads * (125 + 125) =
+    100,000 FLOPs per (query, key) pair, 1e-7 s on the pair of cards.
+    """
+    data = tiny_scenario(3 * GB).model_dump(mode="json", exclude_none=True)
+    node = data["cluster"]["nodes"][0]
+    node["gpus"].append({**node["gpus"][0], "id": "g1"})
+    config = {
+        "model_type": "llama",
+        "num_hidden_layers": 10,
+        "hidden_size": 2500,
+        "num_attention_heads": 20,
+        "intermediate_size": 10000,
+        "vocab_size": 1000,
+    }
+    for model in data["models"]:
+        model["config"] = config
+    return parse_scenario(data)
+
+
+def test_a_tensor_parallel_groups_all_reduce_and_attention_are_priced_alike_by_planner_and_replay() -> None:
+    scenario = tensor_parallel_scenario()
+    policy = ArrivalSnapshot()
+    sim = Simulator(scenario, tiny_trace(), policy)
+    handoff = sim.run().requests[1]
+    model = sim.problem.models["b"]
+    assert (model.num_layers, model.hidden_size) == (10, 2500)
+    residency, history, asleep = policy.seen[1]
+    session = Session("s1", "s1", Slo.INTERACTIVE, "b", True, history)
+    problem = dataclasses.replace(
+        sim.problem,
+        sessions=MappingProxyType({"s1": session}),
+        residency=MappingProxyType(residency),
+        observed_engines=asleep,
+    )
+    index_now = ResidencyIndex.build(problem, residency)
+    cold = cold_load(problem, index_now, model, index_now)
+    assert len(cold.gpus) == 2
+    assert costs.prefill_seconds_per_token(model, cold.gpus, problem.constants) == pytest.approx(6e-4, rel=1e-12)
+    predicted = cold.seconds + kv_ready(problem, index_now, model, "s1", "n1", cold.gpus, 0)
+    assert predicted == pytest.approx(handoff.switch_seconds, abs=1e-9)
+    # the 1000-token history re-prefills at 6e-4 s/token, 0.6 s of which the all-reduce is 0.1 s, plus its
+    # 1000 * 1001 / 2 = 500,500 causal pairs at 1e-7 s: 0.05005 s
+    assert costs.attention_seconds_per_pair(model, cold.gpus, problem.constants) == pytest.approx(1e-7, rel=1e-12)
+    assert handoff.parts["reprefill"] == pytest.approx(0.65005, abs=1e-9)

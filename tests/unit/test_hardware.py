@@ -26,6 +26,7 @@ def test_preset_numbers_positive_and_sourced(name: str) -> None:
     assert gpu.bf16_flops > 0
     assert gpu.h2d_bytes_per_s > 0
     assert gpu.d2h_bytes_per_s > 0
+    assert gpu.peer_bytes_per_s > 0
     assert gpu.source
     # Measured host links sit below the PCIe per-direction peak (gpus.json: Gen5 x16 = 63 GB/s).
     assert gpu.h2d_bytes_per_s < 63e9
@@ -48,7 +49,7 @@ def test_unknown_gpu_lists_names() -> None:
 
 def test_gpu_spec_rejects_non_positive() -> None:
     with pytest.raises(ValueError, match="hbm_bytes"):
-        GpuSpec("bad", 0, 1.0, 1.0, 1.0, 1.0, "test")
+        GpuSpec("bad", 0, 1.0, 1.0, 1.0, 1.0, 1.0, "test")
 
 
 def test_presets_are_read_only() -> None:

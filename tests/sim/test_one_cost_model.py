@@ -8,7 +8,7 @@ from types import MappingProxyType
 
 import pytest
 
-from planner_service.domain.problem import Session
+from planner_service.domain.problem import Problem, Session
 from planner_service.domain.scenario import Scenario, Slo, parse_scenario
 from planner_service.domain.state import Kind, Location, StateObject, Tier
 from planner_service.planner import costs
@@ -86,6 +86,23 @@ class ArrivalSnapshot(LruPolicy):
         super().on_arrival(sim, req)
 
 
+def at_hand_off(scenario: Scenario, index: int, model: str) -> tuple[Problem, SimRequest]:
+    """The replay of `tiny_trace` on `scenario`, and the planner's problem as its request `index` (a hand-off
+    of session s1 to `model`) arrives: the residency, history and sleeping engines the replay had then."""
+    policy = ArrivalSnapshot()
+    sim = Simulator(scenario, tiny_trace(), policy)
+    handoff = sim.run().requests[index]
+    residency, history, asleep = policy.seen[index]
+    session = Session("s1", "s1", Slo.INTERACTIVE, model, True, history)
+    problem = dataclasses.replace(
+        sim.problem,
+        sessions=MappingProxyType({"s1": session}),
+        residency=MappingProxyType(residency),
+        observed_engines=asleep,
+    )
+    return problem, handoff
+
+
 @pytest.mark.parametrize(
     ("index", "model", "expected"),
     [
@@ -100,18 +117,8 @@ class ArrivalSnapshot(LruPolicy):
 def test_the_planners_latency_for_a_hand_off_onto_a_stopped_or_sleeping_engine_equals_the_replays(
     index: int, model: str, expected: float
 ) -> None:
-    policy = ArrivalSnapshot()
-    sim = Simulator(tiny_scenario(6 * GB), tiny_trace(), policy)
-    handoff = sim.run().requests[index]
-    residency, history, asleep = policy.seen[index]
-    session = Session("s1", "s1", Slo.INTERACTIVE, model, True, history)
-    problem = dataclasses.replace(
-        sim.problem,
-        sessions=MappingProxyType({"s1": session}),
-        residency=MappingProxyType(residency),
-        observed_engines=asleep,
-    )
-    index_now = ResidencyIndex.build(problem, residency)
+    problem, handoff = at_hand_off(tiny_scenario(6 * GB), index, model)
+    index_now = ResidencyIndex.build(problem, problem.residency)
     assert model not in index_now.serving  # its engine is stopped or asleep
     cold = cold_load(problem, index_now, problem.models[model], index_now)
     assert cold.node == "n1"
@@ -146,21 +153,10 @@ def tensor_parallel_scenario() -> Scenario:
 
 
 def test_a_tensor_parallel_groups_all_reduce_and_attention_are_priced_alike_by_planner_and_replay() -> None:
-    scenario = tensor_parallel_scenario()
-    policy = ArrivalSnapshot()
-    sim = Simulator(scenario, tiny_trace(), policy)
-    handoff = sim.run().requests[1]
-    model = sim.problem.models["b"]
+    problem, handoff = at_hand_off(tensor_parallel_scenario(), 1, "b")
+    model = problem.models["b"]
     assert (model.num_layers, model.hidden_size) == (10, 2500)
-    residency, history, asleep = policy.seen[1]
-    session = Session("s1", "s1", Slo.INTERACTIVE, "b", True, history)
-    problem = dataclasses.replace(
-        sim.problem,
-        sessions=MappingProxyType({"s1": session}),
-        residency=MappingProxyType(residency),
-        observed_engines=asleep,
-    )
-    index_now = ResidencyIndex.build(problem, residency)
+    index_now = ResidencyIndex.build(problem, problem.residency)
     cold = cold_load(problem, index_now, model, index_now)
     assert len(cold.gpus) == 2
     assert costs.prefill_seconds_per_token(model, cold.gpus, problem.constants) == pytest.approx(6e-4, rel=1e-12)

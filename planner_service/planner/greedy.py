@@ -986,8 +986,9 @@ class GreedyPlanner:
         For each width k the candidate is the tightest k GPUs that hold an even
         shard (min_gpus respected). The widest prefills and fetches missed
         experts fastest and loads in parallel over the most links, and takes
-        the same bytes of the node as any other width, so it is the one that
-        usually wins; the fewest GPUs (the tightest fit) stays on offer for
+        the same bytes of the node as any other width (on an engine node but
+        for one CUDA context per card, which no price counts), so it is the
+        one that usually wins; the fewest GPUs (the tightest fit) stays on offer for
         nodes of unlike cards, where a wide group may leave a large card's room
         in small pieces. A model whose engine runs on fixed GPUs of the node
         has that group alone, where it fits; a node serving through engines
@@ -1023,7 +1024,7 @@ class GreedyPlanner:
             if roomy is not None and roomy[0] != wide[0]:
                 return [wide, roomy]
         if self._uniform[node_id]:
-            return [wide]  # like cards: the widest is never worse (more FLOP/s and links, the same bytes)
+            return [wide]  # like cards: the widest is never worse (more FLOP/s and links, the same bytes but contexts)
         for k in reversed(widths):  # the fewest GPUs, if fewer than the widest's fit
             if k >= len(wide[0]):
                 break

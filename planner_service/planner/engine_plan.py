@@ -210,6 +210,24 @@ def kept_contexts(states: Mapping[Key, InstanceView]) -> dict[Key, tuple[tuple[s
     }
 
 
+def context_bytes(view: InstanceView) -> int:
+    """GPU bytes per GPU of its group that an instance up (running, or asleep) holds beside its weights and
+    pool: its CUDA context (engines.holdings). Counted on every engine node; the GPU's `reserved_bytes` stays
+    the operator's workspace (on the demo's n1, three TP-4 engines' contexts and a sleeping one's took more
+    than its 2 GiB reserve, and a start ran out of memory)."""
+    up = view.state is not EngineState.STOPPED and bool(view.gpus)
+    return ENGINE_CONSTANTS.context_bytes_per_gpu if up else 0
+
+
+def up_contexts(states: Mapping[Key, InstanceView]) -> dict[str, int]:
+    """GPU -> the bytes of the CUDA contexts of the instances up on it (`context_bytes`)."""
+    out: dict[str, int] = defaultdict(int)
+    for view in states.values():
+        for g in view.gpus if context_bytes(view) else ():
+            out[g] += context_bytes(view)
+    return out
+
+
 def pooled_kv(
     problem: Problem, states: Mapping[Key, InstanceView]
 ) -> dict[Key, tuple[str, tuple[str, ...], dict[tuple[StateObject, Location], int]]]:
@@ -275,12 +293,12 @@ def launched_pools(
     """(node, model) -> the KV pool per GPU each running engine holds now: the one its node reported
     (`Problem.engine_pools`), else the pool the launch rule (engines.launch_kv_pool_bytes_per_gpu) gives for
     the most KV it holds on one GPU of its group, no larger than the room its GPUs have beside everything
-    else confirmed there (the engine runs, so its pool fit) and never below the KV it holds. A pool that LRU
-    has since emptied below its launch size reads smaller: the planner then keeps less KV there than the
-    engine could, never more. `kv_now`: the (model, GPU) KV bytes to derive from, where not the confirmed
+    else confirmed there and the contexts of the instances up in `states` (the engine runs, so its pool fit)
+    and never below the KV it holds. A pool that LRU has since emptied below its launch size reads smaller:
+    the planner then keeps less KV there than the engine could, never more. `kv_now`: the (model, GPU) KV bytes to derive from, where not the confirmed
     placement's."""
     now = kv_per_gpu(problem.residency) if kv_now is None else kv_now
-    used: dict[str, int] = defaultdict(int)
+    used: dict[str, int] = up_contexts(states)  # the contexts of the instances up: the pool fit beside them
     for (_, loc), nbytes in problem.residency.items():
         if loc.tier is Tier.GPU:
             used[loc.id] += nbytes
@@ -366,7 +384,10 @@ def engine_target(
     _expert_share_fixed(problem, out, before, derived)
     after: dict[Key, InstanceView] = {}
     used = _gpu_used(problem, out)
-    # a running engine's pool takes its room whole, the KV in it or not: sleeping residue fits beside it
+    # a running engine's pool takes its room whole, the KV in it or not, and its context is there too:
+    # sleeping residue fits beside them
+    for g, nbytes in up_contexts({k: a for k, a in derived.items() if a.state is EngineState.RUNNING}).items():
+        used[g] += nbytes
     kv_on = kv_per_gpu(out)
     for key, pool in kv_pools(problem, out, derived, before).items():
         for g in derived[key].gpus:

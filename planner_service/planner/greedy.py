@@ -105,6 +105,8 @@ from planner_service.domain.state import Kind, Location, Placement, StateObject,
 from planner_service.domain.units import GIB
 from planner_service.planner import costs, engine_costs, joint
 from planner_service.planner.engine_plan import (
+    ENGINE_CONSTANTS,
+    ENGINE_NODE_KINDS,
     can_leave,
     confirmed_states,
     engine_of,
@@ -128,6 +130,7 @@ _COST_KEY = operator.itemgetter(0)
 _OFFER_BYTES, _OFFER_CHANGE = operator.itemgetter(3), operator.itemgetter(4)  # of `_ExpertTerms.offers`
 # bound once: on Python 3.11 an `Enum.MEMBER` lookup costs about ten global reads
 _GPU, _HOST, _NVME, _KV, _WEIGHTS = Tier.GPU, Tier.HOST, Tier.NVME, Kind.KV, Kind.WEIGHTS
+_CONTEXT = ENGINE_CONSTANTS.context_bytes_per_gpu  # an engine instance's CUDA context, per GPU of its group
 _KV_OFFLOAD, _WEIGHTS_OFFLOAD, _PARTIAL_EXPERTS = (
     Capability.KV_OFFLOAD,
     Capability.WEIGHTS_OFFLOAD,
@@ -170,11 +173,12 @@ class TargetPlan:
 
 
 def _tightest_group(
-    gpus: list[Gpu], free: list[int], k: int, model: ModelSpec, nbytes: int
+    gpus: list[Gpu], free: list[int], k: int, model: ModelSpec, nbytes: int, per_gpu: int = 0
 ) -> tuple[tuple[Gpu, ...], int] | None:
-    """The tightest `k` of a node's GPUs (`gpus` sorted by `free` bytes) that each hold an even shard of `nbytes`,
-    in id order, with their free bytes together; None if there are fewer or the model needs more GPUs there."""
-    share = math.ceil(nbytes / k)
+    """The tightest `k` of a node's GPUs (`gpus` sorted by `free` bytes) that each hold an even shard of `nbytes`
+    and `per_gpu` more (an engine's CUDA context), in id order, with their free bytes together; None if there
+    are fewer or the model needs more GPUs there."""
+    share = math.ceil(nbytes / k) + per_gpu
     start = bisect.bisect_left(free, share)
     if len(gpus) - start < k:
         return None
@@ -185,16 +189,16 @@ def _tightest_group(
 
 
 def _roomiest_group(
-    gpus: list[Gpu], free: list[int], widths: Sequence[int], model: ModelSpec, nbytes: int
+    gpus: list[Gpu], free: list[int], widths: Sequence[int], model: ModelSpec, nbytes: int, per_gpu: int = 0
 ) -> tuple[tuple[Gpu, ...], int] | None:
     """Of the roomiest `k` GPUs for each width in `widths` (`gpus` sorted by `free` bytes), the group that keeps
-    the most room beside an even shard of `nbytes` on every card (k times its least free card's room), in id
-    order, with their free bytes together; None where no width holds the shards."""
+    the most room beside an even shard of `nbytes` and `per_gpu` more on every card (k times its least free
+    card's room), in id order, with their free bytes together; None where no width holds the shards."""
     best: tuple[int, tuple[Gpu, ...], int] | None = None
     for k in widths:
         if k > len(gpus):
             continue
-        share = math.ceil(nbytes / k)
+        share = math.ceil(nbytes / k) + per_gpu
         least = free[len(gpus) - k]
         if least < share:
             continue
@@ -586,13 +590,14 @@ class GreedyPlanner:
                 kept, kept_active, idle = self._kept_on(model.id, current.node, precision, stay)
                 room = self._launch_room(model.id, current.node, precision, stay)
                 shards = [
-                    a + max(b, r + i) + c - i
-                    for a, b, c, r, i in zip(
+                    a + max(b, r + i) + c - i + x
+                    for a, b, c, r, i, x in zip(
                         split_evenly(nbytes, len(stay)),
                         split_evenly(max(0, extra_bytes - kept_active), len(stay)),
                         kept,
                         room,
                         idle,
+                        self._context_room(model.id, current.node, stay),
                         strict=True,
                     )
                 ]
@@ -981,28 +986,33 @@ class GreedyPlanner:
         For each width k the candidate is the tightest k GPUs that hold an even
         shard (min_gpus respected). The widest prefills and fetches missed
         experts fastest and loads in parallel over the most links, and takes
-        the same bytes of the node as any other width, so it is the one that
-        usually wins; the fewest GPUs (the tightest fit) stays on offer for
+        the same bytes of the node as any other width (on an engine node but
+        for one CUDA context per card, which no price counts), so it is the
+        one that usually wins; the fewest GPUs (the tightest fit) stays on offer for
         nodes of unlike cards, where a wide group may leave a large card's room
         in small pieces. A model whose engine runs on fixed GPUs of the node
         has that group alone, where it fits; a node serving through engines
-        none of which serves the model has none.
+        none of which serves the model has none. On an engine node each card
+        of the group holds the engine's CUDA context too (`_context_room`).
         """
         if not self.p.nodes[node_id].can_serve(model.id):
             return []
         fixed = self._fixed_groups[node_id].get(model.id)
         if fixed is not None:
-            share = math.ceil(nbytes / len(fixed))
+            share = math.ceil(nbytes / len(fixed)) + self._context_room(model.id, node_id, fixed)[0]
             if not costs.holds_evenly(fixed, model, nbytes) or any(self.book.free[g.id] < share for g in fixed):
                 return []
             return [(fixed, sum(self.book.free[g.id] for g in fixed))]
         gpus, free = self.book.by_free(node_id)
         kind = self.p.nodes[node_id].engine_kind(model.id)
         widths = [k for k in range(len(gpus), 0, -1) if tensor_parallel_ok(kind, model.attention_heads, k)]
+        # a new group's context (where it is a sleeping engine's own group, its context is held already and
+        # counted again: a wake there is on offer where the node fixes the group, above)
+        context = _CONTEXT if kind in ENGINE_NODE_KINDS else 0
         # plain loops over a module function rather than a closure and generators: the hot loop of a group search
         wide = None
         for k in widths:
-            wide = _tightest_group(gpus, free, k, model, nbytes)
+            wide = _tightest_group(gpus, free, k, model, nbytes, context)
             if wide is not None:
                 break
         if wide is None:
@@ -1010,15 +1020,15 @@ class GreedyPlanner:
         if model.is_moe and kind is not None:
             # an engine's experts lie in equal shares on its own group: the group whose cards keep the most room
             # beside their shards holds the most of them (the widest may take a card another engine fills)
-            roomy = _roomiest_group(gpus, free, widths, model, nbytes)
+            roomy = _roomiest_group(gpus, free, widths, model, nbytes, context)
             if roomy is not None and roomy[0] != wide[0]:
                 return [wide, roomy]
         if self._uniform[node_id]:
-            return [wide]  # like cards: the widest is never worse (more FLOP/s and links, the same bytes)
+            return [wide]  # like cards: the widest is never worse (more FLOP/s and links, the same bytes but contexts)
         for k in reversed(widths):  # the fewest GPUs, if fewer than the widest's fit
             if k >= len(wide[0]):
                 break
-            narrow = _tightest_group(gpus, free, k, model, nbytes)
+            narrow = _tightest_group(gpus, free, k, model, nbytes, context)
             if narrow is not None:
                 return [wide, narrow]
         return [wide]
@@ -1028,17 +1038,13 @@ class GreedyPlanner:
     ) -> tuple[list[int], int, list[int]]:
         """Bytes per GPU of `gpus` that staying there at `precision` takes beyond the weights: the sessions' KV
         in the running engine's pool and its routed experts unless held already (`_keep_pool`; those beside the
-        group: `_stay_fits`), less the context a sleep would have kept (held already); how much of that KV
-        is the active sessions'; and per GPU the idle sessions' part of it, which the pool's LRU evicts for the
-        active sessions' new KV (`_evict_for_active`)."""
+        group: `_stay_fits`); how much of that KV is the active sessions'; and per GPU the idle sessions' part
+        of it, which the pool's LRU evicts for the active sessions' new KV (`_evict_for_active`)."""
         out = [0] * len(gpus)
         idle = [0] * len(gpus)
         active_bytes = 0
         ids = tuple(g.id for g in gpus)
         key = (node_id, model_id)
-        context = self._contexts.get(key)
-        if context is not None and context[0] == ids:
-            out = [-context[1]] * len(gpus)
         pool = self._pools.get(key)
         if pool is not None and pool[:2] == (precision, ids):
             active = {s.id for s in self.active.get(model_id, ())}
@@ -1085,6 +1091,18 @@ class GreedyPlanner:
         if asleep is not None and (asleep[0].precision, asleep[0].gpus) == (precision, ids):
             return [asleep[1]] * len(ids)
         return [min_pool_bytes_per_gpu(self.p, model_id, len(ids))] * len(ids)
+
+    def _context_room(self, model_id: str, node_id: str, gpus: Sequence[Gpu]) -> list[int]:
+        """Bytes per GPU of `gpus` the CUDA context of the model's engine there takes beyond what is held: on a
+        vLLM / SGLang node every instance up holds one on each GPU of its group (engines.holdings), apart from
+        its pool, which the KV fills (`_kv_fits`); a sleeping engine's, held already (`kept_contexts`), is
+        its own group's when it wakes or restarts there. Nothing elsewhere."""
+        if engine_of(self.p, node_id, model_id) is None:
+            return [0] * len(gpus)
+        held = self._contexts.get((node_id, model_id))
+        if held is not None and held[0] == tuple(g.id for g in gpus):
+            return [0] * len(gpus)
+        return [_CONTEXT] * len(gpus)
 
     def _hold_pool_room(self, model: ModelSpec, group: Group) -> None:
         """Take the room of the model's engine pool beyond the KV kept in it (`_launch_room`)."""
@@ -1138,16 +1156,15 @@ class GreedyPlanner:
     def _stay_bytes(self, model_id: str, node_id: str, precision: str) -> tuple[tuple[Gpu, ...], list[int]] | None:
         """Where the model's engine runs on the node at `precision`: its GPUs and the bytes per GPU staying on it
         as it is takes there beyond what is held already (the weights' shard and the launched KV pool, which
-        takes its room whole, less the CUDA context held for its sleep); else None."""
+        takes its room whole, and its CUDA context unless held already); else None."""
         key = (node_id, model_id)
         running = self._running.get(key)
         pool = self._launched_pools.get(key)
         if running is None or pool is None or running.precision != precision or engine_of(self.p, *key) is None:
             return None
         gpus = tuple(self.p.gpus[g] for g in running.gpus)
-        context = self._contexts.get(key)
-        pool -= context[1] if context is not None and context[0] == running.gpus else 0
-        return gpus, [b + pool for b in split_evenly(self.p.models[model_id].weights_bytes[precision], len(gpus))]
+        shards = split_evenly(self.p.models[model_id].weights_bytes[precision], len(gpus))
+        return gpus, [b + pool + x for b, x in zip(shards, self._context_room(model_id, node_id, gpus), strict=True)]
 
     def _hold_staying(self, chosen: Iterable[str], needs: Mapping[str, int]) -> None:
         """Hold the room of each running engine whose model the joint choice keeps on its node at its
@@ -1192,14 +1209,9 @@ class GreedyPlanner:
     def _keep_pool(self, model: ModelSpec, group: Group) -> None:
         """Where the model stays on its running engine as it is, the sessions' KV in that engine's pool stays
         with it (the engine frees no one request's KV), and so do its routed experts (their GPU share is a
-        launch setting: the KV of new requests cannot take their room); the context held for its sleep is
-        given back."""
+        launch setting: the KV of new requests cannot take their room)."""
         key = (group.node, model.id)
         ids = tuple(g.id for g in group.gpus)
-        context = self._contexts.get(key)
-        if context is not None and context[0] == ids:
-            del self._contexts[key]
-            self.book.take(group.gpus, [-context[1]] * len(ids))
         experts = self._launched_experts.get(key)
         staying = experts is not None and experts[:2] == (group.precision, ids)
         self._release_experts(model.id, key if staying else None)
@@ -1297,6 +1309,7 @@ class GreedyPlanner:
         shards = split_evenly(model.weights_bytes[group.precision], len(group.gpus))
         self._keep_pool(model, group)
         self.book.take(group.gpus, shards)
+        self.book.take(group.gpus, self._context_room(model.id, group.node, group.gpus))
         self._hold_pool_room(model, group)
         for g, b in zip(group.gpus, shards, strict=True):
             if b:
@@ -1484,8 +1497,9 @@ class GreedyPlanner:
         for (_, rank, _, node_id, seconds), precision, gpus in self._group_options(model, 0, experts=False):
             cost = -self._warm_value(model, gpus, rank, seconds, staged=True)[0]
             moe = (model, sum(map(_H2D, gpus))) if model.is_moe else None
-            # kept warm through an engine, it launches with its minimum KV pool
+            # kept warm through an engine, it launches with its minimum KV pool, and its context on each card
             nbytes = model.weights_bytes[precision] + self._kv_room(model, node_id, 0)
+            nbytes += sum(self._context_room(model.id, node_id, gpus))
             cap, by = self._group_experts(model, node_id, gpus, nbytes, cost)
             if (cost < 0 or moe) and ((node_id, precision) not in best or by < keys[(node_id, precision)]):
                 best[(node_id, precision)] = joint.Option(node_id, precision, nbytes, cost, moe, cap)
@@ -1524,6 +1538,7 @@ class GreedyPlanner:
         ] = {}  # (node, precision) -> group, load, `_kv_cost`
         for (cost, _, _, node_id, seconds), precision, gpus in self._group_options(model, need, False, price_kv=False):
             nbytes = model.weights_bytes[precision] + self._kv_room(model, node_id, need)
+            nbytes += sum(self._context_room(model.id, node_id, gpus))
             stay = self._stay_bytes(model.id, node_id, precision)
             if stay is not None and stay[0] == gpus:  # its running engine as it is: its launched pool whole
                 nbytes = max(nbytes, sum(stay[1]))
@@ -1713,7 +1728,8 @@ class GreedyPlanner:
                     kept, _, _ = self._kept_on(model_id, group.node, group.precision, group.gpus)
                     shards = [a + b for a, b in zip(shards, kept, strict=True)]
                 room = self._launch_room(model_id, group.node, group.precision, group.gpus)
-                shards = [a + b for a, b in zip(shards, room, strict=True)]
+                context = self._context_room(model_id, group.node, group.gpus)
+                shards = [a + b + x for a, b, x in zip(shards, room, context, strict=True)]
                 if offered != self._placed_on[group.node] or not self._stay_fits(model_id, group, shards):
                     # weights were placed on its node since the offer was made, or its group filled up: its
                     # best group and value may have changed (lazy greedy: re-offer at the current value; it

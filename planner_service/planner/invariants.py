@@ -32,8 +32,8 @@ is sound):
   * a vLLM instance the plan places anew runs on a group whose size divides
     its model's attention heads (`engines.tensor_parallel_ok`);
   * GPU capacities hold with the KV pools of the instances the plan launches
-    and the CUDA contexts that sleeping instances keep (`engines.holdings`),
-    in the target and in every order.
+    and the CUDA contexts of every instance up after it, running or asleep
+    (`engines.holdings`), in the target; in every order, with the bytes moved.
 """
 
 from __future__ import annotations
@@ -566,7 +566,7 @@ def _started_after_the_stop(ops: Sequence[Operation], node: str, model: str) -> 
 def _engine_capacity(
     problem: Problem, target: Mapping[tuple[StateObject, Location], int], ops: Sequence[Operation]
 ) -> list[str]:
-    """GPU bytes with the KV pools of launched instances and the contexts of sleeping ones."""
+    """GPU bytes with the KV pools of launched instances and the CUDA contexts of every instance up."""
     before = engine_plan.confirmed_states(problem)
     if not before:
         return []
@@ -586,10 +586,9 @@ def _engine_capacity(
         )
         if state is EngineState.RUNNING:
             pools[key] = step.instance.kv_pool_bytes_per_gpu
-    extra: dict[str, int] = defaultdict(int)
-    for view in after.values():
-        for g in view.gpus:
-            extra[g] += engine_plan.residue_bytes(problem, view)
+    # every instance up after the plan holds its CUDA context on each GPU of its group: a sleeping one its
+    # residue, a running one beside its shard and pool (engines.holdings)
+    extra: dict[str, int] = engine_plan.up_contexts(after)
     kv: dict[tuple[str, str], int] = defaultdict(int)  # (model, gpu) -> KV bytes in the target
     used: dict[str, int] = defaultdict(int)
     for (obj, loc), nbytes in target.items():
@@ -627,7 +626,7 @@ def _engine_capacity(
         capacity = problem.gpus[g].capacity_bytes
         if nbytes and used.get(g, 0) + nbytes > capacity:
             errors.append(
-                f"capacity: gpu:{g} holds {used.get(g, 0)} bytes and {nbytes} of engine pools and sleeping engines' "
+                f"capacity: gpu:{g} holds {used.get(g, 0)} bytes and {nbytes} of engine pools and engines' CUDA "
                 f"contexts > {capacity}"
             )
     return errors

@@ -267,7 +267,7 @@ class _Builder:
         # holds it on every GPU of its group until woken: R * (1 - x_{m,o_inst})
         residue = self._residue()
         # (C1) HBM capacity of every GPU: weights shards + KV shards (or a launched engine's pool) + expert bytes
-        # + the residue of those engines left asleep
+        # + the contexts of the engines running (C13) + the residue of those engines left asleep
         for gpu_id, terms in sorted(self.gpu_terms.items()):
             self.ilp.row(terms, hi=self.p.gpus[gpu_id].capacity_bytes - residue.get(gpu_id, 0))
         # (C9) one model's bytes on a GPU fit the card only while a group of that node serves the model: implied
@@ -370,6 +370,10 @@ class _Builder:
                 if shard:
                     self.gpu_terms[g.id][o.var] += shard
                     self.model_gpu_terms[(model.id, g.id)][o.var] += shard
+            if engine_plan.engine_of(self.p, o.node, model.id) is not None:
+                # (C13) the instance's CUDA context on each of its GPUs, beside its shard and pool
+                for g in o.gpus:
+                    self.gpu_terms[g.id][o.var] += engine_plan.ENGINE_CONSTANTS.context_bytes_per_gpu
             if not o.launched and o.kv_pool:
                 # (C11w) a woken engine maps its reported pool back whole on each of its GPUs
                 for g, pool in zip(o.gpus, o.kv_pool, strict=True):

@@ -56,6 +56,7 @@ Variables
 Constraints (one family per comment in `formulation.py`)
     (C1) HBM:       sum_o shard_{o,g} x + sum_k kvshard_{k,g} k + sum_m e_{m,n} v_{m,g}
                     + sum_{o in L} (pool_{m,g} + ex_{m,g}) x_{m,o} + sum_o MiB * z_o
+                    + sum_{o on a vLLM / SGLang node, g in g_o} R x_{m,o}
                     + sum_{a in Z, g in H_a} R (1 - x_{m,o_a}) <= cap_g
                     (the k of a launched option count in C12 instead)
     (C2) one choice: off_m + sum_o x_{m,o} = 1
@@ -81,6 +82,10 @@ Constraints (one family per comment in `formulation.py`)
     (C10) residue:  the R (1 - x_{m,o_a}) terms of C1: a sleeping adopted engine
                     holds its context unless it wakes (a managed one stops where
                     its context does not fit: engine_plan._sleep_or_stop)
+    (C13) context:  the R x_{m,o} terms of C1: every instance running after the plan
+                    holds its CUDA context R (engines.holdings) on each GPU of its group,
+                    beside its shard and pool; a wake's R x and C10's -R x cancel (the
+                    sleeping context is the running one)
     (C11) pool:     pool_{m,g} + ex_{m,g} ride on x_{m,o} in C1 for o ∈ L_m
     (C12) within:   sum_{k on o} kvshard_{k,g} k <= pool_{m,g} x_{m,o} for o ∈ L_m: a launched
                     engine's KV stays within the pool it was launched with

@@ -63,16 +63,7 @@ def run_hour(cluster: DemoCluster, hour_seconds: float) -> int:
     return cluster.replay(hour_trace(seed=1), hour_seconds)
 
 
-# The one known defect that still ends some runs unclean on a heavily loaded machine (clients/README, "The
-# demo cluster on contract fakes"): the planner counts a sleeping engine's CUDA context but not a running one's
-# beyond the GPU's reserved workspace, so a start on a card that several engines share can run out of memory
-# (by less than a context). Each run's report.json stays beside its logs.
-KNOWN_UNCLEAN = pytest.mark.xfail(
-    strict=False, reason="known: running engines' CUDA contexts beyond the reserve are not planned for"
-)
-
-
-@KNOWN_UNCLEAN
+# Each run's report.json stays beside its logs.
 def test_an_hour_of_demo_traffic_through_agents_and_fake_engines(tmp_path: Path) -> None:
     with demo_cluster(tmp_path) as cluster:
         sent = run_hour(cluster, hour_seconds=20.0)

@@ -14,9 +14,9 @@ from planner_service.domain.engines import EngineState, Transition
 from planner_service.domain.problem import Problem
 from planner_service.domain.state import Location, StateObject
 from planner_service.domain.units import GIB
-from planner_service.planner.engine_plan import confirmed_states
+from planner_service.planner.engine_plan import ENGINE_CONSTANTS, confirmed_states, launched_pools
 from planner_service.planner.invariants import check_plan
-from planner_service.planner.plan import Plan
+from planner_service.planner.plan import Plan, make_plan
 from planner_service.solver.registry import solve
 
 VLLM = {"kind": "vllm", "features": ["lmcache", "sleep_mode", "dev_mode"]}
@@ -57,12 +57,13 @@ def _own_plan_is_sound(problem: Problem, seconds: float = 20) -> Plan:
 
 
 def test_milp_counts_the_context_a_sleeping_adopted_engine_keeps() -> None:
-    """(C10) a's adopted engine sleeps on g0 (26.5 GiB) and keeps its 1 GiB CUDA context there; b (24 GiB) and
-    its two active sessions' KV (1 GiB each) would fill 26 GiB: beside the context only one session fits (g1,
-    4 GiB, holds no shard of b). Without the row the MILP serves both and the checker refuses the plan."""
+    """(C10) a's adopted engine sleeps on g0 (27.5 GiB) and keeps its 1 GiB CUDA context there; b (24 GiB), its
+    engine's own context (C13) and its two active sessions' KV (1 GiB each) would fill 27 GiB: beside a's
+    context only one session fits (g1, 4 GiB, holds no shard of b). Without the row the MILP serves both and
+    the checker refuses the plan."""
     engines = [{"model": "a", "gpus": ["g0"], **VLLM, "management": "adopted"}, {"model": "b", **VLLM}]
     problem = problem_of(
-        [{**node("n0", _fast("g0", 26.5), gpu("g1", 4)), "engines": engines}],
+        [{**node("n0", _fast("g0", 27.5), gpu("g1", 4)), "engines": engines}],
         [model("a", {"bf16": 16}), model("b", {"bf16": 24})],
         [session("s1", "b", active=True), session("s2", "b", active=True)],
         [
@@ -89,7 +90,7 @@ def test_a_managed_sleeping_engine_keeps_its_context_until_woken(solver: str, as
     engines = [{"model": "a", "gpus": ["g0"], **VLLM}, {"model": "b", **VLLM}]
     backup = [held(weights("a"), "host", "n0", 16 * GIB)] if asleep is EngineState.ASLEEP_HOST else []
     problem = problem_of(
-        [{**node("n0", _fast("g0", 26.5), gpu("g1", 4)), "engines": engines}],
+        [{**node("n0", _fast("g0", 27.5), gpu("g1", 4)), "engines": engines}],
         [model("a", {"bf16": 16}), model("b", {"bf16": 24})],
         [session("s1", "b", active=True), session("s2", "b", active=True)],
         [
@@ -177,3 +178,69 @@ def test_milp_keeps_a_running_engines_expert_share() -> None:
     assert plan.placement[(StateObject.experts("moe"), Location.gpu("g0"))] == 8 * GIB
     details = plan.extra["milp"]
     assert details["model_objective"] == pytest.approx(details["milp_plan_objective"], rel=1e-6)
+
+
+@pytest.mark.parametrize("solver", ["greedy", "milp"])
+def test_a_start_leaves_room_for_the_running_engines_contexts(solver: str) -> None:
+    """(C13) a and c (8 GiB each) run on n0's g0 (29.5 GiB, the faster card) with 1 GiB pools, their active
+    sessions' KV in them; b (8 GiB, a 1 GiB pool for its new session's KV) starts. Shards and pools come to
+    27 GiB: b fits beside a and c by them, but each engine holds its 1 GiB CUDA context on g0 too, and three
+    (30 GiB) do not fit where two (28 GiB) do. Counted without the contexts, b started on g0 and would have
+    run out of memory; now it starts on n1's g1, and a and c keep running on g0."""
+    engines = [{"model": m, **VLLM} for m in ("a", "b", "c")]
+    small = {"max_context_tokens": 8192}  # the minimum pool: one 8,192-token request, 1 GiB
+    problem = problem_of(
+        [{**node("n0", _fast("g0", 29.5)), "engines": engines}, {**node("n1", gpu("g1", 12)), "engines": engines}],
+        [model(m, {"bf16": 8}, **small) for m in ("a", "b", "c")],
+        [session(f"s{m}", m, active=True) for m in ("a", "b", "c")],
+        [
+            held(weights("a"), "gpu", "g0", 8 * GIB),
+            held(kv("a", "sa"), "gpu", "g0", GIB),
+            held(weights("c"), "gpu", "g0", 8 * GIB),
+            held(kv("c", "sc"), "gpu", "g0", GIB),
+            *(held(weights(m), "nvme", n, 8 * GIB) for m in ("a", "b", "c") for n in ("n0", "n1")),
+        ],
+    )
+    states = confirmed_states(problem)
+    assert {m for (_, m), v in states.items() if v.state is EngineState.RUNNING} == {"a", "c"}
+    assert launched_pools(problem, states) == {("n0", "a"): GIB, ("n0", "c"): GIB}
+    plan = solve(problem, solver, time_limit_seconds=20)
+    assert check_plan(problem, plan.placement, plan.operations, plan.unserved) == []
+    assert plan.unserved == {}
+    on = {(obj.model, loc.id) for (obj, loc), n in plan.placement.items() if obj.kind.value == "weights" and n
+          and loc.tier.value == "gpu"}  # fmt: skip
+    assert on == {("a", "g0"), ("c", "g0"), ("b", "g1")}
+    starts = {op.engine.instance.model for op in plan.operations if op.engine is not None and
+              op.engine.transition is Transition.START}  # fmt: skip
+    assert starts == {"b"}
+
+
+def test_the_checker_refuses_a_start_beside_running_engines_without_room_for_its_context() -> None:
+    """The plan above with b started on g0 instead: shards, pools and KV fit the card, the three contexts do
+    not, and the checker says so."""
+    engines = [{"model": m, **VLLM} for m in ("a", "b", "c")]
+    small = {"max_context_tokens": 8192}
+    problem = problem_of(
+        [{**node("n0", _fast("g0", 29.5)), "engines": engines}, {**node("n1", gpu("g1", 12)), "engines": engines}],
+        [model(m, {"bf16": 8}, **small) for m in ("a", "b", "c")],
+        [session(f"s{m}", m, active=True) for m in ("a", "b", "c")],
+        [
+            held(weights("a"), "gpu", "g0", 8 * GIB),
+            held(kv("a", "sa"), "gpu", "g0", GIB),
+            held(weights("c"), "gpu", "g0", 8 * GIB),
+            held(kv("c", "sc"), "gpu", "g0", GIB),
+            *(held(weights(m), "nvme", n, 8 * GIB) for m in ("a", "b", "c") for n in ("n0", "n1")),
+        ],
+    )
+    plan = solve(problem, "greedy")
+    g0, g1 = Location.gpu("g0"), Location.gpu("g1")
+    moved = {(obj, loc): n for (obj, loc), n in plan.placement.items() if loc != g1}
+    b_on_g1 = {obj: n for (obj, loc), n in plan.placement.items() if loc == g1}
+    assert set(b_on_g1) == {StateObject.weights("b", "bf16"), StateObject.kv("b", "sb")}
+    moved |= {(obj, g0): n for obj, n in b_on_g1.items()}
+    made = make_plan(problem, "greedy", moved, {})
+    errors = check_plan(problem, made.placement, made.operations, made.unserved)
+    context = ENGINE_CONSTANTS.context_bytes_per_gpu
+    assert f"capacity: gpu:g0 holds {27 * GIB} bytes and {3 * context} of engine pools and engines' CUDA contexts" in {
+        e.split(" > ")[0] for e in errors
+    }

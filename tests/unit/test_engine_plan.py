@@ -343,11 +343,12 @@ def test_the_checker_counts_a_launched_engine_s_kv_pool() -> None:
     ]
     assert check_plan(problem, plan.placement, plan.operations, plan.unserved) == []
     errors = check_plan(problem, plan.placement, ops, plan.unserved)
-    assert any(e.startswith("capacity: gpu:g0") and "engine pools and sleeping engines' contexts" in e for e in errors)
+    assert any(e.startswith("capacity: gpu:g0") and "engine pools and engines' CUDA contexts" in e for e in errors)
 
 
-def test_the_checker_counts_a_sleeping_engine_s_context() -> None:
-    """a runs and fills its card exactly; b's engine, reported asleep on the same card, holds its context."""
+def test_the_checker_counts_running_and_sleeping_engines_contexts() -> None:
+    """a runs and fills its card but for its own CUDA context; b's engine, reported asleep on the same card,
+    holds its context too. a's weights alone filling the card leave no room for a's context: refused."""
 
     def problem_with(a_gib: float, observed: bool) -> Problem:
         engines = [{"model": "a", "gpus": ["g0"], **VLLM}, {"model": "b", "gpus": ["g0"], **VLLM}]
@@ -362,11 +363,15 @@ def test_the_checker_counts_a_sleeping_engine_s_context() -> None:
         return dataclasses.replace(problem, observed_engines=asleep)
 
     capacity = problem_with(8, False).gpus["g0"].capacity_bytes
-    awake = problem_with(capacity / GIB, False)
+    context = engine_plan.ENGINE_CONSTANTS.context_bytes_per_gpu
+    awake = problem_with((capacity - context) / GIB, False)
     assert check_plan(awake, dict(awake.residency), []) == []
-    asleep = problem_with(capacity / GIB, True)
+    asleep = problem_with((capacity - context) / GIB, True)
     (error,) = check_plan(asleep, dict(asleep.residency), [])
-    assert error.startswith("capacity: gpu:g0") and f"{GIB} of engine pools and sleeping engines' contexts" in error
+    assert error.startswith("capacity: gpu:g0") and f"{2 * context} of engine pools and engines' CUDA contexts" in error
+    full = problem_with(capacity / GIB, False)
+    (error,) = check_plan(full, dict(full.residency), [])
+    assert error.startswith(f"capacity: gpu:g0 holds {capacity} bytes and {context} of engine pools")
 
 
 SGLANG_ADOPTED = {"kind": "sglang", "features": ["sleep_mode", "cpu_backup"], "management": "adopted"}
@@ -426,14 +431,14 @@ def test_a_running_engine_s_kv_pool_is_not_given_to_another_model() -> None:
 
 def test_a_running_moe_engine_s_experts_beside_its_group_keep_their_room() -> None:
     """m runs on g1 and was launched with 4 GiB of its experts on g0, beside d's engine, which fills the rest of
-    g0 with its weights and s1's pool: s2, d's new request, is served first (interactive before background)
+    g0 with its weights, s1's pool and its CUDA context: s2, d's new request, is served first (interactive before background)
     and finds no room beside that pool, since m's experts stay as launched while m runs as it is: it is served
     in d's pool, whose LRU evicts idle s1's KV for it."""
     engines = [{"model": "d", **VLLM}, {"model": "m", **VLLM}]
     problem = problem_from_scenario(
         parse_scenario(
             scenario(
-                [{**node("n0", gpu("g0", 24), gpu("g1", 32)), "engines": engines}],
+                [{**node("n0", gpu("g0", 25), gpu("g1", 32)), "engines": engines}],
                 [model("d", 16), model("m", 4, experts_bytes=64 * GIB, expert_bytes=GIB // 4)],
                 [
                     session("s1", "d", tokens=4 * 8192),
@@ -443,7 +448,7 @@ def test_a_running_moe_engine_s_experts_beside_its_group_keep_their_room() -> No
                 [
                     held(weights("d"), on_gpu("g0"), 16 * GIB),
                     held(kv("d", "s1"), on_gpu("g0"), 4 * GIB),
-                    held(experts("m"), on_gpu("g0"), 4 * GIB),  # 24 GiB: g0 is full
+                    held(experts("m"), on_gpu("g0"), 4 * GIB),  # 24 GiB and d's context: g0 is full
                     held(weights("m"), on_gpu("g1"), 4 * GIB),
                     held(experts("m"), on_gpu("g1"), 24 * GIB),
                     held(kv("m", "s3"), on_gpu("g1"), GIB),

@@ -112,13 +112,13 @@ def test_a_running_engine_the_choice_keeps_keeps_its_gpus() -> None:
 
 
 def crowded_card() -> dict[str, Any]:
-    """n0: four 24 GiB cards, g0 filled to 20 GiB by d's adopted vLLM engine (no sleep mode: it stays); n1: two
-    empty 24 GiB cards. m, a MoE (4 GiB of weights, 64 GiB of routed experts), and e (2 GiB), both in flight,
-    are on NVMe on both nodes."""
+    """n0: four 24 GiB cards, g0 filled to 20 GiB by d's adopted vLLM engine (no sleep mode: it stays) and its
+    CUDA context; n1: two empty 24 GiB cards. m, a MoE (4 GiB of weights, 48 GiB of routed experts), and e
+    (2 GiB), both in flight, are on NVMe on both nodes."""
     vllm = {"kind": "vllm", "features": ["sleep_mode", "lmcache"], "management": "managed"}
     stuck = {"model": "d", "gpus": ["g0"], "kind": "vllm", "features": [], "management": "adopted"}
     engines = [{"model": "m", **vllm}, {"model": "e", **vllm}]
-    moe = model("m", 4, experts_bytes=64 * GIB, expert_bytes=GIB // 4)
+    moe = model("m", 4, experts_bytes=48 * GIB, expert_bytes=GIB // 4)
     return scenario(
         [
             {**node("n0", *(gpu(f"g{i}", 24) for i in range(4))), "engines": [stuck, *engines]},
@@ -138,15 +138,15 @@ def crowded_card() -> dict[str, Any]:
                 for m, gib in (("m", 4), ("e", 2), ("d", 16))
                 for n in ("n0", "n1")
             ),
-            *(held(experts("m"), on_nvme(n), 64 * GIB) for n in ("n0", "n1")),
+            *(held(experts("m"), on_nvme(n), 48 * GIB) for n in ("n0", "n1")),
         ],
     )
 
 
 def test_an_engine_moe_takes_the_group_whose_cards_keep_room_for_its_experts() -> None:
     """m's engine holds its experts in equal shares on its own group: on n0 the widest group, all four cards,
-    keeps at most 4 x (4 GiB - its shard) for them, beside d's engine on g0; g1-g3 keep about 3 x 22 GiB, room
-    for all 64 GiB. Priced by the node's room, m took the four cards (or the joint choice weighed n0 as if
+    keeps at most 4 x (3 GiB - its shard - its context) for them, beside d's engine on g0; g1-g3 keep about
+    3 x 19 GiB beside the shards, pools and contexts of m and e, room for all 48 GiB. Priced by the node's room, m took the four cards (or the joint choice weighed n0 as if
     it held them all)."""
     problem, plan = plan_for(crowded_card())
     assert check_plan(problem, plan.placement, plan.operations, plan.unserved) == []
@@ -157,7 +157,7 @@ def test_an_engine_moe_takes_the_group_whose_cards_keep_room_for_its_experts() -
     expert_bytes = sum(
         n for (obj, loc), n in plan.placement.items() if obj == StateObject.experts("m") and loc.tier is Tier.GPU
     )
-    assert expert_bytes == 64 * GIB
+    assert expert_bytes == 48 * GIB
 
 
 def idle_beside_pools() -> dict[str, Any]:

@@ -138,6 +138,10 @@ class Problem:
     # reported it (the heartbeat's `kv_pool_bytes_per_gpu`; a wake keeps it); where absent the planner derives
     # it (engine_plan.launched_pools)
     engine_pools: Mapping[tuple[str, str], int] = field(default_factory=dict)
+    # (node, model) -> the GPU expert share a sleeping MoE engine was launched with, where its node reported it
+    # (the heartbeat's `gpu_expert_fraction`): its wake maps those experts back with its weights
+    # (vllm/device_allocator/cumem.py `CuMemAllocator.wake_up` restores every allocation its sleep offloaded)
+    asleep_expert_fractions: Mapping[tuple[str, str], float] = field(default_factory=dict)
 
     def size_of(self, obj: StateObject) -> int:
         """Full size of an object: what residency fractions are measured against."""

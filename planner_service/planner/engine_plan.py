@@ -322,13 +322,24 @@ def launched_experts(
 ) -> dict[Key, tuple[str, tuple[str, ...], dict[str, int]]]:
     """(node, model) -> (precision, GPUs, routed-expert bytes on each of the node's GPUs) of each running MoE
     instance that holds experts there: its GPU expert share is a launch setting, so while it runs as it is
-    they stay exactly as they are (`engine_target` holds them there), and their room is not another's."""
+    they stay exactly as they are (`engine_target` holds them there), and their room is not another's. A
+    sleeping one whose node reported its launched share (`Problem.asleep_expert_fractions`) holds that share
+    of the experts, split evenly over its group, once a plan wakes it as it is: its wake maps them back."""
     out: dict[Key, tuple[str, tuple[str, ...], dict[str, int]]] = {}
     for (node, model), view in states.items():
-        if view.state is not EngineState.RUNNING or view.precision is None or not problem.models[model].experts_bytes:
+        experts_bytes = problem.models[model].experts_bytes
+        if view.precision is None or not experts_bytes or not view.gpus:
             continue
-        obj = StateObject.experts(model)
-        held = {g: n for g in problem.nodes[node].gpus if (n := problem.residency.get((obj, Location.gpu(g)), 0))}
+        if view.state is EngineState.RUNNING:
+            obj = StateObject.experts(model)
+            on = problem.nodes[node].gpus
+            held = {g: n for g in on if (n := problem.residency.get((obj, Location.gpu(g)), 0))}
+        elif view.state in (EngineState.ASLEEP_HOST, EngineState.ASLEEP_DISCARDED):
+            share = int(problem.asleep_expert_fractions.get((node, model), 0.0) * experts_bytes)
+            base, extra = divmod(share, len(view.gpus))  # as the greedy shards: the remainder on the first
+            held = {g: n for i, g in enumerate(view.gpus) if (n := base + (i < extra))}
+        else:
+            continue
         if held:
             out[(node, model)] = (view.precision, view.gpus, held)
     return out

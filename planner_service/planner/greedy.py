@@ -1225,7 +1225,9 @@ class GreedyPlanner:
                 self.target[(obj, self._at[g])] = nbytes
             self._experts_placed[model.id] += sum(experts[2].values())
             self._experts_fixed.add(model.id)
-            self.reasons[obj] = "the GPU expert share its running engine was launched with, kept while it runs"
+            self.reasons[obj] = (
+                "the GPU expert share its engine was launched with: kept while it runs, back with a wake"
+            )
         pool = self._pools.get(key)
         if pool is None or pool[:2] != (group.precision, ids):
             return

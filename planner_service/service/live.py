@@ -92,13 +92,20 @@ class LiveState:
     observed_engines: Mapping[tuple[str, str], tuple[EngineState, tuple[str, ...]]] = dataclasses.field(
         default_factory=dict
     )
+    # (node, model) -> the GPU expert share its sleeping MoE engine was launched with (`Live.observed_engines`)
+    asleep_expert_fractions: Mapping[tuple[str, str], float] = dataclasses.field(default_factory=dict)
 
     def problem(self, next_model: Mapping[str, Mapping[str, float]]) -> Problem:
         """Raises `ScenarioError` when the residency overfills a location."""
         problem = with_state(self.catalog, self.sessions, self.residency, next_model)
         if not (self.engine_pools or self.observed_engines):
             return problem
-        return dataclasses.replace(problem, engine_pools=self.engine_pools, observed_engines=self.observed_engines)
+        return dataclasses.replace(
+            problem,
+            engine_pools=self.engine_pools,
+            observed_engines=self.observed_engines,
+            asleep_expert_fractions=self.asleep_expert_fractions,
+        )
 
     def full_scenario(self) -> Scenario:
         """The typed scenario with the sessions and the residency: what a what-if edits."""
@@ -370,7 +377,13 @@ class Live:
         }
         assert self.calibrated is not None
         return LiveState(
-            self.catalog, self.calibrated, tuple(sessions), kept, self.engine_pools(), self.observed_engines()
+            self.catalog,
+            self.calibrated,
+            tuple(sessions),
+            kept,
+            self.engine_pools(),
+            self.observed_engines(),
+            self.asleep_expert_fractions(),
         )
 
     def engine_pools(self) -> dict[tuple[str, str], int]:
@@ -400,6 +413,20 @@ class Live:
             if record.telemetry is not None
             for entry in record.telemetry.instances
             if entry.state in ASLEEP_STATES and entry.instance.model in known
+        }
+
+    def asleep_expert_fractions(self) -> dict[tuple[str, str], float]:
+        """(node, model) -> the GPU expert share each sleeping MoE engine the nodes' last heartbeats report was
+        launched with: its wake maps those experts back, a launch setting as its pool is."""
+        models = self.catalog.models if self.catalog is not None else {}
+        return {
+            (node_id, entry.instance.model): entry.instance.gpu_expert_fraction
+            for node_id, record in sorted(self.node_records.items())
+            if record.telemetry is not None
+            for entry in record.telemetry.instances
+            if entry.state in ASLEEP_STATES
+            and entry.instance.model in models
+            and models[entry.instance.model].experts_bytes
         }
 
     def reported_pools(self, node_id: str, instances: Iterable[EngineInstanceStateIn]) -> dict[tuple[str, str], int]:

@@ -370,3 +370,17 @@ def test_a_restart_in_flight_empties_its_gpus_without_lost_state(demo: ClusterSe
     status = node(demo, "n1")["reconcile"]
     assert status["lost"] == [] and status["corrected"] == []
     assert {g: gpu(demo, g)["used_bytes"] for g in gpus} == held
+
+
+def test_a_sleeping_moe_engine_s_launched_expert_share_reaches_the_planner(demo: ClusterService) -> None:
+    """n1's reasoner (a MoE) reported asleep with the quarter of its experts it was launched with on GPU: the
+    planner's problem takes that share for its wake (a wake maps the experts back); a dense model's engine, or
+    a running or stopped one, gives none."""
+    asleep = instance(EngineState.ASLEEP_HOST, model="reasoner", precision="fp8", node_id="n1", gpus=["n1-g1"])
+    asleep = asleep.model_copy(update={"instance": asleep.instance.model_copy(update={"gpu_expert_fraction": 0.25})})
+    dense = instance(EngineState.ASLEEP_HOST, model="vision", node_id="n4", gpus=["n4-g1"])
+    demo.heartbeat("n1", HeartbeatIn(gpus=[GpuTelemetryIn(id="n1-g1")], instances=[asleep]))
+    demo.heartbeat("n4", HeartbeatIn(gpus=[GpuTelemetryIn(id="n4-g1")], instances=[dense]))
+    assert demo.live.state(demo.live.placement).problem({}).asleep_expert_fractions == {("n1", "reasoner"): 0.25}
+    demo.heartbeat("n1", HeartbeatIn(gpus=[GpuTelemetryIn(id="n1-g1")], instances=[]))
+    assert demo.live.state(demo.live.placement).problem({}).asleep_expert_fractions == {}

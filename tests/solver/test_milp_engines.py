@@ -244,3 +244,33 @@ def test_the_checker_refuses_a_start_beside_running_engines_without_room_for_its
     assert f"capacity: gpu:g0 holds {27 * GIB} bytes and {3 * context} of engine pools and engines' CUDA contexts" in {
         e.split(" > ")[0] for e in errors
     }
+
+
+def test_a_woken_moe_engine_brings_back_the_expert_share_it_was_launched_with() -> None:
+    """m's engine sleeps at level 1 on g0 (its host backup in the placement, none of its 16 GiB of experts on
+    GPU), launched with a quarter of them on GPU (a heartbeat reports both). Its wake maps that share back
+    (vllm/device_allocator/cumem.py `CuMemAllocator.wake_up`): the greedy's plan that wakes it for the active
+    session puts the 4 GiB of experts on g0 with the weights, carried by the wake, and the checker passes it.
+    Before, the plan woke it with no experts on GPU and the SRV left out the 4 GiB the engine held."""
+    engines = [{"model": "m", "gpus": ["g0"], **VLLM}]
+    moe = model("m", {"bf16": 4}, experts_bytes=16 * GIB, expert_bytes=GIB // 4, active_expert_bytes_per_token=GIB // 8)
+    problem = problem_of(
+        [{**node("n0", gpu("g0", 24)), "engines": engines}],
+        [moe],
+        [session("s1", "m", active=True)],
+        [
+            held(weights("m"), "host", "n0", 4 * GIB),
+            held(weights("m"), "nvme", "n0", 4 * GIB),
+            held(experts("m"), "nvme", "n0", 16 * GIB),
+        ],
+    )
+    problem = dataclasses.replace(
+        problem,
+        observed_engines={("n0", "m"): (EngineState.ASLEEP_HOST, ("g0",))},
+        asleep_expert_fractions={("n0", "m"): 0.25},
+    )
+    plan = solve(problem, "greedy")
+    assert check_plan(problem, plan.placement, plan.operations, plan.unserved) == []
+    assert plan.placement[(StateObject.experts("m"), Location.gpu("g0"))] == 4 * GIB
+    (move,) = [op for op in plan.operations if op.object == StateObject.experts("m")]
+    assert move.engine is not None and move.engine.transition is Transition.WAKE

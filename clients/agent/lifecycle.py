@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -36,6 +37,7 @@ from clients.agent.errors import PermanentError, TemporaryError
 log = logging.getLogger("statebudget.agent.engines")
 
 OUTPUT_LINES = 40  # the engine's last lines of output kept for a crash report
+UNSPAWNED = 0  # the pid of a launch recorded before its spawn returned
 
 
 def spawn(argv: list[str], env: dict[str, str], log_path: Path) -> subprocess.Popen[bytes]:
@@ -86,6 +88,14 @@ def _runs(pid: int, argv: list[str]) -> bool:
     return alive(pid) and cmdline.rstrip(b"\0").split(b"\0") == [a.encode() for a in argv]
 
 
+def running_exactly(argv: list[str]) -> int | None:
+    """The pid of a process that runs exactly `argv` (the lowest, where several do), or None."""
+    for entry in sorted((e for e in Path("/proc").iterdir() if e.name.isdigit()), key=lambda e: int(e.name)):
+        if _runs(int(entry.name), argv):
+            return int(entry.name)
+    return None
+
+
 @dataclass
 class EngineProcess:
     """One managed engine process (none while stopped)."""
@@ -119,12 +129,17 @@ class EngineProcess:
         return tail(self.log_path, OUTPUT_LINES)
 
     def last_launch(self) -> Launched | None:
-        """The latest start's record, whether or not its process still runs (a crashed engine's is kept)."""
+        """The latest start's record, whether or not its process still runs (a crashed engine's is kept). A
+        record without a pid is a start whose agent ended between writing it and the spawn's return: its
+        process, if one was spawned, is the one running exactly the recorded command line."""
         try:
             record = json.loads(self.pid_path.read_text())
-            return Launched(int(record["pid"]), list(record["argv"]), list(record["devices"]), record["values"])
+            launched = Launched(int(record["pid"]), list(record["argv"]), list(record["devices"]), record["values"])
         except (OSError, ValueError, KeyError, TypeError):
             return None
+        if launched.pid == UNSPAWNED and (pid := running_exactly(launched.argv)) is not None:
+            return dataclasses.replace(launched, pid=pid)
+        return launched
 
     def recover(self) -> Launched | None:
         """The launch of this engine's process that an earlier run of the agent started, if it still runs
@@ -181,12 +196,16 @@ class EngineProcess:
     async def _spawn(self, devices: list[int], overrides: Mapping[str, object]) -> None:
         env = {**os.environ, **self.spec.env, **self.env, "CUDA_VISIBLE_DEVICES": ",".join(map(str, devices))}
         argv = self.command(**overrides)
+        values = {k: v for k, v in {**self.values, **overrides}.items() if isinstance(v, str | int | float)}
+        # recorded before the spawn: the engine outlives an agent killed before the spawn returns, and the next
+        # run finds it by its command line (`last_launch`) instead of starting a second one on its port
+        self.pid_path.write_text(Launched(UNSPAWNED, argv, list(devices), values).to_json())
         try:
             self.popen = await asyncio.to_thread(spawn, argv, env, self.log_path)
         except OSError as error:
+            self.pid_path.unlink(missing_ok=True)
             raise PermanentError(f"{self.name}: cannot start {argv[0]!r}: {error}") from error
         self.stopping = False
-        values = {k: v for k, v in {**self.values, **overrides}.items() if isinstance(v, str | int | float)}
         self.launched = Launched(self.popen.pid, argv, list(devices), values)
         self.pid_path.write_text(self.launched.to_json())
         log.info("started %s (pid %d): %s", self.name, self.popen.pid, " ".join(argv))

@@ -63,16 +63,7 @@ def run_hour(cluster: DemoCluster, hour_seconds: float) -> int:
     return cluster.replay(hour_trace(seed=1), hour_seconds)
 
 
-# The one known defect that still ends some runs unclean on a heavily loaded machine (clients/README, "The
-# demo cluster on contract fakes"): a MoE engine woken from a level-1 sleep brings back the expert share it was
-# launched with, while the plan's wake puts none of its experts on GPU, so the SRV leaves them out. Each run's
-# report.json stays beside its logs.
-KNOWN_UNCLEAN = pytest.mark.xfail(
-    strict=False, reason="known: a woken MoE engine's launched expert share is not planned with its wake"
-)
-
-
-@KNOWN_UNCLEAN
+# Each run's report.json stays beside its logs.
 def test_an_hour_of_demo_traffic_through_agents_and_fake_engines(tmp_path: Path) -> None:
     with demo_cluster(tmp_path) as cluster:
         sent = run_hour(cluster, hour_seconds=20.0)
@@ -84,7 +75,6 @@ def test_an_hour_of_demo_traffic_through_agents_and_fake_engines(tmp_path: Path)
     assert_clean(report, tmp_path)
 
 
-@KNOWN_UNCLEAN
 def test_a_sigkilled_agent_restarts_reconciles_and_double_applies_nothing(tmp_path: Path) -> None:
     with demo_cluster(tmp_path) as cluster:
         cluster.start_confirmed_engines()

@@ -240,8 +240,8 @@ def _kv_ready_of(
         counts.append(len(ids))
         sizes.append((model.kv_bytes_per_token or 1, len(gpus)))
         group_h2d = min(g.h2d_bytes_per_s for g in gpus)
-        per_pair = costs.attention_seconds_per_pair(model, gpus, problem.constants)
-        links.append((group_h2d, problem.nodes[node].nvme_read_bytes_per_s, group_per_token, per_pair))
+        group_per_pair = costs.attention_seconds_per_pair(model, gpus, problem.constants)
+        links.append((group_h2d, problem.nodes[node].nvme_read_bytes_per_s, group_per_token, group_per_pair))
     # one entry per session (integers and rates repeated apart: bytes stay integers)
     # (array methods rather than numpy's module functions, which add a Python call each: same results)
     kv_per_token, group_size = np.array(sizes).repeat(counts, axis=0).T

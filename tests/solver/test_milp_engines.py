@@ -180,16 +180,12 @@ def test_milp_keeps_a_running_engines_expert_share() -> None:
     assert details["model_objective"] == pytest.approx(details["milp_plan_objective"], rel=1e-6)
 
 
-@pytest.mark.parametrize("solver", ["greedy", "milp"])
-def test_a_start_leaves_room_for_the_running_engines_contexts(solver: str) -> None:
-    """(C13) a and c (8 GiB each) run on n0's g0 (29.5 GiB, the faster card) with 1 GiB pools, their active
-    sessions' KV in them; b (8 GiB, a 1 GiB pool for its new session's KV) starts. Shards and pools come to
-    27 GiB: b fits beside a and c by them, but each engine holds its 1 GiB CUDA context on g0 too, and three
-    (30 GiB) do not fit where two (28 GiB) do. Counted without the contexts, b started on g0 and would have
-    run out of memory; now it starts on n1's g1, and a and c keep running on g0."""
+def two_running_engines_and_a_start() -> Problem:
+    """a and c (8 GiB each, 1 GiB pools holding their active sessions' KV) run on n0's g0 (29.5 GiB, the
+    faster card); b (8 GiB) has an active session and starts; n1's g1 (12 GiB) is free."""
     engines = [{"model": m, **VLLM} for m in ("a", "b", "c")]
     small = {"max_context_tokens": 8192}  # the minimum pool: one 8,192-token request, 1 GiB
-    problem = problem_of(
+    return problem_of(
         [{**node("n0", _fast("g0", 29.5)), "engines": engines}, {**node("n1", gpu("g1", 12)), "engines": engines}],
         [model(m, {"bf16": 8}, **small) for m in ("a", "b", "c")],
         [session(f"s{m}", m, active=True) for m in ("a", "b", "c")],
@@ -201,6 +197,16 @@ def test_a_start_leaves_room_for_the_running_engines_contexts(solver: str) -> No
             *(held(weights(m), "nvme", n, 8 * GIB) for m in ("a", "b", "c") for n in ("n0", "n1")),
         ],
     )
+
+
+@pytest.mark.parametrize("solver", ["greedy", "milp"])
+def test_a_start_leaves_room_for_the_running_engines_contexts(solver: str) -> None:
+    """(C13) a and c (8 GiB each) run on n0's g0 (29.5 GiB, the faster card) with 1 GiB pools, their active
+    sessions' KV in them; b (8 GiB, a 1 GiB pool for its new session's KV) starts. Shards and pools come to
+    27 GiB: b fits beside a and c by them, but each engine holds its 1 GiB CUDA context on g0 too, and three
+    (30 GiB) do not fit where two (28 GiB) do. Counted without the contexts, b started on g0 and would have
+    run out of memory; now it starts on n1's g1, and a and c keep running on g0."""
+    problem = two_running_engines_and_a_start()
     states = confirmed_states(problem)
     assert {m for (_, m), v in states.items() if v.state is EngineState.RUNNING} == {"a", "c"}
     assert launched_pools(problem, states) == {("n0", "a"): GIB, ("n0", "c"): GIB}
@@ -218,20 +224,7 @@ def test_a_start_leaves_room_for_the_running_engines_contexts(solver: str) -> No
 def test_the_checker_refuses_a_start_beside_running_engines_without_room_for_its_context() -> None:
     """The plan above with b started on g0 instead: shards, pools and KV fit the card, the three contexts do
     not, and the checker says so."""
-    engines = [{"model": m, **VLLM} for m in ("a", "b", "c")]
-    small = {"max_context_tokens": 8192}
-    problem = problem_of(
-        [{**node("n0", _fast("g0", 29.5)), "engines": engines}, {**node("n1", gpu("g1", 12)), "engines": engines}],
-        [model(m, {"bf16": 8}, **small) for m in ("a", "b", "c")],
-        [session(f"s{m}", m, active=True) for m in ("a", "b", "c")],
-        [
-            held(weights("a"), "gpu", "g0", 8 * GIB),
-            held(kv("a", "sa"), "gpu", "g0", GIB),
-            held(weights("c"), "gpu", "g0", 8 * GIB),
-            held(kv("c", "sc"), "gpu", "g0", GIB),
-            *(held(weights(m), "nvme", n, 8 * GIB) for m in ("a", "b", "c") for n in ("n0", "n1")),
-        ],
-    )
+    problem = two_running_engines_and_a_start()
     plan = solve(problem, "greedy")
     g0, g1 = Location.gpu("g0"), Location.gpu("g1")
     moved = {(obj, loc): n for (obj, loc), n in plan.placement.items() if loc != g1}

@@ -406,13 +406,9 @@ class Live:
         report, of the models the catalog knows. The confirmed placement cannot tell a sleeping engine from a
         stopped one (neither holds anything on its GPUs), and the planner prices waking the first and cold
         starting the second very differently (`engine_costs.instance_now`)."""
-        known = self.catalog.models if self.catalog is not None else {}
         return {
             (node_id, entry.instance.model): (entry.state, tuple(entry.instance.gpus))
-            for node_id, record in sorted(self.node_records.items())
-            if record.telemetry is not None
-            for entry in record.telemetry.instances
-            if entry.state in ASLEEP_STATES and entry.instance.model in known
+            for node_id, entry in self._asleep_instances()
         }
 
     def asleep_expert_fractions(self) -> dict[tuple[str, str], float]:
@@ -421,13 +417,19 @@ class Live:
         models = self.catalog.models if self.catalog is not None else {}
         return {
             (node_id, entry.instance.model): entry.instance.gpu_expert_fraction
-            for node_id, record in sorted(self.node_records.items())
-            if record.telemetry is not None
-            for entry in record.telemetry.instances
-            if entry.state in ASLEEP_STATES
-            and entry.instance.model in models
-            and models[entry.instance.model].experts_bytes
+            for node_id, entry in self._asleep_instances()
+            if models[entry.instance.model].experts_bytes
         }
+
+    def _asleep_instances(self) -> Iterator[tuple[str, EngineInstanceStateIn]]:
+        """(node, instance) of each sleeping engine instance the nodes' last heartbeats report, of the models
+        the catalog knows."""
+        known = self.catalog.models if self.catalog is not None else {}
+        for node_id, record in sorted(self.node_records.items()):
+            if record.telemetry is not None:
+                for entry in record.telemetry.instances:
+                    if entry.state in ASLEEP_STATES and entry.instance.model in known:
+                        yield node_id, entry
 
     def reported_pools(self, node_id: str, instances: Iterable[EngineInstanceStateIn]) -> dict[tuple[str, str], int]:
         """`engine_pools` of one heartbeat's instances."""

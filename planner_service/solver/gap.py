@@ -34,8 +34,10 @@ import numpy as np
 
 from planner_service.domain.engines import KIND_FEATURES, EngineKind, Management
 from planner_service.domain.generate import random_scenario
+from planner_service.domain.hardware import gpu_preset
 from planner_service.domain.predictions import problem_from_scenario
 from planner_service.domain.scenario import Scenario, load_scenario, parse_scenario
+from planner_service.planner.engine_costs import ENGINE_CONSTANTS
 from planner_service.planner.greedy import plan_greedy
 from planner_service.planner.invariants import check_plan
 from planner_service.planner.plan import PlanStatus, make_plan
@@ -99,7 +101,38 @@ def with_random_engines(scenario: Scenario, rng: np.random.Generator) -> Scenari
             node["engines"].append(
                 {"model": m["id"], "kind": kind.value, "features": features, "management": management.value}
             )
+    _leave_context_room(data)
     return parse_scenario(data)
+
+
+def _leave_context_room(data: dict[str, Any]) -> None:
+    """Evict, newest first, the GPU KV of a model whose vLLM / SGLang engine runs on a card without room for
+    its CUDA context (`engines.holdings`): the engine could not have admitted it, and a current state no
+    engine can be in would leave no sound plan."""
+    context = ENGINE_CONSTANTS.context_bytes_per_gpu
+    runtime = {EngineKind.VLLM.value, EngineKind.SGLANG.value}
+    served = {
+        (g["id"], e["model"]): (g["type"], g["reserved_bytes"])
+        for node in data["cluster"]["nodes"]
+        for e in node["engines"]
+        if e["kind"] in runtime
+        for g in node["gpus"]
+    }
+    rows = data["residency"]
+    on_gpu = [r for r in rows if r["location"]["tier"] == "gpu"]
+    for gpu, model in {
+        (r["location"]["gpu"], r["object"]["model"]) for r in on_gpu if r["object"]["kind"] == "weights"
+    }:
+        if (gpu, model) not in served:
+            continue
+        kind, reserved = served[(gpu, model)]
+        used = sum(r["bytes"] for r in on_gpu if r["location"]["gpu"] == gpu)
+        excess = used + context - (gpu_preset(kind).hbm_bytes - reserved)
+        for row in reversed([r for r in on_gpu if r["location"]["gpu"] == gpu and r["object"]["kind"] == "kv"]):
+            if excess <= 0:
+                break
+            rows.remove(row)
+            excess -= row["bytes"]
 
 
 def scenario_files(directory: Path, count: int | None = None) -> Iterable[tuple[str, Scenario]]:

@@ -486,6 +486,14 @@ def trace_synth(
     hours: Annotated[float, typer.Option(help="Length of the trace in hours.")] = 8.0,
     users: Annotated[int, typer.Option(help="Engineers who own the sessions.")] = 10,
     seed: Annotated[int, typer.Option(help="Random seed; the same seed gives the same trace.")] = 0,
+    gap_scale: Annotated[float, typer.Option(help="Every gap between a session's turns times this.")] = 1.0,
+    handoff_rate: Annotated[
+        float | None,
+        typer.Option(help="Share of a session's later turns that hand off (default: the hour's chain decides)."),
+    ] = None,
+    context: Annotated[
+        str, typer.Option(help="What a hand-off's model sees: shared (the whole history) or fresh (a sub-agent's own).")
+    ] = "shared",
     scenario: ScenarioOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
@@ -495,7 +503,14 @@ def trace_synth(
 
     parsed = read_scenario(scenario)
     try:
-        params = SynthParams(sessions=sessions, hours=hours, users=users)
+        params = SynthParams(
+            sessions=sessions,
+            hours=hours,
+            users=users,
+            gap_scale=gap_scale,
+            handoff_rate=handoff_rate,
+            context=context,
+        )
     except ValueError as error:
         raise fail(str(error)) from None
     records = synth_trace(parsed, params, np.random.default_rng(seed))

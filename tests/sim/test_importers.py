@@ -6,6 +6,7 @@ import tarfile
 from collections import Counter, defaultdict
 from pathlib import Path
 
+import numpy as np
 import pytest
 from fixtures.make_traces import Session
 from typer.testing import CliRunner
@@ -17,6 +18,7 @@ from planner_service.sim.importers import ImporterRegistry, ImportOptions, Trace
 from planner_service.sim.importers.alibaba import popularity
 from planner_service.sim.importers.azure import default_models
 from planner_service.sim.importers.mooncake import model_of
+from planner_service.sim.synth import SynthParams, synth_trace
 from planner_service.sim.trace import TraceEnd, TraceError, TraceRequest, read_trace, write_trace_stream
 
 TRACES = Path(__file__).resolve().parents[2].parent / "shared" / "traces"
@@ -437,6 +439,22 @@ def test_cli_trace_synth(tmp_path: Path) -> None:
     assert paths[0].read_bytes() == paths[1].read_bytes()
     result = runner.invoke(app, ["trace", "synth", "--sessions", "0", "--out", str(paths[0])])
     assert result.exit_code == 2 and "sessions" in result.output
+
+
+def test_cli_trace_synth_takes_the_load_and_hand_off_options(tmp_path: Path) -> None:
+    """`study seeds`'s gap scale, hand-off rate and context semantics reach `trace synth`'s trace."""
+    runner = CliRunner()
+    path = tmp_path / "fresh.jsonl"
+    args = ["trace", "synth", "--sessions", "3", "--hours", "1", "--seed", "5", "--gap-scale", "8"]
+    result = runner.invoke(app, [*args, "--handoff-rate", "0.5", "--context", "fresh", "--out", str(path)])
+    assert result.exit_code == 0, result.output
+    params = SynthParams(sessions=3, hours=1, gap_scale=8, handoff_rate=0.5, context="fresh")
+    expected = synth_trace(demo_scenario(), params, np.random.default_rng(5))
+    assert requests(read_trace(path)) == requests(expected)
+    assert any(r.parent for r in requests(expected))  # fresh sub-agents name the session that handed off
+    for bad, field in (("--context", "context"), ("--handoff-rate", "handoff_rate")):
+        result = runner.invoke(app, [*args, bad, "2" if field == "handoff_rate" else "own", "--out", str(path)])
+        assert result.exit_code == 2 and field in result.output
 
 
 def test_cli_trace_import(azure_dir: Path, tmp_path: Path) -> None:

@@ -106,32 +106,27 @@ def with_random_engines(scenario: Scenario, rng: np.random.Generator) -> Scenari
 
 
 def _leave_context_room(data: dict[str, Any]) -> None:
-    """Evict, newest first, the GPU KV of a model whose vLLM / SGLang engine runs on a card without room for
-    its CUDA context (`engines.holdings`): the engine could not have admitted it, and a current state no
-    engine can be in would leave no sound plan."""
-    context = ENGINE_CONSTANTS.context_bytes_per_gpu
+    """Evict, newest first, the GPU KV on a card whose vLLM / SGLang engines lack room for their CUDA contexts
+    (one each, `engines.holdings`): the engines could not have admitted it, and a current state no engine can
+    be in would leave no sound plan."""
     runtime = {EngineKind.VLLM.value, EngineKind.SGLANG.value}
-    served = {
-        (g["id"], e["model"]): (g["type"], g["reserved_bytes"])
-        for node in data["cluster"]["nodes"]
-        for e in node["engines"]
-        if e["kind"] in runtime
-        for g in node["gpus"]
-    }
-    rows = data["residency"]
-    on_gpu = [r for r in rows if r["location"]["tier"] == "gpu"]
-    for gpu, model in {
-        (r["location"]["gpu"], r["object"]["model"]) for r in on_gpu if r["object"]["kind"] == "weights"
-    }:
-        if (gpu, model) not in served:
+    gpus = {g["id"]: (node, g) for node in data["cluster"]["nodes"] for g in node["gpus"]}
+    on_gpu: dict[str, list[dict[str, Any]]] = {}
+    for row in data["residency"]:
+        if row["location"]["tier"] == "gpu":
+            on_gpu.setdefault(row["location"]["gpu"], []).append(row)
+    for gpu_id, rows in sorted(on_gpu.items()):
+        node, gpu = gpus[gpu_id]
+        served = {e["model"] for e in node["engines"] if e["kind"] in runtime}
+        engines = sum(1 for r in rows if r["object"]["kind"] == "weights" and r["object"]["model"] in served)
+        if not engines:
             continue
-        kind, reserved = served[(gpu, model)]
-        used = sum(r["bytes"] for r in on_gpu if r["location"]["gpu"] == gpu)
-        excess = used + context - (gpu_preset(kind).hbm_bytes - reserved)
-        for row in reversed([r for r in on_gpu if r["location"]["gpu"] == gpu and r["object"]["kind"] == "kv"]):
+        capacity = gpu_preset(gpu["type"]).hbm_bytes - gpu["reserved_bytes"]
+        excess = sum(r["bytes"] for r in rows) + engines * ENGINE_CONSTANTS.context_bytes_per_gpu - capacity
+        for row in reversed([r for r in rows if r["object"]["kind"] == "kv"]):
             if excess <= 0:
                 break
-            rows.remove(row)
+            data["residency"].remove(row)
             excess -= row["bytes"]
 
 

@@ -32,8 +32,9 @@ is sound):
   * a vLLM instance the plan places anew runs on a group whose size divides
     its model's attention heads (`engines.tensor_parallel_ok`);
   * GPU capacities hold with the KV pools of the instances the plan launches
-    and the CUDA contexts of every instance up after it, running or asleep
-    (`engines.holdings`), in the target; in every order, with the bytes moved.
+    and the CUDA contexts of every instance up, running or asleep
+    (`engines.holdings`), in the target and in every order (a step's pool
+    and context arrive or leave with the first of its moves to run).
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ def check_plan(
     errors += _last_copies_kept(problem, target)
     errors += _replay(problem, target, ops)
     errors += _order_and_locality(problem, ops)
-    errors += _every_order_safe(problem, ops)
+    errors += _every_order_safe(problem, target, ops)
     errors += _capabilities(problem, ops, target)
     errors += _engine_groups(problem, target)
     errors += _engine_expert_shares(problem, target)
@@ -177,29 +178,51 @@ def _ancestors(ops: Sequence[Operation]) -> dict[str, set[str]]:
     return out
 
 
-def _every_order_safe(problem: Problem, ops: Sequence[Operation]) -> list[str]:
+def _every_order_safe(
+    problem: Problem, target: Mapping[tuple[StateObject, Location], int], ops: Sequence[Operation]
+) -> list[str]:
     """Worst cases over all orders that respect `depends_on`.
 
     Capacity: once any add to L has run, every free of L that is an ancestor
     of all adds to L has run too, so occupancy never exceeds
     C(L) + sum(adds to L) - sum(frees of L that precede every add to L).
+    On an engine node's GPU, C counts the CUDA contexts of the instances up
+    now, and an engine step adds or frees what its instance holds beside
+    the bytes moved (`_engine_step_bytes`): the KV pool it launches is
+    mapped whole with the call, and the KV the plan then puts in it takes
+    no more room. A step is one call, made on the first of its moves to
+    run, so it has run before an add once any of its moves is an ancestor
+    of that add, and its own adds come after the frees its moves make (a
+    restart stops the old instance, then starts).
     """
     errors = []
     anc = _ancestors(ops)
-    adds: dict[Location, list[Operation]] = defaultdict(list)
-    frees: dict[Location, list[Operation]] = defaultdict(list)
+    # (bytes, the ids that have run before it: an add's ancestors) and (bytes, the ids any of which frees it)
+    adds: dict[Location, list[tuple[int, set[str]]]] = defaultdict(list)
+    frees: dict[Location, list[tuple[int, set[str]]]] = defaultdict(list)
+    before = engine_plan.confirmed_states(problem)
+    steps, pooled = _engine_step_bytes(target, ops, before)
     for op in ops:
-        if op.dest is not None:
-            adds[op.dest].append(op)
+        if op.dest is not None and not (op.object.kind is Kind.KV and (op.object.model, op.dest.id) in pooled):
+            adds[op.dest].append((op.bytes, anc[op.id]))
         if op.source is not None and not op.keep_source:
-            frees[op.source].append(op)
+            frees[op.source].append((op.bytes, {op.id}))
     used: dict[Location, int] = defaultdict(int)
     for (_, loc), nbytes in problem.residency.items():
         used[loc] += nbytes
-    for loc, add_ops in sorted(adds.items()):
-        common = set.intersection(*(anc[a.id] for a in add_ops))
-        freed_first = sum(f.bytes for f in frees.get(loc, []) if f.id in common)
-        worst = used[loc] + sum(a.bytes for a in add_ops) - freed_first
+    for g, nbytes in engine_plan.up_contexts(before).items():
+        used[Location.gpu(g)] += nbytes
+    for members, per_gpu in steps:
+        first = set.intersection(*(anc[m] for m in members)) | set(members)
+        for g, nbytes in per_gpu.items():
+            if nbytes > 0:
+                adds[Location.gpu(g)].append((nbytes, first))
+            elif nbytes < 0:
+                frees[Location.gpu(g)].append((-nbytes, set(members)))
+    for loc, add_events in sorted(adds.items()):
+        common = set.intersection(*(before_it for _, before_it in add_events))
+        freed_first = sum(nbytes for nbytes, by in frees.get(loc, []) if by & common)
+        worst = used[loc] + sum(nbytes for nbytes, _ in add_events) - freed_first
         if worst > problem.capacity_of(loc):
             errors.append(f"capacity in some order: {loc.label()} can reach {worst} bytes > {problem.capacity_of(loc)}")
 
@@ -225,6 +248,60 @@ def _every_order_safe(problem: Problem, ops: Sequence[Operation]) -> list[str]:
                     f"last copy in some order: {op.id} may drop the node's last complete copy of {op.object.label()}"
                 )
     return errors
+
+
+def _engine_step_bytes(
+    target: Mapping[tuple[StateObject, Location], int],
+    ops: Sequence[Operation],
+    before: Mapping[tuple[str, str], engine_plan.InstanceView],
+) -> tuple[list[tuple[list[str], dict[str, int]]], set[tuple[str, str]]]:
+    """Each engine step's moves (ids) and the GPU bytes it adds (+) or frees (-) beside the bytes they move:
+    the CUDA context of the instance it takes up or down (`engine_plan.context_bytes`: a sleep keeps it, a
+    stop frees it) and the KV pool an instance it brings up is launched with, taken whole by the call (vLLM
+    allocates each KV cache tensor at its full size as it starts, vllm/v1/worker/gpu_model_runner.py
+    `_allocate_kv_cache_tensors`; a wake maps it back whole, vllm/device_allocator/cumem.py); and the
+    (model, GPU) pairs of those pools, whose KV the plan's moves put in room the pool holds already. A pool
+    counts as the target counts it, max(0, pool - the KV the target puts there), plus that KV's moves there
+    (the KV the target keeps there from before is counted where it is)."""
+    if not before:
+        return [], set()
+    kv: dict[tuple[str, str], int] = defaultdict(int)  # (model, GPU) -> the target's KV there
+    for (obj, loc), nbytes in target.items():
+        if obj.kind is Kind.KV and loc.tier is Tier.GPU:
+            kv[(obj.model, loc.id)] += nbytes
+    kv_moved: dict[tuple[str, str], int] = defaultdict(int)  # (model, GPU) -> the KV the plan's moves put there
+    for op in ops:
+        if op.object.kind is Kind.KV and op.dest is not None and op.dest.tier is Tier.GPU:
+            kv_moved[(op.object.model, op.dest.id)] += op.bytes
+    steps: dict[tuple[str, str, Transition], list[Operation]] = defaultdict(list)
+    for op in ops:
+        if (
+            op.engine is not None
+            and op.engine.transition is not Transition.READAHEAD
+            and (op.node, op.object.model) in before
+        ):
+            steps[(op.node, op.object.model, op.engine.transition)].append(op)
+    out = []
+    pooled: set[tuple[str, str]] = set()
+    for (node, model, transition), moves in steps.items():
+        step = moves[0].engine
+        assert step is not None  # grouped by their steps
+        b = before[(node, model)]
+        if transition is Transition.START and (node, model, Transition.STOP) in steps:
+            b = engine_plan.InstanceView(node, model, b.declared, EngineState.STOPPED, None, ())  # its own stop
+        gpus = tuple(step.instance.gpus)
+        a = engine_plan.InstanceView(node, model, b.declared, AFTER[transition], step.instance.precision, gpus)
+        per_gpu: dict[str, int] = defaultdict(int)
+        for g in b.gpus:
+            per_gpu[g] -= engine_plan.context_bytes(b)
+        for g in a.gpus:
+            per_gpu[g] += engine_plan.context_bytes(a)
+            if a.state is EngineState.RUNNING:
+                pool = step.instance.kv_pool_bytes_per_gpu
+                per_gpu[g] += max(0, pool - kv[(model, g)]) + kv_moved[(model, g)]
+                pooled.add((model, g))
+        out.append(([m.id for m in moves], dict(per_gpu)))
+    return out, pooled
 
 
 def _other_copy_guaranteed(

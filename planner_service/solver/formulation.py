@@ -54,7 +54,8 @@ class Option:
     decode_class: int  # options on a node with the same sum of h2d bandwidth decode alike
     # the running engine instance of a vLLM / SGLang node, kept as launched: its KV pool and GPU expert share
     # per GPU of `gpus` are fixed (DESIGN.md §5); both are () for every other option but a sleeping instance
-    # woken as it is, whose pool its node reported (engine_plan.woken_pools): that pool is fixed, its experts not
+    # woken as it is, whose pool its node reported (engine_plan.woken_pools): that pool is fixed (its expert
+    # share, where reported, is its one w: `_engine_experts`)
     launched: bool = False
     kv_pool: tuple[int, ...] = ()
     experts: tuple[int, ...] = ()
@@ -237,6 +238,13 @@ class _Builder:
             key: problem.engine_pools[key]
             for key, view in self.states.items()
             if view.state in (EngineState.ASLEEP_HOST, EngineState.ASLEEP_DISCARDED) and key in problem.engine_pools
+        }
+        # (node, model) -> the routed-expert bytes a sleeping MoE engine was launched with, whose node reported
+        # its share: its wake as it is maps them back (engine_plan.launched_experts)
+        self.woken_experts = {
+            key: sum(held.values())
+            for key, (_, _, held) in engine_plan.launched_experts(problem, self.states).items()
+            if self.states[key].state in (EngineState.ASLEEP_HOST, EngineState.ASLEEP_DISCARDED)
         }
         self.pinned = engine_plan.immovable(problem)  # model -> (node, precision): running, cannot leave
         self.gpu_terms: dict[str, dict[int, int]] = {g: defaultdict(int) for g in problem.gpus}
@@ -693,11 +701,11 @@ class _Builder:
         nodes = sorted({node for node, _ in by_class})
         for node_id in nodes:
             terms = self._combo_terms(model, node_id)
-            if not terms:
-                continue
             if self.p.nodes[node_id].engine_kind(model.id) is not None:
                 options = [o for (n, _), of_class in sorted(by_class.items()) if n == node_id for o in of_class]
                 self._engine_experts(model, node_id, options, terms, served_weight)
+                continue
+            if not terms:
                 continue
             link: dict[int, int] = {}
             for (n, cls), options in sorted(by_class.items()):
@@ -741,16 +749,19 @@ class _Builder:
         terms: Sequence[tuple[int, int, int]],
         served_weight: float,
     ) -> None:
-        """On a vLLM / SGLang node each option's fraction of experts lies in equal shares on its own GPUs."""
+        """On a vLLM / SGLang node each option's fraction of experts lies in equal shares on its own GPUs; the
+        wake of a sleeping engine whose launched share its node reported brings back that share, no other."""
         obj = StateObject.experts(model.id)
         has_source = _experts_source(self.p, self.now, model.id, node_id)
         shares_on: dict[str, dict[int, int]] = defaultdict(dict)  # GPU -> {w: its share there}
+        woken = self.woken_experts.get((node_id, model.id))
         for o in options:
             chosen = []
-            for r, last, nbytes in terms:
+            wake = woken is not None and self._asleep_as(model, o.node, o.precision, o.gpus)
+            for r, last, nbytes in [(0, 0, woken)] if wake and woken is not None else terms:
                 shares = split_evenly(nbytes, len(o.gpus))
                 held = [self.now.placement.get((obj, Location.gpu(g.id)), 0) for g in o.gpus]
-                if not has_source and any(b > h for b, h in zip(shares, held, strict=True)):
+                if not wake and not has_source and any(b > h for b, h in zip(shares, held, strict=True)):
                     continue  # nothing to fill more from
                 var = self.ilp.var(
                     f"w[{model.id},{o.var},{r},{last}]", cost=self._combo_cost(model, o.gpus, nbytes, served_weight)
@@ -761,9 +772,10 @@ class _Builder:
                     self.gpu_terms[g.id][var] += b
                     self.model_gpu_terms[(model.id, g.id)][var] += b
                     shares_on[g.id][var] = b
-            # (C5e) at most one expert fraction, and only with the option it lies on
+            # (C5e) at most one expert fraction, and only with the option it lies on; (C5w) a wake's is its
+            # launched share, with the option whenever it is chosen
             if chosen:
-                self.ilp.row({**dict.fromkeys(chosen, 1), o.var: -1}, hi=0)
+                self.ilp.row({**dict.fromkeys(chosen, 1), o.var: -1}, lo=0 if wake else -math.inf, hi=0)
         for gpu_id, by_var in sorted(shares_on.items()):
             # (C6e) promoted MiB: MiB * u >= sum_w share * w - now, charged at the GPU's copy rate
             was = self.now.placement.get((obj, Location.gpu(gpu_id)), 0)

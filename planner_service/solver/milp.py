@@ -92,8 +92,12 @@ Constraints (one family per comment in `formulation.py`)
                     (engine_plan.launched_pools; the engine's LRU keeps the rest out)
     (C11w) woken:   for o ∈ W_m, the sleeping instance of m whose node reported its pool,
                     that pool rides on x_{m,o} in C1 and C12 holds with it (a wake maps the
-                    pool back at its launched size: engine_plan.woken_pools); its experts
-                    are chosen as any new option's
+                    pool back at its launched size: engine_plan.woken_pools)
+    (C5w) woken experts: for the sleeping instance of a MoE whose node reported its launched
+                    GPU expert share (Problem.asleep_expert_fractions, engine_plan.launched_experts),
+                    its wake's option has one w, that share, and w_{m,o} = x_{m,o}: a wake maps
+                    back what the sleep offloaded, the share included; an unreported share is
+                    chosen as any new option's
     (C12') new pool: for o ∉ L_m ∪ W_m on a vLLM / SGLang node, with least_o one request of
                     the model's maximum context per GPU (engines.min_kv_pool_bytes_per_gpu):
                     least_o rides on x_{m,o} in C1 where all the KV o may hold fits in it;

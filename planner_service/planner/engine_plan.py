@@ -35,6 +35,7 @@ from planner_service.domain.engines import (
     Management,
     ReadFrom,
     Transition,
+    context_bytes_per_gpu,
     holdings,
     kv_held_in_pool,
     kv_pool_tokens,
@@ -215,8 +216,7 @@ def context_bytes(view: InstanceView) -> int:
     pool: its CUDA context (engines.holdings). Counted on every engine node; the GPU's `reserved_bytes` stays
     the operator's workspace (on the demo's n1, three TP-4 engines' contexts and a sleeping one's took more
     than its 2 GiB reserve, and a start ran out of memory)."""
-    up = view.state is not EngineState.STOPPED and bool(view.gpus)
-    return ENGINE_CONSTANTS.context_bytes_per_gpu if up else 0
+    return context_bytes_per_gpu(view.state, ENGINE_CONSTANTS) if view.gpus else 0
 
 
 def up_contexts(states: Mapping[Key, InstanceView]) -> dict[str, int]:

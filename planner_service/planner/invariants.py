@@ -57,7 +57,7 @@ from planner_service.domain.engines import (
 from planner_service.domain.problem import Problem
 from planner_service.domain.scenario import Capability
 from planner_service.domain.state import Kind, Location, StateObject, Tier
-from planner_service.planner import engine_plan
+from planner_service.planner import engine_holdings, engine_instances
 from planner_service.planner.operations import Action, Operation, apply_operations
 from planner_service.planner.residency import ResidencyIndex
 
@@ -200,7 +200,7 @@ def _every_order_safe(
     # (bytes, the ids that have run before it: an add's ancestors) and (bytes, the ids any of which frees it)
     adds: dict[Location, list[tuple[int, set[str]]]] = defaultdict(list)
     frees: dict[Location, list[tuple[int, set[str]]]] = defaultdict(list)
-    before = engine_plan.confirmed_states(problem)
+    before = engine_instances.confirmed_states(problem)
     steps, pooled = _engine_step_bytes(target, ops, before)
     for op in ops:
         if op.dest is not None and not (op.object.kind is Kind.KV and (op.object.model, op.dest.id) in pooled):
@@ -210,7 +210,7 @@ def _every_order_safe(
     used: dict[Location, int] = defaultdict(int)
     for (_, loc), nbytes in problem.residency.items():
         used[loc] += nbytes
-    for g, nbytes in engine_plan.up_contexts(before).items():
+    for g, nbytes in engine_holdings.up_contexts(before).items():
         used[Location.gpu(g)] += nbytes
     for members, per_gpu in steps:
         first = set.intersection(*(anc[m] for m in members)) | set(members)
@@ -253,10 +253,10 @@ def _every_order_safe(
 def _engine_step_bytes(
     target: Mapping[tuple[StateObject, Location], int],
     ops: Sequence[Operation],
-    before: Mapping[tuple[str, str], engine_plan.InstanceView],
+    before: Mapping[tuple[str, str], engine_instances.InstanceView],
 ) -> tuple[list[tuple[list[str], dict[str, int]]], set[tuple[str, str]]]:
     """Each engine step's moves (ids) and the GPU bytes it adds (+) or frees (-) beside the bytes they move:
-    the CUDA context of the instance it takes up or down (`engine_plan.context_bytes`: a sleep keeps it, a
+    the CUDA context of the instance it takes up or down (`engine_holdings.context_bytes`: a sleep keeps it, a
     stop frees it) and the KV pool an instance it brings up is launched with, taken whole by the call (vLLM
     allocates each KV cache tensor at its full size as it starts, vllm/v1/worker/gpu_model_runner.py
     `_allocate_kv_cache_tensors`; a wake maps it back whole, vllm/device_allocator/cumem.py); and the
@@ -288,14 +288,14 @@ def _engine_step_bytes(
         assert step is not None  # grouped by their steps
         b = before[(node, model)]
         if transition is Transition.START and (node, model, Transition.STOP) in steps:
-            b = engine_plan.InstanceView(node, model, b.declared, EngineState.STOPPED, None, ())  # its own stop
+            b = engine_instances.InstanceView(node, model, b.declared, EngineState.STOPPED, None, ())  # its own stop
         gpus = tuple(step.instance.gpus)
-        a = engine_plan.InstanceView(node, model, b.declared, AFTER[transition], step.instance.precision, gpus)
+        a = engine_instances.InstanceView(node, model, b.declared, AFTER[transition], step.instance.precision, gpus)
         per_gpu: dict[str, int] = defaultdict(int)
         for g in b.gpus:
-            per_gpu[g] -= engine_plan.context_bytes(b)
+            per_gpu[g] -= engine_holdings.context_bytes(b)
         for g in a.gpus:
-            per_gpu[g] += engine_plan.context_bytes(a)
+            per_gpu[g] += engine_holdings.context_bytes(a)
             if a.state is EngineState.RUNNING:
                 pool = step.instance.kv_pool_bytes_per_gpu
                 per_gpu[g] += max(0, pool - kv[(model, g)]) + kv_moved[(model, g)]
@@ -539,7 +539,7 @@ def _evicted_for_new_kv(op: Operation, kv_gains: Collection[tuple[str, str]]) ->
 
 
 def _lmcache(problem: Problem, op: Operation) -> bool:
-    declared = engine_plan.engine_of(problem, op.node, op.object.model)
+    declared = engine_instances.engine_of(problem, op.node, op.object.model)
     return declared is not None and EngineFeature.LMCACHE in declared.features
 
 
@@ -550,7 +550,7 @@ def _touches_gpu(op: Operation) -> bool:
 def _engine_steps(problem: Problem, ops: Sequence[Operation], refused: Collection[str] = ()) -> list[str]:
     """Every engine node move that needs its engine carries a step its kind offers from the state it is in
     (`refused`: the operations refused as run-time moves already)."""
-    before = engine_plan.confirmed_states(problem)
+    before = engine_instances.confirmed_states(problem)
     if not before:
         return []
     errors: list[str] = []
@@ -587,7 +587,7 @@ def _engine_steps(problem: Problem, ops: Sequence[Operation], refused: Collectio
         if seen in checked:
             continue
         checked.add(seen)
-        inst = engine_plan.instance_from_ref(problem, step.previous or step.instance)
+        inst = engine_instances.instance_from_ref(problem, step.previous or step.instance)
         verdict = may(inst, step.from_state, step.transition)
         if not verdict.allowed:
             missing = verdict.missing.value if verdict.missing is not None else "?"
@@ -644,7 +644,7 @@ def _engine_capacity(
     problem: Problem, target: Mapping[tuple[StateObject, Location], int], ops: Sequence[Operation]
 ) -> list[str]:
     """GPU bytes with the KV pools of launched instances and the CUDA contexts of every instance up."""
-    before = engine_plan.confirmed_states(problem)
+    before = engine_instances.confirmed_states(problem)
     if not before:
         return []
     after = dict(before)
@@ -658,14 +658,14 @@ def _engine_capacity(
         if step.transition is Transition.STOP and key in pools:
             continue  # the stop of a stop, then start: the start's instance is the one after the plan
         gpus = tuple(step.instance.gpus)
-        after[key] = engine_plan.InstanceView(
+        after[key] = engine_instances.InstanceView(
             op.node, key[1], before[key].declared, state, step.instance.precision, gpus
         )
         if state is EngineState.RUNNING:
             pools[key] = step.instance.kv_pool_bytes_per_gpu
     # every instance up after the plan holds its CUDA context on each GPU of its group: a sleeping one its
     # residue, a running one beside its shard and pool (engines.holdings)
-    extra: dict[str, int] = engine_plan.up_contexts(after)
+    extra: dict[str, int] = engine_holdings.up_contexts(after)
     kv: dict[tuple[str, str], int] = defaultdict(int)  # (model, gpu) -> KV bytes in the target
     used: dict[str, int] = defaultdict(int)
     for (obj, loc), nbytes in target.items():
@@ -676,7 +676,7 @@ def _engine_capacity(
     errors = []
     for (node, model), pool in sorted(pools.items()):
         tp = len(after[(node, model)].gpus)
-        least = engine_plan.min_pool_bytes_per_gpu(problem, model, tp) if tp else 0
+        least = engine_holdings.min_pool_bytes_per_gpu(problem, model, tp) if tp else 0
         if pool < least:
             errors.append(
                 f"engine: {model}'s engine on {node} is launched with a KV pool of {pool} bytes per GPU, less than "
@@ -686,7 +686,7 @@ def _engine_capacity(
     # capacity below counts the pools the plan launches)
     kept = {
         key: pool
-        for key, pool in engine_plan.launched_pools(problem, before).items()
+        for key, pool in engine_holdings.launched_pools(problem, before).items()
         if key not in pools and after[key].state is EngineState.RUNNING and after[key].gpus == before[key].gpus
     }
     for (node, model), pool in sorted({**pools, **kept}.items()):

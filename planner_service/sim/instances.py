@@ -12,7 +12,7 @@ What the simulator takes from the engine model:
   from disk).
 * **A vLLM or SGLang instance up holds its CUDA context** on each GPU of its group
   (`context_bytes_per_gpu`, `engines.context_bytes_per_gpu`), running or asleep, where the planner counts
-  it (`engine_plan.context_bytes`): a start takes it, a wake finds it held. A `local` engine is charged its
+  it (`engine_holdings.context_bytes`): a start takes it, a wake finds it held. A `local` engine is charged its
   context asleep only (the residue), as before.
 * **Taking a model off its GPUs** puts its instance to sleep where its kind and launch features allow
   (level 1 when host RAM holds a complete copy of the weights, the backup; level 2 otherwise), else
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from planner_service.domain import engines
 from planner_service.domain.engines import DeclaredEngine, EngineKind, EngineState, Management, Transition
 from planner_service.domain.problem import Gpu, Problem
-from planner_service.planner.engine_plan import ENGINE_NODE_KINDS
+from planner_service.planner.engine_instances import ENGINE_NODE_KINDS
 
 # a node that declares no engines: the node agent's own executor, which offers every transition
 UNDECLARED = DeclaredEngine(EngineKind.LOCAL, frozenset(engines.EngineFeature), Management.MANAGED)

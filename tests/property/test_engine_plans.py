@@ -20,7 +20,7 @@ from planner_service.domain.predictions import problem_from_scenario
 from planner_service.domain.problem import Problem
 from planner_service.domain.scenario import Scenario, parse_scenario
 from planner_service.domain.state import Kind, Tier
-from planner_service.planner import engine_plan
+from planner_service.planner import engine_holdings, engine_instances
 from planner_service.planner.invariants import check_plan
 from planner_service.planner.operations import Operation
 from planner_service.planner.plan import Plan
@@ -60,7 +60,7 @@ def _steps_hold_in_some_order(problem: Problem, ops: list[Operation], rng: rando
     every step. The moves that carry one step happen together, as the engine's one call makes them (a sleep
     frees the weights and the KV it puts away at once, keeping the context); a launched pool holds the KV
     that arrives in it, so its model's KV there counts only beyond the pool."""
-    states = engine_plan.confirmed_states(problem)
+    states = engine_instances.confirmed_states(problem)
     moves_of: dict[tuple[str, str, str, str], list[Operation]] = defaultdict(list)
     for op in ops:
         if op.engine is not None:
@@ -73,7 +73,7 @@ def _steps_hold_in_some_order(problem: Problem, ops: list[Operation], rng: rando
             used[loc.id] += nbytes
             if obj.kind is Kind.KV:
                 kv[(obj.model, loc.id)] += nbytes
-    for g, nbytes in engine_plan.up_contexts(states).items():
+    for g, nbytes in engine_holdings.up_contexts(states).items():
         used[g] += nbytes
     start = dict(used)
     pools: dict[tuple[str, str], int] = {}  # (model, GPU) -> the pool a step of the plan launched there
@@ -91,19 +91,19 @@ def _steps_hold_in_some_order(problem: Problem, ops: list[Operation], rng: rando
         if step is not None and made is not None and step.transition.value != "readahead" and made not in applied:
             applied.add(made)
             view = states[key]
-            inst = engine_plan.instance_from_ref(problem, step.previous or step.instance)
+            inst = engine_instances.instance_from_ref(problem, step.previous or step.instance)
             verdict = may(inst, view.state, step.transition)
             assert verdict.allowed, f"{op.id}: {step.transition.value} from {view.state.value}: {verdict.why}"
             for g in view.gpus:
-                used[g] -= engine_plan.context_bytes(view)
+                used[g] -= engine_holdings.context_bytes(view)
                 pools.pop((key[1], g), None)
-            new = engine_plan.InstanceView(
+            new = engine_instances.InstanceView(
                 op.node, key[1], view.declared, AFTER[step.transition], step.instance.precision,
                 tuple(step.instance.gpus),
             )  # fmt: skip
             states[key] = new
             for g in new.gpus:
-                used[g] += engine_plan.context_bytes(new)
+                used[g] += engine_holdings.context_bytes(new)
                 if new.state is EngineState.RUNNING:
                     pools[(key[1], g)] = step.instance.kv_pool_bytes_per_gpu
             together = moves_of[made]
@@ -131,7 +131,7 @@ def _steps_hold_in_some_order(problem: Problem, ops: list[Operation], rng: rando
 def _offered(problem: Problem, ops: list[Operation]) -> None:
     """No per-session KV move, no run-time share or precision change without a step on vLLM or SGLang."""
     for op in ops:
-        if engine_plan.engine_of(problem, op.node, op.object.model) is None:
+        if engine_instances.engine_of(problem, op.node, op.object.model) is None:
             continue
         what = f"{op.id} {op.action.value} {op.object.label()}"
         if op.object.kind is Kind.KV and op.source is not None and op.engine is None:

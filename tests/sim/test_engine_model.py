@@ -180,7 +180,7 @@ def test_a_sleep_keeps_its_context_in_the_room_its_own_weights_leave() -> None:
 
 def test_a_running_vllm_engine_holds_its_context_and_its_sleep_keeps_it() -> None:
     """a's vLLM engine serves on g0 + g1 (2 GB of weights on each) and holds its CUDA context (1 GiB) on both
-    from its start, as the planner counts it (engine_plan.context_bytes); other engines then fill g1 but for
+    from its start, as the planner counts it (engine_holdings.context_bytes); other engines then fill g1 but for
     0.4 GB, less than a context. A plan drops a's shard on g0: the sleep keeps the context the engine held
     running as its residue, so it needs no room there and the engine sleeps, never stops."""
     from planner_service.planner.operations import Action, Operation

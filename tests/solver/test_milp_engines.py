@@ -14,7 +14,8 @@ from planner_service.domain.engines import EngineState, Transition
 from planner_service.domain.problem import Problem
 from planner_service.domain.state import Location, StateObject
 from planner_service.domain.units import GIB
-from planner_service.planner.engine_plan import ENGINE_CONSTANTS, confirmed_states, launched_pools
+from planner_service.planner.engine_holdings import launched_pools
+from planner_service.planner.engine_instances import ENGINE_CONSTANTS, confirmed_states
 from planner_service.planner.invariants import check_plan
 from planner_service.planner.plan import Plan, make_plan
 from planner_service.solver.registry import solve

@@ -14,12 +14,12 @@ from tiny_clusters import GIB, gpu, held, model, node, on_gpu, on_nvme, plan_for
 
 from planner_service.domain.engines import Transition
 from planner_service.domain.state import Location
-from planner_service.planner import engine_plan
+from planner_service.planner import engine_instances
 from planner_service.planner.invariants import check_plan
 from planner_service.planner.operations import Operation
 
 VLLM = {"kind": "vllm", "features": ["lmcache", "sleep_mode", "dev_mode"]}
-CONTEXT = engine_plan.ENGINE_CONSTANTS.context_bytes_per_gpu
+CONTEXT = engine_instances.ENGINE_CONSTANTS.context_bytes_per_gpu
 
 
 def sleep_then_start(b_tokens: int, b_max_context: int | None = None) -> dict[str, Any]:

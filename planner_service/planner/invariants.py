@@ -29,6 +29,8 @@ is sound):
   * where a node declares its engine's kind, a MoE's routed experts that the
     plan puts on GPU lie in equal shares on the GPUs of its weights there,
     none beside them (the GPU share is one launch setting of the engine);
+    a sleeping engine woken brings back the share it was launched with,
+    where its node reported it;
   * a vLLM instance the plan places anew runs on a group whose size divides
     its model's attention heads (`engines.tensor_parallel_ok`);
   * GPU capacities hold with the KV pools of the instances the plan launches
@@ -78,6 +80,7 @@ def check_plan(
     errors += _capabilities(problem, ops, target)
     errors += _engine_groups(problem, target)
     errors += _engine_expert_shares(problem, target)
+    errors += _woken_expert_shares(problem, target, ops)
     errors += _tensor_parallel_groups(problem, target)
     refused = _engine_moves(problem, ops, target)
     errors += refused
@@ -401,6 +404,31 @@ def outside_engine_groups(
             errors.append(
                 f"engine: {obj.label()} gains bytes on {loc.label()}, outside the GPUs of {obj.model}'s engine on node "
                 f"{node.id} ({', '.join(fixed)})"
+            )
+    return errors
+
+
+def _woken_expert_shares(
+    problem: Problem, target: Mapping[tuple[StateObject, Location], int], ops: Sequence[Operation]
+) -> list[str]:
+    """A sleeping MoE engine the plan wakes brings back the GPU expert share it was launched with, where its
+    node reported it (`engine_holdings.launched_experts`): the wake maps back what its sleep offloaded
+    (vllm/device_allocator/cumem.py `CuMemAllocator.wake_up`), no more and no less."""
+    woken = {
+        (op.node, op.object.model) for op in ops if op.engine is not None and op.engine.transition is Transition.WAKE
+    }
+    if not woken:
+        return []
+    launched = engine_holdings.launched_experts(problem, engine_instances.confirmed_states(problem))
+    errors = []
+    for node, model in sorted(woken & set(launched)):
+        held = sum(launched[(node, model)][2].values())
+        experts = StateObject.experts(model)
+        planned = sum(target.get((experts, Location.gpu(g)), 0) for g in problem.nodes[node].gpus)
+        if planned != held:
+            errors.append(
+                f"engine: {model}'s engine on {node} is woken with {planned} bytes of its routed experts on GPU, "
+                f"not the {held} it was launched with: a wake maps back what its sleep offloaded"
             )
     return errors
 

@@ -288,3 +288,18 @@ def test_milp_wakes_a_moe_engine_with_the_expert_share_it_was_launched_with(gpu_
     assert move.engine is not None and move.engine.transition is Transition.WAKE
     details = plan.extra["milp"]
     assert details["model_objective"] == pytest.approx(details["milp_plan_objective"], rel=1e-6)
+
+
+def test_the_checker_refuses_a_wake_with_another_expert_share() -> None:
+    """The greedy's wake of m with half its experts on g0 instead of the quarter it was launched with: the
+    wake maps back the quarter, and the checker says so (the MILP's free choice of the share passed it)."""
+    problem = asleep_moe(0.25)
+    plan = solve(problem, "greedy")
+    on_g0 = (StateObject.experts("m"), Location.gpu("g0"))
+    made = make_plan(problem, "greedy", {**plan.placement, on_g0: 8 * GIB}, {})
+    assert made.placement[on_g0] == 8 * GIB
+    errors = check_plan(problem, made.placement, made.operations, made.unserved)
+    assert (
+        f"engine: m's engine on n0 is woken with {8 * GIB} bytes of its routed experts on GPU, not the {4 * GIB} it "
+        "was launched with: a wake maps back what its sleep offloaded"
+    ) in errors

@@ -476,6 +476,12 @@ class Holdings:
     page_cache_bytes: int  # clean checkpoint pages the kernel may evict; not the engine's own memory
 
 
+def context_bytes_per_gpu(state: EngineState, constants: EngineConstants) -> int:
+    """The CUDA context an instance in `state` holds on each GPU of its group beside its shard and pool: in
+    every state its process exists (running, or asleep as its residue), none once stopped (`holdings`)."""
+    return constants.context_bytes_per_gpu if state in _UP else 0
+
+
 def holdings(
     instance: EngineInstance, state: EngineState, constants: EngineConstants, *, checkpoint_cached: bool = False
 ) -> Holdings:
@@ -492,12 +498,9 @@ def holdings(
     page cache: checkpoint_bytes when the checkpoint is cached (read ahead, or left by a load), else 0.
     """
     launch = instance.launch
+    per_gpu = context_bytes_per_gpu(state, constants)
     if state is EngineState.RUNNING:
-        per_gpu = instance.shard_bytes + launch.kv_pool_bytes_per_gpu + constants.context_bytes_per_gpu
-    elif state in _ASLEEP:
-        per_gpu = constants.context_bytes_per_gpu
-    else:
-        per_gpu = 0
+        per_gpu += instance.shard_bytes + launch.kv_pool_bytes_per_gpu
     host = 0
     if state in _UP:
         host += instance.experts_bytes - instance.gpu_expert_bytes

@@ -132,11 +132,11 @@ class Problem:
     # session -> next model -> probability of the session's next request going there
     next_model: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
     # (node, model) -> the state and GPU group its engine reported (a node agent's heartbeat); where given it
-    # wins over the state derived from the placement (planner/engine_plan.py)
+    # wins over the state derived from the placement (planner/engine_instances.py)
     observed_engines: Mapping[tuple[str, str], tuple[EngineState, tuple[str, ...]]] = field(default_factory=dict)
     # (node, model) -> the KV pool per GPU its running or sleeping engine was launched with, where a node
     # reported it (the heartbeat's `kv_pool_bytes_per_gpu`; a wake keeps it); where absent the planner derives
-    # it (engine_plan.launched_pools)
+    # it (engine_holdings.launched_pools)
     engine_pools: Mapping[tuple[str, str], int] = field(default_factory=dict)
     # (node, model) -> the GPU expert share a sleeping MoE engine was launched with, where its node reported it
     # (the heartbeat's `gpu_expert_fraction`): its wake maps those experts back with its weights

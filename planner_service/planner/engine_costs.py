@@ -7,7 +7,7 @@ its models in engine instances: the declared kind, or on a node that declares no
 `local` executor, which offers every transition.
 
 The instance's state before the bring-up is read from the confirmed placement (`now`) and what the nodes
-reported, with the rule of `engine_plan.instance_states`:
+reported, with the rule of `engine_instances.instance_states`:
 
     weights complete on GPUs of the node     running on those GPUs, at that precision
     reported asleep (a heartbeat)            asleep on the reported group, at the precision of its host
@@ -99,7 +99,7 @@ def up_fixed_seconds(
             engines.leaving_transition(declared_engine(problem, node_id, model_id).probe(), host_copy)
         ]
     if state is EngineState.ASLEEP_HOST and not host_copy:
-        state = _STOPPED  # its backup is gone: the engine stopped (engine_plan._stays_asleep_or_stops)
+        state = _STOPPED  # its backup is gone: the engine stopped (engine_targets.stays_asleep_or_stops)
     same = precision_now == precision and group == tuple(sorted(gpu_ids))
     return engines.bring_up_fixed_seconds(state, same, ENGINE_CONSTANTS)
 

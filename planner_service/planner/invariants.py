@@ -29,11 +29,14 @@ is sound):
   * where a node declares its engine's kind, a MoE's routed experts that the
     plan puts on GPU lie in equal shares on the GPUs of its weights there,
     none beside them (the GPU share is one launch setting of the engine);
+    a sleeping engine woken brings back the share it was launched with,
+    where its node reported it;
   * a vLLM instance the plan places anew runs on a group whose size divides
     its model's attention heads (`engines.tensor_parallel_ok`);
   * GPU capacities hold with the KV pools of the instances the plan launches
-    and the CUDA contexts of every instance up after it, running or asleep
-    (`engines.holdings`), in the target; in every order, with the bytes moved.
+    and the CUDA contexts of every instance up, running or asleep
+    (`engines.holdings`), in the target and in every order (a step's pool
+    and context arrive or leave with the first of its moves to run).
 """
 
 from __future__ import annotations
@@ -56,7 +59,7 @@ from planner_service.domain.engines import (
 from planner_service.domain.problem import Problem
 from planner_service.domain.scenario import Capability
 from planner_service.domain.state import Kind, Location, StateObject, Tier
-from planner_service.planner import engine_plan
+from planner_service.planner import engine_holdings, engine_instances
 from planner_service.planner.operations import Action, Operation, apply_operations
 from planner_service.planner.residency import ResidencyIndex
 
@@ -73,10 +76,11 @@ def check_plan(
     errors += _last_copies_kept(problem, target)
     errors += _replay(problem, target, ops)
     errors += _order_and_locality(problem, ops)
-    errors += _every_order_safe(problem, ops)
+    errors += _every_order_safe(problem, target, ops)
     errors += _capabilities(problem, ops, target)
     errors += _engine_groups(problem, target)
     errors += _engine_expert_shares(problem, target)
+    errors += _woken_expert_shares(problem, target, ops)
     errors += _tensor_parallel_groups(problem, target)
     refused = _engine_moves(problem, ops, target)
     errors += refused
@@ -177,29 +181,51 @@ def _ancestors(ops: Sequence[Operation]) -> dict[str, set[str]]:
     return out
 
 
-def _every_order_safe(problem: Problem, ops: Sequence[Operation]) -> list[str]:
+def _every_order_safe(
+    problem: Problem, target: Mapping[tuple[StateObject, Location], int], ops: Sequence[Operation]
+) -> list[str]:
     """Worst cases over all orders that respect `depends_on`.
 
     Capacity: once any add to L has run, every free of L that is an ancestor
     of all adds to L has run too, so occupancy never exceeds
     C(L) + sum(adds to L) - sum(frees of L that precede every add to L).
+    On an engine node's GPU, C counts the CUDA contexts of the instances up
+    now, and an engine step adds or frees what its instance holds beside
+    the bytes moved (`_engine_step_bytes`): the KV pool it launches is
+    mapped whole with the call, and the KV the plan then puts in it takes
+    no more room. A step is one call, made on the first of its moves to
+    run, so it has run before an add once any of its moves is an ancestor
+    of that add, and its own adds come after the frees its moves make (a
+    restart stops the old instance, then starts).
     """
     errors = []
     anc = _ancestors(ops)
-    adds: dict[Location, list[Operation]] = defaultdict(list)
-    frees: dict[Location, list[Operation]] = defaultdict(list)
+    # (bytes, the ids that have run before it: an add's ancestors) and (bytes, the ids any of which frees it)
+    adds: dict[Location, list[tuple[int, set[str]]]] = defaultdict(list)
+    frees: dict[Location, list[tuple[int, set[str]]]] = defaultdict(list)
+    before = engine_instances.confirmed_states(problem)
+    steps, pooled = _engine_step_bytes(target, ops, before)
     for op in ops:
-        if op.dest is not None:
-            adds[op.dest].append(op)
+        if op.dest is not None and not (op.object.kind is Kind.KV and (op.object.model, op.dest.id) in pooled):
+            adds[op.dest].append((op.bytes, anc[op.id]))
         if op.source is not None and not op.keep_source:
-            frees[op.source].append(op)
+            frees[op.source].append((op.bytes, {op.id}))
     used: dict[Location, int] = defaultdict(int)
     for (_, loc), nbytes in problem.residency.items():
         used[loc] += nbytes
-    for loc, add_ops in sorted(adds.items()):
-        common = set.intersection(*(anc[a.id] for a in add_ops))
-        freed_first = sum(f.bytes for f in frees.get(loc, []) if f.id in common)
-        worst = used[loc] + sum(a.bytes for a in add_ops) - freed_first
+    for g, nbytes in engine_holdings.up_contexts(before).items():
+        used[Location.gpu(g)] += nbytes
+    for members, per_gpu in steps:
+        first = set.intersection(*(anc[m] for m in members)) | set(members)
+        for g, nbytes in per_gpu.items():
+            if nbytes > 0:
+                adds[Location.gpu(g)].append((nbytes, first))
+            elif nbytes < 0:
+                frees[Location.gpu(g)].append((-nbytes, set(members)))
+    for loc, add_events in sorted(adds.items()):
+        common = set.intersection(*(before_it for _, before_it in add_events))
+        freed_first = sum(nbytes for nbytes, by in frees.get(loc, []) if by & common)
+        worst = used[loc] + sum(nbytes for nbytes, _ in add_events) - freed_first
         if worst > problem.capacity_of(loc):
             errors.append(f"capacity in some order: {loc.label()} can reach {worst} bytes > {problem.capacity_of(loc)}")
 
@@ -225,6 +251,60 @@ def _every_order_safe(problem: Problem, ops: Sequence[Operation]) -> list[str]:
                     f"last copy in some order: {op.id} may drop the node's last complete copy of {op.object.label()}"
                 )
     return errors
+
+
+def _engine_step_bytes(
+    target: Mapping[tuple[StateObject, Location], int],
+    ops: Sequence[Operation],
+    before: Mapping[tuple[str, str], engine_instances.InstanceView],
+) -> tuple[list[tuple[list[str], dict[str, int]]], set[tuple[str, str]]]:
+    """Each engine step's moves (ids) and the GPU bytes it adds (+) or frees (-) beside the bytes they move:
+    the CUDA context of the instance it takes up or down (`engine_holdings.context_bytes`: a sleep keeps it, a
+    stop frees it) and the KV pool an instance it brings up is launched with, taken whole by the call (vLLM
+    allocates each KV cache tensor at its full size as it starts, vllm/v1/worker/gpu_model_runner.py
+    `_allocate_kv_cache_tensors`; a wake maps it back whole, vllm/device_allocator/cumem.py); and the
+    (model, GPU) pairs of those pools, whose KV the plan's moves put in room the pool holds already. A pool
+    counts as the target counts it, max(0, pool - the KV the target puts there), plus that KV's moves there
+    (the KV the target keeps there from before is counted where it is)."""
+    if not before:
+        return [], set()
+    kv: dict[tuple[str, str], int] = defaultdict(int)  # (model, GPU) -> the target's KV there
+    for (obj, loc), nbytes in target.items():
+        if obj.kind is Kind.KV and loc.tier is Tier.GPU:
+            kv[(obj.model, loc.id)] += nbytes
+    kv_moved: dict[tuple[str, str], int] = defaultdict(int)  # (model, GPU) -> the KV the plan's moves put there
+    for op in ops:
+        if op.object.kind is Kind.KV and op.dest is not None and op.dest.tier is Tier.GPU:
+            kv_moved[(op.object.model, op.dest.id)] += op.bytes
+    steps: dict[tuple[str, str, Transition], list[Operation]] = defaultdict(list)
+    for op in ops:
+        if (
+            op.engine is not None
+            and op.engine.transition is not Transition.READAHEAD
+            and (op.node, op.object.model) in before
+        ):
+            steps[(op.node, op.object.model, op.engine.transition)].append(op)
+    out = []
+    pooled: set[tuple[str, str]] = set()
+    for (node, model, transition), moves in steps.items():
+        step = moves[0].engine
+        assert step is not None  # grouped by their steps
+        b = before[(node, model)]
+        if transition is Transition.START and (node, model, Transition.STOP) in steps:
+            b = engine_instances.InstanceView(node, model, b.declared, EngineState.STOPPED, None, ())  # its own stop
+        gpus = tuple(step.instance.gpus)
+        a = engine_instances.InstanceView(node, model, b.declared, AFTER[transition], step.instance.precision, gpus)
+        per_gpu: dict[str, int] = defaultdict(int)
+        for g in b.gpus:
+            per_gpu[g] -= engine_holdings.context_bytes(b)
+        for g in a.gpus:
+            per_gpu[g] += engine_holdings.context_bytes(a)
+            if a.state is EngineState.RUNNING:
+                pool = step.instance.kv_pool_bytes_per_gpu
+                per_gpu[g] += max(0, pool - kv[(model, g)]) + kv_moved[(model, g)]
+                pooled.add((model, g))
+        out.append(([m.id for m in moves], dict(per_gpu)))
+    return out, pooled
 
 
 def _other_copy_guaranteed(
@@ -324,6 +404,31 @@ def outside_engine_groups(
             errors.append(
                 f"engine: {obj.label()} gains bytes on {loc.label()}, outside the GPUs of {obj.model}'s engine on node "
                 f"{node.id} ({', '.join(fixed)})"
+            )
+    return errors
+
+
+def _woken_expert_shares(
+    problem: Problem, target: Mapping[tuple[StateObject, Location], int], ops: Sequence[Operation]
+) -> list[str]:
+    """A sleeping MoE engine the plan wakes brings back the GPU expert share it was launched with, where its
+    node reported it (`engine_holdings.launched_experts`): the wake maps back what its sleep offloaded
+    (vllm/device_allocator/cumem.py `CuMemAllocator.wake_up`), no more and no less."""
+    woken = {
+        (op.node, op.object.model) for op in ops if op.engine is not None and op.engine.transition is Transition.WAKE
+    }
+    if not woken:
+        return []
+    launched = engine_holdings.launched_experts(problem, engine_instances.confirmed_states(problem))
+    errors = []
+    for node, model in sorted(woken & set(launched)):
+        held = sum(launched[(node, model)][2].values())
+        experts = StateObject.experts(model)
+        planned = sum(target.get((experts, Location.gpu(g)), 0) for g in problem.nodes[node].gpus)
+        if planned != held:
+            errors.append(
+                f"engine: {model}'s engine on {node} is woken with {planned} bytes of its routed experts on GPU, "
+                f"not the {held} it was launched with: a wake maps back what its sleep offloaded"
             )
     return errors
 
@@ -462,7 +567,7 @@ def _evicted_for_new_kv(op: Operation, kv_gains: Collection[tuple[str, str]]) ->
 
 
 def _lmcache(problem: Problem, op: Operation) -> bool:
-    declared = engine_plan.engine_of(problem, op.node, op.object.model)
+    declared = engine_instances.engine_of(problem, op.node, op.object.model)
     return declared is not None and EngineFeature.LMCACHE in declared.features
 
 
@@ -473,7 +578,7 @@ def _touches_gpu(op: Operation) -> bool:
 def _engine_steps(problem: Problem, ops: Sequence[Operation], refused: Collection[str] = ()) -> list[str]:
     """Every engine node move that needs its engine carries a step its kind offers from the state it is in
     (`refused`: the operations refused as run-time moves already)."""
-    before = engine_plan.confirmed_states(problem)
+    before = engine_instances.confirmed_states(problem)
     if not before:
         return []
     errors: list[str] = []
@@ -510,7 +615,7 @@ def _engine_steps(problem: Problem, ops: Sequence[Operation], refused: Collectio
         if seen in checked:
             continue
         checked.add(seen)
-        inst = engine_plan.instance_from_ref(problem, step.previous or step.instance)
+        inst = engine_instances.instance_from_ref(problem, step.previous or step.instance)
         verdict = may(inst, step.from_state, step.transition)
         if not verdict.allowed:
             missing = verdict.missing.value if verdict.missing is not None else "?"
@@ -567,7 +672,7 @@ def _engine_capacity(
     problem: Problem, target: Mapping[tuple[StateObject, Location], int], ops: Sequence[Operation]
 ) -> list[str]:
     """GPU bytes with the KV pools of launched instances and the CUDA contexts of every instance up."""
-    before = engine_plan.confirmed_states(problem)
+    before = engine_instances.confirmed_states(problem)
     if not before:
         return []
     after = dict(before)
@@ -581,14 +686,14 @@ def _engine_capacity(
         if step.transition is Transition.STOP and key in pools:
             continue  # the stop of a stop, then start: the start's instance is the one after the plan
         gpus = tuple(step.instance.gpus)
-        after[key] = engine_plan.InstanceView(
+        after[key] = engine_instances.InstanceView(
             op.node, key[1], before[key].declared, state, step.instance.precision, gpus
         )
         if state is EngineState.RUNNING:
             pools[key] = step.instance.kv_pool_bytes_per_gpu
     # every instance up after the plan holds its CUDA context on each GPU of its group: a sleeping one its
     # residue, a running one beside its shard and pool (engines.holdings)
-    extra: dict[str, int] = engine_plan.up_contexts(after)
+    extra: dict[str, int] = engine_holdings.up_contexts(after)
     kv: dict[tuple[str, str], int] = defaultdict(int)  # (model, gpu) -> KV bytes in the target
     used: dict[str, int] = defaultdict(int)
     for (obj, loc), nbytes in target.items():
@@ -599,7 +704,7 @@ def _engine_capacity(
     errors = []
     for (node, model), pool in sorted(pools.items()):
         tp = len(after[(node, model)].gpus)
-        least = engine_plan.min_pool_bytes_per_gpu(problem, model, tp) if tp else 0
+        least = engine_holdings.min_pool_bytes_per_gpu(problem, model, tp) if tp else 0
         if pool < least:
             errors.append(
                 f"engine: {model}'s engine on {node} is launched with a KV pool of {pool} bytes per GPU, less than "
@@ -609,7 +714,7 @@ def _engine_capacity(
     # capacity below counts the pools the plan launches)
     kept = {
         key: pool
-        for key, pool in engine_plan.launched_pools(problem, before).items()
+        for key, pool in engine_holdings.launched_pools(problem, before).items()
         if key not in pools and after[key].state is EngineState.RUNNING and after[key].gpus == before[key].gpus
     }
     for (node, model), pool in sorted({**pools, **kept}.items()):

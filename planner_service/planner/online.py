@@ -300,7 +300,7 @@ def _stay_and_plan(
 
 def staying_put(problem: Problem, plan: Plan) -> Plan:
     """The plan that keeps the confirmed placement, in place of `plan` (same solver): its operations are
-    those the engines need to keep it (engine_plan.engine_target), usually none; the active sessions it does
+    those the engines need to keep it (engine_targets.engine_target), usually none; the active sessions it does
     not serve (their model off GPU, or their KV not whole on its GPUs) stay unserved."""
     index = ResidencyIndex.build(problem, problem.residency)
     unserved = {}

@@ -59,6 +59,8 @@ _KV_OFFLOAD, _WEIGHTS_OFFLOAD = Capability.KV_OFFLOAD, Capability.WEIGHTS_OFFLOA
 _PROMOTE, _DEMOTE, _DROP = Action.PROMOTE, Action.DEMOTE, Action.DROP
 _PREFETCH, _BACKGROUND = Priority.PREFETCH, Priority.BACKGROUND
 _RESTART = Transition.RESTART.value
+# the steps that bring an instance up: its KV pool and CUDA context take room on its GPUs with the call
+_UP = frozenset(t.value for t in (Transition.START, Transition.WAKE, Transition.RESTART))
 _KEY = itemgetter(0)  # of a dict item: sorting items by it skips a level of tuple comparison
 
 
@@ -539,12 +541,19 @@ def share_step_dependencies(ops: list[Operation], unpair: Unpair | None = None) 
     start waits on every move of the stop, and the waits are shared again from the plan's own (one restart
     fewer each round).
 
+    A step that brings an instance up (a start, wake or restart) takes room for its KV pool and CUDA context
+    on every GPU of its group with that one call, whichever of its moves makes it, even one that moves
+    nothing there: each of its moves waits on every free of those GPUs that does not wait on the step.
+
     `ops` is returned as it is when nothing changes; else in Kahn's order again, ids renumbered."""
     groups = _step_groups(ops)
-    if not any(len(members) > 1 and any(ops[m].depends_on for m in members) for members in groups.values()):
-        return ops
     position = {op.id: i for i, op in enumerate(ops)}
     base: dict[int, set[int]] = {i: {position[d] for d in op.depends_on} for i, op in enumerate(ops) if op.depends_on}
+    waits_for_room = _up_steps_wait_for_frees(ops, groups, base)
+    if not waits_for_room and not any(
+        len(members) > 1 and any(ops[m].depends_on for m in members) for members in groups.values()
+    ):
+        return ops
     unpaired = False
     while True:
         deps = {i: set(ds) for i, ds in base.items()}
@@ -561,11 +570,37 @@ def share_step_dependencies(ops: list[Operation], unpair: Unpair | None = None) 
             base.setdefault(t, set()).update(stop)
         groups = _step_groups(ops)
         unpaired = True
-    if not (changed or unpaired):
+    if not (changed or unpaired or waits_for_room):
         return ops
     if unpaired:
         inherit_priority(ops, deps)  # a stop that an urgent start waits on is as urgent
     return kahn_order(ops, deps, waiting)
+
+
+def _up_steps_wait_for_frees(
+    ops: Sequence[Operation], groups: Mapping[tuple[str, str, str], list[int]], deps: dict[int, set[int]]
+) -> bool:
+    """Make each move of a step that brings an instance up wait on the frees of its group's GPUs that do not
+    wait on the step, in place (`deps`: positions); whether any wait was added."""
+    frees_at: dict[str, list[int]] = defaultdict(list)
+    for i, op in enumerate(ops):
+        if _frees_gpu(op):
+            assert op.source is not None  # a free of a GPU
+            frees_at[op.source.id].append(i)
+    waiting = _reverse(deps)
+    changed = False
+    for key, members in groups.items():
+        step = ops[members[0]].engine
+        if key[2] not in _UP or step is None:
+            continue
+        after_step = set(members).union(*(_downstream(waiting, m) for m in members))
+        first = {f for g in step.instance.gpus for f in frees_at.get(g, ()) if f not in after_step}
+        for m in members:
+            for f in first - deps.get(m, set()):
+                deps.setdefault(m, set()).add(f)
+                waiting[f].add(m)
+                changed = True
+    return changed
 
 
 def _unpaired(

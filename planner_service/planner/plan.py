@@ -13,16 +13,10 @@ from typing import Any
 
 from planner_service.domain.problem import Problem
 from planner_service.domain.state import Location, StateObject, placement_to_json
-from planner_service.planner.engine_plan import (
-    InstanceView,
-    attach_steps,
-    confirmed_states,
-    engine_target,
-    expert_fractions,
-    kv_pools,
-    restart_unpairing,
-    unserved_by_engines,
-)
+from planner_service.planner.engine_holdings import expert_fractions, kv_pools
+from planner_service.planner.engine_instances import InstanceView, confirmed_states
+from planner_service.planner.engine_plan import attach_steps, restart_unpairing
+from planner_service.planner.engine_targets import engine_target, unserved_by_engines
 from planner_service.planner.objective import Demand, Objective, Predicted, evaluate
 from planner_service.planner.operations import Operation, build_operations, share_step_dependencies
 from planner_service.planner.residency import ResidencyIndex, copy_placement
@@ -75,7 +69,7 @@ def make_plan(
 ) -> Plan:
     """The plan that reaches `target`: its operations, objective and predicted metrics.
 
-    On engine nodes the target is first made one the engines can reach (`engine_plan.engine_target`) and
+    On engine nodes the target is first made one the engines can reach (`engine_targets.engine_target`) and
     every move is named as the engine step that carries it out (`engine_plan.attach_steps`).
 
     `now` (the confirmed placement's index) and `demand` may come from the solver, which built them already.
@@ -85,7 +79,7 @@ def make_plan(
     )
     now = now or ResidencyIndex.build(problem, problem.residency)
     before = confirmed_states(problem)
-    engines = engine_target(problem, placement, before)  # what engine nodes can reach (engine_plan.py)
+    engines = engine_target(problem, placement, before)  # what engine nodes can reach (engine_targets.py)
     placement = engines.placement
     then = ResidencyIndex.build(problem, placement)
     if before:  # sessions whose engine the plan could not bring up are unserved

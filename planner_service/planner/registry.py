@@ -14,7 +14,7 @@ from contextlib import contextmanager
 from typing import Protocol
 
 from planner_service.domain.problem import Problem
-from planner_service.planner.engine_plan import immovable
+from planner_service.planner.engine_instances import immovable
 from planner_service.planner.greedy import plan_greedy
 from planner_service.planner.plan import Plan, make_plan
 from planner_service.planner.search import MAX_PLANS, search_nodes

@@ -27,7 +27,8 @@ from typing import Any
 from planner_service.domain.engines import EngineState, kv_held_in_pool
 from planner_service.domain.problem import Problem
 from planner_service.domain.state import Kind, Location, StateObject, Tier
-from planner_service.planner.engine_plan import instance_states, kv_per_gpu, launched_pools
+from planner_service.planner.engine_holdings import kv_per_gpu, launched_pools
+from planner_service.planner.engine_instances import instance_states
 
 
 @dataclass(frozen=True, slots=True)

@@ -394,7 +394,7 @@ class Live:
         allocation it recorded back, the KV cache's with the same handle and size). A pool of 0
         is one the agent does not know (an engine it did not launch with a pool): no engine serves from an
         empty pool (vLLM and SGLang refuse to start), so the planner derives that one
-        (engine_plan.launched_pools)."""
+        (engine_holdings.launched_pools)."""
         pools: dict[tuple[str, str], int] = {}
         for node_id, record in self.node_records.items():
             if record.telemetry is not None:

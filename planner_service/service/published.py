@@ -44,7 +44,7 @@ class PublishedSrv:
 
 
 class PlannedInstance(WireModel):
-    """An engine instance as the plan leaves it (`planner/engine_plan.py`'s `InstanceView`)."""
+    """An engine instance as the plan leaves it (`planner/engine_instances.py`'s `InstanceView`)."""
 
     node: str
     model: str

@@ -166,7 +166,11 @@ class Executor:
         shards = split_evenly(model.weights_bytes[precision], len(group))
         for g, b in zip(group, shards, strict=True):
             loc = Location.gpu(g.id)
-            need = b - self.cluster.bytes_of(obj, loc) - self._own_residue(model_id, node_id, g.id)
+            need = (
+                b
+                - self.cluster.bytes_of(obj, loc)
+                + self.view.bring_up_bytes(model_id, node_id, precision, group, g.id)
+            )
             if need > self.cluster.free(loc):
                 self.make_room(loc, need - self.cluster.free(loc), protect={*protect, model_id})
             if need > self.cluster.free(loc):
@@ -257,18 +261,28 @@ class Executor:
             self.sim.mark_engine(model_id, "ready")
         if sleeping is not None and (sleeping.instance == instance or book.may_stop(sleeping.instance)):
             self._release_residue(model_id, node_id)  # woken (its context serves again) or stopped
+        self._hold_context(model_id, node_id, group)
         state = ModelState(
             status, node_id, precision, group, self.sim.next_epoch(), instance, warmup, book.may_leave(instance)
         )
         self.models[model_id] = state
         return state
 
-    def _own_residue(self, model_id: str, node_id: str, gpu_id: str) -> int:
-        """The residue the model's own sleeping instance holds on a GPU (its wake or stop frees it)."""
-        sleeping = self.sim.engines.asleep.get((model_id, node_id))
-        if sleeping is None or gpu_id not in sleeping.instance.gpus:
-            return 0
-        return self.sim.engines.residue_bytes() if self.sim.engines.may_stop(sleeping.instance) else 0
+    def _hold_context(self, model_id: str, node_id: str, group: tuple[Gpu, ...]) -> None:
+        """The running instance's CUDA context on each GPU of its group (`EngineBook.context_bytes`; a woken
+        one's residue was released for it just before), room made for it where a set-up placement or a
+        plan's completed weights left none."""
+        context = self.sim.engines.context_bytes(node_id, model_id)
+        for g in group if context else ():
+            loc = Location.gpu(g.id)
+            if self.cluster.free(loc) < context:
+                self.make_room(loc, context - self.cluster.free(loc), protect={model_id})
+            self.cluster.hold(model_id, loc, context)
+
+    def _release_context(self, state: ModelState, model_id: str) -> None:
+        context = self.sim.engines.context_bytes(state.node, model_id)
+        for g in state.gpus if context else ():
+            self.cluster.release(model_id, Location.gpu(g.id), context)
 
     def _release_residue(self, model_id: str, node_id: str) -> None:
         sleeping = self.sim.engines.asleep.pop((model_id, node_id))
@@ -277,7 +291,8 @@ class Executor:
 
     def _take_down(self, state: ModelState, model_id: str) -> None:
         """The serving engine leaves its GPUs: it sleeps where its kind allows (its GPU KV discarded, its CUDA
-        context left on each GPU of the group), else it stops."""
+        context left on each GPU of the group: the context it held while it ran, or taken now where it was
+        not charged running), else it stops."""
         del self.models[model_id]
         self.sim.mark_engine(model_id, "none")
         book, c = self.sim.engines, self.cluster
@@ -288,6 +303,8 @@ class Executor:
         if (model_id, state.node) in book.asleep:
             self._release_residue(model_id, state.node)  # one instance of a model sleeps per node
         residue = book.residue_bytes()
+        context = book.context_bytes(state.node, model_id)
+        extra = residue - context  # what the sleep takes beyond the context it held running
         locs = [Location.gpu(g.id) for g in state.gpus]
         if level is not None:
             for loc in locs:
@@ -295,25 +312,28 @@ class Executor:
                     if obj not in self.sim.running_kv:  # the sleep frees the KV pool
                         c.remove(obj, loc)
                         self.sim.gpu_tokens[obj] = 0
-                if c.free(loc) < residue:
-                    self._sleep_frees(model_id, weights, loc, residue)
-            if all(c.free(loc) >= residue for loc in locs):
+                if c.free(loc) < extra:
+                    self._sleep_frees(model_id, weights, loc, extra)
+            if all(c.free(loc) >= extra for loc in locs):
                 for loc in locs:
+                    c.release(model_id, loc, context)
                     c.hold(model_id, loc, residue)
                 asleep = EngineState.ASLEEP_HOST if level is Transition.SLEEP_LEVEL_1 else EngineState.ASLEEP_DISCARDED
                 book.asleep[(model_id, state.node)] = SleepingEngine(state.instance, state.node, asleep)
                 self.transitions[level.value] += 1
                 return
+        self._release_context(state, model_id)
         self.transitions["stop"] += 1
 
-    def _sleep_frees(self, model_id: str, weights: StateObject, loc: Location, residue: int) -> None:
+    def _sleep_frees(self, model_id: str, weights: StateObject, loc: Location, extra: int) -> None:
         """The engine's sleep call frees its weights and GPU experts on every GPU of its group with its KV
-        (level 1 to its host backup, level 2 discarded), keeping the CUDA context it held while it ran: where
-        the context's room is taken, the bytes of them still on the GPU (the plan drops a group's shards one
-        by one) leave at once. None that a copy reads, nor the last complete copy on the node."""
+        (level 1 to its host backup, level 2 discarded), keeping the CUDA context: where the `extra` bytes
+        of context its running instance was not charged find no room, the bytes of them still on the GPU (the
+        plan drops a group's shards one by one) leave at once. None that a copy reads, nor the last complete
+        copy on the node."""
         c, node = self.cluster, self.problem.node_of(loc)
         for obj in (StateObject.experts(model_id), weights):
-            if c.free(loc) >= residue:
+            if c.free(loc) >= extra:
                 return
             if c.bytes_of(obj, loc) and not c.reading(obj, loc) and c.complete_below(obj, node) is not None:
                 c.remove(obj, loc)
@@ -399,8 +419,10 @@ class Executor:
     def serve_from(self, model_id: str, node_id: str, precision: str, gpus: tuple[Gpu, ...]) -> None:
         """A new engine of the model on `gpus`, whose weights are complete there: it replaces the model's
         current engine (requests running on that one finish there)."""
-        if self.models.pop(model_id, None) is not None:
+        old = self.models.pop(model_id, None)
+        if old is not None:
             self.sim.mark_engine(model_id, "none")
+            self._release_context(old, model_id)  # the replaced engine stops
         self.adopt_weights(model_id, node_id, precision, gpus)
 
     def add_experts(self, obj: StateObject, loc: Location, nbytes: int) -> bool:

@@ -10,11 +10,15 @@ What the simulator takes from the engine model:
   a full reload is 30-100+ s per switch), `wake_fixed_seconds` for a level-1 wake (weights back from
   the host backup), `wake_fixed_seconds + reload_fixed_seconds` for a level-2 wake (weights reloaded
   from disk).
+* **A vLLM or SGLang instance up holds its CUDA context** on each GPU of its group
+  (`context_bytes_per_gpu`, `engines.context_bytes_per_gpu`), running or asleep, where the planner counts
+  it (`engine_holdings.context_bytes`): a start takes it, a wake finds it held. A `local` engine is charged its
+  context asleep only (the residue), as before.
 * **Taking a model off its GPUs** puts its instance to sleep where its kind and launch features allow
   (level 1 when host RAM holds a complete copy of the weights, the backup; level 2 otherwise), else
-  stops it. A sleep discards the instance's GPU KV and leaves the CUDA context on every GPU of the group
-  (`context_bytes_per_gpu`, the residue); a stop frees everything. An adopted engine is never stopped
-  (its owner starts and stops it), so its residue stays.
+  stops it. A sleep discards the instance's GPU KV and keeps the CUDA context on every GPU of the group
+  (the residue); a stop frees everything. An adopted engine is never stopped (its owner starts and stops
+  it), so its residue stays.
 * **A MoE's GPU expert share is fixed at launch** on `vllm` and `sglang`: what is on the group's GPUs
   when the instance becomes ready stays until it sleeps; only `local` moves experts at run time.
 """
@@ -27,6 +31,7 @@ from dataclasses import dataclass
 from planner_service.domain import engines
 from planner_service.domain.engines import DeclaredEngine, EngineKind, EngineState, Management, Transition
 from planner_service.domain.problem import Gpu, Problem
+from planner_service.planner.engine_instances import ENGINE_NODE_KINDS
 
 # a node that declares no engines: the node agent's own executor, which offers every transition
 UNDECLARED = DeclaredEngine(EngineKind.LOCAL, frozenset(engines.EngineFeature), Management.MANAGED)
@@ -116,7 +121,25 @@ class EngineBook:
         return self._stoppable[instance]
 
     def residue_bytes(self) -> int:
-        return self.constants.context_bytes_per_gpu
+        """The CUDA context a sleeping instance keeps on each GPU of its group."""
+        return engines.context_bytes_per_gpu(EngineState.ASLEEP_DISCARDED, self.constants)
+
+    def context_bytes(self, node_id: str, model_id: str) -> int:
+        """The CUDA context the model's running instance on the node holds on each GPU of its group, where the
+        planner counts it: on a vLLM or SGLang engine (its residue once asleep); none charged on `local`."""
+        if self.declared(node_id, model_id).kind not in ENGINE_NODE_KINDS:
+            return 0
+        return engines.context_bytes_per_gpu(EngineState.RUNNING, self.constants)
+
+    def frees_on_bring_up(self, node_id: str, model_id: str, precision: str, gpus: tuple[Gpu, ...]) -> bool:
+        """Whether bringing the model up on `gpus` takes the residue of its own sleeping instance off the
+        GPUs' room: its wake there (the context serves again) or its stop (a managed one started anew)."""
+        sleeping = self.asleep.get((model_id, node_id))
+        if sleeping is None:
+            return False
+        return sleeping.instance == self.instance(node_id, model_id, precision, gpus) or self.may_stop(
+            sleeping.instance
+        )
 
     def sleeping_on(self, gpu_id: str) -> Iterator[SleepingEngine]:
         """The instances whose residue sits on a GPU, in a stable order."""

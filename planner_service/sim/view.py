@@ -8,7 +8,7 @@ once and copies nothing.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Protocol
@@ -180,6 +180,17 @@ class SimView:
         node = self._sim.problem.gpus[loc.id].node
         return state is not None and state.node == node and not self._sim.engines.runtime_experts(node, obj.model)
 
+    def stoppable_contexts(self, gpu_id: str, evicted: Collection[str]) -> int:
+        """Bytes of CUDA context on a GPU that the running engines of the `evicted` models free once their
+        weights go: each leaves its GPUs, and a managed one's context, kept as its residue where it sleeps,
+        is stopped for the room (`Executor.make_room`)."""
+        book, out = self._sim.engines, 0
+        for model_id in evicted:
+            state = self.models.get(model_id)
+            if state is not None and any(g.id == gpu_id for g in state.gpus) and book.may_stop(state.instance):
+                out += book.context_bytes(state.node, model_id)
+        return out
+
     def stoppable_residue(self, gpu_id: str) -> int:
         """Bytes that stopping the managed engines sleeping on a GPU would free there."""
         book = self._sim.engines
@@ -188,10 +199,19 @@ class SimView:
         return sum(book.residue_bytes() for e in book.sleeping_on(gpu_id) if book.may_stop(e.instance))
 
     @staticmethod
-    def _holds(group: tuple[Gpu, ...], room: dict[str, int], nbytes: int, kv_bytes: int) -> bool:
-        """Whether every GPU of the group has room for its even shard of the weights and the KV."""
-        shard = math.ceil(nbytes / len(group)) + math.ceil(kv_bytes / len(group))
+    def _holds(group: tuple[Gpu, ...], room: dict[str, int], nbytes: int, kv_bytes: int, context: int) -> bool:
+        """Whether every GPU of the group has room for its even shard of the weights and the KV, and the
+        engine's CUDA context."""
+        shard = math.ceil(nbytes / len(group)) + math.ceil(kv_bytes / len(group)) + context
         return all(room[g.id] >= shard for g in group)
+
+    def bring_up_bytes(self, model_id: str, node_id: str, precision: str, group: tuple[Gpu, ...], gpu_id: str) -> int:
+        """Bytes bringing the model up on `group` takes on one of its GPUs beside the weights' shard: the
+        engine's CUDA context, less the residue of its own sleeping instance there that the wake keeps as
+        that context or the stop frees (`EngineBook.frees_on_bring_up`)."""
+        book = self._sim.engines
+        freed = book.frees_on_bring_up(node_id, model_id, precision, group)
+        return book.context_bytes(node_id, model_id) - (self.own_residue(model_id, gpu_id) if freed else 0)
 
     def own_residue(self, model_id: str, gpu_id: str) -> int:
         """Bytes the model's own sleeping engine holds on a GPU (what its wake there frees)."""
@@ -224,14 +244,17 @@ class SimView:
                 if source is None or not node.can_serve(model_id):
                     continue
                 fixed = node.engine_gpus.get(model_id)  # its declared engine runs on these GPUs only
+                context = self._sim.engines.context_bytes(node_id, model_id)
                 room = {}
                 for g in fixed or node.gpus:
                     if allowed(g):
                         loc = Location.gpu(g)
+                        victims = [o for _, o in self.evictable(loc, protect)]
                         room[g] = (
                             self.cluster.free(loc)
-                            + sum(self.cluster.bytes_of(o, loc) for _, o in self.evictable(loc, protect))
+                            + sum(self.cluster.bytes_of(o, loc) for o in victims)
                             + self.stoppable_residue(g)
+                            + self.stoppable_contexts(g, {o.model for o in victims if o.kind is Kind.WEIGHTS})
                         )
                 if fixed and len(room) < len(fixed):
                     continue
@@ -240,7 +263,7 @@ class SimView:
                 for k in range(len(fixed) if fixed else 1, len(gpus) + 1):
                     group = tuple(sorted(gpus[:k], key=lambda g: g.id))
                     if k >= max(model.min_gpus.get(g.type, 1) for g in group) and self._holds(
-                        group, room, nbytes, kv_bytes
+                        group, room, nbytes, kv_bytes, context
                     ):
                         groups.append(group)
                         break
@@ -252,7 +275,7 @@ class SimView:
                         own = 0 if book.may_stop(sleeping.instance) else book.residue_bytes()  # its wake frees it
                         waking = {g: room[g] + own for g in asleep_on}
                         group = tuple(sorted((self._sim.problem.gpus[g] for g in asleep_on), key=lambda g: g.id))
-                        if group not in groups and self._holds(group, waking, nbytes, kv_bytes):
+                        if group not in groups and self._holds(group, waking, nbytes, kv_bytes, context):
                             groups.append(group)
                 for group in groups:
                     k = len(group)

@@ -28,7 +28,7 @@ from planner_service.domain.problem import Gpu, ModelSpec, Problem, Session
 from planner_service.domain.scenario import Capability
 from planner_service.domain.state import Location, Placement, StateObject, Tier
 from planner_service.domain.units import MIB
-from planner_service.planner import costs, engine_plan
+from planner_service.planner import costs, engine_holdings, engine_instances
 from planner_service.planner.errors import PlanningError
 from planner_service.planner.greedy import EXPERT_CHUNKS, GreedyPlanner, Group, TargetPlan, split_evenly
 from planner_service.planner.objective import _arrival_latency, cold_load, kv_ready, promote_seconds
@@ -54,7 +54,8 @@ class Option:
     decode_class: int  # options on a node with the same sum of h2d bandwidth decode alike
     # the running engine instance of a vLLM / SGLang node, kept as launched: its KV pool and GPU expert share
     # per GPU of `gpus` are fixed (DESIGN.md §5); both are () for every other option but a sleeping instance
-    # woken as it is, whose pool its node reported (engine_plan.woken_pools): that pool is fixed, its experts not
+    # woken as it is, whose pool its node reported (engine_holdings.woken_pools): that pool is fixed (its expert
+    # share, where reported, is its one w: `_engine_experts`)
     launched: bool = False
     kv_pool: tuple[int, ...] = ()
     experts: tuple[int, ...] = ()
@@ -229,16 +230,23 @@ class _Builder:
         self.engine_experts: list[EngineExperts] = []
         self.gain_vars: dict[tuple[str, str], int] = {}
         self.pools: list[KvPool] = []
-        # engine instances on vLLM / SGLang nodes as they are now (planner/engine_plan.py)
-        self.states = engine_plan.confirmed_states(problem)
-        self.launched_pools = engine_plan.launched_pools(problem, self.states)
+        # engine instances on vLLM / SGLang nodes as they are now (planner/engine_instances.py)
+        self.states = engine_instances.confirmed_states(problem)
+        self.launched_pools = engine_holdings.launched_pools(problem, self.states)
         # (node, model) -> the pool a sleeping engine's node reported: its wake as it is maps that pool back
         self.woken_pools = {
             key: problem.engine_pools[key]
             for key, view in self.states.items()
             if view.state in (EngineState.ASLEEP_HOST, EngineState.ASLEEP_DISCARDED) and key in problem.engine_pools
         }
-        self.pinned = engine_plan.immovable(problem)  # model -> (node, precision): running, cannot leave
+        # (node, model) -> the routed-expert bytes a sleeping MoE engine was launched with, whose node reported
+        # its share: its wake as it is maps them back (engine_holdings.launched_experts)
+        self.woken_experts = {
+            key: sum(held.values())
+            for key, (_, _, held) in engine_holdings.launched_experts(problem, self.states).items()
+            if self.states[key].state in (EngineState.ASLEEP_HOST, EngineState.ASLEEP_DISCARDED)
+        }
+        self.pinned = engine_instances.immovable(problem)  # model -> (node, precision): running, cannot leave
         self.gpu_terms: dict[str, dict[int, int]] = {g: defaultdict(int) for g in problem.gpus}
         self.model_gpu_terms: dict[tuple[str, str], dict[int, int]] = defaultdict(lambda: defaultdict(int))
         self.unavoidable = 0.0
@@ -263,7 +271,7 @@ class _Builder:
     def build(self) -> Formulation:
         for model_id in sorted(self.p.models):
             self._model(self.p.models[model_id])
-        # (C10) an engine that keeps its context (adopted, or asleep: engine_plan.keeps_context)
+        # (C10) an engine that keeps its context (adopted, or asleep: engine_holdings.keeps_context)
         # holds it on every GPU of its group until woken: R * (1 - x_{m,o_inst})
         residue = self._residue()
         # (C1) HBM capacity of every GPU: weights shards + KV shards (or a launched engine's pool) + expert bytes
@@ -370,10 +378,10 @@ class _Builder:
                 if shard:
                     self.gpu_terms[g.id][o.var] += shard
                     self.model_gpu_terms[(model.id, g.id)][o.var] += shard
-            if engine_plan.engine_of(self.p, o.node, model.id) is not None:
+            if engine_instances.engine_of(self.p, o.node, model.id) is not None:
                 # (C13) the instance's CUDA context on each of its GPUs, beside its shard and pool
                 for g in o.gpus:
-                    self.gpu_terms[g.id][o.var] += engine_plan.ENGINE_CONSTANTS.context_bytes_per_gpu
+                    self.gpu_terms[g.id][o.var] += engine_instances.ENGINE_CONSTANTS.context_bytes_per_gpu
             if not o.launched and o.kv_pool:
                 # (C11w) a woken engine maps its reported pool back whole on each of its GPUs
                 for g, pool in zip(o.gpus, o.kv_pool, strict=True):
@@ -424,10 +432,10 @@ class _Builder:
                 and self._kv_on_node(model.id, s.id, o.node)
             ]
             pool_terms: dict[str, dict[int, int]] = defaultdict(dict)  # an engine option's KV, per GPU
-            # a new engine's pool is at least one request of the model's maximum context (engine_plan)
+            # a new engine's pool is at least one request of the model's maximum context (engine_holdings)
             least = (
-                engine_plan.min_pool_bytes_per_gpu(self.p, model.id, len(o.gpus))
-                if not o.kv_pool and engine_plan.engine_of(self.p, o.node, model.id) is not None
+                engine_holdings.min_pool_bytes_per_gpu(self.p, model.id, len(o.gpus))
+                if not o.kv_pool and engine_instances.engine_of(self.p, o.node, model.id) is not None
                 else 0
             )
             for s, is_active in candidates:
@@ -466,17 +474,17 @@ class _Builder:
         self.unavoidable += best
 
     def _residue(self) -> dict[str, int]:
-        """GPU -> bytes of the contexts of engines that keep theirs (`engine_plan.keeps_context`) when none of
+        """GPU -> bytes of the contexts of engines that keep theirs (`engine_holdings.keeps_context`) when none of
         them wakes; the wake's x is put into gpu_terms with -R, so the row reads used + R * (1 - x) <= cap. Any
-        other engine stops instead where its context does not fit (engine_plan._sleep_or_stop): it needs no row."""
+        other engine stops instead where its context does not fit (engine_targets.sleep_or_stop): it needs no row."""
         out: dict[str, int] = defaultdict(int)
         for (node, model_id), view in sorted(self.states.items()):
-            if not engine_plan.keeps_context(view) or model_id in self.pinned or view.precision is None:
+            if not engine_holdings.keeps_context(view) or model_id in self.pinned or view.precision is None:
                 continue
-            asleep = engine_plan.InstanceView(
+            asleep = engine_instances.InstanceView(
                 node, model_id, view.declared, EngineState.ASLEEP_DISCARDED, view.precision, view.gpus
             )
-            bytes_per_gpu = engine_plan.residue_bytes(self.p, asleep)
+            bytes_per_gpu = engine_holdings.residue_bytes(self.p, asleep)
             wake = next((o for o in self.options.get(model_id, []) if self._is_instance(o, view)), None)
             for g in view.gpus:
                 out[g] += bytes_per_gpu
@@ -485,24 +493,24 @@ class _Builder:
         return out
 
     @staticmethod
-    def _is_instance(o: Option, view: engine_plan.InstanceView) -> bool:
+    def _is_instance(o: Option, view: engine_instances.InstanceView) -> bool:
         return (o.node, o.precision, tuple(sorted(_ids(o.gpus)))) == (view.node, view.precision, tuple(view.gpus))
 
     def _offered(self, model_id: str, node_id: str, precision: str, group: Sequence[Gpu]) -> bool:
         """Whether the node's engine of the model can come to run on `group` at `precision` from its state now
         (engines.may: no start, restart or stop of an adopted engine; a wake keeps the instance)."""
         view = self.states.get((node_id, model_id))
-        if view is None or engine_plan.engine_of(self.p, node_id, model_id) is None:
+        if view is None or engine_instances.engine_of(self.p, node_id, model_id) is None:
             return True
         ids = tuple(sorted(_ids(group)))
-        running = engine_plan.InstanceView(
+        running = engine_instances.InstanceView(
             node_id, model_id, view.declared, EngineState.RUNNING, precision, ids
         )  # fmt: skip
-        transition = engine_plan.transition_between(view, running)
+        transition = engine_instances.transition_between(view, running)
         if transition is None:
             return True
         subject = view if transition is Transition.WAKE else running
-        inst = engine_plan.instance_from_ref(self.p, engine_plan.instance_ref(self.p, subject))
+        inst = engine_instances.instance_from_ref(self.p, engine_instances.instance_ref(self.p, subject))
         return may(inst, view.state, transition).allowed
 
     def _launched(self, model: ModelSpec, node_id: str, precision: str, group: Sequence[Gpu]) -> bool:
@@ -510,7 +518,7 @@ class _Builder:
         view = self.states.get((node_id, model.id))
         return (
             view is not None
-            and engine_plan.engine_of(self.p, node_id, model.id) is not None
+            and engine_instances.engine_of(self.p, node_id, model.id) is not None
             and view.state is EngineState.RUNNING
             and (view.precision, view.gpus) == (precision, tuple(sorted(_ids(group))))
         )
@@ -520,7 +528,7 @@ class _Builder:
         view = self.states.get((node_id, model.id))
         return (
             view is not None
-            and engine_plan.engine_of(self.p, node_id, model.id) is not None
+            and engine_instances.engine_of(self.p, node_id, model.id) is not None
             and view.state in (EngineState.ASLEEP_HOST, EngineState.ASLEEP_DISCARDED)
             and (view.precision, view.gpus) == (precision, tuple(sorted(_ids(group))))
         )
@@ -693,11 +701,11 @@ class _Builder:
         nodes = sorted({node for node, _ in by_class})
         for node_id in nodes:
             terms = self._combo_terms(model, node_id)
-            if not terms:
-                continue
             if self.p.nodes[node_id].engine_kind(model.id) is not None:
                 options = [o for (n, _), of_class in sorted(by_class.items()) if n == node_id for o in of_class]
                 self._engine_experts(model, node_id, options, terms, served_weight)
+                continue
+            if not terms:
                 continue
             link: dict[int, int] = {}
             for (n, cls), options in sorted(by_class.items()):
@@ -741,16 +749,19 @@ class _Builder:
         terms: Sequence[tuple[int, int, int]],
         served_weight: float,
     ) -> None:
-        """On a vLLM / SGLang node each option's fraction of experts lies in equal shares on its own GPUs."""
+        """On a vLLM / SGLang node each option's fraction of experts lies in equal shares on its own GPUs; the
+        wake of a sleeping engine whose launched share its node reported brings back that share, no other."""
         obj = StateObject.experts(model.id)
         has_source = _experts_source(self.p, self.now, model.id, node_id)
         shares_on: dict[str, dict[int, int]] = defaultdict(dict)  # GPU -> {w: its share there}
+        woken = self.woken_experts.get((node_id, model.id))
         for o in options:
             chosen = []
-            for r, last, nbytes in terms:
+            wake = woken is not None and self._asleep_as(model, o.node, o.precision, o.gpus)
+            for r, last, nbytes in [(0, 0, woken)] if wake and woken is not None else terms:
                 shares = split_evenly(nbytes, len(o.gpus))
                 held = [self.now.placement.get((obj, Location.gpu(g.id)), 0) for g in o.gpus]
-                if not has_source and any(b > h for b, h in zip(shares, held, strict=True)):
+                if not wake and not has_source and any(b > h for b, h in zip(shares, held, strict=True)):
                     continue  # nothing to fill more from
                 var = self.ilp.var(
                     f"w[{model.id},{o.var},{r},{last}]", cost=self._combo_cost(model, o.gpus, nbytes, served_weight)
@@ -761,9 +772,10 @@ class _Builder:
                     self.gpu_terms[g.id][var] += b
                     self.model_gpu_terms[(model.id, g.id)][var] += b
                     shares_on[g.id][var] = b
-            # (C5e) at most one expert fraction, and only with the option it lies on
+            # (C5e) at most one expert fraction, and only with the option it lies on; (C5w) a wake's is its
+            # launched share, with the option whenever it is chosen
             if chosen:
-                self.ilp.row({**dict.fromkeys(chosen, 1), o.var: -1}, hi=0)
+                self.ilp.row({**dict.fromkeys(chosen, 1), o.var: -1}, lo=0 if wake else -math.inf, hi=0)
         for gpu_id, by_var in sorted(shares_on.items()):
             # (C6e) promoted MiB: MiB * u >= sum_w share * w - now, charged at the GPU's copy rate
             was = self.now.placement.get((obj, Location.gpu(gpu_id)), 0)
@@ -774,7 +786,7 @@ class _Builder:
 
 
 def _interchangeable_pairs(
-    problem: Problem, now: ResidencyIndex, states: Mapping[engine_plan.Key, engine_plan.InstanceView]
+    problem: Problem, now: ResidencyIndex, states: Mapping[engine_instances.Key, engine_instances.InstanceView]
 ) -> list[tuple[str, str]]:
     """Consecutive GPUs (in id order) of one node that no cost or constraint tells apart.
 

@@ -4,7 +4,7 @@ It decides the GPU tier: which group of GPUs serves each model at which
 precision, which sessions' KV sits beside it, and how much of a MoE's routed
 experts is on GPU. The lower tiers (host DRAM, NVMe) are then settled by the
 greedy's own rule, the plan is built by `make_plan` (same operations, same
-evaluator, the same engine model: planner/engine_plan.py) and checked by
+evaluator, the same engine model: planner/engine_*.py) and checked by
 `check_plan`. The oracle returns the better, by the evaluator, of its
 incumbent and the greedy plan (SCIP's and CP-SAT's warm start; CBC through
 pywraplp takes no hint), a plan the checker refuses losing to a sound one.
@@ -22,7 +22,7 @@ Sets
         none on a node that serves through engines none of which serves m.
         On a vLLM / SGLang node only groups its engine of m can come to run on
         from its state now (engines.may on the one transition that gets there,
-        engine_plan.transition_between): an adopted engine offers only its own
+        engine_instances.transition_between): an adopted engine offers only its own
         instance (a wake, or staying up), a stopped adopted one none.
     L_m ⊆ O_m the launched option: m's engine running now on a vLLM / SGLang
         node, kept as launched (same precision and GPUs); its KV pool
@@ -32,7 +32,7 @@ Sets
         group H_a and instance option o_a (if offered): left asleep, each
         keeps R (its CUDA context, engines.holdings) on every g in H_a.
     P pinned models: an adopted engine running now that cannot leave its GPUs
-        (no sleep mode; engine_plan.immovable).
+        (no sleep mode; engine_instances.immovable).
     K_{m,o} sessions whose KV may sit on g_o: A_m, plus s in D_m whose KV for
         m exists on n_o now, when p_o does not invalidate it (a precision
         change drops KV, as the greedy does).
@@ -81,7 +81,7 @@ Constraints (one family per comment in `formulation.py`)
                     C5 and C7 hold y = v = 0 on n_o while it is chosen
     (C10) residue:  the R (1 - x_{m,o_a}) terms of C1: a sleeping adopted engine
                     holds its context unless it wakes (a managed one stops where
-                    its context does not fit: engine_plan._sleep_or_stop)
+                    its context does not fit: engine_targets.sleep_or_stop)
     (C13) context:  the R x_{m,o} terms of C1: every instance running after the plan
                     holds its CUDA context R (engines.holdings) on each GPU of its group,
                     beside its shard and pool; a wake's R x and C10's -R x cancel (the
@@ -89,11 +89,15 @@ Constraints (one family per comment in `formulation.py`)
     (C11) pool:     pool_{m,g} + ex_{m,g} ride on x_{m,o} in C1 for o ∈ L_m
     (C12) within:   sum_{k on o} kvshard_{k,g} k <= pool_{m,g} x_{m,o} for o ∈ L_m: a launched
                     engine's KV stays within the pool it was launched with
-                    (engine_plan.launched_pools; the engine's LRU keeps the rest out)
+                    (engine_holdings.launched_pools; the engine's LRU keeps the rest out)
     (C11w) woken:   for o ∈ W_m, the sleeping instance of m whose node reported its pool,
                     that pool rides on x_{m,o} in C1 and C12 holds with it (a wake maps the
-                    pool back at its launched size: engine_plan.woken_pools); its experts
-                    are chosen as any new option's
+                    pool back at its launched size: engine_holdings.woken_pools)
+    (C5w) woken experts: for the sleeping instance of a MoE whose node reported its launched
+                    GPU expert share (Problem.asleep_expert_fractions, engine_holdings.launched_experts),
+                    its wake's option has one w, that share, and w_{m,o} = x_{m,o}: a wake maps
+                    back what the sleep offloaded, the share included; an unreported share is
+                    chosen as any new option's
     (C12') new pool: for o ∉ L_m ∪ W_m on a vLLM / SGLang node, with least_o one request of
                     the model's maximum context per GPU (engines.min_kv_pool_bytes_per_gpu):
                     least_o rides on x_{m,o} in C1 where all the KV o may hold fits in it;
@@ -142,11 +146,11 @@ How the non-linear parts are made linear
       contention between models (and the group that prices a KV demotion)
       is all this can misprice; the plan reports `milp.model_objective`
       next to `milp.milp_plan_objective`, the evaluator's value of it.
-    * Engine nodes: a launched engine's pool is fixed (engine_plan.launched_pools): its room is held and
+    * Engine nodes: a launched engine's pool is fixed (engine_holdings.launched_pools): its room is held and
       the KV chosen on each of its GPUs stays within it (C12); the engine keeps every session's KV of its
       pool, so a k = 0 there underprices what the plan holds (the decoded plan keeps it and `evaluate`
       credits it). A new engine's pool takes max(its minimum, the KV chosen) on each GPU, exact with z
-      (C12'), where the minimum is one request of the model's maximum context (engine_plan.kv_pools).
+      (C12'), where the minimum is one request of the model's maximum context (engine_holdings.kv_pools).
     * An active request whose KV is not beside its served model waits: U,
       as the evaluator charges it. W_m (the decode weight) counts it anyway,
       so the model overprices such a plan by w * its decode slowdown.

@@ -493,18 +493,18 @@ def _expert_fraction(srv: dict[str, Any], row: dict[str, Any], total: int) -> fl
 def _launched_pools() -> dict[tuple[str, str], int]:
     """(node, model) -> the KV pool per GPU the demo's confirmed engines were launched with, as the service
     takes them before any heartbeat reports one: a running engine's by the launch rule over the KV it holds
-    (engine_plan.launched_pools), a sleeping one's the least its engine starts with (one request of the model's
+    (engine_holdings.launched_pools), a sleeping one's the least its engine starts with (one request of the model's
     maximum context: vLLM refuses a smaller pool, vllm/v1/core/kv_cache_utils.py
     `check_enough_kv_cache_memory`). Not `GET /v1/engines`' pool, which is the one the plan in force would
     launch (0 for an engine it stops)."""
     from planner_service.domain.problem import compile_problem
-    from planner_service.planner import engine_plan
+    from planner_service.planner import engine_holdings, engine_instances
 
     problem = compile_problem(demo_scenario(), {})
-    states = engine_plan.confirmed_states(problem)
-    running = engine_plan.launched_pools(problem, states)
+    states = engine_instances.confirmed_states(problem)
+    running = engine_holdings.launched_pools(problem, states)
     return {
-        key: running.get(key) or engine_plan.min_pool_bytes_per_gpu(problem, view.model, max(len(view.gpus), 1))
+        key: running.get(key) or engine_holdings.min_pool_bytes_per_gpu(problem, view.model, max(len(view.gpus), 1))
         for key, view in states.items()
     }
 

@@ -1,8 +1,8 @@
 """Property tests on engine nodes: random scenarios whose nodes serve every model through engines of random
 kinds (vLLM, SGLang, local), features and management. Every operation of the greedy's and the search's
 plans is one its node's kind offers, with its precondition true at that point in any order that respects
-`depends_on`, and GPU capacities, counting the KV pools and the contexts that sleeping engines keep, hold
-in the target and at every step.
+`depends_on`, and GPU capacities, counting the KV pools the plans launch and the CUDA contexts of the
+engines up (running or asleep), hold in the target and at every step.
 """
 
 from __future__ import annotations
@@ -14,13 +14,13 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from planner_service.domain.engines import AFTER, KIND_FEATURES, EngineKind, Management, may
+from planner_service.domain.engines import AFTER, KIND_FEATURES, EngineKind, EngineState, Management, may
 from planner_service.domain.generate import random_scenario
 from planner_service.domain.predictions import problem_from_scenario
 from planner_service.domain.problem import Problem
 from planner_service.domain.scenario import Scenario, parse_scenario
 from planner_service.domain.state import Kind, Tier
-from planner_service.planner import engine_plan
+from planner_service.planner import engine_holdings, engine_instances
 from planner_service.planner.invariants import check_plan
 from planner_service.planner.operations import Operation
 from planner_service.planner.plan import Plan
@@ -55,24 +55,28 @@ def engine_scenarios(draw: st.DrawFn, *, max_gpus: int = 10, max_models: int = 5
 def _steps_hold_in_some_order(problem: Problem, ops: list[Operation], rng: random.Random, *, fits: bool) -> None:
     """Run the operations in a random order allowed by `depends_on`: each instance's transition (or its stop,
     then its start, where a restart no order makes safe was split) is offered from the state it is in when it
-    runs, and (where the checker finds the plan within capacity: `fits`) GPU bytes plus sleeping engines'
-    contexts stay within capacity at every step. The moves that carry one step happen together, as the
-    engine's one call makes them (a sleep frees the weights and the KV it puts away at once, keeping the
-    context)."""
-    states = engine_plan.confirmed_states(problem)
+    runs, and (where the checker finds the plan within capacity: `fits`) GPU bytes plus the CUDA context of
+    every instance up (running or asleep) plus the KV pools the plan's steps launch stay within capacity at
+    every step. The moves that carry one step happen together, as the engine's one call makes them (a sleep
+    frees the weights and the KV it puts away at once, keeping the context); a launched pool holds the KV
+    that arrives in it, so its model's KV there counts only beyond the pool."""
+    states = engine_instances.confirmed_states(problem)
     moves_of: dict[tuple[str, str, str, str], list[Operation]] = defaultdict(list)
     for op in ops:
         if op.engine is not None:
             moves_of[(op.node, op.object.model, op.engine.transition.value, op.engine.instance.id)].append(op)
     moved: set[str] = set()
-    residue = {key: engine_plan.residue_bytes(problem, view) for key, view in states.items()}
-    used: dict[str, int] = defaultdict(int)
-    for (_, loc), nbytes in problem.residency.items():
+    used: dict[str, int] = defaultdict(int)  # GPU bytes placed and the contexts of the instances up
+    kv: dict[tuple[str, str], int] = defaultdict(int)  # (model, GPU) -> its KV there
+    for (obj, loc), nbytes in problem.residency.items():
         if loc.tier is Tier.GPU:
             used[loc.id] += nbytes
-    for key, view in states.items():
-        for g in view.gpus:
-            used[g] += residue[key]
+            if obj.kind is Kind.KV:
+                kv[(obj.model, loc.id)] += nbytes
+    for g, nbytes in engine_holdings.up_contexts(states).items():
+        used[g] += nbytes
+    start = dict(used)
+    pools: dict[tuple[str, str], int] = {}  # (model, GPU) -> the pool a step of the plan launched there
     done: set[str] = set()
     applied: set[tuple[str, str, str, str]] = set()  # the steps made: (node, model, transition, instance)
     waiting = list(ops)
@@ -87,37 +91,47 @@ def _steps_hold_in_some_order(problem: Problem, ops: list[Operation], rng: rando
         if step is not None and made is not None and step.transition.value != "readahead" and made not in applied:
             applied.add(made)
             view = states[key]
-            inst = engine_plan.instance_from_ref(problem, step.previous or step.instance)
+            inst = engine_instances.instance_from_ref(problem, step.previous or step.instance)
             verdict = may(inst, view.state, step.transition)
             assert verdict.allowed, f"{op.id}: {step.transition.value} from {view.state.value}: {verdict.why}"
             for g in view.gpus:
-                used[g] -= residue[key]
-            new = engine_plan.InstanceView(
+                used[g] -= engine_holdings.context_bytes(view)
+                pools.pop((key[1], g), None)
+            new = engine_instances.InstanceView(
                 op.node, key[1], view.declared, AFTER[step.transition], step.instance.precision,
                 tuple(step.instance.gpus),
             )  # fmt: skip
             states[key] = new
-            residue[key] = engine_plan.residue_bytes(problem, new)
             for g in new.gpus:
-                used[g] += residue[key]
+                used[g] += engine_holdings.context_bytes(new)
+                if new.state is EngineState.RUNNING:
+                    pools[(key[1], g)] = step.instance.kv_pool_bytes_per_gpu
             together = moves_of[made]
         for move in together:
             if move.id in moved:
                 continue
             moved.add(move.id)
+            kv_move = move.object.kind is Kind.KV
             if move.source is not None and not move.keep_source and move.source.tier is Tier.GPU:
                 used[move.source.id] -= move.bytes
+                kv[(move.object.model, move.source.id)] -= move.bytes if kv_move else 0
             if move.dest is not None and move.dest.tier is Tier.GPU:
                 used[move.dest.id] += move.bytes
-        for g, nbytes in used.items():
-            assert not fits or nbytes <= problem.gpus[g].capacity_bytes, f"{op.id}: gpu:{g} holds {nbytes} bytes"
+                kv[(move.object.model, move.dest.id)] += move.bytes if kv_move else 0
+        held = dict(used)
+        for (model, g), pool in pools.items():
+            held[g] += max(0, pool - kv[(model, g)])
+        for g, nbytes in held.items():
+            # a random scenario may start a card fuller than its engines' contexts allow: no plan adds there
+            room = max(problem.gpus[g].capacity_bytes, start.get(g, 0))
+            assert not fits or nbytes <= room, f"{op.id}: gpu:{g} holds {nbytes} bytes"
         done.add(op.id)
 
 
 def _offered(problem: Problem, ops: list[Operation]) -> None:
     """No per-session KV move, no run-time share or precision change without a step on vLLM or SGLang."""
     for op in ops:
-        if engine_plan.engine_of(problem, op.node, op.object.model) is None:
+        if engine_instances.engine_of(problem, op.node, op.object.model) is None:
             continue
         what = f"{op.id} {op.action.value} {op.object.label()}"
         if op.object.kind is Kind.KV and op.source is not None and op.engine is None:
@@ -133,7 +147,8 @@ def _offered(problem: Problem, ops: list[Operation]) -> None:
 
 
 def _sound(problem: Problem, plan: Plan) -> list[str]:
-    """The checker's findings, capacities (KV pools and sleeping engines' contexts) included."""
+    """The checker's findings, capacities (KV pools and engines' contexts, in the target and in every order)
+    included."""
     return check_plan(problem, plan.placement, plan.operations, plan.unserved)
 
 

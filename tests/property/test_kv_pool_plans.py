@@ -15,7 +15,7 @@ from planner_service.domain.predictions import problem_from_scenario
 from planner_service.domain.problem import Problem
 from planner_service.domain.scenario import Scenario
 from planner_service.domain.state import Kind, Tier
-from planner_service.planner import engine_plan
+from planner_service.planner import engine_holdings, engine_instances
 from planner_service.planner.plan import Plan
 from planner_service.solver.registry import solve
 
@@ -26,19 +26,19 @@ LAUNCHES = (Transition.START, Transition.RESTART, Transition.WAKE)
 
 
 def _pools_hold(problem: Problem, plan: Plan) -> None:
-    before = engine_plan.confirmed_states(problem)
+    before = engine_instances.confirmed_states(problem)
     launched: dict[tuple[str, str], int] = {}
     for op in plan.operations:
         step = op.engine
         if step is None or step.transition not in LAUNCHES:
             continue
-        least = engine_plan.min_pool_bytes_per_gpu(problem, step.instance.model, len(step.instance.gpus))
+        least = engine_holdings.min_pool_bytes_per_gpu(problem, step.instance.model, len(step.instance.gpus))
         assert step.instance.kv_pool_bytes_per_gpu >= least, (op.id, step.instance.id, least)
         # in tokens (SGLang's --max-total-tokens), the pool holds one request of the instance's longest context
         if step.instance.max_context_tokens and problem.models[step.instance.model].kv_bytes_per_token:
             assert step.instance.kv_pool_tokens >= step.instance.max_context_tokens, (op.id, step.instance.id)
         launched[(op.node, step.instance.model)] = step.instance.kv_pool_bytes_per_gpu
-    running_now = engine_plan.launched_pools(problem, before)
+    running_now = engine_holdings.launched_pools(problem, before)
     kv: dict[tuple[str, str], int] = defaultdict(int)
     for (obj, loc), nbytes in plan.placement.items():
         if obj.kind is Kind.KV and loc.tier is Tier.GPU:

@@ -35,20 +35,35 @@ def test_a_vllm_engine_without_sleep_mode_stops_and_cold_starts_again() -> None:
     assert not sim.engines.asleep  # a stop leaves no residue
 
 
+# Room for one running model and a sleeping one's context (6.5 GB: 4 GB of weights and two 1 GiB contexts).
+ONE_AND_A_RESIDUE = int(6.5 * GB)
+
+
 def test_a_vllm_engine_with_sleep_mode_sleeps_at_level_1_and_wakes_from_its_host_backup() -> None:
-    sim, seconds = switches(with_engines(tiny_scenario(6 * GB), kind="vllm", features=["sleep_mode", "dev_mode"]))
+    scenario = with_engines(tiny_scenario(ONE_AND_A_RESIDUE), kind="vllm", features=["sleep_mode", "dev_mode"])
+    sim, seconds = switches(scenario)
     # a again: a level-1 wake, 0.1 s + 4 s from the host backup; its sleep freed its KV: re-prefill 2000, 2
     assert seconds == pytest.approx([38.0, 39.0, 6.1])
     sleeping = sim.engines.asleep[("b", "n1")]
     assert sleeping.state is EngineState.ASLEEP_HOST
-    # b's CUDA context stays on the GPU while it sleeps: the GPU holds a's weights, b's residue and the KV
+    # b's CUDA context stays on the GPU while it sleeps: the GPU holds a's weights and context, b's residue
+    # and the KV
     gpu = Location.gpu("g0")
     kv = sum(sim.cluster.bytes_of(o, gpu) for o in sim.cluster.objects_at(gpu) if o.kind is Kind.KV)
-    assert sim.cluster.used[gpu] - kv == 4 * GB + EngineConstants().context_bytes_per_gpu
+    assert sim.cluster.used[gpu] - kv == 4 * GB + 2 * EngineConstants().context_bytes_per_gpu
+
+
+def test_a_sleeping_engine_whose_context_leaves_no_room_is_stopped_and_cold_starts() -> None:
+    """Room for one model and its context only (6 GB): b's start stops a's sleeping engine for the room its
+    residue takes, so a comes back cold: 4 s from its host copy + 30 s, and its history re-prefilled, 2 s."""
+    scenario = with_engines(tiny_scenario(6 * GB), kind="vllm", features=["sleep_mode", "dev_mode"])
+    sim, seconds = switches(scenario)
+    assert seconds == pytest.approx([38.0, 39.0, 36.0])
+    assert sim.executor.transitions["stop_asleep"] >= 1
 
 
 def test_a_wake_without_a_host_copy_reloads_from_disk() -> None:
-    data = tiny_scenario(6 * GB).model_dump(mode="json", exclude_none=True)
+    data = tiny_scenario(ONE_AND_A_RESIDUE).model_dump(mode="json", exclude_none=True)
     data["cluster"]["nodes"][0]["host_dram_bytes"] = 5 * GB  # no room for a second model's host copy
     sim, seconds = switches(with_engines(parse_scenario(data), kind="vllm", features=["sleep_mode", "dev_mode"]))
     c = EngineConstants()
@@ -58,7 +73,8 @@ def test_a_wake_without_a_host_copy_reloads_from_disk() -> None:
 
 
 def test_an_adopted_engine_is_woken_never_cold_started() -> None:
-    data = tiny_scenario().model_dump(mode="json", exclude_none=True)
+    # room for both engines running with their contexts: 2 x (4 GB + 1 GiB)
+    data = tiny_scenario(int(10.5 * GB)).model_dump(mode="json", exclude_none=True)
     data["cluster"]["nodes"][0]["engines"] = [
         {"model": m, "gpus": ["g0"], "kind": "vllm", "features": ["sleep_mode", "dev_mode"], "management": "adopted"}
         for m in ("a", "b")
@@ -130,22 +146,22 @@ def test_a_launch_fixed_expert_share_leaves_the_waiting_requests_kv_room(kind: s
     result = sim.run()
     assert result.violations == 0 and [r.state for r in result.requests] == ["done"]
     experts = sim.cluster.bytes_of(StateObject.experts("moe"), Location.gpu("g0"))
-    # vllm: 10 - 2 of weights - 3 of KV = 5 GB of experts, which stay while the engine runs; local: the
-    # 7 GB fill gives way to the KV (experts are a cache there)
-    assert experts == (5 * GB if kind == "vllm" else 0)
+    # vllm: 10 - 2 of weights - 3 of KV - the engine's 1 GiB CUDA context, in whole experts (1/8 GB):
+    # 3.875 GB, which stay while the engine runs; local: the 7 GB fill gives way to the KV (experts are a
+    # cache there)
+    assert experts == (3_875_000_000 if kind == "vllm" else 0)
 
 
 def test_a_sleep_keeps_its_context_in_the_room_its_own_weights_leave() -> None:
-    """a's engine serves on g0 + g1 (2 GB of weights on each); other engines hold 7.6 GB of g1 beside it, so
-    0.4 GB is free there, less than the CUDA context (1 GiB) a sleeping engine keeps. A plan drops a's shard on
-    g0 first: the sleep that takes the engine down is one call for its group and frees its shard on g1 with
-    it, so the context (on the GPU all the while the engine ran) stays and the engine sleeps, never stops."""
+    """a's `local` engine (its context charged asleep only) serves on g0 + g1 (2 GB of weights on each); other
+    engines hold 7.6 GB of g1 beside it, so 0.4 GB is free there, less than the CUDA context (1 GiB) a
+    sleeping engine keeps. A plan drops a's shard on g0 first: the sleep that takes the engine down is one
+    call for its group and frees its shard on g1 with it, so the context stays and the engine sleeps, never
+    stops."""
     from planner_service.planner.operations import Action, Operation
     from tests.sim.test_engine import two_gpu_scenario
 
-    sim = Simulator(
-        with_engines(two_gpu_scenario(), kind="vllm", features=["sleep_mode", "dev_mode"]), [], create_policy("lru")
-    )
+    sim = Simulator(with_engines(two_gpu_scenario(), kind="local"), [], create_policy("lru"))
     gpus = tuple(sim.problem.gpus[g] for g in ("g0", "g1"))
     g0, g1 = Location.gpu("g0"), Location.gpu("g1")
     weights = StateObject.weights("a", "bf16")
@@ -160,3 +176,31 @@ def test_a_sleep_keeps_its_context_in_the_room_its_own_weights_leave() -> None:
     assert sim.cluster.violations == 0
     for loc in (g0, g1):
         assert sim.cluster.free(loc) >= 0
+
+
+def test_a_running_vllm_engine_holds_its_context_and_its_sleep_keeps_it() -> None:
+    """a's vLLM engine serves on g0 + g1 (2 GB of weights on each) and holds its CUDA context (1 GiB) on both
+    from its start, as the planner counts it (engine_holdings.context_bytes); other engines then fill g1 but for
+    0.4 GB, less than a context. A plan drops a's shard on g0: the sleep keeps the context the engine held
+    running as its residue, so it needs no room there and the engine sleeps, never stops."""
+    from planner_service.planner.operations import Action, Operation
+    from tests.sim.test_engine import two_gpu_scenario
+
+    sim = Simulator(
+        with_engines(two_gpu_scenario(), kind="vllm", features=["sleep_mode", "dev_mode"]), [], create_policy("lru")
+    )
+    gpus = tuple(sim.problem.gpus[g] for g in ("g0", "g1"))
+    g0, g1 = Location.gpu("g0"), Location.gpu("g1")
+    weights = StateObject.weights("a", "bf16")
+    sim.executor.place_now("a", "n1", "bf16", gpus)
+    context = EngineConstants().context_bytes_per_gpu
+    assert sim.cluster.used[g0] == sim.cluster.used[g1] == 2 * GB + context
+    sim.cluster.hold("b", g1, sim.cluster.free(g1) - int(0.4 * GB))
+    used = sim.cluster.used[g1]
+    drop = Operation("op-1", Action.DROP, weights, g0, None, 2 * GB, False, node="n1")
+    assert sim.executor.apply(drop, lambda op, transfer: None) == "done"
+    assert sim.engines.asleep[("a", "n1")].state is EngineState.ASLEEP_DISCARDED  # no host copy: level 2
+    assert sim.executor.transitions["stop"] == 0
+    assert sim.cluster.used[g1] == used  # the residue is the context it held running
+    assert sim.cluster.used[g0] == context
+    assert sim.cluster.violations == 0

@@ -14,7 +14,8 @@ from planner_service.domain.engines import EngineState, Transition
 from planner_service.domain.problem import Problem
 from planner_service.domain.state import Location, StateObject
 from planner_service.domain.units import GIB
-from planner_service.planner.engine_plan import ENGINE_CONSTANTS, confirmed_states, launched_pools
+from planner_service.planner.engine_holdings import launched_pools
+from planner_service.planner.engine_instances import ENGINE_CONSTANTS, confirmed_states
 from planner_service.planner.invariants import check_plan
 from planner_service.planner.plan import Plan, make_plan
 from planner_service.solver.registry import solve
@@ -239,12 +240,10 @@ def test_the_checker_refuses_a_start_beside_running_engines_without_room_for_its
     }
 
 
-def test_a_woken_moe_engine_brings_back_the_expert_share_it_was_launched_with() -> None:
-    """m's engine sleeps at level 1 on g0 (its host backup in the placement, none of its 16 GiB of experts on
-    GPU), launched with a quarter of them on GPU (a heartbeat reports both). Its wake maps that share back
-    (vllm/device_allocator/cumem.py `CuMemAllocator.wake_up`): the greedy's plan that wakes it for the active
-    session puts the 4 GiB of experts on g0 with the weights, carried by the wake, and the checker passes it.
-    Before, the plan woke it with no experts on GPU and the SRV left out the 4 GiB the engine held."""
+def asleep_moe(gpu_expert_fraction: float) -> Problem:
+    """m's engine sleeps at level 1 on g0 (24 GiB; its host backup in the placement, none of its 16 GiB of
+    experts on GPU), launched with `gpu_expert_fraction` of them on GPU (a heartbeat reports both); one of its
+    sessions is in flight."""
     engines = [{"model": "m", "gpus": ["g0"], **VLLM}]
     moe = model("m", {"bf16": 4}, experts_bytes=16 * GIB, expert_bytes=GIB // 4, active_expert_bytes_per_token=GIB // 8)
     problem = problem_of(
@@ -257,13 +256,50 @@ def test_a_woken_moe_engine_brings_back_the_expert_share_it_was_launched_with() 
             held(experts("m"), "nvme", "n0", 16 * GIB),
         ],
     )
-    problem = dataclasses.replace(
+    return dataclasses.replace(
         problem,
         observed_engines={("n0", "m"): (EngineState.ASLEEP_HOST, ("g0",))},
-        asleep_expert_fractions={("n0", "m"): 0.25},
+        asleep_expert_fractions={("n0", "m"): gpu_expert_fraction},
     )
+
+
+def test_a_woken_moe_engine_brings_back_the_expert_share_it_was_launched_with() -> None:
+    """A quarter of m's experts: its wake maps that share back (vllm/device_allocator/cumem.py
+    `CuMemAllocator.wake_up`): the greedy's plan that wakes it for the active session puts the 4 GiB of
+    experts on g0 with the weights, carried by the wake, and the checker passes it. Before, the plan woke it
+    with no experts on GPU and the SRV left out the 4 GiB the engine held."""
+    problem = asleep_moe(0.25)
     plan = solve(problem, "greedy")
     assert check_plan(problem, plan.placement, plan.operations, plan.unserved) == []
     assert plan.placement[(StateObject.experts("m"), Location.gpu("g0"))] == 4 * GIB
     (move,) = [op for op in plan.operations if op.object == StateObject.experts("m")]
     assert move.engine is not None and move.engine.transition is Transition.WAKE
+
+
+@pytest.mark.parametrize("gpu_expert_fraction", [0.25, 0.5])
+def test_milp_wakes_a_moe_engine_with_the_expert_share_it_was_launched_with(gpu_expert_fraction: float) -> None:
+    """(C5w) The MILP's wake of m's engine brings back its launched share, no other: its own plan puts that
+    share on g0, carried by the wake. Choosing the fraction freely, it put all 16 GiB there (they fit, and
+    decode is fastest with every expert on GPU), a share the woken engine does not hold."""
+    problem = asleep_moe(gpu_expert_fraction)
+    plan = _own_plan_is_sound(problem)
+    assert plan.placement[(StateObject.experts("m"), Location.gpu("g0"))] == int(gpu_expert_fraction * 16 * GIB)
+    (move,) = [op for op in plan.operations if op.object == StateObject.experts("m")]
+    assert move.engine is not None and move.engine.transition is Transition.WAKE
+    details = plan.extra["milp"]
+    assert details["model_objective"] == pytest.approx(details["milp_plan_objective"], rel=1e-6)
+
+
+def test_the_checker_refuses_a_wake_with_another_expert_share() -> None:
+    """The greedy's wake of m with half its experts on g0 instead of the quarter it was launched with: the
+    wake maps back the quarter, and the checker says so (the MILP's free choice of the share passed it)."""
+    problem = asleep_moe(0.25)
+    plan = solve(problem, "greedy")
+    on_g0 = (StateObject.experts("m"), Location.gpu("g0"))
+    made = make_plan(problem, "greedy", {**plan.placement, on_g0: 8 * GIB}, {})
+    assert made.placement[on_g0] == 8 * GIB
+    errors = check_plan(problem, made.placement, made.operations, made.unserved)
+    assert (
+        f"engine: m's engine on n0 is woken with {8 * GIB} bytes of its routed experts on GPU, not the {4 * GIB} it "
+        "was launched with: a wake maps back what its sleep offloaded"
+    ) in errors

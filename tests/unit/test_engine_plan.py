@@ -31,7 +31,7 @@ from planner_service.domain.predictions import problem_from_scenario
 from planner_service.domain.problem import Problem
 from planner_service.domain.scenario import parse_scenario
 from planner_service.domain.state import Location, StateObject
-from planner_service.planner import engine_plan
+from planner_service.planner import engine_instances, engine_plan
 from planner_service.planner.invariants import check_plan
 from planner_service.planner.operations import Operation
 from planner_service.planner.plan import Plan
@@ -142,7 +142,7 @@ def test_a_step_is_priced_once_per_instance_by_the_engine_model() -> None:
     start = [op for op in plan.operations if op.engine and op.engine.transition is Transition.START]
     node, card = problem.nodes["n0"], problem.gpus["g0"]
     load = max(12 * GIB / node.nvme_read_bytes_per_s, 12 * GIB / card.h2d_bytes_per_s)
-    expected = engine_plan.ENGINE_CONSTANTS.cold_start_fixed_seconds + load
+    expected = engine_instances.ENGINE_CONSTANTS.cold_start_fixed_seconds + load
     assert [op.estimated_seconds for op in start] == [pytest.approx(expected)]
 
 
@@ -207,11 +207,11 @@ def test_engines_that_trade_gpus_stop_and_start_where_a_restart_cannot_be_ordere
         ("n0-g1", EngineState.RUNNING)
     }
     assert {op.engine.from_state for op in start if op.engine} == {EngineState.STOPPED}
-    before, after = engine_plan.confirmed_states(problem), plan.instances
+    before, after = engine_instances.confirmed_states(problem), plan.instances
     key = ("n0", "vision")
     as_restart = engine_plan.step_seconds(problem, before[key], after[key], Transition.RESTART)
     priced = [op.estimated_seconds for op in stop + start if op.estimated_seconds]
-    constants = engine_plan.ENGINE_CONSTANTS
+    constants = engine_instances.ENGINE_CONSTANTS
     assert len(priced) == 2 and priced[0] == pytest.approx(constants.stop_fixed_seconds)
     assert sum(priced) == pytest.approx(as_restart)
     # GET /v1/engines: one step from its state now to its planned one, carried out as two calls
@@ -247,7 +247,7 @@ def test_a_restart_of_an_engine_that_cannot_stop_is_not_split() -> None:
     )
     stop = [dataclasses.replace(op, engine=restart) for op in stop]
     start = [dataclasses.replace(op, engine=restart) for op in start]
-    unpair = engine_plan.restart_unpairing(problem, engine_plan.confirmed_states(problem), plan.instances)
+    unpair = engine_plan.restart_unpairing(problem, engine_instances.confirmed_states(problem), plan.instances)
     assert not unpair(stop, start)
     assert {op.engine.transition for op in stop + start if op.engine} == {Transition.RESTART}
 
@@ -363,7 +363,7 @@ def test_the_checker_counts_running_and_sleeping_engines_contexts() -> None:
         return dataclasses.replace(problem, observed_engines=asleep)
 
     capacity = problem_with(8, False).gpus["g0"].capacity_bytes
-    context = engine_plan.ENGINE_CONSTANTS.context_bytes_per_gpu
+    context = engine_instances.ENGINE_CONSTANTS.context_bytes_per_gpu
     awake = problem_with((capacity - context) / GIB, False)
     assert check_plan(awake, dict(awake.residency), []) == []
     asleep = problem_with((capacity - context) / GIB, True)

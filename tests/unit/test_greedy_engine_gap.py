@@ -54,7 +54,7 @@ def full_pool() -> dict[str, Any]:
 
 
 def test_a_fixed_pool_evicts_idle_kv_for_an_active_session() -> None:
-    """The engine's pool LRU evicts idle s1's KV for s3's new KV (engine_plan._kv_within_pools), so s3 is
+    """The engine's pool LRU evicts idle s1's KV for s3's new KV (engine_kv.kv_within_pools), so s3 is
     served there. Kept whole, s1's KV had left s3 unserved: a 1,200 s penalty."""
     problem = problem_from_scenario(parse_scenario(full_pool()))
     problem = dataclasses.replace(problem, engine_pools={("n0", "a"): 4 * GIB})

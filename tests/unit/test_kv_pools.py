@@ -17,7 +17,7 @@ from planner_service.domain.predictions import problem_from_scenario
 from planner_service.domain.problem import Problem
 from planner_service.domain.scenario import ScenarioError, parse_scenario
 from planner_service.domain.state import Kind, Location, StateObject, Tier
-from planner_service.planner import engine_plan
+from planner_service.planner import engine_holdings, engine_instances
 from planner_service.planner.invariants import check_plan
 from planner_service.planner.operations import Operation
 from planner_service.planner.plan import Plan
@@ -44,8 +44,8 @@ def test_the_minimum_pool_of_a_dense_model_is_one_longest_request_per_gpu() -> N
     problem = demo_problem()
     spec = problem.models["planner"]
     assert (spec.kv_bytes_per_token, spec.max_context_tokens) == (131_072, 32_768)
-    assert engine_plan.min_pool_bytes_per_gpu(problem, "planner", 1) == 4 * GIB
-    assert engine_plan.min_pool_bytes_per_gpu(problem, "planner", 2) == 2 * GIB
+    assert engine_holdings.min_pool_bytes_per_gpu(problem, "planner", 1) == 4 * GIB
+    assert engine_holdings.min_pool_bytes_per_gpu(problem, "planner", 2) == 2 * GIB
 
 
 def test_the_minimum_pool_of_a_moe_model_is_one_longest_request_per_gpu() -> None:
@@ -58,8 +58,8 @@ def test_the_minimum_pool_of_a_moe_model_is_one_longest_request_per_gpu() -> Non
     problem = demo_problem()
     spec = problem.models["reasoner"]
     assert spec.is_moe and (spec.kv_bytes_per_token, spec.max_context_tokens) == (70_272, 65_536)
-    assert engine_plan.min_pool_bytes_per_gpu(problem, "reasoner", 1) == 4_605_345_792
-    assert engine_plan.min_pool_bytes_per_gpu(problem, "reasoner", 4) == 1_151_336_448
+    assert engine_holdings.min_pool_bytes_per_gpu(problem, "reasoner", 1) == 4_605_345_792
+    assert engine_holdings.min_pool_bytes_per_gpu(problem, "reasoner", 4) == 1_151_336_448
 
 
 def test_the_model_s_own_limit_is_its_config_s_max_position_embeddings() -> None:
@@ -154,7 +154,7 @@ def test_the_planner_keeps_a_running_engine_s_kv_within_its_pool() -> None:
     assert check_plan(problem, plan.placement, plan.operations, plan.unserved) == []
     on_g0 = sum(n for (obj, loc), n in plan.placement.items() if obj.kind is Kind.KV and loc == Location.gpu("g0"))
     assert on_g0 <= pool
-    assert "b" not in launches(plan) or launches(plan)["b"] >= engine_plan.min_pool_bytes_per_gpu(problem, "b", 1)
+    assert "b" not in launches(plan) or launches(plan)["b"] >= engine_holdings.min_pool_bytes_per_gpu(problem, "b", 1)
 
 
 def with_pool(problem: Problem, plan: Plan, model_id: str, pool: int) -> list[str]:
@@ -169,7 +169,7 @@ def with_pool(problem: Problem, plan: Plan, model_id: str, pool: int) -> list[st
 
 def test_the_checker_refuses_a_start_below_the_minimum_pool() -> None:
     problem, plan = plan_for(one_card(b_active=True))
-    least = engine_plan.min_pool_bytes_per_gpu(problem, "b", 1)
+    least = engine_holdings.min_pool_bytes_per_gpu(problem, "b", 1)
     assert with_pool(problem, plan, "b", least) == []
     errors = with_pool(problem, plan, "b", least - 1)
     assert any("b's engine on n0 is launched with a KV pool" in e and "would refuse to start" in e for e in errors)
@@ -203,11 +203,11 @@ def test_the_srv_counts_no_gpu_kv_beyond_an_engine_s_pool() -> None:
 
 def test_the_simulator_launches_the_same_minimum() -> None:
     problem = demo_problem()
-    book = EngineBook(problem, engine_plan.ENGINE_CONSTANTS)
+    book = EngineBook(problem, engine_instances.ENGINE_CONSTANTS)
     gpus = tuple(problem.gpus[g] for g in ("n1-g0", "n1-g1"))
     inst = book.instance("n1", "planner", "bf16", gpus)
     assert inst.launch.kv_pool_bytes_per_gpu == inst.min_kv_pool_bytes_per_gpu
-    assert inst.min_kv_pool_bytes_per_gpu == engine_plan.min_pool_bytes_per_gpu(problem, "planner", 2) == 2 * GIB
+    assert inst.min_kv_pool_bytes_per_gpu == engine_holdings.min_pool_bytes_per_gpu(problem, "planner", 2) == 2 * GIB
 
 
 def asleep_on_one_card() -> dict[str, Any]:
@@ -227,7 +227,7 @@ def test_a_wake_keeps_the_pool_its_sleeping_engine_reported(solver: str) -> None
     re-maps its recorded allocations): the plan's wake carries that pool, and the KV it prefills there stays
     within it, however much the sessions would take."""
     problem = problem_from_scenario(parse_scenario(asleep_on_one_card()))
-    assert engine_plan.confirmed_states(problem)[("n0", "b")].state is engines.EngineState.ASLEEP_HOST
+    assert engine_instances.confirmed_states(problem)[("n0", "b")].state is engines.EngineState.ASLEEP_HOST
     planned = solve(problem, solver)
     assert launches(planned)["b"] == 2 * GIB  # unknown pool: launched for the KV the plan prefills there
     pool = 3 * GIB // 2

@@ -111,9 +111,14 @@ def declared_on_groups(scenario: Scenario, partition: Partition) -> Scenario:
 
 
 def shards_fit_now(sim: SimView, engine: FixedEngine) -> bool:
-    """Whether the weights' shards fit in the group's free bytes and the residue their engine's wake frees."""
+    """Whether the weights' shards and the engine's CUDA context fit in the group's free bytes and the residue
+    their engine's wake keeps (`SimView.bring_up_bytes`)."""
     shard = -(-sim.problem.models[engine.model].weights_bytes[engine.precision] // len(engine.gpus))
-    return all(sim.cluster.free(Location.gpu(g.id)) + sim.own_residue(engine.model, g.id) >= shard for g in engine.gpus)
+    return all(
+        sim.cluster.free(Location.gpu(g.id))
+        >= shard + sim.bring_up_bytes(engine.model, engine.node, engine.precision, engine.gpus, g.id)
+        for g in engine.gpus
+    )
 
 
 def launch_asleep(sim: SimView, policy: Policy, engine: FixedEngine) -> bool:
@@ -138,7 +143,11 @@ def bring_up(sim: SimView, policy: Policy, engine: FixedEngine) -> bool:
     shards = split_evenly(sim.problem.models[engine.model].weights_bytes[engine.precision], len(engine.gpus))
     for g, nbytes in zip(engine.gpus, shards, strict=True):
         loc = Location.gpu(g.id)
-        need = nbytes - sim.cluster.bytes_of(weights, loc) - sim.own_residue(engine.model, g.id)
+        need = (
+            nbytes
+            - sim.cluster.bytes_of(weights, loc)
+            + sim.bring_up_bytes(engine.model, engine.node, engine.precision, engine.gpus, g.id)
+        )
         if need > sim.cluster.free(loc):
             policy.act.make_room(loc, need - sim.cluster.free(loc), protect={engine.model})
         if need > sim.cluster.free(loc):

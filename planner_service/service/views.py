@@ -447,23 +447,26 @@ def _node_instances(node: str, record: NodeRecord, gpu_node: dict[str, str]) -> 
     engines = record.registration.engines if record.registration is not None else []
     reported = record.telemetry.instances if record.telemetry is not None else []
 
-    def url_for(model: str, gpus: list[str]) -> str | None:
+    def registered(model: str, gpus: list[str]) -> tuple[str | None, str | None]:
+        """The URL and kind of the registered engine serving the model on that group."""
         for e in engines:
             if model in e.models and (not e.gpus or sorted(e.gpus) == sorted(gpus)):
-                return e.url
-        return None
+                return e.url, e.kind
+        return None, None
 
     out: list[tuple[str, dict[str, Any]]] = []
     seen: set[str] = set()
     for r in reported:
         inst = r.instance
         seen.add(inst.model)
+        url, kind = registered(inst.model, inst.gpus)
         entry = {
             "id": inst.id,
             "node": node,
             "gpus": list(inst.gpus),
             "state": _ROUTE_STATE[r.state.value],
-            "url": url_for(inst.model, inst.gpus),
+            "url": url,
+            "engine": kind,
         }
         out.append((inst.model, entry))
     for e in engines:
@@ -473,5 +476,6 @@ def _node_instances(node: str, record: NodeRecord, gpu_node: dict[str, str]) -> 
         for model in e.models:
             if model not in seen:
                 seen.add(model)
-                out.append((model, {"id": f"{node}/{e.name}", "node": node, "gpus": gpus, "state": None, "url": e.url}))
+                entry = {"id": f"{node}/{e.name}", "node": node, "gpus": gpus, "state": None, "url": e.url}
+                out.append((model, {**entry, "engine": e.kind}))
     return out

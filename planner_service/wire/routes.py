@@ -7,6 +7,7 @@ from enum import StrEnum
 from pydantic import Field
 
 from planner_service.wire.base import WireModel
+from planner_service.wire.enums import EngineKind
 
 
 class RouteState(StrEnum):
@@ -25,6 +26,9 @@ class RouteInstance(WireModel):
     gpus: list[str]
     state: RouteState
     url: str | None = Field(description="The engine's base URL from the node's registration; null: not given.")
+    engine: EngineKind | None = Field(
+        None, description="The engine's kind from the node's registration (vllm, sglang, ...); null: not given."
+    )
 
 
 class ModelRoutes(WireModel):

@@ -40,7 +40,7 @@ def test_instances_carry_state_and_registered_url(make_app):
     by_model = {m["model"]: m["instances"] for m in table["models"]}
     # the tiny scenario holds alpha's weights on n1-g0; beta's only on NVMe: running vs stopped
     assert by_model["alpha"] == [
-        {"id": "n1/vllm-a", "node": "n1", "gpus": [], "state": "running", "url": "http://n1:8000"}
+        {"id": "n1/vllm-a", "node": "n1", "gpus": [], "state": "running", "url": "http://n1:8000", "engine": "vllm"}
     ]
     assert by_model["beta"][0]["state"] == "stopped"
     assert table["directives"] == {"decided": True, "pins": [], "warmups": []}
@@ -50,7 +50,14 @@ def test_instances_carry_state_and_registered_url(make_app):
     table2 = app.get("/v1/routes").json()
     beta = {m["model"]: m["instances"] for m in table2["models"]}["beta"]
     assert beta == [
-        {"id": "beta@bf16@n2-g0", "node": "n2", "gpus": ["n2-g0"], "state": "asleep", "url": "http://n2:8000"}
+        {
+            "id": "beta@bf16@n2-g0",
+            "node": "n2",
+            "gpus": ["n2-g0"],
+            "state": "asleep",
+            "url": "http://n2:8000",
+            "engine": "vllm",  # the registered engine's kind: the gateway's pins read it (clients/gateway/pins.py)
+        }
     ]
     assert table2["revision"] != table["revision"]
     cluster = app.get("/v1/cluster").json()

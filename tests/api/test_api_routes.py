@@ -168,6 +168,35 @@ def test_warmups_for_sessions_in_a_tool_call_go_to_an_idle_card_of_the_predicted
     assert app.get("/v1/routes").json()["directives"]["warmups"] == []
 
 
+def test_sessions_that_end_lower_a_warm_up_s_value_and_are_remembered_across_a_restart(make_app):
+    """As above, and six sessions that ended after one request on alpha: P(more | alpha) = (6 + 0.1) /
+    (6 + 0.1 + 6) = 6.1 / 12.1 (planner/predictor.py `next_turn`; the six hand-offs from alpha are the 6). Every gap
+    is 0 s on the fake clock: the next request comes within the horizon with that chance, else the KV is held the
+    whole horizon. 2 * 0.62346 * 0.50413 * 0.26388 = 0.16588 s, less 0.0025 s * (1 - 0.50413) = 0.00124 s: 0.165 s
+    (0.329 s without the ends). A restarted service reads the ends back with the other observations."""
+    app = make_app(tiny=True)
+    _register(app, "n1", [{"name": "vllm-a", "models": ["alpha"], "url": "http://n1:8000", "gpus": ["n1-g0"]}])
+    _register(app, "n2", [{"name": "vllm-b", "models": ["beta"], "url": "http://n2:8000", "gpus": ["n2-g0"]}])
+    hb = {"instances": [{"instance": _instance("beta", "n2", "n2-g0"), "state": "running"}]}
+    assert app.post("/v1/nodes/n2/heartbeat", json=hb).status_code == 200
+    for i in range(6):
+        _turn(app, f"h{i}", "alpha", 1)
+        _turn(app, f"h{i}", "beta", 2)
+        _turn(app, f"e{i}", "alpha", 1)
+        assert app.events({"id": f"e{i}-end", "type": "session_end", "session": f"e{i}"}).status_code == 200
+    _turn(app, "s1", "alpha", 1, tool=True)
+    lease = app.lease("n2", n=100).json()
+    for op in lease["operations"]:
+        assert app.report(op["id"], lease["lease_id"]).status_code == 200
+    [warmup] = app.get("/v1/routes").json()["directives"]["warmups"]
+    assert (warmup["session"], warmup["value_seconds"]) == ("s1", 0.165)
+    more = 6.1 / 12.1
+    turn = app.client.app.state.service.live.predictor.next_turn("alpha", 300.0)
+    assert turn == (pytest.approx(more), pytest.approx((1 - more) * 300))
+    restarted = make_app(tiny=True, clock=app.clock)  # the ends are stored observations, read back at the start
+    assert restarted.client.app.state.service.live.predictor.next_turn("alpha", 300.0) == turn
+
+
 @pytest.mark.parametrize(
     ("target", "pool", "expected"),
     [("top", 1 << 30, []), ("priced", 1 << 30, [("s1", "beta")]), ("priced", 100 << 20, [])],

@@ -41,7 +41,10 @@ horizon. Warm-ups of positive value are directed best first (ties: the faster in
 tokens prefill), one per session, each on an idle instance whose every card has the room (its free bytes; on an
 engine that reported its KV pool, also the pool beyond the KV of the model placed there) and under the
 per-instance cap. What the value leaves out: a warm-up the gateway cancels for a real request (it holds its KV
-only while it runs), and the time the session has already sat in its tool call (the gap is taken from its start).
+only while it runs); the time the session has already sat in its tool call (the gap is taken from its start); and
+the KV of a warm-up whose session's next request went elsewhere, which stays until evicted: past that request,
+keeping it is the greedy's ordinary choice for a session's KV, priced there, but a policy that does not evict it
+(the replay's LRU baselines) holds it longer than the value charged for.
 The fixed targets `top` and `handoff` stay selectable (the service's `warmup_target`) and are the replay's
 ablations (sim/gateway_study.py).
 """

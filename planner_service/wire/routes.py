@@ -61,9 +61,9 @@ class WarmupDirective(WireModel):
     probability: float = Field(0.0, ge=0, le=1, description="The predicted chance of the hand-off to `model`.")
     value_seconds: float | None = Field(
         None,
-        description="Under the priced target: the SLO-weighted re-prefill seconds the warm-up is expected to spare "
-        "the hand-off, net of the planner's HBM price of its KV (planner/gateway_directives.py); null under a "
-        "fixed target.",
+        description="Under the priced target: the SLO-weighted seconds of readying the history (re-prefill or "
+        "restore) the warm-up is expected to spare the hand-off, net of the planner's HBM price of its KV for the "
+        "time it is expected to be held (planner/gateway_directives.py); null under a fixed target.",
     )
 
 

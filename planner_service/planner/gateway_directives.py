@@ -271,7 +271,7 @@ def _priced_warmups(
     """The `priced` target (module doc): every (session, model, idle instance) of positive value, best first,
     one per session, within the cards' and pools' room and the per-instance cap."""
     c = pricing.constants
-    # model -> (instance, its prefill seconds per token) of each idle instance, the faster first, once per table
+    # model -> (prefill seconds per token, instance) of each idle instance, the faster first, once per table
     speeds = {
         m: sorted(
             (costs.prefill_seconds_per_token(pricing.models[m], [pricing.gpus[g] for g in i.gpus], c), i.id)

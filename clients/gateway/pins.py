@@ -7,8 +7,21 @@ all three (lmcache/v1/api_server/__main__.py `PinRequest`), hands the pin to eve
 location (lmcache/v1/cache_controller/worker.py: a `lookup(..., pin=True)`). The gateway holds the
 conversations, so it is the one that can name a session's tokens: it sends the session's last request, as it
 sent it to the engine, to that engine's `POST /tokenize` (the same messages, tools and chat-template options,
-so the engine renders the same prompt, vllm/entrypoints/serve/tokenize/protocol.py `TokenizeChatRequest`),
-then the token ids it answers to the controller's `/pin`.
+so the engine renders the same prompt), then the token ids it answers to the controller's `/pin`. Each engine
+takes its own fields (`tokenize_request`, by the route table's `engine` kind):
+
+- vLLM: a chat body as vllm/entrypoints/serve/tokenize/protocol.py `TokenizeChatRequest` takes it, or a
+  completion's `{model, prompt, add_special_tokens}`;
+- SGLang: `POST /tokenize` (and `/v1/tokenize`, python/sglang/srt/entrypoints/http_server.py) takes one
+  `TokenizeRequest` (python/sglang/srt/entrypoints/openai/protocol.py): exactly one of `prompt` (a string or a
+  list of them) and `messages`, with the chat fields `tools`, `tool_choice`, `reasoning_effort`,
+  `continue_final_message` and `chat_template_kwargs` beside them (the messages are rendered as its chat
+  request would be, `to_chat_completion_request`), and `add_special_tokens` (default true) for a prompt. An
+  older SGLang takes a `prompt` only (serving_tokenize.py of sgl-project/sglang 0351c1f): a chat pin there
+  answers 400 and is counted `tokenize_failed`.
+
+Both answer `{tokens, count, max_model_len}`. The token ids are kept with the session's history: a renewal of an
+unchanged history pins them again without a second `/tokenize`.
 
 A pin keeps chunks in LMCache's own tiers (host RAM, disk); it frees nothing on the GPU and keeps nothing on
 it. There is no `/unpin` in the controller's HTTP API: a pin lapses by itself once it is older than LMCache's
@@ -28,6 +41,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
@@ -37,6 +51,7 @@ import httpx
 from clients.gateway.metrics import GatewayMetrics
 from clients.gateway.parsing import Endpoint
 from clients.gateway.table import RouteTable
+from planner_service.wire.enums import EngineKind
 from planner_service.wire.routes import PinDirective
 
 log = logging.getLogger("statebudget.gateway.pins")
@@ -57,6 +72,8 @@ _CHAT_FIELDS = (
 # chat fields the chat request hands to the template as keyword arguments (its `build_chat_params`), which the
 # tokenize request has no field for: they go into its `chat_template_kwargs`
 _TEMPLATE_KWARGS = ("documents", "reasoning_effort")
+# the SGLang `TokenizeRequest` fields beside `messages` (python/sglang/srt/entrypoints/openai/protocol.py)
+_SGLANG_CHAT_FIELDS = ("tools", "tool_choice", "reasoning_effort", "continue_final_message", "chat_template_kwargs")
 # outcomes that a retry may change (LMCache stores a prompt's chunks as the engine computes them, so an empty
 # pin may find them later); the others wait for the session's next request or a new directive
 _RETRIED = frozenset({"tokenize_failed", "controller_failed", "empty"})
@@ -69,6 +86,14 @@ class _History:
     body: bytes
     headers: list[tuple[bytes, bytes]]
     version: int
+    # the token ids an engine's /tokenize answered for this history, and that engine's kind: the same model's
+    # tokenizer gives the same ids for the same request (kept compact, 8 bytes a token, counted in the budget)
+    tokens: array[int] | None = None
+    tokens_engine: EngineKind | None = None
+
+    @property
+    def size(self) -> int:
+        return len(self.body) + (8 * len(self.tokens) if self.tokens is not None else 0)
 
 
 @dataclass(slots=True)
@@ -82,13 +107,20 @@ class _Attempt:
     outcome: str
 
 
-def tokenize_request(endpoint: Endpoint, body: bytes, model: str) -> dict[str, Any] | list[int] | None:
+def tokenize_request(
+    endpoint: Endpoint, body: bytes, model: str, engine: EngineKind | None = None
+) -> dict[str, Any] | list[int] | None:
     """What to send the engine's `/tokenize` for the prompt of the client's request: a chat or completion
-    tokenize body, or the token ids themselves where the request gave them (a completion's `prompt` of ids);
-    None where the request is not one sequence (a batch of prompts)."""
+    tokenize body in the fields of the engine's kind (module doc; vLLM's where the kind is not given), or the
+    token ids themselves where the request gave them (a completion's `prompt` of ids); None where the request
+    is not one sequence (a batch of prompts)."""
     data = json.loads(body)
-    if endpoint == "chat":
+    if endpoint == "chat" and engine is EngineKind.SGLANG:
         out: dict[str, Any] = {"model": model, "messages": data["messages"]}
+        out.update((name, data[name]) for name in _SGLANG_CHAT_FIELDS if data.get(name) is not None)
+        return out
+    if endpoint == "chat":
+        out = {"model": model, "messages": data["messages"]}
         for name in _CHAT_FIELDS:
             if data.get(name) is not None:
                 out[name] = data[name]
@@ -168,18 +200,22 @@ class Pins:
             return
         old = self._history.pop(session, None)
         if old is not None:
-            self._history_size -= len(old.body)
+            self._history_size -= old.size
         if len(body) > self.history_bytes:
             return
         self._version += 1
         kept = [(k, v) for k, v in headers if k in _KEEP_HEADERS]
         self._history[session] = _History(model, endpoint, body, kept, self._version)
         self._history_size += len(body)
-        while self._history_size > self.history_bytes:
-            _, oldest = self._history.popitem(last=False)
-            self._history_size -= len(oldest.body)
+        self._trim()
         if session in self._wanted:
             self._consider(session, asyncio.get_running_loop().time())
+
+    def _trim(self) -> None:
+        """Drop the oldest histories until what is kept fits the budget."""
+        while self._history_size > self.history_bytes and self._history:
+            _, oldest = self._history.popitem(last=False)
+            self._history_size -= oldest.size
 
     def on_table(self, table: RouteTable) -> None:
         self.table = table
@@ -262,21 +298,25 @@ class Pins:
         try:
             if history is None or history.model != model:
                 return
-            try:
-                request = tokenize_request(history.endpoint, history.body, model)
-            except (ValueError, KeyError, TypeError):  # parse_request accepted the body: not expected
-                request = None
-            if request is None:
-                outcome = "skipped"
-                return
-            if isinstance(request, list):
-                tokens = request
+            if history.tokens is not None and history.tokens_engine == instance.engine:
+                tokens = history.tokens.tolist()  # tokenized before, unchanged since: no second /tokenize
             else:
-                outcome = "tokenize_failed"
-                answered = await self._tokenize(http, instance.url, history.headers, request, directive.instance)
-                if answered is None:
+                try:
+                    request = tokenize_request(history.endpoint, history.body, model, instance.engine)
+                except (ValueError, KeyError, TypeError):  # parse_request accepted the body: not expected
+                    request = None
+                if request is None:
+                    outcome = "skipped"
                     return
-                tokens = answered
+                if isinstance(request, list):
+                    tokens = request
+                else:
+                    outcome = "tokenize_failed"
+                    answered = await self._tokenize(http, instance.url, history.headers, request, directive.instance)
+                    if answered is None:
+                        return
+                    tokens = answered
+                    self._keep_tokens(session, history, tokens, instance.engine)
             outcome = "controller_failed"
             lmcache_id = self.instance_ids.get(directive.instance) or f"{instance.node}-{model}"
             pinned = await self._send_pin(http, lmcache_id, tokens, directive.instance)
@@ -297,6 +337,18 @@ class Pins:
                 else:
                     self._kept.discard(session)  # what it pinned before lapses unless a later pin takes
                 self.metrics.pinned_sessions.set(len(self._kept))
+
+    def _keep_tokens(self, session: str, history: _History, tokens: list[int], engine: EngineKind | None) -> None:
+        """Keep the ids /tokenize answered with the history they name, while that is still the session's."""
+        if self._history.get(session) is not history:
+            return  # replaced or dropped meanwhile: its successor is tokenized on its own
+        try:
+            ids = array("q", tokens)
+        except OverflowError:  # not 64-bit ids: not worth keeping
+            return
+        self._history_size += 8 * len(ids) - (8 * len(history.tokens) if history.tokens is not None else 0)
+        history.tokens, history.tokens_engine = ids, engine
+        self._trim()
 
     async def _tokenize(
         self, http: httpx.AsyncClient, url: str, headers: list[tuple[bytes, bytes]], body: dict[str, Any], iid: str

@@ -16,23 +16,37 @@ Which warm-ups are worth their room is the planner's objective's question (`Dire
 `priced` target answers it with the objective's own terms (planner/objective.py; the greedy prices keeping a
 session's KV on GPU the same way, `_push_followers`): a warm-up of session s on instance i of model m is worth
 
-    value(s, m, i) = w_s * q(s, m) * (L + V * [L > target_s])  -  price * bytes / GiB     [SLO-weighted s]
-    L     = tokens_s * prefill_seconds_per_token(m, gpus of i)                             [s]
-    bytes = tokens_s * kv_bytes_per_token(m)                                               [B]
+    value(s, m, i) = w_s * q(s, m) * u_s * (R + V * share(R_j > target_s))  -  price * GiB * hold_s / H
+    R     = mean over the running instances j of m of R_j                                  [s]
+    R_j   = costs.kv_ready_seconds(tokens_s, restorable on j's node, m, gpus of j)          [s]
 
   w_s, target_s  the SLO weight and switch-latency target of s's class (CostConstants.slo_weights, _targets)
-  q(s, m)        the switch predictor's probability of s's next request going to m
-  L              the re-prefill of s's history on i that the hand-off is spared (costs.prefill_seconds_per_token)
-  V              the violation penalty, where that re-prefill alone misses the target
-  price          CostConstants.gpu_price_seconds_per_gib, the objective's price of a GiB held on GPU (the
-                 warm memory tax, costs.gpu_hold_cost): the price the greedy weighs every kept byte against
+  q(s, m)        the switch predictor's probability that s's next request, whenever it comes, goes to m
+  u_s, hold_s    `SwitchPredictor.next_turn` over the objective's horizon H (CostConstants.horizon_seconds): the
+                 chance that next request comes within H at all (the session may end instead), and how long
+                 the warm-up's KV is expected to be held until it comes, used or not (H where it never does)
+  R_j            what the hand-off would pay to ready the history without the warm-up on instance j: re-prefill
+                 it, or restore it from host DRAM or NVMe where that node holds it, the cheaper (the
+                 restore-or-prefill rule). Without a KV holder, the gateway sends the session to the running
+                 instance its id hashes to (clients/gateway/table.py `choose`), evenly over them: R is the mean
+                 over those instances, not the candidate's own re-prefill, so a slower candidate is not worth
+                 more. With the warm-up the hand-off goes to i and finds the history computed.
+  V              the violation penalty, for the share of those instances where R_j misses the target
+  price          CostConstants.gpu_price_seconds_per_gib, the objective's price of a GiB held on GPU over H (the
+                 warm memory tax, costs.gpu_hold_cost), charged for the hold_s seconds of H the KV is expected
+                 to be held
 
-Warm-ups of positive value are directed best first, one per session, each on an idle instance whose every
-card has the room (its free bytes; on an engine that reported its KV pool, also the pool beyond the KV of the
-model placed there) and under the per-instance cap. Where the session's KV of m sits below the GPUs, the
-hand-off might restore it in less than L; the value still credits the warm-up with the whole re-prefill, which
-is what the gateway's warm-up computes, so it overrates such warm-ups. The fixed targets `top` and `handoff`
-stay selectable (the service's `warmup_target`) and are the replay's ablations (sim/gateway_study.py).
+Where the predictor's timing is not given (`WarmupPricing.next_turn`), u = 1 and the KV is charged for the whole
+horizon. Warm-ups of positive value are directed best first (ties: the faster instance, where the hand-off's new
+tokens prefill), one per session, each on an idle instance whose every card has the room (its free bytes; on an
+engine that reported its KV pool, also the pool beyond the KV of the model placed there) and under the
+per-instance cap. What the value leaves out: a warm-up the gateway cancels for a real request (it holds its KV
+only while it runs); the time the session has already sat in its tool call (the gap is taken from its start); and
+the KV of a warm-up whose session's next request went elsewhere, which stays until evicted: past that request,
+keeping it is the greedy's ordinary choice for a session's KV, priced there, but a policy that does not evict it
+(the replay's LRU baselines) holds it longer than the value charged for.
+The fixed targets `top` and `handoff` stay selectable (the service's `warmup_target`) and are the replay's
+ablations (sim/gateway_study.py).
 """
 
 from __future__ import annotations
@@ -41,9 +55,11 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, NamedTuple
 
-from planner_service.domain.problem import Gpu, ModelSpec
+from planner_service.domain.problem import Gpu, ModelSpec, Node
 from planner_service.domain.scenario import CostConstants, Slo
+from planner_service.domain.state import Tier
 from planner_service.planner import costs
+from planner_service.planner.predictor import NextTurn
 from planner_service.wire.routes import PinDirective, WarmupDirective
 
 
@@ -86,31 +102,55 @@ class WarmupPricing:
 
     `pool_room_bytes`: instance -> bytes its engine's KV pool has free on each GPU of its group (the pool less
     the KV of its model placed on that GPU), for engines that reported their pool; others are bounded by
-    their cards' free bytes only."""
+    their cards' free bytes only. `restorable`: (session, model) -> node -> (tier, bytes) of that KV below the
+    node's GPUs where the node can load it back (a node missing from `nodes` restores nothing). `next_turn`: the
+    model a session's last request went to -> `SwitchPredictor.next_turn` over the horizon."""
 
     models: Mapping[str, ModelSpec]
     gpus: Mapping[str, Gpu]
     constants: CostConstants
     pool_room_bytes: Mapping[str, int] = field(default_factory=dict)
+    nodes: Mapping[str, Node] = field(default_factory=dict)
+    restorable: Mapping[tuple[str, str], Mapping[str, tuple[Tier, int]]] = field(default_factory=dict)
+    next_turn: Mapping[str, NextTurn] = field(default_factory=dict)
 
 
 def warmup_value(
-    tokens: int, probability: float, slo: Slo, model: ModelSpec, gpus: Sequence[Gpu], constants: CostConstants
+    probability: float,
+    slo: Slo,
+    ready_seconds: Sequence[float],
+    kv_bytes: int,
+    constants: CostConstants,
+    turn: NextTurn | None = None,
 ) -> float:
-    """value(s, m, i) of the module doc, in SLO-weighted seconds: the expected re-prefill (and violation
-    penalty) the warm-up spares the hand-off, less the HBM price of the KV it makes."""
-    per_token = costs.prefill_seconds_per_token(model, gpus, constants)
-    weight, target = constants.slo_weights.of(slo), constants.slo_targets_seconds.of(slo)
-    return _value(tokens, probability, weight, target, per_token, tokens * model.kv_bytes_per_token, constants)
+    """value(s, m, i) of the module doc, in SLO-weighted seconds: the expected readying of the history (and
+    violation penalty) the warm-up spares the hand-off, less the HBM price of its KV for as long as it is held.
+    `ready_seconds`: R_j on each instance the hand-off would otherwise go to; `turn`: u and hold (None: 1, H)."""
+    c = constants
+    weight, target = c.slo_weights.of(slo), c.slo_targets_seconds.of(slo)
+    n = len(ready_seconds)
+    saved = sum(ready_seconds) / n
+    late = c.violation_penalty_seconds * sum(1 for r in ready_seconds if r > target) / n
+    within, held = (1.0, c.horizon_seconds) if turn is None else turn
+    return weight * probability * within * (saved + late) - costs.gpu_hold_cost(kv_bytes, c) * (
+        held / c.horizon_seconds
+    )
 
 
-def _value(
-    tokens: int, probability: float, weight: float, target: float, per_token: float, kv_bytes: int, c: CostConstants
+def handoff_ready_seconds(
+    tokens: int,
+    model: ModelSpec,
+    gpus: Sequence[Gpu],
+    restorable: tuple[Tier, int] | None,
+    node: Node | None,
+    c: CostConstants,
 ) -> float:
-    """`warmup_value` from its parts: the SLO class's weight and target, the instance's prefill seconds a token."""
-    reprefill_seconds = tokens * per_token  # L
-    late = c.violation_penalty_seconds if reprefill_seconds > target else 0.0
-    return weight * probability * (reprefill_seconds + late) - costs.gpu_hold_cost(kv_bytes, c)
+    """R_j: ready `tokens` of history on `gpus` without a warm-up (`costs.kv_ready_seconds`: restore what the
+    node holds below its GPUs, or re-prefill, the cheaper)."""
+    if restorable is None or node is None:
+        return costs.prefill_seconds(tokens, 0, model, gpus, c)
+    tier, nbytes = restorable
+    return costs.kv_ready_seconds(tokens, nbytes, model, gpus, tier, node, c)
 
 
 def decide_directives(
@@ -166,7 +206,8 @@ def decide_directives(
 
     if limits.target == "priced":
         assert pricing is not None
-        priced = _priced_warmups(sessions, next_model, kv_holders, idle, free_bytes, limits, pricing)
+        routable = {m: [i for i in row if i.routable and i.gpus] for m, row in by_model.items()}
+        priced = _priced_warmups(sessions, next_model, kv_holders, idle, routable, free_bytes, limits, pricing)
         return pins, sorted(priced, key=lambda w: w.session)
 
     # sessions on one model share their prediction row (the predictor is first-order): its best model once per row
@@ -222,6 +263,7 @@ def _priced_warmups(
     next_model: Mapping[str, Mapping[str, float]],
     kv_holders: Mapping[tuple[str, str], frozenset[str]],
     idle: Mapping[str, list[InstanceView]],
+    routable: Mapping[str, list[InstanceView]],
     free_bytes: Mapping[str, int],
     limits: DirectiveLimits,
     pricing: WarmupPricing,
@@ -229,29 +271,37 @@ def _priced_warmups(
     """The `priced` target (module doc): every (session, model, idle instance) of positive value, best first,
     one per session, within the cards' and pools' room and the per-instance cap."""
     c = pricing.constants
-    # model -> (instance, its prefill seconds per token) of each idle instance, computed once per table
+    # model -> (prefill seconds per token, instance) of each idle instance, the faster first, once per table
     speeds = {
-        m: [
-            (i.id, costs.prefill_seconds_per_token(pricing.models[m], [pricing.gpus[g] for g in i.gpus], c))
+        m: sorted(
+            (costs.prefill_seconds_per_token(pricing.models[m], [pricing.gpus[g] for g in i.gpus], c), i.id)
             for i in row
-        ]
+        )
         for m, row in idle.items()
         if m in pricing.models
     }
-    classes = {slo: (c.slo_weights.of(slo), c.slo_targets_seconds.of(slo)) for slo in Slo}
-    candidates: list[tuple[float, str, str, str, int, float]] = []  # (-value, session, instance, model, tokens, p)
+    # model -> (GPUs, node) of each instance a hand-off without a KV holder may be sent to (the gateway's hash)
+    served = {
+        m: [([pricing.gpus[g] for g in i.gpus], pricing.gpus[i.gpus[0]].node) for i in routable[m]] for m in speeds
+    }
+    candidates: list[tuple[float, str, float, str, str, int, float]] = []  # (-value, session, s/token, instance, ...)
     for s in sessions:
         if not s.in_tool_call or s.busy or s.context_tokens <= 0:
             continue
-        weight, target = classes[s.slo]
+        turn = pricing.next_turn.get(s.model)
         for model_id, probability in (next_model.get(s.id) or {}).items():  # (the sort below breaks ties by id)
             if probability <= 0 or model_id not in speeds or kv_holders.get((s.id, model_id)):
                 continue  # not predicted, no idle instance, or an instance of the model holds its KV already
-            kv_bytes = s.context_tokens * pricing.models[model_id].kv_bytes_per_token
-            for iid, per_token in speeds[model_id]:
-                value = _value(s.context_tokens, probability, weight, target, per_token, kv_bytes, c)
-                if value > 0:
-                    candidates.append((-value, s.id, iid, model_id, s.context_tokens, probability))
+            model = pricing.models[model_id]
+            below = pricing.restorable.get((s.id, model_id), {})
+            ready = [
+                handoff_ready_seconds(s.context_tokens, model, gpus, below.get(n), pricing.nodes.get(n), c)
+                for gpus, n in served[model_id]
+            ]
+            value = warmup_value(probability, s.slo, ready, s.context_tokens * model.kv_bytes_per_token, c, turn)
+            if value > 0:  # the same on every idle instance of the model: the faster is tried first
+                for per_token, iid in speeds[model_id]:
+                    candidates.append((-value, s.id, per_token, iid, model_id, s.context_tokens, probability))
     candidates.sort()
 
     by_id = {i.id: i for row in idle.values() for i in row}
@@ -261,7 +311,7 @@ def _priced_warmups(
     warmed: set[str] = set()
     warmups: list[WarmupDirective] = []
     open_instances = len(by_id)  # those under the cap: none left, nothing more can be directed
-    for neg_value, sid, iid, model_id, tokens, probability in candidates:
+    for neg_value, sid, _, iid, model_id, tokens, probability in candidates:
         if not open_instances:
             break
         if sid in warmed or per_instance.get(iid, 0) >= limits.max_warmups_per_instance:

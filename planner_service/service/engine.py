@@ -170,6 +170,8 @@ class ClusterService:
                 self.live.predictor.observe_handoff(t, a, b)
             elif kind == "gap" and gap is not None:
                 self.live.predictor.observe_turn_gap(t, gap)
+            elif kind == "end" and a in self.live.predictor.models:
+                self.live.predictor.observe_session_end(t, a)
             elif kind == "request" and b is not None and tokens is not None:
                 self.live.load.add(t, b, tokens)
         for session in self.live.sessions.values():

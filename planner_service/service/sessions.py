@@ -137,6 +137,9 @@ class Sessions:
             elif isinstance(ev, ToolCallEndEvent):
                 s.in_tool_call = False
             elif isinstance(ev, SessionEndEvent):
+                if not s.ended:  # no next request came after its last one (the warm-ups' `next_turn`)
+                    self.live.predictor.observe_session_end(t, s.model)
+                    batch.observations.append((t, "end", s.model, None, None, None))
                 s.active, s.in_tool_call, s.ended, s.waiting_since = False, False, True, None
         s.last_activity = t
         if isinstance(ev, (RequestEvent, TurnEndEvent)):

@@ -26,7 +26,8 @@ from typing import Any, Protocol
 from planner_service.domain.state import Kind, Location, Placement, StateObject, Tier
 
 # (t, kind, from model, to model, gap seconds, context tokens): kind "handoff" (from, to), "gap" (gap
-# seconds: a turn's tool and think time) or "request" (to: its model; the session's context after it)
+# seconds: a turn's tool and think time), "request" (to: its model; the session's context after it) or "end" (from:
+# the model of the ended session's last request)
 Observation = tuple[float, str, str | None, str | None, float | None, int | None]
 
 

@@ -10,7 +10,7 @@ from collections import defaultdict
 from typing import Any
 
 from planner_service.domain.problem import resolve_model
-from planner_service.domain.scenario import NodeEngineIn
+from planner_service.domain.scenario import Capability, NodeEngineIn
 from planner_service.domain.state import (
     Kind,
     Tier,
@@ -349,6 +349,25 @@ class Views:
         for v in views:
             if v.gpus and (pool := sizes.engine_pools.get((sizes.gpus[v.gpus[0]].node, v.model))) is not None:
                 pool_room[v.id] = min(pool - kv_on_gpu[(v.model, g)] for g in v.gpus)
+        # a session in a tool call's KV below the GPUs of a node that loads KV back: the hand-off may restore it
+        # rather than re-prefill (greedy `_kv_without_seconds` reads the larger of host and NVMe the same way)
+        below: dict[tuple[str, str], dict[str, dict[Tier, int]]] = {}
+        for (obj, loc), n in self.live.placement.items():
+            if (
+                obj.kind is Kind.KV
+                and obj.session in in_tool_call
+                and loc.tier in (Tier.HOST, Tier.NVME)
+                and (node := sizes.nodes.get(loc.id)) is not None
+                and Capability.KV_OFFLOAD in node.capabilities
+            ):
+                tiers = below.setdefault((obj.session, obj.model), {}).setdefault(loc.id, {})
+                tiers[loc.tier] = tiers.get(loc.tier, 0) + n
+        restorable = {
+            key: {node: max(tiers.items(), key=lambda e: (e[1], e[0] is Tier.HOST)) for node, tiers in nodes.items()}
+            for key, nodes in below.items()
+        }
+        horizon = sizes.constants.horizon_seconds
+        turns = {m: self.live.predictor.next_turn(m, horizon, now) for m in rows}
         settings = self.live.settings
         pins, warmups = decide_directives(
             views,
@@ -363,7 +382,7 @@ class Views:
                 min_probability=settings.warmup_min_probability,
                 target=settings.warmup_target,
             ),
-            WarmupPricing(sizes.models, sizes.gpus, sizes.constants, pool_room),
+            WarmupPricing(sizes.models, sizes.gpus, sizes.constants, pool_room, sizes.nodes, restorable, turns),
         )
         return {
             "decided": True,
@@ -428,23 +447,26 @@ def _node_instances(node: str, record: NodeRecord, gpu_node: dict[str, str]) -> 
     engines = record.registration.engines if record.registration is not None else []
     reported = record.telemetry.instances if record.telemetry is not None else []
 
-    def url_for(model: str, gpus: list[str]) -> str | None:
+    def registered(model: str, gpus: list[str]) -> tuple[str | None, str | None]:
+        """The URL and kind of the registered engine serving the model on that group."""
         for e in engines:
             if model in e.models and (not e.gpus or sorted(e.gpus) == sorted(gpus)):
-                return e.url
-        return None
+                return e.url, e.kind
+        return None, None
 
     out: list[tuple[str, dict[str, Any]]] = []
     seen: set[str] = set()
     for r in reported:
         inst = r.instance
         seen.add(inst.model)
+        url, kind = registered(inst.model, inst.gpus)
         entry = {
             "id": inst.id,
             "node": node,
             "gpus": list(inst.gpus),
             "state": _ROUTE_STATE[r.state.value],
-            "url": url_for(inst.model, inst.gpus),
+            "url": url,
+            "engine": kind,
         }
         out.append((inst.model, entry))
     for e in engines:
@@ -454,5 +476,6 @@ def _node_instances(node: str, record: NodeRecord, gpu_node: dict[str, str]) -> 
         for model in e.models:
             if model not in seen:
                 seen.add(model)
-                out.append((model, {"id": f"{node}/{e.name}", "node": node, "gpus": gpus, "state": None, "url": e.url}))
+                entry = {"id": f"{node}/{e.name}", "node": node, "gpus": gpus, "state": None, "url": e.url}
+                out.append((model, {**entry, "engine": e.kind}))
     return out

@@ -459,6 +459,7 @@ class Simulator(SimState):
                 self.slots.consumed(session_id)
             if isinstance(item, TraceEnd):
                 session.ended = True
+                self.gateway.on_session_end(session)
                 self._drop_session_kv(session.id)
                 self.policy.on_session_end(self.view, session)
                 self._close_slot(session_id)

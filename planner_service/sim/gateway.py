@@ -163,6 +163,11 @@ class GatewayModel:
         self.predictor.observe_handoff(req.t, session.requested_model, req.model)
         self.predictor.observe_turn_gap(req.t, max(0.0, req.t - session.last_t))
 
+    def on_session_end(self, session: SessionState) -> None:
+        """The session's trace ended: no next request came after its last one (the predictor's `next_turn`)."""
+        if self.warmups_on and session.requested_model is not None:
+            self.predictor.observe_session_end(self.sim.now, session.requested_model)
+
     def on_admit(self, req: SimRequest) -> None:
         """The session's next request arrived: its tool call is over, its warm-up in progress is moot."""
         if not self.warmups_on:
@@ -292,8 +297,19 @@ class GatewayModel:
         next_model = {sid: rows[m] for sid, m in in_tool_call.items()}
         free = {g: sim.cluster.free(Location.gpu(g)) for g in sim.problem.gpus}
         kvpt = {m: spec.kv_bytes_per_token for m, spec in sim.problem.models.items()}
-        # the replay allocates KV in its cards' free room (no engine pool of fixed size: sim/instances.py)
-        pricing = WarmupPricing(sim.problem.models, sim.problem.gpus, sim.c)
+        # the replay allocates KV in its cards' free room (no engine pool of fixed size: sim/instances.py); a
+        # hand-off restores from the serving node's host DRAM what a turn wrote through there (Simulator._start)
+        restorable: dict[tuple[str, str], dict[str, tuple[Tier, int]]] = {}
+        for sid in in_tool_call:
+            for model, state in sim.models.items():
+                kv = StateObject.kv(model, sid)
+                if sim.cluster.bytes_of(kv, Location.host(state.node)):
+                    tokens = min(sim.host_tokens.get(kv, 0), sim.computed_tokens.get(kv, 0))
+                    restorable[(sid, model)] = {state.node: (Tier.HOST, tokens * kvpt[model])}
+        turns = {m: self.predictor.next_turn(m, sim.c.horizon_seconds, sim.now) for m in rows}
+        pricing = WarmupPricing(
+            sim.problem.models, sim.problem.gpus, sim.c, nodes=sim.problem.nodes, restorable=restorable, next_turn=turns
+        )
         _, directives = decide_directives(
             instances, sessions, next_model, kv_holders, frozenset(queued), free, kvpt, self.limits, pricing
         )

@@ -7,6 +7,7 @@ from enum import StrEnum
 from pydantic import Field
 
 from planner_service.wire.base import WireModel
+from planner_service.wire.enums import EngineKind
 
 
 class RouteState(StrEnum):
@@ -25,6 +26,9 @@ class RouteInstance(WireModel):
     gpus: list[str]
     state: RouteState
     url: str | None = Field(description="The engine's base URL from the node's registration; null: not given.")
+    engine: EngineKind | None = Field(
+        None, description="The engine's kind from the node's registration (vllm, sglang, ...); null: not given."
+    )
 
 
 class ModelRoutes(WireModel):
@@ -57,9 +61,9 @@ class WarmupDirective(WireModel):
     probability: float = Field(0.0, ge=0, le=1, description="The predicted chance of the hand-off to `model`.")
     value_seconds: float | None = Field(
         None,
-        description="Under the priced target: the SLO-weighted re-prefill seconds the warm-up is expected to spare "
-        "the hand-off, net of the planner's HBM price of its KV (planner/gateway_directives.py); null under a "
-        "fixed target.",
+        description="Under the priced target: the SLO-weighted seconds of readying the history (re-prefill or "
+        "restore) the warm-up is expected to spare the hand-off, net of the planner's HBM price of its KV for the "
+        "time it is expected to be held (planner/gateway_directives.py); null under a fixed target.",
     )
 
 

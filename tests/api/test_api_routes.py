@@ -40,7 +40,7 @@ def test_instances_carry_state_and_registered_url(make_app):
     by_model = {m["model"]: m["instances"] for m in table["models"]}
     # the tiny scenario holds alpha's weights on n1-g0; beta's only on NVMe: running vs stopped
     assert by_model["alpha"] == [
-        {"id": "n1/vllm-a", "node": "n1", "gpus": [], "state": "running", "url": "http://n1:8000"}
+        {"id": "n1/vllm-a", "node": "n1", "gpus": [], "state": "running", "url": "http://n1:8000", "engine": "vllm"}
     ]
     assert by_model["beta"][0]["state"] == "stopped"
     assert table["directives"] == {"decided": True, "pins": [], "warmups": []}
@@ -50,7 +50,14 @@ def test_instances_carry_state_and_registered_url(make_app):
     table2 = app.get("/v1/routes").json()
     beta = {m["model"]: m["instances"] for m in table2["models"]}["beta"]
     assert beta == [
-        {"id": "beta@bf16@n2-g0", "node": "n2", "gpus": ["n2-g0"], "state": "asleep", "url": "http://n2:8000"}
+        {
+            "id": "beta@bf16@n2-g0",
+            "node": "n2",
+            "gpus": ["n2-g0"],
+            "state": "asleep",
+            "url": "http://n2:8000",
+            "engine": "vllm",  # the registered engine's kind: the gateway's pins read it (clients/gateway/pins.py)
+        }
     ]
     assert table2["revision"] != table["revision"]
     cluster = app.get("/v1/cluster").json()
@@ -147,8 +154,10 @@ def test_warmups_for_sessions_in_a_tool_call_go_to_an_idle_card_of_the_predicted
     assert warmup["tokens"] == 1024 and warmup["probability"] == 0.62  # 1,000 in + 24 out
     # priced (the default target): beta's 6,442,450,944 active parameters (12 GiB at 2 bytes) prefill at
     # 2 * 6.44e9 / (1e14 * 0.5) = 2.577e-4 s a token, 0.26388 s for 1,024 tokens; interactive (weight 2) at
-    # p 10.1 / 16.2: 2 * 0.62346 * 0.26388 = 0.32904 s, less 1,024 * 128 KiB = 0.125 GiB at 0.02 s a GiB
-    assert warmup["value_seconds"] == 0.327
+    # p 10.1 / 16.2: 2 * 0.62346 * 0.26388 = 0.32904 s (no session ended and every turn gap, turn end to next request,
+    # is under the 300 s horizon: the next request surely comes in it), less 1,024 * 128 KiB = 0.125 GiB at 0.02 s a
+    # GiB for the part of the horizon it is held: the gaps, 0 s on the test's fake clock
+    assert warmup["value_seconds"] == 0.329
     # a request on beta (no KV holder known: it may run on any beta card) makes the card busy: the warm-up goes
     assert app.events(request("x-r1", "x", "beta", input_tokens=10)).status_code == 200
     assert app.get("/v1/routes").json()["directives"]["warmups"] == []
@@ -157,6 +166,35 @@ def test_warmups_for_sessions_in_a_tool_call_go_to_an_idle_card_of_the_predicted
     # the session's next request: no longer in a tool call, no warm-up
     assert app.events({"id": "s1-e", "type": "tool_call_end", "session": "s1", "tool": "grep"}).status_code == 200
     assert app.get("/v1/routes").json()["directives"]["warmups"] == []
+
+
+def test_sessions_that_end_lower_a_warm_up_s_value_and_are_remembered_across_a_restart(make_app):
+    """As above, and six sessions that ended after one request on alpha: P(more | alpha) = (6 + 0.1) /
+    (6 + 0.1 + 6) = 6.1 / 12.1 (planner/predictor.py `next_turn`; the six hand-offs from alpha are the 6). Every gap
+    is 0 s on the fake clock: the next request comes within the horizon with that chance, else the KV is held the
+    whole horizon. 2 * 0.62346 * 0.50413 * 0.26388 = 0.16588 s, less 0.0025 s * (1 - 0.50413) = 0.00124 s: 0.165 s
+    (0.329 s without the ends). A restarted service reads the ends back with the other observations."""
+    app = make_app(tiny=True)
+    _register(app, "n1", [{"name": "vllm-a", "models": ["alpha"], "url": "http://n1:8000", "gpus": ["n1-g0"]}])
+    _register(app, "n2", [{"name": "vllm-b", "models": ["beta"], "url": "http://n2:8000", "gpus": ["n2-g0"]}])
+    hb = {"instances": [{"instance": _instance("beta", "n2", "n2-g0"), "state": "running"}]}
+    assert app.post("/v1/nodes/n2/heartbeat", json=hb).status_code == 200
+    for i in range(6):
+        _turn(app, f"h{i}", "alpha", 1)
+        _turn(app, f"h{i}", "beta", 2)
+        _turn(app, f"e{i}", "alpha", 1)
+        assert app.events({"id": f"e{i}-end", "type": "session_end", "session": f"e{i}"}).status_code == 200
+    _turn(app, "s1", "alpha", 1, tool=True)
+    lease = app.lease("n2", n=100).json()
+    for op in lease["operations"]:
+        assert app.report(op["id"], lease["lease_id"]).status_code == 200
+    [warmup] = app.get("/v1/routes").json()["directives"]["warmups"]
+    assert (warmup["session"], warmup["value_seconds"]) == ("s1", 0.165)
+    more = 6.1 / 12.1
+    turn = app.client.app.state.service.live.predictor.next_turn("alpha", 300.0)
+    assert turn == (pytest.approx(more), pytest.approx((1 - more) * 300))
+    restarted = make_app(tiny=True, clock=app.clock)  # the ends are stored observations, read back at the start
+    assert restarted.client.app.state.service.live.predictor.next_turn("alpha", 300.0) == turn
 
 
 @pytest.mark.parametrize(

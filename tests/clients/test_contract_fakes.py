@@ -345,3 +345,19 @@ def test_fake_sglang_process_sizes_its_kv_pool_at_start_as_sglang_does(
                 assert refused.returncode == 1 and why in refused.stderr
         assert nvml.nvmlDeviceGetMemoryInfo(0).used == 0  # the TP-2 engine has exited: its bytes are freed
     assert list(tmp_path.glob("*.json")) == []  # each clean exit took its record with it
+
+
+async def test_sglang_tokenize_takes_a_prompt_or_messages_and_refuses_both_or_neither() -> None:
+    engine = sglang()
+    chat = {"model": "m", "messages": [{"role": "user", "content": "fix the bug"}], "tool_choice": "auto"}
+    async with client(create_fake_sglang(engine)) as http:
+        text = (await http.post("/tokenize", json={"model": "m", "prompt": "a b"})).json()
+        assert (text["count"], len(text["tokens"]), text["max_model_len"]) == (2, 2, 32768)
+        assert (await http.post("/v1/tokenize", json=chat)).json()["count"] == 3
+        batch = (await http.post("/tokenize", json={"prompt": ["a", "b c"]})).json()
+        assert batch["count"] == [1, 2] and len(batch["tokens"]) == 2
+        for wrong in ({"model": "m"}, {**chat, "prompt": "a"}):
+            answer = await http.post("/tokenize", json=wrong)
+            assert answer.status_code == 400
+            assert answer.json()["message"] == "Exactly one of 'prompt' or 'messages' must be provided."
+    assert engine.tokenized == [{"model": "m", "prompt": "a b"}, chat, {"prompt": ["a", "b c"]}]

@@ -17,6 +17,14 @@ Rules, each from SGLang's source (sgl-project/sglang):
   operation will not be performed."; http_server.py).
 - `GET /get_load` reports per data-parallel rank `num_reqs` and `num_waiting_reqs` (http_server.py, the
   legacy shape of `/v1/loads`); `GET /health` 200; `GET /get_model_info` the `model_path`.
+- `POST /tokenize` and `POST /v1/tokenize` (http_server.py `openai_v1_tokenize`) take a `TokenizeRequest`
+  (python/sglang/srt/entrypoints/openai/protocol.py): exactly one of `prompt` (a string, or a list of strings
+  tokenized one by one) and `messages` (rendered with the chat template, `to_chat_completion_request`), else
+  "Exactly one of 'prompt' or 'messages' must be provided." as a validation error, which SGLang answers 400
+  (`validation_exception_handler`, an `ErrorResponse` of `object`, `message`, `type`, `param`, `code`); the
+  answer is a `TokenizeResponse` `{tokens, count, max_model_len}`, lists of them for a list of prompts. The
+  fake's tokenizer and template: one token per whitespace-separated word of the prompt, or of the messages'
+  text; `engine.tokenized` keeps each body answered.
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ from fastapi.responses import JSONResponse
 
 PAUSE_MODES = ("abort", "retract", "in_place")
 TAGS = ("weights", "kv_cache", "cuda_graph")  # GPU_MEMORY_ALL_TYPES
+MAX_MODEL_LEN = 32768  # the tokenizer's `model_max_length` the fake reports
 
 
 @dataclass
@@ -51,6 +60,7 @@ class FakeSglangEngine:
     alive: bool = True
     flushes: int = 0
     calls: list[str] = field(default_factory=list)
+    tokenized: list[dict[str, object]] = field(default_factory=list)  # the bodies of the /tokenize calls answered
 
     def gpu_bytes(self) -> dict[int, int]:
         if not self.alive:
@@ -150,6 +160,24 @@ def create_fake_sglang(engine: FakeSglangEngine) -> FastAPI:
         engine.weights_valid = True
         return result(True, "Succeeded to update model weights.")
 
+    @app.post("/tokenize")
+    @app.post("/v1/tokenize")
+    async def tokenize(request: Request) -> Response:
+        body = await _body(request)
+        prompt, messages = body.get("prompt"), body.get("messages")
+        given = prompt if messages is None else messages
+        if (prompt is None) == (messages is None) or not isinstance(given, (str, list)):
+            message = "Exactly one of 'prompt' or 'messages' must be provided."
+            error = {"object": "error", "message": message, "type": "Bad Request", "param": None, "code": 400}
+            return JSONResponse(error, status_code=400)
+        engine.tokenized.append(body)
+        if isinstance(prompt, list):
+            ids = [_tokens(str(p)) for p in prompt]
+            return JSONResponse({"tokens": ids, "count": [len(i) for i in ids], "max_model_len": MAX_MODEL_LEN})
+        text = prompt if isinstance(prompt, str) else " ".join(_message_text(m) for m in messages or [])
+        tokens = _tokens(text)
+        return JSONResponse({"tokens": tokens, "count": len(tokens), "max_model_len": MAX_MODEL_LEN})
+
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush() -> Response:
         if engine.running or engine.waiting:
@@ -161,6 +189,17 @@ def create_fake_sglang(engine: FakeSglangEngine) -> FastAPI:
         return Response("Cache flushed.\n", status_code=200)
 
     return app
+
+
+def _tokens(text: str) -> list[int]:
+    return [sum(w.encode()) % 50000 for w in text.split()]
+
+
+def _message_text(message: object) -> str:
+    content = message.get("content") if isinstance(message, dict) else None
+    if isinstance(content, list):
+        return " ".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
+    return content if isinstance(content, str) else ""
 
 
 async def _body(request: Request) -> dict[str, object]:

@@ -178,5 +178,5 @@ class ScriptedPlanner:
         return Starlette(routes=[Route("/v1/routes", routes), Route("/v1/events", events, methods=["POST"])])
 
 
-def route_instance(iid: str, url: str, node: str = "n1") -> dict[str, Any]:
-    return {"id": iid, "node": node, "gpus": [iid], "state": "running", "url": url}
+def route_instance(iid: str, url: str, node: str = "n1", engine: str | None = None) -> dict[str, Any]:
+    return {"id": iid, "node": node, "gpus": [iid], "state": "running", "url": url, "engine": engine}

@@ -1,7 +1,8 @@
 """The gateway carries out the planner's pin directives in LMCache, against contract fakes of vLLM's OpenAI
-server and of LMCache's controller: the session's last request goes to the engine's `/tokenize`, the token ids
-it answers to the controller's `/pin` with the engine's LMCache instance id; nothing without a controller;
-failures counted and without effect on requests; and requests never wait for pins.
+server, of SGLang's `/tokenize` and of LMCache's controller: the session's last request goes to the engine's
+`/tokenize` in that engine's fields, once per version of the conversation, the token ids it answers to the
+controller's `/pin` with the engine's LMCache instance id; nothing without a controller; failures counted and
+without effect on requests; and requests never wait for pins.
 
 The planner is a stand-in serving the route table each test scripts (the planner's own pin rule:
 tests/planner/test_gateway_directives.py).
@@ -18,6 +19,7 @@ import openai
 import pytest
 from fakes.lmcache import CHUNK_TOKENS, FakeLMCacheController, create_fake_lmcache
 from fakes.serve import free_port
+from fakes.sglang import FakeSglangEngine, create_fake_sglang
 from fakes.vllm_serving import ServingState, serving_app
 from gateway_helpers import ScriptedPlanner, Served, route_instance, stop_all, wait_until
 from prometheus_client import CollectorRegistry
@@ -52,16 +54,31 @@ class Held:
         await self.app(scope, receive, send)
 
 
+class SglangTokenize:
+    """ASGI: SGLang's `/tokenize` (its contract fake) in front of an OpenAI surface for the rest: beta's engine
+    as an SGLang server, for the paths the gateway uses (SGLang's chat answers have vLLM's OpenAI shape)."""
+
+    def __init__(self, engine: FakeSglangEngine, rest: Any) -> None:
+        self.sglang, self.rest = create_fake_sglang(engine), rest
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        tokenize = scope["type"] == "http" and scope["path"] in ("/tokenize", "/v1/tokenize")
+        await (self.sglang if tokenize else self.rest)(scope, receive, send)
+
+
 class Setup:
-    def __init__(self, controller: str | None, **settings: Any) -> None:
+    def __init__(self, controller: str | None, *, sglang_beta: bool = False, **settings: Any) -> None:
         self.planner = ScriptedPlanner()
         self.alpha = ServingState(models=["alpha"])
         self.beta = ServingState(models=["beta"])
+        self.beta_sglang = FakeSglangEngine("beta", (0,), 1 << 30, 1 << 30)
         self.tokenize_held = Held(serving_app(self.alpha), "/tokenize")
-        self.served = [Served(self.tokenize_held), Served(serving_app(self.beta))]
+        beta = SglangTokenize(self.beta_sglang, serving_app(self.beta)) if sglang_beta else serving_app(self.beta)
+        self.served = [Served(self.tokenize_held), Served(beta)]
+        b = route_instance("B", self.served[1].url, node="n2", engine="sglang" if sglang_beta else "vllm")
         self.models = [
             {"model": "alpha", "instances": [route_instance("A", self.served[0].url, node="n1")]},
-            {"model": "beta", "instances": [route_instance("B", self.served[1].url, node="n2")]},
+            {"model": "beta", "instances": [b]},
         ]
         self.publish([])
         self.served.append(Served(self.planner.app()))
@@ -182,10 +199,36 @@ def test_a_kept_session_is_pinned_again_before_lmcache_lets_the_pin_lapse(setup,
     s = setup(url, lmcache_instance_ids={"A": "lmc-a"}, lmcache_pin_refresh_seconds=0.2)
     s.chat("alpha", "s1", HISTORY)
     ctl.store("lmc-a", LOCATION, _tokenize(s.served[0].url, {"model": "alpha", "messages": HISTORY}))
+    s.alpha.tokenized.clear()
     s.publish([{"session": "s1", "instance": "A", "tokens": 300}])
     wait_until(lambda: s.metric("statebudget_gateway_pins_total", model="alpha", outcome="pinned") >= 3)
     assert len({tuple(p["tokens"]) for p in ctl.pin_requests}) == 1  # the same pin, renewed
-    assert len(s.alpha.tokenized) >= 3  # each renewal asks the engine again: the gateway keeps no token ids
+    # the conversation did not change: the token ids the engine answered once serve every renewal
+    assert s.alpha.tokenized == [{"model": "alpha", "messages": HISTORY}]
+    # a longer conversation is tokenized again, once
+    longer = [*HISTORY, {"role": "user", "content": "go on"}]
+    s.chat("alpha", "s1", longer)
+    wait_until(lambda: len(s.alpha.tokenized) == 2, what="the longer conversation tokenized")
+    renewed = s.metric("statebudget_gateway_pins_total", model="alpha", outcome="pinned")
+    wait_until(lambda: s.metric("statebudget_gateway_pins_total", model="alpha", outcome="pinned") >= renewed + 2)
+    assert s.alpha.tokenized == [{"model": "alpha", "messages": HISTORY}, {"model": "alpha", "messages": longer}]
+
+
+def test_an_sglang_engine_is_asked_in_sglang_s_tokenize_fields(setup, lmcache):
+    """Beta's engine is SGLang (the route table's `engine`): its `/tokenize` gets `messages` with SGLang's chat
+    fields (`tool_choice` among them, which vLLM's tokenize request has no field for), and the ids it answers go
+    to beta's LMCache; the renewals reuse them."""
+    ctl, url = lmcache
+    s = setup(url, sglang_beta=True, lmcache_pin_refresh_seconds=0.2)
+    s.chat("beta", "s2", HISTORY, tools=TOOLS, tool_choice="auto")
+    tokens = _tokenize(s.served[1].url, {"model": "beta", "messages": HISTORY})
+    ctl.store("n2-beta", LOCATION, tokens)
+    s.beta_sglang.tokenized.clear()
+    s.publish([{"session": "s2", "instance": "B", "tokens": 300}])
+    wait_until(lambda: s.metric("statebudget_gateway_pins_total", model="beta", outcome="pinned") >= 3)
+    assert s.beta_sglang.tokenized == [{"model": "beta", "messages": HISTORY, "tools": TOOLS, "tool_choice": "auto"}]
+    assert {tuple(p["tokens"]) for p in ctl.pin_requests} == {tuple(tokens)}
+    assert ctl.pinned_tokens("n2-beta", LOCATION, tokens) == CHUNK_TOKENS
 
 
 def test_no_controller_configured_no_call(setup):

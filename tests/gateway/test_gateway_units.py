@@ -12,6 +12,7 @@ from clients.gateway.parsing import StreamScanner, parse_request, read_answer
 from clients.gateway.pins import tokenize_request
 from clients.gateway.table import RouteTable
 from clients.gateway.warmups import warmup_body
+from planner_service.wire.enums import EngineKind
 from planner_service.wire.routes import Directives, RoutesOut
 
 
@@ -281,3 +282,22 @@ def test_the_tokenize_request_renders_the_prompt_the_engine_was_sent():
     assert tokenize_request("completions", one, "alpha") == [7]
     batch = json.dumps({"model": "a", "prompt": ["one", "two"]}).encode()
     assert tokenize_request("completions", batch, "alpha") is None  # not one sequence: not pinned
+
+
+def test_the_tokenize_request_takes_sglang_s_fields_on_an_sglang_engine():
+    """SGLang's `TokenizeRequest` takes `messages` with `tools`, `tool_choice`, `reasoning_effort`,
+    `continue_final_message` and `chat_template_kwargs` beside them (python/sglang/srt/entrypoints/openai/
+    protocol.py); vLLM's chat fields it has no field for stay out, and a completion's body is the same."""
+    tools = [{"type": "function", "function": {"name": "grep"}}]
+    chat = _body(tools=tools, tool_choice="auto", reasoning_effort="low", add_generation_prompt=True, max_tokens=9)
+    assert tokenize_request("chat", chat, "alpha", EngineKind.SGLANG) == {
+        "model": "alpha",
+        "messages": [{"role": "user", "content": "abcd" * 10}],
+        "tools": tools,
+        "tool_choice": "auto",
+        "reasoning_effort": "low",
+    }
+    completion = json.dumps({"model": "a", "prompt": "p", "add_special_tokens": False}).encode()
+    assert tokenize_request("completions", completion, "alpha", EngineKind.SGLANG) == tokenize_request(
+        "completions", completion, "alpha", EngineKind.VLLM
+    )

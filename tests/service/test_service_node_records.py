@@ -199,10 +199,18 @@ def test_a_stored_nodes_row_reads_back_as_the_views_it_describes(tmp_path):
                 "gpus": ["n2-g0", "n2-g1"],
                 "state": "stopped",
                 "url": "http://n2:8000",
+                "engine": "vllm",
             }
         ]
         assert routes["air"] == [
-            {"id": "n2/vllm-air", "node": "n2", "gpus": [], "state": "stopped", "url": "http://n2:8001"}
+            {
+                "id": "n2/vllm-air",
+                "node": "n2",
+                "gpus": [],
+                "state": "stopped",
+                "url": "http://n2:8001",
+                "engine": "vllm",
+            }
         ]
         assert "planner" not in routes  # an engine registered without a URL routes nothing
 

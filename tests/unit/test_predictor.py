@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from planner_service.domain.demo import demo_scenario
@@ -92,3 +94,24 @@ def test_scenario_priors_are_the_predictors_answer_before_it_observes() -> None:
     switch.observe_handoff(0.0, models[0], models[-1])
     assert problem_from_scenario(scenario, switch).next_model == switch.predict_sessions(current)
     assert problem_from_scenario(scenario).next_model != switch.predict_sessions(current)
+
+
+def test_next_turn_by_hand() -> None:
+    """On coder: 3 hand-offs and 1 session ended after it, P(more) = (3 + 0.1) / (3 + 0.1 + 1) = 31/41; gaps 10, 20
+    and 400 s, over a 300 s horizon: 2/3 come within it, E[min(gap, 300)] = (10 + 20 + 300) / 3 = 110 s.
+    within = 31/41 * 2/3 = 62/123; hold = 31/41 * 110 + 10/41 * 300 = 6410/41 s."""
+    p = SwitchPredictor(["coder", "reasoner"])
+    for t, gap in ((1.0, 10.0), (2.0, 20.0), (3.0, 400.0)):
+        p.observe_handoff(t, "coder", "reasoner")
+        p.observe_turn_gap(t, gap)
+    p.observe_session_end(4.0, "coder")
+    within, hold = p.next_turn("coder", 300.0)
+    assert within == pytest.approx(62 / 123)
+    assert hold == pytest.approx(6410 / 41)
+    # nothing ended on reasoner: every session on it sends another request
+    assert p.next_turn("reasoner", 300.0).within == pytest.approx(2 / 3)
+    # an hour later the window has forgotten the end (and everything else): the priors' mean gap of 30 s as an
+    # exponential, P(gap <= 300) = 1 - e^-10, E[min(gap, 300)] = 30 * (1 - e^-10)
+    within, hold = p.next_turn("coder", 300.0, now=4000.0)
+    assert within == pytest.approx(-math.expm1(-10.0))
+    assert hold == pytest.approx(30 * -math.expm1(-10.0))

@@ -82,6 +82,10 @@ class Option(NamedTuple):
     # the most expert bytes its group holds (an engine's experts lie in equal shares on its own group), None: the
     # node's room
     expert_room: int | None = None
+    # with `expert_room`: its group's share of the node's cards, the share of each other option's bytes taken
+    # from that room (the greedy spreads a model over the widest group that fits: all the node's cards, where
+    # they are alike)
+    expert_cards: float = 1.0
 
 
 def assign(
@@ -458,8 +462,9 @@ class _NodeCosts:
     def __init__(self, option_of: Mapping[int, Option], rooms: Mapping[str, int], experts_curve: ExpertsCurve) -> None:
         self._option_of, self._rooms, self._experts_curve = option_of, rooms, experts_curve
         self._costs: dict[int, float] = {0: 0.0}
-        # bits -> (bytes, own costs, MoE bits, the expert bytes their groups hold: inf where one is the node's)
-        self._sums: dict[int, tuple[int, float, int, float]] = {0: (0, 0.0, 0, 0.0)}
+        # bits -> (bytes, own costs, MoE bits, the expert bytes their groups hold alone: inf where one is the
+        # node's, the sum of their `expert_cards`, and of their `expert_cards` times their own bytes)
+        self._sums: dict[int, tuple[int, float, int, float, float, float]] = {0: (0, 0.0, 0, 0.0, 0.0, 0.0)}
         self._curves: dict[int, tuple[list[int], list[float]]] = {}  # MoE bits -> their experts curve
 
     def of(self, held: int) -> float:
@@ -471,20 +476,27 @@ class _NodeCosts:
         rest = held ^ low
         if rest not in self._sums:  # not priced yet
             self._price(rest)
-        need, cost, moe_bits, cap = self._sums[rest]
+        need, cost, moe_bits, cap, cards, own = self._sums[rest]
         option = self._option_of[low]
         need += option.need
         cost += option.cost
         if option.moe:
             moe_bits |= low
-            cap += math.inf if option.expert_room is None else option.expert_room
-        self._sums[held] = (need, cost, moe_bits, cap)
+            if option.expert_room is None:
+                cap = math.inf
+            else:
+                cap += option.expert_room
+                cards += option.expert_cards
+                own += option.expert_cards * option.need
+        self._sums[held] = (need, cost, moe_bits, cap, cards, own)
         room = self._rooms[option.node]
         if need > room:
             cost = math.inf
         elif moe_bits:
             taken, change = self._curve(option.node, moe_bits)
-            cost += change[bisect.bisect_right(taken, min(room - need, cap)) - 1]
+            # each capped group's room less its cards' share of the other options' bytes (`Option.expert_cards`)
+            cap -= cards * need - own
+            cost += change[bisect.bisect_right(taken, max(0, min(room - need, cap))) - 1]
         self._costs[held] = cost
         return cost
 

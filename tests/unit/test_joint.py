@@ -286,3 +286,26 @@ def test_look_alike_nodes_each_price_the_kv_they_hold() -> None:
         plan.objective.total
         < evaluate(problem, elsewhere.placement, elsewhere.now, demand=elsewhere.demand)[0].total - 1.0
     )
+
+
+def test_a_model_beside_an_engine_moe_takes_room_from_its_group_s_cards() -> None:
+    # n0 and n1, room 100 each, four cards. The MoE's engine holds its experts in equal shares on two of n0's
+    # cards (`expert_room` 20, half the cards: `expert_cards` 0.5); each 10 bytes of experts save 2 s. A
+    # dense model of 20 bytes costs 0 on n0, 1 on n1. Spread over n0's four cards it takes 10 of its bytes
+    # from the MoE's two: 10 fewer expert bytes, 2 s, more than n1's 1 s. Priced by the node's room alone
+    # (100 - 30 = 70 > 20), n0 looked free.
+    moe = object()
+
+    def curve(node: str, moes: list) -> tuple[list[int], list[float]]:
+        assert moes == [moe]
+        return [0, 10, 20], [5.0, 3.0, 1.0]
+
+    options = {
+        "m": [Option("n0", "bf16", 10, 0.0, moe, 20, 0.5)],  # type: ignore[arg-type]
+        "d": [Option("n0", "bf16", 20, 0.0, None), Option("n1", "bf16", 20, 1.0, None)],
+    }
+    chosen = assign(options, ["m", "d"], {"n0": 100, "n1": 100}, curve)
+    assert chosen["d"].node == "n1"
+    # on a MoE's group of all four cards the other bytes come off its room whole: the node's room binds
+    whole = {**options, "m": [Option("n0", "bf16", 10, 0.0, moe, 90, 1.0)]}  # type: ignore[arg-type]
+    assert assign(whole, ["m", "d"], {"n0": 100, "n1": 100}, curve)["d"].node == "n0"

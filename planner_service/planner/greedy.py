@@ -1404,10 +1404,21 @@ class GreedyPlanner:
                 self._serve_sessions(model, self.groups[model_id], sessions)
                 continue
             self._release_stay(model_id)
+            best = self._best_group(model, need)
+            if best is None and model_id in pinned:
+                # the node the joint choice gave it cannot hold the weights and all the active KV after all (it
+                # priced the node's room, not its cards): a node that can, as each session left out costs the
+                # unserved penalty (gap-study engine seed 6: a coder beside a Llama-3.3-70B and a running
+                # engine's fixed pool left two sessions out, 4,800 s)
+                chosen = self.nodes.pop(model_id), self.precisions.pop(model_id)
+                best = self._best_group(model, need)
+                if best is None:
+                    self.nodes[model_id], self.precisions[model_id] = chosen
             # where the weights and all the active KV fit nowhere, take the group that holds the most of that KV
-            best = self._best_group(model, need) or self._roomiest_group(model, need)
+            best = best or self._roomiest_group(model, need)
             if best is None and model_id in pinned:  # the joint choice has no room left after all: any node
-                del self.nodes[model_id], self.precisions[model_id]
+                self.nodes.pop(model_id, None)
+                self.precisions.pop(model_id, None)
                 best = self._best_group(model, need) or self._roomiest_group(model, need)
             if best is None:
                 for s in sessions:

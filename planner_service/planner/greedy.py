@@ -9,7 +9,10 @@ It rebuilds what the GPUs should hold, then settles the lower tiers:
    and the waiting requests; what readying their KV costs there, restored
    from the node's lower tiers or re-prefilled, and the SLO violations of
    those that wait past their target (`_kv_cost`); re-prefill of the
-   predicted requests' history on the group's summed FLOP/s, less what the
+   predicted requests' history on the group's summed FLOP/s, its attention
+   included (`costs.prefill_seconds`; linear alone, the estimate was a third
+   of what a 61,000-token history costs DeepSeek-V3 or GLM-4.5-Air on an
+   A100), less what the
    KV the node holds saves them, and the violations of those whose
    re-prefill alone passes their target; the degraded-precision cost of a
    less preferred precision), a node holding several is priced with its MoE
@@ -63,7 +66,10 @@ idle sessions' KV for it (`_evict_for_active`), and a stay whose pool cannot tak
 wait (`_pool_overflow`). The joint choice prices such a stay with its launched pool whole, and the engine's
 GPUs are held until its model is placed (`_hold_staying`). An engine MoE's group on a node is the one whose
 cards keep the most room for its equal-share experts, and the joint choice caps its experts at that room
-(`_group_experts`); an idle model kept warm through an engine is priced with its minimum pool. (What each
+less its cards' share of what the node's other models take (`_group_experts`, `joint.Option.expert_cards`);
+a node where a running engine stays on some of its cards fits only what its cards hold beside it
+(`_fixed_cards`); an idle model kept warm through an engine is priced with its minimum pool; and a model
+whose chosen node cannot hold its weights and active KV after all goes to a node that can. (What each
 bought on engine scenarios: docs/studies/gap.md, "Closing the gap on engine nodes".)
 
 The result is a target placement; `operations.py` turns it into moves.
@@ -1492,8 +1498,9 @@ class GreedyPlanner:
         idle = [*dense, *moes]  # they may be kept warm (last in the order: the models in flight pack first)
         for model_id in idle:
             options[model_id] = self._idle_options(self.p.models[model_id], alike)
+        cards = {node_id: [self.book.free[g] for g in self.book.gpu_ids(node_id)] for node_id in self.p.nodes}
         chosen = joint.assign(
-            options, [*order, *idle], rooms, self._curve, dense[:1]
+            options, [*order, *idle], rooms, self._curve, dense[:1], cards
         )  # the options priced most single-MoE curves; the largest idle dense model may clear a node for itself
         for model_id in idle:
             if chosen[model_id].node == joint.NOWHERE:
@@ -1535,7 +1542,16 @@ class GreedyPlanner:
             cap, by = self._group_experts(model, node_id, gpus, nbytes, cost)
             if (cost < 0 or moe) and ((node_id, precision) not in best or by < keys[(node_id, precision)]):
                 best[(node_id, precision)] = joint.Option(
-                    node_id, precision, nbytes, cost, moe, cap, len(gpus) / len(self.p.nodes[node_id].gpus)
+                    node_id,
+                    precision,
+                    nbytes,
+                    cost,
+                    moe,
+                    cap,
+                    len(gpus) / len(self.p.nodes[node_id].gpus),
+                    self._fixed_cards(model.id, node_id, precision, gpus),
+                    len(gpus),
+                    max(self._context_room(model.id, node_id, gpus)),
                 )
                 keys[(node_id, precision)] = by
                 self._priced_group[(model.id, node_id, precision)] = gpus
@@ -1583,7 +1599,16 @@ class GreedyPlanner:
                 nbytes = self.book.room(node_id)
             if (node_id, precision) not in best or rank < keys[(node_id, precision)]:
                 best[(node_id, precision)] = joint.Option(
-                    node_id, precision, nbytes, cost + kv, moe, cap, len(gpus) / len(self.p.nodes[node_id].gpus)
+                    node_id,
+                    precision,
+                    nbytes,
+                    cost + kv,
+                    moe,
+                    cap,
+                    len(gpus) / len(self.p.nodes[node_id].gpus),
+                    () if whole else self._fixed_cards(model.id, node_id, precision, gpus),
+                    len(gpus),
+                    max(self._context_room(model.id, node_id, gpus)),
                 )
                 keys[(node_id, precision)] = rank
                 how[(node_id, precision)] = gpus, seconds, kv
@@ -1596,6 +1621,17 @@ class GreedyPlanner:
                 option = option._replace(cost=option.cost - kv + self._kv_cost(model, *key, gpus, seconds))
             out.append(option)
         return out
+
+    def _fixed_cards(self, model_id: str, node_id: str, precision: str, gpus: tuple[Gpu, ...]) -> tuple[int, ...]:
+        """The positions among the node's cards of `gpus` where the model cannot leave them there: its running
+        engine staying as it is, or an engine pinned to them (`joint.Option.fixed`); () elsewhere."""
+        ids = self.book.gpu_ids(node_id)
+        if len(gpus) == len(ids):
+            return ()
+        stay = self._stay_bytes(model_id, node_id, precision)
+        if (stay is None or stay[0] != gpus) and self._fixed_groups[node_id].get(model_id) != gpus:
+            return ()
+        return tuple(ids.index(g.id) for g in gpus)
 
     def _group_experts(
         self, model: ModelSpec, node_id: str, gpus: tuple[Gpu, ...], nbytes: int, cost: float

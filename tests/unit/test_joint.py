@@ -309,3 +309,18 @@ def test_a_model_beside_an_engine_moe_takes_room_from_its_group_s_cards() -> Non
     # on a MoE's group of all four cards the other bytes come off its room whole: the node's room binds
     whole = {**options, "m": [Option("n0", "bf16", 10, 0.0, moe, 90, 1.0)]}  # type: ignore[arg-type]
     assert assign(whole, ["m", "d"], {"n0": 100, "n1": 100}, curve)["d"].node == "n0"
+
+
+def test_a_large_model_does_not_fit_beside_a_running_engine_filling_one_card() -> None:
+    # n0: four cards of 10 and 40 in all; a's running engine cannot leave card 0 and fills 9 of it. b (28)
+    # fits the node's room (31 left) but no even split over its roomiest 1, 2 or 4 cards (10, 2 x 10, 4 x 1):
+    # it goes to n1 (cost 1) instead of n0 (cost 0). c (18) fits two of n0's free cards: it stays on n0.
+    options = {
+        "a": [Option("n0", "bf16", 9, 0.0, None, fixed=(0,))],
+        "b": [Option("n0", "bf16", 28, 0.0, None), Option("n1", "bf16", 28, 1.0, None)],
+    }
+    rooms, cards = {"n0": 40, "n1": 40}, {"n0": [10, 10, 10, 10], "n1": [10, 10, 10, 10]}
+    assert assign(options, ["a", "b"], rooms, _no_moe, cards=cards)["b"].node == "n1"
+    assert assign(options, ["a", "b"], rooms, _no_moe)["b"].node == "n0"  # priced by the node's room alone
+    smaller = {**options, "b": [Option("n0", "bf16", 18, 0.0, None), Option("n1", "bf16", 18, 1.0, None)]}
+    assert assign(smaller, ["a", "b"], rooms, _no_moe, cards=cards)["b"].node == "n0"

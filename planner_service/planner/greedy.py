@@ -9,7 +9,10 @@ It rebuilds what the GPUs should hold, then settles the lower tiers:
    and the waiting requests; what readying their KV costs there, restored
    from the node's lower tiers or re-prefilled, and the SLO violations of
    those that wait past their target (`_kv_cost`); re-prefill of the
-   predicted requests' history on the group's summed FLOP/s, less what the
+   predicted requests' history on the group's summed FLOP/s, its attention
+   included (`costs.prefill_seconds`; linear alone, the estimate was a third
+   of what a 61,000-token history costs DeepSeek-V3 or GLM-4.5-Air on an
+   A100), less what the
    KV the node holds saves them, and the violations of those whose
    re-prefill alone passes their target; the degraded-precision cost of a
    less preferred precision), a node holding several is priced with its MoE
@@ -21,14 +24,16 @@ It rebuilds what the GPUs should hold, then settles the lower tiers:
    bound looks for a lower sum over every assignment (rotations of three
    models). Served one at a time (most urgent SLO, then largest), the first
    models would take the best nodes: DeepSeek-V3, whose experts gain little
-   per GiB, a node GLM-4.5-Air's experts would fill. The largest dense model
-   without a request in flight joins that choice, as one that may stay cold:
-   kept warm, it saves its predicted requests a cold load (`_warm_value`),
-   but only room a node keeps free holds it, and the small models in flight
-   would otherwise spread over every node that could. So do the MoE models
-   without a request in flight, whose experts compete for the room of the
-   nodes they would share. (What each of these steps bought against the
-   MILP: docs/studies/gap.md.)
+   per GiB, a node GLM-4.5-Air's experts would fill. The dense models
+   without a request in flight join that choice, as ones that may stay cold:
+   kept warm, each saves its predicted requests a cold load and re-prefills
+   their history on the group's FLOP/s (`_warm_value`), but only room a node
+   keeps free holds it, and the small models in flight would otherwise spread
+   over every node that could (and take the fastest cards from the idle
+   models whose re-prefills gain most there). So do the MoE models without a
+   request in flight, whose experts compete for the room of the nodes they
+   would share. (What each of these steps bought against the MILP:
+   docs/studies/gap.md.)
    Where the choice keeps an idle model warm, its weights are placed right
    after the models in flight. Then, in that order, each takes its best group on its node
    (`_best_group`; per node the widest group that fits and the fewest-GPU
@@ -61,7 +66,10 @@ idle sessions' KV for it (`_evict_for_active`), and a stay whose pool cannot tak
 wait (`_pool_overflow`). The joint choice prices such a stay with its launched pool whole, and the engine's
 GPUs are held until its model is placed (`_hold_staying`). An engine MoE's group on a node is the one whose
 cards keep the most room for its equal-share experts, and the joint choice caps its experts at that room
-(`_group_experts`); an idle model kept warm through an engine is priced with its minimum pool. (What each
+less its cards' share of what the node's other models take (`_group_experts`, `joint.Option.expert_cards`);
+a node where a running engine stays on some of its cards fits only what its cards hold beside it
+(`_fixed_cards`); an idle model kept warm through an engine is priced with its minimum pool; and a model
+whose chosen node cannot hold its weights and active KV after all goes to a node that can. (What each
 bought on engine scenarios: docs/studies/gap.md, "Closing the gap on engine nodes".)
 
 The result is a target placement; `operations.py` turns it into moves.
@@ -444,7 +452,7 @@ class GreedyPlanner:
                 self._sessions_on_gpus[(obj.model, node_id)].add(obj.session)
             else:
                 self._sessions_below[(obj.model, node_id)].add(obj.session)
-        self._savings: dict[tuple[str, str, float, float, bool], float] = {}  # see `_restore_saving`
+        self._savings: dict[tuple[str, str, float, float, float, bool], float] = {}  # see `_restore_saving`
         self._cold_groups: dict[tuple[str, str, str], tuple[Gpu, ...] | None] = {}
         # node -> model -> the GPUs of its engine there, where it runs on fixed ones or is pinned to its own
         self._fixed_groups = {
@@ -461,9 +469,13 @@ class GreedyPlanner:
             <= 1
             for n in problem.nodes.values()
         }
-        # model -> SLO-weighted tokens a re-prefill would process (Python floats: they are read one at a time)
+        # model -> SLO-weighted tokens a re-prefill would process, and attention pairs (c (c + 1) / 2 for a history
+        # of c tokens: `costs.prefill_seconds`) (Python floats: they are read one at a time)
         self._context_demand: dict[str, float] = dict(
             zip(self.row, (self.weighted @ demand.context).tolist(), strict=True)
+        )
+        self._pairs_demand: dict[str, float] = dict(
+            zip(self.row, (self.weighted @ costs.causal_pairs(demand.context, 0)).tolist(), strict=True)
         )
         # SLO class -> its weight and target, read once (`CostConstants` looks them up by name, a Python call each)
         self._slo_weight = {slo: self.c.slo_weights.of(slo) for slo in Slo}
@@ -483,7 +495,8 @@ class GreedyPlanner:
         self._shape_on: dict[tuple[str, str], _ExpertShape] = {}  # (model, node) -> its shape
         self._served: dict[str, float] = {}
         self._active_context: dict[str, float] = {}
-        self._late: dict[tuple[str, float], float] = {}  # (model, re-prefill seconds per token) -> `_late_penalty`
+        # (model, re-prefill seconds per token and per attention pair) -> `_late_penalty`
+        self._late: dict[tuple[str, float, float], float] = {}
         self._limits: dict[tuple[str, str], int] = {}
         self._split_units: dict[tuple[str, bool], int] = {}
         self._refused_chunk: dict[StateObject, int] = {}  # experts -> the smallest chunk of them that found no room
@@ -670,11 +683,11 @@ class GreedyPlanner:
             current = self.now.serving.get(model.id)
             seconds = 0.0
             if current is not None and self.active.get(model.id):
-                per_token = costs.prefill_seconds_per_token(model, current.gpus, self.c)
+                per_token, per_pair = self._prefill_rates(model, current.gpus)
                 held = [
                     s for s in self.active[model.id] if (StateObject.kv(model.id, s.id), current.node) in self._kv_held
                 ]
-                seconds = sum(self._slo_weight[s.slo] * s.context_tokens for s in held) * per_token
+                seconds = sum(self._slo_weight[s.slo] * _reprefill(s.context_tokens, per_token, per_pair) for s in held)
             self._active_context[model.id] = seconds
         return seconds
 
@@ -724,10 +737,11 @@ class GreedyPlanner:
         c = self.c
         active_w = self._active_weight.get(model.id, 0.0)
         cost = load_seconds * (c.move_weight + active_w)
-        per_token = costs.prefill_seconds_per_token(model, gpus, c)
-        cost += per_token * self._context_demand[model.id] + self._late_penalty(model.id, per_token)
+        per_token, per_pair = self._prefill_rates(model, gpus)
+        cost += per_token * self._context_demand[model.id] + per_pair * self._pairs_demand[model.id]
+        cost += self._late_penalty(model.id, per_token, per_pair)
         if restores:
-            cost -= self._restore_saving(model, node_id, gpus, per_token, staying)
+            cost -= self._restore_saving(model, node_id, gpus, per_token, per_pair, staying)
         if not experts:
             return cost
         others = [moe for m, moe in self._moe_on.get(node_id, {}).items() if m != model.id]
@@ -747,12 +761,12 @@ class GreedyPlanner:
         return cost
 
     def _restore_saving(
-        self, model: ModelSpec, node_id: str, gpus: tuple[Gpu, ...], per_token: float, staying: bool
+        self, model: ModelSpec, node_id: str, gpus: tuple[Gpu, ...], per_token: float, per_pair: float, staying: bool
     ) -> float:
         """What the model's predicted requests save on the node where their sessions' KV sits: restored from
         below its GPUs (or, `staying` on the GPUs serving it at its precision, kept there) rather than
         re-prefilled, as the evaluator prices them, and the violation penalty of those then in time."""
-        key = (model.id, node_id, per_token, sum(map(_H2D, gpus)), staying)
+        key = (model.id, node_id, per_token, per_pair, sum(map(_H2D, gpus)), staying)
         saving = self._savings.get(key)
         if saving is None:
             arriving = {s.id for s in self.active.get(model.id, ())}  # their KV comes onto the GPUs with the model
@@ -766,7 +780,7 @@ class GreedyPlanner:
                 column = position[sid]
                 w = float(weighted[row, column])
                 if w > 0:
-                    full = per_token * self.p.sessions[sid].context_tokens
+                    full = _reprefill(self.p.sessions[sid].context_tokens, per_token, per_pair)
                     ready = 0.0 if sid in arriving else self._kv_ready_on(model, sid, node_id, gpus, staying)
                     saving += w * (full - ready)
                     if ready <= targets[column] < full:  # late re-prefilled (`_late_penalty`), in time restored
@@ -782,16 +796,24 @@ class GreedyPlanner:
         on_gpus = self.now.on(StateObject.kv(model.id, session_id), node_id, _GPU) if staying else 0
         return kv_ready(self.p, self.now, model, session_id, node_id, gpus, on_gpus)
 
-    def _late_penalty(self, model_id: str, per_token: float) -> float:
+    def _late_penalty(self, model_id: str, per_token: float, per_pair: float) -> float:
         """The violation penalty of the model's predicted requests whose history's re-prefill alone, at
-        `per_token` seconds, outlasts their SLO target (on a group where the model is warm)."""
-        key = (model_id, per_token)
+        `per_token` seconds per token and `per_pair` per attention pair, outlasts their SLO target (on a group
+        where the model is warm)."""
+        key = (model_id, per_token, per_pair)
         late = self._late.get(key)
         if late is None:
             late = self._late[key] = (
-                self.lateness.weight_late(self.row[model_id], per_token) * self.c.violation_penalty_seconds
+                self.lateness.weight_late(self.row[model_id], per_token, 0.0, per_pair)
+                * self.c.violation_penalty_seconds
             )
         return late
+
+    def _prefill_rates(self, model: ModelSpec, gpus: Sequence[Gpu]) -> tuple[float, float]:
+        """Prefill seconds per token and per attention pair of the model on `gpus` (`costs.prefill_seconds`)."""
+        return costs.prefill_seconds_per_token(model, gpus, self.c), costs.attention_seconds_per_pair(
+            model, gpus, self.c
+        )
 
     def _expert_steps(self, model: ModelSpec, node_id: str) -> list[int]:
         """Cumulative bytes of the expert chunks the greedy offers on the node (hottest first)."""
@@ -1388,10 +1410,21 @@ class GreedyPlanner:
                 self._serve_sessions(model, self.groups[model_id], sessions)
                 continue
             self._release_stay(model_id)
+            best = self._best_group(model, need)
+            if best is None and model_id in pinned:
+                # the node the joint choice gave it cannot hold the weights and all the active KV after all (it
+                # priced the node's room, not its cards): a node that can, as each session left out costs the
+                # unserved penalty (gap-study engine seed 6: a coder beside a Llama-3.3-70B and a running
+                # engine's fixed pool left two sessions out, 4,800 s)
+                chosen = self.nodes.pop(model_id), self.precisions.pop(model_id)
+                best = self._best_group(model, need)
+                if best is None:
+                    self.nodes[model_id], self.precisions[model_id] = chosen
             # where the weights and all the active KV fit nowhere, take the group that holds the most of that KV
-            best = self._best_group(model, need) or self._roomiest_group(model, need)
+            best = best or self._roomiest_group(model, need)
             if best is None and model_id in pinned:  # the joint choice has no room left after all: any node
-                del self.nodes[model_id], self.precisions[model_id]
+                self.nodes.pop(model_id, None)
+                self.precisions.pop(model_id, None)
                 best = self._best_group(model, need) or self._roomiest_group(model, need)
             if best is None:
                 for s in sessions:
@@ -1400,7 +1433,9 @@ class GreedyPlanner:
             _, group = best
             self._place_weights(model, group, f"serves {len(sessions)} active session(s)")
             self._serve_sessions(model, group, sessions)
-        for model_id in sorted(pinned - set(order)):  # an idle model the joint choice keeps warm
+        # an idle model the joint choice keeps warm, the largest first: the choice priced the node's room, and a
+        # smaller one placed first may spread over cards the larger one needs whole
+        for model_id in sorted(pinned - set(order), key=self._largest_first):
             if model_id in self.groups:
                 continue
             self._release_stay(model_id)
@@ -1421,6 +1456,9 @@ class GreedyPlanner:
         # a running MoE engine kept by the node choice but not placed after all may stop: `spend` offers its room
         for model_id in sorted({m for _, m in self._experts_held} - set(self.groups)):
             self._release_experts(model_id)
+
+    def _largest_first(self, model_id: str) -> tuple[int, str]:
+        return -min(self.p.models[model_id].weights_bytes.values()), model_id
 
     def _serve_sessions(self, model: ModelSpec, group: Group, sessions: list[Session]) -> None:
         served = {s.id for s in self._water_fill(model, group, sessions)}
@@ -1460,9 +1498,10 @@ class GreedyPlanner:
         idle = [*dense, *moes]  # they may be kept warm (last in the order: the models in flight pack first)
         for model_id in idle:
             options[model_id] = self._idle_options(self.p.models[model_id], alike)
+        cards = {node_id: [self.book.free[g] for g in self.book.gpu_ids(node_id)] for node_id in self.p.nodes}
         chosen = joint.assign(
-            options, [*order, *idle], rooms, self._curve, dense
-        )  # the options priced most single-MoE curves
+            options, [*order, *idle], rooms, self._curve, dense[:1], cards
+        )  # the options priced most single-MoE curves; the largest idle dense model may clear a node for itself
         for model_id in idle:
             if chosen[model_id].node == joint.NOWHERE:
                 del chosen[model_id]
@@ -1471,21 +1510,19 @@ class GreedyPlanner:
         return set(chosen)
 
     def _idle_models(self) -> tuple[list[str], list[str]]:
-        """The models without requests in flight whose room the joint choice should weigh: the largest dense one
-        predicted (by its smallest precision's bytes; smaller ones fit in the room the others leave), and every
-        MoE predicted (its experts compete for the room of the nodes the models in flight share)."""
-        best: tuple[int, str] | None = None
-        moes = []
+        """The models without requests in flight whose room the joint choice should weigh: every dense one
+        predicted, largest first (by its smallest precision's bytes), and every MoE predicted (its experts
+        compete for the room of the nodes the models in flight share). Only the largest dense one once: with the
+        prefill's attention priced, a model in flight gains enough from a node's faster cards to take them
+        from a smaller idle one that gains more there, unseen by the choice (the demo: its planner moved onto
+        n1's L40s, where the summarizer was kept warm, 594.3 -> 608.0)."""
+        dense: list[str] = []
+        moes: list[str] = []
         for model_id, model in self.p.models.items():
             if model_id in self.active or model_id in self.groups or self._demand(model_id) <= 0:
                 continue
-            if model.is_moe:
-                moes.append(model_id)
-                continue
-            key = (-min(model.weights_bytes.values()), model_id)
-            if best is None or key < best:
-                best = key
-        return ([] if best is None else [best[1]]), moes
+            (moes if model.is_moe else dense).append(model_id)
+        return sorted(dense, key=self._largest_first), moes
 
     def _idle_options(self, model: ModelSpec, alike: Mapping[str, list[str]]) -> list[joint.Option]:
         """The idle model's options for `joint.assign`: staying cold (`joint.NOWHERE`) and each (node, precision)
@@ -1504,7 +1541,18 @@ class GreedyPlanner:
             nbytes += sum(self._context_room(model.id, node_id, gpus))
             cap, by = self._group_experts(model, node_id, gpus, nbytes, cost)
             if (cost < 0 or moe) and ((node_id, precision) not in best or by < keys[(node_id, precision)]):
-                best[(node_id, precision)] = joint.Option(node_id, precision, nbytes, cost, moe, cap)
+                best[(node_id, precision)] = joint.Option(
+                    node_id,
+                    precision,
+                    nbytes,
+                    cost,
+                    moe,
+                    cap,
+                    len(gpus) / len(self.p.nodes[node_id].gpus),
+                    self._fixed_cards(model.id, node_id, precision, gpus),
+                    len(gpus),
+                    max(self._context_room(model.id, node_id, gpus)),
+                )
                 keys[(node_id, precision)] = by
                 self._priced_group[(model.id, node_id, precision)] = gpus
         cold = 0.0  # a MoE left cold decodes with no expert on GPU (warm, the node's experts curve prices that)
@@ -1550,7 +1598,18 @@ class GreedyPlanner:
             if whole:
                 nbytes = self.book.room(node_id)
             if (node_id, precision) not in best or rank < keys[(node_id, precision)]:
-                best[(node_id, precision)] = joint.Option(node_id, precision, nbytes, cost + kv, moe, cap)
+                best[(node_id, precision)] = joint.Option(
+                    node_id,
+                    precision,
+                    nbytes,
+                    cost + kv,
+                    moe,
+                    cap,
+                    len(gpus) / len(self.p.nodes[node_id].gpus),
+                    () if whole else self._fixed_cards(model.id, node_id, precision, gpus),
+                    len(gpus),
+                    max(self._context_room(model.id, node_id, gpus)),
+                )
                 keys[(node_id, precision)] = rank
                 how[(node_id, precision)] = gpus, seconds, kv
                 self._priced_group[(model.id, node_id, precision)] = gpus
@@ -1562,6 +1621,17 @@ class GreedyPlanner:
                 option = option._replace(cost=option.cost - kv + self._kv_cost(model, *key, gpus, seconds))
             out.append(option)
         return out
+
+    def _fixed_cards(self, model_id: str, node_id: str, precision: str, gpus: tuple[Gpu, ...]) -> tuple[int, ...]:
+        """The positions among the node's cards of `gpus` where the model cannot leave them there: its running
+        engine staying as it is, or an engine pinned to them (`joint.Option.fixed`); () elsewhere."""
+        ids = self.book.gpu_ids(node_id)
+        if len(gpus) == len(ids):
+            return ()
+        stay = self._stay_bytes(model_id, node_id, precision)
+        if (stay is None or stay[0] != gpus) and self._fixed_groups[node_id].get(model_id) != gpus:
+            return ()
+        return tuple(ids.index(g.id) for g in gpus)
 
     def _group_experts(
         self, model: ModelSpec, node_id: str, gpus: tuple[Gpu, ...], nbytes: int, cost: float
@@ -1583,11 +1653,11 @@ class GreedyPlanner:
     ) -> float:
         """The objective seconds that depend on where the model's sessions' KV sits, for serving it on the node
         at `precision` on `gpus`: its active requests' (`_arrivals_cost`) less its predicted requests' restores."""
-        per_token = costs.prefill_seconds_per_token(model, gpus, self.c)
+        per_token, per_pair = self._prefill_rates(model, gpus)
         current = self.now.serving.get(model.id)
         staying = current is not None and current.node == node_id and current.precision == precision
-        arrivals = self._arrivals_cost(model, node_id, gpus, per_token, load_seconds, staying)
-        return arrivals - self._restore_saving(model, node_id, gpus, per_token, staying)
+        arrivals = self._arrivals_cost(model, node_id, gpus, per_token, per_pair, load_seconds, staying)
+        return arrivals - self._restore_saving(model, node_id, gpus, per_token, per_pair, staying)
 
     def _arrivals_cost(
         self,
@@ -1595,13 +1665,15 @@ class GreedyPlanner:
         node_id: str,
         gpus: tuple[Gpu, ...],
         per_token: float,
+        per_pair: float,
         load_seconds: float,
         staying: bool,
     ) -> float:
         """What the model's active requests pay for their KV served on `gpus` of the node, as the evaluator
-        prices it (restored from the node's lower tiers or re-prefilled at `per_token` seconds, what its GPUs
-        hold counting where the model is `staying` on them at its precision), plus the violation penalty of
-        those whose KV and the weights' `load_seconds` outlast their SLO target."""
+        prices it (restored from the node's lower tiers or re-prefilled at `per_token` seconds per token and
+        `per_pair` per attention pair, what its GPUs hold counting where the model is `staying` on them at its
+        precision), plus the violation penalty of those whose KV and the weights' `load_seconds` outlast their
+        SLO target."""
         held, weight, target, penalty = (
             self._kv_held,
             self._slo_weight,
@@ -1614,7 +1686,7 @@ class GreedyPlanner:
             if (kv, node_id) in held:
                 ready = self._kv_ready_on(model, s.id, node_id, gpus, staying)
             else:
-                ready = per_token * s.context_tokens
+                ready = _reprefill(s.context_tokens, per_token, per_pair)
             w = weight[s.slo]
             cost += w * ready
             if load_seconds + ready > target[s.slo]:
@@ -1805,15 +1877,17 @@ class GreedyPlanner:
         value = total_w * saved
         value -= total_w * self.c.degraded_precision_seconds * (rank > 0)
         value -= costs.gpu_hold_cost(model.weights_bytes[model.precisions[rank]], self.c) + self.c.move_weight * seconds
-        per_token = costs.prefill_seconds_per_token(model, gpus, self.c)
-        cold_per_token = costs.prefill_seconds_per_token(model, cold.gpus, self.c) if cold.gpus else 0.0
+        per_token, per_pair = self._prefill_rates(model, gpus)
+        cold_per_token, cold_per_pair = self._prefill_rates(model, cold.gpus) if cold.gpus else (0.0, 0.0)
         # its predicted requests re-prefill their history on `gpus`, not on the cold load's group; those that
         # miss their target cold (load and re-prefill) but not warm save the violation penalty too
         value -= (per_token - cold_per_token) * self._context_demand[model.id]
+        value -= (per_pair - cold_per_pair) * self._pairs_demand[model.id]
         late_cold = (
-            self.lateness.weight_late(self.row[model.id], cold_per_token, saved) * self.c.violation_penalty_seconds
+            self.lateness.weight_late(self.row[model.id], cold_per_token, saved, cold_per_pair)
+            * self.c.violation_penalty_seconds
         )
-        value += late_cold - self._late_penalty(model.id, per_token)
+        value += late_cold - self._late_penalty(model.id, per_token, per_pair)
         return value, saved
 
     def _cold_load(self, model: ModelSpec) -> ColdLoad:
@@ -2065,7 +2139,7 @@ class GreedyPlanner:
         if not gpus:
             return 0.0
         tokens = self.p.sessions[obj.session].context_tokens
-        prefill = tokens * costs.prefill_seconds_per_token(model, gpus, self.c)
+        prefill = _reprefill(tokens, *self._prefill_rates(model, gpus))
         restore = costs.kv_ready_seconds(tokens, self.p.size_of(obj), model, gpus, _HOST, self.p.nodes[node], self.c)
         return w * (prefill - restore)
 
@@ -2116,6 +2190,11 @@ class GreedyPlanner:
         else:
             placement = {k: v for k, v in self.target.items() if v > 0}
         return TargetPlan(placement, dict(self.groups), dict(self.unserved), dict(self.reasons), self.now, self.demand)
+
+
+def _reprefill(tokens: int, per_token: float, per_pair: float) -> float:
+    """Seconds to re-prefill a history of `tokens` from scratch (`costs.prefill_seconds`)."""
+    return tokens * per_token + costs.causal_pairs(tokens, 0) * per_pair
 
 
 def _bytes_per_node(placement: Mapping[tuple[StateObject, Location], int], tier: Tier) -> dict[str, int]:

@@ -6,7 +6,9 @@ another MoE (GLM-4.5-Air) would nearly fill with its hot experts. Here each
 model has a few options (node, precision, HBM bytes, estimated cost on its
 own), and a node holding some options costs their own costs plus what the
 MoE models among them lose sharing its room for experts (the caller's
-`experts_curve`), or infinity where their bytes exceed its room. Starting
+`experts_curve`), or infinity where their bytes exceed its room (or, where
+some cannot leave cards of it, where its cards cannot hold them:
+`_NodeCosts._fits_cards`). Starting
 from each model taking its cheapest option beside those before it (in the
 caller's order, as the greedy would), a local search takes the best move of
 one model to another option, swap of two models' nodes, or trade of all
@@ -82,6 +84,17 @@ class Option(NamedTuple):
     # the most expert bytes its group holds (an engine's experts lie in equal shares on its own group), None: the
     # node's room
     expert_room: int | None = None
+    # with `expert_room`: its group's share of the node's cards, the share of each other option's bytes taken
+    # from that room (the greedy spreads a model over the widest group that fits: all the node's cards, where
+    # they are alike)
+    expert_cards: float = 1.0
+    # the positions among its node's cards (by id) of the group it cannot leave there (a running engine that
+    # stays as it is), its bytes in equal shares on them; () where it spreads over the node's cards
+    fixed: tuple[int, ...] = ()
+    # the width of the group it was priced on, and the bytes per card of it that a narrower group does not take
+    # (an engine's CUDA context)
+    width: int = 0
+    per_card: int = 0
 
 
 def assign(
@@ -90,6 +103,7 @@ def assign(
     rooms: Mapping[str, int],
     experts_curve: ExpertsCurve,
     evicting: Sequence[str] = (),
+    cards: Mapping[str, Sequence[int]] | None = None,
 ) -> dict[str, Option]:
     """The option per model (models in `order`, each with at least one option) with the least summed node cost found.
 
@@ -97,9 +111,11 @@ def assign(
     the caller may keep warm) has an option on `NOWHERE` at what staying cold
     costs it beyond its cold loads: it weighs the room the others take against
     what that model saves warm (its other options' costs, negative for dense
-    models). Models in `evicting` then try `_Search.evict_for`.
+    models). Models in `evicting` then try `_Search.evict_for`. `cards`: each node's free bytes per card (by
+    id), where options are `fixed` to some of them: a node holding such options fits only where every card
+    holds their shares and an even share of the others' bytes.
     """
-    search = _Search(options, order, {**rooms, NOWHERE: 0}, experts_curve)
+    search = _Search(options, order, {**rooms, NOWHERE: 0}, experts_curve, cards or {})
     for model in order:
         search.place_cheapest(model)
     for _ in range(MAX_ROUNDS):
@@ -123,6 +139,7 @@ class _Search:
         order: Sequence[str],
         rooms: Mapping[str, int],
         experts_curve: ExpertsCurve,
+        cards: Mapping[str, Sequence[int]] | None = None,
     ) -> None:
         self.option_of: dict[int, Option] = {}  # bit -> option
         self.bits: dict[str, list[int]] = {}  # model -> the bits of its options
@@ -144,7 +161,7 @@ class _Search:
         self._alike = [(a, b) for a, b in itertools.combinations(nodes, 2) if rooms[a] == rooms[b]]
         self.chosen: dict[str, int] = {}  # model -> the bit of its option
         self.held: dict[str, int] = {}  # node -> the bits of the options it holds
-        self.cost = _NodeCosts(self.option_of, rooms, experts_curve)  # the bits of a node's options -> its cost
+        self.cost = _NodeCosts(self.option_of, rooms, experts_curve, cards or {})  # a node's options -> its cost
 
     def place_cheapest(self, model: str) -> None:
         """Give the model its cheapest option beside those placed (the first if none fits)."""
@@ -455,11 +472,19 @@ class _NodeCosts:
     `__missing__`: compiled, its attributes and methods are reached directly.)
     """
 
-    def __init__(self, option_of: Mapping[int, Option], rooms: Mapping[str, int], experts_curve: ExpertsCurve) -> None:
-        self._option_of, self._rooms, self._experts_curve = option_of, rooms, experts_curve
+    def __init__(
+        self,
+        option_of: Mapping[int, Option],
+        rooms: Mapping[str, int],
+        experts_curve: ExpertsCurve,
+        cards: Mapping[str, Sequence[int]],
+    ) -> None:
+        self._option_of, self._rooms, self._experts_curve, self._cards = option_of, rooms, experts_curve, cards
+        self._fixed: dict[int, tuple[int, ...]] = {0: ()}  # bits -> the fixed options' bytes per card
         self._costs: dict[int, float] = {0: 0.0}
-        # bits -> (bytes, own costs, MoE bits, the expert bytes their groups hold: inf where one is the node's)
-        self._sums: dict[int, tuple[int, float, int, float]] = {0: (0, 0.0, 0, 0.0)}
+        # bits -> (bytes, own costs, MoE bits, the expert bytes their groups hold alone: inf where one is the
+        # node's, the sum of their `expert_cards`, and of their `expert_cards` times their own bytes)
+        self._sums: dict[int, tuple[int, float, int, float, float, float]] = {0: (0, 0.0, 0, 0.0, 0.0, 0.0)}
         self._curves: dict[int, tuple[list[int], list[float]]] = {}  # MoE bits -> their experts curve
 
     def of(self, held: int) -> float:
@@ -471,22 +496,61 @@ class _NodeCosts:
         rest = held ^ low
         if rest not in self._sums:  # not priced yet
             self._price(rest)
-        need, cost, moe_bits, cap = self._sums[rest]
+        need, cost, moe_bits, cap, cards, own = self._sums[rest]
         option = self._option_of[low]
         need += option.need
         cost += option.cost
         if option.moe:
             moe_bits |= low
-            cap += math.inf if option.expert_room is None else option.expert_room
-        self._sums[held] = (need, cost, moe_bits, cap)
+            if option.expert_room is None:
+                cap = math.inf
+            else:
+                cap += option.expert_room
+                cards += option.expert_cards
+                own += option.expert_cards * option.need
+        self._sums[held] = (need, cost, moe_bits, cap, cards, own)
         room = self._rooms[option.node]
-        if need > room:
+        if need > room or not self._fits_cards(held, rest, option):
             cost = math.inf
         elif moe_bits:
             taken, change = self._curve(option.node, moe_bits)
-            cost += change[bisect.bisect_right(taken, min(room - need, cap)) - 1]
+            # each capped group's room less its cards' share of the other options' bytes (`Option.expert_cards`)
+            cap -= cards * need - own
+            cost += change[bisect.bisect_right(taken, max(0, min(room - need, cap))) - 1]
         self._costs[held] = cost
         return cost
+
+    def _fits_cards(self, held: int, rest: int, option: Option) -> bool:
+        """Whether every card of the node holds the `fixed` options' shares, and the largest of the others
+        an even split over its roomiest 1, 2, 4, ... cards beside them (tensor-parallel groups of a power of
+        two; `Option.per_card` bytes fewer per card it leaves out of the group it was priced on): the node's
+        room alone let a Llama-3.3-70B be chosen beside a coder's running engine filling one card (gap-study
+        engine seed 31)."""
+        before = self._fixed.get(rest, ())
+        if not before and not option.fixed:
+            self._fixed[held] = ()
+            return True
+        free = self._cards.get(option.node)
+        if not free:
+            self._fixed[held] = ()
+            return True
+        loads = list(before) if before else [0] * len(free)
+        for i in option.fixed:
+            loads[i] += option.need // len(option.fixed)
+        self._fixed[held] = tuple(loads)
+        left = sorted((room - load for load, room in zip(loads, free, strict=True)), reverse=True)
+        if left[-1] < 0:
+            return False
+        spread = [o for bit in _bits(held) if not (o := self._option_of[bit]).fixed]
+        if not spread:
+            return True
+        largest = max(spread, key=lambda o: o.need)
+        k = 1
+        while k <= len(left):
+            if left[k - 1] * k >= largest.need - max(0, largest.width - k) * largest.per_card:
+                return True
+            k *= 2
+        return False
 
     def _curve(self, node: str, moe_bits: int) -> tuple[list[int], list[float]]:
         curve = self._curves.get(moe_bits)

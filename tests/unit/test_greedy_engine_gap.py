@@ -28,6 +28,7 @@ from planner_service.domain.scenario import parse_scenario
 from planner_service.domain.state import Kind, Location, StateObject, Tier
 from planner_service.planner.invariants import check_plan
 from planner_service.planner.plan import Plan
+from planner_service.solver.gap import random_scenarios
 from planner_service.solver.registry import solve
 
 TOKENS_PER_GIB = GIB // KV_BYTES_PER_TOKEN  # 8,192
@@ -260,3 +261,15 @@ def test_a_held_engine_gives_its_card_back_where_a_model_chosen_beside_it_finds_
     b_on = {loc.id for (obj, loc), n in plan.placement.items() if obj == StateObject.weights("b", "bf16") and n
             and loc.tier is Tier.GPU}  # fmt: skip
     assert b_on == {"g0", "g1"}
+
+
+def test_a_model_whose_chosen_node_cannot_hold_its_active_kv_goes_where_it_fits() -> None:
+    """Gap-study engine seed 6: the joint choice put a Qwen2.5-Coder-32B on n3 beside a Llama-3.3-70B and a
+    running Qwen2.5-7B engine whose fixed pool fills one card; the node's room held them all, its cards did
+    not, and two of the coder's sessions were left out (4,800 s). It now goes where all its KV fits."""
+    ((_, drawn),) = random_scenarios(1, 6, 16, 7, 100, engines=True)
+    problem = problem_from_scenario(drawn)
+    plan = solve(problem)
+    assert check_plan(problem, plan.placement, plan.operations, plan.unserved) == []
+    assert plan.unserved == {}
+    assert plan.objective.total < 7_200  # 11,196 before; the MILP's plan 6,854

@@ -286,3 +286,41 @@ def test_look_alike_nodes_each_price_the_kv_they_hold() -> None:
         plan.objective.total
         < evaluate(problem, elsewhere.placement, elsewhere.now, demand=elsewhere.demand)[0].total - 1.0
     )
+
+
+def test_a_model_beside_an_engine_moe_takes_room_from_its_group_s_cards() -> None:
+    # n0 and n1, room 100 each, four cards. The MoE's engine holds its experts in equal shares on two of n0's
+    # cards (`expert_room` 20, half the cards: `expert_cards` 0.5); each 10 bytes of experts save 2 s. A
+    # dense model of 20 bytes costs 0 on n0, 1 on n1. Spread over n0's four cards it takes 10 of its bytes
+    # from the MoE's two: 10 fewer expert bytes, 2 s, more than n1's 1 s. Priced by the node's room alone
+    # (100 - 30 = 70 > 20), n0 looked free.
+    moe = object()
+
+    def curve(node: str, moes: list) -> tuple[list[int], list[float]]:
+        assert moes == [moe]
+        return [0, 10, 20], [5.0, 3.0, 1.0]
+
+    options = {
+        "m": [Option("n0", "bf16", 10, 0.0, moe, 20, 0.5)],  # type: ignore[arg-type]
+        "d": [Option("n0", "bf16", 20, 0.0, None), Option("n1", "bf16", 20, 1.0, None)],
+    }
+    chosen = assign(options, ["m", "d"], {"n0": 100, "n1": 100}, curve)
+    assert chosen["d"].node == "n1"
+    # on a MoE's group of all four cards the other bytes come off its room whole: the node's room binds
+    whole = {**options, "m": [Option("n0", "bf16", 10, 0.0, moe, 90, 1.0)]}  # type: ignore[arg-type]
+    assert assign(whole, ["m", "d"], {"n0": 100, "n1": 100}, curve)["d"].node == "n0"
+
+
+def test_a_large_model_does_not_fit_beside_a_running_engine_filling_one_card() -> None:
+    # n0: four cards of 10 and 40 in all; a's running engine cannot leave card 0 and fills 9 of it. b (28)
+    # fits the node's room (31 left) but no even split over its roomiest 1, 2 or 4 cards (10, 2 x 10, 4 x 1):
+    # it goes to n1 (cost 1) instead of n0 (cost 0). c (18) fits two of n0's free cards: it stays on n0.
+    options = {
+        "a": [Option("n0", "bf16", 9, 0.0, None, fixed=(0,))],
+        "b": [Option("n0", "bf16", 28, 0.0, None), Option("n1", "bf16", 28, 1.0, None)],
+    }
+    rooms, cards = {"n0": 40, "n1": 40}, {"n0": [10, 10, 10, 10], "n1": [10, 10, 10, 10]}
+    assert assign(options, ["a", "b"], rooms, _no_moe, cards=cards)["b"].node == "n1"
+    assert assign(options, ["a", "b"], rooms, _no_moe)["b"].node == "n0"  # priced by the node's room alone
+    smaller = {**options, "b": [Option("n0", "bf16", 18, 0.0, None), Option("n1", "bf16", 18, 1.0, None)]}
+    assert assign(smaller, ["a", "b"], rooms, _no_moe, cards=cards)["b"].node == "n0"

@@ -7,6 +7,7 @@ import pytest
 
 from planner_service.domain.generate import random_scenario
 from planner_service.domain.predictions import problem_from_scenario
+from planner_service.planner.costs import causal_pairs
 from planner_service.planner.lateness import Lateness
 from planner_service.planner.objective import Demand
 
@@ -29,6 +30,16 @@ def test_hand_checked_sessions() -> None:
     assert lateness.weight_late(0, 0.0, 2.0) == 0.0  # exactly on target is not late
 
 
+def test_attention_makes_long_contexts_late() -> None:
+    # 0.1 ms per token and 0.1 us per attention pair (c (c + 1) / 2 of them): 1,000 tokens take 0.1 + 0.05 s,
+    # 3,000 take 0.3 + 0.45 s, 8,000 take 0.8 + 3.2 s; linear alone, none would pass a 2 s target
+    demand = _demand([1000, 3000, 1000, 8000], [2.0, 2.0, 2.0, 2.0])
+    lateness = Lateness(demand, np.array([[1.0, 2.0, 4.0, 8.0]]))
+    assert lateness.weight_late(0, 1e-4) == 0.0
+    assert lateness.weight_late(0, 1e-4, 0.0, 1e-7) == 8.0
+    assert lateness.weight_late(0, 1e-4, 1.5, 1e-7) == 2.0 + 8.0  # 0.75 s after a 1.5 s wait: late too
+
+
 @pytest.mark.parametrize("seed", range(5))
 def test_agrees_with_counting_every_session(seed: int) -> None:
     problem = problem_from_scenario(random_scenario(np.random.default_rng(seed), 16, 7, 100))
@@ -40,5 +51,8 @@ def test_agrees_with_counting_every_session(seed: int) -> None:
         row = int(rng.integers(len(demand.row)))
         per_token = float(rng.choice([0.0, 1e-5, 1e-4, 1e-3]) * rng.random())
         delay = float(rng.choice([0.0, 1.0, 5.0, 40.0]) * rng.random())
-        late = delay + per_token * demand.context > demand.slo_target
-        assert lateness.weight_late(row, per_token, delay) == pytest.approx(float(weighted[row][late].sum()), abs=1e-9)
+        per_pair = float(rng.choice([0.0, 1e-9, 1e-8]) * rng.random())
+        late = delay + per_token * demand.context + per_pair * causal_pairs(demand.context, 0) > demand.slo_target
+        assert lateness.weight_late(row, per_token, delay, per_pair) == pytest.approx(
+            float(weighted[row][late].sum()), abs=1e-9
+        )

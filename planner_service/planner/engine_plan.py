@@ -25,26 +25,17 @@ from planner_service.domain.engines import (
 from planner_service.domain.problem import Problem
 from planner_service.domain.state import Kind, Location, StateObject, Tier
 from planner_service.planner.engine_holdings import expert_fractions, kv_pools
-from planner_service.planner.engine_holdings import kept_contexts as kept_contexts  # noqa: PLC0414 -- re-exported: it was defined here
-from planner_service.planner.engine_holdings import launched_experts as launched_experts  # noqa: PLC0414 -- re-exported: it was defined here
-from planner_service.planner.engine_holdings import launched_pools as launched_pools  # noqa: PLC0414 -- re-exported: it was defined here
-from planner_service.planner.engine_holdings import min_pool_bytes_per_gpu as min_pool_bytes_per_gpu  # noqa: PLC0414 -- re-exported: it was defined here
-from planner_service.planner.engine_holdings import pooled_kv as pooled_kv  # noqa: PLC0414 -- re-exported: it was defined here
-from planner_service.planner.engine_instances import ENGINE_CONSTANTS as ENGINE_CONSTANTS  # noqa: PLC0414 -- re-exported: it was defined here
-from planner_service.planner.engine_instances import ENGINE_NODE_KINDS as ENGINE_NODE_KINDS  # noqa: PLC0414 -- re-exported: it was defined here
 from planner_service.planner.engine_instances import (
+    ENGINE_CONSTANTS,
     InstanceView,
     Key,
+    confirmed_states,
     engine_instance,
     instance_from_ref,
     instance_ref,
     instance_states,
     transition_between,
 )
-from planner_service.planner.engine_instances import can_leave as can_leave  # noqa: PLC0414 -- re-exported: it was defined here
-from planner_service.planner.engine_instances import confirmed_states as confirmed_states  # noqa: PLC0414 -- re-exported: it was defined here
-from planner_service.planner.engine_instances import engine_of as engine_of  # noqa: PLC0414 -- re-exported: it was defined here
-from planner_service.planner.engine_instances import pinned_instances as pinned_instances  # noqa: PLC0414 -- re-exported: it was defined here
 from planner_service.planner.engine_targets import engine_target
 from planner_service.planner.operations import Action, Operation, Unpair
 from planner_service.wire.operations import EngineStep

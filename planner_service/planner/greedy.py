@@ -112,18 +112,20 @@ from planner_service.domain.scenario import Capability, Slo
 from planner_service.domain.state import Kind, Location, Placement, StateObject, Tier
 from planner_service.domain.units import GIB
 from planner_service.planner import costs, engine_costs, joint
-from planner_service.planner.engine_plan import (
+from planner_service.planner.engine_holdings import (
+    kept_contexts,
+    launched_experts,
+    launched_pools,
+    min_pool_bytes_per_gpu,
+    pooled_kv,
+)
+from planner_service.planner.engine_instances import (
     ENGINE_CONSTANTS,
     ENGINE_NODE_KINDS,
     can_leave,
     confirmed_states,
     engine_of,
-    kept_contexts,
-    launched_experts,
-    launched_pools,
-    min_pool_bytes_per_gpu,
     pinned_instances,
-    pooled_kv,
 )
 from planner_service.planner.errors import PlanningError
 from planner_service.planner.lateness import Lateness
@@ -153,7 +155,7 @@ _GroupOption = tuple[_CostKey, str, tuple[Gpu, ...]]  # (cost key, precision, GP
 _GpuSpec = tuple[str, float, float, float, float]  # (type, bf16 FLOP/s, HBM, host->GPU, GPU->host bytes/s)
 # (model, positions of its engine's GPUs, the precision it is pinned to or ""), by model
 _EngineShape = tuple[tuple[str, tuple[int, ...], str], ...]
-_Pinned = Mapping[tuple[str, str], tuple[str, tuple[str, ...]] | None]  # see `engine_plan.pinned_instances`
+_Pinned = Mapping[tuple[str, str], tuple[str, tuple[str, ...]] | None]  # see `engine_instances.pinned_instances`
 _Look = tuple[tuple[float, tuple[_GpuSpec, ...], _EngineShape], tuple[int, ...]]  # see `_GpuBook`
 _Why = tuple[str, tuple[float, ...]]  # (template, the numbers it formats): see `_words`
 # `spend`'s offers: (value, bytes, kind, payload), the payload's shape set by its kind (see `spend`)
@@ -226,7 +228,7 @@ def _spec(gpu: Gpu) -> _GpuSpec:
 
 def _engine_shape(node: Node, pinned: _Pinned) -> _EngineShape:
     """The node's fixed engine groups as positions among its GPUs (by id), with the instances its engines are
-    pinned to (`engine_plan.pinned_instances`; no GPUs: the model cannot run there): nodes alike must match
+    pinned to (`engine_instances.pinned_instances`; no GPUs: the model cannot run there): nodes alike must match
     in them too."""
     position = {g: i for i, g in enumerate(sorted(node.gpus))}
     shape = {m: (tuple(position[g] for g in gpus), "") for m, gpus in node.engine_gpus.items()}
@@ -396,7 +398,7 @@ class GreedyPlanner:
         # (node, model) -> the KV in each running engine's fixed pool, kept while it runs as it is
         self._pools = pooled_kv(problem, states)
         self._pooled: set[StateObject] = set()  # KV placed where its engine's pool keeps it
-        # (node, model) -> the pool per GPU each running engine was launched with (engine_plan.launched_pools)
+        # (node, model) -> the pool per GPU each running engine was launched with (engine_holdings.launched_pools)
         self._launched_pools = launched_pools(problem, states)
         # model -> (its group's GPU ids, the room per GPU its engine's KV pool holds beyond the KV placed in it):
         # a launched pool takes its room whole, and the sessions' KV placed there fills it first
@@ -414,7 +416,7 @@ class GreedyPlanner:
         # group the joint choice priced there
         self._running = {key: view for key, view in states.items() if view.state is EngineState.RUNNING}
         # (node, model) -> the sleeping engines whose node reported their launched pool: a wake as they are maps
-        # that pool back, no larger and no smaller (engine_plan.woken_pools)
+        # that pool back, no larger and no smaller (engine_holdings.woken_pools)
         self._asleep_pools = {
             key: (view, problem.engine_pools[key])
             for key, view in states.items()
@@ -1295,7 +1297,7 @@ class GreedyPlanner:
     ) -> dict[tuple[StateObject, Location], int]:
         """The KV a running engine that stays as it is keeps in its fixed pool once its active sessions' new KV
         is in: where the pool's room left beside what it holds is short of that KV on a GPU, its LRU evicts
-        idle sessions' KV there (in the order `engine_plan._kv_within_pools` cuts it), never an active
+        idle sessions' KV there (in the order `engine_kv.kv_within_pools` cuts it), never an active
         session's. Kept whole, that idle KV left the active requests unserved (gap-study engine seed 12: two
         blocking sessions of a GLM-4.5-Air whose pool held 20 GiB of idle sessions' KV)."""
         active = self.active.get(model.id)

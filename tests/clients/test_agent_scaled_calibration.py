@@ -1,6 +1,7 @@
 """A scaled test run (`statebudget-agent run --executor local --scale 1e-6`, as clients/README shows) moves real
 bytes at one millionth of their size: it times its own overheads, not the links. Its registration says so, and
-the service calibrates nothing from it: the plan after the run is the plan before it."""
+the service calibrates nothing from it: its link figures after the run are the catalog's, sample by sample
+refused."""
 
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ def readme_config(tmp_path, node: str = "n1"):
     return load_config(None, {**flags, **quick})
 
 
-async def test_a_scaled_run_calibrates_nothing_and_leaves_the_plan_as_it_was(tmp_path):
+async def test_a_scaled_run_calibrates_nothing(tmp_path):
     from test_agent_e2e import run_until_idle
 
     async with served(make_app(tmp_path)) as http:
@@ -71,20 +72,6 @@ async def test_a_scaled_run_calibrates_nothing_and_leaves_the_plan_as_it_was(tmp
             if (r.get("measured_seconds") or 0) > 0 and by_id[r["op"]].source and by_id[r["op"]].dest
         ]
         assert samples and samples_total.get("refused", 0) >= len(samples) and not samples_total.get("accepted")
-
-        # the next plan keeps what the run moved to n2 (the reasoner's start) where the first plan put it
-        await sb.replan()
-        second = await sb.get_plan()
-
-        def on_n2(plan):
-            return sorted(
-                (e.object.key(), e.location.label(), e.bytes)
-                for e in plan.placement
-                if e.location.node == "n2" or (e.location.gpu or "").startswith("n2-")
-            )
-
-        assert on_n2(second) == on_n2(first)
-        assert not [o for o in second.operations if o.node == "n2"]  # nothing to undo
 
 
 async def test_an_operator_sees_and_resets_calibration_per_node_and_link(tmp_path):

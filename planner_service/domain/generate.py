@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from planner_service.domain.engines import EngineConstants, EngineKind
 from planner_service.domain.hardware import gpu_preset
 from planner_service.domain.model_presets import MODEL_PRESETS
 from planner_service.domain.problem import resolve_model
@@ -131,3 +132,29 @@ def random_scenario(
     return parse_scenario(
         {"cluster": {"nodes": nodes}, "models": model_json, "sessions": session_json, "residency": residency}
     )
+
+
+def leave_context_room(data: dict[str, Any]) -> None:
+    """Evict, newest first, the GPU KV on a card whose vLLM / SGLang engines lack room for their CUDA contexts
+    (one each, `engines.holdings`), in a scenario's JSON whose nodes were given engines after it was drawn:
+    the engines could not have admitted that KV, and a current state no engine can be in leaves no sound plan."""
+    runtime = {EngineKind.VLLM.value, EngineKind.SGLANG.value}
+    context = EngineConstants().context_bytes_per_gpu
+    gpus = {g["id"]: (node, g) for node in data["cluster"]["nodes"] for g in node["gpus"]}
+    on_gpu: dict[str, list[dict[str, Any]]] = {}
+    for row in data["residency"]:
+        if row["location"]["tier"] == "gpu":
+            on_gpu.setdefault(row["location"]["gpu"], []).append(row)
+    for gpu_id, rows in sorted(on_gpu.items()):
+        node, gpu = gpus[gpu_id]
+        served = {e["model"] for e in node.get("engines", []) if e["kind"] in runtime}
+        engines = sum(1 for r in rows if r["object"]["kind"] == "weights" and r["object"]["model"] in served)
+        if not engines:
+            continue
+        capacity = gpu_preset(gpu["type"]).hbm_bytes - gpu["reserved_bytes"]
+        excess = sum(r["bytes"] for r in rows) + engines * context - capacity
+        for row in reversed([r for r in rows if r["object"]["kind"] == "kv"]):
+            if excess <= 0:
+                break
+            data["residency"].remove(row)
+            excess -= row["bytes"]

@@ -84,7 +84,8 @@ def kv_within_pools(
     woken = woken_pools(problem, before, after)
     if not staying and not woken:
         return
-    pools = launched_pools(problem, {key: before[key] for key in staying}) | woken
+    # every instance up now counts in the room the pools were launched into, the ones the plan stops included
+    pools = {key: pool for key, pool in launched_pools(problem, before).items() if key in staying} | woken
     staying |= {key: after[key] for key in woken}
     groups = {(a.model, g) for a in staying.values() for g in a.gpus}
     on: dict[tuple[str, str], list[tuple[tuple[StateObject, Location], int]]] = defaultdict(list)

@@ -33,11 +33,9 @@ from typing import Any
 import numpy as np
 
 from planner_service.domain.engines import KIND_FEATURES, EngineKind, Management
-from planner_service.domain.generate import random_scenario
-from planner_service.domain.hardware import gpu_preset
+from planner_service.domain.generate import leave_context_room, random_scenario
 from planner_service.domain.predictions import problem_from_scenario
 from planner_service.domain.scenario import Scenario, load_scenario, parse_scenario
-from planner_service.planner.engine_costs import ENGINE_CONSTANTS
 from planner_service.planner.greedy import plan_greedy
 from planner_service.planner.invariants import check_plan
 from planner_service.planner.plan import PlanStatus, make_plan
@@ -101,33 +99,8 @@ def with_random_engines(scenario: Scenario, rng: np.random.Generator) -> Scenari
             node["engines"].append(
                 {"model": m["id"], "kind": kind.value, "features": features, "management": management.value}
             )
-    _leave_context_room(data)
+    leave_context_room(data)
     return parse_scenario(data)
-
-
-def _leave_context_room(data: dict[str, Any]) -> None:
-    """Evict, newest first, the GPU KV on a card whose vLLM / SGLang engines lack room for their CUDA contexts
-    (one each, `engines.holdings`): the engines could not have admitted it, and a current state no engine can
-    be in would leave no sound plan."""
-    runtime = {EngineKind.VLLM.value, EngineKind.SGLANG.value}
-    gpus = {g["id"]: (node, g) for node in data["cluster"]["nodes"] for g in node["gpus"]}
-    on_gpu: dict[str, list[dict[str, Any]]] = {}
-    for row in data["residency"]:
-        if row["location"]["tier"] == "gpu":
-            on_gpu.setdefault(row["location"]["gpu"], []).append(row)
-    for gpu_id, rows in sorted(on_gpu.items()):
-        node, gpu = gpus[gpu_id]
-        served = {e["model"] for e in node["engines"] if e["kind"] in runtime}
-        engines = sum(1 for r in rows if r["object"]["kind"] == "weights" and r["object"]["model"] in served)
-        if not engines:
-            continue
-        capacity = gpu_preset(gpu["type"]).hbm_bytes - gpu["reserved_bytes"]
-        excess = sum(r["bytes"] for r in rows) + engines * ENGINE_CONSTANTS.context_bytes_per_gpu - capacity
-        for row in reversed([r for r in rows if r["object"]["kind"] == "kv"]):
-            if excess <= 0:
-                break
-            data["residency"].remove(row)
-            excess -= row["bytes"]
 
 
 def scenario_files(directory: Path, count: int | None = None) -> Iterable[tuple[str, Scenario]]:

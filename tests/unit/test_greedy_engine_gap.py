@@ -23,9 +23,13 @@ from tiny_clusters import (
     weights,
 )
 
+from planner_service.domain.engines import EngineState
 from planner_service.domain.predictions import problem_from_scenario
 from planner_service.domain.scenario import parse_scenario
 from planner_service.domain.state import Kind, Location, StateObject, Tier
+from planner_service.planner.engine_holdings import launched_pools
+from planner_service.planner.engine_instances import confirmed_states
+from planner_service.planner.engine_kv import kv_within_pools
 from planner_service.planner.invariants import check_plan
 from planner_service.planner.plan import Plan
 from planner_service.solver.gap import random_scenarios
@@ -273,3 +277,32 @@ def test_a_model_whose_chosen_node_cannot_hold_its_active_kv_goes_where_it_fits(
     assert check_plan(problem, plan.placement, plan.operations, plan.unserved) == []
     assert plan.unserved == {}
     assert plan.objective.total < 7_200  # 11,196 before; the MILP's plan 6,854
+
+
+def test_a_pool_launched_beside_an_engine_the_plan_stops_stays_the_size_it_was_launched() -> None:
+    """One 26 GiB card runs two vLLM engines, each with its 1 GiB CUDA context: adopted a (10 GiB, no sleep mode:
+    it runs on as it is, 4 GiB of KV) and b (9 GiB). a's pool fit beside b: 26 - (10 + 4 + 9 + 2) + 4 = 5 GiB
+    (less than the 8 GiB its 65,536-token limit asks). A target that stops b and wants 6 GiB of a's KV on the
+    card keeps 5 (engine_kv.kv_within_pools): counting only the contexts of the engines that stay, the pool
+    read 6 GiB, and 2 of 1,500 random engine scenarios (the property tests' generator) got a greedy plan
+    holding a context's worth of KV beyond a pool."""
+    adopted = {"model": "a", "gpus": ["g0"], "kind": "vllm", "features": [], "management": "adopted"}
+    managed = {"model": "b", "gpus": ["g0"], "kind": "vllm", "features": [], "management": "managed"}
+    data = scenario(
+        [{**node("n0", gpu("g0", 26)), "engines": [adopted, managed]}],
+        [model("a", 10, max_context_tokens=8 * TOKENS_PER_GIB), model("b", 9)],
+        [session("s1", "a", active=True, tokens=6 * TOKENS_PER_GIB)],
+        [
+            held(weights("a"), on_gpu("g0"), 10 * GIB),
+            held(kv("a", "s1"), on_gpu("g0"), 4 * GIB),
+            held(weights("b"), on_gpu("g0"), 9 * GIB),
+        ],
+    )
+    problem = problem_from_scenario(parse_scenario(data))
+    before = confirmed_states(problem)
+    assert launched_pools(problem, before)[("n0", "a")] == 5 * GIB
+    after = {**before, ("n0", "b"): dataclasses.replace(before[("n0", "b")], state=EngineState.STOPPED, gpus=())}
+    s1, g0 = StateObject.kv("a", "s1"), Location.gpu("g0")
+    target = {(StateObject.weights("a", "bf16"), g0): 10 * GIB, (s1, g0): 6 * GIB}
+    kv_within_pools(problem, target, before, after)
+    assert target[(s1, g0)] == 5 * GIB

@@ -1729,15 +1729,23 @@ class GreedyPlanner:
         return best
 
     def _water_fill(self, model: ModelSpec, group: Group, sessions: list[Session]) -> list[Session]:
-        """Place active sessions' KV max-min fair across users: the user holding the least goes next."""
+        """Place active sessions' KV max-min fair across users: the user holding the least goes next, and of
+        users holding alike (at first, all) the one whose next session is the more urgent, then the smaller:
+        taken by user name, a large background session took the room of a blocking one and a smaller one
+        (gap-study engine seed 14: two sessions left out where one need be)."""
         by_user: dict[str, deque[Session]] = defaultdict(deque)
         for s in sorted(sessions, key=lambda s: (SLO_RANK[s.slo], s.context_tokens, s.id)):
             by_user[s.user].append(s)
-        turns = [(0, user) for user in by_user]  # (bytes the user holds, user): the least served goes next
+
+        def turn(held: int, user: str) -> tuple[int, int, int, str]:
+            following = by_user[user][0]
+            return held, SLO_RANK[following.slo], following.context_tokens, user
+
+        turns = [turn(0, user) for user in by_user]  # the least served goes next
         heapq.heapify(turns)
         served: list[Session] = []
         while turns:
-            held, user = heapq.heappop(turns)
+            held, _, _, user = heapq.heappop(turns)
             s = by_user[user].popleft()
             obj = StateObject.kv(model.id, s.id)
             nbytes = self._kv_bytes(s, model)
@@ -1750,7 +1758,7 @@ class GreedyPlanner:
                 held += self._kv_bytes(s, model)
                 served.append(s)
             if by_user[user]:
-                heapq.heappush(turns, (held, user))
+                heapq.heappush(turns, turn(held, user))
         return served
 
     def _why_unplaceable(self, model: ModelSpec) -> str:

@@ -191,6 +191,23 @@ def test_fairness_holds_with_three_users_and_unequal_histories() -> None:
     _assert_max_min_fair(problem, plan)
 
 
+def test_users_holding_alike_go_by_urgency_then_size() -> None:
+    """4 GiB of weights and room for 4 GiB of KV on an 8 GiB card. Alice's background session needs 3 GiB,
+    bob's blocking one and carol's interactive one 2 GiB each: all three users hold nothing, so bob goes
+    first, then carol, and alice's session no longer fits: one session left out, not two (alice first, by
+    name, took the room of both)."""
+    sessions = [
+        session("a0", "m", user="alice", slo="background", active=True, tokens=3 * 8192),
+        session("b0", "m", user="bob", slo="blocking", active=True, tokens=2 * 8192),
+        session("c0", "m", user="carol", slo="interactive", active=True, tokens=2 * 8192),
+    ]
+    data = scenario([node("n0", gpu("g0", 8))], [model("m", 4)], sessions, [held(weights("m"), on_nvme("n0"), 4 * GIB)])
+    problem, plan = plan_for(data)
+    sound(problem, plan)
+    assert set(plan.unserved) == {"a0"}
+    _assert_max_min_fair(problem, plan)
+
+
 def _assert_max_min_fair(problem, plan) -> None:
     """No user holds more than a refused user plus one session's KV (the whole-session granularity)."""
     holding: dict[str, int] = defaultdict(int)
@@ -201,7 +218,7 @@ def _assert_max_min_fair(problem, plan) -> None:
     for sid in plan.unserved:
         refused = problem.sessions[sid].user
         for user, nbytes in holding.items():
-            assert nbytes <= holding[refused] + largest, (user, refused, dict(holding))
+            assert nbytes <= holding.get(refused, 0) + largest, (user, refused, dict(holding))
 
 
 def _moe(capabilities: list[str] | None) -> dict:

@@ -1554,6 +1554,7 @@ class GreedyPlanner:
                     self._fixed_cards(model.id, node_id, precision, gpus),
                     len(gpus),
                     max(self._context_room(model.id, node_id, gpus)),
+                    self._widths(model, node_id),
                 )
                 keys[(node_id, precision)] = by
                 self._priced_group[(model.id, node_id, precision)] = gpus
@@ -1611,6 +1612,7 @@ class GreedyPlanner:
                     () if whole else self._fixed_cards(model.id, node_id, precision, gpus),
                     len(gpus),
                     max(self._context_room(model.id, node_id, gpus)),
+                    self._widths(model, node_id),
                 )
                 keys[(node_id, precision)] = rank
                 how[(node_id, precision)] = gpus, seconds, kv
@@ -1694,6 +1696,12 @@ class GreedyPlanner:
             if load_seconds + ready > target[s.slo]:
                 cost += penalty * w
         return cost
+
+    def _widths(self, model: ModelSpec, node_id: str) -> tuple[int, ...]:
+        """The group sizes the model's engine on the node takes (as `_fits_by_width` tries them)."""
+        kind = self.p.nodes[node_id].engine_kind(model.id)
+        cards = len(self.p.nodes[node_id].gpus)
+        return tuple(k for k in range(1, cards + 1) if tensor_parallel_ok(kind, model.attention_heads, k))
 
     def _with_alike(
         self,

@@ -95,6 +95,9 @@ class Option(NamedTuple):
     # (an engine's CUDA context)
     width: int = 0
     per_card: int = 0
+    # the group sizes its engine takes on the node (vLLM: those that divide the attention heads), () for
+    # 1, 2, 4, ... cards
+    widths: tuple[int, ...] = ()
 
 
 def assign(
@@ -522,10 +525,11 @@ class _NodeCosts:
 
     def _fits_cards(self, held: int, rest: int, option: Option) -> bool:
         """Whether every card of the node holds the `fixed` options' shares, and the largest of the others
-        an even split over its roomiest 1, 2, 4, ... cards beside them (tensor-parallel groups of a power of
-        two; `Option.per_card` bytes fewer per card it leaves out of the group it was priced on): the node's
-        room alone let a Llama-3.3-70B be chosen beside a coder's running engine filling one card (gap-study
-        engine seed 31)."""
+        an even split over its roomiest k cards beside them, for each group size k its engine takes
+        (`Option.widths`; `Option.per_card` bytes fewer per card it leaves out of the group it was priced on):
+        the node's room alone let a Llama-3.3-70B be chosen beside a coder's running engine filling one card
+        (gap-study engine seed 31), and sizes of a power of two alone refused it three A100s where its `local`
+        engine runs on any number (seed 6)."""
         before = self._fixed.get(rest, ())
         if not before and not option.fixed:
             self._fixed[held] = ()
@@ -545,12 +549,12 @@ class _NodeCosts:
         if not spread:
             return True
         largest = max(spread, key=lambda o: o.need)
-        k = 1
-        while k <= len(left):
-            if left[k - 1] * k >= largest.need - max(0, largest.width - k) * largest.per_card:
-                return True
-            k *= 2
-        return False
+        sizes = largest.widths or tuple(1 << i for i in range(len(left).bit_length()))
+        return any(
+            left[k - 1] * k >= largest.need - max(0, largest.width - k) * largest.per_card
+            for k in sizes
+            if k <= len(left)
+        )
 
     def _curve(self, node: str, moe_bits: int) -> tuple[list[int], list[float]]:
         curve = self._curves.get(moe_bits)

@@ -35,6 +35,11 @@ def test_the_group_waits_for_its_slowest_card_s_shard() -> None:
     assert save_seconds(3_000_001, [card("g0", 1 * GB), card("g1", 0.5 * GB)]) == pytest.approx(3e-3)
     assert save_seconds(3_000_000, [card("g0", 1 * GB)]) == pytest.approx(3e-3)
     assert save_seconds(0, [card("g0", 1 * GB)]) == 0.0
+    # docs/evidence.md's example: Qwen2.5-Coder-32B (262,144 B of KV a token) on 2 x L40 (24 GB/s D2H each,
+    # domain/hardware.py), a 31,000-token prompt: 30,976 tokens stored, 8,120,172,544 B, 4,060,086,272 B a card
+    l40s = [card("g0", 24 * GB), card("g1", 24 * GB)]
+    assert saved_tokens(31_000) * 262_144 == 8_120_172_544
+    assert save_seconds(8_120_172_544, l40s) == pytest.approx(4_060_086_272 / 24e9)  # 0.1692 s
 
 
 def test_the_store_lengthens_the_turn_and_decode_is_not_stored() -> None:

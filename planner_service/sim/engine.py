@@ -40,7 +40,9 @@ What is modelled (the same cost model as the planner, `planner/costs.py`):
   (H + input + output tokens) on the serving group when it starts, then makes
   the uncovered history ready by restoring from host DRAM (shared PCIe) or by
   re-prefilling it, whichever `costs.kv_ready` (the planner's rule) says is
-  cheaper.
+  cheaper. Where the policy keeps LMCache's copy in host DRAM, the prefill's
+  step stores the prompt's whole 256-token chunks there and waits for the
+  D2H copy before its first token; decoded tokens are not stored (`kv_save.py`).
 
 **Sessions** run one turn at a time and, by default, in a closed loop: an
 agent sends its next turn only once the previous answer is back. A trace's
@@ -104,6 +106,7 @@ from planner_service.domain.state import Kind, Location, StateObject, Tier
 from planner_service.planner import costs
 from planner_service.planner.gateway_directives import DirectiveLimits
 from planner_service.planner.greedy import split_evenly
+from planner_service.sim import kv_save
 from planner_service.sim.cluster import Transfer
 from planner_service.sim.executor import KV_HEADROOM, Executor, SimulationError
 from planner_service.sim.gateway import DEFAULT_LIMITS, GatewayMode, GatewayModel
@@ -142,7 +145,7 @@ class PolicyHooks(Protocol):
 
     @property
     def kv_offload(self) -> bool:
-        """Keep a write-through copy of every turn's KV in host DRAM."""
+        """Keep LMCache's copy of every prompt's KV in host DRAM (`kv_save.py`)."""
         ...
 
     @property
@@ -262,6 +265,7 @@ class Simulator(SimState):
             gateway_limits,
             compute_free_at=self.compute_free_at,
             write_through=self.write_through if self.kv_offload else None,
+            save_seconds=self.save_seconds if self.kv_offload else None,
         )
 
     # -- events --------------------------------------------------------------
@@ -656,6 +660,14 @@ class Simulator(SimState):
         history = req.history_tokens
         ready = start + costs.prefill_seconds(reprefill_tokens, history - reprefill_tokens, model, state.gpus, self.c)
         first_token = ready + costs.prefill_seconds(req.input_tokens, history, model, state.gpus, self.c)
+        # the prompt's KV is stored to host DRAM as the prefill's step ends, and the step waits for it (`kv_save.py`)
+        kv = StateObject.kv(req.model, req.session)
+        prompt = history + req.input_tokens
+        save = self.save_seconds(kv, state, prompt)
+        first_token += save
+        req.save_seconds = save
+        if self.writes_through(state, req.model):
+            self.push(first_token, "call", lambda: self.write_through(kv, state.node, prompt))
         for g in state.gpus:
             free_at[g.id] = first_token
         req.switch_seconds = ready - req.admitted_at
@@ -695,7 +707,6 @@ class Simulator(SimState):
 
     def _on_done(self, req: SimRequest) -> None:
         session = self.sessions[req.session]
-        model = self.problem.models[req.model]
         kv = StateObject.kv(req.model, req.session)
         req.state = "done"
         req.done_at = self.now
@@ -714,24 +725,37 @@ class Simulator(SimState):
         state = self.models.get(req.model)
         if state is not None:
             self.touch(StateObject.weights(req.model, state.precision))
-        if self.kv_offload and state is not None and self.engines.keeps_kv_in_host(state.node, req.model):
-            self.write_through(
-                kv, state.node, session.history_tokens * model.kv_bytes_per_token, session.history_tokens
-            )
         session.request = None
         self.policy.on_done(self.view, req)
         self._pump_workflow(req.session)
         if session.request is None:
             self._close_slot(req.session)  # (a session whose trace has no end record ends with its last turn)
 
-    def write_through(self, kv: StateObject, node: str, nbytes: int, tokens: int) -> None:
-        """LMCache-style: a turn's KV is stored to host DRAM as it is produced (small, asynchronous copies)."""
+    def writes_through(self, state: ModelState, model_id: str) -> bool:
+        """The policy keeps LMCache's copy of the prompts' KV in host DRAM, and this engine offloads KV."""
+        return self.kv_offload and self.engines.keeps_kv_in_host(state.node, model_id)
+
+    def save_seconds(self, kv: StateObject, state: ModelState, prompt_tokens: int) -> float:
+        """How long the step that prefilled `prompt_tokens` of `kv` on `state`'s group waits for LMCache's store of
+        the whole chunks the node's host DRAM does not hold yet (`kv_save.py`); 0 where nothing is written through."""
+        if not self.writes_through(state, kv.model):
+            return 0.0
+        kvpt = self.problem.models[kv.model].kv_bytes_per_token
+        nbytes = kv_save.saved_tokens(prompt_tokens) * kvpt - self.cluster.bytes_of(kv, Location.host(state.node))
+        return kv_save.save_seconds(nbytes, state.gpus)
+
+    def write_through(self, kv: StateObject, node: str, prompt_tokens: int) -> None:
+        """LMCache's store of a prompt's KV in the node's host DRAM, whole chunks only (`kv_save.py`); its D2H
+        copy was charged to the prefill (`save_seconds`)."""
+        tokens = kv_save.saved_tokens(prompt_tokens)
+        nbytes = tokens * self.problem.models[kv.model].kv_bytes_per_token
         host = Location.host(node)
         for other in self.problem.nodes:
             if other != node and self.cluster.bytes_of(kv, Location.host(other)):
                 self.cluster.remove(kv, Location.host(other))
-        have = self.cluster.bytes_of(kv, host)
-        grow = nbytes - have
+        grow = nbytes - self.cluster.bytes_of(kv, host)
+        if grow <= 0:  # the host copy covers the prompt's whole chunks already (a demote copied the decode too)
+            return
         if grow > self.cluster.free(host):
             self._free_host(host, grow - self.cluster.free(host))
         if grow <= self.cluster.free(host):

@@ -133,13 +133,16 @@ class GatewayModel:
         limits: DirectiveLimits = DEFAULT_LIMITS,
         *,
         compute_free_at: dict[str, float],
-        write_through: Callable[[StateObject, str, int, int], None] | None = None,
+        write_through: Callable[[StateObject, str, int], None] | None = None,
+        save_seconds: Callable[[StateObject, ModelState, int], float] | None = None,
     ) -> None:
-        """`compute_free_at`: the simulator's per-GPU end of the prefill in progress; `write_through`: how a turn's
-        KV is stored to host DRAM (None where the policy keeps no such copy)."""
+        """`compute_free_at`: the simulator's per-GPU end of the prefill in progress; `write_through`: how a
+        prefill's KV is stored to host DRAM, and `save_seconds` how long its step waits for that store (None where
+        the policy keeps no such copy)."""
         self.sim = sim
         self.compute_free_at = compute_free_at
         self.write_through = write_through
+        self.save_seconds = save_seconds
         self.mode = GatewayMode(mode)
         self.limits = limits
         self.warmups_on = self.mode in (GatewayMode.WARMUPS, GatewayMode.EAGER)
@@ -344,6 +347,8 @@ class GatewayModel:
         if self.eager:  # it queues with the real prefills, and they queue behind it
             start = max(start, *(self.compute_free_at[g.id] for g in state.gpus))
         ends = start + costs.prefill_seconds(tokens, 0, model, state.gpus, sim.c)  # the history from its start
+        if self.save_seconds is not None:  # a warm-up is a prefill: its step waits for LMCache's store as well
+            ends += self.save_seconds(kv, state, tokens)
         for g in state.gpus:
             self.card_free_at[g.id] = ends
             if self.eager:
@@ -366,8 +371,7 @@ class GatewayModel:
         sim.touch(kv)
         state = sim.models[warmup.model]
         if self.write_through is not None and sim.engines.keeps_kv_in_host(state.node, warmup.model):
-            kvpt = sim.problem.models[warmup.model].kv_bytes_per_token
-            self.write_through(kv, state.node, warmup.tokens * kvpt, warmup.tokens)
+            self.write_through(kv, state.node, warmup.tokens)
         self.warmed.setdefault(warmup.session, []).append((warmup.model, warmup.epoch, warmup.tokens))
         self.counts.completed += 1
         self.counts.tokens_warmed += warmup.tokens

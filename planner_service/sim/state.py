@@ -37,6 +37,7 @@ class SimRequest:
     done_at: float = math.nan
     started_at: float = math.nan  # when its model was ready and its KV had room
     prefill_queue_seconds: float = 0.0  # waited for earlier prefills on its group's cards
+    save_seconds: float = 0.0  # its prefill's step waited for LMCache's D2H store of the prompt's KV (`kv_save.py`)
     reprefill_tokens: int = 0  # uncovered history it prefilled again
     degraded: bool = False  # served at a precision other than its model's preferred one
     engine: int = 0  # epoch of the engine that serves it (`ModelState.epoch`)

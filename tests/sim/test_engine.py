@@ -128,13 +128,14 @@ def test_hand_checked_latencies_with_room_for_both(policy: str, expected: list[f
         # a again: a level-1 wake, 0.1 s + 4 s of copy from the host backup, and its sleep freed its KV:
         # re-prefill the 2000-token history, 2 (the ablation without KV write-through)
         ("lru-nokv", [38.0, 39.0, 6.1]),
-        # the same, but a's turn-1 KV (1000 tokens) was written through to host: it restores in 1 ms and only
-        # b's 1000 tokens are re-prefilled, 0.1 + 4 + 0.001 + 1
-        ("lru", [38.0, 39.0, 5.101]),
+        # the same, but LMCache stored a's turn-1 prompt in host DRAM in whole 256-token chunks, 768 of its 1000
+        # tokens (sim/kv_save.py): they restore in 0.768 ms and the other 1232 of the history are re-prefilled,
+        # 0.1 + 4 + 0.000768 + 1.232
+        ("lru", [38.0, 39.0, 5.332768]),
         # a fixed on the GPU at t=0 (static's placement); b prefetched after turn 1 (a is needed only at 200 s,
-        # later than b at 100 s); a prefetched after turn 2; at 200 s a's KV (1000 tokens, written through to
-        # host) restores in 1 ms and b's 1000 tokens are re-prefilled
-        ("oracle", [0.0, 1.0, 1.001]),
+        # later than b at 100 s); a prefetched after turn 2; at 200 s the 768 tokens of a's KV stored to host
+        # restore in 0.768 ms and the other 1232 are re-prefilled
+        ("oracle", [0.0, 1.0, 1.232768]),
     ],
 )
 def test_hand_checked_latencies_with_room_for_one(policy: str, expected: list[float]) -> None:
@@ -142,8 +143,12 @@ def test_hand_checked_latencies_with_room_for_one(policy: str, expected: list[fl
 
 
 def test_ttft_adds_the_prefill_of_the_new_input() -> None:
+    """Each prefill's step also waits for LMCache's store of the prompt's whole 256-token chunks not yet in host
+    DRAM (sim/kv_save.py), at 1000 B a token over the 1 GB/s D2H link: a's 1000-token prompt stores 768 tokens,
+    0.768 ms; b's 2000, 1792 tokens, 1.792 ms; a's 3000 the 2816 - 768 = 2048 its first turn left out, 2.048 ms."""
     result = simulate(tiny_scenario(), tiny_trace(), create_policy("lru"))
-    assert [round(r.ttft_seconds, 4) for r in result.requests] == pytest.approx([39.0, 40.0, 2.0])
+    assert [r.ttft_seconds for r in result.requests] == pytest.approx([39.000768, 40.001792, 2.002048])
+    assert [r.save_seconds for r in result.requests] == pytest.approx([0.000768, 0.001792, 0.002048])
 
 
 def test_completion_adds_the_decode_to_the_ttft() -> None:
@@ -151,10 +156,12 @@ def test_completion_adds_the_decode_to_the_ttft() -> None:
     trace = tiny_trace()
     trace[-1] = TraceRequest(t=200.0, session="s1", model="a", input_tokens=1000, output_tokens=200)
     result = simulate(tiny_scenario(), trace, create_policy("lru"))
-    assert [r.done_at - r.admitted_at for r in result.requests] == pytest.approx([39.0, 40.0, 3.0], abs=1e-3)
+    # (the TTFTs of the test above; the last turn's decode also reads its KV, 0.8 ms in all)
+    expected = [39.000768, 40.001792, 3.002048]
+    assert [r.done_at - r.admitted_at for r in result.requests] == pytest.approx(expected, abs=1e-3)
     by_model = summarize(result)["completion_seconds_by_model"]
-    assert by_model["a"]["p50"] == pytest.approx((39.0 + 3.0) / 2, abs=1e-3)
-    assert by_model["b"] == pytest.approx({"p50": 40.0, "p95": 40.0}, abs=1e-3)
+    assert by_model["a"]["p50"] == pytest.approx((expected[0] + expected[2]) / 2, abs=1e-3)
+    assert by_model["b"] == pytest.approx({"p50": expected[1], "p95": expected[1]}, abs=1e-3)
 
 
 def test_handoffs_are_model_changes_within_a_session() -> None:
@@ -253,7 +260,8 @@ def test_a_request_no_engine_can_hold_fails_after_the_timeout_and_its_session_go
     finds the KV stuck and takes a down; s2's b cold-starts meanwhile (38 s, switch 38). At 600 s (the
     client's timeout) s1's turn fails: its whole wait is placement or cold start, never served. Its next turn
     (due at 100 s, after the answer) arrives then with an unchanged (empty) history and wakes a from its
-    level-1 sleep: 4 s from host DRAM + 0.1 s, TTFT + 1,000 tokens x 1 ms. The replay ends at 605.1 s."""
+    level-1 sleep: 4 s from host DRAM + 0.1 s, TTFT + 1,000 tokens x 1 ms + the store of 768 of them to host
+    DRAM, 0.768 ms (sim/kv_save.py). The replay ends at 605.100768 s."""
     records = [
         TraceRequest(t=0.0, session="s1", model="a", input_tokens=10_000_000, output_tokens=0),
         TraceRequest(t=100.0, session="s1", model="a", input_tokens=1000, output_tokens=0),
@@ -264,10 +272,10 @@ def test_a_request_no_engine_can_hold_fails_after_the_timeout_and_its_session_go
     assert (lost.state, lost.failed_at) == ("failed", 600.0) and math.isnan(lost.switch_seconds)
     assert lost.parts == pytest.approx({"placement": 562.0, "cold_start": 38.0, "wake": 0.0, "queue": 0.0})
     assert (later.state, later.admitted_at, later.history_tokens) == ("done", 600.0, 0)
-    assert (later.switch_seconds, later.ttft_seconds) == pytest.approx((4.1, 5.1))
+    assert (later.switch_seconds, later.ttft_seconds) == pytest.approx((4.1, 5.100768))
     assert later.parts is not None and later.parts["wake"] == pytest.approx(4.1)
     assert (other.state, other.switch_seconds) == ("done", pytest.approx(38.0))
-    assert result.duration_seconds == pytest.approx(605.1)
+    assert result.duration_seconds == pytest.approx(605.100768)
     summary = summarize(result)
     assert summary["failed_requests"] == {"all": 1, "handoff": 0}
     assert summary["requests"] == 3 and summary["switch_latency_seconds"]["all"]["p50"] == pytest.approx(21.05)
@@ -275,10 +283,10 @@ def test_a_request_no_engine_can_hold_fails_after_the_timeout_and_its_session_go
 
 def test_a_timeout_moves_no_clock_and_takes_a_bound() -> None:
     """A request served in time leaves its timer behind without effect: the replay ends at its answer (38 s
-    cold start + 1 s), not at the timer's 600 s. The timeout must be positive."""
+    cold start + 1 s + 0.768 ms of store to host DRAM), not at the timer's 600 s. The timeout must be positive."""
     records = [TraceRequest(t=0.0, session="s1", model="a", input_tokens=1000, output_tokens=0)]
     result = simulate(tiny_scenario(), records, create_policy("lru"))
-    assert result.duration_seconds == pytest.approx(39.0)
+    assert result.duration_seconds == pytest.approx(39.000768)
     short = simulate(tiny_scenario(), records, create_policy("lru"), request_timeout_seconds=10.0)
     assert short.requests[0].state == "failed" and short.requests[0].failed_at == pytest.approx(10.0)
     with pytest.raises(ValueError, match="request_timeout_seconds"):
@@ -356,20 +364,23 @@ def test_models_sharing_a_gpu_take_its_prefill_in_turn() -> None:
     """a and b both warm on the one GPU: b's prefill, arriving while a's runs, starts when a's ends."""
     result = simulate(tiny_scenario(), prefill_while_another_runs("b"), create_policy("lru"))
     a, b = result.requests[2:]
-    # both weights fit the 10 GB card and stay warm; a prefills 4,000 tokens at 1 ms each from t=100 to 104
-    assert a.ttft_seconds == pytest.approx(4.0) and a.prefill_queue_seconds == 0.0
-    # b arrives at 101 with its model warm: it waits the 3 s left of a's prefill, then takes 1 s
-    assert b.prefill_queue_seconds == pytest.approx(3.0)
-    assert b.ttft_seconds == pytest.approx(4.0)
+    # both weights fit the 10 GB card and stay warm; a prefills 4,000 tokens at 1 ms each from t=100 to 104,
+    # and its step waits for the store of 3840 of them (15 whole chunks) to host DRAM, 3.84 ms
+    assert a.ttft_seconds == pytest.approx(4.00384) and a.prefill_queue_seconds == 0.0
+    # b arrives at 101 with its model warm: it waits the 3.00384 s left of a's prefill and store, then takes 1 s
+    # and stores 768 tokens, 0.768 ms
+    assert b.prefill_queue_seconds == pytest.approx(3.00384)
+    assert b.ttft_seconds == pytest.approx(4.004608)
 
 
 def test_the_report_parts_a_hand_off_s_wait_for_its_cards_from_its_switch_latency() -> None:
     """s2 hands off from b to a while a prefills s1 on the one GPU: its switch latency is that wait alone."""
     result = simulate(tiny_scenario(), prefill_while_another_runs("a"), create_policy("lru"))
     handoff = result.requests[3]
-    assert handoff.handoff and handoff.switch_seconds == pytest.approx(3.0)  # no history: nothing to re-prefill
+    # no history: nothing to re-prefill; a's prefill and its store of 3840 tokens to host DRAM (3.84 ms) hold the card
+    assert handoff.handoff and handoff.switch_seconds == pytest.approx(3.00384)
     waits = summarize(result)["handoff_prefill_wait_seconds"]
-    assert waits["wait"]["mean"] == pytest.approx(3.0)
+    assert waits["wait"]["mean"] == pytest.approx(3.00384)
     assert waits["switch_latency_without_wait"]["p95"] == pytest.approx(0.0)
 
 

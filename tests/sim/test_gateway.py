@@ -27,11 +27,14 @@ def run(records: list[TraceRecord], gateway: str) -> SimResult:
 
 
 def test_a_warm_up_in_the_tool_call_leaves_the_hand_off_nothing_to_prefill() -> None:
-    """s1's turn on a prefills 1,000 tokens, t=0 to 1. In its tool call (to t=100) the card is idle: the warm-up
-    prefills the 1,000-token history on b, t=1 to 2. The hand-off to b at t=100 finds it: switch 0 s instead of
-    the 1 s re-prefill. GPU bytes: a's and b's 4 GB weights throughout, s1's KV on a (1 MB) from t=0; its KV on b
-    (1 MB) from t=1 instead of t=100 (99 MB s more), then 2 MB on b for the hand-off; the run ends at t=101
-    instead of 102 (1 s less of 8.003 GB)."""
+    """s1's turn on a prefills 1,000 tokens, t=0 to 1, and its step stores 768 of them to host DRAM, 0.768 ms
+    (sim/kv_save.py: whole 256-token chunks at 1 GB/s). In its tool call (to t=100) the card is idle: the warm-up
+    prefills the 1,000-token history on b and stores 768 of it, t=1.000768 to 2.001536. The hand-off to b at
+    t=100 finds it: switch 0 s instead of the 1 s re-prefill, then 1 s of input and the store of the 1792 - 768
+    = 1024 tokens of its 2000-token prompt not in host DRAM yet, 1.024 ms (without the warm-up all 1792,
+    1.792 ms). GPU bytes: a's and b's 4 GB weights and s1's 1 MB of KV on a throughout, the run ending at
+    t=101.001024 instead of 102.001792; s1's KV on b, 1 MB from t=1.000768 instead of t=100, then 2 MB for the
+    hand-off until the end."""
     records: list[TraceRecord] = [
         TraceRequest(t=0.0, session="s1", model="a", input_tokens=1000, output_tokens=0),
         TraceRequest(t=100.0, session="s1", model="b", input_tokens=1000, output_tokens=0),
@@ -42,9 +45,11 @@ def test_a_warm_up_in_the_tool_call_leaves_the_hand_off_nothing_to_prefill() -> 
     assert warmed.requests[1].reprefill_tokens == 0
     gateway = warmed.extra["gateway"]
     assert (gateway["warmups_started"], gateway["warmups_completed"], gateway["warmups_used"]) == (1, 1, 1)
-    assert gateway["warmups_cancelled"] == 0 and gateway["warmup_prefill_seconds"] == pytest.approx(1.0)
-    assert warmed.duration_seconds == pytest.approx(101.0) and plain.duration_seconds == pytest.approx(102.0)
-    assert warmed.gpu_byte_seconds - plain.gpu_byte_seconds == pytest.approx(99e6 - 8.003e9)
+    assert gateway["warmups_cancelled"] == 0 and gateway["warmup_prefill_seconds"] == pytest.approx(1.001)
+    assert warmed.duration_seconds == pytest.approx(101.001024) and plain.duration_seconds == pytest.approx(102.001792)
+    warmed_bytes = 8.001e9 * 101.001024 + 1e6 * (100 - 1.000768) + 2e6 * 1.001024
+    plain_bytes = 8.001e9 * 102.001792 + 2e6 * 2.001792
+    assert warmed.gpu_byte_seconds - plain.gpu_byte_seconds == pytest.approx(warmed_bytes - plain_bytes)
 
 
 def test_the_priced_default_warms_only_where_the_saving_pays_for_the_room() -> None:
@@ -66,9 +71,10 @@ def test_the_priced_default_warms_only_where_the_saving_pays_for_the_room() -> N
 
 
 def test_a_real_request_cancels_the_warm_up_on_its_card_and_waits_for_nothing() -> None:
-    """s1's turn on a ends at t=5 (5,000 tokens); its warm-up on b would take the card t=5 to 10. s2 asks b at
-    t=7: the warm-up gives way at once (its KV freed), s2 prefills at t=7 as without the gateway, and the warm-up
-    is not tried again in that tool call: s1's hand-off at t=100 re-prefills its history as without it."""
+    """s1's turn on a ends at t=5.004864 (5,000 tokens, and the store of 4864 of them to host DRAM, 4.864 ms); its
+    warm-up on b would take the card from then for 5 s. s2 asks b at t=7: the warm-up gives way at once (its KV
+    freed), s2 prefills at t=7 as without the gateway (1 s, and 0.768 ms of store), and the warm-up is not tried
+    again in that tool call: s1's hand-off at t=100 re-prefills its history as without it."""
     records: list[TraceRecord] = [
         TraceRequest(t=0.0, session="s1", model="a", input_tokens=5000, output_tokens=0),
         TraceRequest(t=7.0, session="s2", model="b", input_tokens=1000, output_tokens=0),
@@ -83,14 +89,14 @@ def test_a_real_request_cancels_the_warm_up_on_its_card_and_waits_for_nothing() 
             theirs.done_at,
         )
     s2 = warmed.requests[1]
-    assert s2.prefill_queue_seconds == 0.0 and s2.ttft_seconds == pytest.approx(1.0)
+    assert s2.prefill_queue_seconds == 0.0 and s2.ttft_seconds == pytest.approx(1.000768)
     assert warmed.requests[2].switch_seconds == pytest.approx(5.0)
     gateway = warmed.extra["gateway"]
     assert (gateway["warmups_started"], gateway["warmups_cancelled"], gateway["warmups_used"]) == (1, 1, 0)
     assert gateway["cancelled_by"] == {"request": 1}
-    assert gateway["cancelled_prefill_seconds"] == pytest.approx(2.0)  # t=5 to 7
-    # the cancelled warm-up's KV was on the card t=5 to 7 only: 5,000 tokens x 1,000 B x 2 s
-    assert warmed.gpu_byte_seconds - plain.gpu_byte_seconds == pytest.approx(5000 * 1000 * 2.0)
+    assert gateway["cancelled_prefill_seconds"] == pytest.approx(1.995, abs=1e-3)  # t=5.004864 to 7
+    # the cancelled warm-up's KV was on the card t=5.004864 to 7 only: 5,000 tokens x 1,000 B x 1.995136 s
+    assert warmed.gpu_byte_seconds - plain.gpu_byte_seconds == pytest.approx(5000 * 1000 * 1.995136)
 
 
 def test_affinity_replays_as_none_with_one_engine_per_model() -> None:
@@ -139,8 +145,10 @@ def test_the_study_pairs_each_arm_with_none_and_renders() -> None:
 
 
 def test_an_eager_warm_up_holds_its_card_and_the_real_prefill_waits_behind_it() -> None:
-    """The ablation on the same trace: the warm-up takes the card t=5 to 10 as a real prefill does, so s2's
-    prefill, arriving at t=7, waits 3 s; the warm-up completes and s1's hand-off finds its history on b."""
+    """The ablation on the same trace: the warm-up takes the card as a real prefill does, from t=5.004864 for
+    5 s and the store of 4864 tokens to host DRAM (4.864 ms), to t=10.009728, so s2's prefill, arriving at t=7,
+    waits 3.009728 s, then takes 1 s and 0.768 ms of store; the warm-up completes and s1's hand-off finds its
+    history on b."""
     records: list[TraceRecord] = [
         TraceRequest(t=0.0, session="s1", model="a", input_tokens=5000, output_tokens=0),
         TraceRequest(t=7.0, session="s2", model="b", input_tokens=1000, output_tokens=0),
@@ -149,7 +157,7 @@ def test_an_eager_warm_up_holds_its_card_and_the_real_prefill_waits_behind_it() 
     ]
     eager = run(records, "affinity+eager-warmups")
     s2 = eager.requests[1]
-    assert s2.prefill_queue_seconds == pytest.approx(3.0) and s2.ttft_seconds == pytest.approx(4.0)
+    assert s2.prefill_queue_seconds == pytest.approx(3.009728) and s2.ttft_seconds == pytest.approx(4.010496)
     assert eager.requests[2].switch_seconds == pytest.approx(0.0)
     gateway = eager.extra["gateway"]
     assert (gateway["warmups_started"], gateway["warmups_cancelled"], gateway["warmups_used"]) == (1, 0, 1)

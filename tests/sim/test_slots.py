@@ -58,15 +58,17 @@ def test_the_closed_loop_keeps_the_traces_gaps_from_each_arrival_and_never_count
     """By hand, on the tiny scenario (NVMe 0.5 GB/s, prefill 1 ms/token, a cold start 30 s after the copy):
 
     turn 1 arrives at 0; swap-ttl cold-starts a: 4 GB / 0.5 GB/s = 8 s + 30 s, ready at 38; prefill of
-    1000 tokens 1 s: done at 39. Turn 2 is due 10 s after turn 1 arrived, at 10, but the answer comes at
+    1000 tokens 1 s: done at 39 (and 0.768 ms: the step stores the prompt's 768 whole-chunk tokens to host
+    DRAM at 1 GB/s, sim/kv_save.py). Turn 2 is due 10 s after turn 1 arrived, at 10, but the answer comes at
     39: it arrives then (lag 29 s), finds its 1000-token history in a's KV and prefills its own 1000
-    tokens: done at 40. Turn 3 keeps its 90 s gap from turn 2's arrival: 100 + 29 = 129, done at 130; the
-    end, 50 s later in the trace, at 179. Waiting the gap after each answer (start-to-start gap plus the
-    replay's service) would have put turn 2 at 49 and turn 3 at 140.
+    tokens: done at 40 (+ 1.024 ms, storing tokens 768 to 1792). Turn 3 keeps its 90 s gap from turn 2's
+    arrival: 100 + 29 = 129, done at 130 (+ 1.024 ms, tokens 1792 to 2816); the end, 50 s later in the trace,
+    at 179. Waiting the gap after each answer (start-to-start gap plus the replay's service) would have put
+    turn 2 at 49 and turn 3 at 140.
     """
     result = simulate(tiny_scenario(10 * GB), one_session_three_turns(), create_policy("swap-ttl"))
     assert [r.admitted_at for r in result.requests] == pytest.approx([0.0, 39.0, 129.0], abs=1e-3)
-    assert [r.done_at for r in result.requests] == pytest.approx([39.0, 40.0, 130.0], abs=1e-3)
+    assert [r.done_at for r in result.requests] == pytest.approx([39.000768, 40.001792, 130.001792], abs=1e-6)
     assert result.duration_seconds == pytest.approx(179.0, abs=1e-3)
     assert saturated(result.duration_seconds, 150.0)  # 179 s > 1.05 x 150 s
     # open loop: each turn at its trace time, after the previous answer

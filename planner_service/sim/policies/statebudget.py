@@ -3,8 +3,8 @@
 When to plan: as the service does (`planner/online.py`). On a request whose
 model is not ready (at most one plan every `min_interval_seconds`, the
 service's debounce) and otherwise every `replan_seconds` when requests arrived
-since the last plan. A turn ending does not trigger a plan: the KV it leaves
-is written through to host DRAM by the engine. Between plans, a request whose
+since the last plan. A turn ending does not trigger a plan: LMCache stored
+its prompt's KV to host DRAM as it prefilled (`sim/kv_save.py`). Between plans, a request whose
 model is cold is loaded on demand (below), as `lru` would.
 
 What a plan sees, and when it is adopted: as the service plans (`planner/online.py`). The policy builds

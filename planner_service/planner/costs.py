@@ -298,6 +298,51 @@ def decode_slowdown_seconds(
     return expert_miss_seconds(constants.output_tokens_per_request, model, gpu_fraction, gpus, constants, cpu_experts)
 
 
+def expert_step_bytes(
+    model: ModelSpec, gpu_fraction: float, constants: CostConstants, batch: int = 1
+) -> tuple[float, float]:
+    """Bytes of routed experts one decode step of `batch` tokens touches: (on the GPUs, off them).
+
+    Every MoE layer routes each token to k of its E experts (config.json `num_experts_per_tok`, and
+    `n_routed_experts` or `num_experts`: 8 of 256 for DeepSeek-V3, 8 of 128 for Qwen3-235B-A22B and
+    Qwen3-30B-A3B, ../shared/data/hf_configs); a step reads each expert its tokens route to once, whatever
+    the number of tokens routed to it: vLLM's fused MoE kernel sorts the step's tokens by expert and runs
+    each expert's block of them against its weights (vllm/model_executor/layers/fused_moe/
+    moe_align_block_size.py), KTransformers' CPU operator counts the tokens per expert and runs one GEMM
+    per expert (ktransformers/ktransformers_ext/operators/llamafile/moe.cpp, `MOE::forward_many`). With the
+    hottest share f of the experts on GPU taking hit(f) of the reads (`expert_hit_rate`), and the experts of
+    each side equally likely among themselves, an expert of side c (n_c of each layer's E experts, read
+    share s_c) is routed a token with probability p_c = k * s_c / n_c, and b tokens, routed independently,
+    touch
+
+        touched_c(b) = n_c * (1 - (1 - p_c) ** b)     experts per layer
+        gpu:  n = f E,        s = hit(f)       ->  bytes = f * experts_bytes * (1 - (1 - p_gpu) ** b)
+        off:  n = (1 - f) E,  s = 1 - hit(f)   ->  bytes = (1 - f) * experts_bytes * (1 - (1 - p_off) ** b)
+        p_gpu = hit(f) * a / (f X),  p_off = (1 - hit(f)) * a / ((1 - f) X)   (k / E = a / X)
+    with X = experts_bytes (all routed experts) and a = active_expert_bytes_per_token, both [B]. One token
+    touches hit(f) * a and (1 - hit(f)) * a, the per-token rule of `expert_miss_seconds`; under uniform
+    routing (skew 1: p_gpu = p_off = k / E) the sum is the whole layer's E * (1 - (1 - k / E) ** b). A
+    probability is at most 1 (the hit curve's head can ask more reads of each GPU expert than one token
+    makes when the GPU holds under (k / E) ** (1 / (1 - skew)) of the experts: then each is touched once).
+    (0, 0) for a dense model.
+    """
+    if not model.is_moe or batch <= 0:
+        return 0.0, 0.0
+    f = min(1.0, max(0.0, gpu_fraction))
+    hit = expert_hit_rate(f, constants)
+    total = float(model.experts_bytes)
+    active = model.active_expert_bytes_per_token
+    on_gpu = 0.0
+    if f > 0:
+        p_gpu = min(1.0, hit * active / (f * total))
+        on_gpu = f * total * (1 - (1 - p_gpu) ** batch)
+    off_gpu = 0.0
+    if f < 1:
+        p_off = min(1.0, (1 - hit) * active / ((1 - f) * total))
+        off_gpu = (1 - f) * total * (1 - (1 - p_off) ** batch)
+    return on_gpu, off_gpu
+
+
 def decode_seconds_per_token(
     model: ModelSpec,
     precision: str,
@@ -308,25 +353,41 @@ def decode_seconds_per_token(
     context_tokens: float = 0.0,
     cpu_experts: bool = False,
     expert_misses: bool = True,
+    batch: int = 1,
+    cpu_share: float = 1.0,
 ) -> float:
-    """Memory-bound decode: a step reads the weights, the active experts and the request's KV once from HBM,
-    plus the tensor-parallel all-reduce of a group of several cards, plus the MoE miss.
+    """One memory-bound decode step of `batch` requests on the group, each request's time per output token
+    (every request of the batch waits for the whole step): the weights read once, the experts the batch's
+    tokens touch, every request's KV, the tensor-parallel all-reduce of the batch's tokens, and the MoE miss.
 
-        t/token = (weights_bytes + active_expert_bytes_per_token + kv_bytes_per_token * context_tokens)
-                  / (HBM_EFFICIENCY * sum_i hbm_i)                                     [B / (B/s)]
-                  + tp_allreduce_seconds_per_token(model, gpus)
-                  + expert_miss_seconds(1 token, f)         (unless `expert_misses` is off)
-    `context_tokens` is the context the step attends to (the KV is sharded over the group, each card reading
-    its share). Concurrent requests of a model share its steps (a batch), so the weights are read once for
-    all; each request is priced with its own KV and the all-reduce of a batch of one (a step of b requests
-    reads each one's KV and sends b times the bytes), a lower bound on a loaded group's step.
+        on, off  = expert_step_bytes(model, f, constants, b)                            [B]
+        t_step(b) = (weights_bytes + on + off + kv_bytes_per_token * context_tokens)
+                    / (HBM_EFFICIENCY * sum_i hbm_i)                                    [B / (B/s)]
+                    + b * tp_allreduce_seconds_per_token(model, gpus)                   [s]
+                    + miss(b)                          (unless `expert_misses` is off)
+        miss(b)  = off / sum_i h2d_i         (stream the touched experts off GPU to it: MoE-Infinity)
+                   min(that, off / (cpu_share * CPU_EXPERT_BYTES_PER_S))   where `cpu_experts` (a complete
+                   copy in host DRAM, computed there: KTransformers)            [B / (B/s)]
+    `context_tokens` is the context the step attends to, summed over the batch's requests (the KV is
+    sharded over the group, each card reading its share). Every touched expert is read from HBM, a streamed
+    one after its copy (as at b = 1 before: for those the CPU computes, an upper bound). The CPU's rate is
+    the batch-of-one KTransformers measurement (`CPU_EXPERT_BYTES_PER_S`), here the bytes of the experts a
+    step touches, each read once for its tokens; its compute, which grows with the tokens per expert, is
+    left out. `cpu_share` is the part of the node's CPU this engine's steps get where several engines'
+    misses share it. At b = 1 this is the per-token price of a request decoding alone (`expert_miss_seconds`
+    of one token, the whole active experts read from HBM).
     """
-    step: float = (
-        model.weights_bytes[precision] + model.active_expert_bytes_per_token + model.kv_bytes_per_token * context_tokens
-    ) / (HBM_EFFICIENCY * sum(map(_HBM, gpus))) + tp_allreduce_seconds_per_token(model, gpus)
-    if not model.is_moe or not expert_misses:
+    on_gpu, off_gpu = expert_step_bytes(model, gpu_expert_fraction, constants, batch)
+    hbm_bytes = model.weights_bytes[precision] + on_gpu + off_gpu + model.kv_bytes_per_token * context_tokens
+    step: float = hbm_bytes / (HBM_EFFICIENCY * sum(map(_HBM, gpus))) + batch * tp_allreduce_seconds_per_token(
+        model, gpus
+    )
+    if not model.is_moe or not expert_misses or off_gpu <= 0:
         return step
-    return step + expert_miss_seconds(1, model, gpu_expert_fraction, gpus, constants, cpu_experts)
+    pcie: float = off_gpu / sum(map(_H2D, gpus))
+    if not cpu_experts:
+        return step + pcie
+    return step + min(pcie, off_gpu / (cpu_share * CPU_EXPERT_BYTES_PER_S))
 
 
 def gpu_hold_cost(nbytes: int, constants: CostConstants) -> float:

@@ -28,12 +28,15 @@ What is modelled (the same cost model as the planner, `planner/costs.py`):
   attention, which grows with the context) and serialised per GPU (one prefill at a time on a
   card, which models sharing the card take in turn: a prefill starts when
   every card of its group is free); decode is memory-bound
-  (`costs.decode_seconds_per_token`: a step reads the active weights and the
-  request's KV from HBM, plus the group's all-reduce, plus the planner's MoE miss rule `costs.expert_miss_seconds`: a
-  missed routed expert is streamed over PCIe or, where host DRAM holds the
-  experts, computed by the CPU (KTransformers), the cheaper). Concurrent requests of one model on its
-  group share decode steps (a batch), so decode does not slow down with the
-  batch size.
+  (`costs.decode_seconds_per_token`): concurrent requests of one model on its
+  group share decode steps (a batch), each output token one step, which reads
+  the weights once, every running request's KV and the routed experts the
+  batch's tokens touch from HBM, plus the group's all-reduce of the batch's
+  tokens, plus the MoE miss: the experts touched off GPU streamed over PCIe or,
+  where host DRAM holds the experts, computed by the CPU (KTransformers), the
+  cheaper, the node's CPU shared by the requests of every engine whose misses
+  it computes. A request is priced with the batch its engine runs when its
+  prefill is scheduled; a batch that changes while it decodes is not re-priced.
 * **KV**: a session's history H grows by each turn's input + output tokens.
   Model M's KV for the session covers the history up to M's last turn in it
   while retained. A request allocates its whole KV footprint
@@ -248,6 +251,8 @@ class Simulator(SimState):
         self._xfer_at: float | None = None
         self.deadlock_breaks = 0
         self.compute_free_at: dict[str, float] = defaultdict(float)  # per GPU: when its current prefill ends
+        # per (model, engine epoch): the running requests' mean decode contexts, summed (a step reads every KV)
+        self.context_on: dict[tuple[str, int], float] = defaultdict(float)
         self._gpu_byte_seconds = 0.0
         self._idle_byte_seconds = 0.0
         self._last_sample = 0.0
@@ -610,6 +615,7 @@ class Simulator(SimState):
         req.engine = state.epoch
         self.running[req.model] += 1
         self.running_on[(req.model, state.epoch)] += 1
+        self.context_on[(req.model, state.epoch)] += decode_context(req)
         self.running_kv.add(kv)
         self.touch(StateObject.weights(req.model, state.precision))
         self.touch(kv)
@@ -677,23 +683,28 @@ class Simulator(SimState):
         parts["prefill_queue"] = req.prefill_queue_seconds
         parts["reprefill"] = ready - start
         req.parts = parts
-        # output token k attends to history + input + k tokens: their mean over the output is exact, the
-        # KV read being linear in the context
-        context = req.history_tokens + req.input_tokens + (req.output_tokens - 1) / 2
-        decode = req.output_tokens * self.decode_seconds_per_token(req.model, state, context)
+        # decode in the batch its engine runs now (this request and every other running there), each output
+        # token one step of that batch; a batch that changes while the request decodes is not re-priced
+        engine = (req.model, state.epoch)
+        decode = req.output_tokens * self.decode_seconds_per_token(
+            req.model, state, self.context_on[engine], self.running_on[engine]
+        )
         self.push(first_token + decode, "done", req)
 
-    def decode_seconds_per_token(self, model_id: str, state: ModelState, context_tokens: float = 0.0) -> float:
-        """`costs.decode_seconds_per_token` on the serving group, at `context_tokens` of context and at the
-        share of the model's routed experts on its node's GPUs; a missed expert is computed by the CPU where
-        host DRAM holds them all."""
+    def decode_seconds_per_token(
+        self, model_id: str, state: ModelState, context_tokens: float = 0.0, batch: int = 1
+    ) -> float:
+        """`costs.decode_seconds_per_token` of a step of `batch` requests on the serving group, at their
+        `context_tokens` of context summed and at the share of the model's routed experts on its node's GPUs.
+        A missed expert is computed by the CPU where host DRAM holds them all; the node's CPU is then shared by
+        the requests running on every engine of the node whose misses it computes, this engine's steps getting
+        `batch` / (those requests) of its rate (processor sharing per request)."""
         model = self.problem.models[model_id]
-        fraction = 0.0
-        in_dram = False
-        if model.is_moe and self.expert_miss_decode:
-            experts = StateObject.experts(model_id)
-            fraction = self.cluster.node_bytes(experts, state.node, Tier.GPU) / model.experts_bytes
-            in_dram = self.cluster.complete_below(experts, state.node) is Tier.HOST
+        fraction, in_dram = self._expert_residency(model_id, state)
+        cpu_share = 1.0
+        if in_dram and fraction < 1:
+            on_cpu = sum(n for engine, n in self.running_on.items() if self._cpu_computes_misses(*engine, state.node))
+            cpu_share = batch / max(batch, on_cpu)
         return costs.decode_seconds_per_token(
             model,
             state.precision,
@@ -703,7 +714,27 @@ class Simulator(SimState):
             context_tokens=context_tokens,
             cpu_experts=in_dram,
             expert_misses=self.expert_miss_decode,
+            batch=batch,
+            cpu_share=cpu_share,
         )
+
+    def _expert_residency(self, model_id: str, state: ModelState) -> tuple[float, bool]:
+        """The share of a MoE's routed experts on its node's GPUs, and whether host DRAM holds them all
+        ((0, False) for a dense model, or where decode ignores the experts off GPU)."""
+        model = self.problem.models[model_id]
+        if not model.is_moe or not self.expert_miss_decode:
+            return 0.0, False
+        experts = StateObject.experts(model_id)
+        fraction = self.cluster.node_bytes(experts, state.node, Tier.GPU) / model.experts_bytes
+        return fraction, self.cluster.complete_below(experts, state.node) is Tier.HOST
+
+    def _cpu_computes_misses(self, model_id: str, epoch: int, node: str) -> bool:
+        """Whether the model's serving engine `epoch` is on `node` and its CPU computes the experts it misses."""
+        state = self.models.get(model_id)
+        if state is None or state.epoch != epoch or state.node != node:
+            return False
+        fraction, in_dram = self._expert_residency(model_id, state)
+        return in_dram and fraction < 1
 
     def _on_done(self, req: SimRequest) -> None:
         session = self.sessions[req.session]
@@ -719,8 +750,10 @@ class Simulator(SimState):
         self.running[req.model] -= 1
         engine = (req.model, req.engine)
         self.running_on[engine] -= 1
+        self.context_on[engine] -= decode_context(req)
         if not self.running_on[engine]:
             del self.running_on[engine]
+            del self.context_on[engine]
         self.touch(kv)
         state = self.models.get(req.model)
         if state is not None:
@@ -782,6 +815,12 @@ class Simulator(SimState):
                 self.gpu_tokens.pop(obj, None)
                 self.host_tokens.pop(obj, None)
                 self.computed_tokens.pop(obj, None)
+
+
+def decode_context(req: SimRequest) -> float:
+    """The mean context of a request's output tokens: token k attends to history + input + k tokens, and
+    their mean over the output is exact for the KV read, linear in the context."""
+    return req.history_tokens + req.input_tokens + (req.output_tokens - 1) / 2
 
 
 def simulate(scenario: Scenario, records: Sequence[TraceRecord], policy: PolicyHooks, **options: object) -> SimResult:

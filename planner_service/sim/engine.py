@@ -25,7 +25,9 @@ What is modelled (the same cost model as the planner, `planner/costs.py`):
   `sglang` a MoE's GPU expert share is fixed while the instance runs.
 * **Compute**: prefill is compute-bound (`costs.prefill_seconds` on the serving
   group: per token, a tensor-parallel group's all-reduce included, plus the
-  attention, which grows with the context) and serialised per GPU (one prefill at a time on a
+  attention, which grows with the context, plus a MoE's routed experts off its
+  node's GPUs, streamed over PCIe once per chunk or computed by the CPU where
+  host DRAM holds them all, the cheaper) and serialised per GPU (one prefill at a time on a
   card, which models sharing the card take in turn: a prefill starts when
   every card of its group is free); decode is memory-bound
   (`costs.decode_seconds_per_token`: a step reads the active weights and the
@@ -618,7 +620,10 @@ class Simulator(SimState):
         host_tokens = min(self.host_tokens[kv], computed) if self.cluster.bytes_of(kv, Location.host(state.node)) else 0
         restorable = max(0, host_tokens - have)
         node = self.problem.nodes[state.node]
-        restored, _ = costs.kv_ready(missing, restorable * kvpt, model, group, Tier.HOST, node, self.c, have)
+        fraction, in_dram = self.expert_share(req.model, state)
+        restored, _ = costs.kv_ready(
+            missing, restorable * kvpt, model, group, Tier.HOST, node, self.c, have, fraction, in_dram
+        )
         if restored > 0:
             self._restore(req, state, kv, restored, math.ceil(restored * kvpt / len(group)), missing - restored)
             return True
@@ -654,8 +659,11 @@ class Simulator(SimState):
         req.degraded = state.precision != model.preferred
         # the re-prefill follows the history the group holds or restored, the input follows the whole history
         history = req.history_tokens
-        ready = start + costs.prefill_seconds(reprefill_tokens, history - reprefill_tokens, model, state.gpus, self.c)
-        first_token = ready + costs.prefill_seconds(req.input_tokens, history, model, state.gpus, self.c)
+        f, in_dram = self.expert_share(req.model, state)
+        ready = start + costs.prefill_seconds(
+            reprefill_tokens, history - reprefill_tokens, model, state.gpus, self.c, f, in_dram
+        )
+        first_token = ready + costs.prefill_seconds(req.input_tokens, history, model, state.gpus, self.c, f, in_dram)
         for g in state.gpus:
             free_at[g.id] = first_token
         req.switch_seconds = ready - req.admitted_at
@@ -679,9 +687,7 @@ class Simulator(SimState):
         fraction = 0.0
         in_dram = False
         if model.is_moe and self.expert_miss_decode:
-            experts = StateObject.experts(model_id)
-            fraction = self.cluster.node_bytes(experts, state.node, Tier.GPU) / model.experts_bytes
-            in_dram = self.cluster.complete_below(experts, state.node) is Tier.HOST
+            fraction, in_dram = self.expert_share(model_id, state)
         return costs.decode_seconds_per_token(
             model,
             state.precision,

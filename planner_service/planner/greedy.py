@@ -129,10 +129,11 @@ from planner_service.planner.engine_instances import (
 )
 from planner_service.planner.errors import PlanningError
 from planner_service.planner.lateness import Lateness
-from planner_service.planner.objective import ColdLoad, Demand, cold_load, expert_share, kv_ready
+from planner_service.planner.objective import ColdLoad, Demand, cold_load, kv_ready
 from planner_service.planner.residency import UNKNOWN, ResidencyIndex, copy_placement
 
 SLO_RANK = {Slo.BLOCKING: 0, Slo.INTERACTIVE: 1, Slo.BACKGROUND: 2}
+_ALL_ON_GPU = (1.0, False)  # the expert share the greedy's estimates prefill a MoE at (`_prefill_rates`)
 EXPERT_CHUNKS = 16  # granularity of partial expert residency the greedy considers
 _BY_ID = operator.attrgetter("id")
 _H2D = operator.attrgetter("h2d_bytes_per_s")
@@ -492,7 +493,6 @@ class GreedyPlanner:
         # (node, MoE models) -> `_experts_curve`
         self._curves: dict[tuple[str | tuple[str, float, int], ...], tuple[list[int], list[float]]] = {}
         self._expert_terms_memo: dict[tuple[tuple[Hashable, ...], float, int], _ExpertTerms] = {}
-        self._expert_shares: dict[tuple[str, str], tuple[float, bool]] = {}  # (model, node) -> `expert_share` now
         self._price = self.c.gpu_price_seconds_per_gib / GIB  # seconds per byte held on GPU
         self._shapes: dict[tuple[str, bool, int], _ExpertShape] = {}
         self._shape_on: dict[tuple[str, str], _ExpertShape] = {}  # (model, node) -> its shape
@@ -797,7 +797,7 @@ class GreedyPlanner:
         """Seconds to ready the session's KV for the model on `gpus` of the node, as the evaluator prices it:
         restored from the node's lower tiers or re-prefilled, what its GPUs hold counting where `staying`."""
         on_gpus = self.now.on(StateObject.kv(model.id, session_id), node_id, _GPU) if staying else 0
-        return kv_ready(self.p, self.now, model, session_id, node_id, gpus, on_gpus)
+        return kv_ready(self.p, self.now, model, session_id, node_id, gpus, on_gpus, _ALL_ON_GPU)
 
     def _late_penalty(self, model_id: str, per_token: float, per_pair: float) -> float:
         """The violation penalty of the model's predicted requests whose history's re-prefill alone, at
@@ -813,30 +813,16 @@ class GreedyPlanner:
         return late
 
     def _prefill_rates(self, model: ModelSpec, gpus: Sequence[Gpu]) -> tuple[float, float]:
-        """Prefill seconds per token and per attention pair of the model on `gpus` (`costs.prefill_seconds`); on
-        the node serving a MoE now, its experts off GPU at their long-prefill rate
-        (`costs.expert_prefill_seconds_per_token`) at the share there now, as the evaluator prices it (linear in
-        tokens, within one pass of it). Elsewhere the plan has yet to choose its experts (`_push_expert_chunks`):
-        pricing the share there now, none for a fresh load, would steer a MoE to the group that streams them
-        fastest rather than the one that holds them."""
-        per_token = costs.prefill_seconds_per_token(model, gpus, self.c)
-        if model.is_moe and gpus:
-            fraction, in_dram = self._expert_share(model, gpus[0].node)
-            rates = costs.expert_prefill_rates(model, fraction, gpus, self.c, in_dram)
-            per_token += costs.expert_prefill_seconds_per_token(*rates)
-        return per_token, costs.attention_seconds_per_pair(model, gpus, self.c)
+        """Prefill seconds per token and per attention pair of the model on `gpus` (`costs.prefill_seconds`).
 
-    def _expert_share(self, model: ModelSpec, node: str) -> tuple[float, bool]:
-        """The expert share the greedy's estimates prefill a MoE at on the node: `objective.expert_share` now on
-        the node serving it now, all on GPU elsewhere (`_prefill_rates`)."""
-        key = (model.id, node)
-        share = self._expert_shares.get(key)
-        if share is None:
-            current = self.now.serving.get(model.id)
-            serving_here = current is not None and current.node == node
-            share = expert_share(self.now, model, node) if serving_here else (1.0, False)
-            self._expert_shares[key] = share
-        return share
+        A MoE's experts off GPU (`costs.expert_prefill_seconds`) are left out of the greedy's estimates, as if
+        all were on GPU (`_ALL_ON_GPU`): the evaluator prices them at the share on the node's GPUs now, which
+        the plan's own expert chunks do not change, so that share would steer a fresh load to the group that
+        streams its experts fastest rather than the one that holds them, and a MoE to whichever node it is not
+        served on now."""
+        return costs.prefill_seconds_per_token(model, gpus, self.c), costs.attention_seconds_per_pair(
+            model, gpus, self.c
+        )
 
     def _expert_steps(self, model: ModelSpec, node_id: str) -> list[int]:
         """Cumulative bytes of the expert chunks the greedy offers on the node (hottest first)."""
@@ -1955,17 +1941,13 @@ class GreedyPlanner:
         node = self.p.nodes[group.node]
         tokens = session.context_tokens
         if not kv_ok_below:
-            return costs.kv_ready_seconds(
-                tokens, 0, model, group.gpus, _HOST, node, self.c, 0, *self._expert_share(model, group.node)
-            )
+            return costs.kv_ready_seconds(tokens, 0, model, group.gpus, _HOST, node, self.c)
         host = self.now.on(obj, group.node, _HOST)
         if (obj, group.node) in self._kv_on_gpus and node.host_bytes > 0:
             host = self.p.size_of(obj)
         nvme = self.now.on(obj, group.node, _NVME)
         source, restorable = (_HOST, host) if host >= nvme else (_NVME, nvme)
-        return costs.kv_ready_seconds(
-            tokens, restorable, model, group.gpus, source, node, self.c, 0, *self._expert_share(model, group.node)
-        )
+        return costs.kv_ready_seconds(tokens, restorable, model, group.gpus, source, node, self.c)
 
     def _kv_exists(self, obj: StateObject, group: Group) -> bool:
         """KV worth keeping is KV already computed, at the precision the model is served at.
@@ -2167,17 +2149,7 @@ class GreedyPlanner:
             return 0.0
         tokens = self.p.sessions[obj.session].context_tokens
         prefill = _reprefill(tokens, *self._prefill_rates(model, gpus))
-        restore = costs.kv_ready_seconds(
-            tokens,
-            self.p.size_of(obj),
-            model,
-            gpus,
-            _HOST,
-            self.p.nodes[node],
-            self.c,
-            0,
-            *self._expert_share(model, node),
-        )
+        restore = costs.kv_ready_seconds(tokens, self.p.size_of(obj), model, gpus, _HOST, self.p.nodes[node], self.c)
         return w * (prefill - restore)
 
     def _prefetch_to_host(self, host_used: dict[str, int]) -> None:

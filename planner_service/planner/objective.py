@@ -203,6 +203,11 @@ def kv_ready(
     )
 
 
+# `costs.expert_prefill_rates`: (seconds per pass of the experts off GPU, CPU seconds per token, chunk, k / E)
+_Rates = tuple[float, float, int, float]
+_DENSE: _Rates = (0.0, 0.0, 1, 0.0)
+
+
 def expert_share(index: ResidencyIndex, model: ModelSpec, node: str) -> tuple[float, bool]:
     """The share of a MoE's routed experts `index` puts on the node's GPUs (1 for a dense model), and whether
     its host DRAM holds them all: what the replay prefills at (`SimState.expert_share`)."""
@@ -220,9 +225,6 @@ def expert_rates(index: ResidencyIndex, model: ModelSpec, node: str, gpus: tuple
     return costs.expert_prefill_rates(model, fraction, gpus, c, in_dram)
 
 
-# `costs.expert_prefill_rates`: (seconds per pass of the experts off GPU, CPU seconds per token, chunk, k / E)
-_Rates = tuple[float, float, int, float]
-_DENSE: _Rates = (0.0, 0.0, 1, 0.0)
 # one model's sessions for `_kv_ready_of`: (index, row, model, node, gpus, on_gpus, per_token, experts, sessions)
 _KvGroup = tuple[ResidencyIndex, int, ModelSpec, str, tuple[Gpu, ...], bool, float, _Rates, Collection[str]]
 
@@ -392,7 +394,7 @@ def evaluate(
             # no KV anywhere: re-prefill the whole history; sessions holding some KV are priced below
             seconds = costs.prefill_seconds_per_token(model, gpus, c)
             pair = costs.attention_seconds_per_pair(model, gpus, c)
-            rates = expert_rates(now, model, node, gpus, c)
+            rates = expert_rates(now, model, node, gpus, c)  # the share on the node's GPUs now, as the MILP's
             if rates[0] > 0:
                 moe.append((len(rows), rates))
             holders = then.kv_sessions.get(model.id)

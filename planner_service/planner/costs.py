@@ -16,6 +16,7 @@ from typing import Any, overload
 import numpy as np
 
 from planner_service.domain import engines
+from planner_service.domain.architecture import bytes_per_param
 from planner_service.domain.problem import Gpu, ModelSpec, Node, Problem
 from planner_service.domain.scenario import CostConstants
 from planner_service.domain.state import Tier
@@ -52,6 +53,22 @@ DEEPSEEK_V3_Q4_K_M_BYTES_PER_PARAM = 377e9 / 671e9  # GGUF size / parameters
 CPU_EXPERT_BYTES_PER_S = (
     KTRANSFORMERS_DECODE_TOKENS_PER_S * DEEPSEEK_V3_ROUTED_PARAMS_PER_TOKEN * DEEPSEEK_V3_Q4_K_M_BYTES_PER_PARAM
 )  # about 129 GB/s of expert weights read by the CPU
+
+# A prefill is compute-bound on the CPU too (a chunk of C tokens reuses each expert's weights for about C * k / E
+# of them), so its rate scales with the routed parameters a token computes, not their bytes: KTransformers
+# prefills DeepSeek-V3 at Q4_K_M at 74.36 tokens/s on the same 2 x 32 cores (perf_anchors.md section 3; 255.26
+# with the AMX kernel, which not every CPU has). With the GPU's attention in that time, a lower bound again.
+KTRANSFORMERS_PREFILL_TOKENS_PER_S = 74.36
+CPU_EXPERT_PREFILL_PARAMS_PER_S = (
+    KTRANSFORMERS_PREFILL_TOKENS_PER_S * DEEPSEEK_V3_ROUTED_PARAMS_PER_TOKEN
+)  # about 1.52e12 routed parameters a second
+
+# vLLM prefills in chunks: a forward pass schedules at most max_num_batched_tokens tokens, which the OpenAI
+# server sets to 8192 on a GPU of at least 70 GiB that is not an A100 (H100, H200), else 2048
+# (vllm/engine/arg_utils.py, EngineArgs.get_batch_defaults: default_max_num_batched_tokens).
+PREFILL_CHUNK_TOKENS = 2048
+PREFILL_CHUNK_TOKENS_LARGE_GPU = 8192
+LARGE_GPU_BYTES = 70 * GIB  # against the card's capacity less 2 GiB reserved: the presets fall on the same sides
 
 
 def copy_seconds(shard_bytes: Sequence[int], gpus: Sequence[Gpu], source: Tier, node: Node) -> float:
@@ -156,18 +173,28 @@ def attention_seconds_per_pair(model: ModelSpec, gpus: Sequence[Gpu], constants:
 
 
 def prefill_seconds(
-    tokens: int, prefix_tokens: int, model: ModelSpec, gpus: Sequence[Gpu], constants: CostConstants
+    tokens: int,
+    prefix_tokens: int,
+    model: ModelSpec,
+    gpus: Sequence[Gpu],
+    constants: CostConstants,
+    gpu_expert_fraction: float = 1.0,
+    cpu_experts: bool = False,
 ) -> float:
     """Prefill of `tokens` after `prefix_tokens` of cached context: the weights' per-token cost plus the
-    attention, which grows with the context (quadratic in a prefill from scratch):
+    attention, which grows with the context (quadratic in a prefill from scratch), plus a MoE's routed experts
+    off GPU (the share 1 - `gpu_expert_fraction` of them; `cpu_experts`: a complete copy in host DRAM):
 
         t = tokens * prefill_seconds_per_token + causal_pairs(tokens, prefix) * attention_seconds_per_pair
+            + expert_prefill_seconds(tokens, f)
     """
     if tokens <= 0:
         return 0.0
-    return tokens * prefill_seconds_per_token(model, gpus, constants) + causal_pairs(
-        tokens, prefix_tokens
-    ) * attention_seconds_per_pair(model, gpus, constants)
+    return (
+        tokens * prefill_seconds_per_token(model, gpus, constants)
+        + causal_pairs(tokens, prefix_tokens) * attention_seconds_per_pair(model, gpus, constants)
+        + expert_prefill_seconds(tokens, model, gpu_expert_fraction, gpus, constants, cpu_experts)
+    )
 
 
 def kv_ready_seconds(
@@ -179,15 +206,28 @@ def kv_ready_seconds(
     node: Node,
     constants: CostConstants,
     prefix_tokens: int = 0,
+    gpu_expert_fraction: float = 1.0,
+    cpu_experts: bool = False,
 ) -> float:
     """Make a session's KV ready on GPU: restore what a lower tier holds, or re-prefill; the cheaper.
     The missing tokens follow `prefix_tokens` already on the group; restored ones come first.
 
     restore  = copy(restorable) + prefill(missing - restorable tokens after prefix + restorable)
-    prefill  = prefill(missing tokens after prefix)          (`prefill_seconds`)
+    prefill  = prefill(missing tokens after prefix)          (`prefill_seconds`, a MoE's experts off GPU included)
     t        = min(restore, prefill)       (LMCache's load-or-prefill crossover)
     """
-    return kv_ready(missing_tokens, restorable_bytes, model, gpus, source, node, constants, prefix_tokens)[1]
+    return kv_ready(
+        missing_tokens,
+        restorable_bytes,
+        model,
+        gpus,
+        source,
+        node,
+        constants,
+        prefix_tokens,
+        gpu_expert_fraction,
+        cpu_experts,
+    )[1]
 
 
 def kv_ready(
@@ -199,6 +239,8 @@ def kv_ready(
     node: Node,
     constants: CostConstants,
     prefix_tokens: int = 0,
+    gpu_expert_fraction: float = 1.0,
+    cpu_experts: bool = False,
 ) -> tuple[int, float]:
     """`kv_ready_seconds` with its choice: (tokens to restore, 0 to re-prefill them all; seconds). A restore
     is chosen only where it is strictly cheaper; its copy is one even shard per GPU of the group."""
@@ -206,7 +248,11 @@ def kv_ready(
         return 0, 0.0
     per_token = prefill_seconds_per_token(model, gpus, constants)
     per_pair = attention_seconds_per_pair(model, gpus, constants)
-    prefill_all = missing_tokens * per_token + causal_pairs(missing_tokens, prefix_tokens) * per_pair
+    prefill_all = (
+        missing_tokens * per_token
+        + causal_pairs(missing_tokens, prefix_tokens) * per_pair
+        + expert_prefill_seconds(missing_tokens, model, gpu_expert_fraction, gpus, constants, cpu_experts)
+    )
     if restorable_bytes <= 0 or model.kv_bytes_per_token == 0:
         return 0, prefill_all
     restored_tokens = min(missing_tokens, restorable_bytes // model.kv_bytes_per_token)
@@ -216,6 +262,7 @@ def kv_ready(
         even_copy_seconds(shard, gpus, source, node)
         + rest * per_token
         + causal_pairs(rest, prefix_tokens + restored_tokens) * per_pair
+        + expert_prefill_seconds(rest, model, gpu_expert_fraction, gpus, constants, cpu_experts)
     )
     return (restored_tokens, restore) if restore < prefill_all else (0, prefill_all)
 
@@ -231,6 +278,7 @@ def kv_ready_seconds_grouped(
     per_token: np.ndarray | float,
     per_pair: np.ndarray | float = 0.0,
     prefix_tokens: np.ndarray | int = 0,
+    experts: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None,
 ) -> np.ndarray:
     """`kv_ready_seconds` for many sessions at once, of one or several models and groups: each parameter
     is an array with one entry per session, or one number for all (KV bytes per token must not be 0).
@@ -239,16 +287,22 @@ def kv_ready_seconds_grouped(
 
     `group_size`, `slowest_h2d` and `nvme_read` describe the group the KV is restored onto: its GPU count,
     its smallest host->GPU bandwidth and its node's NVMe read bandwidth; `per_token` and `per_pair` its
-    prefill seconds per token and per attention pair, `prefix_tokens` the tokens already on it.
+    prefill seconds per token and per attention pair, `prefix_tokens` the tokens already on it; `experts`, a MoE's
+    routed experts off GPU there: `expert_prefill_rates` (per pass, CPU per token, chunk, k / E) per session.
     """
     missing = np.maximum(missing_tokens, 0)
     prefill_all = missing * per_token + causal_pairs(missing, prefix_tokens) * per_pair
+    if experts is not None:
+        per_pass, cpu, chunk, share = experts
+        prefill_all = prefill_all + expert_prefill_seconds_many(missing, per_pass, cpu, chunk, share)
     restored = np.minimum(missing, restorable_bytes // kv_bytes_per_token)
     shard = np.ceil(restored * kv_bytes_per_token / group_size)
     restore = shard / slowest_h2d
     restore = np.where(from_host, restore, np.maximum(restore, shard * group_size / nvme_read))
     rest = missing - restored
     restore = restore + rest * per_token + causal_pairs(rest, prefix_tokens + restored) * per_pair
+    if experts is not None:
+        restore = restore + expert_prefill_seconds_many(rest, *experts)
     seconds: np.ndarray = np.where(restorable_bytes > 0, np.minimum(prefill_all, restore), prefill_all)
     return seconds
 
@@ -388,6 +442,102 @@ def decode_seconds_per_token(
     if not cpu_experts:
         return step + pcie
     return step + min(pcie, off_gpu / (cpu_share * CPU_EXPERT_BYTES_PER_S))
+
+
+def prefill_chunk_tokens(gpus: Sequence[Gpu]) -> int:
+    """Tokens a forward pass of the group's engine prefills at most (vLLM's default max_num_batched_tokens)."""
+    large = all(g.capacity_bytes >= LARGE_GPU_BYTES and "a100" not in g.type for g in gpus)
+    return PREFILL_CHUNK_TOKENS_LARGE_GPU if large and gpus else PREFILL_CHUNK_TOKENS
+
+
+@overload
+def expert_prefill_passes(tokens: float, routing_share: float, chunk: int) -> float: ...
+@overload
+def expert_prefill_passes(
+    tokens: np.ndarray, routing_share: np.ndarray | float, chunk: np.ndarray | int
+) -> np.ndarray: ...
+def expert_prefill_passes(tokens: Any, routing_share: Any, chunk: Any) -> Any:
+    """Forward passes' worth of routed experts a prefill of `tokens` touches, in chunks of `chunk` tokens.
+
+    Each token routes to k of E experts in every MoE layer (routing_share = k / E); with uniform routing a
+    chunk of c tokens leaves an expert untouched with probability (1 - k / E)^c, so it touches a share
+        touched(c) = 1 - (1 - k / E)^c                    (DeepSeek-V3, k / E = 8 / 256: 1 - 4e-29 at 2048)
+        passes     = floor(tokens / chunk) * touched(chunk) + touched(tokens mod chunk)
+    Numbers or numpy arrays of tokens alike."""
+    full = tokens // chunk
+    keep = 1.0 - routing_share
+    return full * (1.0 - keep**chunk) + (1.0 - keep ** (tokens - full * chunk))
+
+
+def expert_prefill_rates(
+    model: ModelSpec, gpu_fraction: float, gpus: Sequence[Gpu], constants: CostConstants, cpu_experts: bool = False
+) -> tuple[float, float, int, float]:
+    """What `expert_prefill_seconds` needs of the model and group: (seconds to stream every routed expert off
+    GPU once, CPU seconds per token where `cpu_experts` else 0, the chunk, k / E); zeros for a dense model or
+    one whose experts are all on GPU."""
+    if not model.is_moe or gpu_fraction >= 1.0:
+        return 0.0, 0.0, 1, 0.0
+    off = max(0.0, 1.0 - gpu_fraction)
+    per_pass: float = off * model.experts_bytes / sum(map(_H2D, gpus))
+    cpu = 0.0
+    if cpu_experts:
+        routed_params = model.active_expert_bytes_per_token / bytes_per_param(model.preferred)
+        cpu = (1.0 - expert_hit_rate(gpu_fraction, constants)) * routed_params / CPU_EXPERT_PREFILL_PARAMS_PER_S
+    share = model.active_expert_bytes_per_token / model.experts_bytes
+    return per_pass, cpu, prefill_chunk_tokens(gpus), share
+
+
+def expert_prefill_seconds(
+    tokens: int,
+    model: ModelSpec,
+    gpu_fraction: float,
+    gpus: Sequence[Gpu],
+    constants: CostConstants,
+    cpu_experts: bool = False,
+) -> float:
+    """Prefill seconds that `tokens` lose to routed experts off GPU (the share 1 - f of them, f = `gpu_fraction`
+    the group's node holds on GPU), priced as an engine runs them:
+
+    pcie = passes(tokens) * (1 - f) * experts_bytes / sum_i h2d_i                   [B / (B/s)]
+        vLLM and SGLang prefill in chunks (`prefill_chunk_tokens`), each a forward pass that touches almost
+        every expert (`expert_prefill_passes`), and weights offloaded with --cpu-offload-gb are streamed to
+        the GPU in every forward pass (perf_anchors.md section 8); f is the share held, not the hit rate: in
+        a chunk the unpopular experts are used too.
+    cpu  = tokens * (1 - hit(f)) * routed_params_per_token / CPU_EXPERT_PREFILL_PARAMS_PER_S   [params / (params/s)]
+        KTransformers computes the experts off GPU on the CPU from host DRAM (its measured prefill rate,
+        scaled by the routed parameters a token computes: DeepSeek-V3's 8 * 58 * 3 * 7168 * 2048).
+    t    = min(pcie, cpu) where `cpu_experts` (a complete copy in host DRAM), else pcie
+    One request's prefill alone: passes shared with other requests' tokens are not split between them.
+    """
+    if tokens <= 0:
+        return 0.0
+    per_pass, cpu, chunk, share = expert_prefill_rates(model, gpu_fraction, gpus, constants, cpu_experts)
+    if per_pass <= 0.0:
+        return 0.0
+    pcie: float = expert_prefill_passes(tokens, share, chunk) * per_pass
+    return min(pcie, tokens * cpu) if cpu > 0.0 else pcie
+
+
+def expert_prefill_seconds_per_token(per_pass: float, cpu: float, chunk: int, share: float) -> float:
+    """`expert_prefill_seconds` per token of a long prefill, from `expert_prefill_rates`: a full chunk's passes
+    per token, or the CPU's rate where it is cheaper (`expert_prefill_seconds` of n tokens lies within one
+    pass of n times this)."""
+    pcie = per_pass * expert_prefill_passes(chunk, share, chunk) / chunk
+    return min(pcie, cpu) if cpu > 0.0 else pcie
+
+
+def expert_prefill_seconds_many(
+    tokens: np.ndarray,
+    per_pass: np.ndarray | float,
+    cpu: np.ndarray | float,
+    chunk: np.ndarray | int,
+    share: np.ndarray | float,
+) -> np.ndarray:
+    """`expert_prefill_seconds` of many prefills at once from `expert_prefill_rates` (one chunk for all; the
+    others an entry per prefill or one number for all)."""
+    pcie = expert_prefill_passes(np.maximum(tokens, 0), share, chunk) * per_pass
+    seconds: np.ndarray = np.where(np.asarray(cpu) > 0, np.minimum(pcie, np.maximum(tokens, 0) * cpu), pcie)
+    return seconds
 
 
 def gpu_hold_cost(nbytes: int, constants: CostConstants) -> float:

@@ -133,6 +133,7 @@ from planner_service.planner.objective import ColdLoad, Demand, cold_load, kv_re
 from planner_service.planner.residency import UNKNOWN, ResidencyIndex, copy_placement
 
 SLO_RANK = {Slo.BLOCKING: 0, Slo.INTERACTIVE: 1, Slo.BACKGROUND: 2}
+_ALL_ON_GPU = (1.0, False)  # the expert share the greedy's estimates prefill a MoE at (`_prefill_rates`)
 EXPERT_CHUNKS = 16  # granularity of partial expert residency the greedy considers
 _BY_ID = operator.attrgetter("id")
 _H2D = operator.attrgetter("h2d_bytes_per_s")
@@ -796,7 +797,7 @@ class GreedyPlanner:
         """Seconds to ready the session's KV for the model on `gpus` of the node, as the evaluator prices it:
         restored from the node's lower tiers or re-prefilled, what its GPUs hold counting where `staying`."""
         on_gpus = self.now.on(StateObject.kv(model.id, session_id), node_id, _GPU) if staying else 0
-        return kv_ready(self.p, self.now, model, session_id, node_id, gpus, on_gpus)
+        return kv_ready(self.p, self.now, model, session_id, node_id, gpus, on_gpus, _ALL_ON_GPU)
 
     def _late_penalty(self, model_id: str, per_token: float, per_pair: float) -> float:
         """The violation penalty of the model's predicted requests whose history's re-prefill alone, at
@@ -812,7 +813,13 @@ class GreedyPlanner:
         return late
 
     def _prefill_rates(self, model: ModelSpec, gpus: Sequence[Gpu]) -> tuple[float, float]:
-        """Prefill seconds per token and per attention pair of the model on `gpus` (`costs.prefill_seconds`)."""
+        """Prefill seconds per token and per attention pair of the model on `gpus` (`costs.prefill_seconds`).
+
+        A MoE's experts off GPU (`costs.expert_prefill_seconds`) are left out of the greedy's estimates, as if
+        all were on GPU (`_ALL_ON_GPU`): the evaluator prices them at the share on the node's GPUs now, which
+        the plan's own expert chunks do not change, so that share would steer a fresh load to the group that
+        streams its experts fastest rather than the one that holds them, and a MoE to whichever node it is not
+        served on now."""
         return costs.prefill_seconds_per_token(model, gpus, self.c), costs.attention_seconds_per_pair(
             model, gpus, self.c
         )

@@ -180,8 +180,11 @@ def kv_ready(
     node: str,
     gpus: tuple[Gpu, ...],
     gpu_kv: int,
+    share: tuple[float, bool] | None = None,
 ) -> float:
-    """Seconds to make `session`'s KV for `model` ready on `gpus`, given `gpu_kv` bytes already there."""
+    """Seconds to make `session`'s KV for `model` ready on `gpus`, given `gpu_kv` bytes already there; a MoE's
+    re-prefill at `share` (`expert_share`: its experts' GPU share on the node, all in host DRAM; default:
+    what `index` puts there)."""
     kv_per_token = model.kv_bytes_per_token
     if kv_per_token == 0:
         return 0.0
@@ -194,13 +197,36 @@ def kv_ready(
     host = index.on(obj, node, _HOST)
     nvme = index.on(obj, node, _NVME)
     source, restorable = (_HOST, host) if host >= nvme else (_NVME, nvme)
+    fraction, in_dram = expert_share(index, model, node) if share is None else share
     return costs.kv_ready_seconds(
-        missing, restorable, model, gpus, source, problem.nodes[node], problem.constants, held
+        missing, restorable, model, gpus, source, problem.nodes[node], problem.constants, held, fraction, in_dram
     )
 
 
-# one model's sessions for `_kv_ready_of`: (index, row, model, node, gpus, on_gpus, per_token, sessions)
-_KvGroup = tuple[ResidencyIndex, int, ModelSpec, str, tuple[Gpu, ...], bool, float, Collection[str]]
+# `costs.expert_prefill_rates`: (seconds per pass of the experts off GPU, CPU seconds per token, chunk, k / E)
+_Rates = tuple[float, float, int, float]
+_DENSE: _Rates = (0.0, 0.0, 1, 0.0)
+
+
+def expert_share(index: ResidencyIndex, model: ModelSpec, node: str) -> tuple[float, bool]:
+    """The share of a MoE's routed experts `index` puts on the node's GPUs (1 for a dense model), and whether
+    its host DRAM holds them all: what the replay prefills at (`SimState.expert_share`)."""
+    if not model.is_moe:
+        return 1.0, False
+    obj = StateObject.experts(model.id)
+    return index.on(obj, node, _GPU) / model.experts_bytes, index.complete_source(obj, node) is _HOST
+
+
+def expert_rates(index: ResidencyIndex, model: ModelSpec, node: str, gpus: tuple[Gpu, ...], c: CostConstants) -> _Rates:
+    """`costs.expert_prefill_rates` of the model on `gpus` at the expert share `index` gives the node."""
+    if not model.is_moe:
+        return _DENSE
+    fraction, in_dram = expert_share(index, model, node)
+    return costs.expert_prefill_rates(model, fraction, gpus, c, in_dram)
+
+
+# one model's sessions for `_kv_ready_of`: (index, row, model, node, gpus, on_gpus, per_token, experts, sessions)
+_KvGroup = tuple[ResidencyIndex, int, ModelSpec, str, tuple[Gpu, ...], bool, float, _Rates, Collection[str]]
 
 
 def _kv_ready_of(
@@ -208,10 +234,11 @@ def _kv_ready_of(
 ) -> tuple[list[int], list[int], np.ndarray]:
     """`kv_ready` for the given sessions of several models, all at once.
 
-    `groups` holds (index, row, model, node, gpus, on_gpus, per_token, sessions) per model: the
+    `groups` holds (index, row, model, node, gpus, on_gpus, per_token, experts, sessions) per model: the
     placement the KV is readied from, where the requests would run (`on_gpus`: KV already on those GPUs
-    in `index` counts), the prefill seconds per token there, and the sessions. Returns (rows, session
-    columns, seconds), the sessions of each group in id order.
+    in `index` counts), the prefill seconds per token there, a MoE's expert rates there
+    (`costs.expert_prefill_rates`), and the sessions. Returns (rows, session columns, seconds), the
+    sessions of each group in id order.
     """
     rows: list[int] = []
     columns: list[int] = []
@@ -220,7 +247,8 @@ def _kv_ready_of(
     host: list[int] = []
     nvme: list[int] = []
     counts, sizes, links = [], [], []  # per model: its sessions, and what `kv_ready_seconds_grouped` takes of it
-    for index, row, model, node, gpus, on_gpus, group_per_token, holders in groups:
+    rates: list[_Rates] = []
+    for index, row, model, node, gpus, on_gpus, group_per_token, group_rates, holders in groups:
         ids = sorted(holders)
         # the sessions' KV objects as plain tuples, which equal (and hash as) `StateObject.kv(model.id, sid)`:
         # typed as the keys they look up
@@ -242,6 +270,7 @@ def _kv_ready_of(
         group_h2d = min(g.h2d_bytes_per_s for g in gpus)
         group_per_pair = costs.attention_seconds_per_pair(model, gpus, problem.constants)
         links.append((group_h2d, problem.nodes[node].nvme_read_bytes_per_s, group_per_token, group_per_pair))
+        rates.append(group_rates)
     # one entry per session (integers and rates repeated apart: bytes stay integers)
     # (array methods rather than numpy's module functions, which add a Python call each: same results)
     kv_per_token, group_size = np.array(sizes).repeat(counts, axis=0).T
@@ -251,8 +280,22 @@ def _kv_ready_of(
     host_bytes, nvme_bytes = np.maximum(np.array(host), 0), np.maximum(np.array(nvme), 0)
     from_host = host_bytes >= nvme_bytes
     restorable = np.where(from_host, host_bytes, nvme_bytes)
+    experts = None
+    if any(r[0] > 0 for r in rates):  # a MoE with experts off GPU among them
+        per_pass, cpu, chunk, share = np.array(rates, dtype=float).repeat(counts, axis=0).T
+        experts = (per_pass, cpu, chunk, share)
     seconds = costs.kv_ready_seconds_grouped(
-        missing, restorable, from_host, kv_per_token, group_size, slowest_h2d, nvme_read, per_token, per_pair, prefix
+        missing,
+        restorable,
+        from_host,
+        kv_per_token,
+        group_size,
+        slowest_h2d,
+        nvme_read,
+        per_token,
+        per_pair,
+        prefix,
+        experts,
     )
     return rows, columns, np.where(missing > 0, seconds, 0.0)
 
@@ -321,6 +364,7 @@ def evaluate(
     ready: list[float] = []  # per predicted model: seconds until its weights are ready
     per_token: list[float] = []  # prefill seconds per token where it would run (0: nowhere)
     per_pair: list[float] = []  # prefill seconds per attention pair there (0: nowhere)
+    moe: list[tuple[int, _Rates]] = []  # (entry of `rows`, expert rates) of MoEs prefilling with experts off GPU
     slowdowns: list[float] = []
     degrades: list[float] = []
     # for `_kv_ready_of`: the active requests' KV first (`arrivals` entries), then the predicted ones'
@@ -350,9 +394,12 @@ def evaluate(
             # no KV anywhere: re-prefill the whole history; sessions holding some KV are priced below
             seconds = costs.prefill_seconds_per_token(model, gpus, c)
             pair = costs.attention_seconds_per_pair(model, gpus, c)
+            rates = expert_rates(now, model, node, gpus, c)  # the share on the node's GPUs now, as the MILP's
+            if rates[0] > 0:
+                moe.append((len(rows), rates))
             holders = then.kv_sessions.get(model.id)
             if holders:
-                held.append((then, len(rows), model, node, gpus, serving is not None, seconds, holders))
+                held.append((then, len(rows), model, node, gpus, serving is not None, seconds, rates, holders))
         rows.append(row)
         ready.append(weights_ready)
         per_token.append(seconds)
@@ -375,6 +422,8 @@ def evaluate(
 
     if rows:
         kv = np.multiply.outer(per_token, context) + np.multiply.outer(per_pair, costs.causal_pairs(context, 0))
+        for k, rates in moe:
+            kv[k] += costs.expert_prefill_seconds_many(context, *rates)
         if len(columns) > arrivals:  # sessions holding some KV of predicted models
             kv[at[arrivals:], columns[arrivals:]] = kv_seconds[arrivals:]
         latency = np.array(ready)[:, None] + kv
@@ -410,10 +459,19 @@ def _decode(problem: Problem, index: ResidencyIndex, model: ModelSpec, serving: 
 
 
 def _arrival_latency(
-    problem: Problem, now: ResidencyIndex, then: ResidencyIndex, model: ModelSpec, session: str, serving: Serving
+    problem: Problem,
+    now: ResidencyIndex,
+    then: ResidencyIndex,
+    model: ModelSpec,
+    session: str,
+    serving: Serving,
+    share: tuple[float, bool] | None = None,
 ) -> float:
-    """Latency of a request waiting now: copy its model's missing shards, then ready its KV."""
-    return _weights_arrival(problem, now, then, model, serving) + _kv_arrival(problem, now, model, session, serving)
+    """Latency of a request waiting now: copy its model's missing shards, then ready its KV (a MoE's at the
+    expert `share`, default the one on the node's GPUs now: `expert_share`)."""
+    return _weights_arrival(problem, now, then, model, serving) + _kv_arrival(
+        problem, now, model, session, serving, share
+    )
 
 
 def _weights_arrival(
@@ -438,20 +496,39 @@ def _arrival_kv(
     now: ResidencyIndex, model: ModelSpec, serving: Serving, sessions: list[str], c: CostConstants
 ) -> _KvGroup:
     """`_kv_ready_of`'s group for the sessions of the model being served now: their KV readied from C on
-    `serving`'s GPUs, what is there now at the same precision counting (as `_kv_arrival`)."""
+    `serving`'s GPUs, what is there now at the same precision counting, a MoE's re-prefill at the expert
+    share on the node's GPUs now (as `_kv_arrival`)."""
     current = now.serving.get(model.id)
     on_gpus = current is not None and current.node == serving.node and current.precision == serving.precision
     per_token = costs.prefill_seconds_per_token(model, serving.gpus, c)
-    return (now, -1, model, serving.node, serving.gpus, on_gpus, per_token, sessions)
+    rates = expert_rates(now, model, serving.node, serving.gpus, c)
+    return (now, -1, model, serving.node, serving.gpus, on_gpus, per_token, rates, sessions)
 
 
-def _kv_arrival(problem: Problem, now: ResidencyIndex, model: ModelSpec, session: str, serving: Serving) -> float:
-    """Seconds to ready the session's KV on `serving`'s GPUs (what is there now at the same precision counts)."""
+def _kv_arrival(
+    problem: Problem,
+    now: ResidencyIndex,
+    model: ModelSpec,
+    session: str,
+    serving: Serving,
+    share: tuple[float, bool] | None = None,
+) -> float:
+    """Seconds to ready the session's KV on `serving`'s GPUs (what is there now at the same precision counts;
+    a MoE's re-prefill at `share`, default the expert share on the node's GPUs now)."""
     current = now.serving.get(model.id)
     kv_now = 0
     if current is not None and current.node == serving.node and current.precision == serving.precision:
         kv_now = _gpu_kv(now, model.id, session, current)
-    return kv_ready(problem, now, model, session, serving.node, serving.gpus, kv_now)
+    return kv_ready(
+        problem,
+        now,
+        model,
+        session,
+        serving.node,
+        serving.gpus,
+        kv_now,
+        share,
+    )
 
 
 def promote_seconds(problem: Problem, now: ResidencyIndex, target: Mapping[tuple[StateObject, Location], int]) -> float:

@@ -25,7 +25,9 @@ What is modelled (the same cost model as the planner, `planner/costs.py`):
   `sglang` a MoE's GPU expert share is fixed while the instance runs.
 * **Compute**: prefill is compute-bound (`costs.prefill_seconds` on the serving
   group: per token, a tensor-parallel group's all-reduce included, plus the
-  attention, which grows with the context) and serialised per GPU (one prefill at a time on a
+  attention, which grows with the context, plus a MoE's routed experts off its
+  node's GPUs, streamed over PCIe once per chunk or computed by the CPU where
+  host DRAM holds them all, the cheaper) and serialised per GPU (one prefill at a time on a
   card, which models sharing the card take in turn: a prefill starts when
   every card of its group is free); decode is memory-bound
   (`costs.decode_seconds_per_token`): concurrent requests of one model on its
@@ -628,7 +630,10 @@ class Simulator(SimState):
         host_tokens = min(self.host_tokens[kv], computed) if self.cluster.bytes_of(kv, Location.host(state.node)) else 0
         restorable = max(0, host_tokens - have)
         node = self.problem.nodes[state.node]
-        restored, _ = costs.kv_ready(missing, restorable * kvpt, model, group, Tier.HOST, node, self.c, have)
+        fraction, in_dram = self.expert_share(req.model, state)
+        restored, _ = costs.kv_ready(
+            missing, restorable * kvpt, model, group, Tier.HOST, node, self.c, have, fraction, in_dram
+        )
         if restored > 0:
             self._restore(req, state, kv, restored, math.ceil(restored * kvpt / len(group)), missing - restored)
             return True
@@ -664,8 +669,11 @@ class Simulator(SimState):
         req.degraded = state.precision != model.preferred
         # the re-prefill follows the history the group holds or restored, the input follows the whole history
         history = req.history_tokens
-        ready = start + costs.prefill_seconds(reprefill_tokens, history - reprefill_tokens, model, state.gpus, self.c)
-        first_token = ready + costs.prefill_seconds(req.input_tokens, history, model, state.gpus, self.c)
+        f, in_dram = self.expert_share(req.model, state)
+        ready = start + costs.prefill_seconds(
+            reprefill_tokens, history - reprefill_tokens, model, state.gpus, self.c, f, in_dram
+        )
+        first_token = ready + costs.prefill_seconds(req.input_tokens, history, model, state.gpus, self.c, f, in_dram)
         # the prompt's KV is stored to host DRAM as the prefill's step ends, and the step waits for it (`kv_save.py`)
         kv = StateObject.kv(req.model, req.session)
         prompt = history + req.input_tokens
@@ -721,12 +729,9 @@ class Simulator(SimState):
     def _expert_residency(self, model_id: str, state: ModelState) -> tuple[float, bool]:
         """The share of a MoE's routed experts on its node's GPUs, and whether host DRAM holds them all
         ((0, False) for a dense model, or where decode ignores the experts off GPU)."""
-        model = self.problem.models[model_id]
-        if not model.is_moe or not self.expert_miss_decode:
+        if not self.problem.models[model_id].is_moe or not self.expert_miss_decode:
             return 0.0, False
-        experts = StateObject.experts(model_id)
-        fraction = self.cluster.node_bytes(experts, state.node, Tier.GPU) / model.experts_bytes
-        return fraction, self.cluster.complete_below(experts, state.node) is Tier.HOST
+        return self.expert_share(model_id, state)
 
     def _cpu_computes_misses(self, model_id: str, epoch: int, node: str) -> bool:
         """Whether the model's serving engine `epoch` is on `node` and its CPU computes the experts it misses."""

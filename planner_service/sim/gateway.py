@@ -20,8 +20,8 @@ cannot, and this module replays them beside any policy (`GatewayMode`):
   - a warm-up starts only on cards with nothing else to do: no request of any session running or waiting
     on them (the directive's rule), no prefill on them and no copy into them (the replay's view of the
     plan's open operations), and within the free KV room of every card of the group;
-  - it costs what a real prefill costs (`costs.prefill_seconds_per_token` on the serving group, one
-    prefill at a time on a card: warm-ups on one card run one after another), and its KV counts in GPU
+  - it costs what a real prefill costs (`costs.prefill_seconds` on the serving group, a MoE's experts off its
+    node's GPUs included, one prefill at a time on a card: warm-ups on one card run one after another), and its KV counts in GPU
     bytes as any KV does from the moment it starts;
   - it gives way at once: a request waiting for, or running on, any of its cards, a copy into them, or
     the session's own next request cancels it, and a cancelled warm-up frees its KV and keeps nothing (an
@@ -346,7 +346,8 @@ class GatewayModel:
         start = max(sim.now, *(self.card_free_at.get(g.id, 0.0) for g in state.gpus))
         if self.eager:  # it queues with the real prefills, and they queue behind it
             start = max(start, *(self.compute_free_at[g.id] for g in state.gpus))
-        ends = start + costs.prefill_seconds(tokens, 0, model, state.gpus, sim.c)  # the history from its start
+        f, in_dram = sim.expert_share(model_id, state)  # the history from its start, at the node's expert share
+        ends = start + costs.prefill_seconds(tokens, 0, model, state.gpus, sim.c, f, in_dram)
         if self.save_seconds is not None:  # a warm-up is a prefill: its step waits for LMCache's store as well
             ends += self.save_seconds(kv, state, tokens)
         for g in state.gpus:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from planner_service.domain.engines import EngineConstants, EngineInstance
 from planner_service.domain.problem import Gpu, Problem
 from planner_service.domain.scenario import Scenario, Slo
-from planner_service.domain.state import StateObject
+from planner_service.domain.state import StateObject, Tier
 from planner_service.sim.cluster import SimCluster
 from planner_service.sim.instances import EngineBook
 from planner_service.sim.trace import TraceRecord
@@ -166,6 +166,16 @@ class SimState:
 
     def touch(self, obj: StateObject) -> None:
         self.last_used[obj] = self.now
+
+    def expert_share(self, model_id: str, state: ModelState) -> tuple[float, bool]:
+        """The share of a MoE's routed experts on its serving node's GPUs (1 for a dense model), and whether
+        host DRAM there holds them all (the CPU may compute the rest)."""
+        model = self.problem.models[model_id]
+        if not model.is_moe:
+            return 1.0, False
+        experts = StateObject.experts(model_id)
+        fraction = self.cluster.node_bytes(experts, state.node, Tier.GPU) / model.experts_bytes
+        return fraction, self.cluster.complete_below(experts, state.node) is Tier.HOST
 
     def kv_footprint(self, req: SimRequest) -> int:
         history = self.sessions[req.session].history_tokens

@@ -31,7 +31,7 @@ from planner_service.domain.units import MIB
 from planner_service.planner import costs, engine_holdings, engine_instances
 from planner_service.planner.errors import PlanningError
 from planner_service.planner.greedy import EXPERT_CHUNKS, GreedyPlanner, Group, TargetPlan, split_evenly
-from planner_service.planner.objective import _arrival_latency, cold_load, kv_ready, promote_seconds
+from planner_service.planner.objective import _arrival_latency, cold_load, expert_share, kv_ready, promote_seconds
 from planner_service.planner.residency import ResidencyIndex, Serving
 from planner_service.solver.backends import IntModel
 
@@ -336,12 +336,17 @@ class _Builder:
             latency = np.full(len(sessions), c.unserved_penalty_seconds)
             slowdown = 0.0
         else:
-            kv = context * costs.prefill_seconds_per_token(model, cold.gpus, c) + costs.causal_pairs(
-                context, 0
-            ) * costs.attention_seconds_per_pair(model, cold.gpus, c)
+            share = expert_share(self.now, model, cold.node)  # a MoE prefills at its expert share now (the evaluator's)
+            kv = (
+                context * costs.prefill_seconds_per_token(model, cold.gpus, c)
+                + costs.causal_pairs(context, 0) * costs.attention_seconds_per_pair(model, cold.gpus, c)
+                + costs.expert_prefill_seconds_many(
+                    context, *costs.expert_prefill_rates(model, share[0], cold.gpus, c, share[1])
+                )
+            )
             for sid in self.lower.kv_sessions.get(model.id, ()):
                 if sid in position:
-                    kv[position[sid]] = kv_ready(self.p, self.lower, model, sid, cold.node, cold.gpus, 0)
+                    kv[position[sid]] = kv_ready(self.p, self.lower, model, sid, cold.node, cold.gpus, 0, share)
             latency = cold.seconds + kv
             slowdown = costs.decode_slowdown_seconds(model, 0.0, cold.gpus, c)
         off_cost = float(request_costs(latency).sum()) + float(wq.sum()) * slowdown
@@ -400,22 +405,27 @@ class _Builder:
                 self.p, {(obj, Location.gpu(g.id)): b for g, b in zip(o.gpus, o.shards, strict=True) if b}
             )
             serving = Serving(o.node, o.precision, o.gpus)
+            share = expert_share(self.now, model, o.node)  # a MoE prefills at its expert share now (the evaluator's)
             arrival_cost = {}
             for s in active:
                 w = c.slo_weights.of(s.slo)
-                arrival = _arrival_latency(self.p, self.now, then, model, s.id, serving)
+                arrival = _arrival_latency(self.p, self.now, then, model, s.id, serving, share)
                 arrival_cost[s.id] = w * (
                     arrival + c.violation_penalty_seconds * (arrival > c.slo_targets_seconds.of(s.slo)) + degraded
                 )
             # predicted requests: weights ready; KV ready from the lower tiers unless k puts it on GPU
             invalidated = current is not None and current.precision != o.precision
-            kv = context * costs.prefill_seconds_per_token(model, o.gpus, c) + costs.causal_pairs(
-                context, 0
-            ) * costs.attention_seconds_per_pair(model, o.gpus, c)
+            kv = (
+                context * costs.prefill_seconds_per_token(model, o.gpus, c)
+                + costs.causal_pairs(context, 0) * costs.attention_seconds_per_pair(model, o.gpus, c)
+                + costs.expert_prefill_seconds_many(
+                    context, *costs.expert_prefill_rates(model, share[0], o.gpus, c, share[1])
+                )
+            )
             if not invalidated:
                 for sid in holders_low:
                     if sid in position:
-                        kv[position[sid]] = kv_ready(self.p, self.lower, model, sid, o.node, o.gpus, 0)
+                        kv[position[sid]] = kv_ready(self.p, self.lower, model, sid, o.node, o.gpus, 0, share)
             without_kv = request_costs(kv)
             cost += float(without_kv.sum()) + float(wq.sum()) * degraded
             fraction = sum(o.experts) / model.experts_bytes if o.launched and model.experts_bytes else 0.0

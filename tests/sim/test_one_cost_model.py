@@ -12,12 +12,13 @@ from planner_service.domain.problem import Problem, Session
 from planner_service.domain.scenario import Scenario, Slo, parse_scenario
 from planner_service.domain.state import Kind, Location, StateObject, Tier
 from planner_service.planner import costs
-from planner_service.planner.objective import cold_load, kv_ready
+from planner_service.planner.objective import cold_load, expert_share, kv_ready
 from planner_service.planner.residency import ResidencyIndex
 from planner_service.sim.engine import Simulator
 from planner_service.sim.policies.lru import LruPolicy
 from planner_service.sim.policies.oracle import OraclePolicy
 from planner_service.sim.state import SimRequest
+from planner_service.sim.trace import TraceRequest
 from planner_service.sim.view import SimView
 from tests.sim.test_engine import GB, tiny_scenario, tiny_trace
 
@@ -168,3 +169,33 @@ def test_a_tensor_parallel_groups_all_reduce_and_attention_are_priced_alike_by_p
     # 1000 * 1001 / 2 = 500,500 causal pairs at 1e-7 s: 0.05005 s
     assert costs.attention_seconds_per_pair(model, cold.gpus, problem.constants) == pytest.approx(1e-7, rel=1e-12)
     assert handoff.parts["reprefill"] == pytest.approx(0.65005, abs=1e-9)
+
+
+def test_a_moes_re_prefill_with_experts_off_gpu_is_priced_alike_by_planner_and_replay() -> None:
+    """moe_scenario: a MoE of 20 GB of routed experts, 1/8 GB each (one read per token: k / E = 1/160), on the
+    tiny node's one card (1 GB/s PCIe, 1 ms a prefilled token, 10 GB: vLLM's 2048-token chunks). The hand-off
+    to it re-prefills the session's 1100-token history with 3 GB of its experts on the GPU (f = 0.15) and the
+    rest on NVMe only (no CPU path): one chunk, touching 1 - (159/160)^1100 = 1 - e^(1100 ln(159/160))
+    = 0.998989 of the experts, streams 0.998989 * 0.85 * 20 GB / 1 GB/s = 16.98281 s, after 1100 * 1 ms."""
+    from tests.sim.test_engine_model import moe_scenario
+
+    trace = [
+        TraceRequest(t=0.0, session="s1", model="a", input_tokens=1000, output_tokens=100),
+        TraceRequest(t=100.0, session="s1", model="moe", input_tokens=10, output_tokens=10),
+    ]
+    policy = Snapshot()
+    sim = Simulator(moe_scenario(), trace, policy)
+    handoff = sim.run().requests[1]
+    assert handoff.handoff and handoff.prefill_queue_seconds == 0.0
+    residency, history, gpu_kv = policy.seen[1]
+    assert history == 1100 and gpu_kv == 0
+    session = Session("s1", "s1", Slo.INTERACTIVE, "moe", True, history)
+    problem = dataclasses.replace(
+        sim.problem, sessions=MappingProxyType({"s1": session}), residency=MappingProxyType(residency)
+    )
+    index = ResidencyIndex.build(problem, residency)
+    model = problem.models["moe"]
+    assert expert_share(index, model, "n1") == (0.15, False)
+    predicted = kv_ready(problem, index, model, "s1", "n1", sim.models["moe"].gpus, gpu_kv)
+    assert predicted == pytest.approx(handoff.parts["reprefill"], abs=1e-9)
+    assert predicted == pytest.approx(1.1 + 16.98281, abs=1e-5)

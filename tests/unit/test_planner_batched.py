@@ -18,6 +18,7 @@ from planner_service.planner.objective import (
     _arrival_kv,
     _kv_arrival,
     _kv_ready_of,
+    expert_rates,
     kv_ready,
 )
 from planner_service.planner.operations import (
@@ -95,12 +96,13 @@ def test_predicted_kv_in_one_batch_equals_each_alone() -> None:
             holders = then.kv_sessions.get(model_id)
             if holders:
                 per_token = costs.prefill_seconds_per_token(model, serving.gpus, problem.constants)
-                groups.append((then, len(groups), model, serving.node, serving.gpus, True, per_token, holders))
+                rates = expert_rates(then, model, serving.node, serving.gpus, problem.constants)
+                groups.append((then, len(groups), model, serving.node, serving.gpus, True, per_token, rates, holders))
         if not groups:
             continue
         rows, columns, seconds = _kv_ready_of(problem, position, groups)
         batched = dict(zip(zip(rows, columns, strict=True), seconds.tolist(), strict=True))
-        for row, (_, _, model, node, gpus, _, _, holders) in enumerate(groups):
+        for row, (_, _, model, node, gpus, _, _, _, holders) in enumerate(groups):
             for sid in holders:
                 gpu_kv = then.on(StateObject.kv(model.id, sid), node, Tier.GPU)
                 assert batched[(row, position[sid])] == kv_ready(problem, then, model, sid, node, gpus, gpu_kv)

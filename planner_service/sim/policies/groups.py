@@ -1,8 +1,9 @@
 """Fixed engine groups: each model served by one engine whose GPUs, tensor-parallel degree and precision
 are set by its operator, as in a llama-swap or Ollama config (a model's launch command names its GPUs).
 
-`operator_partition` writes the config an operator would: models in decreasing weight size, each on the
-node with the least weight already assigned to it (relative to its HBM) that holds it, tensor-parallel
+`operator_partition` writes the config an operator would: models in decreasing size (weights and a MoE's routed
+experts), each on a node whose group holds the whole model with `KV_HEADROOM` of it left where one does, then
+on the node with the least size already assigned to it (relative to its HBM) that holds its weights, tensor-parallel
 over all of that node's GPUs (llama-swap's `CUDA_VISIBLE_DEVICES` per model; vLLM's
 `--tensor-parallel-size`), or over the GPUs the node declares the model's engine on, at its preferred precision where the shards fit with `KV_HEADROOM` of each
 GPU left for KV, else the next allowed precision. Models that share a node form one llama-swap group:
@@ -68,11 +69,16 @@ def engine_group(problem: Problem, model_id: str, node_id: str) -> tuple[Gpu, ..
 
 
 def operator_partition(problem: Problem) -> dict[str, FixedEngine]:
-    """The hand-written config: each model tensor-parallel over a whole node, spread by weight (module doc)."""
+    """The hand-written config: each model tensor-parallel over a whole node, spread by size (module doc)."""
     assigned = dict.fromkeys(problem.nodes, 0)
     hbm = {n: sum(g.capacity_bytes for g in node_gpus(problem, n)) for n in problem.nodes}
     out: dict[str, FixedEngine] = {}
-    for model in sorted(problem.models.values(), key=lambda m: (-m.weights_bytes[m.preferred], m.id)):
+
+    def size(model_id: str, precision: str) -> int:  # the checkpoint an operator sizes a group by
+        model = problem.models[model_id]
+        return model.weights_bytes[precision] + model.experts_bytes
+
+    for model in sorted(problem.models.values(), key=lambda m: (-size(m.id, m.preferred), m.id)):
         for precision in model.precisions:  # preferred first
             fits = [
                 n
@@ -80,9 +86,20 @@ def operator_partition(problem: Problem) -> dict[str, FixedEngine]:
                 if engine_fits(problem, model.id, n, precision, engine_group(problem, model.id, n))
             ]
             if fits:
-                node_id = min(fits, key=lambda n: (assigned[n] / hbm[n], n))
+                whole = size(model.id, precision)
+                node_id = (
+                    min(  # a node whose group holds the whole model first (a MoE's experts too), then the least loaded
+                        fits,
+                        key=lambda n: (
+                            whole
+                            > (1 - KV_HEADROOM) * sum(g.capacity_bytes for g in engine_group(problem, model.id, n)),
+                            assigned[n] / hbm[n],
+                            n,
+                        ),
+                    )
+                )
                 out[model.id] = FixedEngine(model.id, node_id, precision, engine_group(problem, model.id, node_id))
-                assigned[node_id] += model.weights_bytes[precision]
+                assigned[node_id] += whole
                 break
     return out
 

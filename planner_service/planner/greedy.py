@@ -1814,6 +1814,7 @@ class GreedyPlanner:
                 self._push_followers(model_id, push)
 
         group: Group  # each payload's group (the payloads are plain tuples)
+        refused: set[tuple[str, str, tuple[str, ...]]] = set()  # (model, precision, GPUs) its group could not hold
         while heap:
             _, _, kind, payload = heapq.heappop(heap)
             if kind == "weights":
@@ -1829,11 +1830,20 @@ class GreedyPlanner:
                 room = self._launch_room(model_id, group.node, group.precision, group.gpus)
                 context = self._context_room(model_id, group.node, group.gpus)
                 shards = [a + b + x for a, b, x in zip(shards, room, context, strict=True)]
-                if offered != self._placed_on[group.node] or not self._stay_fits(model_id, group, shards):
-                    # weights were placed on its node since the offer was made, or its group filled up: its
-                    # best group and value may have changed (lazy greedy: re-offer at the current value; it
-                    # comes back at once if it still leads). Placements elsewhere only make other nodes worse.
+                if offered != self._placed_on[group.node]:
+                    # weights were placed on its node since the offer was made: its best group and value may
+                    # have changed (lazy greedy: re-offer at the current value; it comes back at once if it
+                    # still leads). Placements elsewhere only make other nodes worse.
                     self._push_weights(model, push)
+                    continue
+                if not self._stay_fits(model_id, group, shards):
+                    # its group filled up since: re-offered once, and dropped where its best group is still the
+                    # one that cannot hold it (a group search and the fit check that disagree would otherwise
+                    # offer it for ever)
+                    key = (model_id, group.precision, tuple(g.id for g in group.gpus))
+                    if key not in refused:
+                        refused.add(key)
+                        self._push_weights(model, push)
                     continue
                 self._place_weights(model, group, _words(why))
                 self._push_followers(model_id, push)

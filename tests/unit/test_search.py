@@ -69,10 +69,13 @@ def test_search_steps_out_of_a_local_optimum(monkeypatch: pytest.MonkeyPatch) ->
 
 
 def test_search_trades_the_models_of_two_nodes() -> None:
-    # demo-sized seed 50: the plan with n0's three models on n2 and n2's one on n0 (9196.7) is beaten by the
-    # same plan with the two L40 nodes' models traded (9028.7), which no swap or move of one model (with or
-    # without another precision) reaches (before the tensor-parallel all-reduce and the prefill's attention
-    # were priced, 6815.0 and 6689.3; before engine transitions were, 4989.9 and 4860.3: the MILP's optimum then)
+    # demo-sized seed 50: the plan with n0's three models on n2 and n2's one on n0 (9197.0) is beaten by the
+    # same plan with the two L40 nodes' models traded (9029.0), which no swap or move of one model (with or
+    # without another precision) reaches (both 0.3 higher since each of DeepSeek-V3's 4 ranks on n3 holds and
+    # restores its whole MLA latent: the groups are the same, and no other model has fewer KV heads than 4;
+    # 9196.7 and 9028.7 with the KV split evenly; before the tensor-parallel all-reduce and the prefill's
+    # attention were priced, 6815.0 and 6689.3; before engine transitions were, 4989.9 and 4860.3: the MILP's
+    # optimum then)
     p = problem(50, gpus=16, models=7, sessions=100)
     nodes = {
         "m0-deepseek-v3": "n3",
@@ -84,10 +87,10 @@ def test_search_trades_the_models_of_two_nodes() -> None:
         "m6-qwen2.5-coder-32b-instruct": "n0",
     }
     start = plan_greedy(p, nodes)
-    assert _objective(p, start) == pytest.approx(9196.7, abs=0.1)
+    assert _objective(p, start) == pytest.approx(9197.0, abs=0.1)
     traded = {m: {"n0": "n2", "n2": "n0"}.get(n, n) for m, n in nodes.items()}
     assert (traded, {}) in list(_neighbours(p, start, nodes, {}))
-    assert _objective(p, plan_greedy(p, traded)) == pytest.approx(9028.7, abs=0.1)
+    assert _objective(p, plan_greedy(p, traded)) == pytest.approx(9029.0, abs=0.1)
 
 
 def _objective(p, target) -> float:

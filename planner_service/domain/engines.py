@@ -264,23 +264,70 @@ LMCACHE_DEFAULT_HOST_BYTES_PER_GPU = 5 * _GIB
 # model's longest request either. Both keep the pool as launched until a restart.
 
 
-def min_kv_pool_bytes_per_gpu(kv_bytes_per_token: int, max_context_tokens: int, tp: int) -> int:
-    """The smallest pool an engine starts with, per GPU of its group: one request of its maximum context,
-    its KV split over the tensor-parallel group as the planner splits every KV object,
+# --- KV per GPU of a tensor-parallel group ---------------------------------------------------------------
+#
+# vLLM and SGLang give each rank max(1, kv_heads // tp) of the model's KV heads: "We will replicate the KV
+# heads in the case where the number of KV heads is smaller than the tensor parallel size so each GPU has at
+# least one KV head" (vllm/config.py `ModelConfig.get_num_kv_heads`; the weights follow it in
+# vllm/model_executor/layers/linear.py `QKVParallelLinear`: num_kv_head_replicas = tp_size //
+# total_num_kv_heads; python/sglang/srt/configs/model_config.py `get_num_kv_heads`, same formula). Under MLA
+# vLLM's `get_num_kv_heads` returns 1 ("When using MLA during decode it becomes MQA") with a head of
+# kv_lora_rank + qk_rope_head_dim, and SGLang's `MLATokenToKVPool` (python/sglang/srt/mem_cache/memory_pool.py)
+# allocates kv_buffer of shape (tokens, 1, kv_lora_rank + qk_rope_head_dim) per layer on every rank: the
+# latent is one KV head that each rank holds whole.
 
-        ceil(kv_bytes_per_token x max_context_tokens / tp)
+
+def kv_split_ways(kv_heads: int, tp: int) -> int:
+    """Over how many GPUs one token's KV is split on a group of `tp`: each rank holds max(1, kv_heads // tp) of
+    the `kv_heads` heads, so a GPU holds kv_bytes_per_token / min(tp, kv_heads) per token (both engines refuse
+    a tp that neither divides nor is divided by kv_heads). `kv_heads` is the model's as the engines lay it out
+    (`ModelSpec.kv_heads`: 1 under MLA); 0 (unknown) keeps the even split over the group."""
+    if tp <= 0 or kv_heads < 0:
+        raise ValueError(f"kv split: kv_heads {kv_heads}, tp {tp}")
+    return min(tp, kv_heads) if kv_heads else tp
+
+
+def kv_bytes_per_gpu(kv_bytes_per_token: int, tokens: int, kv_heads: int, tp: int) -> int:
+    """The KV bytes `tokens` of context put on each GPU of a group of `tp` (`kv_split_ways`),
+
+        ceil(kv_bytes_per_token x tokens / min(tp, kv_heads))
+
+    e.g. DeepSeek-V3 on 4 cards: every card holds the whole latent, 61 layers x (512 + 64) x 2 bytes per token."""
+    return -(-kv_bytes_per_token * tokens // kv_split_ways(kv_heads, tp))
+
+
+# --- KV pools ---------------------------------------------------------------------------------------------
+#
+# An engine's KV pool is a launch setting. vLLM sizes it from gpu_memory_utilization and refuses to start
+# when it cannot hold one request of max_model_len (vllm/v1/core/kv_cache_utils.py,
+# `check_enough_kv_cache_memory`: "To serve at least one request with the models's max seq len ..."). SGLang
+# sizes max_total_num_tokens from mem_fraction_static, refuses to start at none
+# (python/sglang/srt/model_executor/model_runner.py: "Not enough memory. Please try to increase
+# --mem-fraction-static") and caps every request's input at max_total_num_tokens - 1
+# (python/sglang/srt/managers/tp_worker.py, `max_req_input_len`), so a smaller pool cannot serve the
+# model's longest request either. Both keep the pool as launched until a restart.
+
+
+def min_kv_pool_bytes_per_gpu(kv_bytes_per_token: int, max_context_tokens: int, tp: int, kv_heads: int = 0) -> int:
+    """The smallest pool an engine starts with, per GPU of its group: one request of its maximum context, as
+    much of its KV as one rank holds (`kv_bytes_per_gpu`: the whole latent under MLA, one head's share where
+    the model has fewer KV heads than `tp`),
+
+        ceil(kv_bytes_per_token x max_context_tokens / min(tp, kv_heads))
 
     0 where the maximum context or the KV per token is unknown (0)."""
     if kv_bytes_per_token < 0 or max_context_tokens < 0 or tp <= 0:
         raise ValueError(f"min pool: kv_bytes_per_token {kv_bytes_per_token}, max_context_tokens "
                          f"{max_context_tokens}, tp {tp}")  # fmt: skip
-    return -(-kv_bytes_per_token * max_context_tokens // tp)
+    return kv_bytes_per_gpu(kv_bytes_per_token, max_context_tokens, kv_heads, tp)
 
 
-def kv_pool_tokens(kv_bytes_per_token: int, kv_pool_bytes_per_gpu: int, tp: int) -> int:
-    """The tokens of KV a pool of `kv_pool_bytes_per_gpu` on each of `tp` GPUs holds, each token's KV split over
-    the group (the inverse of `min_kv_pool_bytes_per_gpu`); 0 where the KV per token is unknown (0)."""
-    return kv_pool_bytes_per_gpu * tp // kv_bytes_per_token if kv_bytes_per_token > 0 else 0
+def kv_pool_tokens(kv_bytes_per_token: int, kv_pool_bytes_per_gpu: int, tp: int, kv_heads: int = 0) -> int:
+    """The tokens of KV a pool of `kv_pool_bytes_per_gpu` on each of `tp` GPUs holds, each GPU holding its
+    rank's share of every token (the inverse of `min_kv_pool_bytes_per_gpu`); 0 where the KV per token is
+    unknown (0)."""
+    ways = kv_split_ways(kv_heads, tp)
+    return kv_pool_bytes_per_gpu * ways // kv_bytes_per_token if kv_bytes_per_token > 0 else 0
 
 
 def launch_kv_pool_bytes_per_gpu(minimum: int, planned: int) -> int:
@@ -336,6 +383,7 @@ class EngineInstance:
     management: Management = Management.MANAGED
     kv_bytes_per_token: int = 0  # the model's KV per token of context, all layers (0: unknown)
     model_max_context_tokens: int = 0  # the model's own limit, where the launch sets none (0: unknown)
+    kv_heads: int = 0  # the model's KV heads as the engines lay them out (`ModelSpec.kv_heads`; 0: unknown)
 
     def __post_init__(self) -> None:
         if self.kind not in ENGINE_KINDS:
@@ -344,10 +392,10 @@ class EngineInstance:
             raise ValueError(f"gpus: {list(self.gpus)} is not a group of distinct GPUs")
         if self.weights_bytes <= 0 or self.experts_bytes < 0:
             raise ValueError(f"sizes: weights {self.weights_bytes}, experts {self.experts_bytes}")
-        if self.kv_bytes_per_token < 0 or self.model_max_context_tokens < 0:
+        if self.kv_bytes_per_token < 0 or self.model_max_context_tokens < 0 or self.kv_heads < 0:
             raise ValueError(
                 f"kv_bytes_per_token {self.kv_bytes_per_token}, model_max_context_tokens "
-                f"{self.model_max_context_tokens}: not non-negative"
+                f"{self.model_max_context_tokens}, kv_heads {self.kv_heads}: not non-negative"
             )
 
     @property
@@ -358,7 +406,7 @@ class EngineInstance:
     @property
     def min_kv_pool_bytes_per_gpu(self) -> int:
         """The smallest KV pool it starts with (`min_kv_pool_bytes_per_gpu`)."""
-        return min_kv_pool_bytes_per_gpu(self.kv_bytes_per_token, self.max_context_tokens, self.tp)
+        return min_kv_pool_bytes_per_gpu(self.kv_bytes_per_token, self.max_context_tokens, self.tp, self.kv_heads)
 
     @property
     def tp(self) -> int:

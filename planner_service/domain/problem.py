@@ -11,8 +11,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 
-from planner_service.domain.architecture import PRECISION_BYTES, Architecture
-from planner_service.domain.engines import DeclaredEngine, EngineKind, EngineState, Management
+from planner_service.domain.architecture import PRECISION_BYTES, Architecture, AttentionKind
+from planner_service.domain.engines import DeclaredEngine, EngineKind, EngineState, Management, kv_bytes_per_gpu
 from planner_service.domain.hardware import (
     DEFAULT_HOST_DRAM_BYTES,
     DEFAULT_NVME_BYTES,
@@ -89,6 +89,14 @@ class ModelSpec:
     # prefill FLOPs of one (query, key) pair over all layers (Architecture.attention_flops_per_pair; 0: unknown,
     # prefill priced linear in tokens): what the attention adds as the context grows
     attention_flops_per_pair: int = 0
+    # KV heads per layer as vLLM and SGLang lay the cache out: the config's num_key_value_heads, 1 under MLA
+    # (one latent every tensor-parallel rank holds whole); 0 where unknown: the KV splits evenly over a group
+    # (engines.kv_split_ways)
+    kv_heads: int = 0
+
+    def kv_bytes_per_gpu(self, tokens: int, tp: int) -> int:
+        """The KV `tokens` of context put on each GPU of a tensor-parallel group of `tp` (engines.kv_bytes_per_gpu)."""
+        return kv_bytes_per_gpu(self.kv_bytes_per_token, tokens, self.kv_heads, tp)
 
     @property
     def is_moe(self) -> bool:
@@ -237,7 +245,17 @@ def resolve_model(spec: ModelIn, where: str) -> ModelSpec:
         num_layers=arch.num_layers if arch is not None else 0,
         hidden_size=arch.hidden_size if arch is not None else 0,
         attention_flops_per_pair=arch.attention_flops_per_pair if arch is not None else 0,
+        kv_heads=spec.kv_heads or _kv_heads(arch),
     )
+
+
+def _kv_heads(arch: Architecture | None) -> int:
+    """The KV heads per layer the engines cache (`ModelSpec.kv_heads`): 1 under MLA, whose latent vLLM keeps
+    as a single head (vllm/config.py `ModelConfig.get_num_kv_heads`: "When using MLA during decode it becomes
+    MQA"); 0 without a preset or config."""
+    if arch is None:
+        return 0
+    return 1 if arch.attention is AttentionKind.mla else arch.num_kv_heads
 
 
 def _resolve_gpus(scenario: Scenario) -> dict[str, Gpu]:

@@ -19,6 +19,7 @@ from planner_service.domain.architecture import Precision
 from planner_service.domain.engines import ENGINE_KINDS, KIND_FEATURES, EngineFeature, EngineKind, Management
 from planner_service.wire.bounds import (
     MAX_CONFIG_MAGNITUDE,
+    MAX_KV_HEADS,
     MAX_TENSOR_PARALLEL,
     ByteCount,
     BytesPerSecond,
@@ -165,6 +166,12 @@ class ModelIn(_Strict):
         None, description="Per precision; for a MoE, the non-expert part only."
     )
     kv_bytes_per_token: ByteCount | None = None
+    kv_heads: Annotated[int, Field(ge=1, le=MAX_KV_HEADS)] | None = Field(
+        None,
+        description="KV heads per layer as the engines cache them: the config's num_key_value_heads, 1 under MLA. "
+        "A tensor-parallel rank holds max(1, kv_heads / tp) of them. None: the preset's or config's; unknown "
+        "without either, and then the KV splits evenly over a group.",
+    )
     experts_bytes: ByteCount | None = Field(None, description="All routed experts of all layers.")
     expert_bytes: ByteCount | None = Field(None, description="One routed expert of one layer.")
     active_params: ParamCount | None = Field(None, description="Parameters read per token.")

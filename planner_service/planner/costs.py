@@ -243,7 +243,9 @@ def kv_ready(
     cpu_experts: bool = False,
 ) -> tuple[int, float]:
     """`kv_ready_seconds` with its choice: (tokens to restore, 0 to re-prefill them all; seconds). A restore
-    is chosen only where it is strictly cheaper; its copy is one even shard per GPU of the group."""
+    is chosen only where it is strictly cheaper; its copy loads each rank's share over that rank's own link
+    (`ModelSpec.kv_bytes_per_gpu`: the whole latent on every rank under MLA, one KV head's share on each of the
+    ranks that replicate it where the model has fewer KV heads than the group has GPUs)."""
     if missing_tokens <= 0:
         return 0, 0.0
     per_token = prefill_seconds_per_token(model, gpus, constants)
@@ -256,7 +258,7 @@ def kv_ready(
     if restorable_bytes <= 0 or model.kv_bytes_per_token == 0:
         return 0, prefill_all
     restored_tokens = min(missing_tokens, restorable_bytes // model.kv_bytes_per_token)
-    shard = math.ceil(restored_tokens * model.kv_bytes_per_token / len(gpus))
+    shard = model.kv_bytes_per_gpu(restored_tokens, len(gpus))
     rest = missing_tokens - restored_tokens
     restore = (
         even_copy_seconds(shard, gpus, source, node)
@@ -279,16 +281,18 @@ def kv_ready_seconds_grouped(
     per_pair: np.ndarray | float = 0.0,
     prefix_tokens: np.ndarray | int = 0,
     experts: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None,
+    split_ways: np.ndarray | int | None = None,
 ) -> np.ndarray:
     """`kv_ready_seconds` for many sessions at once, of one or several models and groups: each parameter
     is an array with one entry per session, or one number for all (KV bytes per token must not be 0).
     `from_host[i]` says whether session i's restorable bytes are in host DRAM (else on NVMe); the
-    restore is the same even split over the group as `copy_seconds` of equal shards.
+    restore loads each rank's share over its own link, as `kv_ready` does.
 
     `group_size`, `slowest_h2d` and `nvme_read` describe the group the KV is restored onto: its GPU count,
     its smallest host->GPU bandwidth and its node's NVMe read bandwidth; `per_token` and `per_pair` its
     prefill seconds per token and per attention pair, `prefix_tokens` the tokens already on it; `experts`, a MoE's
-    routed experts off GPU there: `expert_prefill_rates` (per pass, CPU per token, chunk, k / E) per session.
+    routed experts off GPU there: `expert_prefill_rates` (per pass, CPU per token, chunk, k / E) per session;
+    `split_ways` over how many of its GPUs one token's KV splits (engines.kv_split_ways; None: all of them).
     """
     missing = np.maximum(missing_tokens, 0)
     prefill_all = missing * per_token + causal_pairs(missing, prefix_tokens) * per_pair
@@ -296,7 +300,7 @@ def kv_ready_seconds_grouped(
         per_pass, cpu, chunk, share = experts
         prefill_all = prefill_all + expert_prefill_seconds_many(missing, per_pass, cpu, chunk, share)
     restored = np.minimum(missing, restorable_bytes // kv_bytes_per_token)
-    shard = np.ceil(restored * kv_bytes_per_token / group_size)
+    shard = np.ceil(restored * kv_bytes_per_token / (group_size if split_ways is None else split_ways))
     restore = shard / slowest_h2d
     restore = np.where(from_host, restore, np.maximum(restore, shard * group_size / nvme_read))
     rest = missing - restored

@@ -103,7 +103,7 @@ def min_pool_bytes_per_gpu(problem: Problem, model_id: str, tp: int) -> int:
     no shorter."""
     spec = problem.models[model_id]
     context = spec.max_context_tokens or _longest_contexts(problem).get(model_id, 0)
-    return min_kv_pool_bytes_per_gpu(spec.kv_bytes_per_token, context, tp)
+    return min_kv_pool_bytes_per_gpu(spec.kv_bytes_per_token, context, tp, spec.kv_heads)
 
 
 _LONGEST: list[tuple[Problem, dict[str, int]]] = []  # the last problems' longest session context per model

@@ -200,6 +200,7 @@ def engine_instance(
         view.declared.management,
         spec.kv_bytes_per_token,
         spec.max_context_tokens,
+        spec.kv_heads,
     )
 
 
@@ -217,7 +218,7 @@ def instance_ref(
         gpus=list(inst.gpus),
         kv_pool_bytes_per_gpu=kv_pool_bytes_per_gpu,
         kv_pool_tokens=kv_pool_tokens(
-            problem.models[view.model].kv_bytes_per_token, kv_pool_bytes_per_gpu, len(inst.gpus)
+            problem.models[view.model].kv_bytes_per_token, kv_pool_bytes_per_gpu, len(inst.gpus), inst.kv_heads
         ),
         # the longest request it serves (vLLM --max-model-len): its pool's minimum is one such request
         max_context_tokens=inst.max_context_tokens or None,
@@ -243,6 +244,7 @@ def instance_from_ref(problem: Problem, ref: EngineInstanceRef) -> EngineInstanc
         ref.management,
         spec.kv_bytes_per_token,
         spec.max_context_tokens,
+        spec.kv_heads,
     )
 
 

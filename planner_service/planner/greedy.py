@@ -1030,7 +1030,11 @@ class GreedyPlanner:
             return []
         fixed = self._fixed_groups[node_id].get(model.id)
         if fixed is not None:
-            share = math.ceil(nbytes / len(fixed)) + self._context_room(model.id, node_id, fixed)[0]
+            share = (
+                math.ceil(nbytes / len(fixed))
+                + self._context_room(model.id, node_id, fixed)[0]
+                + self._pool_beyond_even(model, node_id, len(fixed))
+            )
             if not costs.holds_evenly(fixed, model, nbytes) or any(self.book.free[g.id] < share for g in fixed):
                 return []
             return [(fixed, sum(self.book.free[g.id] for g in fixed))]
@@ -1043,7 +1047,7 @@ class GreedyPlanner:
         # plain loops over a module function rather than a closure and generators: the hot loop of a group search
         wide = None
         for k in widths:
-            wide = _tightest_group(gpus, free, k, model, nbytes, context)
+            wide = _tightest_group(gpus, free, k, model, nbytes, context + self._pool_beyond_even(model, node_id, k))
             if wide is not None:
                 break
         if wide is None:
@@ -1051,7 +1055,8 @@ class GreedyPlanner:
         if model.is_moe and kind is not None:
             # an engine's experts lie in equal shares on its own group: the group whose cards keep the most room
             # beside their shards holds the most of them (the widest may take a card another engine fills)
-            roomy = _roomiest_group(gpus, free, widths, model, nbytes, context)
+            beyond = max((self._pool_beyond_even(model, node_id, k) for k in widths), default=0)
+            roomy = _roomiest_group(gpus, free, widths, model, nbytes, context + beyond)
             if roomy is not None and roomy[0] != wide[0]:
                 return [wide, roomy]
         if self._uniform[node_id]:
@@ -1059,7 +1064,7 @@ class GreedyPlanner:
         for k in reversed(widths):  # the fewest GPUs, if fewer than the widest's fit
             if k >= len(wide[0]):
                 break
-            narrow = _tightest_group(gpus, free, k, model, nbytes, context)
+            narrow = _tightest_group(gpus, free, k, model, nbytes, context + self._pool_beyond_even(model, node_id, k))
             if narrow is not None:
                 return [wide, narrow]
         return [wide]
@@ -1099,6 +1104,16 @@ class GreedyPlanner:
         if engine_of(self.p, node_id, model.id) is None:
             return kv_bytes
         return max(kv_bytes, min_pool_bytes_per_gpu(self.p, model.id, 1))
+
+    def _pool_beyond_even(self, model: ModelSpec, node_id: str, width: int) -> int:
+        """What a new engine's minimum pool takes on each card of a group of `width` beyond the even share of
+        its one-card total that `_kv_room` counts: 0 where the KV splits over the group, more where the ranks
+        replicate KV heads or hold the whole MLA latent (engines.kv_split_ways), so that a group offered for
+        its weights and pool is one `_launch_room` finds room in."""
+        if engine_of(self.p, node_id, model.id) is None:
+            return 0
+        one = min_pool_bytes_per_gpu(self.p, model.id, 1)
+        return max(0, min_pool_bytes_per_gpu(self.p, model.id, width) - -(-one // width))
 
     def _launch_room(self, model_id: str, node_id: str, precision: str, gpus: Sequence[Gpu]) -> list[int]:
         """Bytes per GPU of `gpus` the model's engine pool takes beyond the KV kept in it (`_kept_on`): on a

@@ -33,6 +33,7 @@ from typing import cast
 
 import numpy as np
 
+from planner_service.domain.engines import kv_split_ways
 from planner_service.domain.problem import Gpu, ModelSpec, Problem, Session
 from planner_service.domain.scenario import CostConstants, Slo
 from planner_service.domain.state import Kind, Location, StateObject, Tier
@@ -266,14 +267,14 @@ def _kv_ready_of(
         nvme += map(index.placement.get, zip(objs, repeat(Location.nvme(node))), repeat(0))
         rows += repeat(row, len(ids))
         counts.append(len(ids))
-        sizes.append((model.kv_bytes_per_token or 1, len(gpus)))
+        sizes.append((model.kv_bytes_per_token or 1, len(gpus), kv_split_ways(model.kv_heads, len(gpus))))
         group_h2d = min(g.h2d_bytes_per_s for g in gpus)
         group_per_pair = costs.attention_seconds_per_pair(model, gpus, problem.constants)
         links.append((group_h2d, problem.nodes[node].nvme_read_bytes_per_s, group_per_token, group_per_pair))
         rates.append(group_rates)
     # one entry per session (integers and rates repeated apart: bytes stay integers)
     # (array methods rather than numpy's module functions, which add a Python call each: same results)
-    kv_per_token, group_size = np.array(sizes).repeat(counts, axis=0).T
+    kv_per_token, group_size, split_ways = np.array(sizes).repeat(counts, axis=0).T
     slowest_h2d, nvme_read, per_token, per_pair = np.array(links, dtype=float).repeat(counts, axis=0).T
     prefix = np.array(held) // kv_per_token
     missing = np.array(tokens) - prefix
@@ -296,6 +297,7 @@ def _kv_ready_of(
         per_pair,
         prefix,
         experts,
+        split_ways,
     )
     return rows, columns, np.where(missing > 0, seconds, 0.0)
 

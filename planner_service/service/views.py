@@ -115,6 +115,7 @@ class Views:
                 "precisions": list(spec.precisions),
                 "weights_bytes": dict(spec.weights_bytes),
                 "kv_bytes_per_token": spec.kv_bytes_per_token,
+                "kv_heads": spec.kv_heads,
                 "experts_bytes": spec.experts_bytes,
                 "expert_bytes": spec.expert_bytes,
                 "is_moe": spec.is_moe,

@@ -67,7 +67,9 @@ class EngineBook:
         launch leaves: `Executor.fill_experts`)."""
         model = self.problem.models[model_id]
         declared = self.declared(node_id, model_id)
-        least = engines.min_kv_pool_bytes_per_gpu(model.kv_bytes_per_token, model.max_context_tokens, len(gpus))
+        least = engines.min_kv_pool_bytes_per_gpu(
+            model.kv_bytes_per_token, model.max_context_tokens, len(gpus), model.kv_heads
+        )
         return engines.EngineInstance(
             kind=declared.kind,
             model=model_id,
@@ -79,6 +81,7 @@ class EngineBook:
             management=declared.management,
             kv_bytes_per_token=model.kv_bytes_per_token,
             model_max_context_tokens=model.max_context_tokens,
+            kv_heads=model.kv_heads,
         )
 
     def moves_session_kv(self, node_id: str, model_id: str) -> bool:

@@ -58,6 +58,9 @@ MAX_PARAMS = 10**14
 MAX_TENSOR_PARALLEL = 1024
 """GPUs in one tensor-parallel group; a cell holds tens of GPUs."""
 
+MAX_KV_HEADS = 4096
+"""KV heads per layer of one model: past the attention heads of any open model (128 in DeepSeek-V3's config)."""
+
 MAX_WEIGHT = 10**6
 """A dimensionless multiplier or relative frequency (SLO weights, hand-off priors): a million to one is past any
 useful ratio, and larger ones make the other terms of the objective vanish in float rounding."""

@@ -152,6 +152,11 @@ class ResolvedModel(WireModel):
     precisions: list[str]
     weights_bytes: dict[str, int] = Field(description="Precision -> bytes (a MoE's non-expert part).")
     kv_bytes_per_token: int
+    kv_heads: int = Field(
+        0,
+        description="KV heads per layer as the engines cache them (1 under MLA; 0: unknown, the KV splits evenly "
+        "over a tensor-parallel group). A GPU of a group of tp holds kv_bytes_per_token / min(tp, kv_heads) a token.",
+    )
     experts_bytes: int
     expert_bytes: int
     is_moe: bool
@@ -168,6 +173,7 @@ class ModelOut(WireModel):
     precisions: list[str] | None = None
     weights_bytes: dict[str, int] | None = None
     kv_bytes_per_token: int | None = None
+    kv_heads: int | None = None
     experts_bytes: int | None = None
     expert_bytes: int | None = None
     active_params: int | None = None

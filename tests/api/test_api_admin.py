@@ -63,12 +63,18 @@ def test_models_put_get_delete(demo):
     )
     assert created.status_code == 201, created.text
     assert created.json()["resolved"]["weights_bytes"]["bf16"] > 10**9
+    assert created.json()["resolved"]["kv_heads"] == 8  # Llama-3.1-8B's num_key_value_heads
     assert "tiny-llama" in [m["id"] for m in demo.get("/v1/models").json()]
     assert demo.events(request("e1", "t", "tiny-llama")).json()["applied"] == 1
     replaced = demo.client.put(
         "/v1/models/tiny-llama", json={"model": {"preset": "llama-3.1-8b-instruct", "precisions": ["bf16", "fp8"]}}
     )
     assert replaced.status_code == 200 and replaced.json()["resolved"]["precisions"] == ["bf16", "fp8"]
+    own = demo.client.put(
+        "/v1/models/tiny-llama",
+        json={"model": {"weights_bytes": {"bf16": 2**30}, "kv_bytes_per_token": 4096, "kv_heads": 2}},
+    )
+    assert own.status_code == 200 and own.json()["kv_heads"] == own.json()["resolved"]["kv_heads"] == 2
     assert_problem(demo.client.delete("/v1/models/tiny-llama"), 409, "tiny-llama", "active session(s) t")
     assert demo.events({"id": "e2", "type": "session_end", "session": "t"}).json()["applied"] == 1
     assert demo.client.delete("/v1/models/tiny-llama").status_code == 204

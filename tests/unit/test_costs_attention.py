@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from planner_service.domain.model_presets import model_preset
-from planner_service.domain.scenario import CostConstants
+from planner_service.domain.problem import resolve_model
+from planner_service.domain.scenario import CostConstants, ModelIn
 from planner_service.domain.state import Tier
 from planner_service.planner import costs
 from planner_service.sim.engine import Simulator
@@ -106,3 +107,30 @@ def test_the_grouped_kv_ready_prices_the_attention_as_the_scalar_one() -> None:
         tier = Tier.HOST if from_host else Tier.NVME
         alone = costs.kv_ready_seconds(missing, restorable, model, pair, tier, where, C, prefix)
         assert seconds == pytest.approx(alone, rel=1e-12)
+
+
+def test_a_restore_loads_each_rank_s_share_of_replicated_kv_heads() -> None:
+    """Qwen3-235B-A22B (4 KV heads, 192,512 B/token) on 8 x L40: each rank holds one KV head of four, so
+    restoring 1,000 tokens from host DRAM copies 1,000 x 192,512 / 4 = 48,128,000 B over each card's own link
+    (not 1,000 x 192,512 / 8 = 24,064,000); re-prefilling 1,000 tokens of a 235B model costs far more, so the
+    restore is chosen. The grouped form, told the split, prices it alike."""
+    model = resolve_model(ModelIn.model_validate({"id": "q", "preset": "qwen3-235b-a22b"}), "q")
+    eight = preset_gpus("l40", 8)
+    where = node(*(g.id for g in eight))
+    restored, seconds = costs.kv_ready(1_000, 1_000 * model.kv_bytes_per_token, model, eight, Tier.HOST, where, C)
+    assert restored == 1_000
+    assert seconds == costs.even_copy_seconds(48_128_000, eight, Tier.HOST, where)
+    assert seconds == pytest.approx(48_128_000 / min(g.h2d_bytes_per_s for g in eight), rel=1e-12)
+    grouped = costs.kv_ready_seconds_grouped(
+        np.array([1_000]),
+        np.array([1_000 * model.kv_bytes_per_token]),
+        np.array([True]),
+        model.kv_bytes_per_token,
+        8,
+        min(g.h2d_bytes_per_s for g in eight),
+        where.nvme_read_bytes_per_s,
+        costs.prefill_seconds_per_token(model, eight, C),
+        costs.attention_seconds_per_pair(model, eight, C),
+        split_ways=4,
+    )
+    assert grouped[0] == pytest.approx(seconds, rel=1e-12)

@@ -154,7 +154,10 @@ def traded_gpus_scenario() -> dict[str, Any]:
     gpus = [{"id": f"n0-g{i}", "type": "rtx-3090", "reserved_bytes": 2 * GIB} for i in range(3)]
     engines = [{"model": "deepseek", "kind": "sglang"}, {"model": "vision", "kind": "vllm"}]
     models = [
-        {"id": "deepseek", "preset": "deepseek-v3", "precisions": ["fp8"]},
+        # served up to 54,613 tokens: every rank holds DeepSeek's whole MLA latent, so its pool per card is
+        # 70,272 B x 54,613 = 3,837,764,736 B on any group, about what the config's 163,840 tokens split over
+        # three cards came to when the planner split every KV evenly (70,272 x 163,840 / 3 = 3,837,788,160 B)
+        {"id": "deepseek", "preset": "deepseek-v3", "precisions": ["fp8"], "max_context_tokens": 54_613},
         {"id": "vision", "preset": "glm-4.5v", "precisions": ["bf16"]},
     ]
     data = scenario(

@@ -14,8 +14,8 @@ from planner_service.domain import engines
 from planner_service.domain.demo import demo_scenario_json
 from planner_service.domain.engines import EngineKind, LaunchSettings, Transition
 from planner_service.domain.predictions import problem_from_scenario
-from planner_service.domain.problem import Problem
-from planner_service.domain.scenario import ScenarioError, parse_scenario
+from planner_service.domain.problem import ModelSpec, Problem, resolve_model
+from planner_service.domain.scenario import ModelIn, ScenarioError, parse_scenario
 from planner_service.domain.state import Kind, Location, StateObject, Tier
 from planner_service.planner import engine_holdings, engine_instances
 from planner_service.planner.invariants import check_plan
@@ -50,16 +50,71 @@ def test_the_minimum_pool_of_a_dense_model_is_one_longest_request_per_gpu() -> N
 
 def test_the_minimum_pool_of_a_moe_model_is_one_longest_request_per_gpu() -> None:
     """The demo's reasoner is DeepSeek-V3 (MLA: one 512-wide latent and a 64-wide rope key per layer, 61
-    layers, bf16 cache), served up to 65,536 tokens; its routed experts take no KV:
+    layers, bf16 cache), served up to 65,536 tokens; its routed experts take no KV. The latent is one KV head
+    that every tensor-parallel rank holds whole (vLLM's get_num_kv_heads is 1 under MLA), so the pool per GPU
+    does not shrink with the group (it was 70,272 x 65,536 / 4 = 1,151,336,448 on four cards when the
+    planner split every KV evenly):
 
         kv_bytes_per_token = 61 x (512 + 64) x 2 bytes = 70,272
-        min pool per GPU   = ceil(70,272 x 65,536 / tp) = 4,605,345,792 on one GPU, 1,151,336,448 on four
+        min pool per GPU   = 70,272 x 65,536 = 4,605,345,792 on one GPU and on four
     """
     problem = demo_problem()
     spec = problem.models["reasoner"]
     assert spec.is_moe and (spec.kv_bytes_per_token, spec.max_context_tokens) == (70_272, 65_536)
+    assert spec.kv_heads == 1
     assert engine_holdings.min_pool_bytes_per_gpu(problem, "reasoner", 1) == 4_605_345_792
-    assert engine_holdings.min_pool_bytes_per_gpu(problem, "reasoner", 4) == 1_151_336_448
+    assert engine_holdings.min_pool_bytes_per_gpu(problem, "reasoner", 4) == 4_605_345_792
+
+
+# --- the KV one GPU of a tensor-parallel group holds, by hand -------------------------------------------------
+
+
+def preset_spec(preset: str) -> ModelSpec:
+    return resolve_model(ModelIn.model_validate({"id": preset, "preset": preset}), preset)
+
+
+def test_every_rank_holds_the_whole_mla_latent() -> None:
+    """DeepSeek-V3 (config: 61 layers, kv_lora_rank 512, qk_rope_head_dim 64) on 4 x L40, bf16 cache: each
+    card holds 61 x (512 + 64) x 2 bytes = 70,272 bytes per token, all of it, not 70,272 / 4 = 17,568."""
+    spec = preset_spec("deepseek-v3")
+    assert (spec.kv_bytes_per_token, spec.kv_heads) == (70_272, 1)
+    assert spec.kv_bytes_per_gpu(1, 4) == 70_272
+    assert spec.kv_bytes_per_gpu(1_000, 4) == 70_272_000
+
+
+def test_kv_heads_fewer_than_the_group_are_replicated() -> None:
+    """Qwen3-235B-A22B (94 layers, 4 KV heads of 128, bf16): 2 x 94 x 4 x 128 x 2 = 192,512 bytes per token.
+    On 8 cards each rank holds max(1, 4 / 8) = 1 of the 4 heads: 192,512 / 4 = 48,128 per card, not
+    192,512 / 8 = 24,064. Llama-3.3-70B (80 layers, 8 KV heads of 128): 2 x 80 x 8 x 128 x 2 = 327,680 bytes
+    per token; on 16 cards one head of 8 per card, 40,960, not 20,480."""
+    qwen, llama = preset_spec("qwen3-235b-a22b"), preset_spec("llama-3.3-70b-instruct")
+    assert (qwen.kv_bytes_per_token, qwen.kv_heads) == (192_512, 4)
+    assert qwen.kv_bytes_per_gpu(1, 8) == 48_128
+    assert qwen.kv_bytes_per_gpu(1, 4) == 48_128  # 4 cards: one head each, the even split
+    assert (llama.kv_bytes_per_token, llama.kv_heads) == (327_680, 8)
+    assert llama.kv_bytes_per_gpu(1, 16) == 40_960
+
+
+def test_a_dense_model_with_enough_kv_heads_splits_evenly() -> None:
+    """Llama-3.1-8B (8 KV heads) on 4 cards: two heads a card, 131,072 / 4 = 32,768 bytes per token, as before;
+    a model of unknown KV heads (given only its KV per token) splits evenly too."""
+    assert preset_spec("llama-3.1-8b-instruct").kv_bytes_per_gpu(1, 4) == 32_768
+    bare = resolve_model(
+        ModelIn.model_validate({"id": "m", "weights_bytes": {"bf16": GIB}, "kv_bytes_per_token": 1000}), "m"
+    )
+    assert bare.kv_heads == 0 and bare.kv_bytes_per_gpu(3, 4) == 750
+    given = resolve_model(
+        ModelIn.model_validate({"id": "m", "weights_bytes": {"bf16": GIB}, "kv_bytes_per_token": 1000, "kv_heads": 2}),
+        "m",
+    )
+    assert given.kv_bytes_per_gpu(3, 4) == 1500  # 2 heads on 4 cards: half the token's KV on each
+
+
+def test_the_split_over_a_group() -> None:
+    assert [engines.kv_split_ways(h, 8) for h in (0, 1, 4, 8, 16)] == [8, 1, 4, 8, 8]
+    # a pool in tokens holds each token's share of the rank: 1,500 bytes on each of 4 cards, 2 KV heads
+    assert engines.kv_pool_tokens(1000, 1500, 4, kv_heads=2) == 3
+    assert engines.min_kv_pool_bytes_per_gpu(1000, 3, 4, kv_heads=2) == 1500
 
 
 def test_the_model_s_own_limit_is_its_config_s_max_position_embeddings() -> None:

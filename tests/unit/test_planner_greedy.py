@@ -555,3 +555,36 @@ def test_a_plan_depends_only_on_its_problem_not_on_plans_made_before() -> None:
     for seed in (1, 2, 4):
         planned(engine_problem(seed))
     assert planned(engine_problem(3)) == first
+
+
+def test_weights_whose_best_group_cannot_hold_them_are_offered_once_more_not_for_ever(monkeypatch) -> None:
+    """Where the group search and the fit check disagree (here: every fit check fails), the spend step re-offers
+    a model's weights once and then drops them: it used to re-offer them without end (an evidence replay's plan
+    never returned). The model in flight, placed before the spend step, is served still."""
+    from planner_service.planner import greedy
+
+    offers = 0
+    push_weights = greedy.GreedyPlanner._push_weights
+
+    def counted(self, model, push) -> None:
+        nonlocal offers
+        offers += 1
+        assert offers < 1_000, "weights offered without end"
+        push_weights(self, model, push)
+
+    # a in flight, b idle with a session that predicts its next request: the spend step offers b's weights
+    data = scenario(
+        [node("n0", gpu("g0", 80))],
+        [model("a", 4), model("b", 8)],
+        [session("sa", "a", active=True), session("sb", "b")],
+        [held(weights("a"), on_nvme("n0"), 4 * GIB), held(weights("b"), on_nvme("n0"), 8 * GIB)],
+    )
+    problem = problem_from_scenario(parse_scenario(data))
+    unguarded = greedy.plan_greedy(problem)
+    assert gpu_bytes(unguarded, StateObject.weights("b", "bf16"))  # kept warm where it fits
+    monkeypatch.setattr(greedy.GreedyPlanner, "_stay_fits", lambda self, model_id, group, shards: False)
+    monkeypatch.setattr(greedy.GreedyPlanner, "_push_weights", counted)
+    target = greedy.plan_greedy(problem)
+    assert 2 <= offers < 10
+    assert not target.unserved
+    assert not gpu_bytes(target, StateObject.weights("b", "bf16"))

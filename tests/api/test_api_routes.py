@@ -121,6 +121,15 @@ def test_router_token_must_differ_from_others():
         Settings(operator_tokens=["same"], router_tokens=["same"])
 
 
+def _alpha_on_n1_beta_running_on_n2(app, **beta: object) -> None:
+    """n1's vLLM serves alpha on n1-g0, n2's beta on n2-g0, and n2's heartbeat reports beta's instance running
+    (`beta`: more of that instance's fields)."""
+    _register(app, "n1", [{"name": "vllm-a", "models": ["alpha"], "url": "http://n1:8000", "gpus": ["n1-g0"]}])
+    _register(app, "n2", [{"name": "vllm-b", "models": ["beta"], "url": "http://n2:8000", "gpus": ["n2-g0"]}])
+    hb = {"instances": [{"instance": {**_instance("beta", "n2", "n2-g0"), **beta}, "state": "running"}]}
+    assert app.post("/v1/nodes/n2/heartbeat", json=hb).status_code == 200
+
+
 def _turn(app, session: str, model: str, n: int, *, tool: bool = False, input_tokens: int = 1000) -> None:
     events = [
         request(f"{session}-r{n}", session, model, input_tokens=input_tokens),
@@ -133,10 +142,7 @@ def _turn(app, session: str, model: str, n: int, *, tool: bool = False, input_to
 
 def test_warmups_for_sessions_in_a_tool_call_go_to_an_idle_card_of_the_predicted_model(make_app):
     app = make_app(tiny=True)
-    _register(app, "n1", [{"name": "vllm-a", "models": ["alpha"], "url": "http://n1:8000", "gpus": ["n1-g0"]}])
-    _register(app, "n2", [{"name": "vllm-b", "models": ["beta"], "url": "http://n2:8000", "gpus": ["n2-g0"]}])
-    hb = {"instances": [{"instance": _instance("beta", "n2", "n2-g0"), "state": "running"}]}
-    assert app.post("/v1/nodes/n2/heartbeat", json=hb).status_code == 200
+    _alpha_on_n1_beta_running_on_n2(app)
     # six sessions handed off from alpha to beta: the predictor's P(beta | alpha) = (6 + 10 * 0.4 + 0.1) / (6 + 10 + 0.2)
     # = 0.62 (domain/predictions.py: the stay prior 0.6 leaves 0.4 to beta, weight 10, alpha 0.1); the threshold is 0.5
     for i in range(6):
@@ -175,10 +181,7 @@ def test_sessions_that_end_lower_a_warm_up_s_value_and_are_remembered_across_a_r
     whole horizon. 2 * 0.62346 * 0.50413 * 0.26388 = 0.16588 s, less 0.0025 s * (1 - 0.50413) = 0.00124 s: 0.165 s
     (0.329 s without the ends). A restarted service reads the ends back with the other observations."""
     app = make_app(tiny=True)
-    _register(app, "n1", [{"name": "vllm-a", "models": ["alpha"], "url": "http://n1:8000", "gpus": ["n1-g0"]}])
-    _register(app, "n2", [{"name": "vllm-b", "models": ["beta"], "url": "http://n2:8000", "gpus": ["n2-g0"]}])
-    hb = {"instances": [{"instance": _instance("beta", "n2", "n2-g0"), "state": "running"}]}
-    assert app.post("/v1/nodes/n2/heartbeat", json=hb).status_code == 200
+    _alpha_on_n1_beta_running_on_n2(app)
     for i in range(6):
         _turn(app, f"h{i}", "alpha", 1)
         _turn(app, f"h{i}", "beta", 2)
@@ -207,11 +210,7 @@ def test_the_warm_up_target_is_a_setting_and_the_pool_bounds_the_room(make_app, 
     room: 1,024 tokens at 128 KiB, 128 MiB, which beta's reported KV pool of 1 GiB has and one of 100 MiB has
     not (though its card has GiBs free)."""
     app = make_app(tiny=True, warmup_target=target)
-    _register(app, "n1", [{"name": "vllm-a", "models": ["alpha"], "url": "http://n1:8000", "gpus": ["n1-g0"]}])
-    _register(app, "n2", [{"name": "vllm-b", "models": ["beta"], "url": "http://n2:8000", "gpus": ["n2-g0"]}])
-    instance = {**_instance("beta", "n2", "n2-g0"), "kv_pool_bytes_per_gpu": pool}
-    hb = {"instances": [{"instance": instance, "state": "running"}]}
-    assert app.post("/v1/nodes/n2/heartbeat", json=hb).status_code == 200
+    _alpha_on_n1_beta_running_on_n2(app, kv_pool_bytes_per_gpu=pool)
     _turn(app, "s1", "alpha", 1, tool=True)
     _run_every_operation(app)
     directives = app.get("/v1/routes").json()["directives"]

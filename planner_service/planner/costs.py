@@ -483,12 +483,15 @@ def expert_prefill_rates(
         return 0.0, 0.0, 1, 0.0
     off = max(0.0, 1.0 - gpu_fraction)
     per_pass: float = off * model.experts_bytes / sum(map(_H2D, gpus))
-    cpu = 0.0
-    if cpu_experts:
-        routed_params = model.active_expert_bytes_per_token / bytes_per_param(model.preferred)
-        cpu = (1.0 - expert_hit_rate(gpu_fraction, constants)) * routed_params / CPU_EXPERT_PREFILL_PARAMS_PER_S
+    cpu = cpu_expert_prefill_seconds_per_token(model, gpu_fraction, constants) if cpu_experts else 0.0
     share = model.active_expert_bytes_per_token / model.experts_bytes
     return per_pass, cpu, prefill_chunk_tokens(gpus), share
+
+
+def cpu_expert_prefill_seconds_per_token(model: ModelSpec, gpu_fraction: float, constants: CostConstants) -> float:
+    """The CPU's part of `expert_prefill_seconds` per token: the routed parameters a token computes off GPU."""
+    routed_params = model.active_expert_bytes_per_token / bytes_per_param(model.preferred)
+    return (1.0 - expert_hit_rate(gpu_fraction, constants)) * routed_params / CPU_EXPERT_PREFILL_PARAMS_PER_S
 
 
 def expert_prefill_seconds(

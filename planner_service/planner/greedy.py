@@ -492,7 +492,10 @@ class GreedyPlanner:
         self._steps_cache: dict[tuple[str, bool], list[int]] = {}  # (model, partial experts) -> `_expert_steps`
         # (node, MoE models) -> `_experts_curve`
         self._curves: dict[tuple[str | tuple[str, float, int], ...], tuple[list[int], list[float]]] = {}
-        self._expert_terms_memo: dict[tuple[tuple[Hashable, ...], float, int], _ExpertTerms] = {}
+        self._expert_terms_memo: dict[tuple[tuple[Hashable, ...], float, int, int, bool], _ExpertTerms] = {}
+        self._histories = demand.context  # per session: the tokens a re-prefill of its history processes
+        self._prefill_settings: dict[tuple[str, str], tuple[int, bool]] = {}  # `_expert_prefill_setting`
+        self._expert_prefill: dict[tuple[str, float, int, bool], float] = {}  # `_expert_prefill_seconds`
         self._price = self.c.gpu_price_seconds_per_gib / GIB  # seconds per byte held on GPU
         self._shapes: dict[tuple[str, bool, int], _ExpertShape] = {}
         self._shape_on: dict[tuple[str, str], _ExpertShape] = {}  # (model, node) -> its shape
@@ -813,13 +816,10 @@ class GreedyPlanner:
         return late
 
     def _prefill_rates(self, model: ModelSpec, gpus: Sequence[Gpu]) -> tuple[float, float]:
-        """Prefill seconds per token and per attention pair of the model on `gpus` (`costs.prefill_seconds`).
-
-        A MoE's experts off GPU (`costs.expert_prefill_seconds`) are left out of the greedy's estimates, as if
-        all were on GPU (`_ALL_ON_GPU`): the evaluator prices them at the share on the node's GPUs now, which
-        the plan's own expert chunks do not change, so that share would steer a fresh load to the group that
-        streams its experts fastest rather than the one that holds them, and a MoE to whichever node it is not
-        served on now."""
+        """Prefill seconds per token and per attention pair of the model on `gpus` (`costs.prefill_seconds`),
+        as if all a MoE's experts were on GPU (`_ALL_ON_GPU`): what its experts off GPU add to the predicted
+        re-prefills (`costs.expert_prefill_seconds`, at the plan's own share as the evaluator prices them) is
+        priced with the experts, per byte placed (`_expert_terms`)."""
         return costs.prefill_seconds_per_token(model, gpus, self.c), costs.attention_seconds_per_pair(
             model, gpus, self.c
         )
@@ -905,7 +905,8 @@ class GreedyPlanner:
         expert bytes on GPU (remembered per shape, which nodes alike share: a group search prices the same few
         again and again)."""
         shape = self._expert_shape(model, node_id)
-        key = (shape.key, h2d, placed)
+        chunk, in_dram = self._expert_prefill_setting(model, node_id)
+        key = (shape.key, h2d, placed, chunk, in_dram)
         terms = self._expert_terms_memo.get(key)
         if terms is None:
             # served weight * decode slowdown with no expert on GPU (costs.decode_slowdown_seconds at f = 0)
@@ -915,18 +916,48 @@ class GreedyPlanner:
                 * model.active_expert_bytes_per_token
                 / h2d
             )
+            # and the predicted re-prefills' seconds per expert byte off GPU: streamed once a pass, linear in the
+            # bytes (`costs.expert_prefill_seconds`), so a byte on GPU saves it and pays its HBM price less it
+            per_byte = self._expert_prefill_seconds(model, h2d, chunk, in_dram) / model.experts_bytes
+            price = self._price - per_byte
             steps, miss = shape.steps, shape.miss
             j = bisect.bisect_right(steps, placed) - 1  # `placed` is always a step
-            best = max(j, shape.paying(scale, self._price))
+            best = max(j, shape.paying(scale, price))
             sizes = shape.sizes[j:best]
-            changes = [
-                scale * gain + self._price * nbytes for gain, nbytes in zip(shape.gains[j:best], sizes, strict=True)
-            ]
-            order = [scale * o for o in shape.order[j:best]]
+            changes = [scale * gain + price * nbytes for gain, nbytes in zip(shape.gains[j:best], sizes, strict=True)]
+            order = [scale * o - per_byte for o in shape.order[j:best]]
             offers = list(zip(order, itertools.repeat(model.id), range(j, best), sizes, changes))
-            terms = _ExpertTerms(scale * miss[j], offers)
+            terms = _ExpertTerms(scale * miss[j] + per_byte * (model.experts_bytes - placed), offers)
             self._expert_terms_memo[key] = terms
         return terms
+
+    def _expert_prefill_setting(self, model: ModelSpec, node_id: str) -> tuple[int, bool]:
+        """The prefill chunk of the node's cards and whether its host DRAM holds all the MoE's experts now (its
+        CPU may then compute those off GPU): what `_expert_prefill_seconds` needs of the node."""
+        key = (model.id, node_id)
+        setting = self._prefill_settings.get(key)
+        if setting is None:
+            chunk = costs.prefill_chunk_tokens([self.p.gpus[g] for g in self.p.nodes[node_id].gpus])
+            in_dram = self.now.complete_source(StateObject.experts(model.id), node_id) is _HOST
+            setting = self._prefill_settings[key] = (chunk, in_dram)
+        return setting
+
+    def _expert_prefill_seconds(self, model: ModelSpec, h2d: float, chunk: int, in_dram: bool) -> float:
+        """SLO-weighted seconds the model's predicted requests lose to re-prefilling their histories with none of
+        its routed experts on GPU, on a group of summed host->GPU bandwidth `h2d` (`costs.expert_prefill_seconds`
+        at f = 0; each a fresh re-prefill: the KV the node holds for some is left out, as in `_group_cost`)."""
+        key = (model.id, h2d, chunk, in_dram)
+        seconds = self._expert_prefill.get(key)
+        if seconds is None:
+            share = model.active_expert_bytes_per_token / model.experts_bytes
+            passes = costs.expert_prefill_passes(self._histories, share, chunk)
+            pcie = self.weighted[self.row[model.id]] @ passes * (model.experts_bytes / h2d)
+            seconds = float(pcie)
+            if in_dram:
+                cpu = costs.cpu_expert_prefill_seconds_per_token(model, 0.0, self.c)
+                seconds = min(seconds, self._context_demand[model.id] * cpu)
+            self._expert_prefill[key] = seconds
+        return seconds
 
     def _expert_shape(self, model: ModelSpec, node_id: str) -> _ExpertShape:
         """The model's expert chunks the node may hold, and the share of expert reads each step still misses."""
@@ -2009,7 +2040,10 @@ class GreedyPlanner:
         # chunks grow only up to what the node can load: a complete copy below its GPUs, or what they hold now
         shape = self._expert_shape(model, group.node)
         none_on_gpu = costs.decode_slowdown_seconds(model, 0.0, group.gpus, self.c)  # per request
-        price = self._price
+        prefill = self._expert_prefill_seconds(
+            model, sum(map(_H2D, group.gpus)), *self._expert_prefill_setting(model, group.node)
+        )  # the predicted re-prefills' with none on GPU: each byte on GPU saves its share (`_expert_terms`)
+        price = self._price - prefill / model.experts_bytes
         for k, nbytes in enumerate(shape.sizes):
             after = none_on_gpu * shape.miss[k + 1]
             saved = demand * none_on_gpu * -shape.gains[k]

@@ -396,7 +396,8 @@ def evaluate(
             # no KV anywhere: re-prefill the whole history; sessions holding some KV are priced below
             seconds = costs.prefill_seconds_per_token(model, gpus, c)
             pair = costs.attention_seconds_per_pair(model, gpus, c)
-            rates = expert_rates(now, model, node, gpus, c)  # the share on the node's GPUs now, as the MILP's
+            # the plan's own expert share on the node's GPUs: predicted requests come once its moves are done
+            rates = expert_rates(then, model, node, gpus, c)
             if rates[0] > 0:
                 moe.append((len(rows), rates))
             holders = then.kv_sessions.get(model.id)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections import defaultdict
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -35,6 +35,8 @@ from planner_service.planner.objective import _arrival_latency, cold_load, exper
 from planner_service.planner.residency import ResidencyIndex, Serving
 from planner_service.solver.backends import IntModel
 
+# seconds per unit of a `PrefillOverlap`'s variable (the model's rows take integer coefficients)
+PREFILL_STEP = 0.01
 MAX_SUBSET_GPUS = 4  # nodes with at most this many GPUs offer every subset as a group; larger ones offer windows
 
 
@@ -96,6 +98,18 @@ class EngineExperts:
 
 
 @dataclass(frozen=True, slots=True)
+class PrefillOverlap:
+    """What a predicted request's KV on the GPUs (`kv`) and its MoE's experts there (`fractions`: expert variable
+    -> the request's prefill seconds they save, in `PREFILL_STEP`s) both claim to save: its prefill happens
+    once, so `var` >= sum saved * y - most * (1 - kv) takes the second claim back."""
+
+    var: int
+    kv: int
+    fractions: dict[int, int]
+    most: int
+
+
+@dataclass(frozen=True, slots=True)
 class KvPool:
     """The room of a new engine's KV pool on one GPU beyond the sessions' KV chosen there: `var` MiB, so that
     the pool takes max(its minimum, the KV) (engines.launch_kv_pool_bytes_per_gpu)."""
@@ -118,6 +132,7 @@ class Formulation:
     engine_experts: list[EngineExperts]  # on engine nodes, in place of combos and expert_vars
     gain_vars: dict[tuple[str, str], int]  # (model, gpu) -> MiB of experts promoted there
     pools: list[KvPool]
+    overlaps: list[PrefillOverlap]
     lower: ResidencyIndex  # lower tiers when no model is on GPU (the approximation)
     unavoidable: float  # sum over models of their best cost with unlimited HBM: a lower bound of every plan
 
@@ -196,6 +211,9 @@ class Formulation:
                 gpu_bytes.get((StateObject.experts(combo.model), g), 0) for g in self.problem.nodes[combo.node].gpus
             )
             values[combo.var] = int(held == combo.nbytes)
+        for overlap in self.overlaps:
+            saved = sum(d * values[v] for v, d in overlap.fractions.items())
+            values[overlap.var] = max(0, saved - overlap.most * (1 - values[overlap.kv]))
         return values
 
 
@@ -230,6 +248,9 @@ class _Builder:
         self.engine_experts: list[EngineExperts] = []
         self.gain_vars: dict[tuple[str, str], int] = {}
         self.pools: list[KvPool] = []
+        self.overlaps: list[PrefillOverlap] = []
+        # option var -> a MoE's predicted requests' seconds at expert shares 0 and 1 there, and their pricing
+        self.prefill_ends: dict[int, tuple[np.ndarray, np.ndarray, Callable[[np.ndarray], np.ndarray]]] = {}
         # engine instances on vLLM / SGLang nodes as they are now (planner/engine_instances.py)
         self.states = engine_instances.confirmed_states(problem)
         self.launched_pools = engine_holdings.launched_pools(problem, self.states)
@@ -306,6 +327,7 @@ class _Builder:
             self.engine_experts,
             self.gain_vars,
             self.pools,
+            self.overlaps,
             self.lower,
             self.unavoidable,
         )
@@ -336,7 +358,7 @@ class _Builder:
             latency = np.full(len(sessions), c.unserved_penalty_seconds)
             slowdown = 0.0
         else:
-            share = expert_share(self.now, model, cold.node)  # a MoE prefills at its expert share now (the evaluator's)
+            share = (0.0, expert_share(self.now, model, cold.node)[1])  # the plan puts none of its experts on GPU
             kv = (
                 context * costs.prefill_seconds_per_token(model, cold.gpus, c)
                 + costs.causal_pairs(context, 0) * costs.attention_seconds_per_pair(model, cold.gpus, c)
@@ -405,27 +427,37 @@ class _Builder:
                 self.p, {(obj, Location.gpu(g.id)): b for g, b in zip(o.gpus, o.shards, strict=True) if b}
             )
             serving = Serving(o.node, o.precision, o.gpus)
-            share = expert_share(self.now, model, o.node)  # a MoE prefills at its expert share now (the evaluator's)
+            now_share = expert_share(self.now, model, o.node)  # requests in flight prefill at the share now
             arrival_cost = {}
             for s in active:
                 w = c.slo_weights.of(s.slo)
-                arrival = _arrival_latency(self.p, self.now, then, model, s.id, serving, share)
+                arrival = _arrival_latency(self.p, self.now, then, model, s.id, serving, now_share)
                 arrival_cost[s.id] = w * (
                     arrival + c.violation_penalty_seconds * (arrival > c.slo_targets_seconds.of(s.slo)) + degraded
                 )
-            # predicted requests: weights ready; KV ready from the lower tiers unless k puts it on GPU
+            # predicted requests: weights ready; KV ready from the lower tiers unless k puts it on GPU; a MoE's
+            # prefill at the plan's expert share: a launched engine's, else none here, what its expert
+            # variables add changing their cost (`_prefill_gain`)
             invalidated = current is not None and current.precision != o.precision
-            kv = (
-                context * costs.prefill_seconds_per_token(model, o.gpus, c)
-                + costs.causal_pairs(context, 0) * costs.attention_seconds_per_pair(model, o.gpus, c)
-                + costs.expert_prefill_seconds_many(
-                    context, *costs.expert_prefill_rates(model, share[0], o.gpus, c, share[1])
+
+            def predicted_kv(fraction: float, o: Option = o, invalidated: bool = invalidated) -> np.ndarray:
+                share = (fraction, now_share[1]) if model.is_moe else now_share
+                kv = (
+                    context * costs.prefill_seconds_per_token(model, o.gpus, c)
+                    + costs.causal_pairs(context, 0) * costs.attention_seconds_per_pair(model, o.gpus, c)
+                    + costs.expert_prefill_seconds_many(
+                        context, *costs.expert_prefill_rates(model, share[0], o.gpus, c, share[1])
+                    )
                 )
-            )
-            if not invalidated:
-                for sid in holders_low:
-                    if sid in position:
-                        kv[position[sid]] = kv_ready(self.p, self.lower, model, sid, o.node, o.gpus, 0, share)
+                if not invalidated:
+                    for sid in holders_low:
+                        if sid in position:
+                            kv[position[sid]] = kv_ready(self.p, self.lower, model, sid, o.node, o.gpus, 0, share)
+                return kv
+
+            kv = predicted_kv(sum(o.experts) / model.experts_bytes if o.launched and model.is_moe else 0.0)
+            if model.is_moe and not o.launched:
+                self.prefill_ends[o.var] = (kv, predicted_kv(1.0), request_costs)
             without_kv = request_costs(kv)
             cost += float(without_kv.sum()) + float(wq.sum()) * degraded
             fraction = sum(o.experts) / model.experts_bytes if o.launched and model.experts_bytes else 0.0
@@ -700,9 +732,49 @@ class _Builder:
 
     def _best_combo_cost(self, model: ModelSpec, option: Option, served_weight: float) -> float:
         costs_ = [
-            self._combo_cost(model, option.gpus, n, served_weight) for _, _, n in self._combo_terms(model, option.node)
+            self._combo_cost(model, option.gpus, n, served_weight) + float(self._prefill_gain(model, option, n).sum())
+            for _, _, n in self._combo_terms(model, option.node)
         ]
         return min([0.0, *costs_])
+
+    def _prefill_gain(self, model: ModelSpec, option: Option, nbytes: int) -> np.ndarray:
+        """Per predicted request of the model on `option`, what `nbytes` of its routed experts on the option's
+        GPUs change its cost (<= 0): its re-prefill streams or computes fewer experts. Exact at no expert and at
+        all of them; linear in the share between, as the experts streamed over PCIe are (`costs.expert_prefill_
+        seconds`), where the CPU's part and a restore's crossover are not."""
+        ends = self.prefill_ends.get(option.var)
+        if ends is None:
+            return np.zeros(0)
+        none, all_, price = ends
+        off = 1.0 - nbytes / model.experts_bytes
+        gain: np.ndarray = price(all_ + (none - all_) * off) - price(none)
+        return gain
+
+    def _overlap_rows(
+        self, model: ModelSpec, option: Option, fractions: Sequence[tuple[int, int]], priced: Option | None = None
+    ) -> None:
+        """For each predicted request of the model whose KV `option` may hold, a `PrefillOverlap` over the
+        expert variables `fractions` ((var, bytes) on the option's GPUs), whose costs priced their prefill gains
+        on `priced` (default `option`)."""
+        priced = priced or option
+        if not fractions or priced.var not in self.prefill_ends:
+            return
+        position = {s.id: i for i, (s, _) in enumerate(self.demand.get(model.id, []))}
+        gains = [(var, self._prefill_gain(model, priced, nbytes)) for var, nbytes in fractions]
+        for choices in (self.kv.get((model.id, s), []) for s in position):
+            for choice in choices:
+                if choice.option is not option:
+                    continue
+                i = position[choice.session]
+                saved = {var: int(-gain[i] // PREFILL_STEP) for var, gain in gains}
+                saved = {var: d for var, d in saved.items() if d > 0}
+                if not saved:
+                    continue
+                most = max(saved.values())
+                var = self.ilp.var(f"t[{model.id},{choice.session},{option.var}]", ub=most, cost=PREFILL_STEP)
+                self.overlaps.append(PrefillOverlap(var, choice.var, saved, most))
+                # (C14) t >= sum_y saved_y * y - most * (1 - k)
+                self.ilp.row({var: 1, **{v: -d for v, d in saved.items()}, choice.var: -most}, lo=-most)
 
     def _experts(
         self, model: ModelSpec, by_class: Mapping[tuple[str, int], list[Option]], served_weight: float
@@ -722,14 +794,20 @@ class _Builder:
                 if n != node_id:
                     continue
                 chosen = []
+                fractions = []
                 for r, last, nbytes in terms:
+                    # the class's options decode alike; their prefill gains are priced on its first
+                    gain = float(self._prefill_gain(model, options[0], nbytes).sum())
                     var = self.ilp.var(
                         f"y[{model.id},{node_id},{cls},{r},{last}]",
-                        cost=self._combo_cost(model, options[0].gpus, nbytes, served_weight),
+                        cost=self._combo_cost(model, options[0].gpus, nbytes, served_weight) + gain,
                     )
                     self.combos.append(ExpertCombo(var, model.id, node_id, cls, r, last, nbytes))
                     chosen.append(var)
+                    fractions.append((var, nbytes))
                     link[var] = -nbytes // self._unit(model, node_id)
+                for o in options:
+                    self._overlap_rows(model, o, fractions, priced=options[0])
                 # (C5) at most one expert fraction, and only on a node whose group (of this decode class) serves the model
                 self.ilp.row({**dict.fromkeys(chosen, 1), **{o.var: -1 for o in options}}, hi=0)
             has_source = _experts_source(self.p, self.now, model.id, node_id)
@@ -766,18 +844,20 @@ class _Builder:
         shares_on: dict[str, dict[int, int]] = defaultdict(dict)  # GPU -> {w: its share there}
         woken = self.woken_experts.get((node_id, model.id))
         for o in options:
-            chosen = []
+            chosen: list[int] = []
+            fractions: list[tuple[int, int]] = []
             wake = woken is not None and self._asleep_as(model, o.node, o.precision, o.gpus)
             for r, last, nbytes in [(0, 0, woken)] if wake and woken is not None else terms:
                 shares = split_evenly(nbytes, len(o.gpus))
                 held = [self.now.placement.get((obj, Location.gpu(g.id)), 0) for g in o.gpus]
                 if not wake and not has_source and any(b > h for b, h in zip(shares, held, strict=True)):
                     continue  # nothing to fill more from
-                var = self.ilp.var(
-                    f"w[{model.id},{o.var},{r},{last}]", cost=self._combo_cost(model, o.gpus, nbytes, served_weight)
-                )
+                cost = self._combo_cost(model, o.gpus, nbytes, served_weight)
+                cost += float(self._prefill_gain(model, o, nbytes).sum())
+                var = self.ilp.var(f"w[{model.id},{o.var},{r},{last}]", cost=cost)
                 self.engine_experts.append(EngineExperts(var, o, nbytes))
                 chosen.append(var)
+                fractions.append((var, nbytes))
                 for g, b in zip(o.gpus, shares, strict=True):
                     self.gpu_terms[g.id][var] += b
                     self.model_gpu_terms[(model.id, g.id)][var] += b
@@ -786,6 +866,7 @@ class _Builder:
             # launched share, with the option whenever it is chosen
             if chosen:
                 self.ilp.row({**dict.fromkeys(chosen, 1), o.var: -1}, lo=0 if wake else -math.inf, hi=0)
+            self._overlap_rows(model, o, fractions)
         for gpu_id, by_var in sorted(shares_on.items()):
             # (C6e) promoted MiB: MiB * u >= sum_w share * w - now, charged at the GPU's copy rate
             was = self.now.placement.get((obj, Location.gpu(gpu_id)), 0)

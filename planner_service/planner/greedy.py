@@ -18,7 +18,8 @@ It rebuilds what the GPUs should hold, then settles the lower tiers:
    less preferred precision), a node holding several is priced with its MoE
    models sharing its room for experts (the decode slowdown at the best
    expert fractions that room allows, on each group's summed PCIe
-   bandwidth), and a local search moves and swaps models
+   bandwidth, and the predicted re-prefills' streaming of the experts
+   left off GPU: `_expert_terms`), and a local search moves and swaps models
    between options (or trades two like nodes' models) while the sum falls,
    then steps out of that local optimum once, and a budgeted branch and
    bound looks for a lower sum over every assignment (rotations of three

@@ -14,7 +14,6 @@ from contextlib import contextmanager
 from typing import Protocol
 
 from planner_service.domain.problem import Problem
-from planner_service.planner.engine_instances import immovable
 from planner_service.planner.greedy import plan_greedy
 from planner_service.planner.plan import Plan, make_plan
 from planner_service.planner.search import MAX_PLANS, search_nodes
@@ -48,10 +47,7 @@ def _greedy(
 ) -> Plan:
     """The greedy plan; `nodes` / `precisions` pin models where they serve (`planner/online.py`)."""
     started = time.perf_counter()
-    stay = immovable(problem)  # engines that cannot leave their GPUs serve where they are
-    if stay:
-        nodes = {**{m: n for m, (n, _) in stay.items()}, **(nodes or {})}
-        precisions = {**{m: p for m, (_, p) in stay.items()}, **(precisions or {})}
+    # (engines that cannot leave their GPUs serve where they are: the greedy pins them itself, `pinned_instances`)
     with cycle_collection_paused():
         target = plan_greedy(problem, nodes, precisions)
         plan = make_plan(

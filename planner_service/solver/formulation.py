@@ -18,7 +18,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections import defaultdict
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -35,8 +35,9 @@ from planner_service.planner.objective import _arrival_latency, cold_load, exper
 from planner_service.planner.residency import ResidencyIndex, Serving
 from planner_service.solver.backends import IntModel
 
-# seconds per unit of a `PrefillOverlap`'s variable (the model's rows take integer coefficients)
-PREFILL_STEP = 0.01
+# seconds per unit of a `PrefillOverlap`'s variable (the model's rows take integer coefficients): the model
+# prices a request both its KV and its experts on GPU spare to within half of one
+PREFILL_STEP = 0.001
 MAX_SUBSET_GPUS = 4  # nodes with at most this many GPUs offer every subset as a group; larger ones offer windows
 
 
@@ -352,23 +353,15 @@ class _Builder:
             seconds: np.ndarray = wq * (latency + c.violation_penalty_seconds * (latency > target))
             return seconds
 
+        holders_low = self.lower.kv_sessions.get(model.id, set())
         # -- x_off: no group serves the model; its requests cold-load from the lower tiers
         cold = cold_load(self.p, self.lower, model, self.now)
         if cold.node is None:
             latency = np.full(len(sessions), c.unserved_penalty_seconds)
             slowdown = 0.0
         else:
-            share = (0.0, expert_share(self.now, model, cold.node)[1])  # the plan puts none of its experts on GPU
-            kv = (
-                context * costs.prefill_seconds_per_token(model, cold.gpus, c)
-                + costs.causal_pairs(context, 0) * costs.attention_seconds_per_pair(model, cold.gpus, c)
-                + costs.expert_prefill_seconds_many(
-                    context, *costs.expert_prefill_rates(model, share[0], cold.gpus, c, share[1])
-                )
-            )
-            for sid in self.lower.kv_sessions.get(model.id, ()):
-                if sid in position:
-                    kv[position[sid]] = kv_ready(self.p, self.lower, model, sid, cold.node, cold.gpus, 0, share)
+            share = self._plan_share(model, cold.node, 0.0)  # the plan puts none of its experts on GPU
+            kv = self._predicted_kv(model, cold.node, cold.gpus, share, context, position, holders_low)
             latency = cold.seconds + kv
             slowdown = costs.decode_slowdown_seconds(model, 0.0, cold.gpus, c)
         off_cost = float(request_costs(latency).sum()) + float(wq.sum()) * slowdown
@@ -384,7 +377,6 @@ class _Builder:
         served_weight = float(wq.sum()) + active_weight  # requests that decode on the serving group
         current = self.now.serving.get(model.id)
         holders_now = self.now.kv_sessions.get(model.id, set())
-        holders_low = self.lower.kv_sessions.get(model.id, set())
         by_class: dict[tuple[str, int], list[Option]] = defaultdict(list)
         if model.id in self.pinned:
             # (C2') an adopted engine launched without sleep mode cannot leave its GPUs: its instance is chosen
@@ -439,25 +431,13 @@ class _Builder:
             # prefill at the plan's expert share: a launched engine's, else none here, what its expert
             # variables add changing their cost (`_prefill_gain`)
             invalidated = current is not None and current.precision != o.precision
-
-            def predicted_kv(fraction: float, o: Option = o, invalidated: bool = invalidated) -> np.ndarray:
-                share = (fraction, now_share[1]) if model.is_moe else now_share
-                kv = (
-                    context * costs.prefill_seconds_per_token(model, o.gpus, c)
-                    + costs.causal_pairs(context, 0) * costs.attention_seconds_per_pair(model, o.gpus, c)
-                    + costs.expert_prefill_seconds_many(
-                        context, *costs.expert_prefill_rates(model, share[0], o.gpus, c, share[1])
-                    )
-                )
-                if not invalidated:
-                    for sid in holders_low:
-                        if sid in position:
-                            kv[position[sid]] = kv_ready(self.p, self.lower, model, sid, o.node, o.gpus, 0, share)
-                return kv
-
-            kv = predicted_kv(sum(o.experts) / model.experts_bytes if o.launched and model.is_moe else 0.0)
+            restorable = set() if invalidated else holders_low
+            launched_share = sum(o.experts) / model.experts_bytes if o.launched and model.is_moe else 0.0
+            share = self._plan_share(model, o.node, launched_share)
+            kv = self._predicted_kv(model, o.node, o.gpus, share, context, position, restorable)
             if model.is_moe and not o.launched:
-                self.prefill_ends[o.var] = (kv, predicted_kv(1.0), request_costs)
+                every = self._predicted_kv(model, o.node, o.gpus, (1.0, share[1]), context, position, restorable)
+                self.prefill_ends[o.var] = (kv, every, request_costs)
             without_kv = request_costs(kv)
             cost += float(without_kv.sum()) + float(wq.sum()) * degraded
             fraction = sum(o.experts) / model.experts_bytes if o.launched and model.experts_bytes else 0.0
@@ -514,6 +494,38 @@ class _Builder:
         if model.is_moe:
             self._experts(model, by_class, served_weight)
         self.unavoidable += best
+
+    def _plan_share(self, model: ModelSpec, node: str, fraction: float) -> tuple[float, bool]:
+        """`expert_share` of a MoE with `fraction` of its experts on the node's GPUs in the plan (its host DRAM's
+        copy as now); a dense model's."""
+        return (
+            (fraction, expert_share(self.now, model, node)[1]) if model.is_moe else expert_share(self.now, model, node)
+        )
+
+    def _predicted_kv(
+        self,
+        model: ModelSpec,
+        node: str,
+        gpus: Sequence[Gpu],
+        share: tuple[float, bool],
+        context: np.ndarray,
+        position: Mapping[str, int],
+        holders: Collection[str],
+    ) -> np.ndarray:
+        """Seconds to ready each predicted request's KV on `gpus` of the node with nothing of it there: restored
+        from the lower tiers for `holders`, else re-prefilled, a MoE at expert share `share` (`kv_ready`)."""
+        c = self.c
+        kv: np.ndarray = (
+            context * costs.prefill_seconds_per_token(model, gpus, c)
+            + costs.causal_pairs(context, 0) * costs.attention_seconds_per_pair(model, gpus, c)
+            + costs.expert_prefill_seconds_many(
+                context, *costs.expert_prefill_rates(model, share[0], gpus, c, share[1])
+            )
+        )
+        for sid in holders:
+            if sid in position:
+                kv[position[sid]] = kv_ready(self.p, self.lower, model, sid, node, tuple(gpus), 0, share)
+        return kv
 
     def _residue(self) -> dict[str, int]:
         """GPU -> bytes of the contexts of engines that keep theirs (`engine_holdings.keeps_context`) when none of
@@ -766,7 +778,7 @@ class _Builder:
                 if choice.option is not option:
                     continue
                 i = position[choice.session]
-                saved = {var: int(-gain[i] // PREFILL_STEP) for var, gain in gains}
+                saved = {var: round(-gain[i] / PREFILL_STEP) for var, gain in gains}
                 saved = {var: d for var, d in saved.items() if d > 0}
                 if not saved:
                     continue

@@ -52,6 +52,8 @@ Variables
                            equal shares split_r,g on the GPUs of option o (one launch setting per instance)
     u_{m,g} ∈ Z>=0         MiB of those promoted onto g (above what g holds now)
     z_{m,g} ∈ Z>=0         MiB of m's KV on g beyond its launched engine's pool (o ∈ L_m, g ∈ g_o)
+    t_{m,s,o} ∈ Z>=0       the prefill of s's predicted request both its KV on g_o and m's experts there would
+                           spare, in PREFILL_STEPs (ms): claimed once too many
 
 Constraints (one family per comment in `formulation.py`)
     (C1) HBM:       sum_o shard_{o,g} x + sum_k kvshard_{k,g} k + sum_m e_{m,n} v_{m,g}
@@ -98,6 +100,10 @@ Constraints (one family per comment in `formulation.py`)
                     its wake's option has one w, that share, and w_{m,o} = x_{m,o}: a wake maps
                     back what the sleep offloaded, the share included; an unreported share is
                     chosen as any new option's
+    (C14) overlap:  t_{m,s,o} >= sum_r P_{s,r} y_r - max_r P_{s,r} (1 - k_{m,s,o}), over the y (or w) of o's
+                    class, P_{s,r} the prefill seconds fraction r spares s's predicted request (rounded
+                    to the step): a request whose KV is on the GPUs re-prefills nothing, so its experts
+                    there spare it nothing either
     (C12') new pool: for o ∉ L_m ∪ W_m on a vLLM / SGLang node, with least_o one request of
                     the model's maximum context per GPU (engines.min_kv_pool_bytes_per_gpu):
                     least_o rides on x_{m,o} in C1 where all the KV o may hold fits in it;
@@ -109,9 +115,15 @@ Objective (seconds; every coefficient computed by the evaluator's functions)
     off_m:   sum_{s in D_m} w q (L_cold + V [L_cold > t_s]) + decode at f=0 + U * sum_{A_m} w
     x_{m,o}: warm tax of the weights + move_weight * shard promotion seconds + U * sum_{A_m} w
              + sum_{D_m} w q (L_kv + V [L_kv > t_s] + degraded) + W_m * decode(f=0)
+             (L_kv of a MoE at no expert on GPU, as if no y were chosen; its active requests' at the
+             share on the node's GPUs now, as the evaluator prices requests in flight)
     k:       warm tax of the KV - w q (L_kv + V [L_kv > t_s])
              (an active one: + w (L_now + V [L_now > t_s] + degraded) - U w)
     y:       warm tax of the chunks - W_m * (decode(0) - decode(f_r)) on the class's group
+             + sum_{D_m} (w q (L_kv(f_r) + V [L_kv(f_r) > t_s]) - the same at f = 0): the predicted
+             re-prefills the chunks spare (L_kv(f) exact at f = 0 and 1, linear between: the experts
+             streamed over PCIe are, the CPU's part and a restore's crossover are not)
+    t:       PREFILL_STEP
     u:       move_weight * copy seconds of one MiB from the node's best complete copy
     x_{m,o}, o ∈ L_m: + warm tax of ex, decode at f = sum ex / experts (not 0); its k
              carry the warm tax of the KV as any k (the evaluator taxes the bytes placed,

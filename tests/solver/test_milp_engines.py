@@ -18,6 +18,7 @@ from planner_service.planner.engine_holdings import launched_pools
 from planner_service.planner.engine_instances import ENGINE_CONSTANTS, confirmed_states
 from planner_service.planner.invariants import check_plan
 from planner_service.planner.plan import Plan, make_plan
+from planner_service.solver.formulation import PREFILL_STEP
 from planner_service.solver.registry import solve
 
 VLLM = {"kind": "vllm", "features": ["lmcache", "sleep_mode", "dev_mode"]}
@@ -287,7 +288,8 @@ def test_milp_wakes_a_moe_engine_with_the_expert_share_it_was_launched_with(gpu_
     (move,) = [op for op in plan.operations if op.object == StateObject.experts("m")]
     assert move.engine is not None and move.engine.transition is Transition.WAKE
     details = plan.extra["milp"]
-    assert details["model_objective"] == pytest.approx(details["milp_plan_objective"], rel=1e-6)
+    # exact but for the prefill both the KV and the experts on GPU spare, priced to within PREFILL_STEP / 2
+    assert details["model_objective"] == pytest.approx(details["milp_plan_objective"], abs=PREFILL_STEP / 2)
 
 
 def test_the_checker_refuses_a_wake_with_another_expert_share() -> None:

@@ -946,7 +946,8 @@ class GreedyPlanner:
     def _expert_prefill_seconds(self, model: ModelSpec, h2d: float, chunk: int, in_dram: bool) -> float:
         """SLO-weighted seconds the model's predicted requests lose to re-prefilling their histories with none of
         its routed experts on GPU, on a group of summed host->GPU bandwidth `h2d` (`costs.expert_prefill_seconds`
-        at f = 0; each a fresh re-prefill: the KV the node holds for some is left out, as in `_group_cost`)."""
+        at f = 0; every history re-prefilled whole: what restoring the KV a node holds would spare is not taken
+        off)."""
         key = (model.id, h2d, chunk, in_dram)
         seconds = self._expert_prefill.get(key)
         if seconds is None:

@@ -498,9 +498,8 @@ class _Builder:
     def _plan_share(self, model: ModelSpec, node: str, fraction: float) -> tuple[float, bool]:
         """`expert_share` of a MoE with `fraction` of its experts on the node's GPUs in the plan (its host DRAM's
         copy as now); a dense model's."""
-        return (
-            (fraction, expert_share(self.now, model, node)[1]) if model.is_moe else expert_share(self.now, model, node)
-        )
+        now = expert_share(self.now, model, node)
+        return (fraction, now[1]) if model.is_moe else now
 
     def _predicted_kv(
         self,

@@ -142,3 +142,27 @@ def test_static_tuned_respects_its_replay_budget() -> None:
 def test_static_tuned_refuses_to_run_without_a_searched_partition() -> None:
     with pytest.raises(ValueError, match="partition found on training traces"):
         create_policy("static-tuned")
+
+
+@pytest.mark.parametrize(("name", "moved", "transitions"), [
+    ("sleep-router", 0, {"sleep_level_2": 2, "stop_asleep": 1}),
+    ("swap-ttl", 4 * GB, {"cold_start": 1}),
+])  # fmt: skip
+def test_a_fixed_group_too_small_for_a_request_keeps_its_engine_up_until_the_timeout(
+    name: str, moved: int, transitions: dict[str, int]
+) -> None:
+    """Room for one model (6 GB); s1's turn on a needs 10 GB of KV, which a's group never holds. a's engine
+    can serve on no other GPUs, so it stays up: no sleep and wake (or stop and restart) on the same GPU at
+    every dispatch pass (that was 145 level-1 wakes and 584 GB moved for sleep-router, 17 restarts for
+    swap-ttl). s1's turn fails at the client's 600 s; s2's waits behind it (first come, first served per
+    model) and is served then: its 1000 tokens of prefill and the store of 768 to host, 601.000768 s."""
+    records = [
+        TraceRequest(t=0.0, session="s1", model="a", input_tokens=10_000_000, output_tokens=0),
+        TraceRequest(t=10.0, session="s2", model="a", input_tokens=1000, output_tokens=0),
+    ]
+    result = simulate(tiny_scenario(6 * GB), records, create_policy(name))
+    lost, served = result.requests
+    assert (lost.state, lost.failed_at) == ("failed", 600.0)
+    assert (served.state, served.switch_seconds) == ("done", pytest.approx(590.0))
+    assert result.bytes_moved == moved and result.extra["engine_transitions"] == transitions
+    assert result.fallback_loads == 0 and result.duration_seconds == pytest.approx(601.000768)

@@ -30,7 +30,7 @@ from planner_service.sim.policies.base import Policy
 from planner_service.sim.trace import TraceRequest
 
 if TYPE_CHECKING:
-    from planner_service.sim.state import SimRequest
+    from planner_service.sim.state import ModelState, SimRequest
     from planner_service.sim.view import SimView
 
 
@@ -203,7 +203,10 @@ class FixedGroupsPolicy(Policy):
 
     def on_stuck(self, sim: SimView, req: SimRequest) -> None:
         """The engine is up but its group cannot hold the request's KV: take the group's other engines and
-        KV down; only when the empty group is still too small does the model move (a fallback)."""
+        KV down. When the empty group is still too small, the model moves (a fallback), unless its engine is
+        on its configured group and restarting it there frees nothing the KV needs: it can serve on no other
+        GPUs, so it stays up and the request waits (failing at the client's timeout, `engine.py`) rather than
+        sleep and wake on the same GPUs at every dispatch pass."""
         state = sim.models[req.model]
         for g in state.gpus:
             loc = Location.gpu(g.id)
@@ -212,8 +215,23 @@ class FixedGroupsPolicy(Policy):
                     self.act.evict(obj, loc)
         shard = -(-sim.kv_footprint(req) // len(state.gpus))
         if any(sim.cluster.free(Location.gpu(g.id)) < shard for g in state.gpus):
+            if self._on_own_group(req.model, state) and not self._restart_helps(sim, req.model, state, shard):
+                return
             self.act.count_fallback()
             super().on_stuck(sim, req)
+
+    def _on_own_group(self, model_id: str, state: ModelState) -> bool:
+        engine = self.partition.get(model_id)
+        return engine is not None and {g.id for g in state.gpus} == {g.id for g in engine.gpus}
+
+    @staticmethod
+    def _restart_helps(sim: SimView, model_id: str, state: ModelState, shard: int) -> bool:
+        """Whether the KV would fit once the engine's own GPU experts go (an expert share fixed at launch is
+        re-sized only by a restart, `Executor.fill_experts`) and the engines asleep on the group stop."""
+        experts = StateObject.experts(model_id)
+        room = {g.id: sim.cluster.free(Location.gpu(g.id)) + sim.stoppable_residue(g.id) for g in state.gpus}
+        held = {g.id: sim.cluster.bytes_of(experts, Location.gpu(g.id)) for g in state.gpus}
+        return any(held.values()) and all(room[g] + held[g] >= shard for g in room)
 
     def demand_order(self, sim: SimView) -> list[str]:
         """The configured models, most requested in the trace first (ties by name)."""

@@ -102,10 +102,10 @@ class EngineExperts:
 class PrefillOverlap:
     """What a predicted request's KV on the GPUs (`kv`) and its MoE's experts there (`fractions`: expert variable
     -> the request's prefill seconds they save, in `PREFILL_STEP`s) both claim to save: its prefill happens
-    once, so `var` >= sum saved * y - most * (1 - kv) takes the second claim back."""
+    once, so `var` >= sum saved * y - most * (1 - sum kv) takes the second claim back."""
 
     var: int
-    kv: int
+    kv: tuple[int, ...]  # the request's KV on one of the options the expert variables serve (one at most chosen)
     fractions: dict[int, int]
     most: int
 
@@ -214,7 +214,8 @@ class Formulation:
             values[combo.var] = int(held == combo.nbytes)
         for overlap in self.overlaps:
             saved = sum(d * values[v] for v, d in overlap.fractions.items())
-            values[overlap.var] = max(0, saved - overlap.most * (1 - values[overlap.kv]))
+            kept = sum(values[k] for k in overlap.kv)
+            values[overlap.var] = max(0, saved - overlap.most * (1 - kept))
         return values
 
 
@@ -761,31 +762,28 @@ class _Builder:
         gain: np.ndarray = price(all_ + (none - all_) * off) - price(none)
         return gain
 
-    def _overlap_rows(
-        self, model: ModelSpec, option: Option, fractions: Sequence[tuple[int, int]], priced: Option | None = None
-    ) -> None:
-        """For each predicted request of the model whose KV `option` may hold, a `PrefillOverlap` over the
-        expert variables `fractions` ((var, bytes) on the option's GPUs), whose costs priced their prefill gains
-        on `priced` (default `option`)."""
-        priced = priced or option
-        if not fractions or priced.var not in self.prefill_ends:
+    def _overlap_rows(self, model: ModelSpec, options: Sequence[Option], fractions: Sequence[tuple[int, int]]) -> None:
+        """For each predicted request of the model whose KV one of `options` may hold (at most one is chosen), a
+        `PrefillOverlap` over the expert variables `fractions` ((var, bytes)) those options share, whose costs
+        priced their prefill gains on the first option."""
+        if not fractions or not options or options[0].var not in self.prefill_ends:
             return
+        on = {o.var for o in options}
         position = {s.id: i for i, (s, _) in enumerate(self.demand.get(model.id, []))}
-        gains = [(var, self._prefill_gain(model, priced, nbytes)) for var, nbytes in fractions]
-        for choices in (self.kv.get((model.id, s), []) for s in position):
-            for choice in choices:
-                if choice.option is not option:
-                    continue
-                i = position[choice.session]
-                saved = {var: round(-gain[i] / PREFILL_STEP) for var, gain in gains}
-                saved = {var: d for var, d in saved.items() if d > 0}
-                if not saved:
-                    continue
-                most = max(saved.values())
-                var = self.ilp.var(f"t[{model.id},{choice.session},{option.var}]", ub=most, cost=PREFILL_STEP)
-                self.overlaps.append(PrefillOverlap(var, choice.var, saved, most))
-                # (C14) t >= sum_y saved_y * y - most * (1 - k)
-                self.ilp.row({var: 1, **{v: -d for v, d in saved.items()}, choice.var: -most}, lo=-most)
+        gains = [(var, self._prefill_gain(model, options[0], nbytes)) for var, nbytes in fractions]
+        for sid, i in position.items():
+            kv = [choice.var for choice in self.kv.get((model.id, sid), []) if choice.option.var in on]
+            if not kv:
+                continue
+            saved = {var: round(-gain[i] / PREFILL_STEP) for var, gain in gains}
+            saved = {var: d for var, d in saved.items() if d > 0}
+            if not saved:
+                continue
+            most = max(saved.values())
+            var = self.ilp.var(f"t[{model.id},{sid},{options[0].var}]", ub=most, cost=PREFILL_STEP)
+            self.overlaps.append(PrefillOverlap(var, tuple(kv), saved, most))
+            # (C14) t >= sum_y saved_y * y - most * (1 - sum_o k_o)
+            self.ilp.row({var: 1, **{v: -d for v, d in saved.items()}, **dict.fromkeys(kv, -most)}, lo=-most)
 
     def _experts(
         self, model: ModelSpec, by_class: Mapping[tuple[str, int], list[Option]], served_weight: float
@@ -817,8 +815,7 @@ class _Builder:
                     chosen.append(var)
                     fractions.append((var, nbytes))
                     link[var] = -nbytes // self._unit(model, node_id)
-                for o in options:
-                    self._overlap_rows(model, o, fractions, priced=options[0])
+                self._overlap_rows(model, options, fractions)
                 # (C5) at most one expert fraction, and only on a node whose group (of this decode class) serves the model
                 self.ilp.row({**dict.fromkeys(chosen, 1), **{o.var: -1 for o in options}}, hi=0)
             has_source = _experts_source(self.p, self.now, model.id, node_id)
@@ -877,7 +874,7 @@ class _Builder:
             # launched share, with the option whenever it is chosen
             if chosen:
                 self.ilp.row({**dict.fromkeys(chosen, 1), o.var: -1}, lo=0 if wake else -math.inf, hi=0)
-            self._overlap_rows(model, o, fractions)
+            self._overlap_rows(model, [o], fractions)
         for gpu_id, by_var in sorted(shares_on.items()):
             # (C6e) promoted MiB: MiB * u >= sum_w share * w - now, charged at the GPU's copy rate
             was = self.now.placement.get((obj, Location.gpu(gpu_id)), 0)

@@ -181,10 +181,10 @@ evidence-real: $(STAMP)
 		--tune-budget $(REAL_TUNE) --json > docs/evidence/real-alibaba.json
 	$(MAKE) evidence
 # every replay the headline needs, sized to finish within 2 hours on 2 cores: exceeds-hbm at three load levels
-# (109 s) and its decomposition (64 s), the demo at three (96 s), catalog-fits at one (28 s), the synthetic trace at two hand-off rates with
-# both context semantics (118 s), and each public trace at REAL_TUNE=100 (51 min: Azure 26, Mooncake 16, Alibaba 9;
-# 2026-12-03, load average 5-7), with the gateway's study (9 min) about 80 minutes in all on that loaded machine;
-# evidence-quick stays the CI-sized study
+# (38 s) and its decomposition (23 s), the demo at three (28 s), catalog-fits at one (9 s), the synthetic trace at two
+# hand-off rates with both context semantics (33 s), and each public trace at REAL_TUNE=100 (23 min: Azure 12,
+# Mooncake 9, Alibaba 3), with the gateway's study (6 min): 31 minutes in all (2026-12-04, load average 1-2.6; on
+# 2026-12-03, at load 5-7 and before the last physics terms, about 80); evidence-quick stays the CI-sized study
 evidence-full: $(STAMP)
 	$(MAKE) evidence-exceeds
 	$(MAKE) evidence-decompose

@@ -551,6 +551,9 @@ async def test_a_start_that_finds_the_engine_running_otherwise_relaunches_it_as_
     assert [c.split(" ")[0] for c in relaunched.details["calls"]] == ["GET", "stop", "start"]
     assert executor.engines_by_model["coder"].launched["kv_pool_bytes_per_gpu"] == 2 * GIB
     assert "nothing_to_do" in (await executor.execute(moves[1])).details
+    process = executor.engines_by_model["coder"].process
+    assert process is not None
+    await process.stop()  # the agent leaves its engines running when it closes: the test does not
     await executor.aclose()
 
 

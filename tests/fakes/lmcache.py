@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, HTTPException
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 CHUNK_TOKENS = 256
 PIN_TIMEOUT_SECONDS = 300.0  # LMCache's `pin_timeout_sec` default (lmcache/v1/config.py)
@@ -80,7 +80,8 @@ class MoveRequest(BaseModel):
     old_position: tuple[str, str]
     new_position: tuple[str, str]
     tokens: list[int] | None = []
-    copy: bool | None = False
+    # the controller's field is `copy`, which would shadow BaseModel.copy as an attribute
+    copy_: bool | None = Field(False, alias="copy")
 
 
 class LookupRequest(BaseModel):
@@ -119,7 +120,7 @@ def create_fake_lmcache(controller: FakeLMCacheController) -> FastAPI:
         source = controller.chunks.get(tuple(req.old_position), set())  # type: ignore[arg-type]  # a 2-item list
         moved = source & wanted if wanted else set(source)
         controller.chunks.setdefault(tuple(req.new_position), set()).update(moved)  # type: ignore[arg-type]  # as above
-        if not req.copy:
+        if not req.copy_:
             source -= moved
         return {"event_id": "Move-fake", "num_tokens": len(moved) * CHUNK_TOKENS}
 

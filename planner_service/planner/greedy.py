@@ -1596,6 +1596,8 @@ class GreedyPlanner:
             # kept warm through an engine, it launches with its minimum KV pool, and its context on each card
             nbytes = model.weights_bytes[precision] + self._kv_room(model, node_id, 0)
             nbytes += sum(self._context_room(model.id, node_id, gpus))
+            replica = self._pool_beyond_even(model, node_id, len(gpus))  # as in `_serve_options`
+            nbytes += replica * len(gpus)
             cap, by = self._group_experts(model, node_id, gpus, nbytes, cost)
             if (cost < 0 or moe) and ((node_id, precision) not in best or by < keys[(node_id, precision)]):
                 best[(node_id, precision)] = joint.Option(
@@ -1608,7 +1610,7 @@ class GreedyPlanner:
                     len(gpus) / len(self.p.nodes[node_id].gpus),
                     self._fixed_cards(model.id, node_id, precision, gpus),
                     len(gpus),
-                    max(self._context_room(model.id, node_id, gpus)),
+                    max(self._context_room(model.id, node_id, gpus)) + replica,
                     self._widths(model, node_id),
                 )
                 keys[(node_id, precision)] = by
@@ -1647,6 +1649,9 @@ class GreedyPlanner:
         for (cost, _, _, node_id, seconds), precision, gpus in self._group_options(model, need, False, price_kv=False):
             nbytes = model.weights_bytes[precision] + self._kv_room(model, node_id, need)
             nbytes += sum(self._context_room(model.id, node_id, gpus))
+            # a pool whose ranks replicate KV (the whole MLA latent on every rank) takes more than its even share
+            replica = self._pool_beyond_even(model, node_id, len(gpus))
+            nbytes += replica * len(gpus)
             stay = self._stay_bytes(model.id, node_id, precision)
             if stay is not None and stay[0] == gpus:  # its running engine as it is: its launched pool whole
                 nbytes = max(nbytes, sum(stay[1]))
@@ -1666,7 +1671,7 @@ class GreedyPlanner:
                     len(gpus) / len(self.p.nodes[node_id].gpus),
                     () if whole else self._fixed_cards(model.id, node_id, precision, gpus),
                     len(gpus),
-                    max(self._context_room(model.id, node_id, gpus)),
+                    max(self._context_room(model.id, node_id, gpus)) + replica,
                     self._widths(model, node_id),
                 )
                 keys[(node_id, precision)] = rank

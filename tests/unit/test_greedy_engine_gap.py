@@ -327,3 +327,17 @@ def test_the_service_plans_with_the_greedy_the_gap_study_measures() -> None:
     served = solve(problem)
     assert served.placement == measured.placement
     assert served.objective.total == measured.objective.total
+
+
+def test_the_joint_choice_counts_a_pool_every_rank_holds_whole() -> None:
+    """Engine seed 35: DeepSeek-V3's engine keeps one request of its maximum context on every card of its group
+    (MLA: the whole latent on each rank), 10.7 GiB a card. Counted once for the group, its option on n2's four
+    L40S took 30.7 GiB and the joint choice put it beside the coder there; placed, no group of n2 held it, and
+    it ended on two RTX 4090s with no expert on GPU while the Llama-3.3-70B found no group (33,389.7 s, two
+    sessions unserved). Counted per card (62.8 GiB), every model in flight is served (26,012.7 s)."""
+    ((_, drawn),) = random_scenarios(1, 35, 16, 7, 100, engines=True)
+    problem = problem_from_scenario(drawn)
+    target = plan_greedy(problem)
+    plan = make_plan(problem, "greedy", target.placement, target.unserved, target.reasons)
+    assert plan.unserved == {}
+    assert plan.objective.total < 27_000

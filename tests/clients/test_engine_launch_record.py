@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from clients.agent.config import LaunchSpec
@@ -28,6 +29,7 @@ def test_a_start_recorded_before_its_spawn_is_found_by_its_command_line_and_stop
     # the earlier run spawned it and was killed before it could record the pid
     orphan = subprocess.Popen(argv, start_new_session=True)
     try:
+        _wait_until_it_runs(orphan.pid, argv)  # a later run looks long after the spawn, not between fork and exec
         later = engine(tmp_path)
         found = later.last_launch()
         assert found is not None and found.pid == orphan.pid
@@ -38,6 +40,14 @@ def test_a_start_recorded_before_its_spawn_is_found_by_its_command_line_and_stop
     finally:
         if orphan.poll() is None:
             orphan.kill()
+
+
+def _wait_until_it_runs(pid: int, argv: list[str]) -> None:
+    cmdline = "\0".join(argv).encode() + b"\0"
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{pid}/cmdline").read_bytes() != cmdline:
+        assert time.monotonic() < deadline, "the stand-in engine never started"
+        time.sleep(0.01)
 
 
 def test_a_start_recorded_whose_spawn_never_ran_names_no_process(tmp_path: Path) -> None:

@@ -1594,10 +1594,7 @@ class GreedyPlanner:
             cost = -self._warm_value(model, gpus, rank, seconds, staged=True)[0]
             moe = (model, sum(map(_H2D, gpus))) if model.is_moe else None
             # kept warm through an engine, it launches with its minimum KV pool, and its context on each card
-            nbytes = model.weights_bytes[precision] + self._kv_room(model, node_id, 0)
-            nbytes += sum(self._context_room(model.id, node_id, gpus))
-            replica = self._pool_beyond_even(model, node_id, len(gpus))  # as in `_serve_options`
-            nbytes += replica * len(gpus)
+            nbytes, per_card = self._launch_bytes(model, node_id, precision, gpus, 0)
             cap, by = self._group_experts(model, node_id, gpus, nbytes, cost)
             if (cost < 0 or moe) and ((node_id, precision) not in best or by < keys[(node_id, precision)]):
                 best[(node_id, precision)] = joint.Option(
@@ -1610,7 +1607,7 @@ class GreedyPlanner:
                     len(gpus) / len(self.p.nodes[node_id].gpus),
                     self._fixed_cards(model.id, node_id, precision, gpus),
                     len(gpus),
-                    max(self._context_room(model.id, node_id, gpus)) + replica,
+                    per_card,
                     self._widths(model, node_id),
                 )
                 keys[(node_id, precision)] = by
@@ -1647,11 +1644,7 @@ class GreedyPlanner:
             tuple[str, str], tuple[tuple[Gpu, ...], float, float]
         ] = {}  # (node, precision) -> group, load, `_kv_cost`
         for (cost, _, _, node_id, seconds), precision, gpus in self._group_options(model, need, False, price_kv=False):
-            nbytes = model.weights_bytes[precision] + self._kv_room(model, node_id, need)
-            nbytes += sum(self._context_room(model.id, node_id, gpus))
-            # a pool whose ranks replicate KV (the whole MLA latent on every rank) takes more than its even share
-            replica = self._pool_beyond_even(model, node_id, len(gpus))
-            nbytes += replica * len(gpus)
+            nbytes, per_card = self._launch_bytes(model, node_id, precision, gpus, need)
             stay = self._stay_bytes(model.id, node_id, precision)
             if stay is not None and stay[0] == gpus:  # its running engine as it is: its launched pool whole
                 nbytes = max(nbytes, sum(stay[1]))
@@ -1671,7 +1664,7 @@ class GreedyPlanner:
                     len(gpus) / len(self.p.nodes[node_id].gpus),
                     () if whole else self._fixed_cards(model.id, node_id, precision, gpus),
                     len(gpus),
-                    max(self._context_room(model.id, node_id, gpus)) + replica,
+                    per_card,
                     self._widths(model, node_id),
                 )
                 keys[(node_id, precision)] = rank
@@ -1685,6 +1678,17 @@ class GreedyPlanner:
                 option = option._replace(cost=option.cost - kv + self._kv_cost(model, *key, gpus, seconds))
             out.append(option)
         return out
+
+    def _launch_bytes(
+        self, model: ModelSpec, node_id: str, precision: str, gpus: tuple[Gpu, ...], kv_bytes: int
+    ) -> tuple[int, int]:
+        """HBM a launch of the model's engine on `gpus` takes with `kv_bytes` of KV (weights, its pool, its context
+        on each card, and a pool whose ranks hold it whole, MLA's latent, or replicate KV heads on each card
+        beyond its even share), and the bytes per card a narrower group does not take (`joint.Option.per_card`)."""
+        replica = self._pool_beyond_even(model, node_id, len(gpus))
+        contexts = self._context_room(model.id, node_id, gpus)
+        nbytes = model.weights_bytes[precision] + self._kv_room(model, node_id, kv_bytes) + sum(contexts)
+        return nbytes + replica * len(gpus), max(contexts) + replica
 
     def _fixed_cards(self, model_id: str, node_id: str, precision: str, gpus: tuple[Gpu, ...]) -> tuple[int, ...]:
         """The positions among the node's cards of `gpus` where the model cannot leave them there: its running

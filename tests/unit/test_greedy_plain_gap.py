@@ -1,0 +1,50 @@
+"""The greedy's estimates on nodes without engines match what the evaluator charges (docs/studies/gap.md, "Plain
+scenarios: the greedy's estimates of a MoE's prefills and of a node's cards"): each test a gap-study seed where
+the greedy's plan was worse before."""
+
+from __future__ import annotations
+
+from planner_service.domain.predictions import problem_from_scenario
+from planner_service.planner.greedy import plan_greedy
+from planner_service.planner.invariants import check_plan
+from planner_service.planner.plan import Plan, make_plan
+from planner_service.solver.gap import random_scenarios
+
+
+def greedy_plan(seed: int) -> Plan:
+    ((_, drawn),) = random_scenarios(1, seed, 16, 7, 100, engines=False)
+    problem = problem_from_scenario(drawn)
+    target = plan_greedy(problem)
+    plan = make_plan(problem, "greedy", target.placement, target.unserved, target.reasons)
+    assert check_plan(problem, plan.placement, plan.operations, plan.unserved) == []
+    return plan
+
+
+def test_a_moes_requests_in_flight_re_prefill_at_the_expert_share_their_node_holds_now() -> None:
+    """Seed 20: the evaluator re-prefills the requests in flight before the plan's experts arrive, at the share on
+    the node's GPUs now; priced with every expert on GPU, a MoE's re-prefill on a node without its sessions' KV
+    looked far cheaper than it is (15,153.9 s; 13,090.8 s priced as the evaluator does)."""
+    assert greedy_plan(20).objective.total < 13_500
+
+
+def test_the_experts_on_a_node_holding_the_sessions_kv_spare_only_the_re_prefills_left() -> None:
+    """Seed 22: a predicted request whose session's KV the node keeps restores it and streams no expert; with
+    every predicted history priced as re-prefilled there, the node's experts looked worth more than they are
+    (11,940.7 s; 11,293.8 s, the MILP's optimum, without those sessions)."""
+    assert greedy_plan(22).objective.total < 11_500
+
+
+def test_a_model_placed_first_leaves_a_group_for_a_larger_one_chosen_for_its_node() -> None:
+    """Seed 35: the joint choice put a Llama-3.1-8B and a Llama-3.3-70B on n1 (four L40s) by its room. Served
+    first, the 8B stayed on the one card it ran on, and no group of the three left held the 70B at bf16: two
+    sessions unserved (17,165.2 s). The 8B now takes a group that leaves the 70B one."""
+    plan = greedy_plan(35)
+    assert plan.unserved == {}
+    assert plan.objective.total < 15_500
+
+
+def test_a_model_on_a_narrow_group_may_stay_there_or_take_another_group_of_its_node() -> None:
+    """Seed 37: a model serving on fewer than its node's cards had one option there, its cheapest group (where
+    it stays), checked by the node's room alone; the joint choice now also sees the node's best other group, and
+    the staying option is checked card by card (11,308.4 s; 10,828.0 s)."""
+    assert greedy_plan(37).objective.total < 11_000

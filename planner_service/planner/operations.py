@@ -11,7 +11,8 @@ run operations in parallel as soon as their dependencies are done:
   * a copy's source is freed only after every operation reading it;
   * a location gains bytes only after every operation freeing bytes there
     (unless that free itself waits on the gain: then the target leaves room);
-  * a complete copy is dropped only after the other complete copy it relies on exists.
+  * a complete copy is dropped only after the other complete copy it relies on exists;
+  * on an engine's GPU a session's KV lands only after its model's weights there (the engine computes it).
 
 Only the entries that differ between the two placements are visited (the
 checkpoints that stay on NVMe are never walked), a free that already
@@ -395,6 +396,19 @@ class _Builder:
                             after.extend(a for a in adds_at.get(other, ()) if ops[a].object == op.object)
                 if after:
                     deps[i].update(after)
+        # on an engine's GPU a session's KV comes after its model's weights there: the engine they bring up
+        # computes it (prefilled on an engine not up yet, it is reported gone and planned again, each replan)
+        for loc, adds in adds_at.items():
+            if loc.tier is not _GPU:
+                continue
+            weights: dict[str, list[int]] = defaultdict(list)
+            for i in adds:
+                if ops[i].object.kind is _WEIGHTS:
+                    weights[ops[i].object.model].append(i)
+            for i in adds:
+                obj = ops[i].object
+                if obj.kind is _KV and obj.model in weights and self._on_engine(obj.model, loc):
+                    deps[i].update(weights[obj.model])
         # a location gains bytes only after the frees there, except a free that itself waits on the gain
         waiting: dict[int, set[int]] = defaultdict(set)  # op -> the ops that depend on it directly
         for i, ds in deps.items():
@@ -413,6 +427,10 @@ class _Builder:
                     waiting[f].add(add)
         self._deps, self._waiting = dict(deps), waiting
         self._inherit_priority()
+
+    def _on_engine(self, model_id: str, loc: Location) -> bool:
+        """Whether the model runs through an engine on the node of `loc`."""
+        return self.p.nodes[self.p.node_of(loc)].engine_kind(model_id) is not None
 
     def _complete_copies_in_target(self, obj: StateObject, node: str) -> list[Location]:
         size = self.p.size_of(obj)

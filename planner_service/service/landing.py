@@ -27,6 +27,11 @@ from planner_service.domain.problem import Problem
 from planner_service.domain.state import Kind, Location, Placement, StateObject, Tier
 from planner_service.planner.operations import free_source
 from planner_service.service.records import OpRecord
+from planner_service.wire.enums import EngineState, Transition
+
+EngineKey = tuple[str, str]  # (node, model)
+_UP = frozenset((Transition.START, Transition.WAKE, Transition.RESTART))
+_ASLEEP = {Transition.SLEEP_LEVEL_1: EngineState.ASLEEP_HOST, Transition.SLEEP_LEVEL_2: EngineState.ASLEEP_DISCARDED}
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,3 +74,38 @@ def _size_left(sizes: Problem, placement: Placement, key: tuple[StateObject, Loc
     obj = key[0]
     known = obj.model in sizes.models and (obj.kind is not Kind.KV or obj.session in sizes.sessions)
     return max(0, sizes.size_of(obj) - placement.get(key, 0)) if known else 2**63
+
+
+@dataclass(frozen=True, slots=True)
+class LandedEngines:
+    """What the nodes report of their engines, with the engine steps in flight landed (`land_engines`)."""
+
+    observed: dict[EngineKey, tuple[EngineState, tuple[str, ...]]]  # the sleeping ones: state and GPU group
+    expert_fractions: dict[EngineKey, float]  # the sleeping MoE ones: the GPU expert share they launched with
+    pools: dict[EngineKey, int]  # the running and sleeping ones: their KV pool per GPU
+
+
+def land_engines(engines: LandedEngines, inflight: Sequence[OpRecord]) -> LandedEngines:
+    """The engines as the steps in flight leave them (in their plans' order), beside `land`'s placement: a
+    wake in flight lands the weights on the GPUs while the heartbeat still reports the engine asleep, and a
+    plan from that mix steps an engine from a state it is not in (a wake of a running engine, moves of its
+    weights with no step, a sleep refused as leaving from a state other than running)."""
+    observed, fractions, pools = dict(engines.observed), dict(engines.expert_fractions), dict(engines.pools)
+    for r in inflight:
+        step = r.op.engine
+        if step is None:
+            continue
+        key = (r.op.node, step.instance.model)
+        if step.transition in _UP:  # running: its weights on the GPUs say so
+            observed.pop(key, None)
+            fractions.pop(key, None)
+            if step.instance.kv_pool_bytes_per_gpu:
+                pools[key] = step.instance.kv_pool_bytes_per_gpu
+        elif step.transition in _ASLEEP:
+            observed[key] = (_ASLEEP[step.transition], tuple(step.instance.gpus))
+            fractions[key] = step.instance.gpu_expert_fraction  # (a dense model's holds no expert bytes)
+        elif step.transition is Transition.STOP:
+            observed.pop(key, None)
+            fractions.pop(key, None)
+            pools.pop(key, None)
+    return LandedEngines(observed, fractions, pools)

@@ -20,7 +20,7 @@ from planner_service.service.errors import (
     Conflict,
     SolverUnavailable,
 )
-from planner_service.service.landing import Landing, land
+from planner_service.service.landing import LandedEngines, Landing, land, land_engines
 from planner_service.service.live import (
     PLAN_ATTEMPTS,
     Live,
@@ -98,8 +98,9 @@ class Planning:
         self, *, stand_ins: bool = False
     ) -> tuple[LiveState, dict[str, dict[str, float]], list[OpRecord]]:
         """The live state whose residency is where the confirmed placement lands once the leased operations do,
-        each as far as it fits (`landing.py`; and, for the planning loop, whose sessions include stand-ins for
-        the recent load), its sessions' predicted next models and the leased operations."""
+        each as far as it fits, and whose engines are in the states their steps leave them in (`landing.py`;
+        and, for the planning loop, whose sessions include stand-ins for the recent load), its sessions'
+        predicted next models and the leased operations."""
         inflight = self.live.inflight()
         landing = self.landing(inflight)
         if landing.capped:
@@ -108,6 +109,16 @@ class Planning:
                 ", ".join(sorted(landing.capped)),
             )
         state = self.live.state(landing.placement)
+        reported = LandedEngines(
+            dict(state.observed_engines), dict(state.asleep_expert_fractions), dict(state.engine_pools)
+        )
+        engines = land_engines(reported, inflight)
+        state = dataclasses.replace(
+            state,
+            observed_engines=engines.observed,
+            asleep_expert_fractions=engines.expert_fractions,
+            engine_pools=engines.pools,
+        )
         if stand_ins:
             state = dataclasses.replace(state, sessions=(*state.sessions, *self._stand_ins(state)))
         return state, self.live.next_model(state.sessions, self.live.clock()), inflight

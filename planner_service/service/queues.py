@@ -18,7 +18,7 @@ from collections import defaultdict
 from collections.abc import Callable, Collection, Iterable
 from typing import Any
 
-from planner_service.domain.state import Location, StateObject
+from planner_service.domain.state import Kind, Location, StateObject
 from planner_service.planner.operations import PRIORITY_RANK, Action, Operation
 from planner_service.planner.plan import Plan
 from planner_service.service.confirmed import Confirmed
@@ -81,14 +81,33 @@ def in_order(operations: list[Operation]) -> bool:
 
 def must_wait(op: Operation, r: OpRecord, capped: Collection[str] = ()) -> bool:
     """A new operation must not race `r`, still in flight: it would fill what `r` frees, read what `r`
-    writes, free the source `r` reads, or fill where `r` was planned as landing only what fits (`capped`,
-    `landing.py`: the plan counted that room as full)."""
+    writes, free the source `r` reads, fill where `r` was planned as landing only what fits (`capped`,
+    `landing.py`: the plan counted that room as full), or put a session's KV on an engine `r` brings up
+    there (the engine computes it: `operations.py`'s order within a plan)."""
     frees_dest = op.dest is not None and (r.op.frees() == op.dest or (r.id in capped and r.op.dest == op.dest))
     reads_its_output = op.source is not None and r.op.dest == op.source and r.op.object == op.object
     drops_its_source = (
         op.frees() is not None and r.op.keep_source and r.op.source == op.frees() and r.op.object == op.object
     )
-    return frees_dest or reads_its_output or drops_its_source
+    return frees_dest or reads_its_output or drops_its_source or _kv_on_its_engine(op, r.op)
+
+
+def _kv_on_its_engine(op: Operation, up: Operation) -> bool:
+    """Whether `op` puts a session's KV where `up` brings its model's engine up."""
+    return (
+        op.object.kind is Kind.KV
+        and op.dest is not None
+        and _brings_up(up)
+        and up.dest == op.dest
+        and up.object.model == op.object.model
+    )
+
+
+def _brings_up(op: Operation) -> bool:
+    """Whether `op` moves weights onto a GPU with an engine step (a start, wake or restart)."""
+    return (
+        op.engine is not None and op.object.kind is Kind.WEIGHTS and op.dest is not None and op.action is Action.PROMOTE
+    )
 
 
 class Races:
@@ -101,6 +120,7 @@ class Races:
         self._freeing: dict[Location, list[OpRecord]] = defaultdict(list)  # what each frees, or fills capped
         self._writing: dict[tuple[StateObject, Location], list[OpRecord]] = defaultdict(list)  # (object, dest)
         self._reading_kept: dict[tuple[StateObject, Location], list[OpRecord]] = defaultdict(list)  # (object, source)
+        self._bringing_up: dict[tuple[str, Location], list[OpRecord]] = defaultdict(list)  # (model, GPU)
         for r in inflight:
             if (freed := r.op.frees()) is not None:
                 self._freeing[freed].append(r)
@@ -110,6 +130,9 @@ class Races:
                 self._writing[(r.op.object, r.op.dest)].append(r)
             if r.op.keep_source and r.op.source is not None:
                 self._reading_kept[(r.op.object, r.op.source)].append(r)
+            if _brings_up(r.op):
+                assert r.op.dest is not None  # (`_brings_up`)
+                self._bringing_up[(r.op.object.model, r.op.dest)].append(r)
 
     def of(self, op: Operation) -> set[str]:
         """The ids of the operations in flight `op` must wait for: those `must_wait(op, r, capped)` holds for."""
@@ -120,6 +143,8 @@ class Races:
             found.update(r.id for r in self._writing.get((op.object, op.source), ()))
         if (freed := op.frees()) is not None:
             found.update(r.id for r in self._reading_kept.get((op.object, freed), ()))
+        if op.object.kind is Kind.KV and op.dest is not None:
+            found.update(r.id for r in self._bringing_up.get((op.object.model, op.dest), ()))
         return found
 
     def ordered(self, ids: Iterable[str]) -> list[str]:

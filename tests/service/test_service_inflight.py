@@ -20,7 +20,7 @@ from prometheus_client import CollectorRegistry
 from planner_service.bench_load import EventStream
 from planner_service.domain.demo import demo_scenario
 from planner_service.domain.scenario import ClusterIn
-from planner_service.domain.state import Location, Tier
+from planner_service.domain.state import Kind, Location, StateObject, Tier
 from planner_service.metrics import Metrics
 from planner_service.service.engine import ClusterService
 from planner_service.service.inputs import EventsIn, ReportIn
@@ -137,8 +137,8 @@ def test_operations_in_flight_that_no_longer_fit_are_planned_capped_and_waited_f
 def test_the_race_index_finds_what_must_wait_finds(tmp_path):
     """`Races` (the install's index of the operations in flight) names, for every operation, exactly the
     operations in flight `must_wait` says it must wait for: the plan's own operations, and operations made
-    to race each one in flight on each of its three rules (fills what it frees or lands capped, reads what
-    it writes, drops the source it reads)."""
+    to race each one in flight on each of its rules (fills what it frees or lands capped, reads what it
+    writes, drops the source it reads, prefills a session's KV on the engine it brings up)."""
     service, clock = open_service(tmp_path / "r.db")
     rng = np.random.default_rng(1)
     models = sorted(m.id for m in service.live.declared.models)
@@ -163,6 +163,10 @@ def test_the_race_index_finds_what_must_wait_finds(tmp_path):
             racing.append(dataclasses.replace(r.op, id="capped", source=None, keep_source=True))
         if r.op.keep_source and r.op.source is not None:
             racing.append(dataclasses.replace(r.op, id="drops", source=r.op.source, dest=None, keep_source=False))
+        if r.op.engine is not None and r.op.object.kind is Kind.WEIGHTS and r.op.dest is not None:
+            kv = StateObject.kv(r.op.object.model, "s-new")
+            racing.append(dataclasses.replace(r.op, id="prefills", object=kv, source=None, engine=None))
+    assert any(op.id == "prefills" for op in racing)  # an engine comes up in flight
     races = Races(inflight, capped)
     found = 0
     for op in [*plan.operations, *racing]:

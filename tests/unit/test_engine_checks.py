@@ -91,6 +91,16 @@ def test_a_session_s_kv_is_not_freed_on_a_vllm_or_sglang_node(name: str, feature
     assert "frees kv(a, s1) at gpu:g0" in error and "one request's KV" in error
 
 
+def test_a_session_s_kv_is_prefilled_once_the_engine_it_needs_is_up() -> None:
+    """The engine computes the KV: a prefill that ran before the start did nothing, and the service, told the
+    engine is stopped, took the KV out of the confirmed state and planned it again on every replan."""
+    problem = problem_for([model("a", 8)], [held(weights("a"), on_nvme("n0"), 8 * GIB)], kind("vllm"))
+    target = {(A16, G0): 8 * GIB, (A16, NVME): 8 * GIB, (KV, G0): GIB}
+    start, prefill = ops_to(problem, target)
+    assert (start.object, start.engine and start.engine.transition) == (A16, Transition.START)
+    assert (prefill.object, prefill.source, prefill.depends_on) == (KV, None, [start.id])
+
+
 def test_prefilling_a_session_s_kv_is_the_engine_serving_it() -> None:
     problem = problem_for([model("a", 8)], [held(weights("a"), on_gpu("g0"), 8 * GIB)], kind("vllm"))
     target = {(A16, G0): 8 * GIB, (KV, G0): GIB}

@@ -678,7 +678,30 @@ class GreedyPlanner:
             options = roomy or options
         if self._pinned:
             options = [option for option in options if self._reaches(model.id, option[0][3], option[1])]
-        return options
+        return [o for o in options if self._launch_fits(model, o[1], o[2], extra_bytes)]
+
+    def _launch_fits(self, model: ModelSpec, precision: str, gpus: tuple[Gpu, ...], kv_bytes: int) -> bool:
+        """Whether `gpus` hold all that the model's engine takes there with `kv_bytes` of active KV, as
+        `_place_weights` takes it: the weights' shards, what an instance running or asleep there as launched
+        keeps or maps back (its experts, the KV in its pool), its pool beyond that KV and its CUDA context. A
+        group found by the weights and KV alone let a sleeping DeepSeek-class engine wake with its launched
+        expert share beside a running engine on L40s, 1.6 GiB a card over (the demo cluster on fake engines: a
+        wake refused for CUDA out of memory). Nothing to add on a node without engines."""
+        node_id = gpus[0].node
+        if engine_of(self.p, node_id, model.id) is None:
+            return True
+        n = len(gpus)
+        kept, kept_active, idle = self._kept_on(model.id, node_id, precision, gpus)
+        pool = self._launch_room(model.id, node_id, precision, gpus)
+        context = self._context_room(model.id, node_id, gpus)
+        weights = split_evenly(model.weights_bytes[precision], n)
+        kv = split_evenly(max(0, kv_bytes - kept_active), n)
+        # as `_group_options` prices a stay: the idle sessions' KV in the pool gives way to the active ones'
+        shards = [
+            w + max(k, p + i) + c - i + x
+            for w, k, c, p, i, x in zip(weights, kv, kept, pool, idle, context, strict=True)
+        ]
+        return self._stay_fits(model.id, Group(node_id, precision, gpus), shards)
 
     def _leaves_room(self, model: ModelSpec, precision: str, gpus: tuple[Gpu, ...], kv_bytes: int) -> bool:
         """Whether the model's weights at `precision` and `kv_bytes` of KV on `gpus` leave a group for the

@@ -305,3 +305,38 @@ def test_the_checker_refuses_a_wake_with_another_expert_share() -> None:
         f"engine: m's engine on n0 is woken with {8 * GIB} bytes of its routed experts on GPU, not the {4 * GIB} it "
         "was launched with: a wake maps back what its sleep offloaded"
     ) in errors
+
+
+def test_the_greedy_wakes_a_moe_engine_only_where_its_launched_share_fits() -> None:
+    """m's engine sleeps on four 43 GiB cards launched with 3/16 of its 608 GiB of experts on GPU (28.5 GiB a
+    card) and a 4.8 GiB pool; v's engine runs on the same cards (3.9 GiB shards, a 1.4 GiB pool, its context).
+    Both have a request in flight. m's weights and KV fit beside v, its wake does not: 4 + 28.5 + 4.8 GiB a
+    card beside the 7.3 v and the two contexts take. The greedy chose m's group by its weights and KV and woke
+    it there (the demo cluster on fake engines: the wake refused for CUDA out of memory, 1.6 GiB a card over);
+    it now leaves m's requests waiting rather than plan what the cards cannot hold."""
+    cards = [f"g{i}" for i in range(4)]
+    engines = [{"model": "m", "gpus": cards, **VLLM}, {"model": "v", "gpus": cards, **VLLM}]
+    moe = model(
+        "m", {"fp8": 16}, experts_bytes=608 * GIB, expert_bytes=GIB // 16, active_expert_bytes_per_token=19 * GIB
+    )
+    problem = problem_of(
+        [{**node("n0", *(gpu(g, 43) for g in cards), host_gib=1024), "engines": engines}],
+        [moe, model("v", {"bf16": 15.5})],
+        [session("s1", "m", active=True, tokens=32_768), session("sv", "v", active=True, tokens=4096)],
+        [
+            *(held(weights("v"), "gpu", g, 3.875 * GIB) for g in cards),
+            held(weights("v"), "nvme", "n0", 15.5 * GIB),
+            held(weights("m", "fp8"), "host", "n0", 16 * GIB),
+            held(weights("m", "fp8"), "nvme", "n0", 16 * GIB),
+            held(experts("m"), "nvme", "n0", 608 * GIB),
+        ],
+    )
+    problem = dataclasses.replace(
+        problem,
+        engine_pools={("n0", "m"): int(4.8 * GIB), ("n0", "v"): int(1.4 * GIB)},
+        observed_engines={("n0", "m"): (EngineState.ASLEEP_HOST, tuple(cards))},
+        asleep_expert_fractions={("n0", "m"): 0.1875},
+    )
+    plan = solve(problem, "greedy")
+    assert check_plan(problem, plan.placement, plan.operations, plan.unserved) == []
+    assert "s1" in plan.unserved and "sv" not in plan.unserved

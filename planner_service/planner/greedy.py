@@ -107,8 +107,6 @@ from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
 from planner_service.domain.engines import EngineState, tensor_parallel_ok
 from planner_service.domain.problem import Gpu, ModelSpec, Node, Problem, Session
 from planner_service.domain.scenario import Capability, Slo
@@ -500,6 +498,9 @@ class GreedyPlanner:
         self._histories = demand.context  # per session: the tokens a re-prefill of its history processes
         self._prefill_settings: dict[tuple[str, str], tuple[int, bool]] = {}  # `_expert_prefill_setting`
         self._expert_prefill: dict[tuple[str, str, float], float] = {}  # `_expert_prefill_seconds`
+        # (model, prefill chunk) -> per session its re-prefill's passes, and their SLO-weighted sum over the
+        # model's predicted requests (`_reprefill_demand`)
+        self._prefill_passes: dict[tuple[str, int], tuple[Any, float]] = {}
         self._price = self.c.gpu_price_seconds_per_gib / GIB  # seconds per byte held on GPU
         self._shapes: dict[tuple[str, bool, int], _ExpertShape] = {}
         self._shape_on: dict[tuple[str, str], _ExpertShape] = {}  # (model, node) -> its shape
@@ -1005,39 +1006,46 @@ class GreedyPlanner:
     def _expert_prefill_seconds(self, model: ModelSpec, node_id: str, h2d: float) -> float:
         """SLO-weighted seconds the model's predicted requests lose to re-prefilling their histories on the node
         with none of its routed experts on GPU, on a group of summed host->GPU bandwidth `h2d`
-        (`costs.expert_prefill_seconds` at f = 0). The sessions whose KV the node keeps (`_reprefill_weights`)
+        (`costs.expert_prefill_seconds` at f = 0). The sessions whose KV the node keeps (`_reprefill_demand`)
         restore it instead: priced for all, the experts on the node holding that KV looked worth more than the
         evaluator finds them (gap-study plain seed 22: 11,940.7 s before, 11,293.8 s with it)."""
         key = (model.id, node_id, h2d)
         seconds = self._expert_prefill.get(key)
         if seconds is None:
             chunk, in_dram = self._expert_prefill_setting(model, node_id)
-            weights = self._reprefill_weights(model.id, node_id)
-            share = model.active_expert_bytes_per_token / model.experts_bytes
-            passes = costs.expert_prefill_passes(self._histories, share, chunk)
-            seconds = float(weights @ passes) * (model.experts_bytes / h2d)
+            passes, tokens = self._reprefill_demand(model, node_id, chunk)
+            seconds = passes * (model.experts_bytes / h2d)
             if in_dram:
                 cpu = costs.cpu_expert_prefill_seconds_per_token(model, 0.0, self.c)
-                seconds = min(seconds, float(weights @ self._histories) * cpu)
+                seconds = min(seconds, tokens * cpu)
             self._expert_prefill[key] = seconds
         return seconds
 
-    def _reprefill_weights(self, model_id: str, node_id: str) -> np.ndarray:
-        """The model's SLO-weighted predicted requests per session, less those whose KV the node keeps: the
-        sessions in flight (their KV comes with the model), those with KV below its GPUs, and those with KV on
-        them where the model runs there now."""
-        weights: np.ndarray = self.weighted[self.row[model_id]]
-        kept = self._sessions_below.get((model_id, node_id), _NO_SESSIONS) | {
-            s.id for s in self.active.get(model_id, ())
+    def _reprefill_demand(self, model: ModelSpec, node_id: str, chunk: int) -> tuple[float, float]:
+        """The model's SLO-weighted predicted prefill passes (`costs.expert_prefill_passes`, in chunks of
+        `chunk` tokens) and tokens of the histories re-prefilled on the node: all less those of the sessions
+        whose KV the node keeps (the sessions in flight, whose KV comes with the model; those with KV below its
+        GPUs; those with KV on them where the model runs there now)."""
+        whole = self._prefill_passes.get((model.id, chunk))
+        if whole is None:
+            share = model.active_expert_bytes_per_token / model.experts_bytes
+            per_session = costs.expert_prefill_passes(self._histories, share, chunk)
+            row = self.weighted[self.row[model.id]]
+            whole = self._prefill_passes[(model.id, chunk)] = (per_session, float(row @ per_session))
+        per_session, passes = whole
+        tokens = self._context_demand[model.id]
+        kept = self._sessions_below.get((model.id, node_id), _NO_SESSIONS) | {
+            s.id for s in self.active.get(model.id, ())
         }
-        current = self.now.serving.get(model_id)
+        current = self.now.serving.get(model.id)
         if current is not None and current.node == node_id:
-            kept |= self._sessions_on_gpus.get((model_id, node_id), _NO_SESSIONS)
-        if not kept:
-            return weights
-        left: np.ndarray = weights.copy()
-        left[[self.position[sid] for sid in kept]] = 0.0
-        return left
+            kept |= self._sessions_on_gpus.get((model.id, node_id), _NO_SESSIONS)
+        if kept:
+            at = [self.position[sid] for sid in kept]
+            weights = self.weighted[self.row[model.id], at]
+            passes -= float(weights @ per_session[at])
+            tokens -= float(weights @ self._histories[at])
+        return max(0.0, passes), max(0.0, tokens)
 
     def _expert_shape(self, model: ModelSpec, node_id: str) -> _ExpertShape:
         """The model's expert chunks the node may hold, and the share of expert reads each step still misses."""

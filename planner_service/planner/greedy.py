@@ -609,22 +609,7 @@ class GreedyPlanner:
             stay_node = None
             if current and current.precision == precision and self._may_serve_from(model, current.node, current.gpus):
                 stay = current.gpus
-                # the KV its running engine's pool keeps there counts whole, the active sessions' part of it
-                # within `extra_bytes`; the idle sessions' part of it gives way to the active sessions' new KV
-                kept, kept_active, idle = self._kept_on(model.id, current.node, precision, stay)
-                room = self._launch_room(model.id, current.node, precision, stay)
-                shards = [
-                    a + max(b, r + i) + c - i + x
-                    for a, b, c, r, i, x in zip(
-                        split_evenly(nbytes, len(stay)),
-                        split_evenly(max(0, extra_bytes - kept_active), len(stay)),
-                        kept,
-                        room,
-                        idle,
-                        self._context_room(model.id, current.node, stay),
-                        strict=True,
-                    )
-                ]
+                shards = self._launch_shards(model, precision, stay, extra_bytes)
                 stay_node = current.node
                 if self._stay_fits(model.id, Group(stay_node, precision, stay), shards):
                     cost = self._group_cost(
@@ -681,27 +666,36 @@ class GreedyPlanner:
             options = [option for option in options if self._reaches(model.id, option[0][3], option[1])]
         return [o for o in options if self._launch_fits(model, o[1], o[2], extra_bytes)]
 
+    def _launch_shards(self, model: ModelSpec, precision: str, gpus: tuple[Gpu, ...], kv_bytes: int) -> list[int]:
+        """Bytes per GPU of `gpus` the model's engine takes there with `kv_bytes` of active KV, as
+        `_place_weights` takes them: the weights' shards, what an instance running or asleep there as launched
+        keeps or maps back (its experts, the KV in its pool: counted whole, the active sessions' part of it within
+        `kv_bytes`, the idle sessions' part giving way to the active sessions' new KV), its pool beyond that KV
+        and its CUDA context."""
+        node_id = gpus[0].node
+        kept, kept_active, idle = self._kept_on(model.id, node_id, precision, gpus)
+        return [
+            w + max(k, p + i) + c - i + x
+            for w, k, c, p, i, x in zip(
+                split_evenly(model.weights_bytes[precision], len(gpus)),
+                split_evenly(max(0, kv_bytes - kept_active), len(gpus)),
+                kept,
+                self._launch_room(model.id, node_id, precision, gpus),
+                idle,
+                self._context_room(model.id, node_id, gpus),
+                strict=True,
+            )
+        ]
+
     def _launch_fits(self, model: ModelSpec, precision: str, gpus: tuple[Gpu, ...], kv_bytes: int) -> bool:
-        """Whether `gpus` hold all that the model's engine takes there with `kv_bytes` of active KV, as
-        `_place_weights` takes it: the weights' shards, what an instance running or asleep there as launched
-        keeps or maps back (its experts, the KV in its pool), its pool beyond that KV and its CUDA context. A
-        group found by the weights and KV alone let a sleeping DeepSeek-class engine wake with its launched
-        expert share beside a running engine on L40s, 1.6 GiB a card over (the demo cluster on fake engines: a
-        wake refused for CUDA out of memory). Nothing to add on a node without engines."""
+        """Whether `gpus` hold all the model's engine takes there (`_launch_shards`). A group found by the weights
+        and KV alone let a sleeping DeepSeek-class engine wake with its launched expert share beside a running
+        engine on L40s, 1.6 GiB a card over (the demo cluster on fake engines: a wake refused for CUDA out of
+        memory). Nothing to add on a node without engines."""
         node_id = gpus[0].node
         if engine_of(self.p, node_id, model.id) is None:
             return True
-        n = len(gpus)
-        kept, kept_active, idle = self._kept_on(model.id, node_id, precision, gpus)
-        pool = self._launch_room(model.id, node_id, precision, gpus)
-        context = self._context_room(model.id, node_id, gpus)
-        weights = split_evenly(model.weights_bytes[precision], n)
-        kv = split_evenly(max(0, kv_bytes - kept_active), n)
-        # as `_group_options` prices a stay: the idle sessions' KV in the pool gives way to the active ones'
-        shards = [
-            w + max(k, p + i) + c - i + x
-            for w, k, c, p, i, x in zip(weights, kv, kept, pool, idle, context, strict=True)
-        ]
+        shards = self._launch_shards(model, precision, gpus, kv_bytes)
         return self._stay_fits(model.id, Group(node_id, precision, gpus), shards)
 
     def _leaves_room(self, model: ModelSpec, precision: str, gpus: tuple[Gpu, ...], kv_bytes: int) -> bool:
@@ -831,9 +825,7 @@ class GreedyPlanner:
         saving = self._savings.get(key)
         if saving is None:
             arriving = {s.id for s in self.active.get(model.id, ())}  # their KV comes onto the GPUs with the model
-            sessions = arriving | self._sessions_below.get((model.id, node_id), _NO_SESSIONS)
-            if staying:
-                sessions |= self._sessions_on_gpus.get((model.id, node_id), _NO_SESSIONS)
+            sessions = self._kv_kept(model.id, node_id, staying)
             row, position, weighted, targets = self.row[model.id], self.position, self.weighted, self.slo_target
             penalty = self.c.violation_penalty_seconds
             saving = 0.0
@@ -848,6 +840,16 @@ class GreedyPlanner:
                         saving += w * penalty
             self._savings[key] = saving
         return saving
+
+    def _kv_kept(self, model_id: str, node_id: str, on_gpus: bool) -> set[str]:
+        """The sessions whose KV for the model the node keeps: those in flight (their KV comes onto the GPUs with
+        the model), those with KV below its GPUs, and, `on_gpus`, those with KV on them."""
+        kept = {s.id for s in self.active.get(model_id, ())} | self._sessions_below.get(
+            (model_id, node_id), _NO_SESSIONS
+        )
+        if on_gpus:
+            kept |= self._sessions_on_gpus.get((model_id, node_id), _NO_SESSIONS)
+        return kept
 
     def _kv_ready_on(
         self,
@@ -1024,8 +1026,7 @@ class GreedyPlanner:
     def _reprefill_demand(self, model: ModelSpec, node_id: str, chunk: int) -> tuple[float, float]:
         """The model's SLO-weighted predicted prefill passes (`costs.expert_prefill_passes`, in chunks of
         `chunk` tokens) and tokens of the histories re-prefilled on the node: all less those of the sessions
-        whose KV the node keeps (the sessions in flight, whose KV comes with the model; those with KV below its
-        GPUs; those with KV on them where the model runs there now)."""
+        whose KV the node keeps (`_kv_kept`, on its GPUs where the model runs there now)."""
         whole = self._prefill_passes.get((model.id, chunk))
         if whole is None:
             share = model.active_expert_bytes_per_token / model.experts_bytes
@@ -1034,12 +1035,8 @@ class GreedyPlanner:
             whole = self._prefill_passes[(model.id, chunk)] = (per_session, float(row @ per_session))
         per_session, passes = whole
         tokens = self._context_demand[model.id]
-        kept = self._sessions_below.get((model.id, node_id), _NO_SESSIONS) | {
-            s.id for s in self.active.get(model.id, ())
-        }
         current = self.now.serving.get(model.id)
-        if current is not None and current.node == node_id:
-            kept |= self._sessions_on_gpus.get((model.id, node_id), _NO_SESSIONS)
+        kept = self._kv_kept(model.id, node_id, current is not None and current.node == node_id)
         if kept:
             at = [self.position[sid] for sid in kept]
             weights = self.weighted[self.row[model.id], at]

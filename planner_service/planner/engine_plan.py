@@ -122,17 +122,24 @@ def restart_unpairing(
     instance and a start of the new one: what an operator does where two engines trade GPUs (vLLM and SGLang
     take launch settings only at launch, so a restart is a stop and a start in any case, engines.py). Both
     halves are offered wherever the restart is (a managed engine: an adopted one is never restarted); they are
-    priced by the engine model as the restart was, stop_fixed + cold start, each on its first move."""
+    priced by the engine model as the restart was, stop_fixed + cold start, each on its first move.
 
-    def unpair(stop: list[Operation], start: list[Operation]) -> bool:
+    The stop frees the old instance's whole shard and the start loads the new one's whole shard, as the engine
+    calls do: on a GPU both groups share, the restart's one move there (the difference between the shards, or
+    none where they are equal) becomes a drop of the old shard and a load of the new one (`_whole_shards`)."""
+
+    def unpair(stop: list[Operation], start: list[Operation]) -> list[Operation] | None:
         step = stop[0].engine
         if step is None or step.transition is not Transition.RESTART or step.previous is None:
-            return False
+            return None
         key = (stop[0].node, step.instance.model)
         b, a = before[key], after[key]
         old, new = instance_from_ref(problem, step.previous), instance_from_ref(problem, step.instance)
         if not (may(old, b.state, Transition.STOP).allowed and may(new, EngineState.STOPPED, Transition.START).allowed):
-            return False
+            return None
+        added = _whole_shards(problem, stop, start, b.gpus, a.gpus)
+        if added is None:
+            return None
         stopped = InstanceView(b.node, b.model, b.declared, EngineState.STOPPED, a.precision, ())
         halves = (
             (stop, Transition.STOP, step.previous, step.from_state, step_seconds(problem, b, stopped, Transition.STOP)),
@@ -140,12 +147,77 @@ def restart_unpairing(
         )  # fmt: skip
         for moves, transition, instance, from_state, seconds in halves:
             half = EngineStep(transition=transition, instance=instance, from_state=from_state)
-            for k, op in enumerate(moves):
+            ours = [*moves, *(op for op in added if (op.dest is None) is (transition is Transition.STOP))]
+            for k, op in enumerate(ours):
                 op.engine = half
                 op.estimated_seconds = seconds if k == 0 else 0.0
-        return True
+        return added
 
     return unpair
+
+
+def _whole_shards(
+    problem: Problem,
+    stop: list[Operation],
+    start: list[Operation],
+    old_gpus: Sequence[str],
+    new_gpus: Sequence[str],
+) -> list[Operation] | None:
+    """Make a restart's moves, split into its stop and its start, take each weights and experts shard of the
+    old group whole off its GPU and put each of the new group whole on its GPU, in place: a drop or load is
+    enlarged, or one is added (answered; None where no copy on the node could load it). A restart moves only
+    the difference on a GPU both groups hold: the SRV would otherwise keep the old shard there through the
+    stop, on an engine that holds nothing, and count the new shard loaded by the difference alone."""
+    model, node = stop[0].object.model, stop[0].node
+    gained: dict[tuple[StateObject, str], int] = defaultdict(int)
+    freed: dict[tuple[StateObject, str], int] = defaultdict(int)
+    for op in (*stop, *start):
+        if op.dest is not None and op.dest.tier is Tier.GPU:
+            gained[(op.object, op.dest.id)] += op.bytes
+        if op.source is not None and op.source.tier is Tier.GPU and not op.keep_source:
+            freed[(op.object, op.source.id)] += op.bytes
+    shards = {
+        obj
+        for (obj, loc) in problem.residency
+        if obj.model == model and obj.kind is not Kind.KV and loc.tier is Tier.GPU and loc.id in old_gpus
+    } | {obj for (obj, _g) in gained if obj.kind is not Kind.KV}
+    added: list[Operation] = []
+    for obj in sorted(shards, key=StateObject.label):
+        for g in old_gpus:
+            left = problem.residency.get((obj, Location.gpu(g)), 0) - freed[(obj, g)]
+            drop = next((op for op in stop if op.action is Action.DROP and op.object == obj and op.source == Location.gpu(g)), None)  # fmt: skip
+            if left > 0 and drop is not None:
+                drop.bytes += left
+            elif left > 0:
+                added.append(_move(Action.DROP, obj, Location.gpu(g), None, left, stop[0]))
+        for g in new_gpus:
+            shard = problem.residency.get((obj, Location.gpu(g)), 0) + gained[(obj, g)] - freed[(obj, g)]
+            loads = [op for op in start if op.object == obj and op.dest == Location.gpu(g)]
+            missing = shard - sum(op.bytes for op in loads)
+            if missing > 0 and loads:
+                loads[0].bytes += missing
+            elif missing > 0:
+                source = _complete_copy(problem, obj, node)
+                if source is None:
+                    return None
+                added.append(_move(Action.PROMOTE, obj, source, Location.gpu(g), missing, start[0]))
+    return added
+
+
+def _complete_copy(problem: Problem, obj: StateObject, node: str) -> Location | None:
+    """The node's host or NVMe copy of `obj` that holds all of it, host first."""
+    for loc in (Location.host(node), Location.nvme(node)):
+        if problem.residency.get((obj, loc), 0) >= problem.size_of(obj):
+            return loc
+    return None
+
+
+def _move(
+    action: Action, obj: StateObject, source: Location, dest: Location | None, nbytes: int, like: Operation
+) -> Operation:
+    """A move of a stop or start half on `like`'s node and as urgent (tagged and priced by the caller)."""
+    why = "its engine stops: the whole shard leaves" if dest is None else "its engine starts: the whole shard loads"
+    return Operation("", action, obj, source, dest, nbytes, dest is not None, like.priority, [], 0.0, like.node, why)
 
 
 def attach_derived_steps(

@@ -85,6 +85,7 @@ def check_plan(
     refused = _engine_moves(problem, ops, target)
     errors += refused
     errors += _engine_steps(problem, ops, {e.split()[1] for e in refused})
+    errors += _whole_shards(problem, target, ops)
     errors += _engine_capacity(problem, target, ops)
     return errors
 
@@ -665,6 +666,45 @@ def _started_after_the_stop(ops: Sequence[Operation], node: str, model: str) -> 
                 f"engine: {op.id} starts {op.engine.instance.id}, which the plan also stops, without waiting on the "
                 "stop: the start would find the engine running"
             )
+    return errors
+
+
+def _whole_shards(
+    problem: Problem, target: Mapping[tuple[StateObject, Location], int], ops: Sequence[Operation]
+) -> list[str]:
+    """A stop's moves take every weights and experts byte of its instance off the GPUs of its group, and a
+    start's put the target's whole shard on each GPU of its group: the engine call frees or loads all of it,
+    and the confirmed placement, moved by these moves, must say what the engine holds."""
+    steps: dict[tuple[str, str, Transition], tuple[set[str], dict[tuple[StateObject, str], int]]] = {}
+    for op in ops:
+        step = op.engine
+        if step is None or step.transition not in (Transition.STOP, Transition.START) or op.object.kind is Kind.KV:
+            continue
+        key = (op.node, op.object.model, step.transition)
+        _gpus, moved = steps.setdefault(key, (set(step.instance.gpus), defaultdict(int)))
+        if step.transition is Transition.STOP and op.source is not None and op.source.tier is Tier.GPU:
+            moved[(op.object, op.source.id)] += 0 if op.keep_source else op.bytes
+        if step.transition is Transition.START and op.dest is not None and op.dest.tier is Tier.GPU:
+            moved[(op.object, op.dest.id)] += op.bytes
+    if not steps:
+        return []
+    shards: dict[tuple[bool, str], list[tuple[StateObject, str, int]]] = defaultdict(list)  # (stop?, model) ->
+    for stopping, placement in ((True, problem.residency), (False, target)):
+        for (obj, loc), nbytes in placement.items():
+            if obj.kind is not Kind.KV and loc.tier is Tier.GPU:
+                shards[(stopping, obj.model)].append((obj, loc.id, nbytes))
+    errors = []
+    for (node, model, transition), (gpus, moved) in sorted(steps.items(), key=lambda kv: kv[0][:2]):
+        what = "frees" if transition is Transition.STOP else "loads"
+        for obj, g, nbytes in sorted(
+            shards[(transition is Transition.STOP, model)], key=lambda s: (s[0].label(), s[1])
+        ):
+            if g in gpus and moved.get((obj, g), 0) != nbytes:
+                errors.append(
+                    f"engine: the {transition.value} of {model}'s engine on {node} {what} {moved.get((obj, g), 0)} "
+                    f"bytes of {obj.label()} on gpu:{g}, not its whole shard of {nbytes}: the engine call {what} "
+                    "all of it"
+                )
     return errors
 
 

@@ -538,9 +538,10 @@ def kahn_order(ops: list[Operation], deps: Mapping[int, set[int]], children: Map
 
 
 # Tags the moves of one restart that free its old instance's GPU bytes as a stop of that instance and the rest
-# as a start of the new one, in place, and prices them; False (nothing changed) where the engine cannot be
-# stopped and started (engine_plan.py).
-Unpair = Callable[[list[Operation], list[Operation]], bool]
+# as a start of the new one, in place, prices them and answers the moves the halves need besides (a stop
+# frees its whole shard and a start loads its whole shard on a GPU both groups share); None (nothing
+# changed) where the engine cannot be stopped and started (engine_plan.py).
+Unpair = Callable[[list[Operation], list[Operation]], list[Operation] | None]
 
 
 def share_step_dependencies(ops: list[Operation], unpair: Unpair | None = None) -> list[Operation]:
@@ -624,9 +625,9 @@ def _up_steps_wait_for_frees(
 def _unpaired(
     ops: list[Operation], members: list[int], base: Mapping[int, set[int]], unpair: Unpair | None
 ) -> tuple[list[int], list[int]] | None:
-    """The restart's moves as (stop, start) positions once `unpair` has re-tagged them; None where they do
-    not divide (no free or no gain on the GPUs), where the start's waits on the stop would close a circle,
-    or where the engine cannot be stopped and started."""
+    """The restart's moves as (stop, start) positions once `unpair` has re-tagged them, with the moves it
+    adds appended to `ops`; None where they do not divide (no free or no gain on the GPUs), where the start's
+    waits on the stop would close a circle, or where the engine cannot be stopped and started."""
     stop = [m for m in members if _frees_gpu(ops[m])]
     start = [m for m in members if not _frees_gpu(ops[m])]
     if not stop or not start or unpair is None:
@@ -635,8 +636,12 @@ def _unpaired(
     stops = set(stop)
     if any(stops & _downstream(waiting, t) for t in start):
         return None
-    if not unpair([ops[m] for m in stop], [ops[m] for m in start]):
+    added = unpair([ops[m] for m in stop], [ops[m] for m in start])
+    if added is None:
         return None
+    for op in added:
+        (stop if _frees_gpu(op) else start).append(len(ops))
+        ops.append(op)
     return stop, start
 
 

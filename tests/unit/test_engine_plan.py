@@ -30,10 +30,10 @@ from planner_service.domain.engines import EngineState, Transition
 from planner_service.domain.predictions import problem_from_scenario
 from planner_service.domain.problem import Problem
 from planner_service.domain.scenario import parse_scenario
-from planner_service.domain.state import Location, StateObject
+from planner_service.domain.state import Location, StateObject, Tier
 from planner_service.planner import engine_instances, engine_plan
 from planner_service.planner.invariants import check_plan
-from planner_service.planner.operations import Operation
+from planner_service.planner.operations import Operation, apply_operations
 from planner_service.planner.plan import Plan
 from planner_service.solver.registry import solve
 
@@ -221,6 +221,40 @@ def test_engines_that_trade_gpus_stop_and_start_where_a_restart_cannot_be_ordere
     rows = engine_plan.engine_rows(problem, plan.placement, engine_plan.plan_steps(plan.operations))
     vision = next(r for r in rows if r["model"] == "vision")
     assert (vision["planned_step"], vision["planned_steps"]) == ("restart", ["stop", "start"])
+
+
+def test_a_stop_and_a_start_free_and_load_whole_shards_on_the_gpu_both_groups_hold() -> None:
+    """The vision engine goes from g1 to g0-g2: as one restart its move on g1 was the difference between its
+    shards. As a stop and a start, the stop drops all of the old shard on g1 (the stopped engine holds
+    nothing there) and the start loads the new shard on g1 as on g0 and g2; the plan ends where it did."""
+    problem, plan = plan_for(traded_gpus_scenario())
+    vision = StateObject.weights("vision", "bf16")
+    steps = steps_of(plan)
+    stop, start = steps[("vision", Transition.STOP)], steps[("vision", Transition.START)]
+    after_stop = apply_operations(problem.residency, stop)
+    assert not [loc for (obj, loc) in after_stop if obj == vision and loc.tier is Tier.GPU]
+    shard = plan.placement[(vision, Location.gpu("n0-g1"))]
+    assert sorted((op.dest.id, op.bytes) for op in start if op.dest is not None) == [
+        (f"n0-g{i}", shard) for i in range(3)
+    ]
+    assert apply_operations(problem.residency, plan.operations) == plan.placement
+
+
+def test_the_checker_refuses_a_stop_or_start_that_moves_part_of_a_shard() -> None:
+    """The stop as the restart's difference on g1 (the old shard less the new), with no load of g1 in the
+    start: the confirmed state would keep a stopped engine's shard, and the start would load g1 unrecorded."""
+    problem, plan = plan_for(traded_gpus_scenario())
+    steps = steps_of(plan)
+    stop, start = steps[("vision", Transition.STOP)], steps[("vision", Transition.START)]
+    on_g1 = next(op for op in start if op.dest == Location.gpu("n0-g1"))
+    ops = [
+        dataclasses.replace(op, bytes=op.bytes - on_g1.bytes) if op is stop[0] else op
+        for op in plan.operations
+        if op is not on_g1
+    ]
+    errors = check_plan(problem, plan.placement, ops, plan.unserved)
+    assert any("the stop of vision's engine on n0 frees" in e and "not its whole shard" in e for e in errors)
+    assert any("the start of vision's engine on n0 loads 0 bytes" in e for e in errors)
 
 
 def test_the_checker_refuses_a_start_that_does_not_wait_on_its_stop() -> None:

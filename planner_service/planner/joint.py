@@ -524,12 +524,14 @@ class _NodeCosts:
         return cost
 
     def _fits_cards(self, held: int, rest: int, option: Option) -> bool:
-        """Whether every card of the node holds the `fixed` options' shares, and the largest of the others
-        an even split over its roomiest k cards beside them, for each group size k its engine takes
-        (`Option.widths`; `Option.per_card` bytes fewer per card it leaves out of the group it was priced on):
-        the node's room alone let a Llama-3.3-70B be chosen beside a coder's running engine filling one card
-        (gap-study engine seed 31), and sizes of a power of two alone refused it three A100s where its `local`
-        engine runs on any number (seed 6)."""
+        """Whether every card of the node holds the `fixed` options' shares, and the others beside them, each in
+        turn (largest first) split evenly over the roomiest cards of the widest group its engine takes that
+        holds it (`Option.widths`; `Option.per_card` bytes fewer per card it leaves out of the group it was
+        priced on), as the greedy places them: the node's room alone let a Llama-3.3-70B be chosen beside a
+        coder's running engine filling one card (gap-study engine seed 31); sizes of a power of two alone
+        refused it three A100s where its `local` engine runs on any number (seed 6); and the largest alone
+        let a Llama-3.3-70B take three L40S beside a Llama-3.1-8B staying on the fourth, where a coder then
+        fitted on none of them and the greedy widened the 8B after all (plain seed 33)."""
         before = self._fixed.get(rest, ())
         if not before and not option.fixed:
             self._fixed[held] = ()
@@ -545,16 +547,18 @@ class _NodeCosts:
         left = sorted((room - load for load, room in zip(loads, free, strict=True)), reverse=True)
         if left[-1] < 0:
             return False
-        spread = [o for bit in _bits(held) if not (o := self._option_of[bit]).fixed]
-        if not spread:
-            return True
-        largest = max(spread, key=lambda o: o.need)
-        sizes = largest.widths or tuple(1 << i for i in range(len(left).bit_length()))
-        return any(
-            left[k - 1] * k >= largest.need - max(0, largest.width - k) * largest.per_card
-            for k in sizes
-            if k <= len(left)
-        )
+        spread = sorted((o for bit in _bits(held) if not (o := self._option_of[bit]).fixed), key=lambda o: -o.need)
+        for other in spread:
+            sizes = other.widths or tuple(1 << i for i in range(len(left).bit_length()))
+            for k in sorted((k for k in sizes if k <= len(left)), reverse=True):
+                share = -(-(other.need - max(0, other.width - k) * other.per_card) // k)  # rounded up
+                if left[k - 1] >= share:
+                    left[:k] = [room - share for room in left[:k]]
+                    left.sort(reverse=True)
+                    break
+            else:
+                return False
+        return True
 
     def _curve(self, node: str, moe_bits: int) -> tuple[list[int], list[float]]:
         curve = self._curves.get(moe_bits)

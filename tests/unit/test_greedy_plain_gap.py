@@ -48,3 +48,11 @@ def test_a_model_on_a_narrow_group_may_stay_there_or_take_another_group_of_its_n
     it stays), checked by the node's room alone; the joint choice now also sees the node's best other group, and
     the staying option is checked card by card (11,308.4 s; 10,828.0 s)."""
     assert greedy_plan(37).objective.total < 11_000
+
+
+def test_the_models_beside_a_narrow_stay_fit_its_node_s_other_cards_together() -> None:
+    """Seed 33: the joint choice kept a Llama-3.1-8B on the one L40S it runs on and put a Llama-3.3-70B and a
+    coder beside it, each checked alone against the three other cards; together they fit none, and the greedy
+    widened the 8B over all four, re-preparing its five requests in flight (10,270.9 s). They now go to the
+    A100s, as in the MILP's optimum (9,749.6 s)."""
+    assert greedy_plan(33).objective.total < 9_800

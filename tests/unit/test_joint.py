@@ -324,3 +324,21 @@ def test_a_large_model_does_not_fit_beside_a_running_engine_filling_one_card() -
     assert assign(options, ["a", "b"], rooms, _no_moe)["b"].node == "n0"  # priced by the node's room alone
     smaller = {**options, "b": [Option("n0", "bf16", 18, 0.0, None), Option("n1", "bf16", 18, 1.0, None)]}
     assert assign(smaller, ["a", "b"], rooms, _no_moe, cards=cards)["b"].node == "n0"
+
+
+def test_models_beside_a_narrow_stay_must_fit_its_free_cards_together() -> None:
+    # n0: four cards of 43; a stays on card 0 with 34 (9 left there). b (87) fits the three free cards alone
+    # (3 x 29), and so does c (44: 3 x 14.7), but not both: beside b a free card has 14 left, and c's four-card
+    # split (11) does not fit card 0. One of them goes to n1 (cost 1) rather than both to n0 (cost 0).
+    def on(node: str, need: int, cost: float) -> Option:
+        return Option(node, "bf16", need, cost, None, width=4, widths=(1, 2, 3, 4))
+
+    options = {
+        "a": [Option("n0", "bf16", 34, 0.0, None, fixed=(0,))],
+        "b": [on("n0", 87, 0.0), on("n1", 87, 1.0)],
+        "c": [on("n0", 44, 0.0), on("n1", 44, 1.0)],
+    }
+    rooms, cards = {"n0": 172, "n1": 172}, {"n0": [43] * 4, "n1": [43] * 4}
+    chosen = assign(options, ["a", "b", "c"], rooms, _no_moe, cards=cards)
+    assert {chosen["b"].node, chosen["c"].node} == {"n0", "n1"}
+    assert assign({m: options[m] for m in ("a", "b")}, ["a", "b"], rooms, _no_moe, cards=cards)["b"].node == "n0"

@@ -414,6 +414,7 @@ class GreedyPlanner:
         self._experts_held: set[tuple[str, str]] = set()
         # model -> (its running engine's GPUs, the bytes per GPU held there until it is placed: `_hold_staying`)
         self._stay_held: dict[str, tuple[tuple[Gpu, ...], list[int]]] = {}
+        self._narrow_stays: dict[str, tuple[joint.Option, list[joint.Option]]] = {}  # see `_narrow_stay_held`
         self._coming: dict[str, int] = {}  # see `_leaves_room`
         self._priced_group: dict[tuple[str, str, str], tuple[Gpu, ...]] = {}  # (model, node, precision) -> the
         # group the joint choice priced there
@@ -1330,17 +1331,26 @@ class GreedyPlanner:
 
     def _hold_staying(self, chosen: Iterable[str], needs: Mapping[str, int]) -> None:
         """Hold the room of each running engine whose model the joint choice keeps on its node at its
-        precision, until that model is placed: the choice priced it staying on its own GPUs, but a model
-        placed before it takes the widest group that fits and may spread over them (gap-study engine seed 12:
-        a coder took three L40s, one of them a Llama-3.1-8B's running engine with a full pool, which then
-        moved to another node and pushed a MoE's experts off it)."""
+        precision, and of each model it keeps on the narrow group it serves from on a node without engines
+        (`_narrow_stay_held`), until that model is placed: the choice priced it staying on its own GPUs, but a
+        model placed before it takes the widest group that fits and may spread over them (gap-study engine
+        seed 12: a coder took three L40s, one of them a Llama-3.1-8B's running engine with a full pool, which
+        then moved to another node and pushed a MoE's experts off it; plain seed 28: a coder took all four L40s
+        of a Qwen2.5-7B staying on one, which then spread over the four too, re-preparing its seven requests in
+        flight, 587.5 s more than the MILP's optimum)."""
         for model_id in sorted(chosen):
             if model_id in self.groups or model_id not in self.nodes:
                 continue
             key = (model_id, self.nodes[model_id], self.precisions[model_id])
             stay = self._stay_bytes(*key)
-            if stay is None or self._priced_group.get(key) != stay[0] or not self.book.fits(*stay):
+            if stay is None and model_id in self._narrow_stays:
+                stay = self._narrow_stay_held(model_id)
+                if stay is None:
+                    continue
+            elif stay is None or self._priced_group.get(key) != stay[0]:
                 continue  # (the choice priced a restart on another group there: a MoE's for its experts' room)
+            if not self.book.fits(*stay):
+                continue
             self.book.take(*stay)
             self._stay_held[model_id] = stay
         # where a model the choice puts on the same node then finds no group there (its cards taken by the held
@@ -1655,7 +1665,25 @@ class GreedyPlanner:
                 del chosen[model_id]
         self.nodes = {m: option.node for m, option in chosen.items()}
         self.precisions = {m: option.precision for m, option in chosen.items()}
+        self._narrow_stays = {  # `_stays_narrow`: the choice kept it on its cards, the others on the node beside it
+            model_id: (option, [o for o in chosen.values() if o.node == option.node and not o.fixed])
+            for model_id, option in chosen.items()
+            if option.fixed and engine_of(self.p, option.node, model_id) is None
+        }
         return set(chosen)
+
+    def _narrow_stay_held(self, model_id: str) -> tuple[tuple[Gpu, ...], list[int]] | None:
+        """The cards and bytes per card to hold for a model the joint choice keeps on the narrow group it serves
+        from on a node without engines, where the models the choice put beside it fit the node's other room as
+        they were priced (a MoE at its group's width); else None: held, it would push them onto narrower groups
+        than their prices assumed (gap-study plain seed 3: DeepSeek-V3 on three of four L40S, 1,388.5 s more)."""
+        option, beside = self._narrow_stays[model_id]
+        ids = self.book.gpu_ids(option.node)
+        gpus = tuple(self.p.gpus[ids[i]] for i in option.fixed)
+        shares = split_evenly(option.need, len(gpus))
+        held = dict(zip((g.id for g in gpus), shares, strict=True))
+        left = [self.book.free[g] - held.get(g, 0) for g in ids]
+        return (gpus, shares) if joint.spread_fits(left, beside) else None
 
     def _idle_models(self) -> tuple[list[str], list[str]]:
         """The models without requests in flight whose room the joint choice should weigh: every dense one

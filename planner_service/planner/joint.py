@@ -524,14 +524,14 @@ class _NodeCosts:
         return cost
 
     def _fits_cards(self, held: int, rest: int, option: Option) -> bool:
-        """Whether every card of the node holds the `fixed` options' shares, and the others beside them, each in
-        turn (largest first) split evenly over the roomiest cards of the widest group its engine takes that
-        holds it (`Option.widths`; `Option.per_card` bytes fewer per card it leaves out of the group it was
-        priced on), as the greedy places them: the node's room alone let a Llama-3.3-70B be chosen beside a
-        coder's running engine filling one card (gap-study engine seed 31); sizes of a power of two alone
-        refused it three A100s where its `local` engine runs on any number (seed 6); and the largest alone
-        let a Llama-3.3-70B take three L40S beside a Llama-3.1-8B staying on the fourth, where a coder then
-        fitted on none of them and the greedy widened the 8B after all (plain seed 33)."""
+        """Whether every card of the node holds the `fixed` options' shares, and the others fit beside them in
+        the caller's order (`spread_fits`): the node's room alone let a Llama-3.3-70B be chosen beside a coder's
+        running engine filling one card (gap-study engine seed 31); sizes of a power of two alone refused it
+        three A100s where its `local` engine runs on any number (seed 6); the largest of the others alone let a
+        Llama-3.3-70B take three L40S beside a Llama-3.1-8B staying on the fourth, where a coder then fitted on
+        none of them and the greedy widened the 8B after all (plain seed 33); and a MoE priced on four L40S
+        beside a Llama-3.1-8B staying on one, with a coder and a Qwen2.5-7B placed before it, found three
+        (plain seed 12: GLM-4.5-Air, 423.0 s more than with the coder beside the A100s' Llama-3.3-70B)."""
         before = self._fixed.get(rest, ())
         if not before and not option.fixed:
             self._fixed[held] = ()
@@ -544,21 +544,10 @@ class _NodeCosts:
         for i in option.fixed:
             loads[i] += option.need // len(option.fixed)
         self._fixed[held] = tuple(loads)
-        left = sorted((room - load for load, room in zip(loads, free, strict=True)), reverse=True)
-        if left[-1] < 0:
+        left = [room - load for load, room in zip(loads, free, strict=True)]
+        if min(left) < 0:
             return False
-        spread = sorted((o for bit in _bits(held) if not (o := self._option_of[bit]).fixed), key=lambda o: -o.need)
-        for other in spread:
-            sizes = other.widths or tuple(1 << i for i in range(len(left).bit_length()))
-            for k in sorted((k for k in sizes if k <= len(left)), reverse=True):
-                share = -(-(other.need - max(0, other.width - k) * other.per_card) // k)  # rounded up
-                if left[k - 1] >= share:
-                    left[:k] = [room - share for room in left[:k]]
-                    left.sort(reverse=True)
-                    break
-            else:
-                return False
-        return True
+        return spread_fits(left, [o for bit in _bits(held) if not (o := self._option_of[bit]).fixed])
 
     def _curve(self, node: str, moe_bits: int) -> tuple[list[int], list[float]]:
         curve = self._curves.get(moe_bits)
@@ -576,6 +565,27 @@ def _cheapest(cost: _NodeCosts, rest: int, bits: Sequence[int], before: float) -
         if gain > best_gain:
             best_gain, best = gain, bit
     return best_gain, best
+
+
+def spread_fits(left: Sequence[int], spread: Sequence[Option]) -> bool:
+    """Whether `spread` (options on no fixed cards, in the order the greedy places them) fit cards with `left`
+    free bytes, each split evenly over the roomiest cards of the widest group its engine takes that holds it
+    (`Option.widths`; `Option.per_card` bytes fewer per card it leaves out of the group it was priced on), a
+    MoE only over as many cards as it was priced on (its experts' room and links are those of that width)."""
+    left = sorted(left, reverse=True)
+    for option in spread:
+        sizes = option.widths or tuple(1 << i for i in range(len(left).bit_length()))
+        if option.moe and option.width:
+            sizes = (option.width,)
+        for k in sorted((k for k in sizes if k <= len(left)), reverse=True):
+            share = -(-(option.need - max(0, option.width - k) * option.per_card) // k)  # rounded up
+            if left[k - 1] >= share:
+                left[:k] = [room - share for room in left[:k]]
+                left.sort(reverse=True)
+                break
+        else:
+            return False
+    return True
 
 
 def _bits(mask: int) -> Iterator[int]:

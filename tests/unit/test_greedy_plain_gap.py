@@ -56,3 +56,23 @@ def test_the_models_beside_a_narrow_stay_fit_its_node_s_other_cards_together() -
     widened the 8B over all four, re-preparing its five requests in flight (10,270.9 s). They now go to the
     A100s, as in the MILP's optimum (9,749.6 s)."""
     assert greedy_plan(33).objective.total < 9_800
+
+
+def test_a_model_the_joint_choice_keeps_on_its_narrow_group_keeps_its_cards_until_placed() -> None:
+    """Seed 28: the joint choice kept a Qwen2.5-7B on the one L40 it serves from and put a coder beside it; placed
+    first, the coder took all four cards, and the 7B spread over the four too, re-preparing its seven requests in
+    flight (11,305.7 s). Its card is now held until it is placed: the coder takes the other three, as in the
+    MILP's optimum (10,718.2 s)."""
+    plan = greedy_plan(28)
+    assert plan.objective.total < 10_800
+
+
+def test_a_moe_fits_beside_a_narrow_stay_only_over_as_many_cards_as_it_was_priced_on() -> None:
+    """Seed 3: holding a Qwen2.5-7B on the one L40S it serves from left DeepSeek-V3 three of the node's cards where
+    the joint choice priced its experts on four (14,982.0 s). Seed 12: GLM-4.5-Air, priced on four L40S beside a
+    Llama-3.1-8B staying on one, found three once a coder and a Qwen2.5-7B placed before it had spread over the
+    four (14,854.6 s). A MoE now fits beside a narrow stay only at its priced width, the others in the order the
+    greedy places them: 13,572.5 s, and 14,431.6 s with the coder beside the A100s' Llama-3.3-70B (the best plan
+    known)."""
+    assert greedy_plan(3).objective.total < 14_000
+    assert greedy_plan(12).objective.total < 14_500

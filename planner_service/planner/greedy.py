@@ -414,6 +414,7 @@ class GreedyPlanner:
         self._experts_held: set[tuple[str, str]] = set()
         # model -> (its running engine's GPUs, the bytes per GPU held there until it is placed: `_hold_staying`)
         self._stay_held: dict[str, tuple[tuple[Gpu, ...], list[int]]] = {}
+        self._widened: set[str] = set()  # see `_narrow_on`
         self._narrow_stays: dict[str, tuple[joint.Option, list[joint.Option]]] = {}  # see `_narrow_stay_held`
         self._coming: dict[str, int] = {}  # see `_leaves_room`
         self._priced_group: dict[tuple[str, str, str], tuple[Gpu, ...]] = {}  # (model, node, precision) -> the
@@ -661,6 +662,8 @@ class GreedyPlanner:
                     options.append(((cost, rank, free - nbytes - extra_bytes, node_id, seconds), precision, gpus))
         if model.id in self.nodes:
             options = [option for option in options if option[0][3] == self.nodes[model.id]]
+            if model.id in self._widened and current is not None:  # the choice priced it off its narrow group
+                options = [o for o in options if o[2] != current.gpus] or options
             roomy = [o for o in options if self._leaves_room(model, o[1], o[2], extra_bytes)]
             options = roomy or options
         if self._pinned:
@@ -1665,12 +1668,26 @@ class GreedyPlanner:
                 del chosen[model_id]
         self.nodes = {m: option.node for m, option in chosen.items()}
         self.precisions = {m: option.precision for m, option in chosen.items()}
+        self._widened = {m for m, option in chosen.items() if not option.fixed and self._narrow_on(m, option)}
         self._narrow_stays = {  # `_stays_narrow`: the choice kept it on its cards, the others on the node beside it
             model_id: (option, [o for o in chosen.values() if o.node == option.node and not o.fixed])
             for model_id, option in chosen.items()
             if option.fixed and engine_of(self.p, option.node, model_id) is None
         }
         return set(chosen)
+
+    def _narrow_on(self, model_id: str, option: joint.Option) -> bool:
+        """Whether the model serves on a narrow group of the option's node at its precision (`_stays_narrow`):
+        chosen there without its staying option, it was priced on the node's best other group, and staying
+        after all takes cards the choice gave the others (engine seed 204 of `gap --engines`: a Llama-3.1-8B
+        kept its one A100 and left GLM-4.5-Air three)."""
+        current = self.now.serving.get(model_id)
+        return (
+            current is not None
+            and current.node == option.node
+            and current.precision == option.precision
+            and self._stays_narrow(model_id, current.node, current.precision, current.gpus)
+        )
 
     def _narrow_stay_held(self, model_id: str) -> tuple[tuple[Gpu, ...], list[int]] | None:
         """The cards and bytes per card to hold for a model the joint choice keeps on the narrow group it serves

@@ -519,6 +519,12 @@ class _NodeCosts:
             taken, change = self._curve(option.node, moe_bits)
             # each capped group's room less its cards' share of the other options' bytes (`Option.expert_cards`)
             cap -= cards * need - own
+            loads = self._fixed.get(held, ())
+            if loads:
+                # equal shares stop at the fullest card: beside fixed bytes, each card of a capped group loses
+                # the most any card holds, not an even split of them (gap-study engine seed 5: GLM-4.5V priced
+                # with four A100s' room beside a Qwen2.5-7B staying on one, then placed on the other three)
+                cap -= cards * (len(loads) * max(loads) - sum(loads))
             cost += change[bisect.bisect_right(taken, max(0, min(room - need, cap))) - 1]
         self._costs[held] = cost
         return cost

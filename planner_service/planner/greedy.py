@@ -67,11 +67,15 @@ idle sessions' KV for it (`_evict_for_active`), and a stay whose pool cannot tak
 wait (`_pool_overflow`). The joint choice prices such a stay with its launched pool whole, and the engine's
 GPUs are held until its model is placed (`_hold_staying`). An engine MoE's group on a node is the one whose
 cards keep the most room for its equal-share experts, and the joint choice caps its experts at that room
-less its cards' share of what the node's other models take (`_group_experts`, `joint.Option.expert_cards`);
-a node where a running engine stays on some of its cards fits only what its cards hold beside it
-(`_fixed_cards`); an idle model kept warm through an engine is priced with its minimum pool; and a model
-whose chosen node cannot hold its weights and active KV after all goes to a node that can. (What each
-bought on engine scenarios: docs/studies/gap.md, "Closing the gap on engine nodes".)
+less its cards' share of what the node's other models take (`_group_experts`, `joint.Option.expert_cards`),
+each card losing what the fullest fixed card holds; a node where a running engine stays on some of its
+cards, or a model on a narrow group of a node without engines, fits only what its other cards hold beside it,
+model by model in the order they are placed, a MoE at its priced width (`_fixed_cards`, `joint.spread_fits`),
+and such a narrow stay's cards are held too (`_narrow_stay_held`), while a model the choice prices off its
+narrow group leaves it (`_narrow_on`); an idle model kept warm through an engine is priced with its minimum
+pool; and a model whose chosen node cannot hold its weights and active KV after all goes to a node that can.
+(What each bought: docs/studies/gap.md, "Closing the gap on engine nodes" and "The cards beside a model that
+stays on a narrow group".)
 
 The result is a target placement; `operations.py` turns it into moves.
 

@@ -1,4 +1,4 @@
-"""Test doubles shared across test folders (pytest puts tests/ on sys.path)."""
+"""Test doubles and helpers shared across test folders (pytest puts tests/ on sys.path)."""
 
 from __future__ import annotations
 
@@ -6,6 +6,12 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from planner_service.domain.predictions import problem_from_scenario
+from planner_service.planner.greedy import plan_greedy
+from planner_service.planner.invariants import check_plan
+from planner_service.planner.plan import Plan, make_plan
+from planner_service.solver.gap import random_scenarios
 
 TINY_SCENARIO = Path(__file__).parent / "service" / "tiny_scenario.json"
 
@@ -64,3 +70,13 @@ def after_last(calls: list[tuple[str, Any]], name: str) -> list[tuple[str, Any]]
     """The calls after the last call of `name` (all of them if there is none)."""
     positions = [i for i, (n, _) in enumerate(calls) if n == name]
     return calls[positions[-1] + 1 :] if positions else list(calls)
+
+
+def greedy_gap_plan(seed: int, *, engines: bool) -> Plan:
+    """The greedy's plan alone for one gap-study scenario (`statebudget gap`, demo-sized), checked sound."""
+    ((_, drawn),) = random_scenarios(1, seed, 16, 7, 100, engines=engines)
+    problem = problem_from_scenario(drawn)
+    target = plan_greedy(problem)
+    plan = make_plan(problem, "greedy", target.placement, target.unserved, target.reasons)
+    assert check_plan(problem, plan.placement, plan.operations, plan.unserved) == []
+    return plan

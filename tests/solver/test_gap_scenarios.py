@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import pytest
+from support import greedy_gap_plan
 
 from planner_service.domain.engines import EngineKind
 from planner_service.domain.predictions import problem_from_scenario
 from planner_service.domain.state import Kind, Tier
 from planner_service.planner.engine_costs import ENGINE_CONSTANTS
-from planner_service.planner.greedy import plan_greedy
-from planner_service.planner.invariants import check_plan
-from planner_service.planner.plan import make_plan
 from planner_service.solver.gap import random_scenarios
 
 RUNTIME = {EngineKind.VLLM, EngineKind.SGLANG}
@@ -33,8 +31,4 @@ def test_every_running_engine_has_room_for_its_cuda_context() -> None:
 
 @pytest.mark.parametrize("seed", [12, 40])  # seeds whose first draw filled an engine's card to the last GiB
 def test_the_greedy_plan_is_sound_where_the_draw_filled_an_engine_card(seed: int) -> None:
-    ((_, scenario),) = random_scenarios(1, seed, 16, 7, 100, engines=True)
-    problem = problem_from_scenario(scenario)
-    target = plan_greedy(problem)
-    plan = make_plan(problem, "greedy", target.placement, target.unserved, target.reasons)
-    assert check_plan(problem, plan.placement, plan.operations, plan.unserved) == []
+    greedy_gap_plan(seed, engines=True)  # checked sound

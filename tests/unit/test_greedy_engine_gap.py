@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from support import greedy_gap_plan
 from tiny_clusters import (
     GIB,
     KV_BYTES_PER_TOKEN,
@@ -343,25 +344,16 @@ def test_the_joint_choice_counts_a_pool_every_rank_holds_whole() -> None:
     assert plan.objective.total < 27_000
 
 
-def greedy_objective(seed: int) -> float:
-    ((_, drawn),) = random_scenarios(1, seed, 16, 7, 100, engines=True)
-    problem = problem_from_scenario(drawn)
-    target = plan_greedy(problem)
-    plan = make_plan(problem, "greedy", target.placement, target.unserved, target.reasons)
-    assert check_plan(problem, plan.placement, plan.operations, plan.unserved) == []
-    return plan.objective.total
-
-
 def test_a_moe_s_equal_expert_shares_stop_at_the_card_a_staying_engine_fills() -> None:
     """Engine seed 5: GLM-4.5V's engine (equal expert shares on its group) was priced with the room of four
     A100-80GBs less an even split of a Qwen2.5-7B engine staying on one of them; its shares stop at that card,
     and placed, it took the other three (10,693.2 s). Priced with each card losing what the fullest holds, the
     7B goes beside DeepSeek-V3 on the L40s, as in the MILP's optimum (9,794.1 s; the MILP 9,770.1 s)."""
-    assert greedy_objective(5) < 9_900
+    assert greedy_gap_plan(5, engines=True).objective.total < 9_900
 
 
 def test_a_model_the_joint_choice_prices_off_its_narrow_group_leaves_it() -> None:
     """Engine seed 202: a Llama-3.1-8B's engine serves from one of four cards; the joint choice priced it on
     the node's best other group, and placed, it stayed on its card after all, taking room the choice had given
     the others (20,147.8 s). It now takes a group other than its narrow one there (19,211.4 s)."""
-    assert greedy_objective(202) < 19_500
+    assert greedy_gap_plan(202, engines=True).objective.total < 19_500

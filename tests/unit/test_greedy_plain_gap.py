@@ -4,20 +4,13 @@ the greedy's plan was worse before."""
 
 from __future__ import annotations
 
-from planner_service.domain.predictions import problem_from_scenario
-from planner_service.planner.greedy import plan_greedy
-from planner_service.planner.invariants import check_plan
-from planner_service.planner.plan import Plan, make_plan
-from planner_service.solver.gap import random_scenarios
+from support import greedy_gap_plan
+
+from planner_service.planner.plan import Plan
 
 
 def greedy_plan(seed: int) -> Plan:
-    ((_, drawn),) = random_scenarios(1, seed, 16, 7, 100, engines=False)
-    problem = problem_from_scenario(drawn)
-    target = plan_greedy(problem)
-    plan = make_plan(problem, "greedy", target.placement, target.unserved, target.reasons)
-    assert check_plan(problem, plan.placement, plan.operations, plan.unserved) == []
-    return plan
+    return greedy_gap_plan(seed, engines=False)
 
 
 def test_a_moes_requests_in_flight_re_prefill_at_the_expert_share_their_node_holds_now() -> None:

@@ -85,6 +85,13 @@ then KV restore, the prefill queue on its cards and the re-prefill; the parts su
 the OpenAI Python client's default read timeout: `DEFAULT_TIMEOUT = httpx.Timeout(timeout=600.0,
 connect=5.0)` in openai-python `src/openai/_constants.py`; no byte comes back before the first token)
 is answered as failed: the agent's next turn follows (its history unchanged), and the replay goes on.
+A request whose prompt (the session's history and its input) leaves no room for one output token in its
+model's maximum context (`ModelSpec.max_context_tokens`, the engine's `--max-model-len`) fails at once, as
+the engines refuse it with an error before queueing it: vLLM's `_validate_model_input` in
+vllm/v1/engine/processor.py (tests/v1/e2e/test_context_length.py: a prompt of max_model_len tokens is refused),
+SGLang's `validate_input_length` in python/sglang/srt/managers/utils.py (unless launched with
+`--allow-auto-truncate`). Waiting instead, it held its model's queue (first come, first served) for the
+whole timeout.
 A request no engine of a fixed deployment can hold (a partition whose group is too small for its
 KV) thus costs its session the timeout instead of stopping the replay; the metrics count failed
 requests per policy and compute latencies over the served ones.
@@ -520,6 +527,11 @@ class Simulator(SimState):
             owner = self._lag_owner(session.id)
             owner.lag_seconds = max(owner.lag_seconds, self.now - req.t)
         session.request = req
+        limit = self.problem.models[req.model].max_context_tokens
+        if limit and session.history_tokens + req.input_tokens >= limit:
+            req.too_long = True  # refused at once (module doc)
+            self._fail(req)
+            return
         self.demand[req.model] += 1
         self.waiting.append(req)
         self.push(self.now + self.request_timeout_seconds, "timeout", req)
@@ -530,12 +542,16 @@ class Simulator(SimState):
         """The client gives up on a request that has not started (module doc): the session's next turn follows."""
         if req.state != "waiting":
             return
-        session = self.sessions[req.session]
         self.waiting.remove(req)
+        self.demand[req.model] -= 1
+        self._fail(req)
+
+    def _fail(self, req: SimRequest) -> None:
+        """Answer the request as failed (not waiting): the session's next turn follows."""
+        session = self.sessions[req.session]
         req.state = "failed"
         req.failed_at = self.now
         req.parts = self.waited_parts(req.model, req.admitted_at, self.now)
-        self.demand[req.model] -= 1
         session.request = None
         session.last_t = self.now
         self._pump_workflow(req.session)

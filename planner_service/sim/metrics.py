@@ -77,8 +77,13 @@ def summarize(result: SimResult, targets: SloClassConstants = DEFAULT_TTFT_TARGE
     return {
         "requests": len(result.requests),
         "handoffs": sum(r.handoff for r in result.requests),
-        # requests the client gave up on before they started (`engine.REQUEST_TIMEOUT_SECONDS`)
-        "failed_requests": {"all": len(failed), "handoff": sum(r.handoff for r in failed)},
+        # requests the client gave up on before they started (`engine.REQUEST_TIMEOUT_SECONDS`), and those the
+        # engine refused at once, longer than their model's maximum context (`too_long`, counted in `all` too)
+        "failed_requests": {
+            "all": len(failed),
+            "handoff": sum(r.handoff for r in failed),
+            "too_long": sum(r.too_long for r in failed),
+        },
         "switch_latency_seconds": {"all": latency_summary(switch), "handoff": latency_summary(handoff)},
         # the hand-offs' switch latency split into its parts (`state.SWITCH_PARTS`)
         "handoff_switch_parts": switch_parts(handoffs),

@@ -277,8 +277,31 @@ def test_a_request_no_engine_can_hold_fails_after_the_timeout_and_its_session_go
     assert (other.state, other.switch_seconds) == ("done", pytest.approx(38.0))
     assert result.duration_seconds == pytest.approx(605.100768)
     summary = summarize(result)
-    assert summary["failed_requests"] == {"all": 1, "handoff": 0}
+    assert summary["failed_requests"] == {"all": 1, "handoff": 0, "too_long": 0}
     assert summary["requests"] == 3 and summary["switch_latency_seconds"]["all"]["p50"] == pytest.approx(21.05)
+
+
+def test_a_prompt_beyond_its_model_s_maximum_context_fails_at_once() -> None:
+    """a launched with a 5,000-token maximum context (vLLM's --max-model-len): s1's first turn, a 5,000-token
+    prompt, leaves no room for one output token and is refused at its arrival, as vLLM and SGLang refuse it,
+    instead of holding a's queue until the client's 600 s timeout; s1's next turn follows at once with its
+    history unchanged (empty) and is served, and so is s2's 4,999-token prompt."""
+    scenario = tiny_scenario()
+    data = scenario.model_dump(mode="json")
+    for m in data["models"]:
+        m["max_context_tokens"] = 5_000
+    records = [
+        TraceRequest(t=0.0, session="s1", model="a", input_tokens=5_000, output_tokens=0),
+        TraceRequest(t=0.5, session="s1", model="a", input_tokens=1_000, output_tokens=0),
+        TraceRequest(t=10.0, session="s2", model="a", input_tokens=4_999, output_tokens=0),
+    ]
+    result = simulate(parse_scenario(data), records, create_policy("lru"))
+    refused, next_turn, other = result.requests
+    assert (refused.state, refused.failed_at, refused.too_long) == ("failed", 0.0, True)
+    assert next_turn.state == "done" and next_turn.history_tokens == 0 and not next_turn.too_long
+    assert (other.state, other.too_long) == ("done", False)
+    assert summarize(result)["failed_requests"] == {"all": 1, "handoff": 0, "too_long": 1}
+    assert result.duration_seconds < 100  # nobody waited for a timeout
 
 
 def test_a_timeout_moves_no_clock_and_takes_a_bound() -> None:

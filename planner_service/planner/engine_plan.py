@@ -38,6 +38,7 @@ from planner_service.planner.engine_instances import (
 )
 from planner_service.planner.engine_targets import engine_target
 from planner_service.planner.operations import Action, Operation, Unpair
+from planner_service.planner.residency import ResidencyIndex
 from planner_service.wire.operations import EngineStep
 from planner_service.wire.operations import Operation as PlannedOperation
 
@@ -116,7 +117,7 @@ def attach_steps(
 
 
 def restart_unpairing(
-    problem: Problem, before: Mapping[Key, InstanceView], after: Mapping[Key, InstanceView]
+    problem: Problem, before: Mapping[Key, InstanceView], after: Mapping[Key, InstanceView], now: ResidencyIndex
 ) -> Unpair:
     """How `operations.share_step_dependencies` turns a restart that no order makes safe into a stop of the old
     instance and a start of the new one: what an operator does where two engines trade GPUs (vLLM and SGLang
@@ -137,7 +138,7 @@ def restart_unpairing(
         old, new = instance_from_ref(problem, step.previous), instance_from_ref(problem, step.instance)
         if not (may(old, b.state, Transition.STOP).allowed and may(new, EngineState.STOPPED, Transition.START).allowed):
             return None
-        added = _whole_shards(problem, stop, start, b.gpus, a.gpus)
+        added = _whole_shards(problem, now, stop, start, b.gpus, a.gpus)
         if added is None:
             return None
         stopped = InstanceView(b.node, b.model, b.declared, EngineState.STOPPED, a.precision, ())
@@ -158,6 +159,7 @@ def restart_unpairing(
 
 def _whole_shards(
     problem: Problem,
+    now: ResidencyIndex,
     stop: list[Operation],
     start: list[Operation],
     old_gpus: Sequence[str],
@@ -185,10 +187,12 @@ def _whole_shards(
     for obj in sorted(shards, key=StateObject.label):
         for g in old_gpus:
             left = problem.residency.get((obj, Location.gpu(g)), 0) - freed[(obj, g)]
+            if left <= 0:
+                continue
             drop = next((op for op in stop if op.action is Action.DROP and op.object == obj and op.source == Location.gpu(g)), None)  # fmt: skip
-            if left > 0 and drop is not None:
+            if drop is not None:
                 drop.bytes += left
-            elif left > 0:
+            else:
                 added.append(_move(Action.DROP, obj, Location.gpu(g), None, left, stop[0]))
         for g in new_gpus:
             shard = problem.residency.get((obj, Location.gpu(g)), 0) + gained[(obj, g)] - freed[(obj, g)]
@@ -197,19 +201,11 @@ def _whole_shards(
             if missing > 0 and loads:
                 loads[0].bytes += missing
             elif missing > 0:
-                source = _complete_copy(problem, obj, node)
-                if source is None:
+                tier = now.complete_source(obj, node)
+                if tier is None:
                     return None
-                added.append(_move(Action.PROMOTE, obj, source, Location.gpu(g), missing, start[0]))
+                added.append(_move(Action.PROMOTE, obj, Location(tier, node), Location.gpu(g), missing, start[0]))
     return added
-
-
-def _complete_copy(problem: Problem, obj: StateObject, node: str) -> Location | None:
-    """The node's host or NVMe copy of `obj` that holds all of it, host first."""
-    for loc in (Location.host(node), Location.nvme(node)):
-        if problem.residency.get((obj, loc), 0) >= problem.size_of(obj):
-            return loc
-    return None
 
 
 def _move(

@@ -96,7 +96,7 @@ def make_plan(
         expert_fractions(problem, placement, engines.after),
     )
     # a step is one call: it waits on all its moves' waits (a restart no order makes safe: a stop, then a start)
-    operations = share_step_dependencies(operations, restart_unpairing(problem, before, engines.after))
+    operations = share_step_dependencies(operations, restart_unpairing(problem, before, engines.after, now))
     objective, predicted = evaluate(problem, placement, now, then, demand)
     if status is None:
         status = PlanStatus.PARTIAL if unserved else PlanStatus.OK

@@ -90,8 +90,7 @@ model's maximum context (`ModelSpec.max_context_tokens`, the engine's `--max-mod
 the engines refuse it with an error before queueing it: vLLM's `_validate_model_input` in
 vllm/v1/engine/processor.py (tests/v1/e2e/test_context_length.py: a prompt of max_model_len tokens is refused),
 SGLang's `validate_input_length` in python/sglang/srt/managers/utils.py (unless launched with
-`--allow-auto-truncate`). Waiting instead, it held its model's queue (first come, first served) for the
-whole timeout.
+`--allow-auto-truncate`).
 A request no engine of a fixed deployment can hold (a partition whose group is too small for its
 KV) thus costs its session the timeout instead of stopping the replay; the metrics count failed
 requests per policy and compute latencies over the served ones.

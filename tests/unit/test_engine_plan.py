@@ -35,6 +35,7 @@ from planner_service.planner import engine_instances, engine_plan
 from planner_service.planner.invariants import check_plan
 from planner_service.planner.operations import Operation, apply_operations
 from planner_service.planner.plan import Plan
+from planner_service.planner.residency import ResidencyIndex
 from planner_service.solver.registry import solve
 
 VLLM = {"kind": "vllm", "features": ["lmcache", "sleep_mode", "dev_mode"]}
@@ -284,7 +285,8 @@ def test_a_restart_of_an_engine_that_cannot_stop_is_not_split() -> None:
     )
     stop = [dataclasses.replace(op, engine=restart) for op in stop]
     start = [dataclasses.replace(op, engine=restart) for op in start]
-    unpair = engine_plan.restart_unpairing(problem, engine_instances.confirmed_states(problem), plan.instances)
+    now = ResidencyIndex.build(problem, problem.residency)
+    unpair = engine_plan.restart_unpairing(problem, engine_instances.confirmed_states(problem), plan.instances, now)
     assert not unpair(stop, start)
     assert {op.engine.transition for op in stop + start if op.engine} == {Transition.RESTART}
 

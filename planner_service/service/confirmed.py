@@ -100,7 +100,7 @@ class Confirmed:
 
     def reconcile(self, node_id: str, body: HeartbeatIn, now: float, batch: Batch) -> ReconcileStatus:
         """Hold the confirmed placement to what the node's heartbeat measured (`service/reconcile.py`): the
-        objects its engines report gone are taken out, a GPU that still holds less than recorded is recorded
+        objects its engines' reported states leave no room for are taken out, a GPU that still holds less than recorded is recorded
         as lost state (metric, the node's `reconcile` status), and either replans. A finding counts when the
         previous heartbeat showed it too. Answers the node's reconcile status after this heartbeat."""
         p = self.live.sizes
@@ -127,7 +127,7 @@ class Confirmed:
             if op.source is not None and op.source.tier is Tier.GPU and not op.keep_source:
                 if (op.object.model, op.source.id) not in relaunching:
                     leaving[op.source.id] += op.bytes
-        gone = reconcile.gone(self.live.placement, body.instances, moving)
+        gone = reconcile.gone(self.live.placement, p.nodes[node_id].gpus, body.instances, moving)
         corrected = [g for g in gone if g.key() in pending.gone]
         for g in corrected:
             del self.live.placement[(g.object, g.location)]

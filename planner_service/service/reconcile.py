@@ -52,20 +52,15 @@ class Shortfall:
 
 @dataclass(frozen=True, slots=True)
 class Gone:
-    """A placement entry an engine's reported state says is not there."""
+    """A placement entry the node's reported engine states say is not there, and why."""
 
     object: StateObject
     location: Location
     bytes: int
-    instance: str
-    state: EngineState
+    why: str
 
     def key(self) -> str:
         return f"{self.object.label()}@{self.location.label()}"
-
-    @property
-    def why(self) -> str:
-        return f"engine instance {self.instance} reported {self.state.value}"
 
     def to_json(self) -> dict[str, Any]:
         return entry_json(self.object, self.location, self.bytes) | {"why": self.why}
@@ -106,24 +101,49 @@ def shortfalls(
 
 
 def gone(
-    placement: Placement, instances: Sequence[EngineInstanceStateIn], moving: Collection[tuple[StateObject, Location]]
+    placement: Placement,
+    node_gpus: Collection[str],
+    instances: Sequence[EngineInstanceStateIn],
+    moving: Collection[tuple[StateObject, Location]],
 ) -> list[Gone]:
-    """Placement entries on the GPUs of instances reported in an off-GPU state: the instance model's weights
-    at its precision, and its experts and KV where no weights of another precision of the model are (those
-    belong to another engine, which this report says nothing about). Entries in `moving` (an operation in
-    flight moves them: the engine is between states) are left alone."""
-    found = []
+    """Placement entries on the node's GPUs (`node_gpus`) of a model whose engine the heartbeat reports, on a
+    GPU where no reported instance of that model runs: on an engine node a model's bytes are on a GPU only
+    inside an engine running there. Weights count at a reported precision only, and experts and KV only where
+    no weights of an unreported precision of the model are (those belong to an engine this report says
+    nothing about). Entries in `moving` (an operation in flight moves them: the engine is between states) are
+    left alone."""
+    by_model: dict[str, list[EngineInstanceStateIn]] = defaultdict(list)
     for entry in instances:
-        if entry.state not in OFF_GPU_STATES:
+        by_model[entry.instance.model].append(entry)
+    found = []
+    for (obj, loc), n in sorted(placement.items()):
+        reported = by_model.get(obj.model)
+        if n <= 0 or not reported or loc.tier is not Tier.GPU or loc.id not in node_gpus or (obj, loc) in moving:
             continue
-        inst = entry.instance
-        on_group = {Location.gpu(g) for g in inst.gpus}
-        here = sorted((key, n) for key, n in placement.items() if key[1] in on_group and key[0].model == inst.model)
-        other_engine = {loc for (obj, loc), _ in here if obj.kind is Kind.WEIGHTS and obj.precision != inst.precision}
-        for (obj, loc), n in here:
-            if n <= 0 or (obj, loc) in moving:
+        precisions = {e.instance.precision for e in reported}
+        if obj.kind is Kind.WEIGHTS:
+            if obj.precision not in precisions:
                 continue
-            if obj.precision != inst.precision if obj.kind is Kind.WEIGHTS else loc in other_engine:
+            judged = [e for e in reported if e.instance.precision == obj.precision]
+        else:
+            if any(
+                o.kind is Kind.WEIGHTS and o.model == obj.model and o.precision not in precisions and m > 0
+                for (o, other), m in placement.items()
+                if other == loc
+            ):
                 continue
-            found.append(Gone(obj, loc, n, inst.id, entry.state))
+            judged = reported
+        if any(e.state not in OFF_GPU_STATES and loc.id in e.instance.gpus for e in judged):
+            continue
+        found.append(Gone(obj, loc, n, _why_gone(loc.id, judged)))
     return found
+
+
+def _why_gone(gpu: str, reported: Sequence[EngineInstanceStateIn]) -> str:
+    """The report that puts a model's entry off `gpu`: its instance there in an off-GPU state, or else the
+    model's reported instances, none of which is on that GPU."""
+    for e in reported:
+        if gpu in e.instance.gpus:
+            return f"engine instance {e.instance.id} reported {e.state.value}"
+    named = ", ".join(f"{e.instance.id} {e.state.value}" for e in reported)
+    return f"no reported engine instance holds {gpu} ({named})"

@@ -169,8 +169,9 @@ class EngineInstanceStateIn(WireIn):
     instance: EngineInstanceIn
     state: EngineState = Field(
         description="As the engine reports it. `stopped`, `asleep_discarded` and `asleep_host` mean the model's "
-        "weights, experts and KV are not on the group's GPUs: two heartbeats in a row correct the confirmed state "
-        "to that (objects an operation in flight is moving excepted), and the planner replans."
+        "weights, experts and KV are not on the group's GPUs, and `running` that they are on no other GPU of the "
+        "node: two heartbeats in a row correct the confirmed state to that (objects an operation in flight is "
+        "moving excepted), and the planner replans."
     )
 
 

@@ -172,6 +172,42 @@ def test_a_running_engine_or_another_precision_changes_nothing(demo: ClusterServ
     assert node(demo, "n2")["reconcile"]["corrected"] == []
 
 
+def test_a_model_s_bytes_where_none_of_its_reported_instances_runs_leave_the_confirmed_state(
+    demo: ClusterService,
+) -> None:
+    """The demo's reasoner: weights on n1-g0, experts on n1-g1..g3. Its engine reports running on n1-g0 alone
+    (as one launched there does): its experts on the other three GPUs are no engine's."""
+    assert all(on_gpu(demo, f"n1-g{i}") for i in range(4))
+    beat = HeartbeatIn(
+        instances=[instance(EngineState.RUNNING, model="reasoner", precision="fp8", node_id="n1", gpus=["n1-g0"])]
+    )
+    demo.heartbeat("n1", beat)
+    assert all(on_gpu(demo, f"n1-g{i}") for i in range(4))  # one heartbeat alone changes nothing
+    demo.heartbeat("n1", beat)
+    assert on_gpu(demo, "n1-g0") == [{"kind": "weights", "model": "reasoner", "precision": "fp8"}]
+    assert all({"kind": "experts", "model": "reasoner"} not in on_gpu(demo, f"n1-g{i}") for i in (1, 2, 3))
+    corrected = node(demo, "n1")["reconcile"]["corrected"]
+    assert {(c["object"]["kind"], c["location"]["gpu"]) for c in corrected} == {
+        ("experts", "n1-g1"),
+        ("experts", "n1-g2"),
+        ("experts", "n1-g3"),
+    }
+    assert all(
+        c["why"] == "no reported engine instance holds " + c["location"]["gpu"] + " (reasoner@fp8@n1-g0 running)"
+        for c in corrected
+    )
+
+
+def test_an_engine_of_another_precision_says_nothing_of_the_gpus_it_is_not_on(demo: ClusterService) -> None:
+    """n2's coder runs at bf16 on n2-g0 and n2-g1; a report of an int4 coder on n2-g2 alone names no bf16
+    engine, so the bf16 weights and the KV beside them stay."""
+    before = demo.srv_view()["placement"]
+    for _ in range(2):
+        demo.heartbeat("n2", HeartbeatIn(instances=[instance(EngineState.RUNNING, precision="int4", gpus=["n2-g2"])]))
+    assert demo.srv_view()["placement"] == before
+    assert node(demo, "n2")["reconcile"]["corrected"] == []
+
+
 def test_the_srv_counts_no_gpu_kv_beyond_the_pool_a_running_engine_reports(demo: ClusterService) -> None:
     """n2's coder engine holds s01's KV, 3,145,728,000 bytes on each of its GPUs. Its heartbeat reports a pool of
     512 MiB per GPU: the engine cannot hold more there (its LRU evicted the rest), so the SRV counts 1 GiB of

@@ -180,10 +180,12 @@ def prefill_seconds(
     constants: CostConstants,
     gpu_expert_fraction: float = 1.0,
     cpu_experts: bool = False,
+    packed: bool = False,
 ) -> float:
     """Prefill of `tokens` after `prefix_tokens` of cached context: the weights' per-token cost plus the
     attention, which grows with the context (quadratic in a prefill from scratch), plus a MoE's routed experts
-    off GPU (the share 1 - `gpu_expert_fraction` of them; `cpu_experts`: a complete copy in host DRAM):
+    off GPU (the share 1 - `gpu_expert_fraction` of them; `cpu_experts`: a complete copy in host DRAM;
+    `packed`: in passes shared with other requests' tokens, `expert_prefill_seconds`):
 
         t = tokens * prefill_seconds_per_token + causal_pairs(tokens, prefix) * attention_seconds_per_pair
             + expert_prefill_seconds(tokens, f)
@@ -193,7 +195,7 @@ def prefill_seconds(
     return (
         tokens * prefill_seconds_per_token(model, gpus, constants)
         + causal_pairs(tokens, prefix_tokens) * attention_seconds_per_pair(model, gpus, constants)
-        + expert_prefill_seconds(tokens, model, gpu_expert_fraction, gpus, constants, cpu_experts)
+        + expert_prefill_seconds(tokens, model, gpu_expert_fraction, gpus, constants, cpu_experts, packed)
     )
 
 
@@ -501,6 +503,7 @@ def expert_prefill_seconds(
     gpus: Sequence[Gpu],
     constants: CostConstants,
     cpu_experts: bool = False,
+    packed: bool = False,
 ) -> float:
     """Prefill seconds that `tokens` lose to routed experts off GPU (the share 1 - f of them, f = `gpu_fraction`
     the group's node holds on GPU), priced as an engine runs them:
@@ -514,13 +517,17 @@ def expert_prefill_seconds(
         KTransformers computes the experts off GPU on the CPU from host DRAM (its measured prefill rate,
         scaled by the routed parameters a token computes: DeepSeek-V3's 8 * 58 * 3 * 7168 * 2048).
     t    = min(pcie, cpu) where `cpu_experts` (a complete copy in host DRAM), else pcie
-    One request's prefill alone: passes shared with other requests' tokens are not split between them.
+    One request's prefill alone pays each pass it touches whole. `packed`: its tokens ride in passes full of
+    other requests' tokens (an engine with prefills queued fills each step's token budget from its waiting
+    requests), so it pays a full chunk's passes per token, `expert_prefill_seconds_per_token`.
     """
     if tokens <= 0:
         return 0.0
     per_pass, cpu, chunk, share = expert_prefill_rates(model, gpu_fraction, gpus, constants, cpu_experts)
     if per_pass <= 0.0:
         return 0.0
+    if packed:
+        return tokens * expert_prefill_seconds_per_token(per_pass, cpu, chunk, share)
     pcie: float = expert_prefill_passes(tokens, share, chunk) * per_pass
     return min(pcie, tokens * cpu) if cpu > 0.0 else pcie
 

@@ -27,9 +27,10 @@ What is modelled (the same cost model as the planner, `planner/costs.py`):
   group: per token, a tensor-parallel group's all-reduce included, plus the
   attention, which grows with the context, plus a MoE's routed experts off its
   node's GPUs, streamed over PCIe once per chunk or computed by the CPU where
-  host DRAM holds them all, the cheaper) and serialised per GPU (one prefill at a time on a
-  card, which models sharing the card take in turn: a prefill starts when
-  every card of its group is free); decode is memory-bound
+  host DRAM holds them all, the cheaper: a prefill queued behind its own engine's
+  shares its passes, one alone pays each pass it touches whole) and serialised per GPU
+  (one prefill at a time on a card, which models sharing the card take in turn: a
+  prefill starts when every card of its group is free); decode is memory-bound
   (`costs.decode_seconds_per_token`): concurrent requests of one model on its
   group share decode steps (a batch), each output token one step, which reads
   the weights once, every running request's KV and the routed experts the
@@ -90,7 +91,10 @@ model's maximum context (`ModelSpec.max_context_tokens`, the engine's `--max-mod
 the engines refuse it with an error before queueing it: vLLM's `_validate_model_input` in
 vllm/v1/engine/processor.py (tests/v1/e2e/test_context_length.py: a prompt of max_model_len tokens is refused),
 SGLang's `validate_input_length` in python/sglang/srt/managers/utils.py (unless launched with
-`--allow-auto-truncate`).
+`--allow-auto-truncate`). The agent then compacts its context and sends the turn again at once, as the
+synthetic trace's agents do at their own limit (`synth.py`): the session's history starts afresh, so no KV
+of it, on any model, covers the new prompt (`compacted`). Only an input alone beyond the maximum context
+fails (`too_long`).
 A request no engine of a fixed deployment can hold (a partition whose group is too small for its
 KV) thus costs its session the timeout instead of stopping the replay; the metrics count failed
 requests per policy and compute latencies over the served ones.
@@ -259,6 +263,7 @@ class Simulator(SimState):
         self._xfer_at: float | None = None
         self.deadlock_breaks = 0
         self.compute_free_at: dict[str, float] = defaultdict(float)  # per GPU: when its current prefill ends
+        self.compute_engine: dict[str, tuple[str, int]] = {}  # per GPU: the engine of its latest prefill
         # per (model, engine epoch): the running requests' mean decode contexts, summed (a step reads every KV)
         self.context_on: dict[tuple[str, int], float] = defaultdict(float)
         self._gpu_byte_seconds = 0.0
@@ -527,15 +532,26 @@ class Simulator(SimState):
             owner.lag_seconds = max(owner.lag_seconds, self.now - req.t)
         session.request = req
         limit = self.problem.models[req.model].max_context_tokens
-        if limit and session.history_tokens + req.input_tokens >= limit:
-            req.too_long = True  # refused at once (module doc)
-            self._fail(req)
-            return
+        if limit and session.history_tokens + req.input_tokens >= limit:  # refused at once (module doc)
+            if req.input_tokens >= limit:
+                req.too_long = True
+                self._fail(req)
+                return
+            self._compact(session, req)
         self.demand[req.model] += 1
         self.waiting.append(req)
         self.push(self.now + self.request_timeout_seconds, "timeout", req)
         self.gateway.on_admit(req)
         self.policy.on_arrival(self.view, req)
+
+    def _compact(self, session: SessionState, req: SimRequest) -> None:
+        """The agent compacts a context its model refused and starts its history afresh (module doc): every
+        KV of the session's history is stale, its bytes left to the policies' eviction as any stale KV."""
+        req.compacted_tokens = session.history_tokens
+        session.history_tokens = 0
+        for tokens in (self.gpu_tokens, self.host_tokens, self.computed_tokens):
+            for kv in [kv for kv in tokens if kv.session == session.id]:
+                tokens[kv] = 0
 
     def _on_timeout(self, req: SimRequest) -> None:
         """The client gives up on a request that has not started (module doc): the session's next turn follows."""
@@ -682,13 +698,18 @@ class Simulator(SimState):
         req.prefill_queue_seconds = start - self.now
         req.reprefill_tokens = reprefill_tokens
         req.degraded = state.precision != model.preferred
+        # queued behind its own engine's prefill, its tokens share that engine's passes (`costs.expert_prefill_seconds`)
+        engine = (req.model, state.epoch)
+        packed = start > self.now and all(self.compute_engine.get(g.id) == engine for g in state.gpus)
         # the re-prefill follows the history the group holds or restored, the input follows the whole history
         history = req.history_tokens
         f, in_dram = self.expert_share(req.model, state)
         ready = start + costs.prefill_seconds(
-            reprefill_tokens, history - reprefill_tokens, model, state.gpus, self.c, f, in_dram
+            reprefill_tokens, history - reprefill_tokens, model, state.gpus, self.c, f, in_dram, packed
         )
-        first_token = ready + costs.prefill_seconds(req.input_tokens, history, model, state.gpus, self.c, f, in_dram)
+        first_token = ready + costs.prefill_seconds(
+            req.input_tokens, history, model, state.gpus, self.c, f, in_dram, packed
+        )
         # the prompt's KV is stored to host DRAM as the prefill's step ends, and the step waits for it (`kv_save.py`)
         kv = StateObject.kv(req.model, req.session)
         prompt = history + req.input_tokens
@@ -699,6 +720,7 @@ class Simulator(SimState):
             self.push(first_token, "call", lambda: self.write_through(kv, state.node, prompt))
         for g in state.gpus:
             free_at[g.id] = first_token
+            self.compute_engine[g.id] = engine
         req.switch_seconds = ready - req.admitted_at
         req.ttft_seconds = first_token - req.admitted_at
         parts = self.waited_parts(req.model, req.admitted_at, req.started_at)
@@ -708,7 +730,6 @@ class Simulator(SimState):
         req.parts = parts
         # decode in the batch its engine runs now (this request and every other running there), each output
         # token one step of that batch; a batch that changes while the request decodes is not re-priced
-        engine = (req.model, state.epoch)
         decode = req.output_tokens * self.decode_seconds_per_token(
             req.model, state, self.context_on[engine], self.running_on[engine]
         )

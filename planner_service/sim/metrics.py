@@ -84,6 +84,8 @@ def summarize(result: SimResult, targets: SloClassConstants = DEFAULT_TTFT_TARGE
             "handoff": sum(r.handoff for r in failed),
             "too_long": sum(r.too_long for r in failed),
         },
+        # requests whose model refused the session's whole history: the agent compacted it and sent them again
+        "compacted_requests": sum(r.compacted_tokens > 0 for r in result.requests),
         "switch_latency_seconds": {"all": latency_summary(switch), "handoff": latency_summary(handoff)},
         # the hand-offs' switch latency split into its parts (`state.SWITCH_PARTS`)
         "handoff_switch_parts": switch_parts(handoffs),

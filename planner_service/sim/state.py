@@ -42,7 +42,8 @@ class SimRequest:
     degraded: bool = False  # served at a precision other than its model's preferred one
     engine: int = 0  # epoch of the engine that serves it (`ModelState.epoch`)
     failed_at: float = math.nan  # when the client gave up on it (state "failed")
-    too_long: bool = False  # failed at once: its prompt left no room in its model's maximum context
+    too_long: bool = False  # failed at once: its input alone left no room in its model's maximum context
+    compacted_tokens: int = 0  # history its agent compacted away when its model refused the prompt as too long
     # where its switch latency went, in seconds (`SWITCH_PARTS`; they sum to `switch_seconds`)
     parts: dict[str, float] | None = None
 

@@ -304,6 +304,36 @@ def test_a_prompt_beyond_its_model_s_maximum_context_fails_at_once() -> None:
     assert result.duration_seconds < 100  # nobody waited for a timeout
 
 
+def test_a_history_beyond_the_next_model_s_maximum_context_is_compacted_and_sent_again() -> None:
+    """b launched with a 5,000-token maximum context: s1's hand-off to b carries a 4,800-token history and a
+    300-token input, which b refuses; the agent compacts its context and the turn is served at once on a
+    fresh history. Back on a, the KV a kept of the old history covers nothing of the new one: the turn
+    re-prefills its 300 tokens of history. An input alone beyond the maximum context still fails."""
+    data = tiny_scenario().model_dump(mode="json")
+    data["models"][1]["max_context_tokens"] = 5_000
+    records = [
+        TraceRequest(t=0.0, session="s1", model="a", input_tokens=4_000, output_tokens=500),
+        TraceRequest(t=100.0, session="s1", model="a", input_tokens=300, output_tokens=0),
+        TraceRequest(t=200.0, session="s1", model="b", input_tokens=300, output_tokens=0),
+        TraceRequest(t=300.0, session="s1", model="a", input_tokens=100, output_tokens=0),
+        TraceRequest(t=400.0, session="s2", model="b", input_tokens=5_000, output_tokens=0),
+    ]
+    result = simulate(parse_scenario(data), records, create_policy("lru"))
+    _, kept, handoff, back, alone = result.requests
+    assert (kept.history_tokens, kept.reprefill_tokens) == (4_500, 0)
+    assert (handoff.state, handoff.compacted_tokens, handoff.history_tokens, handoff.too_long) == (
+        "done",
+        4_800,
+        0,
+        False,
+    )
+    assert (back.state, back.history_tokens, back.reprefill_tokens) == ("done", 300, 300)
+    assert (alone.state, alone.too_long, alone.compacted_tokens) == ("failed", True, 0)
+    summary = summarize(result)
+    assert summary["compacted_requests"] == 1
+    assert summary["failed_requests"] == {"all": 1, "handoff": 0, "too_long": 1}
+
+
 def test_a_timeout_moves_no_clock_and_takes_a_bound() -> None:
     """A request served in time leaves its timer behind without effect: the replay ends at its answer (38 s
     cold start + 1 s + 0.768 ms of store to host DRAM), not at the timer's 600 s. The timeout must be positive."""

@@ -152,6 +152,29 @@ def test_a_launch_fixed_expert_share_leaves_the_waiting_requests_kv_room(kind: s
     assert experts == (3_875_000_000 if kind == "vllm" else 0)
 
 
+def test_a_moe_prefill_queued_behind_its_own_engine_s_shares_its_passes() -> None:
+    """The MoE's vLLM engine, launched for s1's 1000-token prompt with its experts mostly off GPU (streamed over
+    the card's 1 GB/s every pass), gets two 500-token prompts at once later, in the room s1's KV gives up. The
+    first prefills alone: its one chunk touches 1 - (159/160)^500 of the experts and pays that pass whole.
+    The second waits behind it, and its tokens fill the engine's next passes with others': a full 2048-token
+    chunk's passes per token, 500 / 2048 of a pass."""
+    trace = [
+        TraceRequest(t=0.0, session="s1", model="moe", input_tokens=1000, output_tokens=0),
+        *(TraceRequest(t=100.0, session=s, model="moe", input_tokens=500, output_tokens=0) for s in ("s2", "s3")),
+    ]
+    sim = Simulator(moe_scenario(kind="vllm", features=["sleep_mode", "dev_mode"]), trace, create_policy("lru"))
+    _, first, second = sim.run().requests
+    f, in_dram = sim.expert_share("moe", sim.models["moe"])
+    assert 0 < f < 1 and not in_dram
+    per_pass = (1 - f) * 20 * GB / GB
+    assert first.prefill_queue_seconds == 0 and second.prefill_queue_seconds > 0
+    alone = 500 * 1e-3 + (1 - (159 / 160) ** 500) * per_pass
+    packed = 500 * 1e-3 + 500 * (1 - (159 / 160) ** 2048) / 2048 * per_pass
+    assert first.ttft_seconds - first.switch_seconds == pytest.approx(alone, rel=1e-9)
+    assert second.ttft_seconds - second.switch_seconds == pytest.approx(packed, rel=1e-9)
+    assert packed < alone / 3
+
+
 def test_a_sleep_keeps_its_context_in_the_room_its_own_weights_leave() -> None:
     """a's `local` engine (its context charged asleep only) serves on g0 + g1 (2 GB of weights on each); other
     engines hold 7.6 GB of g1 beside it, so 0.4 GB is free there, less than the CUDA context (1 GiB) a

@@ -59,6 +59,18 @@ def test_a_short_prefill_is_cheaper_on_the_cpu() -> None:
     assert costs.expert_prefill_seconds(100, model, 0.1, gpus, C, cpu_experts=True) == pytest.approx(0.91954, abs=1e-5)
 
 
+def test_a_prefill_packed_with_other_requests_pays_its_tokens_share_of_each_pass() -> None:
+    """The same 100 tokens in passes full of other requests' tokens: 100 / 2048 of a full chunk's pass,
+    100 * 6.130395 s / 2048 = 0.29934 s (the chunk touches 1 - 5e-29 of the experts), cheaper than the CPU's
+    0.91954 s; 30,000 packed tokens cost the long prefill's rate, 89.801 s."""
+    model, gpus = deepseek_v3_fp8(), preset_gpus("l40", 4)
+    assert costs.expert_prefill_seconds(100, model, 0.1, gpus, C, packed=True) == pytest.approx(0.29934, abs=1e-5)
+    assert costs.expert_prefill_seconds(100, model, 0.1, gpus, C, True, True) == pytest.approx(0.29934, abs=1e-5)
+    assert costs.expert_prefill_seconds(30_000, model, 0.1, gpus, C, packed=True) == pytest.approx(89.801, abs=1e-3)
+    on_gpu = costs.prefill_seconds(100, 0, model, gpus, C)
+    assert costs.prefill_seconds(100, 0, model, gpus, C, 0.1, packed=True) == pytest.approx(on_gpu + 0.29934, abs=1e-5)
+
+
 def test_larger_cards_prefill_in_larger_chunks() -> None:
     """vLLM's OpenAI server takes 8192 tokens a pass on cards of 70 GiB or more that are not A100s (H100,
     H200), 2048 elsewhere (vllm/engine/arg_utils.py): 30,000 tokens are 4 passes on 4 x H200 (3 of 8192, one

@@ -76,13 +76,17 @@ def engine_target(
     for key, pool in kv_pools(problem, out, derived, before).items():
         for g in derived[key].gpus:
             used[g] += max(0, pool - kv_on.get((key[1], g), 0))
+    # the sleepers left asleep first: their contexts stay whatever, and a sleep of a running one fits beside them
+    for key, b in before.items():
+        a = derived[key]
+        if b.state in (EngineState.ASLEEP_HOST, EngineState.ASLEEP_DISCARDED) and a.state is not EngineState.RUNNING:
+            after[key] = stays_asleep_or_stops(problem, b, a, out, used)
     for key, b in before.items():
         a = derived[key]
         if b.state is EngineState.RUNNING and a.state is not EngineState.RUNNING:
             a = sleep_or_stop(problem, b, a, out, used)
-        elif b.state in (EngineState.ASLEEP_HOST, EngineState.ASLEEP_DISCARDED) and a.state is not EngineState.RUNNING:
-            a = stays_asleep_or_stops(problem, b, a, out, used)
-        after[key] = a
+        after.setdefault(key, a)
+    after = {key: after[key] for key in before}
     for key, a in after.items():
         b = before[key]
         if b.state is EngineState.ASLEEP_HOST and a.state is EngineState.RUNNING and b.same_instance(a):

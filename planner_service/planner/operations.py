@@ -10,7 +10,9 @@ left over are a `drop`. Moves never leave a node.
 run operations in parallel as soon as their dependencies are done:
   * a copy's source is freed only after every operation reading it;
   * a location gains bytes only after every operation freeing bytes there
-    (unless that free itself waits on the gain: then the target leaves room);
+    (unless that free itself waits on the gain: then the target leaves room;
+    or the location is host RAM or NVMe with room for all it gains beside all
+    it holds now: then no free there needs to come first);
   * a complete copy is dropped only after the other complete copy it relies on exists;
   * on an engine's GPU a session's KV lands only after its model's weights there (the engine computes it).
 
@@ -409,14 +411,16 @@ class _Builder:
                 obj = ops[i].object
                 if obj.kind is _KV and obj.model in weights and self._on_engine(obj.model, loc):
                     deps[i].update(weights[obj.model])
-        # a location gains bytes only after the frees there, except a free that itself waits on the gain
+        # a location gains bytes only after the frees there, except a free that itself waits on the gain, and
+        # host RAM or NVMe with room for every gain beside all it holds now: a gain there waits on no free
+        # (waiting on a host copy's drop that a wake makes, a demote off a GPU let the wake fill that GPU first)
         waiting: dict[int, set[int]] = defaultdict(set)  # op -> the ops that depend on it directly
         for i, ds in deps.items():
             for d in ds:
                 waiting[d].add(i)
         for loc, adds in adds_at.items():
             freed = frees_at.get(loc)
-            if not freed:
+            if not freed or self._room_for_all(loc, [ops[i] for i in adds]):
                 continue
             for add in adds:
                 after_add = _downstream(waiting, add)
@@ -427,6 +431,13 @@ class _Builder:
                     waiting[f].add(add)
         self._deps, self._waiting = dict(deps), waiting
         self._inherit_priority()
+
+    def _room_for_all(self, loc: Location, adds: Sequence[Operation]) -> bool:
+        """Whether `loc`, host RAM or NVMe, holds what it holds now and every gain `adds` bring it, none freed
+        (a GPU also holds engines' pools and contexts that no move carries: `share_step_dependencies`)."""
+        if loc.tier is _GPU:
+            return False
+        return self.now.used.get(loc, 0) + sum(op.bytes for op in adds) <= self.p.capacity_of(loc)
 
     def _on_engine(self, model_id: str, loc: Location) -> bool:
         """Whether the model runs through an engine on the node of `loc`."""

@@ -533,8 +533,8 @@ class _Builder:
         other engine stops instead where its context does not fit (engine_targets.sleep_or_stop): it needs no row."""
         out: dict[str, int] = defaultdict(int)
         for (node, model_id), view in sorted(self.states.items()):
-            if not engine_holdings.keeps_context(view) or model_id in self.pinned or view.precision is None:
-                continue
+            if not engine_holdings.keeps_context(view) or model_id in self.pinned:
+                continue  # (one asleep at a precision no node reported keeps its context too: no wake matches it)
             asleep = engine_instances.InstanceView(
                 node, model_id, view.declared, EngineState.ASLEEP_DISCARDED, view.precision, view.gpus
             )

@@ -1,26 +1,30 @@
 """Property tests on engine nodes: random scenarios whose nodes serve every model through engines of random
-kinds (vLLM, SGLang, local), features and management. Every operation of the greedy's and the search's
-plans is one its node's kind offers, with its precondition true at that point in any order that respects
+kinds (vLLM, SGLang, local), features and management, some of them reported asleep (a MoE's with the expert
+share it was launched with) and some running ones pinned where they are, as the service plans. Every
+operation of the greedy's and the search's plans is one its node's kind offers, with its precondition true at that point in any order that respects
 `depends_on`, and GPU capacities, counting the KV pools the plans launch and the CUDA contexts of the
 engines up (running or asleep), hold in the target and at every step.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections import defaultdict
+from types import MappingProxyType
+from typing import NamedTuple
 
 import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from planner_service.domain.engines import AFTER, KIND_FEATURES, EngineKind, EngineState, Management, may
+from planner_service.domain.engines import AFTER, KIND_FEATURES, EngineKind, EngineState, Management, Transition, may
 from planner_service.domain.generate import leave_context_room, random_scenario
 from planner_service.domain.predictions import problem_from_scenario
 from planner_service.domain.problem import Problem
 from planner_service.domain.scenario import Scenario, parse_scenario
 from planner_service.domain.state import Kind, Tier
-from planner_service.planner import engine_holdings, engine_instances
+from planner_service.planner import costs, engine_holdings, engine_instances
 from planner_service.planner.invariants import check_plan
 from planner_service.planner.operations import Operation
 from planner_service.planner.plan import Plan
@@ -51,6 +55,56 @@ def engine_scenarios(draw: st.DrawFn, *, max_gpus: int = 10, max_models: int = 5
             node["engines"].append({**engine, "management": management.value})
     leave_context_room(data)  # the draw filled some cards to the last byte, before any engine was there
     return parse_scenario(data)
+
+
+class Planned(NamedTuple):
+    """A problem as the service hands it to the planner: the nodes' reported sleepers in it, and the pins."""
+
+    problem: Problem
+    pins: dict[str, dict[str, str]]
+
+
+@st.composite
+def engine_problems(draw: st.DrawFn, **sizes: int) -> Planned:
+    """`engine_scenarios` (of `sizes`), then: some stopped engines reported asleep on a group that holds their weights, at
+    level 1 where the node holds their weights in host RAM and the engine offers it, else at level 2 (a MoE's
+    with a launched share of its experts its wake brings back), as a heartbeat reports them
+    (`Problem.observed_engines`); and some running engines pinned where they are (`online.pins`)."""
+    problem = problem_from_scenario(draw(engine_scenarios(**sizes)))
+    observed: dict[tuple[str, str], tuple[EngineState, tuple[str, ...]]] = {}
+    fractions: dict[tuple[str, str], float] = {}
+    nodes: dict[str, str] = {}
+    precisions: dict[str, str] = {}
+    states = engine_instances.confirmed_states(problem)
+    used = defaultdict(int, engine_holdings.up_contexts(states))  # a sleeper's context must fit where it sleeps
+    for (_, loc), nbytes in problem.residency.items():
+        if loc.tier is Tier.GPU:
+            used[loc.id] += nbytes
+    for (node_id, model_id), view in sorted(states.items()):
+        model = problem.models[model_id]
+        if view.state is EngineState.RUNNING and view.precision is not None and model_id not in nodes:
+            if draw(st.booleans()):
+                nodes[model_id], precisions[model_id] = node_id, view.precision
+            continue
+        if view.state is not EngineState.STOPPED or not draw(st.booleans()):
+            continue
+        level_1 = view.checkpoint_cached and engine_instances.offers_level_1(view.declared)
+        sleep = Transition.SLEEP_LEVEL_1 if level_1 else Transition.SLEEP_LEVEL_2
+        if not may(view.declared.probe(), EngineState.RUNNING, sleep).allowed:
+            continue
+        group = costs.cold_group(problem, model, view.precision or model.preferred, problem.nodes[node_id])
+        context = engine_holdings.ENGINE_CONSTANTS.context_bytes_per_gpu
+        if group is None or any(used[g.id] + context > g.capacity_bytes for g in group):
+            continue
+        for g in group:
+            used[g.id] += context
+        observed[(node_id, model_id)] = (AFTER[sleep], tuple(g.id for g in group))
+        if model.is_moe:
+            fractions[(node_id, model_id)] = draw(st.sampled_from([0.0, 0.25, 0.5, 1.0]))
+    problem = dataclasses.replace(
+        problem, observed_engines=MappingProxyType(observed), asleep_expert_fractions=MappingProxyType(fractions)
+    )
+    return Planned(problem, {"nodes": nodes, "precisions": precisions})
 
 
 def _steps_hold_in_some_order(problem: Problem, ops: list[Operation], rng: random.Random, *, fits: bool) -> None:
@@ -159,19 +213,19 @@ def _sound(problem: Problem, plan: Plan) -> list[str]:
 # depend only on their Problem (test_planner_greedy.py plans one problem before and after others): the
 # property must hold for whichever scenarios are drawn.
 @SETTINGS
-@given(engine_scenarios(), st.randoms(use_true_random=False))
-def test_greedy_plans_on_engine_nodes_are_offered_in_every_order(scenario: Scenario, rng: random.Random) -> None:
-    problem = problem_from_scenario(scenario)
-    plan = solve(problem)
+@given(engine_problems(), st.randoms(use_true_random=False))
+def test_greedy_plans_on_engine_nodes_are_offered_in_every_order(planned: Planned, rng: random.Random) -> None:
+    problem = planned.problem
+    plan = solve(problem, **planned.pins)
     assert _sound(problem, plan) == []
     _offered(problem, plan.operations)
     _steps_hold_in_some_order(problem, plan.operations, rng, fits=True)
 
 
 @settings(max_examples=25, deadline=None, derandomize=True, database=None, suppress_health_check=[HealthCheck.too_slow])
-@given(engine_scenarios(), st.randoms(use_true_random=False))
-def test_search_plans_on_engine_nodes_are_offered_in_every_order(scenario: Scenario, rng: random.Random) -> None:
-    problem = problem_from_scenario(scenario)
+@given(engine_problems(), st.randoms(use_true_random=False))
+def test_search_plans_on_engine_nodes_are_offered_in_every_order(planned: Planned, rng: random.Random) -> None:
+    problem = planned.problem
     plan = solve(problem, "search")
     assert _sound(problem, plan) == []
     _offered(problem, plan.operations)

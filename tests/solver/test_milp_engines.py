@@ -81,6 +81,29 @@ def test_milp_counts_the_context_a_sleeping_adopted_engine_keeps() -> None:
     assert len(plan.unserved) == 1
 
 
+def test_milp_counts_the_context_of_an_engine_asleep_at_a_precision_no_copy_names() -> None:
+    """As above with a's adopted engine reported asleep at level 2 and no copy of a's weights off NVMe, so its
+    precision is unknown: its context on g0 is counted all the same (the MILP's own plan over capacity by it,
+    found by the property test with sleepers, tests/property/test_milp_engine_plans.py)."""
+    engines = [{"model": "a", "gpus": ["g0"], **VLLM, "management": "adopted"}, {"model": "b", **VLLM}]
+    problem = problem_of(
+        [{**node("n0", _fast("g0", 27.5), gpu("g1", 4)), "engines": engines}],
+        [model("a", {"bf16": 16}), model("b", {"bf16": 24})],
+        [session("s1", "b", active=True), session("s2", "b", active=True)],
+        [
+            held(weights("a"), "nvme", "n0", 16 * GIB),
+            held(weights("b"), "nvme", "n0", 24 * GIB),
+            held(kv("b", "s1"), "host", "n0", GIB),
+            held(kv("b", "s2"), "host", "n0", GIB),
+        ],
+    )
+    problem = dataclasses.replace(problem, observed_engines={("n0", "a"): (EngineState.ASLEEP_DISCARDED, ("g0",))})
+    view = confirmed_states(problem)[("n0", "a")]
+    assert (view.state, view.precision) == (EngineState.ASLEEP_DISCARDED, None)
+    plan = _own_plan_is_sound(problem)
+    assert len(plan.unserved) == 1
+
+
 @pytest.mark.parametrize("solver", ["greedy", "milp"])
 @pytest.mark.parametrize("asleep", [EngineState.ASLEEP_HOST, EngineState.ASLEEP_DISCARDED])
 def test_a_managed_sleeping_engine_keeps_its_context_until_woken(solver: str, asleep: EngineState) -> None:

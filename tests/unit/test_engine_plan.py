@@ -18,6 +18,7 @@ from tiny_clusters import (
     model,
     node,
     on_gpu,
+    on_host,
     on_nvme,
     plan_for,
     scenario,
@@ -34,7 +35,7 @@ from planner_service.domain.state import Location, StateObject, Tier
 from planner_service.planner import engine_instances, engine_plan
 from planner_service.planner.invariants import check_plan
 from planner_service.planner.operations import Operation, apply_operations
-from planner_service.planner.plan import Plan
+from planner_service.planner.plan import Plan, make_plan
 from planner_service.planner.residency import ResidencyIndex
 from planner_service.solver.registry import solve
 
@@ -411,6 +412,62 @@ def test_the_checker_counts_running_and_sleeping_engines_contexts() -> None:
     full = problem_with(capacity / GIB, False)
     (error,) = check_plan(full, dict(full.residency), [])
     assert error.startswith(f"capacity: gpu:g0 holds {capacity} bytes and {context} of engine pools")
+
+
+def test_a_wake_waits_for_the_gpu_a_demote_into_host_ram_frees_beside_its_backup_s_drop() -> None:
+    """b's SGLang engine sleeps on g0 (30 GiB) with its weights backed up in host RAM; a (20 GiB, a local
+    engine) holds g0. The plan wakes b there and puts a in host RAM, which has room for a beside b's backup:
+    the demote waits on nothing there, and the wake waits on the demote. (Had the demote waited on the backup's
+    drop, which follows the wake, the wake would have filled g0 first: 20 + 16 GiB.)"""
+    engines = [{"model": "b", "gpus": ["g0"], "kind": "sglang", "features": ["sleep_mode", "cpu_backup"]}]
+    data = scenario(
+        [{**node("n0", gpu("g0", 30)), "engines": [*engines, {"model": "a", "kind": "local"}]}],
+        [model("a", 20), model("b", 16)],
+        [],
+        [
+            held(weights("a"), on_gpu("g0"), 20 * GIB),
+            held(weights("b"), on_host("n0"), 16 * GIB),
+            held(weights("b"), on_nvme("n0"), 16 * GIB),
+        ],
+    )
+    problem = problem_from_scenario(parse_scenario(data))
+    problem = dataclasses.replace(problem, observed_engines={("n0", "b"): (EngineState.ASLEEP_HOST, ("g0",))})
+    a, b = StateObject.weights("a", "bf16"), StateObject.weights("b", "bf16")
+    g0, host, nvme = Location.gpu("g0"), Location.host("n0"), Location.nvme("n0")
+    target = {(a, host): 20 * GIB, (b, g0): 16 * GIB, (b, nvme): 16 * GIB}
+    plan = make_plan(problem, "hand", target, {})
+    assert check_plan(problem, plan.placement, plan.operations, plan.unserved) == []
+    by_move = {(op.object, op.source, op.dest): op for op in plan.operations}
+    demote, wake, drop = by_move[(a, g0, host)], by_move[(b, host, g0)], by_move[(b, host, None)]
+    assert wake.engine is not None and wake.engine.transition is Transition.WAKE
+    assert demote.depends_on == [] and demote.id in wake.depends_on and wake.id in drop.depends_on
+
+
+def test_a_running_engine_the_plan_takes_off_sleeps_only_where_its_context_fits_beside_the_sleepers() -> None:
+    """a's SGLang engine runs on g0 (24 GiB) and could sleep at level 1; b's sleeps there at level 2 and stays
+    asleep, keeping its 1 GiB CUDA context; the plan takes a off and fills g0 with c (22.5 GiB): b's context
+    leaves no room for a's, so a stops. (Judged before b's context was counted, a slept: 24.5 GiB on g0.)"""
+    sglang = {"kind": "sglang", "gpus": ["g0"]}
+    engines = [
+        {"model": "a", **sglang, "features": ["sleep_mode", "cpu_backup"]},
+        {"model": "b", **sglang, "features": ["sleep_mode"]},
+        {"model": "c", "kind": "local"},
+    ]
+    data = scenario(
+        [{**node("n0", gpu("g0", 24)), "engines": engines}],
+        [model("a", 8), model("b", 8), model("c", 22.5)],
+        [],
+        [*(held(weights(m), on_nvme("n0"), size * GIB) for m, size in (("a", 8), ("b", 8), ("c", 22.5)))],
+    )
+    data["residency"].append(held(weights("a"), on_gpu("g0"), 8 * GIB))
+    problem = problem_from_scenario(parse_scenario(data))
+    problem = dataclasses.replace(problem, observed_engines={("n0", "b"): (EngineState.ASLEEP_DISCARDED, ("g0",))})
+    c, g0 = StateObject.weights("c", "bf16"), Location.gpu("g0")
+    target = {**{k: n for k, n in problem.residency.items() if k[1].tier is Tier.NVME}, (c, g0): int(22.5 * GIB)}
+    plan = make_plan(problem, "hand", target, {})
+    assert check_plan(problem, plan.placement, plan.operations, plan.unserved) == []
+    assert plan.instances[("n0", "a")].state is EngineState.STOPPED
+    assert plan.instances[("n0", "b")].state is EngineState.ASLEEP_DISCARDED
 
 
 SGLANG_ADOPTED = {"kind": "sglang", "features": ["sleep_mode", "cpu_backup"], "management": "adopted"}

@@ -100,8 +100,8 @@ class Confirmed:
 
     def reconcile(self, node_id: str, body: HeartbeatIn, now: float, batch: Batch) -> ReconcileStatus:
         """Hold the confirmed placement to what the node's heartbeat measured (`service/reconcile.py`): the
-        objects its engines' reported states leave no room for are taken out, a GPU that still holds less than recorded is recorded
-        as lost state (metric, the node's `reconcile` status), and either replans. A finding counts when the
+        objects its engines' reported states leave no room for are taken out, a GPU that still holds less than
+        recorded is recorded as lost state (metric, the node's `reconcile` status), and either replans. A finding counts when the
         previous heartbeat showed it too. Answers the node's reconcile status after this heartbeat."""
         p = self.live.sizes
         assert p is not None

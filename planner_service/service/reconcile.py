@@ -115,27 +115,30 @@ def gone(
     by_model: dict[str, list[EngineInstanceStateIn]] = defaultdict(list)
     for entry in instances:
         by_model[entry.instance.model].append(entry)
+    here = sorted(
+        (key, n)
+        for key, n in placement.items()
+        if n > 0 and key[0].model in by_model and key[1].tier is Tier.GPU and key[1].id in node_gpus
+    )
+    weights_at: dict[tuple[str, Location], set[str | None]] = defaultdict(set)  # (model, GPU) -> precisions
+    for (obj, loc), _ in here:
+        if obj.kind is Kind.WEIGHTS:
+            weights_at[(obj.model, loc)].add(obj.precision)
     found = []
-    for (obj, loc), n in sorted(placement.items()):
-        reported = by_model.get(obj.model)
-        if n <= 0 or not reported or loc.tier is not Tier.GPU or loc.id not in node_gpus or (obj, loc) in moving:
+    for (obj, loc), n in here:
+        if (obj, loc) in moving:
             continue
+        reported = by_model[obj.model]
         precisions = {e.instance.precision for e in reported}
         if obj.kind is Kind.WEIGHTS:
             if obj.precision not in precisions:
                 continue
-            judged = [e for e in reported if e.instance.precision == obj.precision]
-        else:
-            if any(
-                o.kind is Kind.WEIGHTS and o.model == obj.model and o.precision not in precisions and m > 0
-                for (o, other), m in placement.items()
-                if other == loc
-            ):
-                continue
-            judged = reported
-        if any(e.state not in OFF_GPU_STATES and loc.id in e.instance.gpus for e in judged):
+            reported = [e for e in reported if e.instance.precision == obj.precision]
+        elif weights_at[(obj.model, loc)] - precisions:
             continue
-        found.append(Gone(obj, loc, n, _why_gone(loc.id, judged)))
+        if any(e.state not in OFF_GPU_STATES and loc.id in e.instance.gpus for e in reported):
+            continue
+        found.append(Gone(obj, loc, n, _why_gone(loc.id, reported)))
     return found
 
 

@@ -534,7 +534,7 @@ class _Builder:
         out: dict[str, int] = defaultdict(int)
         for (node, model_id), view in sorted(self.states.items()):
             if not engine_holdings.keeps_context(view) or model_id in self.pinned:
-                continue  # (one asleep at a precision no node reported keeps its context too: no wake matches it)
+                continue  # (one asleep at an unknown precision keeps its context too: no wake option matches it)
             asleep = engine_instances.InstanceView(
                 node, model_id, view.declared, EngineState.ASLEEP_DISCARDED, view.precision, view.gpus
             )

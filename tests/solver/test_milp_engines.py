@@ -58,24 +58,29 @@ def _own_plan_is_sound(problem: Problem, seconds: float = 20) -> Plan:
     return plan
 
 
-def test_milp_counts_the_context_a_sleeping_adopted_engine_keeps() -> None:
-    """(C10) a's adopted engine sleeps on g0 (27.5 GiB) and keeps its 1 GiB CUDA context there; b (24 GiB), its
-    engine's own context (C13) and its two active sessions' KV (1 GiB each) would fill 27 GiB: beside a's
-    context only one session fits (g1, 4 GiB, holds no shard of b). Without the row the MILP serves both and
-    the checker refuses the plan."""
-    engines = [{"model": "a", "gpus": ["g0"], **VLLM, "management": "adopted"}, {"model": "b", **VLLM}]
-    problem = problem_of(
-        [{**node("n0", _fast("g0", 27.5), gpu("g1", 4)), "engines": engines}],
+def _a_asleep_beside_b(*, adopted: bool, backup: bool) -> Problem:
+    """a's engine fixed on g0 (27.5 GiB), asleep at level 1 where its backup is in host RAM (`backup`), b (24 GiB)
+    and its two active sessions' KV (1 GiB each) in host RAM; g1 (4 GiB) holds no shard of b."""
+    engines = [{"model": "a", "gpus": ["g0"], **VLLM, **({"management": "adopted"} if adopted else {})}]
+    return problem_of(
+        [{**node("n0", _fast("g0", 27.5), gpu("g1", 4)), "engines": [*engines, {"model": "b", **VLLM}]}],
         [model("a", {"bf16": 16}), model("b", {"bf16": 24})],
         [session("s1", "b", active=True), session("s2", "b", active=True)],
         [
-            held(weights("a"), "host", "n0", 16 * GIB),  # a's level-1 backup: a sleeps on its fixed g0
+            *([held(weights("a"), "host", "n0", 16 * GIB)] if backup else []),
             held(weights("a"), "nvme", "n0", 16 * GIB),
             held(weights("b"), "nvme", "n0", 24 * GIB),
             held(kv("b", "s1"), "host", "n0", GIB),
             held(kv("b", "s2"), "host", "n0", GIB),
         ],
     )
+
+
+def test_milp_counts_the_context_a_sleeping_adopted_engine_keeps() -> None:
+    """(C10) a's adopted engine sleeps on g0 and keeps its 1 GiB CUDA context there; b, its engine's own
+    context (C13) and its two active sessions' KV would fill 27 GiB: beside a's context only one session fits.
+    Without the row the MILP serves both and the checker refuses the plan."""
+    problem = _a_asleep_beside_b(adopted=True, backup=True)
     assert confirmed_states(problem)[("n0", "a")].state is EngineState.ASLEEP_HOST
     plan = _own_plan_is_sound(problem)
     assert len(plan.unserved) == 1
@@ -85,18 +90,7 @@ def test_milp_counts_the_context_of_an_engine_asleep_at_a_precision_no_copy_name
     """As above with a's adopted engine reported asleep at level 2 and no copy of a's weights off NVMe, so its
     precision is unknown: its context on g0 is counted all the same (the MILP's own plan over capacity by it,
     found by the property test with sleepers, tests/property/test_milp_engine_plans.py)."""
-    engines = [{"model": "a", "gpus": ["g0"], **VLLM, "management": "adopted"}, {"model": "b", **VLLM}]
-    problem = problem_of(
-        [{**node("n0", _fast("g0", 27.5), gpu("g1", 4)), "engines": engines}],
-        [model("a", {"bf16": 16}), model("b", {"bf16": 24})],
-        [session("s1", "b", active=True), session("s2", "b", active=True)],
-        [
-            held(weights("a"), "nvme", "n0", 16 * GIB),
-            held(weights("b"), "nvme", "n0", 24 * GIB),
-            held(kv("b", "s1"), "host", "n0", GIB),
-            held(kv("b", "s2"), "host", "n0", GIB),
-        ],
-    )
+    problem = _a_asleep_beside_b(adopted=True, backup=False)
     problem = dataclasses.replace(problem, observed_engines={("n0", "a"): (EngineState.ASLEEP_DISCARDED, ("g0",))})
     view = confirmed_states(problem)[("n0", "a")]
     assert (view.state, view.precision) == (EngineState.ASLEEP_DISCARDED, None)
@@ -112,20 +106,7 @@ def test_a_managed_sleeping_engine_keeps_its_context_until_woken(solver: str, as
     so no move filling g0 would wait for it: its 1 GiB context stays there until a plan wakes it, and both
     solvers leave it that room. Before, both served the two sessions and the start of b beside the context ran
     out of memory (the checker refuses that plan)."""
-    engines = [{"model": "a", "gpus": ["g0"], **VLLM}, {"model": "b", **VLLM}]
-    backup = [held(weights("a"), "host", "n0", 16 * GIB)] if asleep is EngineState.ASLEEP_HOST else []
-    problem = problem_of(
-        [{**node("n0", _fast("g0", 27.5), gpu("g1", 4)), "engines": engines}],
-        [model("a", {"bf16": 16}), model("b", {"bf16": 24})],
-        [session("s1", "b", active=True), session("s2", "b", active=True)],
-        [
-            *backup,
-            held(weights("a"), "nvme", "n0", 16 * GIB),
-            held(weights("b"), "nvme", "n0", 24 * GIB),
-            held(kv("b", "s1"), "host", "n0", GIB),
-            held(kv("b", "s2"), "host", "n0", GIB),
-        ],
-    )
+    problem = _a_asleep_beside_b(adopted=False, backup=asleep is EngineState.ASLEEP_HOST)
     problem = dataclasses.replace(problem, observed_engines={("n0", "a"): (asleep, ("g0",))})
     assert confirmed_states(problem)[("n0", "a")].state is asleep
     plan = solve(problem, solver, time_limit_seconds=20)

@@ -1,9 +1,9 @@
 """Property tests on engine nodes: random scenarios whose nodes serve every model through engines of random
 kinds (vLLM, SGLang, local), features and management, some of them reported asleep (a MoE's with the expert
 share it was launched with) and some running ones pinned where they are, as the service plans. Every
-operation of the greedy's and the search's plans is one its node's kind offers, with its precondition true at that point in any order that respects
-`depends_on`, and GPU capacities, counting the KV pools the plans launch and the CUDA contexts of the
-engines up (running or asleep), hold in the target and at every step.
+operation of the greedy's and the search's plans is one its node's kind offers, with its precondition true at
+that point in any order that respects `depends_on`, and GPU capacities, counting the KV pools the plans
+launch and the CUDA contexts of the engines up (running or asleep), hold in the target and at every step.
 """
 
 from __future__ import annotations
@@ -66,10 +66,11 @@ class Planned(NamedTuple):
 
 @st.composite
 def engine_problems(draw: st.DrawFn, **sizes: int) -> Planned:
-    """`engine_scenarios` (of `sizes`), then: some stopped engines reported asleep on a group that holds their weights, at
-    level 1 where the node holds their weights in host RAM and the engine offers it, else at level 2 (a MoE's
-    with a launched share of its experts its wake brings back), as a heartbeat reports them
-    (`Problem.observed_engines`); and some running engines pinned where they are (`online.pins`)."""
+    """`engine_scenarios` (of `sizes`), then: some stopped engines reported asleep on a group that holds their
+    weights and has room for their context, at level 1 where the node holds their weights in host RAM and the
+    engine offers it, else at level 2 (a MoE's with a launched share of its experts its wake brings back), as a
+    heartbeat reports them (`Problem.observed_engines`); and some running engines pinned where they are
+    (`online.pins`)."""
     problem = problem_from_scenario(draw(engine_scenarios(**sizes)))
     observed: dict[tuple[str, str], tuple[EngineState, tuple[str, ...]]] = {}
     fractions: dict[tuple[str, str], float] = {}

@@ -13,7 +13,7 @@ COMPILED_STAMP := $(COMPILED_VENV)/.installed
 
 .PHONY: run gateway fake-agents test test-fast test-compiled soak lint format import-graph compiled bench schemas screenshots clean \
 	evidence evidence-quick evidence-demo evidence-exceeds evidence-decompose evidence-catalog-fits evidence-handoffs \
-	evidence-real evidence-full evidence-gateway
+	evidence-real evidence-full evidence-gateway evidence-affinity
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -193,6 +193,7 @@ evidence-full: $(STAMP)
 	$(MAKE) evidence-handoffs
 	$(MAKE) evidence-real
 	$(MAKE) evidence-gateway
+	$(MAKE) evidence-affinity
 # the gateway's warm-ups against the same policies without them (statebudget, sleep-router; arms none, warmups (the
 # service's priced target), warmups-top, warmups-handoff, eager-handoff), 10 seeds each of the
 # synthetic trace (5 sessions x 30 min) at gaps x16 and x4 (loaded), 60 s windows of Azure 2023 (--handoffs) and
@@ -200,4 +201,12 @@ evidence-full: $(STAMP)
 evidence-gateway: $(STAMP)
 	$(VENV)/bin/statebudget study gateway --seeds 1,2,3,4,5,6,7,8,9,10 --sessions 5 --hours 0.5 --gap-scale 16,4 \
 		--traces $(TRACES) --azure-window 60 --alibaba-window 14400 --precision native --json > docs/evidence/gateway.json
+	$(MAKE) evidence
+# the gateway's session affinity, with two engine instances of each of the two busiest models (planner and coder:
+# the most requested in Azure's and Alibaba's imports and the synthetic trace's): the same policies and traces as
+# evidence-gateway, each request sent to the least loaded instance (none) or to its session's KV holder (affinity)
+evidence-affinity: $(STAMP)
+	$(VENV)/bin/statebudget study gateway --seeds 1,2,3,4,5,6,7,8,9,10 --sessions 5 --hours 0.5 --gap-scale 16,4 \
+		--traces $(TRACES) --azure-window 60 --alibaba-window 14400 --precision native --arms none,affinity \
+		--replicas planner=2,coder=2 --json > docs/evidence/gateway-affinity.json
 	$(MAKE) evidence

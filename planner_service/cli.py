@@ -72,6 +72,13 @@ BUILTIN_SCENARIOS: dict[str, Callable[[], Scenario]] = {
     "catalog-fits": catalog_fits_scenario,
 }
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")]
+ReplicasOpt = Annotated[
+    str,
+    typer.Option(
+        help="Engine instances of a model, e.g. coder=2 (sim/replicas.py: each a whole copy the policies place, "
+        "the gateway picking one per request); comma-separated; default one each."
+    ),
+]
 
 
 def fail(message: str, code: int = 2) -> typer.Exit:
@@ -905,6 +912,7 @@ def replay(
             "planner's warm-up directives on idle cards) or affinity+eager-warmups (the ablation that never yields)."
         ),
     ] = "none",
+    replicas: ReplicasOpt = "",
 ) -> None:
     """Replay a trace through the simulated cluster under each policy and compare them."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
@@ -941,6 +949,7 @@ def replay(
                 on_progress=advance,
                 expert_miss_decode=expert_miss_decode,
                 gateway=gateway,
+                replicas=_replicas(replicas),
             )
         except (SimulationError, ValueError) as error:
             raise fail(str(error)) from None
@@ -1022,6 +1031,19 @@ def _seed_list(text: str, field: str) -> list[int]:
         return [int(part) for part in text.split(",") if part.strip()]
     except ValueError:
         raise fail(f"--{field}: comma-separated integers, got {text!r}") from None
+
+
+def _replicas(text: str) -> dict[str, int]:
+    """`--replicas coder=2,reasoner=2` -> {"coder": 2, "reasoner": 2}."""
+    out: dict[str, int] = {}
+    for part in (p.strip() for p in text.split(",")):
+        if not part:
+            continue
+        model, _, count = part.partition("=")
+        if not model.strip() or not count.strip().isdigit() or int(count) < 1:
+            raise fail(f"--replicas: model=count with a count of at least 1, comma-separated, got {part!r}")
+        out[model.strip()] = int(count)
+    return out
 
 
 def _float_list(text: str, field: str) -> list[float]:
@@ -1346,6 +1368,7 @@ def study_gateway(
             "eager-handoff); the first is the one the others are paired against."
         ),
     ] = "none,warmups,warmups-top,warmups-handoff,eager-handoff",
+    replicas: ReplicasOpt = "",
     as_json: JsonOpt = False,
 ) -> None:
     """The gateway's warm-ups against the same policy without them, over seeds (sim/gateway_study.py)."""
@@ -1393,6 +1416,7 @@ def study_gateway(
             _seed_list(seeds, "seeds"),
             on_progress=lambda line: err.print(line, highlight=False),
             arms=[a.strip() for a in arms.split(",") if a.strip()],
+            replicas=_replicas(replicas),
         )
     except (SimulationError, ValueError) as error:
         raise fail(str(error)) from None

@@ -109,7 +109,7 @@ import heapq
 import math
 import time
 from collections import defaultdict, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -125,6 +125,7 @@ from planner_service.sim import kv_save
 from planner_service.sim.cluster import Transfer
 from planner_service.sim.executor import KV_HEADROOM, Executor, SimulationError
 from planner_service.sim.gateway import DEFAULT_LIMITS, GatewayMode, GatewayModel
+from planner_service.sim.replicas import Router, replicate
 from planner_service.sim.slots import SessionSlots, trace_concurrency
 from planner_service.sim.state import ModelState, SessionState, SimRequest, SimState
 
@@ -245,8 +246,10 @@ class Simulator(SimState):
         request_timeout_seconds: float = REQUEST_TIMEOUT_SECONDS,
         gateway: GatewayMode | str = GatewayMode.NONE,
         gateway_limits: DirectiveLimits = DEFAULT_LIMITS,
+        replicas: Mapping[str, int] | None = None,
     ) -> None:
-        scenario = policy.deployment(scenario)
+        """`replicas`: model -> how many engine instances of it the cluster runs (`replicas.py`; default one)."""
+        scenario = policy.deployment(replicate(scenario, replicas or {}))
         super().__init__(scenario, base_problem(scenario), records, engine_constants)
         self.policy = policy
         self.seed = seed
@@ -285,6 +288,8 @@ class Simulator(SimState):
             write_through=self.write_through if self.kv_offload else None,
             save_seconds=self.save_seconds if self.kv_offload else None,
         )
+        # which instance of a model with several each request goes to (`replicas.py`)
+        self.router = Router(self, replicas or {}, affinity=self.gateway.mode is not GatewayMode.NONE, seed=seed)
 
     # -- events --------------------------------------------------------------
 
@@ -371,7 +376,7 @@ class Simulator(SimState):
                 "engine_transitions": dict(self.executor.transitions),
                 "session_seats": self.slots.seats if self.slots else None,
                 "peak_open_sessions": self.slots.peak_open if self.slots else None,
-                "gateway": self.gateway.report(),
+                "gateway": {**self.gateway.report(), **self.router.to_json()},
             },
         )
 
@@ -443,14 +448,16 @@ class Simulator(SimState):
         root = self.sessions[self._workflow.get(rec.session, rec.session)]
         if root is not session:  # a hand-off is a change of model from the last turn of the workflow
             session.requested_model = root.requested_model
-        handoff = session.requested_model is not None and session.requested_model != rec.model
+        # a hand-off is a change of the model the trace names, not of the instance that serves it
+        handoff = session.requested_model is not None and self.router.model(session.requested_model) != rec.model
+        model = self.router.route(session, rec.model)
         req = SimRequest(
-            len(self.requests), rec.t, rec.session, rec.model, rec.input_tokens, rec.output_tokens, rec.slo, handoff
+            len(self.requests), rec.t, rec.session, model, rec.input_tokens, rec.output_tokens, rec.slo, handoff
         )
         self.requests.append(req)
         self.policy.observe(self.view, session, req)
         self.gateway.observe(session, req)
-        session.requested_model = root.requested_model = rec.model
+        session.requested_model = root.requested_model = model
         self._queues[rec.session].append(req)
         if self.slots is None or self.slots.arrive(rec.session):
             self._pump(rec.session)

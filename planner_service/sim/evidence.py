@@ -134,8 +134,62 @@ def _paired_cell(interval: dict[str, Any], digits: int, signed: bool = True) -> 
     return f"{interval['mean']:{sign}.{digits}f} ± {interval['half_width']:.{digits}f}"
 
 
+def render_affinity(name: str, data: dict[str, Any]) -> str:
+    """A gateway study with several instances of a model (`sim/replicas.py`): each policy with its requests
+    routed to the least loaded instance (`none`) and to the one holding the session's KV (`affinity`)."""
+    replicas = ", ".join(f"{n} instances of `{m}`" for m, n in data["replicas"].items())
+    lines = [
+        f"## {name}",
+        "",
+        (
+            f"Scenario `{data['scenario']}` with {replicas}, each a whole copy that every policy places, wakes and "
+            f"evicts as any model (`sim/replicas.py`). {PRECISION[data['precision']]} The same policy replayed on "
+            "the same traces with the gateway sending each request of the model to the instance with the fewest "
+            "requests waiting or running (`none`, a load balancer without session state) and to the instance "
+            "holding the session's KV, else the same (`affinity`). `stay`: the requests that keep their session's "
+            "model; the routing columns count the requests of the replicated model, those whose session's KV an "
+            "instance held, and those sent there."
+        ),
+    ]
+    for w in data["workloads"]:
+        lines += [
+            "",
+            f"### {name}: {w['description']}",
+            "",
+            (
+                f"Seeds {', '.join(map(str, w['seeds']))}; {data['interval']}; Δ and the GPU memory-time ratio are "
+                f"paired per seed against `{next(iter(data['arms']))}` on the same trace."
+            ),
+            "",
+            (
+                "| policy | arm | stay P95 s | Δ stay P95 s | hand-off P95 s | Δ hand-off P95 s | TTFT P95 s | "
+                "done P95 s | re-prefilled tokens | routed | with a KV holder | sent to it | "
+                "GPU memory-time ratio | saturated runs |"
+            ),
+            "|" + "---|" * 14,
+        ]
+        for policy in data["policies"]:
+            for arm in data["arms"]:
+                m = w["metrics"][policy][arm]
+                pair = w["paired"][policy].get(arm)
+                lines.append(
+                    f"| {policy} | {arm} | {_cell(m['stay_p95_seconds'], 2)} | "
+                    f"{_paired_cell(pair['stay_p95_diff_seconds'], 2) if pair else '—'} | "
+                    f"{_cell(m['handoff_p95_seconds'], 2)} | "
+                    f"{_paired_cell(pair['handoff_p95_diff_seconds'], 2) if pair else '—'} | "
+                    f"{_cell(m['ttft_p95_seconds'], 2)} | {_cell(m['completion_p95_seconds'], 1)} | "
+                    f"{_cell(m['reprefill_tokens'], 0)} | {_cell(m['routed'], 1)} | "
+                    f"{_cell(m['routed_with_kv_holder'], 1)} | {_cell(m['routed_to_kv_holder'], 1)} | "
+                    f"{_paired_cell(pair['gpu_memory_time_ratio'], 4, signed=False) if pair else '—'} | "
+                    f"{m['saturated_runs']} / {len(w['seeds'])} |"
+                )
+    return "\n".join(lines) + "\n"
+
+
 def render_gateway(name: str, data: dict[str, Any]) -> str:
     """The gateway study (`sim/gateway_study.py`): per workload, each policy with and without warm-ups."""
+    if data.get("replicas"):
+        return render_affinity(name, data)
     arms = data["arms"]
     lines = [
         f"## {name}",

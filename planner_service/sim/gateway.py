@@ -4,11 +4,11 @@ The gateway (`clients/gateway/`) holds every session's prompts, so it can do two
 cannot, and this module replays them beside any policy (`GatewayMode`):
 
 * **Affinity** routes a session's request to the engine instance that holds its KV where a model has more
-  than one. The replay runs one serving instance per model (`SimState.models` is keyed by model; an
-  instance on another group sleeps or is stopped, and `Simulator._start` drops the KV left outside the
-  serving group), so every request of a model already reaches the only instance that can hold its KV:
-  `affinity` replays exactly as `none` does, and is kept as a mode so that a replay with several
-  instances per model has a place to put the rule.
+  than one (`replicas.py`: the replay's further instances of a model, each under a model id of its own,
+  and the choice among them). A model with one instance serves from one group (`SimState.models` is keyed
+  by model; an instance on another group sleeps or is stopped, and `Simulator._start` drops the KV left
+  outside the serving group), so every request of it already reaches the only instance that can hold its
+  KV: there `affinity` replays exactly as `none` does.
 * **Warm-ups**: while a session sits in a tool call, the gateway prefills its known history on the model
   it is predicted to hand off to (a 1-token request with prefix caching on), so that the hand-off finds
   that prefix's KV computed. Which warm-ups to run is the planner's rule the product publishes in the

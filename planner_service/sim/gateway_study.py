@@ -1,11 +1,14 @@
-"""The gateway's warm-ups measured: the same policy with and without them, over seeds (`gateway.py`).
+"""The gateway measured: the same policy with and without its affinity or its warm-ups, over seeds (`gateway.py`).
 
 Each workload gives one trace per seed: a synthetic trace (`synth.py`) at a load level, or a window of a
 public trace imported once (Azure LLM 2023, Alibaba GenAI 2026): seed s starts the window at the arrival
 of a request drawn by `default_rng(s)` (so busy hours are drawn as often as they hold requests) and keeps
 the records inside it, times counted from its start. Every policy replays every trace under every arm:
 
-* `none`: the gateway routes only (`affinity` replays exactly as `none` here: `gateway.py`);
+* `none`: the gateway routes only: to a model's one instance, or where a model has several (`replicas`,
+  `replicas.py`) to the least loaded, as a load balancer without session state does;
+* `affinity`: where a model has several instances, to the one holding the session's KV (with one instance
+  per model it replays exactly as `none`: `gateway.py`);
 * `warmups`: warm-ups by the rule the planner publishes, with the service's defaults (the `priced` target:
   those the objective values above the HBM price of their KV, best first, 2 per instance);
 * `warmups-top`: the service's former rule, the session's most likely next model at least 0.5 likely
@@ -15,15 +18,17 @@ the records inside it, times counted from its start. Every policy replays every 
 * `eager-handoff`: an ablation, the `warmups-handoff` directives carried out without waiting for idle cards
   and without giving way: each warm-up takes its cards as a real prefill does (`GatewayMode.EAGER`).
 
-Per policy and arm: hand-off and completion P95, GPU memory-time and the warm-ups' counts, each a mean
-with its 95 % Student t interval over the seeds; and against `none` on the same trace, paired per seed:
-the hand-off and completion P95 differences and the GPU memory-time ratio, each with its interval.
+The warm-up arms route as `affinity` does. Per policy and arm: the P95 of the hand-offs' and of the other
+requests' (`stay`) switch latency, TTFT and completion P95, the history tokens prefilled again, GPU
+memory-time, the warm-ups' counts and the routing's, each a mean with its 95 % Student t interval over the
+seeds; and against the first arm on the same trace, paired per seed: the P95s' differences and the GPU
+memory-time ratio, each with its interval.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,6 +50,7 @@ TOP_TARGET = DirectiveLimits(max_warmups_per_instance=2, min_probability=0.5, ta
 HANDOFF_TARGET = DirectiveLimits(max_warmups_per_instance=2, min_probability=0.2, target="handoff")
 ARMS: dict[str, tuple[GatewayMode, DirectiveLimits]] = {
     "none": (GatewayMode.NONE, DEFAULT_LIMITS),
+    "affinity": (GatewayMode.AFFINITY, DEFAULT_LIMITS),
     "warmups": (GatewayMode.WARMUPS, DEFAULT_LIMITS),
     "warmups-top": (GatewayMode.WARMUPS, TOP_TARGET),
     "warmups-handoff": (GatewayMode.WARMUPS, HANDOFF_TARGET),
@@ -60,6 +66,20 @@ METRICS = (
     ("warmups_cancelled", "cancelled"),
 )
 COUNTS = ("warmups_started", "warmups_completed", "warmups_used", "warmups_cancelled", "warmups_unused")
+# what the routing among several instances of a model did (`replicas.py`)
+ROUTING = ("routed", "routed_with_kv_holder", "routed_to_kv_holder")
+# each a mean with its interval over the seeds, and (latencies) a difference paired against the first arm
+MEANS = (
+    "handoff_p95_seconds",
+    "stay_p95_seconds",
+    "ttft_p95_seconds",
+    "completion_p95_seconds",
+    "gpu_gib_hours",
+    "reprefill_tokens",
+    *COUNTS,
+    *ROUTING,
+)
+PAIRED = ("handoff_p95", "stay_p95", "ttft_p95", "completion_p95")
 
 
 @dataclass(frozen=True)
@@ -100,12 +120,16 @@ def _row(summary: dict[str, Any], result_seconds: float, trace_seconds: float, g
     parts = summary["handoff_switch_parts"]
     return {
         "handoff_p95_seconds": summary["switch_latency_seconds"]["handoff"]["p95"],
+        "stay_p95_seconds": summary["switch_latency_seconds"]["stay"]["p95"],
+        "ttft_p95_seconds": summary["ttft_seconds"]["p95"],
         "completion_p95_seconds": summary["completion_seconds"]["p95"],
+        "reprefill_tokens": summary["reprefill_tokens"],
         "gpu_gib_hours": gpu_byte_seconds / GIB / 3600.0,
         "handoffs": summary["handoffs"],
         "failed_requests": summary["failed_requests"]["all"],
         "saturated": saturated(result_seconds, trace_seconds),
         **{key: gateway[key] for key in COUNTS},
+        **{key: gateway.get(key, 0) for key in ROUTING},
         "warmup_prefill_seconds": gateway["warmup_prefill_seconds"],
         "cancelled_prefill_seconds": gateway["cancelled_prefill_seconds"],
         "cancelled_by": gateway["cancelled_by"],
@@ -126,6 +150,7 @@ def run_workload(
     seeds: Sequence[int],
     arms: Sequence[str] = tuple(ARMS),
     on_progress: Callable[[str], None] | None = None,
+    replicas: Mapping[str, int] | None = None,
 ) -> dict[str, Any]:
     runs: dict[str, dict[str, list[dict[str, Any]]]] = {p: {a: [] for a in arms} for p in policies}
     for seed in seeds:
@@ -135,7 +160,13 @@ def run_workload(
             for arm in arms:
                 mode, limits = ARMS[arm]
                 result = simulate(
-                    scenario, records, create_policy(policy), seed=seed, gateway=mode, gateway_limits=limits
+                    scenario,
+                    records,
+                    create_policy(policy),
+                    seed=seed,
+                    gateway=mode,
+                    gateway_limits=limits,
+                    replicas=replicas,
                 )
                 row = _row(summarize(result), result.duration_seconds, end, result.gpu_byte_seconds)
                 row["seed"] = seed
@@ -153,10 +184,7 @@ def run_workload(
         base = runs[policy][arms[0]]
         for arm in arms:
             rows = runs[policy][arm]
-            metrics[policy][arm] = {
-                key: _interval([float(r[key]) for r in rows])
-                for key in ("handoff_p95_seconds", "completion_p95_seconds", "gpu_gib_hours", *COUNTS)
-            }
+            metrics[policy][arm] = {key: _interval([float(r[key]) for r in rows]) for key in MEANS}
             metrics[policy][arm]["saturated_runs"] = sum(r["saturated"] for r in rows)
             metrics[policy][arm]["failed_requests"] = sum(r["failed_requests"] for r in rows)
             parts[policy][arm] = {
@@ -167,12 +195,12 @@ def run_workload(
             if arm == arms[0]:
                 continue
             paired[policy][arm] = {
-                "handoff_p95_diff_seconds": _interval(
-                    [r["handoff_p95_seconds"] - b["handoff_p95_seconds"] for r, b in zip(rows, base, strict=True)]
-                ),
-                "completion_p95_diff_seconds": _interval(
-                    [r["completion_p95_seconds"] - b["completion_p95_seconds"] for r, b in zip(rows, base, strict=True)]
-                ),
+                **{
+                    f"{key}_diff_seconds": _interval(
+                        [r[f"{key}_seconds"] - b[f"{key}_seconds"] for r, b in zip(rows, base, strict=True)]
+                    )
+                    for key in PAIRED
+                },
                 "gpu_memory_time_ratio": _interval(
                     [
                         r["gpu_gib_hours"] / b["gpu_gib_hours"]
@@ -199,9 +227,10 @@ def gateway_study(
     seeds: Sequence[int],
     on_progress: Callable[[str], None] | None = None,
     arms: Sequence[str] = tuple(ARMS),
+    replicas: Mapping[str, int] | None = None,
 ) -> dict[str, Any]:
-    """Every workload (module doc) under `arms`, the first the one the others are paired against; the JSON
-    `make evidence` renders as the gateway's section."""
+    """Every workload (module doc) under `arms`, the first the one the others are paired against, with
+    `replicas` instances of the models it names (`replicas.py`); the JSON `make evidence` renders as a section."""
     if len(seeds) < 2 or len(set(seeds)) != len(seeds):
         raise ValueError("seeds: at least two distinct seeds (an interval needs two runs)")
     unknown = [a for a in arms if a not in ARMS]
@@ -220,6 +249,10 @@ def gateway_study(
             for name, (mode, limits) in ARMS.items()
             if name in arms
         },
+        "replicas": dict(sorted((replicas or {}).items())),
         "interval": "95 % Student t over seeds",
-        "workloads": [run_workload(scenario, w, policies, seeds, arms, on_progress=on_progress) for w in workloads],
+        "workloads": [
+            run_workload(scenario, w, policies, seeds, arms, on_progress=on_progress, replicas=replicas)
+            for w in workloads
+        ],
     }

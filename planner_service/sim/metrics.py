@@ -86,7 +86,14 @@ def summarize(result: SimResult, targets: SloClassConstants = DEFAULT_TTFT_TARGE
         },
         # requests whose model refused the session's whole history: the agent compacted it and sent them again
         "compacted_requests": sum(r.compacted_tokens > 0 for r in result.requests),
-        "switch_latency_seconds": {"all": latency_summary(switch), "handoff": latency_summary(handoff)},
+        # `stay`: the requests that keep their session's model (a continuation turn)
+        "switch_latency_seconds": {
+            "all": latency_summary(switch),
+            "handoff": latency_summary(handoff),
+            "stay": latency_summary([r.switch_seconds for r in requests if not r.handoff]),
+        },
+        # history tokens prefilled again because no KV copy covered them (an engine's prefill cache lost)
+        "reprefill_tokens": sum(r.reprefill_tokens for r in requests),
         # the hand-offs' switch latency split into its parts (`state.SWITCH_PARTS`)
         "handoff_switch_parts": switch_parts(handoffs),
         "ttft_seconds": _quantiles([r.ttft_seconds for r in requests]),

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -56,8 +56,10 @@ def replay(
     on_progress: Callable[[str, float], None] | None = None,
     expert_miss_decode: bool = True,
     gateway: str = "none",
+    replicas: Mapping[str, int] | None = None,
 ) -> Replay:
-    """Run every policy on the same trace; the report is what `statebudget replay --json` writes."""
+    """Run every policy on the same trace; the report is what `statebudget replay --json` writes. `replicas`:
+    model -> its engine instances (`replicas.py`)."""
     missing = sorted({r.model for r in records if isinstance(r, TraceRequest)} - {m.id for m in scenario.models})
     if missing:
         raise ValueError(f"the trace asks for models the scenario lacks: {', '.join(missing)}")
@@ -73,6 +75,7 @@ def replay(
             on_progress=progress,
             expert_miss_decode=expert_miss_decode,
             gateway=gateway,
+            replicas=replicas,
         )
         if on_progress:
             on_progress(name, results[name].duration_seconds)
@@ -88,6 +91,7 @@ def replay(
         "seed": seed,
         "expert_miss_decode": expert_miss_decode,
         "gateway": gateway,
+        "replicas": dict(sorted((replicas or {}).items())),
         "ttft_targets_seconds": targets.model_dump(),
         "policies": summaries,
     }

@@ -65,7 +65,7 @@ def test_replay_writes_json_and_plots(tmp_path: Path) -> None:
     for name in ("statebudget", "static", "lru", "oracle"):
         m = report["policies"][name]
         assert m["requests"] == 15
-        assert set(m["switch_latency_seconds"]) == {"all", "handoff"}
+        assert set(m["switch_latency_seconds"]) == {"all", "handoff", "stay"}
         assert set(m["switch_latency_seconds"]["handoff"]) == {"p50", "p95", "p99", "mean"}
         assert set(m["ttft_seconds"]) == {"p50", "p95", "p99"}
         assert m["completion_seconds"]["p95"] >= m["ttft_seconds"]["p95"]
@@ -149,3 +149,19 @@ def test_replay_runs_behind_the_gateway_and_reports_its_warm_ups(tmp_path: Path)
     )
     wrong = CliRunner().invoke(app, ["replay", "--trace", str(trace), "--policies", "lru", "--gateway", "psychic"])
     assert wrong.exit_code == 2 and "--gateway" in wrong.output
+
+
+def test_replay_runs_replicas_behind_the_gateway_and_refuses_a_bad_count(tmp_path: Path) -> None:
+    trace = small_trace(tmp_path / "t.jsonl")
+    out = tmp_path / "r.json"
+    args = ["replay", "--trace", str(trace), "--policies", "lru", "--gateway", "affinity", "--replicas", "coder=2"]
+    result = CliRunner().invoke(app, [*args, "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    report = json.loads(out.read_text())
+    assert report["replicas"] == {"coder": 2}
+    assert report["policies"]["lru"]["gateway"]["routed"] == sum(
+        1 for line in trace.read_text().splitlines() if '"coder"' in line
+    )
+    for bad, says in (("coder=0", "--replicas"), ("coder", "--replicas"), ("poet=2", "'poet' is not a model")):
+        wrong = CliRunner().invoke(app, ["replay", "--trace", str(trace), "--policies", "lru", "--replicas", bad])
+        assert wrong.exit_code == 2 and says in wrong.output, (bad, wrong.output)

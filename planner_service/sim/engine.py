@@ -665,8 +665,7 @@ class Simulator(SimState):
         have = min(self.gpu_tokens[kv], computed)
         missing = history - have
         self.gateway.on_start(req, have)
-        host_tokens = min(self.host_tokens[kv], computed) if self.cluster.bytes_of(kv, Location.host(state.node)) else 0
-        restorable = max(0, host_tokens - have)
+        restorable = max(0, self._host_covered(req, state.node, history) - have)
         node = self.problem.nodes[state.node]
         fraction, in_dram = self.expert_share(req.model, state)
         restored, _ = costs.kv_ready(
@@ -677,6 +676,19 @@ class Simulator(SimState):
             return True
         self._compute(req, state, missing)
         return True
+
+    def _host_covered(self, req: SimRequest, node: str, history: int) -> int:
+        """How much of the request's session history a KV copy in the node's host DRAM covers: its instance's
+        own, or one another instance of its model on the node wrote (they share LMCache's tier: `replicas.py`)."""
+        host = Location.host(node)
+        return max(
+            (
+                min(self.host_tokens[x], self.computed_tokens[x], history)
+                for x in (StateObject.kv(m, req.session) for m in self.router.siblings(req.model))
+                if self.cluster.bytes_of(x, host)
+            ),
+            default=0,
+        )
 
     def _restore(self, req: SimRequest, state: ModelState, kv: StateObject, tokens: int, shard: int, rest: int) -> None:
         left = {"n": len(state.gpus)}

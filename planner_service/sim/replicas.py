@@ -20,10 +20,12 @@ Which instance a request goes to is the gateway's choice (`route`):
 A trace names models as the team knows them: the choice is made as each request arrives, and a hand-off is
 still a change of the model the trace names, not of the instance.
 
-What the replay leaves out: LMCache's host tier, which two instances of one model on one node share (equal
-token chunks hash alike) and which the replay keeps per instance, so that a request sent away from its KV
-on the same node prefills again what LMCache would have restored; and the page cache, which two instances
-on one node share and the replay keeps per instance (each reads its checkpoint from NVMe).
+The instances of a model on one node share LMCache's host tier, as they do where the node runs LMCache as
+one server its engines connect to (its multi-process mode, which vLLM's examples/disaggregated/lmcache
+README recommends "for sharing KV cache across instances"; in-process LMCache keeps a tier per engine): a
+request sent away from its KV on the same node restores what the other instance wrote through, where that
+is cheaper than prefilling it (`Simulator._host_covered`). What the replay leaves out: the page cache, which
+two instances on one node share and the replay keeps per instance (each reads its checkpoint from NVMe).
 """
 
 from __future__ import annotations
@@ -89,6 +91,11 @@ class Router:
         self.routed = 0  # requests of a model with several instances
         self.with_holder = 0  # of them, those whose session's KV an instance up held (module doc)
         self.to_holder = 0  # of those, sent to that instance
+
+    def siblings(self, instance: str) -> tuple[str, ...]:
+        """Every instance of the instance's model, itself first."""
+        ids = self.instances.get(self.model(instance))
+        return (instance,) if ids is None else (instance, *(x for x in ids if x != instance))
 
     def model(self, instance: str) -> str:
         """The model an instance serves (the model itself where it has one instance)."""

@@ -146,3 +146,17 @@ def test_the_affinity_study_pairs_the_arms_and_renders() -> None:
     assert work["paired"]["sleep-router"]["affinity"]["stay_p95_diff_seconds"]["mean"] == pytest.approx(sum(diffs) / 2)
     page = render_section("gateway-affinity", json.loads(json.dumps(data)))
     assert "with 2 instances of `coder`" in page and "| sleep-router | affinity |" in page
+
+
+def test_a_turn_sent_away_from_its_kv_restores_what_the_other_instance_on_its_node_wrote_through() -> None:
+    """`sleep-router` writes every turn's KV through to host DRAM in whole 256-token chunks (sim/kv_save.py): the
+    two instances share the node's host tier (LMCache as one server per node), so a later turn the balancer sends
+    to the other instance restores its history's whole chunks from there (1 GB/s, 1,000 bytes a token: under
+    2 ms) and prefills only the last partial chunk (at most 255 tokens, 1 ms each)."""
+    result = simulate(tiny_scenario(), turns(4, 5), create_policy("sleep-router"), gateway="none", replicas={"a": 2})
+    later = [r for r in result.requests if r.index >= 4]
+    moved = [r for r in later if r.model != result.requests[r.index - 4].model]
+    assert moved
+    for r in moved:
+        assert r.state == "done" and r.reprefill_tokens < 256 <= r.history_tokens
+        assert r.parts is not None and 0 < r.parts["kv_restore"] < 0.002

@@ -183,7 +183,7 @@ evidence-real: $(STAMP)
 # every replay the headline needs, sized to finish within 2 hours on 2 cores: exceeds-hbm at three load levels
 # (38 s) and its decomposition (23 s), the demo at three (28 s), catalog-fits at one (9 s), the synthetic trace at two
 # hand-off rates with both context semantics (33 s), and each public trace at REAL_TUNE=100 (23 min: Azure 12,
-# Mooncake 9, Alibaba 3), with the gateway's study (6 min): 31 minutes in all (2026-12-04, load average 1-2.6; on
+# Mooncake 9, Alibaba 3), with the gateway's studies (6 min and 2 min): 33 minutes in all (2026-12-04, load average 1-2.6; on
 # 2026-12-03, at load 5-7 and before the last physics terms, about 80); evidence-quick stays the CI-sized study
 evidence-full: $(STAMP)
 	$(MAKE) evidence-exceeds

@@ -73,7 +73,7 @@ BUILTIN_SCENARIOS: dict[str, Callable[[], Scenario]] = {
 }
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")]
 ReplicasOpt = Annotated[
-    str,
+    str | None,
     typer.Option(
         help="Engine instances of a model, e.g. coder=2 (sim/replicas.py: each a whole copy the policies place, "
         "the gateway picking one per request); comma-separated; default one each."
@@ -912,7 +912,7 @@ def replay(
             "planner's warm-up directives on idle cards) or affinity+eager-warmups (the ablation that never yields)."
         ),
     ] = "none",
-    replicas: ReplicasOpt = "",
+    replicas: ReplicasOpt = None,
 ) -> None:
     """Replay a trace through the simulated cluster under each policy and compare them."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
@@ -1033,10 +1033,10 @@ def _seed_list(text: str, field: str) -> list[int]:
         raise fail(f"--{field}: comma-separated integers, got {text!r}") from None
 
 
-def _replicas(text: str) -> dict[str, int]:
+def _replicas(text: str | None) -> dict[str, int]:
     """`--replicas coder=2,reasoner=2` -> {"coder": 2, "reasoner": 2}."""
     out: dict[str, int] = {}
-    for part in (p.strip() for p in text.split(",")):
+    for part in (p.strip() for p in (text or "").split(",")):
         if not part:
             continue
         model, _, count = part.partition("=")
@@ -1368,7 +1368,7 @@ def study_gateway(
             "eager-handoff); the first is the one the others are paired against."
         ),
     ] = "none,warmups,warmups-top,warmups-handoff,eager-handoff",
-    replicas: ReplicasOpt = "",
+    replicas: ReplicasOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """The gateway's warm-ups against the same policy without them, over seeds (sim/gateway_study.py)."""

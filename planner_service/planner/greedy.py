@@ -132,9 +132,10 @@ from planner_service.planner.engine_instances import (
     engine_of,
     pinned_instances,
 )
+from planner_service.planner.engine_targets import engine_target
 from planner_service.planner.errors import PlanningError
 from planner_service.planner.lateness import Lateness
-from planner_service.planner.objective import ColdLoad, Demand, cold_load, expert_share, kv_ready
+from planner_service.planner.objective import ColdLoad, Demand, cold_load, evaluate, expert_share, kv_ready
 from planner_service.planner.residency import UNKNOWN, ResidencyIndex, copy_placement
 
 SLO_RANK = {Slo.BLOCKING: 0, Slo.INTERACTIVE: 1, Slo.BACKGROUND: 2}
@@ -383,14 +384,22 @@ class _ExpertTerms:
 class GreedyPlanner:
     """`nodes` and `precisions` fix where and at which precision a model is served (the local search's
     moves, `search.py`); what they leave open is the greedy's choice. Given neither, the joint choice fixes
-    them for the models with requests in flight (`serve_active`)."""
+    them for the models with requests in flight (`serve_active`). `leave`: models the joint choice may not keep
+    on the group they serve from now (`plan_greedy`'s second plan)."""
 
     def __init__(
-        self, problem: Problem, nodes: Mapping[str, str] | None = None, precisions: Mapping[str, str] | None = None
+        self,
+        problem: Problem,
+        nodes: Mapping[str, str] | None = None,
+        precisions: Mapping[str, str] | None = None,
+        leave: frozenset[str] = frozenset(),
     ) -> None:
         self.p = problem
         self.nodes = dict(nodes or {})
         self.precisions = dict(precisions or {})
+        self.leave = leave
+        self._chosen: dict[str, joint.Option] = {}  # the joint choice (`narrowing`)
+        self._chosen_cards: dict[str, list[int]] = {}  # the free bytes of each node's cards it was made on
         self.c = problem.constants
         self.now = ResidencyIndex.build(problem, problem.residency)
         # engines that can run only as they are, or not at all (adopted ones: only their owner launches them)
@@ -1663,6 +1672,9 @@ class GreedyPlanner:
         idle = [*dense, *moes]  # they may be kept warm (last in the order: the models in flight pack first)
         for model_id in idle:
             options[model_id] = self._idle_options(self.p.models[model_id], alike)
+        for model_id, offered in options.items():
+            if model_id in self.leave:
+                options[model_id] = [o for o in offered if not o.fixed] or offered
         cards = {node_id: [self.book.free[g] for g in self.book.gpu_ids(node_id)] for node_id in self.p.nodes}
         chosen = joint.assign(
             options, [*order, *idle], rooms, self._curve, dense[:1], cards
@@ -1670,6 +1682,7 @@ class GreedyPlanner:
         for model_id in idle:
             if chosen[model_id].node == joint.NOWHERE:
                 del chosen[model_id]
+        self._chosen, self._chosen_cards = chosen, cards
         self.nodes = {m: option.node for m, option in chosen.items()}
         self.precisions = {m: option.precision for m, option in chosen.items()}
         self._widened = {m for m, option in chosen.items() if not option.fixed and self._narrow_on(m, option)}
@@ -1679,6 +1692,22 @@ class GreedyPlanner:
             if option.fixed and engine_of(self.p, option.node, model_id) is None
         }
         return set(chosen)
+
+    def narrowing(self) -> frozenset[str]:
+        """The models the joint choice kept on fewer than half of a node's cards (an uneven split: one card of
+        four leaves the others three) where the models it put beside them want those cards too: a MoE among
+        them (its experts take what room there is), or more bytes than the node's other cards hold
+        (`plan_greedy`)."""
+        out = set()
+        for m, option in self._chosen.items():
+            cards = self._chosen_cards.get(option.node, [])
+            if not option.fixed or 2 * len(option.fixed) >= len(cards):
+                continue
+            beside = [o for o in self._chosen.values() if o.node == option.node and not o.fixed]
+            others = sum(free for i, free in enumerate(cards) if i not in option.fixed)
+            if any(o.moe for o in beside) or sum(o.need for o in beside) > others:
+                out.add(m)
+        return frozenset(out)
 
     def _narrow_on(self, model_id: str, option: joint.Option) -> bool:
         """Whether the model serves on a narrow group of the option's node at its precision (`_stays_narrow`):
@@ -2489,7 +2518,26 @@ def _words(why: _Why) -> str:
 def plan_greedy(
     problem: Problem, nodes: Mapping[str, str] | None = None, precisions: Mapping[str, str] | None = None
 ) -> TargetPlan:
-    return GreedyPlanner(problem, nodes, precisions).plan()
+    """The greedy's plan. Where the joint choice kept a model on a few of a node's cards that the models it
+    put beside it want too (`GreedyPlanner.narrowing`), the greedy also plans with those staying models free
+    to leave their cards, and returns the plan whose objective is lower: the choice's estimate can price the
+    staying model's move dearer than the room its cards leave the others, whose groups then lack it
+    (gap-study engine seed 31: a Qwen2.5-7B's engine kept on one of four A100s left GLM-4.5V three, where the
+    oracle moves the 7B and gives GLM-4.5V four; seed 6: a Llama-3.3-70B on three cards beside a 7B)."""
+    planner = GreedyPlanner(problem, nodes, precisions)
+    target = planner.plan()
+    narrowing = planner.narrowing()
+    if not narrowing:
+        return target
+    other = GreedyPlanner(problem, nodes, precisions, leave=narrowing).plan()
+    return other if _objective(problem, other) < _objective(problem, target) else target
+
+
+def _objective(problem: Problem, target: TargetPlan) -> float:
+    """The objective of the plan that reaches `target` (`plan.make_plan`'s, without its operations)."""
+    placement = engine_target(problem, target.placement, confirmed_states(problem)).placement
+    objective, _ = evaluate(problem, placement, target.now, ResidencyIndex.build(problem, placement), target.demand)
+    return objective.total
 
 
 def demand_by_model(problem: Problem) -> Mapping[str, float]:

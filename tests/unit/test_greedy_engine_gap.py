@@ -357,3 +357,15 @@ def test_a_model_the_joint_choice_prices_off_its_narrow_group_leaves_it() -> Non
     the node's best other group, and placed, it stayed on its card after all, taking room the choice had given
     the others (20,147.8 s). It now takes a group other than its narrow one there (19,211.4 s)."""
     assert greedy_gap_plan(202, engines=True).objective.total < 19_500
+
+
+def test_a_running_engine_kept_on_part_of_a_node_the_others_want_is_also_planned_away() -> None:
+    """Engine seed 31: the joint choice kept a Qwen2.5-7B's running engine on one of n2's four A100-80GBs beside
+    GLM-4.5V, DeepSeek-V3 and the coder; placed, GLM-4.5V found three cards (10,271.5 s). Planned again with the
+    7B free to leave its card, it serves from three of n0's cards and GLM-4.5V from all four of n2's (9,509.7 s,
+    the `search` solver's plan; the MILP's 9,260.2 s). Seed 6, a Llama-3.3-70B on three cards beside a 7B kept on
+    the fourth: 11,970.3 -> 11,822.0 s; seed 47, a 7B kept on one card of a node five models share: 11,785.5 ->
+    11,225.4 s."""
+    assert greedy_gap_plan(31, engines=True).objective.total < 9_600
+    assert greedy_gap_plan(6, engines=True).objective.total < 11_900
+    assert greedy_gap_plan(47, engines=True).objective.total < 11_300

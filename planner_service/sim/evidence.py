@@ -134,6 +134,20 @@ def _paired_cell(interval: dict[str, Any], digits: int, signed: bool = True) -> 
     return f"{interval['mean']:{sign}.{digits}f} ± {interval['half_width']:.{digits}f}"
 
 
+def _workload_heading(name: str, data: dict[str, Any], w: dict[str, Any]) -> list[str]:
+    """A gateway study's workload: its heading and what its seeds and pairings are."""
+    return [
+        "",
+        f"### {name}: {w['description']}",
+        "",
+        (
+            f"Seeds {', '.join(map(str, w['seeds']))}; {data['interval']}; Δ and the GPU memory-time ratio are "
+            f"paired per seed against `{next(iter(data['arms']))}` on the same trace."
+        ),
+        "",
+    ]
+
+
 def render_affinity(name: str, data: dict[str, Any]) -> str:
     """A gateway study with several instances of a model (`sim/replicas.py`): each policy with its requests
     routed to the least loaded instance (`none`) and to the one holding the session's KV (`affinity`)."""
@@ -153,14 +167,7 @@ def render_affinity(name: str, data: dict[str, Any]) -> str:
     ]
     for w in data["workloads"]:
         lines += [
-            "",
-            f"### {name}: {w['description']}",
-            "",
-            (
-                f"Seeds {', '.join(map(str, w['seeds']))}; {data['interval']}; Δ and the GPU memory-time ratio are "
-                f"paired per seed against `{next(iter(data['arms']))}` on the same trace."
-            ),
-            "",
+            *_workload_heading(name, data, w),
             (
                 "| policy | arm | stay P95 s | Δ stay P95 s | hand-off P95 s | Δ hand-off P95 s | TTFT P95 s | "
                 "done P95 s | re-prefilled tokens | routed | with a KV holder | sent to it | "
@@ -220,14 +227,7 @@ def render_gateway(name: str, data: dict[str, Any]) -> str:
         )
     for w in data["workloads"]:
         lines += [
-            "",
-            f"### {name}: {w['description']}",
-            "",
-            (
-                f"Seeds {', '.join(map(str, w['seeds']))}; {data['interval']}; Δ and the GPU memory-time ratio are "
-                "paired per seed against `none` on the same trace."
-            ),
-            "",
+            *_workload_heading(name, data, w),
             (
                 "| policy | arm | hand-off P95 s | Δ hand-off P95 s | done P95 s | Δ done P95 s | GPU GiB·h | "
                 "GPU memory-time ratio | warm-ups started | used | cancelled | saturated runs |"

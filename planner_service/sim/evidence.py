@@ -15,7 +15,7 @@ per workload, each policy with and without warm-ups, paired per seed (`render_ga
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -148,6 +148,32 @@ def _workload_heading(name: str, data: dict[str, Any], w: dict[str, Any]) -> lis
     ]
 
 
+# a gateway study's table column: its header, and its cell from an arm's metrics and its pairing (None: the first arm)
+Column = tuple[str, Callable[[dict[str, Any], dict[str, Any] | None], str]]
+
+
+def _mean(key: str, digits: int) -> Callable[[dict[str, Any], dict[str, Any] | None], str]:
+    return lambda metrics, _: _cell(metrics[key], digits)
+
+
+def _paired(key: str, digits: int, signed: bool = True) -> Callable[[dict[str, Any], dict[str, Any] | None], str]:
+    return lambda _, pair: _paired_cell(pair[key], digits, signed) if pair else "—"
+
+
+def _arm_table(data: dict[str, Any], w: dict[str, Any], columns: Sequence[Column]) -> list[str]:
+    """A row per policy and arm of a gateway study's workload: the columns, then the saturated runs."""
+    lines = [
+        "| policy | arm | " + " | ".join(header for header, _ in columns) + " | saturated runs |",
+        "|" + "---|" * (len(columns) + 3),
+    ]
+    for policy in data["policies"]:
+        for arm in data["arms"]:
+            metrics, pair = w["metrics"][policy][arm], w["paired"][policy].get(arm)
+            cells = " | ".join(cell(metrics, pair) for _, cell in columns)
+            lines.append(f"| {policy} | {arm} | {cells} | {metrics['saturated_runs']} / {len(w['seeds'])} |")
+    return lines
+
+
 def render_affinity(name: str, data: dict[str, Any]) -> str:
     """A gateway study with several instances of a model (`sim/replicas.py`): each policy with its requests
     routed to the least loaded instance (`none`) and to the one holding the session's KV (`affinity`)."""
@@ -165,31 +191,21 @@ def render_affinity(name: str, data: dict[str, Any]) -> str:
             "instance held, and those sent there."
         ),
     ]
+    columns = [
+        ("stay P95 s", _mean("stay_p95_seconds", 2)),
+        ("Δ stay P95 s", _paired("stay_p95_diff_seconds", 2)),
+        ("hand-off P95 s", _mean("handoff_p95_seconds", 2)),
+        ("Δ hand-off P95 s", _paired("handoff_p95_diff_seconds", 2)),
+        ("TTFT P95 s", _mean("ttft_p95_seconds", 2)),
+        ("done P95 s", _mean("completion_p95_seconds", 1)),
+        ("re-prefilled tokens", _mean("reprefill_tokens", 0)),
+        ("routed", _mean("routed", 1)),
+        ("with a KV holder", _mean("routed_with_kv_holder", 1)),
+        ("sent to it", _mean("routed_to_kv_holder", 1)),
+        ("GPU memory-time ratio", _paired("gpu_memory_time_ratio", 4, signed=False)),
+    ]
     for w in data["workloads"]:
-        lines += [
-            *_workload_heading(name, data, w),
-            (
-                "| policy | arm | stay P95 s | Δ stay P95 s | hand-off P95 s | Δ hand-off P95 s | TTFT P95 s | "
-                "done P95 s | re-prefilled tokens | routed | with a KV holder | sent to it | "
-                "GPU memory-time ratio | saturated runs |"
-            ),
-            "|" + "---|" * 14,
-        ]
-        for policy in data["policies"]:
-            for arm in data["arms"]:
-                m = w["metrics"][policy][arm]
-                pair = w["paired"][policy].get(arm)
-                lines.append(
-                    f"| {policy} | {arm} | {_cell(m['stay_p95_seconds'], 2)} | "
-                    f"{_paired_cell(pair['stay_p95_diff_seconds'], 2) if pair else '—'} | "
-                    f"{_cell(m['handoff_p95_seconds'], 2)} | "
-                    f"{_paired_cell(pair['handoff_p95_diff_seconds'], 2) if pair else '—'} | "
-                    f"{_cell(m['ttft_p95_seconds'], 2)} | {_cell(m['completion_p95_seconds'], 1)} | "
-                    f"{_cell(m['reprefill_tokens'], 0)} | {_cell(m['routed'], 1)} | "
-                    f"{_cell(m['routed_with_kv_holder'], 1)} | {_cell(m['routed_to_kv_holder'], 1)} | "
-                    f"{_paired_cell(pair['gpu_memory_time_ratio'], 4, signed=False) if pair else '—'} | "
-                    f"{m['saturated_runs']} / {len(w['seeds'])} |"
-                )
+        lines += [*_workload_heading(name, data, w), *_arm_table(data, w, columns)]
     return "\n".join(lines) + "\n"
 
 
@@ -225,29 +241,19 @@ def render_gateway(name: str, data: dict[str, Any]) -> str:
                 else "only on idle cards, cancelled by any real request there."
             )
         )
+    columns = [
+        ("hand-off P95 s", _mean("handoff_p95_seconds", 2)),
+        ("Δ hand-off P95 s", _paired("handoff_p95_diff_seconds", 2)),
+        ("done P95 s", _mean("completion_p95_seconds", 1)),
+        ("Δ done P95 s", _paired("completion_p95_diff_seconds", 1)),
+        ("GPU GiB·h", _mean("gpu_gib_hours", 1)),
+        ("GPU memory-time ratio", _paired("gpu_memory_time_ratio", 4, signed=False)),
+        ("warm-ups started", _mean("warmups_started", 1)),
+        ("used", _mean("warmups_used", 1)),
+        ("cancelled", _mean("warmups_cancelled", 1)),
+    ]
     for w in data["workloads"]:
-        lines += [
-            *_workload_heading(name, data, w),
-            (
-                "| policy | arm | hand-off P95 s | Δ hand-off P95 s | done P95 s | Δ done P95 s | GPU GiB·h | "
-                "GPU memory-time ratio | warm-ups started | used | cancelled | saturated runs |"
-            ),
-            "|" + "---|" * 12,
-        ]
-        for policy in data["policies"]:
-            for arm in arms:
-                m = w["metrics"][policy][arm]
-                pair = w["paired"][policy].get(arm)
-                lines.append(
-                    f"| {policy} | {arm} | {_cell(m['handoff_p95_seconds'], 2)} | "
-                    f"{_paired_cell(pair['handoff_p95_diff_seconds'], 2) if pair else '—'} | "
-                    f"{_cell(m['completion_p95_seconds'], 1)} | "
-                    f"{_paired_cell(pair['completion_p95_diff_seconds'], 1) if pair else '—'} | "
-                    f"{_cell(m['gpu_gib_hours'], 1)} | "
-                    f"{_paired_cell(pair['gpu_memory_time_ratio'], 4, signed=False) if pair else '—'} | "
-                    f"{_cell(m['warmups_started'], 1)} | {_cell(m['warmups_used'], 1)} | "
-                    f"{_cell(m['warmups_cancelled'], 1)} | {m['saturated_runs']} / {len(w['seeds'])} |"
-                )
+        lines += [*_workload_heading(name, data, w), *_arm_table(data, w, columns)]
         lines += [
             "",
             (

@@ -526,6 +526,8 @@ class GreedyPlanner:
         self._limits: dict[tuple[str, str], int] = {}
         self._split_units: dict[tuple[str, bool], int] = {}
         self._refused_chunk: dict[StateObject, int] = {}  # experts -> the smallest chunk of them that found no room
+        # an engine MoE -> the chunks of its experts the spend step placed, in order: (bytes, value, why)
+        self._engine_chunks: dict[str, list[tuple[int, float, _Why]]] = defaultdict(list)
         self._placed_on: dict[str, int] = defaultdict(
             int
         )  # node -> weights placed there so far (offers older are stale)
@@ -2069,8 +2071,10 @@ class GreedyPlanner:
 
         group: Group  # each payload's group (the payloads are plain tuples)
         refused: set[tuple[str, str, tuple[str, ...]]] = set()  # (model, precision, GPUs) its group could not hold
+        # an engine MoE -> its hottest chunk of experts that found no room: (experts, group, bytes, value, why)
+        left_out: dict[str, tuple[StateObject, Group, int, float, _Why]] = {}
         while heap:
-            _, _, kind, payload = heapq.heappop(heap)
+            density, _, kind, payload = heapq.heappop(heap)
             if kind == "weights":
                 model_id, group, why, offered = payload
                 if model_id in self.groups:
@@ -2109,8 +2113,77 @@ class GreedyPlanner:
                     self.reasons[obj] = _words(why)
             else:
                 obj, group, nbytes, why = payload
-                if self.groups.get(obj.model) is group and self._place_expert_chunk(obj, group, nbytes):
+                if self.groups.get(obj.model) is not group:
+                    continue
+                engine = self.p.nodes[group.node].engine_kind(obj.model) is not None
+                if self._place_expert_chunk(obj, group, nbytes):
                     self.reasons[obj] = _words(why)
+                    if engine:
+                        self._engine_chunks[obj.model].append((nbytes, -density * nbytes, why))
+                elif engine and obj.model not in left_out:
+                    left_out[obj.model] = (obj, group, nbytes, -density * nbytes, why)
+        for chunk in sorted(left_out.values(), key=lambda c: -c[3]):
+            self._trade_for(*chunk)
+
+    def _trade_for(self, obj: StateObject, group: Group, nbytes: int, value: float, why: _Why) -> None:
+        """Place a chunk of an engine MoE's experts that found no room in place of the last chunks other engine
+        MoEs placed on its cards, where those are worth less together. The spend step fills the room by value
+        per byte, so a large chunk (1/16 of DeepSeek-V3's routed experts, 38.1 GiB) that comes after many
+        small ones of another MoE (GLM-4.5V's, 11.6 GiB) finds no room, though it is worth three of them
+        (gap-study engine seed 31; the classic fix of a knapsack filled by value per byte)."""
+        if self.now.complete_source(obj, group.node) is None:
+            return  # its cards may keep no more than they hold now: no room to make
+        held = [self.target.get((obj, self._at[g.id]), 0) for g in group.gpus]
+        shares = [b - a for b, a in zip(split_evenly(sum(held) + nbytes, len(group.gpus)), held, strict=True)]
+        lack = {g.id: share - self.book.free[g.id] for g, share in zip(group.gpus, shares, strict=True)}
+        victims: list[tuple[str, Group]] = []  # one entry per chunk taken back, last placed first
+        taken = {m: len(chunks) for m, chunks in self._engine_chunks.items()}
+        totals: dict[str, int] = {}  # a victim -> its experts' bytes on its group once those chunks are taken back
+        cost = 0.0
+        while any(v > 0 for v in lack.values()):
+            candidates = [
+                (self._engine_chunks[m][taken[m] - 1][1], m)
+                for m, other in self.groups.items()
+                if m != obj.model
+                and taken.get(m)
+                and other.node == group.node
+                and any(g.id in lack for g in other.gpus)
+            ]
+            if not candidates:
+                return
+            worth, victim = min(candidates)
+            cost += worth
+            if cost >= value:
+                return
+            other = self.groups[victim]
+            if victim not in totals:
+                totals[victim] = sum(
+                    self.target.get((StateObject.experts(victim), self._at[g.id]), 0) for g in other.gpus
+                )
+            taken[victim] -= 1
+            before = split_evenly(totals[victim], len(other.gpus))
+            totals[victim] -= self._engine_chunks[victim][taken[victim]][0]
+            after = split_evenly(totals[victim], len(other.gpus))
+            for g, was, kept in zip(other.gpus, before, after, strict=True):
+                if g.id in lack:
+                    lack[g.id] -= was - kept
+            victims.append((victim, other))
+        for victim, other in victims:
+            experts = StateObject.experts(victim)
+            size, _, _ = self._engine_chunks[victim].pop()
+            now = [self.target.get((experts, self._at[g.id]), 0) for g in other.gpus]
+            after = split_evenly(sum(now) - size, len(other.gpus))
+            self._place_spread(experts, other, [b - a for b, a in zip(after, now, strict=True)])
+            self._experts_placed[victim] -= size
+            chunks = self._engine_chunks[victim]
+            if chunks:
+                self.reasons[experts] = _words(chunks[-1][2])
+            else:
+                self.reasons.pop(experts, None)
+        self._refused_chunk.pop(obj, None)
+        if self._place_engine_experts(obj, group, nbytes, True):
+            self.reasons[obj] = _words(why)
+            self._engine_chunks[obj.model].append((nbytes, value, why))
 
     def _push_weights(self, model: ModelSpec, push: _Push) -> None:
         """The model's weights on their best group, valued by the cold loads they save."""

@@ -366,6 +366,18 @@ def test_a_running_engine_kept_on_part_of_a_node_the_others_want_is_also_planned
     the `search` solver's plan; the MILP's 9,260.2 s). Seed 6, a Llama-3.3-70B on three cards beside a 7B kept on
     the fourth: 11,970.3 -> 11,822.0 s; seed 47, a 7B kept on one card of a node five models share: 11,785.5 ->
     11,225.4 s."""
-    assert greedy_gap_plan(31, engines=True).objective.total < 9_600
+    assert greedy_gap_plan(31, engines=True).objective.total < 9_700
     assert greedy_gap_plan(6, engines=True).objective.total < 11_900
     assert greedy_gap_plan(47, engines=True).objective.total < 11_300
+
+
+def test_a_large_chunk_of_experts_takes_the_place_of_smaller_ones_worth_less() -> None:
+    """Engine seed 31, the 7B moved: GLM-4.5V's and DeepSeek-V3's engines share n2's four A100-80GBs. Filled by
+    value per byte, GLM-4.5V's sixteen 11.6 GiB chunks of experts (the last worth 146.7 s) left 7.7 GiB a card, and
+    DeepSeek-V3's hottest 38.1 GiB chunk (worth 474.8 s, 9.5 GiB a card) found no room (9,509.7 s). It now takes the
+    place of GLM-4.5V's last chunk (9,364.7 s; the MILP 9,260.2 s, with the same chunk of DeepSeek-V3's experts)."""
+    plan = greedy_gap_plan(31, engines=True)
+    assert plan.objective.total < 9_400
+    deepseek = sum(n for (obj, loc), n in plan.placement.items() if obj == StateObject.experts("m0-deepseek-v3")
+                   and loc.tier is Tier.GPU)  # fmt: skip
+    assert deepseek > 38 * GIB

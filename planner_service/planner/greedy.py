@@ -49,7 +49,10 @@ It rebuilds what the GPUs should hold, then settles the lower tiers:
    MoE on their node), and placed from the densest down while it pays
    (lazily re-priced when weights land on the same node). Expert chunks go
    only where the node has a complete copy below its GPUs to load them from
-   (else at most what its GPUs hold now), spread over the node's cards.
+   (else at most what its GPUs hold now), spread over the node's cards. An
+   engine MoE's chunk that then finds no room takes the place of the last
+   chunks other engine MoEs placed on its cards where they are worth less
+   (`_trade_for`: filled by value per byte, a large chunk can come too late).
 3. **Demote by tiers.** What leaves the GPUs goes to host DRAM if it is worth
    the room there, else to NVMe or is dropped when a lower copy exists (KV
    may be dropped; the last complete copy of weights or experts on a node
@@ -74,8 +77,10 @@ model by model in the order they are placed, a MoE at its priced width (`_fixed_
 and such a narrow stay's cards are held too (`_narrow_stay_held`), while a model the choice prices off its
 narrow group leaves it (`_narrow_on`); an idle model kept warm through an engine is priced with its minimum
 pool; and a model whose chosen node cannot hold its weights and active KV after all goes to a node that can.
-(What each bought: docs/studies/gap.md, "Closing the gap on engine nodes" and "The cards beside a model that
-stays on a narrow group".)
+Where the choice keeps a model on fewer than half of a node's cards that the models beside it want, the greedy
+plans a second time with that model free to leave them and keeps the plan with the lower objective
+(`plan_greedy`). (What each bought: docs/studies/gap.md, "Closing the gap on engine nodes", "The cards beside a
+model that stays on a narrow group" and "A model kept on a few of a node's cards the others want".)
 
 The result is a target placement; `operations.py` turns it into moves.
 
